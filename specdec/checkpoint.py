@@ -1,0 +1,139 @@
+"""Checkpoints in the layout of transformers' `LlamaForCausalLM`.
+
+A checkpoint is a folder: config.json (transformers' keys), model.safetensors (the weights,
+never pickle), tokenizer.json, and specdec.json (provenance: recipe, corpus files and hash,
+training summary). Folders are written to a temporary sibling and renamed into place, so an
+interrupted save never leaves a half-written checkpoint.
+
+This module knows nothing about training or decoding.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import SpecdecError
+from .model import LlamaConfig, LlamaForCausalLM
+
+CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
+    d = cfg.to_dict()
+    rope_theta = d.pop("rope_theta")
+    d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+             attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+             rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+             rope_theta=rope_theta, dtype=str(dtype).removeprefix("torch."), use_cache=True)
+    return d
+
+
+def atomic_dir(dest: Path):
+    """Context manager yielding a temp folder that replaces `dest` only when the block succeeds."""
+    class _Atomic:
+        def __enter__(self):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+            return self.tmp
+
+        def __exit__(self, exc_type, exc, tb):
+            if exc_type is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                return False
+            old = dest.with_name(f".{dest.name}.old")
+            if dest.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(dest, old)
+            os.replace(self.tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+            return False
+    return _Atomic()
+
+
+def save_model(model: LlamaForCausalLM, path: str | Path, tokenizer_file: str | Path | None = None,
+               meta: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    path = Path(path)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    with atomic_dir(path) as tmp:
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(hf_config(model.config, dtype), indent=2) + "\n")
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / TOKENIZER)
+        if meta is not None:
+            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+def sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecdecError(f"no checkpoint folder at {path}: pass --model with a folder holding "
+                           f"{CONFIG} and {WEIGHTS} (train one with `specdec train`)")
+    try:
+        return json.loads((path / CONFIG).read_text())
+    except FileNotFoundError:
+        raise SpecdecError(f"{path} has no {CONFIG}: it is not a specdec/transformers checkpoint") from None
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{path / CONFIG} is not valid JSON ({e}); the checkpoint is corrupt, re-save or retrain it") from None
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> LlamaForCausalLM:
+    """Load a checkpoint folder; dtype defaults to the stored dtype."""
+    path = Path(path)
+    raw = read_config(path)
+    if raw.get("model_type") != "llama":
+        raise SpecdecError(f"{path} holds a model of type {raw.get('model_type')!r}; specdec's own "
+                           "model loads Llama checkpoints only (use a transformers model through the "
+                           "adapter for other architectures)")
+    try:
+        cfg = LlamaConfig.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecdecError(f"{path / CONFIG} is missing or has invalid fields ({e})") from None
+    try:
+        state = load_file(path / WEIGHTS, device=device)
+    except FileNotFoundError:
+        raise SpecdecError(f"{path} has no {WEIGHTS} (only safetensors weights are loaded, never pickle)") from None
+    except (SafetensorError, OSError) as e:
+        raise SpecdecError(f"{path / WEIGHTS} is corrupt or truncated ({e}); re-download, re-save or retrain it") from None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if expected != got:
+        missing = sorted(set(expected) - set(got))[:3]
+        extra = sorted(set(got) - set(expected))[:3]
+        wrong = [f"{k}: config says {expected[k]}, weights have {got[k]}"
+                 for k in expected if k in got and expected[k] != got[k]][:3]
+        raise SpecdecError(f"{path}: {CONFIG} does not match {WEIGHTS} (missing {missing}, unexpected "
+                           f"{extra}, wrong shapes {wrong}); the config and weights come from different models")
+    dtype = dtype or DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def read_meta(path: str | Path) -> dict:
+    f = Path(path) / META
+    return json.loads(f.read_text()) if f.exists() else {}

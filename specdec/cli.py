@@ -1,0 +1,103 @@
+"""The `specdec` command: argument parsing and printing only; the work happens in the package."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from .errors import SpecdecError
+
+
+def cmd_train(args) -> None:
+    from .presets import PRESETS
+    from .train.loop import TrainConfig, train
+
+    preset = dict(PRESETS[args.preset])
+    for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
+                 "save_every", "stop_after"):
+        value = getattr(args, name)
+        if value is not None:
+            preset[name] = value
+    if args.corpus:
+        preset["corpus"] = args.corpus
+    if args.vocab_size:
+        preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
+    path = train(TrainConfig(out=args.out, **preset))
+    if path is None:
+        print(f"stopped early with a checkpoint in {args.out}; rerun the same command to resume")
+    elif int(os.environ.get("RANK", 0)) == 0:
+        print(f"model written to {path}")
+
+
+def cmd_generate(args) -> None:
+    from .api import generate, load
+    from .bench.workloads import humaneval_prompt
+
+    if (args.prompt is None) == (args.humaneval is None):
+        raise SpecdecError("give exactly one of --prompt TEXT or --humaneval INDEX")
+    prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval)
+    target = load(args.model)
+    result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    if args.json:
+        print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
+                          "finish_reason": result.finish_reasons[0], "stats": result.stats}))
+        return
+    s = result.stats
+    print(prompt + result.texts[0])
+    print(f"\n--- {s['new_tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s, "
+          f"time to first token {s['time_to_first_token'] * 1000:.0f} ms); model {target.path}, "
+          f"{s['dtype']}, batch 1, temperature {args.temperature}, {s['threads']} threads; "
+          f"finish: {result.finish_reasons[0]}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
+    t.add_argument("--preset", choices=["target", "draft", "tiny"], default="target")
+    t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
+    t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
+    t.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
+    t.add_argument("--vocab-size", type=int)
+    t.add_argument("--steps", type=int)
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--micro-batch", type=int)
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--lr", type=float)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--eval-every", type=int)
+    t.add_argument("--save-every", type=int)
+    t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
+    t.set_defaults(func=cmd_train)
+
+    g = sub.add_parser("generate", help="complete a prompt with the target")
+    g.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    g.add_argument("--prompt", help="text to continue")
+    g.add_argument("--humaneval", type=int, metavar="INDEX", help="use HumanEval prompt INDEX (0..163)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except SpecdecError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""A Llama-architecture causal LM (RMSNorm, rotary positions, SwiGLU, grouped-query attention).
+
+Parameter names and numerics follow transformers' `LlamaForCausalLM`, so a checkpoint is
+interchangeable with it (see checkpoint.py). One forward serves training (no cache, causal),
+prefill and decoding (KV cache, a length per row), and verification of draft tokens or trees
+(explicit positions and an explicit attention mask among the new tokens).
+
+This module knows nothing about decoding strategies, sampling or files.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 8192
+    hidden_size: int = 512
+    intermediate_size: int = 1408
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 1024
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "rope_theta" not in kw and isinstance(d.get("rope_parameters"), dict):
+            kw["rope_theta"] = d["rope_parameters"].get("rope_theta", cls.rope_theta)
+        if "head_dim" not in kw or kw["head_dim"] is None:
+            kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        if "num_key_value_heads" not in kw or kw["num_key_value_heads"] is None:
+            kw["num_key_value_heads"] = d["num_attention_heads"]
+        return cls(**kw)
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor            # (B, T, V) or (B, N, V) when logits_index is given
+    hidden: torch.Tensor            # (B, T, C) final hidden states (after the last norm)
+    layers: dict[int, torch.Tensor]  # layer index -> (B, T, C) output of that decoder layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape (B, 1, T, D) for integer positions (B, T)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                              device=positions.device) / head_dim))
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, span, mask):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, slots, k, v, span)  # (B, Hkv, S, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer, cache, slots, span, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, slots, span, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Trunk(nn.Module):
+    """Named like transformers' `LlamaModel` so state dicts line up (`model.layers.0...`)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch.Tensor | None):
+    """Boolean mask (B, 1, T, S): the committed prefix of each row plus the allowed new tokens.
+
+    tree_mask (B, T, T), if given, says which new tokens each new token may see (itself
+    included); by default it is causal.
+    """
+    lengths = cache.lengths[:, None, None]                                # (B, 1, 1)
+    key = torch.arange(span, device=lengths.device)[None, None, :]        # (1, 1, S)
+    query = torch.arange(num_new, device=lengths.device)[None, :, None]   # (1, T, 1)
+    rel = key - lengths                                                   # (B, 1, S) index among new tokens
+    if tree_mask is None:
+        new = (rel >= 0) & (rel <= query)
+    else:
+        B = tree_mask.shape[0]
+        gathered = tree_mask.gather(2, rel.clamp(0, num_new - 1).expand(B, num_new, span))
+        new = (rel >= 0) & (rel < num_new) & gathered
+    return ((rel < 0) | new)[:, None]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Trunk(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        cfg = self.config
+        p = self.lm_head.weight
+        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
+                       max_len or cfg.max_position_embeddings, dtype=p.dtype, device=p.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
+                output_layers: tuple[int, ...] = (), logits_index: torch.Tensor | None = None
+                ) -> ModelOutput:
+        """tokens (B, T); positions (B, T), default: each row's cache length + 0..T-1.
+
+        With a cache, the new keys/values are written after each row's committed length and
+        the length advances by T (roll back with `cache.rollback`). attention_mask (B, T, T)
+        is the visibility among the new tokens (tree verification); default causal.
+        logits_index (B, N) picks the positions to unembed (default: all T).
+        """
+        B, T = tokens.shape
+        if positions is None:
+            start = cache.lengths[:, None] if cache is not None else 0
+            positions = start + torch.arange(T, device=tokens.device)[None].expand(B, T)
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
+                             f"{self.config.max_position_embeddings} tokens")
+        x = self.model.embed_tokens(tokens)  # (B, T, C)
+        cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        slots = span = mask = None
+        if cache is not None:
+            slots = cache.slots(T)
+            span = int(cache.lengths.max()) + T
+            mask = attention_mask_for(cache, T, span, attention_mask)
+        elif attention_mask is not None:
+            mask = attention_mask[:, None]
+        layers = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, cache, slots, span, mask)
+            if i in output_layers:
+                layers[i] = x
+        if cache is not None:
+            cache.advance(T)
+        hidden = self.model.norm(x)
+        picked = hidden if logits_index is None else hidden.gather(
+            1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
+        return ModelOutput(self.lm_head(picked), hidden, layers)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

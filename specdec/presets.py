@@ -1,0 +1,25 @@
+"""The recipes of the shipped default models: `specdec train --preset NAME --out DIR` reproduces each."""
+from __future__ import annotations
+
+from .model import LlamaConfig
+
+TARGET_MODEL = LlamaConfig(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=1024)
+DRAFT_MODEL = LlamaConfig(vocab_size=16384, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                          max_position_embeddings=1024, tie_word_embeddings=True)
+
+PRESETS = {
+    # the target trains its own tokenizer on the standard library's training split
+    "target": dict(model=TARGET_MODEL, seq_len=512, batch_size=8, micro_batch=8, steps=600, lr=1e-3, warmup=40),
+    # the draft shares the target's tokenizer, so their token ids agree
+    "draft": dict(model=DRAFT_MODEL, seq_len=512, batch_size=16, micro_batch=16, steps=900, lr=3e-3, warmup=40,
+                  tokenizer="models/target/tokenizer.json"),
+    # a few seconds: for tests and for trying the machinery
+    "tiny": dict(model=LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256),
+                 seq_len=64, batch_size=4, micro_batch=4, steps=20, lr=3e-3, warmup=5, eval_every=10,
+                 eval_windows=8, save_every=5),
+}

@@ -1,0 +1,74 @@
+"""Sampling settings and the one logits -> probabilities transform, shared by target and draft.
+
+Temperature 0 means greedy (argmax). Otherwise logits are divided by the temperature, then top-k
+and top-p (nucleus) keep the most likely tokens, and the result is renormalised. Speculative
+verification applies exactly this transform to target and draft logits before acceptance.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise SpecdecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise SpecdecError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise SpecdecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return g
+
+
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, top-p.
+
+    Greedy settings give the one-hot distribution of the argmax, so that a greedy draft and
+    target are also valid inputs of rejection sampling.
+    """
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if cfg.top_p is not None and cfg.top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # keep a token while the mass before it is below top_p (the first token always stays)
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= cfg.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) token ids, one draw per row."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens under the sampling settings."""
+    if cfg.greedy:
+        return logits.argmax(-1)
+    return sample(probabilities(logits, cfg), generator)

@@ -1,0 +1,78 @@
+"""When a row's generation ends: EOS, a stop string, or max_new_tokens — honoured exactly.
+
+Every decoder (reference, plain, speculative) appends tokens one at a time through `Row.append`,
+so a stop that falls inside an accepted run of draft tokens cuts the run there and nothing after
+it is emitted.
+
+- EOS: the EOS token is kept in `tokens` (it was generated) and left out of the text.
+- stop string: `tokens` ends with the token that completed the first occurrence; the text ends
+  just before the stop string.
+- max_new_tokens: exactly that many tokens at most.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class StopRule:
+    max_new_tokens: int
+    eos_id: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    decode: Callable[[list[int]], str] | None = None  # needed for stop strings
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise SpecdecError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise SpecdecError("stop strings must be non-empty")
+        if self.stop_strings and self.decode is None:
+            raise SpecdecError("stop strings need a tokenizer to decode the generated text")
+
+
+@dataclass
+class Row:
+    rule: StopRule
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None   # "eos" | "stop" | "length"
+    text_end: int | None = None        # where the text ends when a stop string was found
+
+    def __post_init__(self):
+        if self.rule.max_new_tokens == 0:
+            self.finish_reason = "length"
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def budget(self) -> int:
+        """How many more tokens this row may emit."""
+        return 0 if self.done else self.rule.max_new_tokens - len(self.tokens)
+
+    def append(self, token: int) -> bool:
+        """Emit one token; return True when the row has finished (then nothing more is taken)."""
+        if self.done:
+            raise RuntimeError("append to a finished row")
+        self.tokens.append(token)
+        if token == self.rule.eos_id:
+            self.finish_reason = "eos"
+        elif self.rule.stop_strings and self._find_stop():
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.rule.max_new_tokens:
+            self.finish_reason = "length"
+        return self.done
+
+    def _find_stop(self) -> bool:
+        text = self.rule.decode(self.tokens)
+        hits = [i for i in (text.find(s) for s in self.rule.stop_strings) if i >= 0]
+        if hits:
+            self.text_end = min(hits)
+        return bool(hits)
+
+    def text(self) -> str:
+        body = self.tokens[:-1] if self.finish_reason == "eos" else self.tokens
+        return self.rule.decode(body)[:self.text_end]

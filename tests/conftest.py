@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny real models and a real tokenizer, built in seconds, never downloaded."""
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.checkpoint import save_model
+from specdec.model import LlamaConfig, LlamaForCausalLM
+from specdec.tokenizer import Tokenizer
+from specdec.train.loop import init_weights
+
+TINY = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def tiny_model(seed: int = 0, cfg: LlamaConfig = TINY) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    init_weights(model, std=0.1)  # larger than training init so that logits are far from ties
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tmp_path_factory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text() for name in ("json/encoder.py", "json/decoder.py", "textwrap.py")]
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    Tokenizer.train(texts, TINY.vocab_size).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tokenizer_file) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    save_model(tiny_model(), path, tokenizer_file=tokenizer_file, dtype=torch.float32)
+    return path
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
