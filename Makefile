@@ -1,0 +1,20 @@
+# Two commands do everything on a fresh machine:
+#   make run    the main job on the shipped default models
+#   make test   the whole test suite
+# Both build .venv first (torch pinned to the CPU build 2.13.0; any other torch request pulls CUDA).
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test
+run: $(VENV)/.installed
+	$(VENV)/bin/specdec generate --humaneval 0 --max-new-tokens 128
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@

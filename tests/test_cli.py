@@ -1,0 +1,92 @@
+"""The `specdec` command: the generate contract, and clear errors that leave nothing behind."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specdec.cli import main
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_contract_through_the_console_script(tiny_checkpoint):
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--model", str(tiny_checkpoint),
+                           "--prompt", "def f(x):", "--max-new-tokens", "9", "--temperature", "0", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["tokens"]) <= 9 and isinstance(out["text"], str)
+    assert out["finish_reason"] in {"eos", "length"}
+    assert out["stats"]["new_tokens"] == len(out["tokens"]) and out["stats"]["tokens_per_s"] > 0
+
+
+def test_seeded_sampling_is_reproducible(capsys, tiny_checkpoint):
+    args = ["generate", "--model", str(tiny_checkpoint), "--prompt", "import", "--max-new-tokens", "12",
+            "--temperature", "0.9", "--top-k", "50", "--top-p", "0.95", "--seed", "7", "--json"]
+    first = json.loads(run_cli(capsys, *args)[1])
+    second = json.loads(run_cli(capsys, *args)[1])
+    assert first["tokens"] == second["tokens"]
+
+
+@pytest.fixture
+def broken(tmp_path, tiny_checkpoint):
+    def make(kind):
+        path = tmp_path / kind
+        shutil.copytree(tiny_checkpoint, path)
+        if kind == "corrupt":
+            data = (path / "model.safetensors").read_bytes()
+            (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+        elif kind == "mismatch":
+            cfg = json.loads((path / "config.json").read_text())
+            cfg["intermediate_size"] += 8
+            (path / "config.json").write_text(json.dumps(cfg))
+        elif kind == "no-weights":
+            (path / "model.safetensors").unlink()
+        elif kind == "bad-json":
+            (path / "config.json").write_text("{")
+        return str(path)
+    return make
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("corrupt", "corrupt or truncated"),
+    ("mismatch", "does not match"),
+    ("no-weights", "has no model.safetensors"),
+    ("bad-json", "not valid JSON"),
+])
+def test_broken_checkpoints_are_clear_errors(capsys, broken, kind, message):
+    code, _, err = run_cli(capsys, "generate", "--model", broken(kind), "--prompt", "x")
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompt", ""], "empty"),
+    (["--prompt", "x " * 400], "exceeds the model's context"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--prompt", "x", "--top-k", "0"], "top_k must be >= 1"),
+    (["--prompt", "x", "--max-new-tokens", "-1"], "max_new_tokens must be >= 0"),
+    (["--humaneval", "999"], "HumanEval has prompts"),
+    ([], "exactly one of --prompt"),
+])
+def test_bad_generation_input_is_a_clear_error(capsys, tiny_checkpoint, extra, message):
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), *extra)
+    assert code == 2 and message in err and out == ""
+
+
+def test_missing_model_and_unreadable_corpus_leave_nothing_on_disk(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert code == 2 and "no checkpoint folder" in err
+    code, _, err = run_cli(capsys, "train", "--preset", "tiny", "--corpus", str(tmp_path / "nope"),
+                           "--out", str(tmp_path / "run"))
+    assert code == 2 and "does not exist" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
