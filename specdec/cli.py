@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 from .errors import SpecdecError
 
@@ -53,6 +54,19 @@ def cmd_generate(args) -> None:
           f"finish: {result.finish_reasons[0]}", file=sys.stderr)
 
 
+def cmd_bench(args) -> None:
+    from .bench.plain import bench_plain, format_plain
+
+    result = bench_plain(args.model, n_prompts=args.prompts, repeats=args.repeats,
+                         max_new_tokens=args.max_new_tokens)
+    print(format_plain(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({"speedup_vs_transformers": result["speedup_vs_transformers"],
+                      "bandwidth_fraction": result["bandwidth_fraction"]}))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -86,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="plain decoding speed vs transformers generate (same weights, same run)")
+    b.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    b.add_argument("--prompts", type=int, default=20, help="number of HumanEval prompts")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--out", help="write the full result with its conditions as JSON here")
+    b.set_defaults(func=cmd_bench)
     return p
 
 
