@@ -62,9 +62,7 @@ def atomic_dir(dest: Path):
 def save_model(model: LlamaForCausalLM, path: str | Path, tokenizer_file: str | Path | None = None,
                meta: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
     path = Path(path)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.hf_state_dict().items()}
     with atomic_dir(path) as tmp:
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(hf_config(model.config, dtype), indent=2) + "\n")
@@ -116,9 +114,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
         raise SpecdecError(f"{path / WEIGHTS} is corrupt or truncated ({e}); re-download, re-save or retrain it") from None
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
+    expected = {k: tuple(v.shape) for k, v in model.hf_state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if expected != got:
         missing = sorted(set(expected) - set(got))[:3]
@@ -128,9 +124,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
         raise SpecdecError(f"{path}: {CONFIG} does not match {WEIGHTS} (missing {missing}, unexpected "
                            f"{extra}, wrong shapes {wrong}); the config and weights come from different models")
     dtype = dtype or DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_hf_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     return model.eval()
 
 

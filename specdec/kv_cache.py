@@ -27,21 +27,22 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def slots(self, num_new: int) -> torch.Tensor:
-        """Cache slots (B, T) the next `num_new` tokens of each row are written to."""
+    def slots(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index pair (rows (B, 1), slots (B, T)) where the next `num_new` tokens of each row go."""
         needed = int(self.lengths.max()) + num_new
         if needed > self.max_len:
             raise SpecdecError(
                 f"KV cache overflow: {needed} positions needed but the cache holds {self.max_len}. "
                 "Shorten the prompt or max_new_tokens, or allocate a larger cache (<= the model's context).")
-        return self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+        rows = torch.arange(self.batch_size, device=self.lengths.device)[:, None]
+        return rows, self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int):
-        """Store k, v (B, H_kv, T, D) at `slots` (B, T); return the first `span` slots of the layer."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        # advanced indices split by a slice put the indexed dims first: target is (B, T, H_kv, D)
-        self.k[layer][rows, :, slots] = k.transpose(1, 2)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+    def write(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+              span: int):
+        """Store k, v (B, T, H_kv, D) at `slots`; return the layer's first `span` slots (B, H_kv, S, D)."""
+        # advanced indices split by a slice put the indexed dims first: the target is (B, T, H_kv, D)
+        self.k[layer][slots[0], :, slots[1]] = k
+        self.v[layer][slots[0], :, slots[1]] = v
         return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
 
     def advance(self, num_new: int) -> None:

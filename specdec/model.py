@@ -68,18 +68,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin of shape (B, 1, T, D) for integer positions (B, T)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                              device=positions.device) / head_dim))
-    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    # explicit device: also correct when the model is built under a meta-device context
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of shape (B, T, 1, D) for integer positions (B, T)."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -89,36 +89,41 @@ def apply_rotary(x, cos, sin):
 
 
 class Attention(nn.Module):
+    """q, k and v come from one fused projection (one matmul instead of three per token); the
+    checkpoint stores them as transformers' separate q_proj / k_proj / v_proj (see hf_state_dict)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, span, mask):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv], cos, sin)  # q and k rotated together
+        q = qk[:, :, :self.n_heads].transpose(1, 2)                         # (B, H, T, D)
+        k, v = qk[:, :, self.n_heads:], qkv[:, :, self.n_heads + self.n_kv:]  # (B, T, Hkv, D)
         if cache is not None:
-            k, v = cache.write(layer, slots, k, v, span)  # (B, Hkv, S, D)
+            k, v = cache.write(layer, slots, k, v, span)                    # (B, Hkv, S, D)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one projection (stored separately in checkpoints)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -135,7 +140,7 @@ class DecoderLayer(nn.Module):
 
 
 class Trunk(nn.Module):
-    """Named like transformers' `LlamaModel` so state dicts line up (`model.layers.0...`)."""
+    """Named like transformers' `LlamaModel` (`model.layers.0...`)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -144,8 +149,10 @@ class Trunk(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch.Tensor | None):
-    """Boolean mask (B, 1, T, S): the committed prefix of each row plus the allowed new tokens.
+def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch.Tensor | None,
+                       dtype: torch.dtype):
+    """Additive mask (B, 1, T, S): 0 for the committed prefix of each row and the allowed new
+    tokens, -inf elsewhere (built once per forward, shared by every layer).
 
     tree_mask (B, T, T), if given, says which new tokens each new token may see (itself
     included); by default it is causal.
@@ -160,7 +167,8 @@ def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch
         B = tree_mask.shape[0]
         gathered = tree_mask.gather(2, rel.clamp(0, num_new - 1).expand(B, num_new, span))
         new = (rel >= 0) & (rel < num_new) & gathered
-    return ((rel < 0) | new)[:, None]
+    visible = ((rel < 0) | new)[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # derived from the config, not a weight: kept out of the state dict and in fp32
+        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta)
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         cfg = self.config
@@ -197,12 +207,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         x = self.model.embed_tokens(tokens)  # (B, T, C)
-        cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rotary(positions, self.inv_freq, x.dtype)
         slots = span = mask = None
         if cache is not None:
             slots = cache.slots(T)
             span = int(cache.lengths.max()) + T
-            mask = attention_mask_for(cache, T, span, attention_mask)
+            mask = attention_mask_for(cache, T, span, attention_mask, x.dtype)
         elif attention_mask is not None:
             mask = attention_mask[:, None]
         layers = {}
@@ -216,6 +226,47 @@ class LlamaForCausalLM(nn.Module):
         picked = hidden if logits_index is None else hidden.gather(
             1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
         return ModelOutput(self.lm_head(picked), hidden, layers)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under transformers' `LlamaForCausalLM` names (fused projections split)."""
+        cfg, out = self.config, {}
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        for name, value in self.state_dict().items():
+            if name.endswith("self_attn.qkv_proj.weight"):
+                stem = name.removesuffix("qkv_proj.weight")
+                for part, w in zip(("q", "k", "v"), value.split([q, kv, kv])):
+                    out[f"{stem}{part}_proj.weight"] = w
+            elif name.endswith("mlp.gate_up_proj.weight"):
+                stem = name.removesuffix("gate_up_proj.weight")
+                out[f"{stem}gate_proj.weight"], out[f"{stem}up_proj.weight"] = value.chunk(2)
+            else:
+                out[name] = value
+        if cfg.tie_word_embeddings:
+            out.pop("lm_head.weight")
+        return out
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], assign: bool = False) -> None:
+        """Inverse of hf_state_dict; raises KeyError/RuntimeError on missing or mis-shaped weights.
+        assign=True adopts the given tensors (for a model built on the meta device); otherwise the
+        parameters are copied into, so an optimizer holding them stays valid."""
+        fused = {}
+        for name, value in state.items():
+            if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")):
+                continue
+            if name.endswith("self_attn.q_proj.weight"):
+                stem = name.removesuffix("q_proj.weight")
+                value = torch.cat([value, state[stem + "k_proj.weight"], state[stem + "v_proj.weight"]])
+                name = stem + "qkv_proj.weight"
+            elif name.endswith("mlp.gate_proj.weight"):
+                stem = name.removesuffix("gate_proj.weight")
+                value = torch.cat([value, state[stem + "up_proj.weight"]])
+                name = stem + "gate_up_proj.weight"
+            fused[name] = value
+        if self.config.tie_word_embeddings:
+            fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
+        self.load_state_dict(fused, strict=True, assign=assign)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -100,7 +100,7 @@ def test_hidden_states_of_chosen_layers():
     tokens = torch.randint(0, TINY.vocab_size, (1, 12))
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **{k: v for k, v in TINY.to_dict().items() if k != "tie_word_embeddings"})).eval()
-    hf.load_state_dict(model.state_dict())
+    hf.load_state_dict(model.hf_state_dict())
     with torch.no_grad():
         out = model(tokens, output_layers=(0, 1))
         ref = hf(tokens, output_hidden_states=True).hidden_states

@@ -126,7 +126,7 @@ class Run:
 
     # --- state --------------------------------------------------------------------------
     def save_state(self, model, opt, step: int, history: dict, elapsed: float) -> None:
-        tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+        tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.hf_state_dict().items()}
         for i, st in opt.state_dict()["state"].items():
             for name, value in st.items():
                 tensors[f"opt.{i}.{name}"] = value.detach().reshape(-1).contiguous() if value.dim() == 0 \
@@ -145,7 +145,7 @@ class Run:
             raise SpecdecError(f"{state_dir} was saved with another model config; use a new --out "
                                "or delete that folder to start over")
         tensors = load_file(state_dir / "state.safetensors")
-        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        model.load_hf_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         opt_state: dict = {}
         for k, v in tensors.items():
             if k.startswith("opt."):
