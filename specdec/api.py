@@ -1,11 +1,16 @@
 """The Python API: load a model with its tokenizer, generate text, read the stats.
 
-    from specdec.api import load, generate
+    from specdec.api import load, generate, DEFAULT_DRAFT
+    from specdec.proposers import build_proposer
     target = load()                                   # the shipped default target
     result = generate(target, ["def fib(n):"], max_new_tokens=64)
-    print(result.texts[0], result.stats)
+    draft = build_proposer("draft-model", model=load(DEFAULT_DRAFT).model)
+    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=draft, k=4)
+    print(result.texts[0], result.stats["mean_acceptance_length"])
 
-Prompts are preceded by the document separator <|endoftext|>, as every training document was.
+Prompts are preceded by the document separator <|endoftext|>, as every training document was,
+and their trailing whitespace is left for the model to generate (see `encode_prompts`): the
+completion of a prompt P is P.rstrip() + result.texts[i].
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ import torch
 
 from .checkpoint import load_model
 from .decode import plain_generate
+from .engine import speculative_generate
 from .errors import SpecdecError
 from .model import LlamaForCausalLM
+from .proposers import Proposer
 from .sampling import SamplingConfig
 from .stopping import StopRule
 from .tokenizer import EOS_ID, Tokenizer
@@ -56,13 +63,26 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None) -> Lo
     return Loaded(model, tokenizer, path)
 
 
+def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
+    """A separate draft model for `target`: it must use the very same tokenizer."""
+    draft = load(path if path is not None else DEFAULT_DRAFT)
+    if draft.tokenizer.tok.get_vocab() != target.tokenizer.tok.get_vocab():
+        raise SpecdecError(f"the draft model {draft.path} uses another tokenizer than the target {target.path}; "
+                           "a draft must share the target's tokenizer (train it with --tokenizer "
+                           f"{target.path}/tokenizer.json)")
+    return draft
+
+
 def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
     context = target.model.config.max_position_embeddings
     encoded = []
     for i, prompt in enumerate(prompts):
-        if not prompt:
+        if not prompt.strip():
             raise SpecdecError(f"prompt {i} is empty; give some text to continue")
-        ids = [EOS_ID] + target.tokenizer.encode(prompt)
+        # trailing whitespace is left for the model to generate: byte-level BPE merges a newline
+        # with the indentation after it, so a prompt ending in a bare "\n" token asks for text the
+        # model rarely saw (a line at column 0) instead of the indented body that should follow
+        ids = [EOS_ID] + target.tokenizer.encode(prompt.rstrip())
         if len(ids) + max_new_tokens > context:
             raise SpecdecError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that "
                                f"exceeds the model's context of {context} tokens. Shorten the prompt or "
@@ -73,22 +93,27 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> l
 
 def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop: tuple[str, ...] = ()) -> Result:
+             stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int = 4) -> Result:
+    """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`)."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     rule = StopRule(max_new_tokens, EOS_ID, tuple(stop), target.tokenizer.decode)
     ids = encode_prompts(target, prompts, max_new_tokens)
     t0 = time.perf_counter()
-    rows, timing = plain_generate(target.model, ids, rule, sampling, sampling.generator())
+    if proposer is None:
+        rows, timing = plain_generate(target.model, ids, rule, sampling, sampling.generator())
+        spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
+    else:
+        rows, metrics = speculative_generate(target.model, proposer, ids, rule, sampling, k, sampling.generator())
+        spec = {"method": proposer.name, **metrics.to_dict(), "time_to_first_token": metrics.first_token_seconds}
     seconds = time.perf_counter() - t0
     new_tokens = sum(len(r.tokens) for r in rows)
     stats = {
-        "method": "plain",
+        **spec,
         "batch_size": len(prompts),
         "prompt_tokens": [len(i) for i in ids],
         "new_tokens": new_tokens,
         "seconds": seconds,
-        "time_to_first_token": timing.prefill_seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
         "threads": torch.get_num_threads(),
         "dtype": str(target.model.lm_head.weight.dtype).removeprefix("torch."),

@@ -41,17 +41,32 @@ def cmd_generate(args) -> None:
     prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval)
     target = load(args.model)
     result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
+                      proposer=make_proposer(args, target), k=args.k)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
         return
     s = result.stats
-    print(prompt + result.texts[0])
+    print(prompt.rstrip() + result.texts[0])
+    method = "plain decoding" if s["method"] == "plain" else (
+        f"{s['method']} k={args.k}: acceptance rate {s['acceptance_rate'] or 0:.2f}, "
+        f"mean acceptance length {s['mean_acceptance_length']:.2f} over {s['steps']} steps")
     print(f"\n--- {s['new_tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s, "
-          f"time to first token {s['time_to_first_token'] * 1000:.0f} ms); model {target.path}, "
+          f"time to first token {s['time_to_first_token'] * 1000:.0f} ms); {method}; target {target.path}, "
           f"{s['dtype']}, batch 1, temperature {args.temperature}, {s['threads']} threads; "
           f"finish: {result.finish_reasons[0]}", file=sys.stderr)
+
+
+def make_proposer(args, target):
+    from .api import load_draft_model
+    from .proposers import build_proposer
+
+    if args.draft == "none":
+        return None
+    if args.draft == "draft-model":
+        return build_proposer("draft-model", model=load_draft_model(target, args.draft_model).model)
+    return build_proposer("ngram", max_n=args.ngram_max, min_n=args.ngram_min)
 
 
 def cmd_bench(args) -> None:
@@ -99,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--draft", choices=["none", "draft-model", "ngram"], default="none",
+                   help="speculative decoding with this proposer (default: plain decoding)")
+    g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
+    g.add_argument("-k", type=int, default=4, help="draft tokens proposed per step")
+    g.add_argument("--ngram-max", type=int, default=3, help="longest n-gram matched (ngram proposer)")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (ngram proposer)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="plain decoding speed vs transformers generate (same weights, same run)")

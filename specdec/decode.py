@@ -25,10 +25,9 @@ class Timing:
 
 def pad_right(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = torch.tensor([len(p) for p in prompts])
-    tokens = torch.full((len(prompts), int(lengths.max())), pad, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.tensor(p)
-    return tokens, lengths  # (B, T), (B,)
+    width = int(lengths.max())
+    tokens = torch.tensor([p + [pad] * (width - len(p)) for p in prompts], dtype=torch.long)
+    return tokens.view(len(prompts), width), lengths  # (B, T), (B,)
 
 
 def prefill(model: LlamaForCausalLM, cache, prompts: list[list[int]]) -> torch.Tensor:

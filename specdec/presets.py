@@ -14,7 +14,7 @@ PRESETS = {
     # the target trains its own tokenizer on the standard library's training split
     "target": dict(model=TARGET_MODEL, seq_len=512, batch_size=8, micro_batch=8, steps=450, lr=1e-3, warmup=40),
     # the draft shares the target's tokenizer, so their token ids agree
-    "draft": dict(model=DRAFT_MODEL, seq_len=512, batch_size=8, micro_batch=8, steps=500, lr=3e-3, warmup=30,
+    "draft": dict(model=DRAFT_MODEL, seq_len=512, batch_size=8, micro_batch=8, steps=300, lr=3e-3, warmup=30,
                   tokenizer="models/target/tokenizer.json"),
     # a few seconds: for tests and for trying the machinery
     "tiny": dict(model=LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

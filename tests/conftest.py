@@ -13,6 +13,9 @@ from specdec.model import LlamaConfig, LlamaForCausalLM
 from specdec.tokenizer import Tokenizer
 from specdec.train.loop import init_weights
 
+# tiny models run fastest on one thread, and one thread keeps timings of other jobs undisturbed
+torch.set_num_threads(1)
+
 TINY = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 

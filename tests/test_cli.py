@@ -90,3 +90,32 @@ def test_missing_model_and_unreadable_corpus_leave_nothing_on_disk(capsys, tmp_p
                            "--out", str(tmp_path / "run"))
     assert code == 2 and "does not exist" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("draft", ["ngram", "draft-model"])
+def test_speculative_generate_prints_the_same_tokens_with_acceptance_stats(capsys, tiny_checkpoint, draft):
+    base = ["generate", "--model", str(tiny_checkpoint), "--prompt", "def f(x):", "--max-new-tokens", "16", "--json"]
+    plain = json.loads(run_cli(capsys, *base)[1])
+    code, out, err = run_cli(capsys, *base, "--draft", draft, "--draft-model", str(tiny_checkpoint), "-k", "3")
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["tokens"] == plain["tokens"]
+    stats = spec["stats"]
+    for key in ("steps", "proposed", "accepted", "accepted_per_position", "acceptance_rate",
+                "mean_acceptance_length"):
+        assert key in stats
+    assert stats["method"] == draft and len(stats["accepted_per_position"]) == 3
+    assert stats["mean_acceptance_length"] == pytest.approx(len(spec["tokens"]) / stats["steps"])
+
+
+def test_draft_with_another_tokenizer_and_negative_k_are_clear_errors(capsys, tmp_path, tiny_checkpoint):
+    from specdec.tokenizer import Tokenizer
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoint, other)
+    Tokenizer.train(["completely different text " * 50], 384).save(other / "tokenizer.json")
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", "x",
+                           "--draft", "draft-model", "--draft-model", str(other))
+    assert code == 2 and "another tokenizer" in err
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", "x",
+                           "--draft", "ngram", "-k", "-1")
+    assert code == 2 and "must be >= 0" in err

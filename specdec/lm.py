@@ -1,0 +1,69 @@
+"""What the engine and the proposers need from a causal LM, and how a model is admitted as one.
+
+The interface is the one of specdec's own `LlamaForCausalLM`: `config.vocab_size`,
+`config.max_position_embeddings`, `new_cache(batch, max_len)` returning a cache with per-row
+`lengths` (B,) and `rollback(lengths)`, and `model(tokens, positions=, cache=, logits_index=)`
+returning `.logits` and `.hidden` (final hidden states). transformers causal LMs are admitted
+through `hf_adapter.HFCausalLM`; anything else is refused with a clear error.
+
+This module knows nothing about drafting, verification or stopping.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .decode import pad_right
+from .errors import SpecdecError
+from .model import LlamaForCausalLM
+
+
+def causal_lm(model, role: str = "model"):
+    """Return `model` ready for the engine (transformers models wrapped), or raise SpecdecError.
+
+    `role` ("target", "draft model") only names the model in the error message.
+    """
+    if isinstance(model, LlamaForCausalLM):
+        return model
+    transformers = sys.modules.get("transformers")  # a transformers model implies it is imported
+    if transformers is not None:
+        from .hf_adapter import HFCausalLM
+        if isinstance(model, HFCausalLM):
+            return model
+        if (isinstance(model, transformers.PreTrainedModel) and model.can_generate()
+                and not model.config.is_encoder_decoder):
+            return HFCausalLM(model)
+    raise SpecdecError(
+        f"the {role} ({type(model).__name__}) is not a causal language model: pass specdec's "
+        "LlamaForCausalLM or a transformers decoder-only *ForCausalLM / *LMHeadModel")
+
+
+def context_length(model) -> int:
+    length = getattr(model.config, "max_position_embeddings", None)
+    if length is None:
+        raise SpecdecError(f"{type(model).__name__}'s config has no max_position_embeddings: "
+                           "cannot tell how long its context is")
+    return int(length)
+
+
+def next_positions(cache, width: int, context: int) -> torch.Tensor:
+    """Positions (B, width) of the next `width` tokens of each row.
+
+    In a batch, rows that draft fewer tokens than the widest row are padded, and that padding may
+    run past the model's context near the end of a row; its positions are clamped to stay valid
+    (outputs at padding are never read, and its cache entries lie past the row's length).
+    """
+    steps = torch.arange(width, device=cache.lengths.device)[None]
+    return (cache.lengths[:, None] + steps).clamp(max=context - 1)
+
+
+def prefill_all_but_last(model, cache, prompts: list[list[int]]) -> torch.Tensor:
+    """Write every prompt except its last token into the cache (the last one opens the first
+    window); return the final hidden states there (B, P-1, C), right-padded."""
+    heads, lengths = pad_right([p[:-1] for p in prompts])  # (B, P-1), (B,)
+    if heads.shape[1] == 0:
+        return torch.zeros(len(prompts), 0, model.config.hidden_size)
+    hidden = model(heads, cache=cache, logits_index=lengths.clamp(min=1)[:, None] - 1).hidden
+    cache.rollback(lengths)
+    return hidden

@@ -1,0 +1,131 @@
+"""Counters of a speculative run and the metrics derived from them, each defined once here.
+
+Counters (DESIGN.md section 3), per run:
+
+- steps: verifications of one row; a target forward pass over B active rows adds B steps (at
+  batch 1 a step is one verification forward pass). Counting per row keeps τ a per-sequence
+  figure, so plain decoding has τ = 1 at any batch size.
+- forwards: target verification forward passes (the unit wall time is paid in).
+- proposed: draft tokens proposed; accepted: draft tokens the target accepted (the verifier's
+  count, including any that a stop condition then cut off); emitted: tokens appended to rows.
+- accepted_per_position[i] / reached_per_position[i]: steps where draft i+1 was accepted /
+  steps where draft i+1 was proposed and drafts 1..i were all accepted.
+- prefill_seconds (target prefill and proposer start), draft_seconds (every proposer call),
+  verify_seconds (target forward and acceptance), other_seconds (the rest: committing tokens,
+  stop checks, bookkeeping), first_token_seconds (start of the run to the first emitted token).
+
+Derived: α = accepted / proposed; α_i = accepted_per_position[i] / reached_per_position[i];
+τ = emitted / steps (includes the recovered or bonus token); c = draft seconds per forward pass /
+one target single-token forward at the same batch size (`target_token_seconds`, measured by the
+caller, e.g. from a k = 0 run; None when not measured); tokens/s = emitted / total seconds.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+@dataclass
+class SpecMetrics:
+    k: int
+    batch_size: int
+    steps: int = 0
+    forwards: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    reached_per_position: list[int] = field(default_factory=list)   # [k]
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    other_seconds: float = 0.0
+    first_token_seconds: float | None = None
+    target_token_seconds: float | None = None
+
+    def __post_init__(self):
+        self.accepted_per_position = self.accepted_per_position or [0] * self.k
+        self.reached_per_position = self.reached_per_position or [0] * self.k
+
+    @contextmanager
+    def timed(self, counter: str):
+        """Add the wall time of the block to the seconds counter named `counter`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
+
+    def record_step(self, active: torch.Tensor, draft_lengths: torch.Tensor, accepted: torch.Tensor,
+                    emitted: torch.Tensor) -> None:
+        """One verification forward pass. active (B,) bool: rows verified in it; draft_lengths,
+        accepted, emitted (B,): drafts proposed, drafts accepted, tokens emitted per row."""
+        pos = torch.arange(self.k)[None]                                                # (1, k)
+        reached = active[:, None] & (pos < draft_lengths[:, None]) & (pos <= accepted[:, None])
+        hit = reached & (pos < accepted[:, None])                                        # (B, k)
+        self.forwards += 1
+        self.steps += int(active.sum())
+        self.proposed += int(draft_lengths[active].sum())
+        self.accepted += int(accepted[active].sum())
+        self.emitted += int(emitted.sum())
+        self.reached_per_position = [a + int(b) for a, b in zip(self.reached_per_position, reached.sum(0))]
+        self.accepted_per_position = [a + int(b) for a, b in zip(self.accepted_per_position, hit.sum(0))]
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.draft_seconds + self.verify_seconds + self.other_seconds
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """α."""
+        return _ratio(self.accepted, self.proposed)
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        """α_i, i = 1..k."""
+        return [_ratio(a, r) for a, r in zip(self.accepted_per_position, self.reached_per_position)]
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """τ."""
+        return _ratio(self.emitted, self.steps)
+
+    @property
+    def draft_cost_ratio(self) -> float | None:
+        """c."""
+        if self.target_token_seconds is None or not self.forwards:
+            return None
+        return self.draft_seconds / self.forwards / self.target_token_seconds
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return _ratio(self.emitted, self.total_seconds)
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        return _ratio(self.total_seconds, self.emitted)
+
+    def to_dict(self) -> dict:
+        return {
+            "k": self.k, "batch_size": self.batch_size,
+            "steps": self.steps, "forwards": self.forwards, "proposed": self.proposed,
+            "accepted": self.accepted, "emitted": self.emitted,
+            "accepted_per_position": list(self.accepted_per_position),
+            "reached_per_position": list(self.reached_per_position),
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_position": self.acceptance_per_position,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_cost_ratio": self.draft_cost_ratio,
+            "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds, "other_seconds": self.other_seconds,
+            "total_seconds": self.total_seconds, "first_token_seconds": self.first_token_seconds,
+            "target_token_seconds": self.target_token_seconds,
+            "tokens_per_second": self.tokens_per_second, "seconds_per_token": self.seconds_per_token,
+        }

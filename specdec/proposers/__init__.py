@@ -1,0 +1,22 @@
+"""The proposer registry: a name maps to a class implementing the protocol in base.py.
+
+Dispatch happens once, in `build_proposer`; the engine only ever calls the protocol's methods.
+"""
+from __future__ import annotations
+
+from ..errors import SpecdecError
+from .base import Outcome, Proposal, Proposer
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+
+PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer)}
+
+
+def build_proposer(name: str, **kwargs) -> Proposer:
+    """build_proposer("draft-model", model=...) or build_proposer("ngram", max_n=3, min_n=1)."""
+    if name not in PROPOSERS:
+        raise SpecdecError(f"unknown proposer {name!r}; known: {', '.join(sorted(PROPOSERS))}")
+    return PROPOSERS[name](**kwargs)
+
+
+__all__ = ["PROPOSERS", "Outcome", "Proposal", "Proposer", "build_proposer"]

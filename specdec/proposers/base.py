@@ -1,0 +1,90 @@
+"""The one proposer protocol: every source of draft tokens (draft model, n-gram lookup, and later
+MTP, EAGLE and Medusa heads) implements these three methods with these arguments.
+
+A proposer object holds only its configuration and weights. Everything that belongs to one
+generation (a draft KV cache, the token history) lives in the state that `start` returns and the
+engine passes back to every call, so one proposer can serve any number of generations.
+
+    state = proposer.start(prompts, prompt_hidden, sampling, max_len, k)   # after the target's prefill
+    loop:
+        proposal = proposer.propose(state, limits, generator)             # up to limits[b] drafts per row
+        ... the target verifies, rows take their tokens ...
+        proposer.observe(state, outcome)                                   # what was committed; roll back
+
+The target's final hidden states reach the proposer as arguments (`prompt_hidden` at start,
+`Outcome.hidden` after each step), for heads that draft from them (MTP, EAGLE, Medusa). The
+target's cache always lags one token behind the sequence: the newest token ("last") is fed with
+the next verification window [last, drafts].
+
+This module knows nothing about particular proposers, verification or stopping.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..sampling import SamplingConfig
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor               # (B, m) long draft tokens; row b's first lengths[b] are real
+    lengths: torch.Tensor              # (B,) long, drafts proposed per row (0..limits[b])
+    draft_probs: torch.Tensor | None   # (B, m, V) distributions the drafts were drawn from (after the
+                                       # sampling transform); None: deterministic drafts (one-hot)
+
+    @classmethod
+    def empty(cls, batch_size: int) -> "Proposal":
+        return cls(torch.zeros(batch_size, 0, dtype=torch.long), torch.zeros(batch_size, dtype=torch.long), None)
+
+
+@dataclass
+class Outcome:
+    """What one verification step committed, per row."""
+    accepted: torch.Tensor  # (B,) drafts of the proposal the target accepted
+    tokens: torch.Tensor    # (B, m+1) the accepted drafts, then the recovered or bonus token
+    counts: torch.Tensor    # (B,) tokens of `tokens` emitted: accepted + 1, fewer where the row
+                            # finished inside the run, 0 for rows finished before the step
+    hidden: torch.Tensor    # (B, m+1, C) target final hidden states over [last, drafts]; the first
+                            # counts[b] are now in the target's cache, hidden[b, i] predicted tokens[b, i]
+
+
+class Proposer(Protocol):
+    name: str
+    vocab_size: int | None  # token ids it can propose; None: any (it copies ids it has seen)
+
+    def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor, sampling: SamplingConfig,
+              max_len: int, k: int) -> Any:
+        """New per-generation state. prompt_hidden (B, P-1, C): target final hidden states over
+        each prompt without its last token (right-padded). max_len: the longest sequence (prompt +
+        generated) a row may reach; k: the most drafts any row will be asked for per step."""
+
+    def propose(self, state: Any, limits: torch.Tensor, generator: torch.Generator | None) -> Proposal:
+        """Draft at most limits[b] (B,) tokens after each row's sequence (0: draft nothing)."""
+
+    def observe(self, state: Any, outcome: Outcome) -> None:
+        """Learn what the target committed for the last proposal; drop what it rejected."""
+
+
+def append_ragged(tokens: torch.Tensor, lengths: torch.Tensor, new: torch.Tensor,
+                  new_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append row b's first new_lengths[b] of `new` (B, T) after its first lengths[b] of `tokens`
+    (B, W). Returns the right-padded result (B, W') and its lengths (B,)."""
+    total = lengths + new_lengths
+    out = torch.zeros(tokens.shape[0], max(int(total.max()), 1), dtype=tokens.dtype)  # (B, W')
+    old = tokens[:, :out.shape[1]]
+    keep = torch.arange(old.shape[1])[None] < lengths[:, None]
+    out[:, :old.shape[1]] = torch.where(keep, old, 0)
+    new_cols = lengths[:, None] + torch.arange(new.shape[1])[None]                    # (B, T)
+    take = torch.arange(new.shape[1])[None] < new_lengths[:, None]
+    rows = torch.arange(tokens.shape[0])[:, None].expand_as(new_cols)
+    out[rows[take], new_cols[take]] = new[take]
+    return out, total
+
+
+def drop_prefix(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row b's tokens[b, start[b]:end[b]] of `tokens` (B, T), left-aligned: (B, T), lengths (B,)."""
+    cols = (start[:, None] + torch.arange(tokens.shape[1])[None]).clamp(max=max(tokens.shape[1] - 1, 0))
+    return tokens.gather(1, cols), (end - start).clamp(min=0)

@@ -1,0 +1,67 @@
+"""proposers/: the n-gram lookup from tables of intent, the ragged-row helpers, the registry."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.proposers import PROPOSERS, build_proposer
+from specdec.proposers.base import Outcome, append_ragged, drop_prefix
+from specdec.sampling import SamplingConfig
+
+# history, max_n, min_n, limit, proposal
+NGRAM_CASES = {
+    "longest n-gram wins": ([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 3, 1, 3, [9, 2, 3]),
+    "most recent occurrence": ([4, 5, 4, 6, 4], 3, 1, 2, [6, 4]),
+    "falls back to shorter n": ([1, 2, 3, 4, 3], 3, 1, 2, [4, 3]),
+    "min_n respected: no match": ([1, 2, 3, 4, 3], 3, 2, 2, []),
+    "continuation cut at the history's end": ([7, 8, 7], 2, 1, 4, [8, 7]),
+    "limit cuts the continuation": ([1, 2, 3, 4, 1], 1, 1, 2, [2, 3]),
+    "no repeat: nothing": ([1, 2, 3], 3, 1, 4, []),
+    "one token: nothing": ([5], 3, 1, 4, []),
+    "limit 0: nothing": ([1, 2, 1], 3, 1, 0, []),
+}
+
+
+def propose_one(history, max_n, min_n, limit):
+    ngram = build_proposer("ngram", max_n=max_n, min_n=min_n)
+    state = ngram.start([history], torch.zeros(1, 0, 1), SamplingConfig(), len(history) + 8, 8)
+    proposal = ngram.propose(state, torch.tensor([limit]), None)
+    assert proposal.draft_probs is None
+    return proposal.tokens[0, :int(proposal.lengths[0])].tolist()
+
+
+@pytest.mark.parametrize("case", NGRAM_CASES.values(), ids=NGRAM_CASES.keys())
+def test_ngram_table(case):
+    *args, expected = case
+    assert propose_one(*args) == expected
+
+
+def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
+    cases = [c for c in NGRAM_CASES.values() if c[1:3] == (3, 1)]
+    ngram = build_proposer("ngram")
+    histories = [c[0] for c in cases]
+    state = ngram.start(histories, torch.zeros(len(cases), 0, 1), SamplingConfig(), 20, 8)
+    limits = torch.tensor([c[3] for c in cases])
+    proposal = ngram.propose(state, limits, None)
+    for b, case in enumerate(cases):
+        assert proposal.tokens[b, :int(proposal.lengths[b])].tolist() == case[4]
+    tokens = torch.tensor([[9, 9, 9]] * len(cases))
+    counts = torch.arange(len(cases)) % 3
+    ngram.observe(state, Outcome(counts, tokens, counts, torch.zeros(len(cases), 3, 1)))
+    for b, h in enumerate(histories):
+        assert state.history[b, :int(state.lengths[b])].tolist() == h + [9] * int(counts[b])
+
+
+def test_append_ragged_and_drop_prefix():
+    tokens, lengths = torch.tensor([[1, 2, 0], [3, 0, 0], [0, 0, 0]]), torch.tensor([2, 1, 0])
+    new, new_lengths = torch.tensor([[7, 8], [9, 9], [5, 6]]), torch.tensor([1, 2, 2])
+    out, total = append_ragged(tokens, lengths, new, new_lengths)
+    assert total.tolist() == [3, 3, 2]
+    assert [out[b, :int(total[b])].tolist() for b in range(3)] == [[1, 2, 7], [3, 9, 9], [5, 6]]
+    cut, n = drop_prefix(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 0]), torch.tensor([3, 1]))
+    assert [cut[b, :int(n[b])].tolist() for b in range(2)] == [[2, 3], [4]]
+
+
+def test_registry_builds_each_proposer_by_name():
+    assert {"draft-model", "ngram"} <= set(PROPOSERS)
+    assert build_proposer("ngram").name == "ngram"
