@@ -70,16 +70,29 @@ def make_proposer(args, target):
 
 
 def cmd_bench(args) -> None:
-    from .bench.plain import bench_plain, format_plain
+    import torch
 
-    result = bench_plain(args.model, n_prompts=args.prompts, repeats=args.repeats,
-                         max_new_tokens=args.max_new_tokens)
-    print(format_plain(result))
+    from .bench.plain import bench_plain, format_plain
+    from .bench.spec import bench_spec, format_spec
+
+    dtype = {"stored": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    if args.mode == "plain":
+        result = bench_plain(args.model, n_prompts=args.prompts, repeats=args.repeats,
+                             max_new_tokens=args.max_new_tokens, dtype=dtype)
+        print(format_plain(result))
+        summary = {"speedup_vs_transformers": result["speedup_vs_transformers"],
+                   "bandwidth_fraction": result["bandwidth_fraction"]}
+    else:
+        result = bench_spec(args.model, args.draft_model, n_prompts=args.prompts, repeats=args.repeats,
+                            max_new_tokens=args.max_new_tokens, ks=tuple(args.ks), methods=tuple(args.methods),
+                            peers=not args.no_peers, temperature=args.temperature, batch_size=args.batch_size,
+                            dtype=dtype)
+        print(format_spec(result))
+        summary = {f"{x['method']} k={x['k']}": round(x["speedup_vs_plain"], 3) for x in result["results"]}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({"speedup_vs_transformers": result["speedup_vs_transformers"],
-                      "bandwidth_fraction": result["bandwidth_fraction"]}))
+    print(json.dumps(summary))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,8 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (ngram proposer)")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="plain decoding speed vs transformers generate (same weights, same run)")
+    b = sub.add_parser("bench", help="measure decoding speed with its conditions (same weights, same run)")
+    b.add_argument("mode", choices=["plain", "spec"], nargs="?", default="plain",
+                   help="plain: specdec vs transformers generate; spec: speculative methods vs plain and peers")
     b.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
+    b.add_argument("--methods", nargs="+", default=["draft-model", "ngram"], choices=["draft-model", "ngram"])
+    b.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8], help="draft lengths to sweep")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    b.add_argument("--dtype", choices=["stored", "float32", "bfloat16"], default="stored",
+                   help="compute dtype of target and draft (default: as stored, bf16 for the shipped models)")
     b.add_argument("--prompts", type=int, default=20, help="number of HumanEval prompts")
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--max-new-tokens", type=int, default=128)

@@ -35,10 +35,10 @@ def spread(values: list[float]) -> dict:
 
 @torch.inference_mode()
 def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repeats: int = 5,
-                max_new_tokens: int = 128) -> dict:
+                max_new_tokens: int = 128, dtype: torch.dtype | None = None) -> dict:
     import transformers
 
-    target = load(target_path)
+    target = load(target_path, dtype=dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(target.path, dtype=target.model.lm_head.weight.dtype).eval()
     hf.generation_config.eos_token_id = None   # both decoders produce exactly max_new_tokens
     hf.generation_config.pad_token_id = 0
