@@ -1,7 +1,6 @@
 """Shared fixtures: tiny real models and a real tokenizer, built in seconds, never downloaded."""
 from __future__ import annotations
 
-import json
 import sysconfig
 from pathlib import Path
 
@@ -41,7 +40,3 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_file) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
     save_model(tiny_model(), path, tokenizer_file=tokenizer_file, dtype=torch.float32)
     return path
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj))
