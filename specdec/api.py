@@ -7,6 +7,8 @@
     draft = build_proposer("draft-model", model=load(DEFAULT_DRAFT).model)
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=draft, k=4)
     print(result.texts[0], result.stats["mean_acceptance_length"])
+    mtp = build_proposer("mtp", heads=load_mtp_heads(target), target=target.model)   # the shipped heads
+    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=mtp, k=3)
 
 Prompts are preceded by the document separator <|endoftext|>, as every training document was,
 and their trailing whitespace is left for the model to generate (see `encode_prompts`): the
@@ -24,6 +26,7 @@ from .checkpoint import load_model
 from .decode import plain_generate
 from .engine import speculative_generate
 from .errors import SpecdecError
+from .heads import MTPHeads, load_heads
 from .model import LlamaForCausalLM
 from .proposers import Proposer
 from .sampling import SamplingConfig
@@ -33,6 +36,7 @@ from .tokenizer import EOS_ID, Tokenizer
 MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "target"
 DEFAULT_DRAFT = MODELS / "draft"
+DEFAULT_HEADS = MODELS / "target-mtp"
 
 
 @dataclass
@@ -71,6 +75,16 @@ def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
                            "a draft must share the target's tokenizer (train it with --tokenizer "
                            f"{target.path}/tokenizer.json)")
     return draft
+
+
+def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
+    """MTP heads for `target` (default: the shipped heads of the shipped target), in the target's
+    dtype; heads trained for another target are refused (checkpoint hash, see heads.load_heads)."""
+    path = Path(path) if path is not None else DEFAULT_HEADS
+    if path == DEFAULT_HEADS and not path.exists():
+        raise SpecdecError(f"the shipped MTP heads are missing at {path}: run from a full clone of specdec "
+                           "or pass a heads folder")
+    return load_heads(path, target.path, dtype=target.model.lm_head.weight.dtype)
 
 
 def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> list[list[int]]:

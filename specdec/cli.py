@@ -17,7 +17,8 @@ def cmd_train(args) -> None:
 
     preset = dict(PRESETS[args.preset])
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
-                 "save_every", "stop_after"):
+                 "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
+                 "mtp_beta", "frozen_trunk"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
@@ -25,11 +26,13 @@ def cmd_train(args) -> None:
         preset["corpus"] = args.corpus
     if args.vocab_size:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
+    if args.naive_mtp_order:
+        preset["mtp_memory_saving"] = False
     path = train(TrainConfig(out=args.out, **preset))
     if path is None:
         print(f"stopped early with a checkpoint in {args.out}; rerun the same command to resume")
     elif int(os.environ.get("RANK", 0)) == 0:
-        print(f"model written to {path}")
+        print(f"{'MTP heads' if path.name == 'heads' else 'model'} written to {path}")
 
 
 def cmd_generate(args) -> None:
@@ -40,9 +43,11 @@ def cmd_generate(args) -> None:
         raise SpecdecError("give exactly one of --prompt TEXT or --humaneval INDEX")
     prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval)
     target = load(args.model)
+    proposer = make_proposer(args, target)
+    k = args.k if args.k is not None else getattr(getattr(proposer, "heads", None), "depth", 4)
     result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-                      proposer=make_proposer(args, target), k=args.k)
+                      proposer=proposer, k=k)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
@@ -50,7 +55,7 @@ def cmd_generate(args) -> None:
     s = result.stats
     print(prompt.rstrip() + result.texts[0])
     method = "plain decoding" if s["method"] == "plain" else (
-        f"{s['method']} k={args.k}: acceptance rate {s['acceptance_rate'] or 0:.2f}, "
+        f"{s['method']} k={k}: acceptance rate {s['acceptance_rate'] or 0:.2f}, "
         f"mean acceptance length {s['mean_acceptance_length']:.2f} over {s['steps']} steps")
     print(f"\n--- {s['new_tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s, "
           f"time to first token {s['time_to_first_token'] * 1000:.0f} ms); {method}; target {target.path}, "
@@ -59,13 +64,15 @@ def cmd_generate(args) -> None:
 
 
 def make_proposer(args, target):
-    from .api import load_draft_model
+    from .api import load_draft_model, load_mtp_heads
     from .proposers import build_proposer
 
     if args.draft == "none":
         return None
     if args.draft == "draft-model":
         return build_proposer("draft-model", model=load_draft_model(target, args.draft_model).model)
+    if args.draft == "mtp":
+        return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model)
     return build_proposer("ngram", max_n=args.ngram_max, min_n=args.ngram_min)
 
 
@@ -100,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
-    t.add_argument("--preset", choices=["target", "draft", "tiny"], default="target")
+    t.add_argument("--preset", choices=["target", "draft", "target-mtp", "tiny"], default="target",
+                   help="target-mtp: MTP heads for the shipped target, trained on its frozen weights")
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
     t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
     t.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
@@ -114,6 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int)
     t.add_argument("--save-every", type=int)
     t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
+    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential"],
+                   help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
+                        "modules (DeepSeek-V3)")
+    t.add_argument("--mtp-depth", type=int, help="MTP heads: tokens predicted beyond the next one")
+    t.add_argument("--mtp-lambda", type=float, help="MTP head j's loss weight is lambda * beta^(j-1)")
+    t.add_argument("--mtp-lambda-late", type=float, help="lambda from 70%% of the steps on (schedule)")
+    t.add_argument("--mtp-beta", type=float, help="per-position decay of the MTP loss weights")
+    t.add_argument("--frozen-trunk", metavar="MODEL",
+                   help="train only MTP heads on this checkpoint, its weights frozen (its tokenizer is used)")
+    t.add_argument("--naive-mtp-order", action="store_true",
+                   help="one backward over all heads (more memory) instead of head by head")
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="complete a prompt with the target")
@@ -127,10 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--draft", choices=["none", "draft-model", "ngram"], default="none",
-                   help="speculative decoding with this proposer (default: plain decoding)")
+    g.add_argument("--draft", choices=["none", "draft-model", "ngram", "mtp"], default="none",
+                   help="speculative decoding with this proposer (default: plain decoding; mtp: the "
+                        "target's own MTP heads)")
     g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
-    g.add_argument("-k", type=int, default=4, help="draft tokens proposed per step")
+    g.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
+    g.add_argument("-k", type=int, help="draft tokens proposed per step (default: 4; for mtp, one per head)")
     g.add_argument("--ngram-max", type=int, default=3, help="longest n-gram matched (ngram proposer)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (ngram proposer)")
     g.set_defaults(func=cmd_generate)

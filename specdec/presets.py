@@ -16,6 +16,11 @@ PRESETS = {
     # the draft shares the target's tokenizer, so their token ids agree
     "draft": dict(model=DRAFT_MODEL, seq_len=512, batch_size=8, micro_batch=8, steps=300, lr=3e-3, warmup=30,
                   tokenizer="models/target/tokenizer.json"),
+    # MTP heads for the shipped target: 3 sequential modules (DeepSeek-V3) trained on its frozen weights
+    # (embedding and lm_head included) and its tokenizer; about 25 minutes on 2 CPU cores
+    "target-mtp": dict(frozen_trunk="models/target", objective="mtp-sequential", mtp_depth=3, seq_len=512,
+                       batch_size=8, micro_batch=8, steps=130, lr=2e-3, warmup=10, eval_every=26, eval_windows=32,
+                       test_windows=48, save_every=10),
     # a few seconds: for tests and for trying the machinery
     "tiny": dict(model=LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -7,13 +7,15 @@ from __future__ import annotations
 from ..errors import SpecdecError
 from .base import Outcome, Proposal, Proposer
 from .draft_model import DraftModelProposer
+from .mtp import MTPProposer
 from .ngram import NgramProposer
 
-PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer)}
+PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer, MTPProposer)}
 
 
 def build_proposer(name: str, **kwargs) -> Proposer:
-    """build_proposer("draft-model", model=...) or build_proposer("ngram", max_n=3, min_n=1)."""
+    """build_proposer("draft-model", model=...), build_proposer("ngram", max_n=3, min_n=1) or
+    build_proposer("mtp", heads=heads.load_heads(...), target=...)."""
     if name not in PROPOSERS:
         raise SpecdecError(f"unknown proposer {name!r}; known: {', '.join(sorted(PROPOSERS))}")
     return PROPOSERS[name](**kwargs)

@@ -1,36 +1,49 @@
 """`specdec train`: AdamW with warmup + cosine decay, gradient clipping, periodic validation,
-atomic checkpoints with exact resume, single process or torchrun (DDP, gloo on CPU).
+atomic checkpoints with exact resume, single process or torchrun (gloo on CPU).
+
+Objectives (objectives.py): "next-token", or next-token + multi-token prediction with MTP heads
+("mtp-parallel", "mtp-sequential", heads.py), either pretrained jointly from scratch or, with
+`frozen_trunk`, added to an existing checkpoint whose weights (embedding and lm_head included)
+stay frozen while only the heads train.
 
 A run lives in one output folder:
-  work/tokenizer.json, work/tokens-*.npy   prepared once (tokenizer trained on the train split)
-  work/state/                              resume state: fp32 weights, optimizer moments, history
-  model/                                   the exported checkpoint (bf16, transformers layout)
+  work/tokenizer.json, work/tokens-*.npy   prepared once (tokenizer trained on the train split,
+                                           or the frozen trunk's)
+  work/state/                              resume state: fp32 trainable weights, optimizer moments, history
+  model/                                   the exported checkpoint (bf16, transformers layout), unless
+                                           the trunk is frozen
+  heads/                                   the exported MTP heads (heads.py), for the model in model/
+                                           or for the frozen trunk
   loss.png                                 training and validation loss curves
 Batches are a pure function of (seed, step), so an interrupted run resumes to the same result.
+Under torchrun each process takes its share of the global batch and the gradients are averaged
+over processes before each optimizer step; every process builds the same initial weights from
+the seed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..checkpoint import atomic_dir, save_model
+from ..checkpoint import TOKENIZER, WEIGHTS, atomic_dir, load_model, read_config, save_model, sha256
 from ..errors import SpecdecError
+from ..heads import MTPHeads, build_heads, save_heads
 from ..model import LlamaConfig, LlamaForCausalLM
 from ..tokenizer import Tokenizer
 from .corpus import Corpus
 from .data import eval_batches, tokenize, window_batch
+from .objectives import OBJECTIVES, LossWeights, mtp_backward, mtp_losses, next_token_loss
 
 
 @dataclass
@@ -54,6 +67,14 @@ class TrainConfig:
     save_every: int = 25
     seed: int = 0
     stop_after: int | None = None       # leave after this many steps in this invocation (resume later)
+    objective: str = "next-token"       # see objectives.OBJECTIVES
+    mtp_depth: int = 1                  # MTP heads: tokens predicted beyond the next one
+    mtp_lambda: float = 1.0             # MTP head j's loss weight: lambda * beta^(j-1) ...
+    mtp_lambda_late: float | None = None  # ... lambda becomes this from mtp_lambda_switch x steps on
+    mtp_lambda_switch: float = 0.7
+    mtp_beta: float = 1.0
+    mtp_memory_saving: bool = True      # head-by-head backward (objectives.py) instead of one backward
+    frozen_trunk: str | None = None     # a checkpoint folder: train only MTP heads on top of it
 
     def validate(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batch <= 0 or self.seq_len <= 1:
@@ -61,6 +82,36 @@ class TrainConfig:
         if self.seq_len > self.model.max_position_embeddings:
             raise SpecdecError(f"seq_len {self.seq_len} exceeds the model context "
                                f"{self.model.max_position_embeddings}")
+        if self.objective not in OBJECTIVES:
+            raise SpecdecError(f"unknown objective {self.objective!r}; known: {', '.join(OBJECTIVES)}")
+        if self.frozen_trunk and not self.mtp:
+            raise SpecdecError("a frozen trunk only makes sense with MTP heads to train: set the objective "
+                               "to mtp-parallel or mtp-sequential")
+        if self.mtp and not 1 <= self.mtp_depth < self.seq_len - 1:
+            raise SpecdecError(f"mtp_depth must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
+                               f"got {self.mtp_depth}")
+        self.loss_weights()
+
+    @property
+    def mtp(self) -> bool:
+        return self.objective != "next-token"
+
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(self.mtp_depth, self.mtp_lambda, self.mtp_lambda_late, self.mtp_lambda_switch,
+                           self.mtp_beta)
+
+
+def with_frozen_trunk(cfg: TrainConfig) -> TrainConfig:
+    """The config with the frozen trunk's model config and tokenizer (which the heads must share)."""
+    trunk = Path(cfg.frozen_trunk)
+    model = LlamaConfig.from_dict(read_config(trunk))
+    tokenizer = trunk / TOKENIZER
+    if not tokenizer.exists():
+        raise SpecdecError(f"{trunk} has no {TOKENIZER}; the heads must use the trunk's tokenizer")
+    if cfg.tokenizer and Path(cfg.tokenizer).read_bytes() != tokenizer.read_bytes():
+        raise SpecdecError(f"--tokenizer {cfg.tokenizer} is not the frozen trunk's tokenizer; leave it out "
+                           "(the trunk's own is used)")
+    return dataclasses.replace(cfg, model=model, tokenizer=str(tokenizer))
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -70,24 +121,25 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
-
-
 @torch.no_grad()
-def evaluate(model, tokens: np.ndarray, seq_len: int, max_windows: int) -> float:
+def evaluate(model, heads: MTPHeads | None, tokens: np.ndarray, seq_len: int, max_windows: int) -> list[float]:
+    """Mean validation losses [next-token, head 1, .., head depth] over evenly spread windows."""
+    was_training = model.training
     model.eval()
-    losses = [next_token_loss(model, b).item() for b in eval_batches(tokens, seq_len, max_windows)]
-    model.train()
-    return float(np.mean(losses))
+    losses = []
+    for b in eval_batches(tokens, seq_len, max_windows):
+        parts = [next_token_loss(model, b)] if heads is None else mtp_losses(model, heads, b, train_trunk=False)
+        losses.append([part.item() for part in parts])
+    model.train(was_training)
+    return [float(x) for x in np.mean(losses, axis=0)]
 
 
 class Run:
     """Everything about one training run that is saved to and restored from work/state."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, trunk_sha256: str | None = None):
         self.cfg = cfg
+        self.trunk_sha256 = trunk_sha256  # of the frozen trunk's weights file
         self.out = Path(cfg.out)
         self.work = self.out / "work"
         self.rank = int(os.environ.get("RANK", 0))
@@ -125,8 +177,15 @@ class Run:
         return np.load(self.work / f"tokens-{split}.npy", mmap_mode="r")
 
     # --- state --------------------------------------------------------------------------
-    def save_state(self, model, opt, step: int, history: dict, elapsed: float) -> None:
-        tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.hf_state_dict().items()}
+    def identity(self) -> dict:
+        return _identity(asdict(self.cfg), self.trunk_sha256)
+
+    def save_state(self, model, heads, opt, step: int, history: dict, elapsed: float) -> None:
+        tensors = {}
+        if self.trunk_sha256 is None:
+            tensors.update({f"model.{k}": v.detach().contiguous() for k, v in model.hf_state_dict().items()})
+        if heads is not None:
+            tensors.update({f"heads.{k}": v.detach().contiguous() for k, v in heads.state_dict().items()})
         for i, st in opt.state_dict()["state"].items():
             for name, value in st.items():
                 tensors[f"opt.{i}.{name}"] = value.detach().reshape(-1).contiguous() if value.dim() == 0 \
@@ -134,18 +193,24 @@ class Run:
         with atomic_dir(self.work / "state") as tmp:
             save_file(tensors, tmp / "state.safetensors")
             (tmp / "state.json").write_text(json.dumps(
-                {"step": step, "elapsed": elapsed, "history": history, "config": asdict(self.cfg)}))
+                {"step": step, "elapsed": elapsed, "history": history, "config": asdict(self.cfg),
+                 "frozen_trunk_sha256": self.trunk_sha256}))
 
-    def load_state(self, model, opt):
+    def load_state(self, model, heads, opt):
         state_dir = self.work / "state"
         if not (state_dir / "state.json").exists():
             return 0, {"train": [], "valid": []}, 0.0
         meta = json.loads((state_dir / "state.json").read_text())
-        if meta["config"]["model"] != asdict(self.cfg.model):
-            raise SpecdecError(f"{state_dir} was saved with another model config; use a new --out "
+        saved = _identity(meta["config"], meta.get("frozen_trunk_sha256"))
+        if saved != self.identity():
+            changed = [k for k, v in self.identity().items() if saved[k] != v]
+            raise SpecdecError(f"{state_dir} was saved with another {', '.join(changed)}; use a new --out "
                                "or delete that folder to start over")
         tensors = load_file(state_dir / "state.safetensors")
-        model.load_hf_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        if self.trunk_sha256 is None:
+            model.load_hf_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        if heads is not None:
+            heads.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("heads.")})
         opt_state: dict = {}
         for k, v in tensors.items():
             if k.startswith("opt."):
@@ -157,10 +222,37 @@ class Run:
         return meta["step"], meta["history"], meta["elapsed"]
 
 
+def _identity(config: dict, trunk_sha256: str | None) -> dict:
+    """What a resumed run must share with the saved one (configs saved before MTP existed are
+    next-token runs)."""
+    objective = config.get("objective", "next-token")
+    return {"model": config["model"], "objective": objective,
+            "mtp_depth": config.get("mtp_depth") if objective != "next-token" else None,
+            "frozen trunk": trunk_sha256}
+
+
+def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
+    """The trunk (fresh from the seed, or the frozen checkpoint in fp32) and the MTP heads."""
+    torch.manual_seed(cfg.seed)
+    if cfg.frozen_trunk:
+        model = load_model(cfg.frozen_trunk, dtype=torch.float32).requires_grad_(False)
+    else:
+        model = LlamaForCausalLM(cfg.model)
+        init_weights(model)
+    heads = None
+    if cfg.mtp:
+        heads = build_heads(cfg.objective, cfg.model, cfg.mtp_depth)
+        init_weights(heads)
+    return model.train(not cfg.frozen_trunk), heads
+
+
 def train(cfg: TrainConfig) -> Path | None:
-    """Run (or resume) training; return the exported model folder, or None if stopped early."""
+    """Run (or resume) training; return the exported model folder (the heads folder when the
+    trunk is frozen), or None if stopped early."""
+    if cfg.frozen_trunk:
+        cfg = with_frozen_trunk(cfg)
     cfg.validate()
-    run = Run(cfg)
+    run = Run(cfg, sha256(Path(cfg.frozen_trunk) / WEIGHTS) if cfg.frozen_trunk else None)
     distributed = run.world > 1
     if distributed:
         dist.init_process_group("gloo")
@@ -172,13 +264,12 @@ def train(cfg: TrainConfig) -> Path | None:
         raise SpecdecError(f"batch_size {cfg.batch_size} must divide evenly over {run.world} processes")
     train_tokens, valid_tokens = run.tokens("train"), run.tokens("valid")
 
-    torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(cfg.model)
-    init_weights(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                            weight_decay=cfg.weight_decay, fused=False)
-    step, history, elapsed = run.load_state(model, opt)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    model, heads = build(cfg)
+    train_trunk = not cfg.frozen_trunk
+    params = [*(model.parameters() if train_trunk else ()), *(heads.parameters() if heads is not None else ())]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=False)
+    step, history, elapsed = run.load_state(model, heads, opt)
+    weights = cfg.loss_weights()
 
     per_rank = cfg.batch_size // run.world
     bar = tqdm(total=cfg.steps, initial=step, disable=run.rank != 0, desc="train", unit="step",
@@ -191,45 +282,68 @@ def train(cfg: TrainConfig) -> Path | None:
             group["lr"] = lr_at(cfg, step)
         batch = window_batch(train_tokens, cfg.seed, step, cfg.batch_size, cfg.seq_len)
         batch = batch[run.rank * per_rank:(run.rank + 1) * per_rank]
-        loss_sum = 0.0
-        micro = list(batch.split(cfg.micro_batch))
-        for j, mb in enumerate(micro):
-            # each process contributes its share of the global mean; DDP averages over processes
+        loss_sums = None
+        for mb in batch.split(cfg.micro_batch):
+            # each process contributes its share of the global mean; gradients are averaged over processes
             scale = mb.shape[0] * run.world / cfg.batch_size
-            sync = ddp.no_sync() if distributed and j < len(micro) - 1 else nullcontext()
-            with sync:
-                loss = next_token_loss(ddp, mb)
+            if heads is None:
+                loss = next_token_loss(model, mb)
                 (loss * scale).backward()
-            loss_sum += loss.item() * mb.shape[0]
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                losses = [loss.item()]
+            else:
+                losses = mtp_backward(model, heads, mb, weights.at(step, cfg.steps), scale, train_trunk,
+                                      cfg.mtp_memory_saving)
+            parts = np.array([np.nan if x is None else x * mb.shape[0] for x in losses])
+            loss_sums = parts if loss_sums is None else loss_sums + parts
+        if distributed:
+            _average_gradients(params, run.world)
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        train_loss = _mean_over_ranks(loss_sum / per_rank, distributed)
-        history["train"].append([step, train_loss])
+        train_losses = [_mean_over_ranks(x / per_rank, distributed) for x in loss_sums]
+        _record(history, "train", step, train_losses, heads)
         tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
         if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-            history["valid"].append([step, evaluate(model, valid_tokens, cfg.seq_len, cfg.eval_windows)])
-        bar.set_postfix(loss=f"{train_loss:.3f}", val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
+            _record(history, "valid", step, evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows),
+                    heads)
+        bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}",
+                        val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
+                        **({"heads": "/".join(f"{x:.2f}" for x in history["train_heads"][-1][1])} if heads else {}),
                         tok_s=f"{tok_s:.0f}", gnorm=f"{float(gnorm):.2f}")
         bar.update(1)
         if run.rank == 0 and (step % cfg.save_every == 0 or step == last):
-            run.save_state(model, opt, step, history, time.time() - t_start)
+            run.save_state(model, heads, opt, step, history, time.time() - t_start)
         if distributed:
             dist.barrier()
     bar.close()
     if run.rank == 0 and step == cfg.steps:
-        export(run, model, history, time.time() - t_start)
+        export(run, model, heads, history, time.time() - t_start)
     if distributed:
         dist.destroy_process_group()
-    return run.out / "model" if step == cfg.steps else None
+    if step < cfg.steps:
+        return None
+    return run.out / ("heads" if cfg.frozen_trunk else "model")
 
 
-def export(run: Run, model: LlamaForCausalLM, history: dict, seconds: float) -> None:
+def _record(history: dict, split: str, step: int, losses: list[float], heads) -> None:
+    """history[split]: [step, headline loss]: the next-token loss, or the mean of the heads' losses
+    where it was not computed (a frozen trunk in training); history[split + "_heads"]: [step,
+    [loss of head 1..depth]]."""
+    if heads is None:
+        history[split].append([step, losses[0]])
+        return
+    headline = losses[0] if not math.isnan(losses[0]) else float(np.mean(losses[1:]))
+    history[split].append([step, headline])
+    history.setdefault(f"{split}_heads", []).append([step, losses[1:]])
+
+
+def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: dict, seconds: float) -> None:
     cfg = run.cfg
     prov = json.loads((run.work / "prepared.json").read_text())
     test = run.tokens("test")
-    test_loss = evaluate(model, test, cfg.seq_len, cfg.test_windows) if len(test) > cfg.seq_len else None
+    test_losses = evaluate(model, heads, test, cfg.seq_len, cfg.test_windows) if len(test) > cfg.seq_len else None
+    test_loss = test_losses[0] if test_losses else None
     meta = {
         "kind": "target-or-draft-model",
         "recipe": asdict(cfg),
@@ -244,22 +358,42 @@ def export(run: Run, model: LlamaForCausalLM, history: dict, seconds: float) -> 
                    "files": prov["files"]},
         "history": history,
     }
-    save_model(model, run.out / "model", tokenizer_file=run.work / "tokenizer.json", meta=meta)
-    plot_history(history, run.out / "loss.png", title=f"{run.out.name}: {meta['parameters'] / 1e6:.1f}M parameters")
+    params = model.num_parameters()
+    if cfg.frozen_trunk:
+        target_sha256 = run.trunk_sha256
+    else:
+        if heads is not None:
+            meta["mtp_heads"] = "../heads (trained jointly; plain decoding does not use them)"
+        save_model(model, run.out / "model", tokenizer_file=run.work / "tokenizer.json", meta=meta)
+        target_sha256 = sha256(run.out / "model" / WEIGHTS)
+    if heads is not None:
+        valid_heads = history["valid_heads"][-1][1] if history.get("valid_heads") else None
+        save_heads(heads, run.out / "heads", target_sha256, meta={
+            **meta, "kind": heads.kind, "trunk": "frozen" if cfg.frozen_trunk else "trained jointly",
+            "target": cfg.frozen_trunk or str(run.out / "model"),
+            "final_valid_head_losses": valid_heads, "test_head_losses": test_losses[1:] if test_losses else None})
+        params = sum(p.numel() for p in heads.parameters())
+    what = "MTP heads on a frozen trunk" if cfg.frozen_trunk else "parameters"
+    plot_history(history, run.out / "loss.png", title=f"{run.out.name}: {params / 1e6:.1f}M {what}",
+                 train_label="train, mean of the heads" if cfg.frozen_trunk else "train, next token")
 
 
-def plot_history(history: dict, path: Path, title: str) -> None:
+def plot_history(history: dict, path: Path, title: str, train_label: str = "train") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     if history["train"]:
         s, l = zip(*history["train"])
-        ax.plot(s, l, alpha=0.5, label="train")
+        ax.plot(s, l, alpha=0.5, label=train_label)
     if history["valid"]:
         s, l = zip(*history["valid"])
-        ax.plot(s, l, marker="o", label="validation")
-    ax.set(xlabel="step", ylabel="next-token loss (nats)", title=title)
+        ax.plot(s, l, marker="o", label="validation, next token")
+    if history.get("valid_heads"):
+        s, per_head = zip(*history["valid_heads"])
+        for j, l in enumerate(zip(*per_head)):
+            ax.plot(s, l, marker=".", linestyle="--", label=f"validation, MTP head {j + 1} (t+{j + 2})")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -275,10 +409,19 @@ def init_weights(model: torch.nn.Module, std: float = 0.02) -> None:
                 p.data /= math.sqrt(2 * model.config.num_hidden_layers)
 
 
+def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Sum the gradients over processes in one all-reduce, divided by the number of processes."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
 def _mean_over_ranks(x: float, distributed: bool) -> float:
     if not distributed:
         return x
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
-

@@ -1,0 +1,244 @@
+"""Multi-token prediction (MTP) heads: one definition, used by training (objectives.py) and by
+drafting (proposers/mtp.py), and their checkpoint folder.
+
+Head j (j = 1..depth) reads some input u^j_t at every position t and predicts the token x_{t+1+j};
+the trunk's own output predicts x_{t+1} ("head 0"). Both published designs are here:
+
+- "mtp-parallel" (Gloeckle et al. 2024): u^j_t = the trunk's final hidden state h_t. Each head is
+  one transformer layer; the unembedding (the trunk's final norm and lm_head) is shared. The
+  heads are independent of each other, so one pass over h drafts all of them.
+- "mtp-sequential" (DeepSeek-V3): u^j_t = W [RMSNorm(h^{j-1}_t); RMSNorm(Emb(x_{t+j}))], with
+  h^0 = the trunk's final hidden state and h^j the output of module j (one transformer layer,
+  then its own RMSNorm before the shared lm_head). The embedding is the trunk's. The chain is
+  causal: module j at position t reads the tokens up to x_{t+j}, so when drafting, module j at
+  the last position needs the drafts of modules 1..j-1 (`reads_ahead`).
+
+Attention inside a head is causal over the positions of its own input, exactly as in the trunk,
+so a head drafting with a KV cache computes what it computed in training.
+
+A heads folder holds heads.safetensors and heads.json (kind, depth, the target's config, the
+sha256 of the target's model.safetensors, training settings). It has no config.json, so it can
+never be loaded as a model, and `load_heads` refuses it for any other target.
+
+This module knows nothing about losses, optimisers, drafting or verification.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .checkpoint import CONFIG, WEIGHTS, atomic_dir, sha256
+from .errors import SpecdecError
+from .kv_cache import KVCache
+from .model import DecoderLayer, LlamaConfig, RMSNorm, attention_mask_for, inverse_frequencies, rotary
+
+HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
+
+
+class Context(NamedTuple):
+    """What a head's attention needs for one call, shared by all heads of a call."""
+    cos: torch.Tensor             # (B, T, 1, D)
+    sin: torch.Tensor             # (B, T, 1, D)
+    cache: KVCache | None         # one layer per head; None in training (causal over the input)
+    slots: tuple | None
+    span: int | None
+    mask: torch.Tensor | None     # (B, 1, T, S) additive
+
+
+class MTPHeads(nn.Module):
+    """`depth` heads for a trunk with config `config`; subclasses define the head's input."""
+    kind: str
+    reads_ahead: bool  # does head j (0-based) at t read x_{t+j+1}, the token before its target? (drafts, when drafting)
+    chained: bool      # does head j+1 read head j's output?
+
+    def __init__(self, config: LlamaConfig, depth: int):
+        super().__init__()
+        if depth < 1:
+            raise SpecdecError(f"MTP needs at least one head (depth >= 1), got {depth}")
+        self.config, self.depth = config, depth
+        self.blocks = nn.ModuleList(DecoderLayer(config) for _ in range(depth))
+        # derived from the config, not a weight (as in the trunk)
+        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+
+    def context(self, positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None = None) -> Context:
+        """positions (B, T). With a cache, the T new entries go after each row's length (the
+        caller advances the cache once all heads have written)."""
+        cos, sin = rotary(positions, self.inv_freq, dtype)
+        if cache is None:
+            return Context(cos, sin, None, None, None, None)
+        T = positions.shape[1]
+        span = int(cache.lengths.max()) + T
+        return Context(cos, sin, cache, cache.slots(T), span, attention_mask_for(cache, T, span, None, dtype))
+
+    def forward_head(self, j: int, trunk, prev: torch.Tensor, ahead: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Output of head j (0-based here) over T positions (B, T, C). prev (B, T, C): the head's
+        hidden input (the trunk's hidden state, or the previous module's output); ahead (B, T):
+        the token x_{t+j+1} at each position t (read only when `reads_ahead`)."""
+        x = self.head_input(j, trunk, prev, ahead)
+        return self.blocks[j](x, ctx.cos, ctx.sin, j, ctx.cache, ctx.slots, ctx.span, ctx.mask)
+
+    def head_input(self, j: int, trunk, prev: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logits(self, j: int, trunk, out: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) head output -> (B, T, V) logits through the shared lm_head."""
+        raise NotImplementedError
+
+    def next_prev(self, trunk_hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The hidden input of head j+1, given the trunk's hidden state and head j's output."""
+        raise NotImplementedError
+
+
+class ParallelHeads(MTPHeads):
+    """Gloeckle et al. 2024: independent one-layer heads on the trunk's final hidden state."""
+    kind = "mtp-parallel"
+    reads_ahead = chained = False
+
+    def head_input(self, j, trunk, prev, ahead):
+        return prev
+
+    def logits(self, j, trunk, out):
+        return trunk.lm_head(trunk.model.norm(out))
+
+    def next_prev(self, trunk_hidden, out):
+        return trunk_hidden
+
+
+class SequentialHeads(MTPHeads):
+    """DeepSeek-V3: module j combines the previous depth's hidden state and the embedding of the
+    token j+1 ahead through a 2C -> C projection, then one transformer layer."""
+    kind = "mtp-sequential"
+    reads_ahead = chained = True
+
+    def __init__(self, config: LlamaConfig, depth: int):
+        super().__init__(config, depth)
+        C, eps = config.hidden_size, config.rms_norm_eps
+        self.hidden_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
+        self.embed_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
+        self.projections = nn.ModuleList(nn.Linear(2 * C, C, bias=False) for _ in range(depth))
+        self.output_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
+
+    def head_input(self, j, trunk, prev, ahead):
+        embedded = trunk.model.embed_tokens(ahead)  # (B, T, C)
+        return self.projections[j](torch.cat([self.hidden_norms[j](prev), self.embed_norms[j](embedded)], -1))
+
+    def logits(self, j, trunk, out):
+        return trunk.lm_head(self.output_norms[j](out))
+
+    def next_prev(self, trunk_hidden, out):
+        return out
+
+
+HEAD_KINDS = {cls.kind: cls for cls in (ParallelHeads, SequentialHeads)}
+
+
+def build_heads(kind: str, config: LlamaConfig, depth: int) -> MTPHeads:
+    if kind not in HEAD_KINDS:
+        raise SpecdecError(f"unknown MTP head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
+    return HEAD_KINDS[kind](config, depth)
+
+
+def teacher_forced(heads: MTPHeads, trunk, hidden: torch.Tensor, tokens: torch.Tensor, detach: bool = False):
+    """Training forward of every head over a window: hidden (B, S, C) is the trunk's final hidden
+    state over tokens[:, :S] of tokens (B, S+1). Yields (j, out, leaf, targets) per head, 0-based
+    j: out (B, T, C) with T = S-1-j, and targets (B, T) = tokens[:, j+2:], the tokens it predicts.
+    Each head sees one position fewer than the one before: what it predicts must be in the window.
+
+    leaf is what the logits and the next head read: `out` itself, or with detach=True a detached
+    copy that collects their gradient, so a head's loss can be backpropagated in turn (the
+    memory-saving order in objectives.py); `hidden` is then expected to be such a leaf too."""
+    S = hidden.shape[1]
+    if S - heads.depth <= 0:
+        raise SpecdecError(f"a window of {S + 1} tokens is too short for {heads.depth} MTP heads: "
+                           "raise seq_len or lower the depth")
+    positions = torch.arange(S, device=hidden.device)[None].expand(hidden.shape[0], S)
+    ctx = heads.context(positions, hidden.dtype)
+    prev = hidden
+    for j in range(heads.depth):
+        T = S - 1 - j
+        head_ctx = Context(ctx.cos[:, :T], ctx.sin[:, :T], None, None, None, None)
+        out = heads.forward_head(j, trunk, prev[:, :T], tokens[:, j + 1:j + 1 + T], head_ctx)
+        leaf = out.detach().requires_grad_() if detach else out
+        yield j, out, leaf, tokens[:, j + 2:]
+        prev = heads.next_prev(hidden, leaf)
+
+
+# --- checkpoint ---------------------------------------------------------------------------
+
+def save_heads(heads: MTPHeads, path: str | Path, target_sha256: str, meta: dict | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the heads folder atomically. target_sha256: sha256 of the target's model.safetensors."""
+    path = Path(path)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    info = {**(meta or {}), "kind": heads.kind, "depth": heads.depth, "target_sha256": target_sha256,
+            "target_config": heads.config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
+            "parameters": sum(p.numel() for p in heads.parameters())}
+    with atomic_dir(path) as tmp:
+        save_file(state, tmp / HEADS_WEIGHTS, metadata={"format": "pt", "kind": heads.kind})
+        (tmp / HEADS_META).write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def read_heads_meta(path: str | Path) -> dict:
+    path = Path(path)
+    meta_file = path / HEADS_META
+    if not meta_file.exists():
+        if (path / CONFIG).exists():
+            raise SpecdecError(f"{path} is a model checkpoint ({CONFIG}, {WEIGHTS}), not MTP heads: pass it "
+                               "as a target or draft model")
+        raise SpecdecError(f"{path} is not an MTP heads folder (no {HEADS_META}); train heads with `specdec "
+                           "train --objective mtp-sequential --frozen-trunk TARGET`")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{meta_file} is not valid JSON ({e}); the heads folder is corrupt") from None
+    if meta.get("kind") not in HEAD_KINDS:
+        raise SpecdecError(f"{path} holds heads of kind {meta.get('kind')!r}, not MTP heads "
+                           f"({', '.join(HEAD_KINDS)}); load it with the proposer made for that kind")
+    return meta
+
+
+def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None = None) -> MTPHeads:
+    """Load the heads in `path` for the target checkpoint folder `target`; refuse heads trained
+    for any other target (compared by the sha256 of its model.safetensors)."""
+    path, target = Path(path), Path(target)
+    meta = read_heads_meta(path)
+    if not (target / WEIGHTS).exists():
+        raise SpecdecError(f"{target} has no {WEIGHTS}: pass the target's checkpoint folder")
+    actual = sha256(target / WEIGHTS)
+    if actual != meta["target_sha256"]:
+        raise SpecdecError(f"the MTP heads in {path} belong to the target with model.safetensors sha256 "
+                           f"{meta['target_sha256'][:16]}..., but {target} has {actual[:16]}...: train "
+                           "heads for this target, or pass the target they were trained for")
+    heads = build_heads(meta["kind"], LlamaConfig.from_dict(meta["target_config"]), meta["depth"])
+    try:
+        state = load_file(path / HEADS_WEIGHTS)
+    except FileNotFoundError:
+        raise SpecdecError(f"{path} has no {HEADS_WEIGHTS}") from None
+    except (SafetensorError, OSError) as e:
+        raise SpecdecError(f"{path / HEADS_WEIGHTS} is corrupt or truncated ({e}); retrain the heads") from None
+    try:
+        heads.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise SpecdecError(f"{path / HEADS_WEIGHTS} does not match {HEADS_META} ({str(e)[:300]})") from None
+    dtype = dtype or getattr(torch, meta.get("dtype", "float32"))
+    return heads.to(dtype).eval()
+
+
+def check_heads_fit(heads: MTPHeads, trunk) -> None:
+    """Heads fit a trunk only with the config they were built for (the same width, vocabulary,
+    attention shape); the checkpoint hash is checked by load_heads."""
+    if heads.config != trunk.config:
+        diff = {k: (v, getattr(trunk.config, k)) for k, v in heads.config.to_dict().items()
+                if getattr(trunk.config, k) != v}
+        raise SpecdecError(f"these MTP heads were built for another model (config differs: {diff})")
+    dtype = trunk.lm_head.weight.dtype
+    if next(heads.parameters()).dtype != dtype:
+        raise SpecdecError(f"the MTP heads are {next(heads.parameters()).dtype} but the target is {dtype}: "
+                           "load both in one dtype (load_heads(..., dtype=...))")

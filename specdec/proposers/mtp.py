@@ -1,0 +1,126 @@
+"""MTP heads as the draft ("native" or self-speculative decoding): the target's own MTP heads
+(heads.py) draft from the target's final hidden states, which the engine hands over.
+
+Alignment. The sequence is x_0..x_T (x_T the newest token, not yet in the target's cache), so the
+target's hidden states are known at positions 0..T-1, and h_{T-1} is the one that predicted x_T.
+Head j (0-based) at position t predicts x_{t+2+j}, so at position T-1 it drafts d_{j+1} = x_{T+1+j}:
+k heads draft k tokens per step, and asking for more is refused (see `start`).
+
+- parallel heads read only h_t: their KV caches hold final entries, one forward per head over the
+  positions committed since the last step;
+- sequential modules read x_{t+j+1} too: module j at position T-1 reads x_{T+j}, i.e. the draft
+  of module j-1, and in general its entries at positions after T-1-j read drafts. Each step
+  therefore recomputes a window of positions [F, T-1] with F = T - k (all heads share it), in
+  which module j reads the committed tokens and then the drafts d_1..d_j, as in training; after
+  verification the caches keep only the entries whose inputs were committed.
+
+Drafts are drawn from the heads' distributions after the same sampling transform as the target
+(sampling.probabilities), and those distributions are returned as draft_probs, so rejection
+sampling stays lossless and accepts well at temperature > 0 (greedy drafting at temperature > 0
+would be lossless too, but accepts only with probability target_probs[d]).
+
+Works at any batch size, with specdec's LlamaForCausalLM as the target (the heads share its
+embedding and lm_head).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decode import pad_right
+from ..errors import SpecdecError
+from ..heads import MTPHeads, check_heads_fit
+from ..kv_cache import KVCache
+from ..lm import next_positions
+from ..model import LlamaForCausalLM
+from ..sampling import SamplingConfig, probabilities, sample
+from .base import Outcome, Proposal
+
+
+@dataclass
+class MTPState:
+    sampling: SamplingConfig
+    k: int                # heads run per step (the first k)
+    cache: KVCache        # layer j: head j; lengths (B,): the window's first position F per row
+    hidden: torch.Tensor  # (B, W, C) target hidden states at positions F..T-1, right-padded
+    ahead: torch.Tensor   # (B, W) tokens x_{F+1}..x_T, aligned with `hidden`
+    lengths: torch.Tensor  # (B,) window length per row, T - F
+    written: int = 0      # window columns the last proposal wrote into the cache (0: it ran no head)
+
+
+class MTPProposer:
+    name = "mtp"
+
+    def __init__(self, heads: MTPHeads, target: LlamaForCausalLM):
+        if not isinstance(target, LlamaForCausalLM):
+            raise SpecdecError(f"MTP heads draft from specdec's own LlamaForCausalLM target, not "
+                               f"{type(target).__name__}")
+        check_heads_fit(heads, target)
+        self.heads, self.target = heads, target
+        self.vocab_size = target.config.vocab_size
+        self.context = target.config.max_position_embeddings
+
+    def start(self, prompts, prompt_hidden, sampling, max_len, k) -> MTPState:
+        if k > self.heads.depth:
+            raise SpecdecError(f"these {self.heads.kind} heads draft at most {self.heads.depth} tokens per step "
+                               f"(one per head), but k={k} was asked: use k <= {self.heads.depth}. (Reusing the "
+                               "last head for later positions, as some engines do, drafts tokens it was never "
+                               "trained to predict, so their acceptance would collapse.)")
+        cfg, B, dtype = self.target.config, len(prompts), self.target.lm_head.weight.dtype
+        ahead, lengths = pad_right([p[1:] for p in prompts])  # (B, P-1), (B,)
+        # positions written stay below max_len + the widest window after prefill (< 3 (k + 1))
+        cache = KVCache(k, B, cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1),
+                        dtype=dtype, device=prompt_hidden.device)
+        return MTPState(sampling, k, cache, prompt_hidden.to(dtype), ahead, lengths)
+
+    def propose(self, state: MTPState, limits, generator) -> Proposal:
+        B, m, W = limits.shape[0], int(limits.max()), state.hidden.shape[1]
+        state.written = 0
+        if m == 0 or W == 0:
+            return Proposal.empty(B)
+        heads, trunk, k = self.heads, self.target, state.k
+        ctx = heads.context(next_positions(state.cache, W, self.context), state.hidden.dtype, state.cache)
+        last = (state.lengths - 1).clamp(min=0)[:, None, None].expand(B, 1, state.hidden.shape[2])  # (B, 1, C)
+        ahead = torch.cat([state.ahead, state.ahead.new_zeros(B, k)], 1)  # (B, W+k): then drafts at lengths+j
+        prev, tokens, probs = state.hidden, [], []
+        for j in range(k):  # every head writes the window, even beyond m: they share the cache lengths
+            out = heads.forward_head(j, trunk, prev, ahead[:, j:j + W], ctx)  # (B, W, C)
+            p = probabilities(heads.logits(j, trunk, out.gather(1, last))[:, 0], state.sampling)  # (B, V)
+            token = p.argmax(-1) if state.sampling.greedy else sample(p, generator)  # (B,)
+            ahead.scatter_(1, (state.lengths + j)[:, None], token[:, None])
+            tokens.append(token)
+            probs.append(p)
+            prev = heads.next_prev(state.hidden, out)
+        state.cache.advance(W)
+        state.written = W
+        lengths = torch.where(state.lengths > 0, limits, 0)  # a one-token prompt has no hidden state yet
+        return Proposal(torch.stack(tokens, 1)[:, :m], lengths, torch.stack(probs, 1)[:, :m])
+
+    def observe(self, state: MTPState, outcome: Outcome) -> None:
+        first = state.cache.lengths - state.written              # (B,) F
+        end = first + state.lengths                              # (B,) T: the window's end
+        lookahead = state.k if self.heads.reads_ahead else 0
+        # keep entries whose inputs were all committed: every head at positions < T' - lookahead
+        # (accepted drafts equal the committed tokens); nothing is kept that was not written
+        keep_to = torch.minimum(end + outcome.counts - lookahead, end if state.written else first)
+        keep_to = torch.maximum(keep_to, first)
+        state.cache.rollback(keep_to)
+        drop = keep_to - first
+        state.hidden, lengths = _ragged_concat(state.hidden, state.lengths, drop, outcome.hidden, outcome.counts)
+        state.ahead, _ = _ragged_concat(state.ahead, state.lengths, drop, outcome.tokens, outcome.counts)
+        state.lengths = lengths
+
+
+def _ragged_concat(old: torch.Tensor, old_len: torch.Tensor, drop: torch.Tensor, new: torch.Tensor,
+                   new_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row b: old[b, drop[b]:old_len[b]] then new[b, :new_len[b]], left-aligned and right-padded.
+    old (B, W, ...), new (B, M, ...) -> (B, W', ...), lengths (B,)."""
+    keep = old_len - drop
+    total = keep + new_len
+    col = torch.arange(int(total.max()))[None]                                   # (1, W')
+    src = torch.where(col < keep[:, None], drop[:, None] + col, old.shape[1] + col - keep[:, None])
+    src = src.clamp(0, old.shape[1] + new.shape[1] - 1)                          # (B, W') padding: any
+    both = torch.cat([old, new.to(old.dtype)], 1)
+    index = src.view(*src.shape, *[1] * (both.dim() - 2)).expand(-1, -1, *both.shape[2:])
+    return both.gather(1, index), total

@@ -1,0 +1,175 @@
+"""The MTP proposer (proposers/mtp.py) through the engine: token-identical to the reference under
+greedy decoding for both head designs, every k up to the depth and batch 1 and 4; drafts that are
+exactly what the heads compute in training (teacher forcing) after any number of steps and
+rollbacks; the target's distribution under sampling (the engine's chi-square + TV test with
+40,000 samples, which fails when drafts are not drawn from the reported draft_probs); clear errors."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from specdec.decode import plain_generate
+from specdec.engine import speculative_generate
+from specdec.errors import SpecdecError
+from specdec.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
+from specdec.proposers import build_proposer, mtp
+from specdec.sampling import SamplingConfig, probabilities
+from specdec.stopping import StopRule
+from specdec.train.loop import init_weights
+from specdec.train.objectives import mtp_backward
+
+from . import test_engine_sampling as sampling_test
+from .spec_helpers import tiny_llama
+from .test_engine import GREEDY, PROMPTS, RULE, TARGET, assert_matches_reference
+
+DEPTH = 3
+
+
+@functools.cache
+def distilled(kind: str, target=TARGET, depth: int = DEPTH, steps: int = 60) -> MTPHeads:
+    """Heads trained briefly on the frozen target's own continuations (greedy and sampled), so
+    that they agree with it often but not always: both acceptance and rejection get exercised."""
+    g = torch.Generator().manual_seed(0)
+    V = target.config.vocab_size
+    prompts = torch.randint(0, V, (48, 3), generator=g).tolist()
+    data = []
+    for temperature in (0.0, 1.0):
+        rows, _ = plain_generate(target, prompts, StopRule(29), SamplingConfig(temperature), g)
+        data += [p + r.tokens for p, r in zip(prompts, rows)]
+    data = torch.tensor(data)  # (96, 32)
+    torch.manual_seed(1)
+    heads = build_heads(kind, target.config, depth)
+    init_weights(heads)
+    opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
+    frozen = copy.deepcopy(target).requires_grad_(False)  # the heads share its weights: same as the target's
+    for _ in range(steps):
+        mtp_backward(frozen, heads, data[torch.randint(0, len(data), (16,), generator=g)], [1.0] * depth, 1.0,
+                     train_trunk=False, memory_saving=True)
+        opt.step()
+        opt.zero_grad()
+    return heads.eval()
+
+
+def proposer(kind: str, target=TARGET):
+    return build_proposer("mtp", heads=distilled(kind, target), target=target)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("k", range(1, DEPTH + 1))
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_greedy_output_equals_reference(kind, k, batch):
+    groups = [PROMPTS] if batch == 4 else [[p] for p in PROMPTS]
+    for group in groups:
+        rows, metrics = speculative_generate(TARGET, proposer(kind), group, RULE, GREEDY, k)
+        for prompt, row in zip(group, rows):
+            assert_matches_reference(prompt, row.tokens)
+        assert metrics.emitted == sum(len(r.tokens) for r in rows)
+    if batch == 4:  # the distilled heads are neither useless nor perfect: both paths were taken
+        assert 0.1 < metrics.acceptance_rate < 1.0
+
+
+def test_prompts_up_to_the_end_of_the_context():
+    prompts = [[(7 * i) % 64 for i in range(60)], [(11 * i + 3) % 64 for i in range(58)], [1, 2], [9]]
+    rule = StopRule(max_new_tokens=5)
+    for kind in HEAD_KINDS:
+        rows, _ = speculative_generate(TARGET, proposer(kind), prompts, rule, GREEDY, DEPTH)
+        for prompt, row in zip(prompts, rows):
+            assert_matches_reference(prompt, row.tokens, rule)
+            assert len(row.tokens) == 5
+
+
+class Recorder:
+    """Delegates to a proposer and remembers every proposal with the sequences it was made for."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.vocab_size = inner, inner.name, inner.vocab_size
+        self.log = []
+
+    def start(self, prompts, prompt_hidden, sampling, max_len, k):
+        self.sequences = [list(p) for p in prompts]
+        return self.inner.start(prompts, prompt_hidden, sampling, max_len, k)
+
+    def propose(self, state, limits, generator):
+        proposal = self.inner.propose(state, limits, generator)
+        self.log.append(([list(s) for s in self.sequences], proposal))
+        return proposal
+
+    def observe(self, state, outcome):
+        for b, seq in enumerate(self.sequences):
+            seq.extend(outcome.tokens[b, :outcome.counts[b]].tolist())
+        self.inner.observe(state, outcome)
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_drafts_are_what_the_heads_compute_in_training(kind):
+    """After every step and rollback, draft j's distribution equals head j's teacher-forced
+    distribution at the last committed position, over the sequence followed by the drafts
+    before it: the cached, incremental drafting computes exactly the training forward."""
+    sampling = SamplingConfig(temperature=1.0)
+    recorder = Recorder(proposer(kind))
+    prompts = [PROMPTS[1], PROMPTS[2], [4, 9], [3, 3, 3, 3, 3, 3]]
+    speculative_generate(TARGET, recorder, prompts, StopRule(20), sampling, DEPTH, torch.Generator().manual_seed(3))
+    heads, checked = distilled(kind), 0
+    for sequences, proposal in recorder.log:
+        for b, seq in enumerate(sequences):
+            n = int(proposal.lengths[b])
+            if n == 0:
+                continue
+            window = torch.tensor([seq + proposal.tokens[b].tolist() + [0] * DEPTH])
+            with torch.no_grad():
+                hidden = TARGET(window[:, :-1]).hidden
+                for j, out, _, _ in teacher_forced(heads, TARGET, hidden, window):
+                    if j < n:
+                        expected = probabilities(heads.logits(j, TARGET, out[:, len(seq) - 2]), sampling)[0]
+                        torch.testing.assert_close(proposal.draft_probs[b, j], expected, atol=2e-5, rtol=1e-4)
+                        checked += 1
+    assert checked > 50
+
+
+# ---- sampling: the engine's distribution test (tests/test_engine_sampling.py) ----
+
+SAMPLING_TARGET = sampling_test.TARGET  # vocab 16
+CONFIGS = [("mtp-sequential", "T=0.7,top-k=8,top-p=0.9", 3), ("mtp-parallel", "T=1", 2)]
+SAMPLES = 40_000
+
+
+def counts_for(kind: str, setting: str, k: int, monkeypatch):
+    """The engine test's sampler with N = SAMPLES draws (its bounds are computed for any N)."""
+    monkeypatch.setitem(sampling_test.PROPOSERS, kind, lambda: proposer(kind, SAMPLING_TARGET))
+    monkeypatch.setattr(sampling_test, "N", SAMPLES)
+    return sampling_test.speculative_counts(kind, sampling_test.SETTINGS[setting], k)
+
+
+@pytest.mark.parametrize("kind,setting,k", CONFIGS)
+def test_speculative_sampling_matches_the_target_distribution(kind, setting, k, monkeypatch):
+    counts, metrics = counts_for(kind, setting, k, monkeypatch)
+    result = sampling_test.distribution_test(counts, sampling_test.exact_joint(sampling_test.SETTINGS[setting]))
+    print(f"\n{kind} {setting} k={k}: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f}) "
+          f"alpha={metrics.acceptance_rate:.3f} tau={metrics.mean_acceptance_length:.3f}")
+    assert sampling_test.passes(result), result
+    assert metrics.accepted > 0.1 * SAMPLES  # drafts were really accepted
+
+
+def test_the_distribution_test_fails_when_drafts_are_not_drawn_from_draft_probs(monkeypatch):
+    """A proposer bug, not a verifier bug: drafting the heads' argmax while reporting their
+    distribution as draft_probs (greedy drafts are lossless only with one-hot draft_probs)."""
+    monkeypatch.setattr(mtp, "sample", lambda probs, generator: probs.argmax(-1))
+    kind, setting, k = CONFIGS[0]
+    counts, _ = counts_for(kind, setting, k, monkeypatch)
+    result = sampling_test.distribution_test(counts, sampling_test.exact_joint(sampling_test.SETTINGS[setting]))
+    print(f"\nwrong drafts: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
+    assert not sampling_test.passes(result), result
+
+
+# ---- errors ----
+
+def test_k_beyond_the_heads_is_refused_and_heads_must_fit():
+    with pytest.raises(SpecdecError, match=f"at most {DEPTH} tokens per step .* use k <= {DEPTH}"):
+        speculative_generate(TARGET, proposer("mtp-sequential"), PROMPTS, RULE, GREEDY, DEPTH + 1)
+    with pytest.raises(SpecdecError, match="built for another model"):
+        build_proposer("mtp", heads=distilled("mtp-parallel"), target=tiny_llama(0, hidden=64))
+    with pytest.raises(SpecdecError, match="specdec's own LlamaForCausalLM"):
+        build_proposer("mtp", heads=distilled("mtp-parallel"), target=torch.nn.Linear(4, 4))
