@@ -2,7 +2,7 @@
 greedy decoding for both head designs, every k up to the depth and batch 1 and 4; drafts that are
 exactly what the heads compute in training (teacher forcing) after any number of steps and
 rollbacks; the target's distribution under sampling (the engine's chi-square + TV test with
-40,000 samples, which fails when drafts are not drawn from the reported draft_probs); clear errors."""
+100,000 samples, which fails when drafts are not drawn from the reported draft_probs); clear errors."""
 from __future__ import annotations
 
 import copy
@@ -16,6 +16,7 @@ from specdec.engine import speculative_generate
 from specdec.errors import SpecdecError
 from specdec.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
 from specdec.proposers import build_proposer, mtp
+from specdec.reference import reference_generate
 from specdec.sampling import SamplingConfig, probabilities
 from specdec.stopping import StopRule
 from specdec.train.loop import init_weights
@@ -23,7 +24,7 @@ from specdec.train.objectives import mtp_backward
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import tiny_llama
-from .test_engine import GREEDY, PROMPTS, RULE, TARGET, assert_matches_reference
+from .test_engine import GREEDY, PROMPTS, RULE, TARGET, assert_matches_reference, reference
 
 DEPTH = 3
 
@@ -81,6 +82,26 @@ def test_prompts_up_to_the_end_of_the_context():
             assert len(row.tokens) == 5
 
 
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_eos_stop_strings_and_max_new_tokens_inside_accepted_runs(kind):
+    """Every token of the reference output in turn is made the EOS token, then a stop string, and
+    max_new_tokens runs below k: each row ends exactly where the reference ends, also when the
+    stop falls inside a run of accepted drafts (counted: some drafts accepted past the stop)."""
+    decode = lambda ids: "".join(chr(65 + i) for i in ids)  # noqa: E731 - one letter per token
+    cut_inside_run = 0
+    ref = reference(tuple(PROMPTS[2]))
+    rules = [StopRule(24, eos_id=t) for t in ref[2:12]]
+    rules += [StopRule(24, stop_strings=(decode(ref[j:j + 2]),), decode=decode) for j in range(2, 12)]
+    rules += [StopRule(n) for n in (1, 2)]
+    for rule in rules:
+        rows, metrics = speculative_generate(TARGET, proposer(kind), PROMPTS, rule, GREEDY, DEPTH)
+        for prompt, row in zip(PROMPTS, rows):
+            expected = reference_generate(TARGET, prompt, rule, GREEDY)
+            assert (row.tokens, row.finish_reason) == (expected.tokens, expected.finish_reason)
+        cut_inside_run += metrics.accepted + metrics.steps > metrics.emitted
+    assert cut_inside_run > 0
+
+
 class Recorder:
     """Delegates to a proposer and remembers every proposal with the sequences it was made for."""
 
@@ -133,7 +154,7 @@ def test_drafts_are_what_the_heads_compute_in_training(kind):
 
 SAMPLING_TARGET = sampling_test.TARGET  # vocab 16
 CONFIGS = [("mtp-sequential", "T=0.7,top-k=8,top-p=0.9", 3), ("mtp-parallel", "T=1", 2)]
-SAMPLES = 40_000
+SAMPLES = 100_000  # as in the engine's test
 
 
 def counts_for(kind: str, setting: str, k: int, monkeypatch):
