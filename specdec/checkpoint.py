@@ -90,8 +90,8 @@ def read_config(path: str | Path) -> dict:
         return json.loads((path / CONFIG).read_text())
     except FileNotFoundError:
         if (path / "heads.json").exists():
-            raise SpecdecError(f"{path} holds MTP heads, not a model: they draft for the target they were "
-                               "trained on (`--draft mtp --heads PATH`)") from None
+            raise SpecdecError(f"{path} holds draft heads (heads.json), not a model: they draft for the target "
+                               "they were trained on (MTP heads: `--draft mtp --heads PATH`)") from None
         raise SpecdecError(f"{path} has no {CONFIG}: it is not a specdec/transformers checkpoint") from None
     except json.JSONDecodeError as e:
         raise SpecdecError(f"{path / CONFIG} is not valid JSON ({e}); the checkpoint is corrupt, re-save or retrain it") from None

@@ -72,7 +72,8 @@ def make_proposer(args, target):
     if args.draft == "draft-model":
         return build_proposer("draft-model", model=load_draft_model(target, args.draft_model).model)
     if args.draft == "mtp":
-        return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model)
+        return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
+                              draft_vocab=args.draft_vocab)
     return build_proposer("ngram", max_n=args.ngram_max, min_n=args.ngram_min)
 
 
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "target's own MTP heads)")
     g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     g.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
+    g.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="--draft mtp: draft over the N token ids most frequent in the heads' training tokens "
+                        "(cheaper heads; lossless; default: the full vocabulary)")
     g.add_argument("-k", type=int, help="draft tokens proposed per step (default: 4; for mtp, one per head)")
     g.add_argument("--ngram-max", type=int, default=3, help="longest n-gram matched (ngram proposer)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (ngram proposer)")

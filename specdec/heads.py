@@ -39,6 +39,7 @@ from .kv_cache import KVCache
 from .model import DecoderLayer, LlamaConfig, RMSNorm, attention_mask_for, inverse_frequencies, rotary
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
+TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
 
 
 class Context(NamedTuple):
@@ -62,6 +63,9 @@ class MTPHeads(nn.Module):
         if depth < 1:
             raise SpecdecError(f"MTP needs at least one head (depth >= 1), got {depth}")
         self.config, self.depth = config, depth
+        # how often each token id occurred in the heads' training tokens (None: not recorded);
+        # a proposer may draft over the most frequent ones only (proposers/mtp.py, draft_vocab)
+        self.token_counts: torch.Tensor | None = None
         self.blocks = nn.ModuleList(DecoderLayer(config) for _ in range(depth))
         # derived from the config, not a weight (as in the trunk)
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
@@ -88,6 +92,10 @@ class MTPHeads(nn.Module):
 
     def logits(self, j: int, trunk, out: torch.Tensor) -> torch.Tensor:
         """(B, T, C) head output -> (B, T, V) logits through the shared lm_head."""
+        return trunk.lm_head(self.normed(j, trunk, out))
+
+    def normed(self, j: int, trunk, out: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) head output -> (B, T, C) the normalised state the lm_head reads."""
         raise NotImplementedError
 
     def next_prev(self, trunk_hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -103,8 +111,8 @@ class ParallelHeads(MTPHeads):
     def head_input(self, j, trunk, prev, ahead):
         return prev
 
-    def logits(self, j, trunk, out):
-        return trunk.lm_head(trunk.model.norm(out))
+    def normed(self, j, trunk, out):
+        return trunk.model.norm(out)
 
     def next_prev(self, trunk_hidden, out):
         return trunk_hidden
@@ -128,8 +136,8 @@ class SequentialHeads(MTPHeads):
         embedded = trunk.model.embed_tokens(ahead)  # (B, T, C)
         return self.projections[j](torch.cat([self.hidden_norms[j](prev), self.embed_norms[j](embedded)], -1))
 
-    def logits(self, j, trunk, out):
-        return trunk.lm_head(self.output_norms[j](out))
+    def normed(self, j, trunk, out):
+        return self.output_norms[j](out)
 
     def next_prev(self, trunk_hidden, out):
         return out
@@ -175,10 +183,14 @@ def save_heads(heads: MTPHeads, path: str | Path, target_sha256: str, meta: dict
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the heads folder atomically. target_sha256: sha256 of the target's model.safetensors."""
     path = Path(path)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
     info = {**(meta or {}), "kind": heads.kind, "depth": heads.depth, "target_sha256": target_sha256,
             "target_config": heads.config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
             "parameters": sum(p.numel() for p in heads.parameters())}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+    if heads.token_counts is not None:
+        state[TOKEN_COUNTS] = heads.token_counts.to(torch.int64).contiguous()
+        info[TOKEN_COUNTS] = (f"in {HEADS_WEIGHTS}: occurrences of each token id in the "
+                              f"{int(heads.token_counts.sum())} training tokens")
     with atomic_dir(path) as tmp:
         save_file(state, tmp / HEADS_WEIGHTS, metadata={"format": "pt", "kind": heads.kind})
         (tmp / HEADS_META).write_text(json.dumps(info, indent=2) + "\n")
@@ -223,6 +235,7 @@ def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None =
         raise SpecdecError(f"{path} has no {HEADS_WEIGHTS}") from None
     except (SafetensorError, OSError) as e:
         raise SpecdecError(f"{path / HEADS_WEIGHTS} is corrupt or truncated ({e}); retrain the heads") from None
+    heads.token_counts = state.pop(TOKEN_COUNTS, None)
     try:
         heads.load_state_dict(state, strict=True)
     except RuntimeError as e:

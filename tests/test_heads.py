@@ -97,6 +97,7 @@ def target_dir(tmp_path, tokenizer_file):
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 def test_heads_round_trip_for_their_target(tmp_path, target_dir, kind):
     _, heads = trunk_and_heads(kind, depth=2, cfg=TINY)
+    heads.token_counts = torch.arange(TINY.vocab_size)
     path = save_heads(heads, tmp_path / "heads", sha256(target_dir / "model.safetensors"), meta={"note": "x"},
                       dtype=torch.float32)
     meta = json.loads((path / "heads.json").read_text())
@@ -104,6 +105,7 @@ def test_heads_round_trip_for_their_target(tmp_path, target_dir, kind):
     assert meta["target_sha256"] == sha256(target_dir / "model.safetensors")
     loaded = load_heads(path, target_dir)
     assert type(loaded) is type(heads) and loaded.depth == 2
+    assert torch.equal(loaded.token_counts, torch.arange(TINY.vocab_size))
     assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), loaded.state_dict().values()))
     assert next(load_heads(path, target_dir, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
 
@@ -114,7 +116,7 @@ def test_heads_refuse_another_target_and_are_never_a_model(tmp_path, target_dir,
     other = save_model(tiny_model(seed=5), tmp_path / "other", tokenizer_file=tokenizer_file, dtype=torch.float32)
     with pytest.raises(SpecdecError, match="belong to the target with model.safetensors sha256"):
         load_heads(path, other)
-    with pytest.raises(SpecdecError, match="not a specdec/transformers checkpoint"):
+    with pytest.raises(SpecdecError, match="holds draft heads .heads.json., not a model"):
         load_model(path)  # a heads folder loaded as a draft model or target
     with pytest.raises(SpecdecError, match="is a model checkpoint"):
         load_heads(target_dir, target_dir)  # a model loaded as heads

@@ -51,11 +51,12 @@ def distilled(kind: str, target=TARGET, depth: int = DEPTH, steps: int = 60) -> 
                      train_trunk=False, memory_saving=True)
         opt.step()
         opt.zero_grad()
+    heads.token_counts = torch.bincount(data.flatten(), minlength=V)  # as training records them
     return heads.eval()
 
 
-def proposer(kind: str, target=TARGET):
-    return build_proposer("mtp", heads=distilled(kind, target), target=target)
+def proposer(kind: str, target=TARGET, draft_vocab: int | None = None):
+    return build_proposer("mtp", heads=distilled(kind, target), target=target, draft_vocab=draft_vocab)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -70,6 +71,23 @@ def test_greedy_output_equals_reference(kind, k, batch):
         assert metrics.emitted == sum(len(r.tokens) for r in rows)
     if batch == 4:  # the distilled heads are neither useless nor perfect: both paths were taken
         assert 0.1 < metrics.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens(kind):
+    """Drafting over the 24 most frequent of 64 token ids: output still equals the reference; every
+    draft is one of those ids, and some target tokens fall outside them (so drafts were lost)."""
+    p = proposer(kind, draft_vocab=24)
+    allowed = set(p.draft_ids.tolist())
+    assert len(allowed) == 24 and allowed == set(distilled(kind).token_counts.topk(24).indices.tolist())
+    recorder = Recorder(p)
+    rows, metrics = speculative_generate(TARGET, recorder, PROMPTS, RULE, GREEDY, DEPTH)
+    for prompt, row in zip(PROMPTS, rows):
+        assert_matches_reference(prompt, row.tokens)
+    drafted = {t for _, proposal in recorder.log for b in range(len(PROMPTS))
+               for t in proposal.tokens[b, :proposal.lengths[b]].tolist()}
+    assert drafted <= allowed and metrics.accepted > 0
+    assert any(t not in allowed for row in rows for t in row.tokens)
 
 
 def test_prompts_up_to_the_end_of_the_context():
@@ -153,20 +171,21 @@ def test_drafts_are_what_the_heads_compute_in_training(kind):
 # ---- sampling: the engine's distribution test (tests/test_engine_sampling.py) ----
 
 SAMPLING_TARGET = sampling_test.TARGET  # vocab 16
-CONFIGS = [("mtp-sequential", "T=0.7,top-k=8,top-p=0.9", 3), ("mtp-parallel", "T=1", 2)]
+CONFIGS = [("mtp-sequential", "T=0.7,top-k=8,top-p=0.9", 3, None), ("mtp-parallel", "T=1", 2, None),
+           ("mtp-sequential", "T=1", 2, 6)]  # the last drafts over 6 of the 16 token ids
 SAMPLES = 100_000  # as in the engine's test
 
 
-def counts_for(kind: str, setting: str, k: int, monkeypatch):
+def counts_for(kind: str, setting: str, k: int, monkeypatch, draft_vocab: int | None = None):
     """The engine test's sampler with N = SAMPLES draws (its bounds are computed for any N)."""
-    monkeypatch.setitem(sampling_test.PROPOSERS, kind, lambda: proposer(kind, SAMPLING_TARGET))
+    monkeypatch.setitem(sampling_test.PROPOSERS, kind, lambda: proposer(kind, SAMPLING_TARGET, draft_vocab))
     monkeypatch.setattr(sampling_test, "N", SAMPLES)
     return sampling_test.speculative_counts(kind, sampling_test.SETTINGS[setting], k)
 
 
-@pytest.mark.parametrize("kind,setting,k", CONFIGS)
-def test_speculative_sampling_matches_the_target_distribution(kind, setting, k, monkeypatch):
-    counts, metrics = counts_for(kind, setting, k, monkeypatch)
+@pytest.mark.parametrize("kind,setting,k,draft_vocab", CONFIGS)
+def test_speculative_sampling_matches_the_target_distribution(kind, setting, k, draft_vocab, monkeypatch):
+    counts, metrics = counts_for(kind, setting, k, monkeypatch, draft_vocab)
     result = sampling_test.distribution_test(counts, sampling_test.exact_joint(sampling_test.SETTINGS[setting]))
     print(f"\n{kind} {setting} k={k}: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f}) "
           f"alpha={metrics.acceptance_rate:.3f} tau={metrics.mean_acceptance_length:.3f}")
@@ -178,7 +197,7 @@ def test_the_distribution_test_fails_when_drafts_are_not_drawn_from_draft_probs(
     """A proposer bug, not a verifier bug: drafting the heads' argmax while reporting their
     distribution as draft_probs (greedy drafts are lossless only with one-hot draft_probs)."""
     monkeypatch.setattr(mtp, "sample", lambda probs, generator: probs.argmax(-1))
-    kind, setting, k = CONFIGS[0]
+    kind, setting, k, _ = CONFIGS[0]
     counts, _ = counts_for(kind, setting, k, monkeypatch)
     result = sampling_test.distribution_test(counts, sampling_test.exact_joint(sampling_test.SETTINGS[setting]))
     print(f"\nwrong drafts: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
@@ -194,3 +213,8 @@ def test_k_beyond_the_heads_is_refused_and_heads_must_fit():
         build_proposer("mtp", heads=distilled("mtp-parallel"), target=tiny_llama(0, hidden=64))
     with pytest.raises(SpecdecError, match="specdec's own LlamaForCausalLM"):
         build_proposer("mtp", heads=distilled("mtp-parallel"), target=torch.nn.Linear(4, 4))
+    with pytest.raises(SpecdecError, match="draft_vocab must be >= 1"):
+        proposer("mtp-parallel", draft_vocab=0)
+    uncounted = build_heads("mtp-parallel", TARGET.config, 1)
+    with pytest.raises(SpecdecError, match="saved without their training token counts"):
+        build_proposer("mtp", heads=uncounted, target=TARGET, draft_vocab=8)

@@ -92,6 +92,8 @@ def test_heads_on_a_frozen_trunk_train_alone(tmp_path, pretrained):
     assert all(torch.equal(a[k], b[k]) for k in a)
     meta = json.loads((heads_dir / "heads.json").read_text())
     assert meta["target_sha256"] == before and meta["trunk"] == "frozen"
+    train_tokens = load_heads(heads_dir, pretrained).token_counts  # what drafting over a draft vocabulary reads
+    assert int(train_tokens.sum()) == meta["corpus"]["tokens"]["train"]
     history = meta["history"]
     assert len({loss for _, loss in history["valid"]}) == 1  # the trunk's next-token loss never moves
     assert [s for s, _ in history["valid_heads"]] == [4, 8] and len(meta["final_valid_head_losses"]) == 2
@@ -152,6 +154,6 @@ def test_cli_trains_heads_on_a_frozen_trunk_and_drafts_with_them(capsys, tmp_pat
     assert spec["tokens"] == plain["tokens"] and spec["stats"]["method"] == "mtp"
     assert len(spec["stats"]["accepted_per_position"]) == 2  # k defaults to one draft per head
     code, _, err = run_cli(capsys, *base, "--draft", "draft-model", "--draft-model", str(heads))
-    assert code == 2 and "holds MTP heads, not a model" in err
+    assert code == 2 and "holds draft heads (heads.json), not a model" in err
     code, _, err = run_cli(capsys, *base, "--draft", "mtp", "--heads", str(heads), "-k", "3")
     assert code == 2 and "at most 2 tokens per step" in err

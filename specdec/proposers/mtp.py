@@ -19,6 +19,13 @@ Drafts are drawn from the heads' distributions after the same sampling transform
 sampling stays lossless and accepts well at temperature > 0 (greedy drafting at temperature > 0
 would be lossless too, but accepts only with probability target_probs[d]).
 
+Draft vocabulary. Unembedding is most of a head's cost here (the lm_head has V x C weights, a
+head's transformer layer about 5 C^2). With `draft_vocab=N`, heads draft over only the N token
+ids most frequent in their training tokens (their lm_head rows, gathered once): the draft
+distribution is zero elsewhere, which rejection sampling handles like any other draft
+distribution, so the output stays lossless; only drafts the target would have picked outside
+those N tokens are lost, and acceptance tells how many.
+
 Works at any batch size, with specdec's LlamaForCausalLM as the target (the heads share its
 embedding and lm_head).
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..decode import pad_right
 from ..errors import SpecdecError
@@ -52,14 +60,25 @@ class MTPState:
 class MTPProposer:
     name = "mtp"
 
-    def __init__(self, heads: MTPHeads, target: LlamaForCausalLM):
+    def __init__(self, heads: MTPHeads, target: LlamaForCausalLM, draft_vocab: int | None = None):
         if not isinstance(target, LlamaForCausalLM):
             raise SpecdecError(f"MTP heads draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
         check_heads_fit(heads, target)
         self.heads, self.target = heads, target
-        self.vocab_size = target.config.vocab_size
+        self.vocab_size = V = target.config.vocab_size
         self.context = target.config.max_position_embeddings
+        self.draft_ids = None  # (N,) the token ids drafted over; None: all V
+        if draft_vocab is not None and draft_vocab < V:
+            if draft_vocab < 1:
+                raise SpecdecError(f"draft_vocab must be >= 1 token, got {draft_vocab}")
+            if heads.token_counts is None:
+                raise SpecdecError("these MTP heads were saved without their training token counts, so no "
+                                   "draft vocabulary can be chosen: draft over the full vocabulary, or retrain "
+                                   "the heads with this version of specdec")
+            self.draft_ids = heads.token_counts.topk(draft_vocab).indices.sort().values
+        weight = target.lm_head.weight
+        self.unembedding = weight if self.draft_ids is None else weight[self.draft_ids].contiguous()  # (N, C)
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k) -> MTPState:
         if k > self.heads.depth:
@@ -86,8 +105,7 @@ class MTPProposer:
         prev, tokens, probs = state.hidden, [], []
         for j in range(k):  # every head writes the window, even beyond m: they share the cache lengths
             out = heads.forward_head(j, trunk, prev, ahead[:, j:j + W], ctx)  # (B, W, C)
-            p = probabilities(heads.logits(j, trunk, out.gather(1, last))[:, 0], state.sampling)  # (B, V)
-            token = p.argmax(-1) if state.sampling.greedy else sample(p, generator)  # (B,)
+            p, token = self.draft(heads.normed(j, trunk, out.gather(1, last))[:, 0], state.sampling, generator)
             ahead.scatter_(1, (state.lengths + j)[:, None], token[:, None])
             tokens.append(token)
             probs.append(p)
@@ -96,6 +114,16 @@ class MTPProposer:
         state.written = W
         lengths = torch.where(state.lengths > 0, limits, 0)  # a one-token prompt has no hidden state yet
         return Proposal(torch.stack(tokens, 1)[:, :m], lengths, torch.stack(probs, 1)[:, :m])
+
+    def draft(self, normed: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """normed (B, C) -> the draft distribution over the full vocabulary (B, V) and a token drawn
+        from it (B,), the argmax when greedy."""
+        p = probabilities(F.linear(normed, self.unembedding), sampling)  # (B, N)
+        token = p.argmax(-1) if sampling.greedy else sample(p, generator)
+        if self.draft_ids is None:
+            return p, token
+        full = p.new_zeros(p.shape[0], self.vocab_size).index_copy_(1, self.draft_ids, p)
+        return full, self.draft_ids[token]
 
     def observe(self, state: MTPState, outcome: Outcome) -> None:
         first = state.cache.lengths - state.written              # (B,) F

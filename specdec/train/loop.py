@@ -368,6 +368,7 @@ def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: d
         target_sha256 = sha256(run.out / "model" / WEIGHTS)
     if heads is not None:
         valid_heads = history["valid_heads"][-1][1] if history.get("valid_heads") else None
+        heads.token_counts = torch.from_numpy(np.bincount(run.tokens("train"), minlength=cfg.model.vocab_size))
         save_heads(heads, run.out / "heads", target_sha256, meta={
             **meta, "kind": heads.kind, "trunk": "frozen" if cfg.frozen_trunk else "trained jointly",
             "target": cfg.frozen_trunk or str(run.out / "model"),
