@@ -9,9 +9,18 @@ This module knows nothing about attention or models; it only stores and indexes.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .errors import SpecdecError
+
+
+class Slots(NamedTuple):
+    """Where a forward's T new entries go: row b's go to slots index[b] of the layer tensors."""
+    rows: torch.Tensor       # (B, 1)
+    index: torch.Tensor      # (B, T)
+    start: int | None        # the common first slot when every row has the same length, else None
 
 
 class KVCache:
@@ -27,22 +36,29 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def slots(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index pair (rows (B, 1), slots (B, T)) where the next `num_new` tokens of each row go."""
-        needed = int(self.lengths.max()) + num_new
+    def slots(self, num_new: int) -> Slots:
+        """Where the next `num_new` tokens of each row go."""
+        shortest, longest = (int(n) for n in self.lengths.aminmax())
+        needed = longest + num_new
         if needed > self.max_len:
             raise SpecdecError(
                 f"KV cache overflow: {needed} positions needed but the cache holds {self.max_len}. "
                 "Shorten the prompt or max_new_tokens, or allocate a larger cache (<= the model's context).")
         rows = torch.arange(self.batch_size, device=self.lengths.device)[:, None]
-        return rows, self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+        index = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
+        return Slots(rows, index, shortest if shortest == longest else None)
 
-    def write(self, layer: int, slots: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-              span: int):
+    def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor, span: int):
         """Store k, v (B, T, H_kv, D) at `slots`; return the layer's first `span` slots (B, H_kv, S, D)."""
-        # advanced indices split by a slice put the indexed dims first: the target is (B, T, H_kv, D)
-        self.k[layer][slots[0], :, slots[1]] = k
-        self.v[layer][slots[0], :, slots[1]] = v
+        if slots.start is not None:
+            # one strided copy instead of an index_put (the common case: batch 1, or equal lengths)
+            stop = slots.start + k.shape[1]
+            self.k[layer][:, :, slots.start:stop] = k.transpose(1, 2)
+            self.v[layer][:, :, slots.start:stop] = v.transpose(1, 2)
+        else:
+            # advanced indices split by a slice put the indexed dims first: the target is (B, T, H_kv, D)
+            self.k[layer][slots.rows, :, slots.index] = k
+            self.v[layer][slots.rows, :, slots.index] = v
         return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
 
     def advance(self, num_new: int) -> None:
