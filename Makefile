@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine:
-#   make run    the main job on the shipped default models
+#   make run    the main job: specdec bench --quick on the shipped models (a few minutes)
 #   make test   the whole test suite
 # Both build .venv first (torch pinned to the CPU build 2.13.0; any other torch request pulls CUDA).
 VENV := .venv
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: run test
 run: $(VENV)/.installed
-	$(VENV)/bin/specdec generate --humaneval 0 --max-new-tokens 128
+	$(VENV)/bin/specdec bench --quick
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

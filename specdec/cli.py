@@ -77,30 +77,102 @@ def make_proposer(args, target):
     return build_proposer("ngram", max_n=args.ngram_max, min_n=args.ngram_min)
 
 
-def cmd_bench(args) -> None:
+DTYPES = ("stored", "float32", "bfloat16")
+
+
+def torch_dtype(name: str):
     import torch
+    return {"stored": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
-    from .bench.plain import bench_plain, format_plain
-    from .bench.spec import bench_spec, format_spec
 
-    dtype = {"stored": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+def cmd_bench(args) -> None:
     if args.mode == "plain":
-        result = bench_plain(args.model, n_prompts=args.prompts, repeats=args.repeats,
-                             max_new_tokens=args.max_new_tokens, dtype=dtype)
+        from .bench.plain import bench_plain, format_plain
+
+        result = bench_plain(args.model, n_prompts=args.prompts or 10, repeats=args.repeats or 5,
+                             max_new_tokens=args.max_new_tokens or 128, dtype=torch_dtype(args.dtype))
         print(format_plain(result))
-        summary = {"speedup_vs_transformers": result["speedup_vs_transformers"],
-                   "bandwidth_fraction": result["bandwidth_fraction"]}
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "plain.json").write_text(json.dumps(result, indent=1))
+        return
+    from .bench.report import console_report, write_report
+    from .bench.runner import run_bench
+
+    result = run_bench(bench_plan(args), args.model, args.draft_model, args.heads, torch_dtype(args.dtype),
+                       command=["specdec", *sys.argv[1:]])
+    out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
+    print(console_report(result, out))
+
+
+def bench_plan(args):
+    """The quick or the full plan, or the grid the sweep options name; other options override."""
+    from .bench.runner import full_plan, grid_plan, quick_plan
+
+    if any(v is not None for v in (args.workloads, args.ks, args.temperatures, args.batch_sizes)):
+        plan = grid_plan(args.workloads or ["humaneval"], args.ks or [2], args.temperatures or [0.0],
+                         args.batch_sizes or [1], args.prompts or 4, peers=not args.no_peers)
     else:
-        result = bench_spec(args.model, args.draft_model, n_prompts=args.prompts, repeats=args.repeats,
-                            max_new_tokens=args.max_new_tokens, ks=tuple(args.ks), methods=tuple(args.methods),
-                            peers=not args.no_peers, temperature=args.temperature, batch_size=args.batch_size,
-                            dtype=dtype)
-        print(format_spec(result))
-        summary = {f"{x['method']} k={x['k']}": round(x["speedup_vs_plain"], 3) for x in result["results"]}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(summary))
+        plan = quick_plan() if args.quick else full_plan()
+    changes = {"cells": tuple(dataclasses.replace(c, prompts=args.prompts or c.prompts,
+                                                  peer_k=None if args.no_peers else c.peer_k) for c in plan.cells)}
+    for name in ("methods", "repeats", "max_new_tokens"):
+        value = getattr(args, name)
+        if value is not None:
+            changes[name] = tuple(value) if name == "methods" else value
+    if args.no_moe:
+        changes["moe"] = None
+    return dataclasses.replace(plan, **changes)
+
+
+def cmd_simulate(args) -> None:
+    from .costmodel import (VerifyCurve, break_even_alpha, expected_tokens, moe_curve,
+                            predicted_speedup)
+
+    if (args.alpha is None) == (args.alpha_per_position is None):
+        raise SpecdecError("give exactly one of --alpha A (i.i.d. acceptance, with --ks) or "
+                           "--alpha-per-position A1 A2 ... (measured α_i; k is their count)")
+    if args.verify_ms is not None:
+        tokens = args.verify_tokens or list(range(1, len(args.verify_ms) + 1))
+        if len(tokens) != len(args.verify_ms):
+            raise SpecdecError(f"--verify-tokens has {len(tokens)} values but --verify-ms {len(args.verify_ms)}")
+        curve = VerifyCurve({n: ms / 1000 for n, ms in zip(tokens, args.verify_ms)})
+        source = "the verify curve given on the command line (target and hardware: unknown)"
+    else:
+        from .api import load
+        from .bench.conditions import hardware
+        from .bench.verify_cost import measure_verify_curve
+
+        target = load(args.model, dtype=torch_dtype(args.dtype))
+        ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
+        curve = measure_verify_curve(target.model, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
+        h = hardware()
+        source = (f"the verify curve of target {target.path.name} "
+                  f"({str(target.model.lm_head.weight.dtype).removeprefix('torch.')}) measured now on "
+                  f"{h['cpu']}, {h['threads']} threads")
+    if args.moe_experts is not None:
+        curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)
+        source += (f", as an MoE target ({args.moe_experts} experts, top-{args.moe_top_k}, expert bytes "
+                   f"{args.expert_fraction:.0%} of a 1-token forward)")
+    cases = ([(len(args.alpha_per_position), list(args.alpha_per_position))] if args.alpha_per_position
+             else [(k, [args.alpha] * k) for k in args.ks])
+    print("| k | E (tokens per step) | t_verify(B(k+1)) / t_verify(B) | draft / t_verify(B) | predicted speedup | "
+          "S_limit (free draft) | break-even α |")
+    print("|---|---|---|---|---|---|---|")
+    t1 = curve.at(args.batch_size)
+    for k, alphas in cases:
+        draft = args.draft_cost * k * t1
+        E = expected_tokens(alphas)
+        ratio = curve.at(args.batch_size * (k + 1)) / t1
+        even = break_even_alpha(k, ratio + draft / t1)
+        print(f"| {k} | {E:.2f} | {ratio:.2f} | {draft / t1:.2f} | "
+              f"{predicted_speedup(alphas, draft, curve, batch_size=args.batch_size):.2f}x | "
+              f"{E / ratio:.2f}x | {'never' if even is None else f'{even:.2f}'} |")
+    acceptance = (f"i.i.d. α = {args.alpha}" if args.alpha is not None
+                  else f"α_i = {' '.join(map(str, args.alpha_per_position))}")
+    print(f"\npredicted, not measured: a chain of k drafts, acceptance {acceptance}, draft cost "
+          f"{args.draft_cost} x t_verify(1 token) per drafted token, batch {args.batch_size}, sampling and "
+          f"workload as the acceptance was measured; from {source}. S_limit = E x t(1)/t(k+1).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,23 +232,52 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (ngram proposer)")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="measure decoding speed with its conditions (same weights, same run)")
-    b.add_argument("mode", choices=["plain", "spec"], nargs="?", default="plain",
-                   help="plain: specdec vs transformers generate; spec: speculative methods vs plain and peers")
-    b.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
+                       description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
+                                   "peers on the same prompts, interleaved; writes bench.json, report.md and plots.")
+    b.add_argument("mode", choices=["all", "plain"], nargs="?", default="all",
+                   help="all: the benchmark (default); plain: specdec vs transformers generate and bandwidth")
+    b.add_argument("--quick", action="store_true", help="the few-minute plan (default: the full plan, ~40 min)")
+    b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
+                                 "(default: runs/bench or runs/bench-quick)")
+    b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
-    b.add_argument("--methods", nargs="+", default=["draft-model", "ngram"], choices=["draft-model", "ngram"])
-    b.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8], help="draft lengths to sweep")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--batch-size", type=int, default=1)
-    b.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
-    b.add_argument("--dtype", choices=["stored", "float32", "bfloat16"], default="stored",
-                   help="compute dtype of target and draft (default: as stored, bf16 for the shipped models)")
-    b.add_argument("--prompts", type=int, default=20, help="number of HumanEval prompts")
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--out", help="write the full result with its conditions as JSON here")
+    b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
+    b.add_argument("--dtype", choices=DTYPES, default="stored",
+                   help="compute dtype of target and drafts (default: as stored, bf16 for the shipped models)")
+    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp)")
+    b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
+                                                  "random-chars")
+    b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")
+    b.add_argument("--temperatures", nargs="+", type=float, help="grid: sampling temperatures (0 = greedy)")
+    b.add_argument("--batch-sizes", nargs="+", type=int, help="grid: batch sizes")
+    b.add_argument("--prompts", type=int, help="prompts per cell (overrides the plan)")
+    b.add_argument("--repeats", type=int, help="interleaved repeats (default 3)")
+    b.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (overrides the plan)")
+    b.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and prompt lookup")
+    b.add_argument("--no-moe", action="store_true", help="skip the MoE vs dense verify-cost check")
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("simulate", help="predict speculative decoding's speedup with the cost model",
+                       description="Predicted speedup = E x t_verify(1) / (t_draft + t_verify(k+1)), with E from "
+                                   "the acceptance and t_verify the measured verify-cost curve.")
+    s.add_argument("--alpha", type=float, help="i.i.d. acceptance rate α (sweeps --ks)")
+    s.add_argument("--alpha-per-position", nargs="+", type=float, help="measured α_1..α_k (k = their count)")
+    s.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8], help="draft lengths with --alpha")
+    s.add_argument("--draft-cost", type=float, default=0.0,
+                   help="draft seconds per drafted token / target 1-token forward (n-gram ~0, a draft model ~0.1-0.5)")
+    s.add_argument("--batch-size", type=int, default=1)
+    s.add_argument("--verify-ms", nargs="+", type=float,
+                   help="the verify curve: ms of a target forward over --verify-tokens tokens (default: measure "
+                        "the target now)")
+    s.add_argument("--verify-tokens", nargs="+", type=int, help="tokens of each --verify-ms point (default 1, 2, ...)")
+    s.add_argument("--model", help="target to measure the curve on (default: the shipped target)")
+    s.add_argument("--dtype", choices=DTYPES, default="stored")
+    s.add_argument("--moe-experts", type=int, help="estimate an MoE target with this many experts per layer")
+    s.add_argument("--moe-top-k", type=int, default=2, help="experts per token (MoE estimate)")
+    s.add_argument("--expert-fraction", type=float, default=0.6,
+                   help="share of a 1-token forward's weight bytes that are expert weights (MoE estimate)")
+    s.set_defaults(func=cmd_simulate)
     return p
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -50,6 +51,20 @@ def software() -> dict:
 
 def model_info(model, path: Path) -> dict:
     weights = path / WEIGHTS
-    return {"name": path.name, "path": str(path), "parameters": model.num_parameters(),
+    return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and count of repeated measurements (the spread every figure carries)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def shown_path(path: Path) -> str:
+    """A path inside the repository relative to its root (models/target), others as given."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return Path(path).resolve().relative_to(root).as_posix()
+    except ValueError:
+        return str(path)

@@ -5,7 +5,6 @@ step reads one row) times tokens/s, as a fraction of the machine's read bandwidt
 """
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from ..api import encode_prompts, load
 from ..decode import plain_generate
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
-from .conditions import hardware, model_info, software
+from .conditions import hardware, model_info, software, spread
 from .workloads import humaneval_prompts
 
 MACHINE_READ_BANDWIDTH = 47e9  # bytes/s, measured on the build machine (DESIGN.md section 8)
@@ -27,10 +26,6 @@ def weight_bytes_per_token(model) -> int:
     tied = model.lm_head.weight is embed
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return total - (0 if tied else embed.numel() * embed.element_size())
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 @torch.inference_mode()

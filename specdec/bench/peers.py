@@ -1,0 +1,49 @@
+"""transformers' own decoders as peers, on the same weights and dtype as specdec's target:
+`generate` (plain decoding), assisted generation (`assistant_model=` the same draft model) and
+prompt lookup (`prompt_lookup_num_tokens=k`, n-gram drafting). Batch 1 only: transformers'
+assisted generation supports no larger batch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecdecError
+from ..sampling import SamplingConfig
+
+PEERS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
+
+
+class Peers:
+    def __init__(self, target_path: Path, draft_path: Path, dtype: torch.dtype):
+        import transformers
+
+        self.version = transformers.__version__
+        self.target = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
+        self.draft = transformers.AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
+        for model in (self.target, self.draft):
+            model.generation_config.eos_token_id = None   # exactly max_new_tokens, as specdec's runs
+            model.generation_config.pad_token_id = 0
+
+    def info(self) -> dict:
+        impl = f"transformers {self.version}"
+        return {"hf-generate": {"name": "hf-generate", "implementation": f"{impl} generate, KV cache"},
+                "hf-assisted": {"name": "hf-assisted", "implementation": f"{impl} assisted generation",
+                                "assistant": "the draft model of this run", "num_assistant_tokens_schedule": "constant"},
+                "hf-prompt-lookup": {"name": "hf-prompt-lookup", "implementation": f"{impl} prompt lookup decoding"}}
+
+    def generate(self, method: str, k: int, batch: list[list[int]], max_new_tokens: int,
+                 sampling: SamplingConfig) -> list[list[int]]:
+        if len(batch) != 1:
+            raise SpecdecError(f"transformers' peers run at batch size 1, got {len(batch)}")
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy)
+        if not sampling.greedy:  # the same transform as specdec's: temperature only, no top-k / top-p
+            kw.update(temperature=sampling.temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(sampling.seed or 0)
+        if method == "hf-assisted":
+            kw.update(assistant_model=self.draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
+        elif method == "hf-prompt-lookup":
+            kw.update(prompt_lookup_num_tokens=k)
+        ids = torch.tensor(batch)
+        return [self.target.generate(ids, **kw)[0, ids.shape[1]:].tolist()]

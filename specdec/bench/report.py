@@ -1,0 +1,169 @@
+"""What `specdec bench` writes: the console table, bench.json, report.md and the PNG plots.
+
+Every table of speedups is printed with its conditions beside it: the cell's workload, batch size
+and sampling settings in its heading, method config (k), α and τ in its rows, and the target,
+draft, hardware, software and repeats below it.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from .plots import PLOTS, write_plots
+
+JSON_NAME, REPORT_NAME = "bench.json", "report.md"
+
+
+def num(x, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def spread_text(s: dict, fmt: str = ".1f", suffix: str = "") -> str:
+    return f"{s['median']:{fmt}}{suffix} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
+def lossless_text(r: dict) -> str:
+    check = r["lossless"]
+    if not check["checked"]:
+        return "n/a (sampling)"
+    text = f"{check['identical']}/{check['prompts']} vs {check['reference']}"
+    if check["mismatches"]:
+        text += "; differ: " + ", ".join(f"prompt {m['prompt']} from token {m['first_difference']}"
+                                         for m in check["mismatches"])
+    return text
+
+
+def cell_heading(cell: dict) -> str:
+    w, s = cell["workload"], cell["sampling"]
+    p = w["prompt_tokens"]
+    return (f"{w['name']}: {w['prompts']} prompts ({p['min']}-{p['max']} tokens), {w['max_new_tokens']} new tokens "
+            f"each (EOS ignored), temperature {s['temperature']:g} (seed {s['seed']}), batch {cell['batch_size']}")
+
+
+def cell_table(cell: dict) -> list[str]:
+    lines = ["| method | α | τ | tokens/s median (min-max) | speedup (min-max) | predicted | lossless check |",
+             "|---|---|---|---|---|---|---|"]
+    for r in cell["results"]:
+        lines.append(f"| {r['label']} | {num(r['acceptance_rate'])} | {num(r['mean_acceptance_length'])} | "
+                     f"{spread_text(r['tokens_per_s'])} | {spread_text(r['speedup'], '.2f', 'x')} | "
+                     f"{num(r['predicted_speedup'])}{'x' if r['predicted_speedup'] is not None else ''} | "
+                     f"{lossless_text(r)} |")
+    return lines
+
+
+def conditions_text(result: dict) -> str:
+    c = result["conditions"]
+    t, h, s = c["target"], c["hardware"], c["software"]
+    draft = c["draft"]
+    heads = c["mtp_heads"]
+    parts = [f"target `{t['path']}` ({t['parameters'] / 1e6:.1f}M parameters, {t['dtype']}, sha256 "
+             f"{t['checkpoint_sha256'][:12]})"]
+    if isinstance(draft, dict):
+        parts.append(f"draft model `{draft['path']}` ({draft['parameters'] / 1e6:.1f}M, {draft['dtype']})")
+    if isinstance(heads, dict):
+        parts.append(f"MTP heads `{heads['path']}` ({heads['head_kind']}, {heads['depth']} modules, "
+                     f"{heads['parameters'] / 1e6:.1f}M)")
+    parts += ["n-gram 3..1", f"{h['cpu']} ({h['cores']} cores, {h['threads']} threads, accelerator "
+              f"{h['accelerator']})", f"python {s['python']}, torch {s['torch']}, transformers {s['transformers']}, "
+              f"specdec {s['specdec']} ({s['git']})", f"{c['repeats']} interleaved repeats",
+              f"baseline: {c['baseline']}"]
+    return "conditions: " + "; ".join(parts)
+
+
+def prediction_errors(result: dict) -> list[float]:
+    return [abs(r["prediction_error"]) for cell in result["cells"] for r in cell["results"]
+            if r["prediction_error"] is not None]
+
+
+def summary_lines(result: dict) -> list[str]:
+    lines = []
+    errors = prediction_errors(result)
+    if errors:
+        lines.append(f"cost model: median |prediction error| {100 * statistics.median(errors):.0f}% "
+                     f"(max {100 * max(errors):.0f}%) over {len(errors)} speculative configurations")
+    for b in result["batch_effect"]:
+        by_batch = ", ".join(f"B={k}: {v:.2f}x" for k, v in b["speedup_by_batch"].items())
+        first = min(b["speedup_by_batch"])
+        verdict = ("pays at every batch size measured" if b["stops_paying_at"] is None
+                   else "pays at no batch size measured" if b["stops_paying_at"] == first
+                   else f"stops paying off at batch {b['stops_paying_at']}")
+        lines.append(f"batch effect, {b['method']} k={b['k']} ({b['workload']}, {b['prompts']} prompts, "
+                     f"temperature {b['temperature']:g}): "
+                     f"{by_batch} -> {verdict}")
+    moe = result["moe"]
+    if moe:
+        rel = ", ".join(f"{n}: {m:.2f}/{d:.2f}" for n, m, d in zip(moe["tokens"], moe["moe_relative"],
+                                                                   moe["dense_relative"]))
+        lines.append(f"verify cost t(n)/t(1), MoE/dense of the same active size ({moe['spec']['num_experts']} experts, "
+                     f"top-{moe['spec']['top_k']}, {moe['moe_parameters']['active'] / 1e6:.1f}M active, {moe['dtype']}): "
+                     f"{rel}")
+    return lines
+
+
+def console_report(result: dict, out_dir: Path) -> str:
+    lines = []
+    for cell in result["cells"]:
+        lines += ["", cell_heading(cell), *cell_table(cell)]
+    lines += ["", conditions_text(result), *summary_lines(result),
+              f"full report: {out_dir / REPORT_NAME} (JSON: {out_dir / JSON_NAME}, plots: {out_dir}/*.png); "
+              f"{result['seconds'] / 60:.1f} min"]
+    return "\n".join(lines)
+
+
+def markdown_report(result: dict) -> str:
+    cmd = " ".join(result["command"]) if isinstance(result["command"], list) else result["command"]
+    lines = ["# specdec bench", "", f"`{cmd}` — {result['seconds'] / 60:.1f} min.", "", conditions_text(result), "",
+             "Speedup = tokens/s of the method / tokens/s of specdec's plain decoding in the same repeat "
+             "(median and range over repeats). α = accepted / proposed drafts, τ = tokens emitted per step "
+             "including the recovered or bonus token (specdec/metrics.py). *predicted*: the cost model "
+             "(specdec/costmodel.py) from α_i, the measured draft and bookkeeping seconds per step and the "
+             "measured verify-cost curve.", ""]
+    for cell in result["cells"]:
+        lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), ""]
+        curve = cell["verify_curve"]
+        lines += ["verify-cost curve (one target forward over n new tokens per row, batch "
+                  f"{curve['batch_size']}): " + ", ".join(f"{n}: {1000 * s:.1f} ms" for n, s in
+                                                         zip(curve["tokens"], curve["seconds"])), ""]
+    lines += ["## Cost model: predicted vs measured", "",
+              "| cell | method | α_1..α_k | c | draft / verify / other ms per step | predicted | measured | error | "
+              "S_limit | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            if r["predicted_speedup"] is None:
+                continue
+            ms = " / ".join(f"{1000 * r['seconds_per_step'][p]:.1f}" for p in ("draft", "verify", "other"))
+            alphas = " ".join(num(a) for a in r["acceptance_per_position"])
+            lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
+                         f"{r['label']} | {alphas} | {num(r['draft_cost_ratio'])} | {ms} | "
+                         f"{r['predicted_speedup']:.2f}x | {r['speedup']['median']:.2f}x | "
+                         f"{100 * r['prediction_error']:+.0f}% | {r['speedup_limit']:.2f} | {r['efficiency']:.2f} |")
+    lines += ["", *(f"- {line}" for line in summary_lines(result)), ""]
+    moe = result["moe"]
+    if moe:
+        p = moe["moe_parameters"]
+        lines += ["## MoE vs dense verify cost", "",
+                  f"Mixtral-style MoE ({moe['spec']['num_experts']} experts, top-{moe['spec']['top_k']}, "
+                  f"{p['total'] / 1e6:.1f}M total, {p['active'] / 1e6:.1f}M active, experts implementation "
+                  f"{moe['experts_implementation']}) vs a dense Llama of {moe['dense_parameters'] / 1e6:.1f}M, "
+                  f"{moe['dtype']}, {moe['weights']}. Estimate: bandwidth-bound, expert bytes "
+                  f"{100 * p['expert_fraction_of_bytes_read']:.0f}% of a 1-token forward, distinct experts "
+                  "E(1 - (1 - r/E)^n).", "",
+                  "| tokens n | MoE ms | dense ms | MoE t(n)/t(1) | dense t(n)/t(1) | estimate MoE t(n)/t(1) | "
+                  "experts touched per layer |", "|---|---|---|---|---|---|---|"]
+        for row in zip(moe["tokens"], moe["moe_seconds"], moe["dense_seconds"], moe["moe_relative"],
+                       moe["dense_relative"], moe["moe_relative_estimate"], moe["distinct_experts_estimate"]):
+            n, ms, ds, mr, dr, er, ex = row
+            lines.append(f"| {n} | {1000 * ms:.1f} | {1000 * ds:.1f} | {mr:.2f} | {dr:.2f} | {er:.2f} | {ex:.1f} |")
+        lines.append("")
+    lines += ["## Plots", ""] + [f"![{title}]({name})" for name, (title, _) in PLOTS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict, out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / JSON_NAME).write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / REPORT_NAME).write_text(markdown_report(result))
+    write_plots(result, out_dir)
+    return out_dir

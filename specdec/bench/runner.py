@@ -1,0 +1,375 @@
+"""`specdec bench`: plain decoding, every speculative method and transformers' peers on the same
+target weights, workloads, batch sizes and sampling settings, interleaved in one run.
+
+A plan is a list of cells; a cell fixes (workload, temperature, batch size, draft lengths k). In a
+cell every configuration (method, k) decodes the same prompts; repeat r runs every configuration
+before repeat r + 1 starts, and tokens/s is reported as median (min, max) over the repeats, the
+speedup as the median (min, max) of the per-repeat ratios to plain decoding of the same repeat.
+Greedy cells check losslessness: each method's tokens against plain decoding's (transformers'
+peers against transformers' own `generate`), every mismatch listed. Each cell also measures the
+target's verify-cost curve at its batch size, and the cost model (costmodel.py) predicts every
+speculative configuration's speedup from its per-position acceptance, its measured draft and
+bookkeeping seconds per step and that curve; the prediction error is reported next to the
+measurement.
+
+Output JSON (schema "specdec-bench/1"):
+
+    schema, command (argv), plan (the cells and settings run), seconds (wall time of the run)
+    conditions: target, draft, mtp_heads (name, parameters, dtype, checkpoint sha256),
+        hardware (cpu, cores, threads, accelerator), software (python, torch, transformers, specdec, git),
+        repeats, baseline
+    cells[]: workload {name, description, prompts, prompt_tokens: spread, max_new_tokens, eos},
+        sampling {temperature, top_k, top_p, seed}, batch_size, ks,
+        verify_curve {batch_size, tokens[], seconds[]} (median seconds of one target forward over n
+            new tokens per row after 128 cached ones)
+        results[]: method, k, label, lossless_method (bool),
+            tokens_per_s {median, min, max, n}, speedup {median, min, max, n} (vs plain, same repeat),
+            acceptance_rate (α), acceptance_per_position (α_i), mean_acceptance_length (τ),
+            draft_cost_ratio (c), seconds_per_step {draft, verify, other} (medians over repeats),
+            counters (metrics.SpecMetrics.to_dict of the last repeat, summed over the cell's batches),
+            predicted_speedup, prediction_error (predicted / measured median - 1), speedup_limit
+            (S_limit), efficiency (speedup / S_limit),
+            lossless {checked, reference, identical, prompts, mismatches[{prompt, first_difference}]}
+                (checked false under sampling, with the reason),
+            conditions {target, method (full config), workload, sampling, batch_size, hardware,
+                software, repeats, baseline}
+        (speculative-only fields are null for plain decoding and the peers)
+    moe: the MoE vs dense verify-cost check (verify_cost.moe_vs_dense), or null
+    batch_effect[]: {workload, prompts, temperature, method, k, speedup_by_batch {B: median}, stops_paying_at}
+        (configurations measured at several batch sizes on the same prompts)
+
+Values that cannot be determined are "unknown" (conditions) or null (metrics), never guessed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from ..api import DEFAULT_HEADS, encode_prompts, load, load_draft_model, load_mtp_heads
+from ..costmodel import predicted_speedup, speedup_limit
+from ..decode import plain_generate
+from ..engine import speculative_generate
+from ..errors import SpecdecError
+from ..metrics import SpecMetrics
+from ..proposers import build_proposer
+from ..sampling import SamplingConfig
+from ..stopping import StopRule
+from .conditions import UNKNOWN, hardware, model_info, shown_path, software, spread
+from .peers import PEERS, Peers
+from .verify_cost import MoESpec, measure_verify_curve, moe_vs_dense
+from .workloads import WORKLOADS, workload
+
+SCHEMA = "specdec-bench/1"
+SPEC_METHODS = ("draft-model", "ngram", "mtp")
+NGRAM = {"max_n": 3, "min_n": 1}
+# MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
+# heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
+# unembedding cost per head
+MTP_DRAFT_VOCAB = 4096
+CURVE_EXTRA_TOKENS = 16  # the batch-1 verify curve also reaches this many tokens (for the plot)
+
+
+@dataclass(frozen=True)
+class Cell:
+    workload: str
+    temperature: float
+    batch_size: int
+    ks: tuple[int, ...]
+    prompts: int
+    peer_k: int | None = None  # k of transformers' assisted / prompt-lookup peers; None: no peers
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload}, temperature {self.temperature:g}, batch {self.batch_size}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    cells: tuple[Cell, ...]
+    methods: tuple[str, ...] = SPEC_METHODS
+    repeats: int = 3
+    max_new_tokens: int = 128
+    seed: int = 0
+    moe: MoESpec | None = field(default_factory=MoESpec)
+
+
+def quick_plan() -> Plan:
+    """A few minutes on 2 cores: every method and the peers, greedy and sampled, batch 1 and 4."""
+    return Plan((Cell("humaneval", 0.0, 1, (2, 3), 3, peer_k=3),
+                 Cell("random-chars", 0.0, 1, (2,), 2),
+                 Cell("stdlib-tests", 1.0, 1, (2,), 2),
+                 Cell("humaneval", 0.0, 4, (2,), 4)), max_new_tokens=64)
+
+
+def full_plan() -> Plan:
+    """About 40 minutes on a quiet 2-core machine: the k sweep, three workloads, temperature 0
+    and 1, and batch 1, 4 and 16 on the same 16 prompts; 96 new tokens per prompt."""
+    return Plan((Cell("humaneval", 0.0, 1, (1, 2, 3, 4, 5, 6, 7, 8), 10, peer_k=4),
+                 Cell("stdlib-tests", 0.0, 1, (2, 4), 5, peer_k=4),
+                 Cell("random-chars", 0.0, 1, (2, 4), 5),
+                 Cell("humaneval", 1.0, 1, (2, 4), 5, peer_k=4),
+                 Cell("random-chars", 1.0, 1, (2,), 5),
+                 *(Cell("humaneval", 0.0, b, (2,), 16) for b in (1, 4, 16))), max_new_tokens=96)
+
+
+def grid_plan(workloads: list[str], ks: list[int], temperatures: list[float], batch_sizes: list[int],
+              prompts: int, peers: bool) -> Plan:
+    """Every combination of the given workloads, temperatures and batch sizes, each sweeping ks."""
+    return Plan(tuple(Cell(w, t, b, tuple(ks), prompts, peer_k=max(ks) if peers and b == 1 else None)
+                      for w in workloads for t in temperatures for b in batch_sizes))
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse a plan that cannot run, before any model is loaded."""
+    for m in plan.methods:
+        if m not in SPEC_METHODS:
+            raise SpecdecError(f"unknown method {m!r}; known: {', '.join(SPEC_METHODS)}")
+    if plan.repeats < 1 or plan.max_new_tokens < 1:
+        raise SpecdecError(f"repeats and max_new_tokens must be >= 1, got {plan.repeats} and {plan.max_new_tokens}")
+    for cell in plan.cells:
+        if cell.workload not in WORKLOADS:
+            raise SpecdecError(f"unknown workload {cell.workload!r}; known: {', '.join(WORKLOADS)}")
+        if cell.batch_size < 1:
+            raise SpecdecError(f"batch size must be >= 1, got {cell.batch_size}")
+        if cell.prompts < cell.batch_size:
+            raise SpecdecError(f"batch size {cell.batch_size} needs at least as many prompts, got {cell.prompts}: "
+                               "raise --prompts")
+        if cell.temperature < 0:
+            raise SpecdecError(f"temperature must be >= 0, got {cell.temperature}")
+        if not cell.ks or min(cell.ks) < 1:
+            raise SpecdecError(f"draft lengths k must be >= 1, got {list(cell.ks)}")
+
+
+def check_mtp_ks(plan: Plan, depth: int) -> None:
+    """MTP runs at the plan's k <= depth (its heads draft one token each); a cell with none is refused."""
+    for cell in plan.cells:
+        if min(cell.ks) > depth:
+            raise SpecdecError(f"the MTP heads draft at most {depth} tokens per step, but the ks {list(cell.ks)} "
+                               f"are all larger: include a k <= {depth} or drop mtp from --methods")
+
+
+@dataclass
+class Config:
+    """One configuration of a cell and what its repeats measured."""
+    method: str                 # plain | draft-model | ngram | mtp | hf-generate | hf-assisted | hf-prompt-lookup
+    k: int = 0
+    tokens_per_s: list[float] = field(default_factory=list)
+    metrics: list[SpecMetrics] = field(default_factory=list)  # per repeat, summed over batches
+    outputs: list[list[int]] = field(default_factory=list)     # the last repeat's tokens per prompt
+
+    @property
+    def label(self) -> str:
+        return self.method if self.k == 0 else f"{self.method} k={self.k}"
+
+
+class Bench:
+    """The loaded models and proposers, shared by every cell of a run."""
+
+    def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
+                 dtype: torch.dtype | None = None):
+        self.plan = plan
+        self.target = load(target_path, dtype=dtype)
+        dtype = self.target.model.lm_head.weight.dtype
+        self.proposers, self.method_info = {}, {"plain": {"name": "plain autoregressive decoding"}}
+        self.draft = self.heads = None
+        if "draft-model" in plan.methods or any(c.peer_k for c in plan.cells):
+            self.draft = load_draft_model(self.target, draft_path)
+            self.draft.model.to(dtype)
+        if "draft-model" in plan.methods:
+            self.proposers["draft-model"] = build_proposer("draft-model", model=self.draft.model)
+            self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path)}
+        if "ngram" in plan.methods:
+            self.proposers["ngram"] = build_proposer("ngram", **NGRAM)
+            self.method_info["ngram"] = {"name": "ngram", **NGRAM}
+        if "mtp" in plan.methods:
+            self.heads = load_mtp_heads(self.target, heads_path)
+            check_mtp_ks(plan, self.heads.depth)
+            draft_vocab = MTP_DRAFT_VOCAB if self.heads.token_counts is not None else None
+            self.proposers["mtp"] = build_proposer("mtp", heads=self.heads, target=self.target.model,
+                                                   draft_vocab=draft_vocab)
+            self.method_info["mtp"] = {"name": "mtp", "path": shown_path(heads_path or DEFAULT_HEADS),
+                                       "head_kind": self.heads.kind, "depth": self.heads.depth,
+                                       "draft_vocab": draft_vocab or "full",
+                                       "parameters": sum(p.numel() for p in self.heads.parameters())}
+        self.peers = Peers(self.target.path, self.draft.path, dtype) if any(c.peer_k for c in plan.cells) else None
+        if self.peers is not None:
+            self.method_info.update(self.peers.info())
+
+    def configs(self, cell: Cell) -> list[Config]:
+        configs = [Config("plain")]
+        for method in self.plan.methods:
+            ks = [k for k in cell.ks if method != "mtp" or k <= self.heads.depth]
+            configs += [Config(method, k) for k in ks]
+        if cell.peer_k and cell.batch_size == 1:
+            configs += [Config(p, 0 if p == "hf-generate" else cell.peer_k) for p in PEERS]
+        return configs
+
+    def decode(self, cfg: Config, batch: list[list[int]], sampling: SamplingConfig,
+               rule: StopRule) -> tuple[list[list[int]], SpecMetrics | None]:
+        generator = sampling.generator()
+        if cfg.method == "plain":
+            rows, _ = plain_generate(self.target.model, batch, rule, sampling, generator)
+            return [r.tokens for r in rows], None
+        if cfg.method in PEERS:
+            return self.peers.generate(cfg.method, cfg.k, batch, rule.max_new_tokens, sampling), None
+        rows, metrics = speculative_generate(self.target.model, self.proposers[cfg.method], batch, rule, sampling,
+                                             cfg.k, generator)
+        return [r.tokens for r in rows], metrics
+
+
+def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
+              dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None) -> dict:
+    """Run the plan; `command` (the argv that asked for it) is recorded with the result."""
+    started = time.perf_counter()
+    check_plan(plan)
+    with torch.inference_mode():
+        bench = Bench(plan, target_path, draft_path, heads_path, dtype)
+        cells = [(cell, bench.configs(cell)) for cell in plan.cells]
+        total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
+        run_conditions = {
+            "target": model_info(bench.target.model, bench.target.path),
+            "draft": model_info(bench.draft.model, bench.draft.path) if bench.draft else "not used",
+            "mtp_heads": bench.method_info.get("mtp", "not used"),
+            "hardware": hardware(), "software": software(), "repeats": plan.repeats,
+            "baseline": "specdec plain decoding of the same target weights and dtype, same prompts, batch "
+                        "and sampling settings, same run (repeats interleaved)",
+        }
+        with tqdm(total=total, desc="specdec bench", unit="gen", disable=not progress, file=sys.stderr) as bar:
+            out_cells = [run_cell(bench, cell, cfgs, run_conditions, bar) for cell, cfgs in cells]
+        moe = None
+        if plan.moe is not None:
+            bar_note(progress, "MoE vs dense verify cost")
+            moe = moe_vs_dense(plan.moe, [1, 2, 3, 4, 5, 8, 16])
+    return {"schema": SCHEMA, "command": command or UNKNOWN,
+            "plan": dataclasses.asdict(plan), "seconds": time.perf_counter() - started,
+            "conditions": run_conditions, "cells": out_cells, "moe": moe, "batch_effect": batch_effect(out_cells)}
+
+
+def bar_note(progress: bool, text: str) -> None:
+    if progress:
+        print(f"specdec bench: {text}", file=sys.stderr)
+
+
+def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: dict, bar) -> dict:
+    plan = bench.plan
+    wl = workload(cell.workload, cell.prompts)
+    prompts = encode_prompts(bench.target, wl.prompts, plan.max_new_tokens)
+    batches = [prompts[i:i + cell.batch_size] for i in range(0, len(prompts), cell.batch_size)]
+    sampling = SamplingConfig(cell.temperature, seed=plan.seed)
+    rule = StopRule(plan.max_new_tokens)  # EOS ignored: every configuration emits exactly max_new_tokens
+    for cfg in configs:  # warm-up, not timed
+        bar.set_description(f"warm-up: {cell.label}, {cfg.label}")
+        bench.decode(cfg, batches[0], sampling, rule)
+    for _ in range(plan.repeats):
+        for cfg in configs:
+            bar.set_description(f"{cell.label}, {cfg.label}")
+            t0, produced, outputs, metrics = time.perf_counter(), 0, [], []
+            for batch in batches:
+                tokens, m = bench.decode(cfg, batch, sampling, rule)
+                outputs += tokens
+                produced += sum(map(len, tokens))
+                metrics += [m] if m is not None else []
+                bar.update(1)
+            cfg.tokens_per_s.append(produced / (time.perf_counter() - t0))
+            cfg.outputs = outputs
+            if metrics:
+                cfg.metrics.append(summed(metrics))
+    max_k = max(cfg.k for cfg in configs)
+    curve_tokens = sorted(set(range(1, max_k + 2)) | ({CURVE_EXTRA_TOKENS} if cell.batch_size == 1 else set()))
+    bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
+    curve = measure_verify_curve(bench.target.model, curve_tokens, cell.batch_size)
+    workload_info = {"name": wl.name, "description": wl.description, "prompts": len(prompts),
+                     "prompt_tokens": spread([len(p) for p in prompts]), "max_new_tokens": plan.max_new_tokens,
+                     "eos": "ignored (exactly max_new_tokens per prompt)"}
+    sampling_info = {"temperature": cell.temperature, "top_k": None, "top_p": None, "seed": plan.seed}
+    cell_conditions = {"workload": workload_info, "sampling": sampling_info, "batch_size": cell.batch_size}
+    plain = configs[0]
+    hf_generate = next((c for c in configs if c.method == "hf-generate"), None)
+    results = []
+    for cfg in configs:
+        # transformers' speculative peers must reproduce transformers' own plain decoding
+        reference = hf_generate if cfg.method in PEERS and cfg is not hf_generate else plain
+        method = {**bench.method_info[cfg.method], **({"k": cfg.k} if cfg.k else {})}
+        speedup = spread([a / b for a, b in zip(cfg.tokens_per_s, plain.tokens_per_s)])
+        results.append({
+            "method": cfg.method, "k": cfg.k, "label": cfg.label, "lossless_method": True,
+            "tokens_per_s": spread(cfg.tokens_per_s), "speedup": speedup,
+            **acceptance_and_prediction(cfg, curve, cell.batch_size, speedup["median"]),
+            "lossless": lossless(cfg, reference, cell.temperature),
+            "conditions": {**{k: run_conditions[k] for k in ("target", "hardware", "software", "repeats", "baseline")},
+                           "method": method, **cell_conditions},
+        })
+    return {**cell_conditions, "ks": list(cell.ks),
+            "verify_curve": {"batch_size": cell.batch_size, "tokens": curve_tokens,
+                             "seconds": [curve.seconds[n] for n in curve_tokens]},
+            "results": results}
+
+
+def summed(ms: list[SpecMetrics]) -> SpecMetrics:
+    """The counters of several runs (one per batch of a cell) added up."""
+    total = SpecMetrics(k=ms[0].k, batch_size=ms[0].batch_size)
+    for m in ms:
+        for name in ("steps", "forwards", "proposed", "accepted", "emitted", "prefill_seconds", "draft_seconds",
+                     "verify_seconds", "other_seconds"):
+            setattr(total, name, getattr(total, name) + getattr(m, name))
+        total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position, m.accepted_per_position)]
+        total.reached_per_position = [a + b for a, b in zip(total.reached_per_position, m.reached_per_position)]
+    return total
+
+
+def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: float) -> dict:
+    """α, α_i, τ, c of the last repeat (the counters are the same every repeat: same prompts and
+    seed), the per-step seconds (medians over repeats) and the cost model's prediction, its error
+    against the measured median speedup, S_limit and efficiency."""
+    if not cfg.metrics:
+        return dict.fromkeys(("acceptance_rate", "acceptance_per_position", "mean_acceptance_length",
+                              "draft_cost_ratio", "seconds_per_step", "counters", "predicted_speedup",
+                              "prediction_error", "speedup_limit", "efficiency"))
+    last = cfg.metrics[-1]
+    last.target_token_seconds = curve.at(1)
+    per_step = {part: statistics.median(getattr(m, f"{part}_seconds") / m.forwards for m in cfg.metrics)
+                for part in ("draft", "verify", "other")}
+    predicted = predicted_speedup(last.acceptance_per_position, per_step["draft"], curve, per_step["other"],
+                                  batch_size)
+    limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve)
+    return {"acceptance_rate": last.acceptance_rate, "acceptance_per_position": last.acceptance_per_position,
+            "mean_acceptance_length": last.mean_acceptance_length, "draft_cost_ratio": last.draft_cost_ratio,
+            "seconds_per_step": per_step, "counters": last.to_dict(), "predicted_speedup": predicted,
+            "prediction_error": predicted / measured - 1, "speedup_limit": limit, "efficiency": measured / limit}
+
+
+def lossless(cfg: Config, reference: Config, temperature: float) -> dict:
+    if temperature > 0:
+        return {"checked": False, "reason": "sampling: lossless in distribution, not token by token (tested "
+                                            "statistically in tests/test_engine_sampling.py)"}
+    mismatches = [{"prompt": i, "first_difference": first_difference(a, b)}
+                  for i, (a, b) in enumerate(zip(cfg.outputs, reference.outputs)) if a != b]
+    return {"checked": True, "reference": reference.label, "prompts": len(reference.outputs),
+            "identical": len(reference.outputs) - len(mismatches), "mismatches": mismatches}
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def batch_effect(cells: list[dict]) -> list[dict]:
+    """For every (workload and its prompts, temperature, method, k) measured at several batch
+    sizes: the median speedup per batch size and the smallest batch size at which it is below 1
+    (null: it pays at every batch size measured)."""
+    groups: dict[tuple, dict[int, float]] = {}
+    for cell in cells:
+        w = cell["workload"]
+        for r in cell["results"]:
+            if r["method"] in SPEC_METHODS:
+                key = (w["name"], w["prompts"], cell["sampling"]["temperature"], r["method"], r["k"])
+                groups.setdefault(key, {})[cell["batch_size"]] = r["speedup"]["median"]
+    return [{"workload": w, "prompts": n, "temperature": t, "method": m, "k": k,
+             "speedup_by_batch": dict(sorted(by_b.items())),
+             "stops_paying_at": next((b for b in sorted(by_b) if by_b[b] < 1), None)}
+            for (w, n, t, m, k), by_b in groups.items() if len(by_b) > 1]

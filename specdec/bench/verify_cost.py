@@ -1,0 +1,113 @@
+"""Measured verify-cost curves: the seconds of one target forward over n new tokens per row after
+a cached context, the curve the cost model (costmodel.py) needs; and the same curve for a small
+mixture-of-experts target against a dense model of the same active size, next to the
+expert-activation estimate of DESIGN.md section 4.
+
+The MoE and dense models are built from transformers configs with random weights (untrained is
+fine: only their cost curves matter) and run through the same code path (hf_adapter).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..costmodel import VerifyCurve, moe_distinct_experts, moe_verify_ratio
+from ..lm import causal_lm
+
+CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
+EXPERTS_IMPLEMENTATION = "eager"
+
+
+@torch.inference_mode()
+def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
+                         context_tokens: int = CONTEXT_TOKENS) -> VerifyCurve:
+    """Median seconds of a forward over n new tokens per row (every n in tokens_per_row) at
+    `batch_size` rows, after `context_tokens` cached ones; the n values are interleaved repeat by
+    repeat and the cache is rolled back after each forward, so every forward sees the same context."""
+    lm = causal_lm(model, role="target")
+    vocab = lm.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    cache = lm.new_cache(batch_size, context_tokens + max(tokens_per_row))
+    lm(torch.randint(0, vocab, (batch_size, context_tokens), generator=g), cache=cache)
+    windows = {n: torch.randint(0, vocab, (batch_size, n), generator=g) for n in tokens_per_row}
+    times = {n: [] for n in tokens_per_row}
+    for r in range(repeats + 1):  # the first round warms up and is not kept
+        for n, window in windows.items():
+            t0 = time.perf_counter()
+            lm(window, cache=cache)
+            elapsed = time.perf_counter() - t0
+            cache.rollback(context_tokens)
+            if r:
+                times[n].append(elapsed)
+    return VerifyCurve({n: statistics.median(t) for n, t in times.items()}, batch_size)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A small Mixtral-style target and the dense Llama with the same active parameters (its MLP
+    is top_k experts wide)."""
+    hidden_size: int = 384
+    expert_intermediate_size: int = 1024
+    num_experts: int = 8
+    top_k: int = 2
+    num_layers: int = 6
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    vocab_size: int = 16384
+
+
+def build_moe_and_dense(spec: MoESpec, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                  max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    moe = MixtralForCausalLM(MixtralConfig(intermediate_size=spec.expert_intermediate_size,
+                                           num_local_experts=spec.num_experts,
+                                           num_experts_per_tok=spec.top_k, **common))
+    # a loop over the experts the tokens were routed to: its cost follows the distinct experts touched
+    # (transformers' default here, "grouped_mm", took over a second for 2 tokens on the 2-core CPU)
+    moe.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    dense = LlamaForCausalLM(LlamaConfig(intermediate_size=spec.top_k * spec.expert_intermediate_size, **common))
+    return moe.to(dtype).eval(), dense.to(dtype).eval()
+
+
+def parameter_counts(moe, spec: MoESpec) -> dict:
+    """Total, active (per token) and expert parameters of the MoE, and the share of the bytes a
+    1-token forward reads that are expert weights (the embedding table is read one row at a time)."""
+    total = sum(p.numel() for p in moe.parameters())
+    per_expert = 3 * spec.hidden_size * spec.expert_intermediate_size
+    experts = per_expert * spec.num_experts * spec.num_layers
+    active = total - per_expert * (spec.num_experts - spec.top_k) * spec.num_layers
+    read = active - moe.model.embed_tokens.weight.numel()
+    return {"total": total, "active": active, "experts": experts,
+            "expert_fraction_of_bytes_read": per_expert * spec.top_k * spec.num_layers / read}
+
+
+def moe_vs_dense(spec: MoESpec, tokens_per_row: list[int], repeats: int = 7,
+                 dtype: torch.dtype = torch.float32) -> dict:
+    """Verify-cost curves of the MoE and the dense model of the same active size, and the
+    bandwidth-bound estimate of the MoE's t(n)/t(1) from the distinct experts n tokens touch."""
+    moe, dense = build_moe_and_dense(spec, dtype)
+    counts = parameter_counts(moe, spec)
+    moe_curve = measure_verify_curve(moe, tokens_per_row, repeats=repeats)
+    dense_curve = measure_verify_curve(dense, tokens_per_row, repeats=repeats)
+    f = counts["expert_fraction_of_bytes_read"]
+    return {
+        "spec": asdict(spec), "dtype": str(dtype).removeprefix("torch."),
+        "experts_implementation": getattr(moe.config, "_experts_implementation", None) or "unknown",
+        "moe_parameters": counts,
+        "dense_parameters": sum(p.numel() for p in dense.parameters()),
+        "tokens": tokens_per_row,
+        "moe_seconds": [moe_curve.seconds[n] for n in tokens_per_row],
+        "dense_seconds": [dense_curve.seconds[n] for n in tokens_per_row],
+        "moe_relative": [moe_curve.relative()[n] for n in tokens_per_row],
+        "dense_relative": [dense_curve.relative()[n] for n in tokens_per_row],
+        "distinct_experts_estimate": [moe_distinct_experts(spec.num_experts, spec.top_k, n) for n in tokens_per_row],
+        "moe_relative_estimate": [moe_verify_ratio(n, spec.num_experts, spec.top_k, f) for n in tokens_per_row],
+        "weights": "random (untrained): only the cost curve matters; routing is close to uniform",
+    }

@@ -1,0 +1,162 @@
+"""`specdec bench` end to end on tiny random models (fp32, so greedy speculative decoding is
+exactly plain decoding): the JSON schema, the conditions on every result, the lossless check,
+the cost-model fields, the batch effect, the MoE check, the report and the plots. Timings are
+recorded, never asserted."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from specdec.bench.plots import PLOTS
+from specdec.bench.report import JSON_NAME, REPORT_NAME, cell_table, console_report, write_report
+from specdec.bench.runner import SCHEMA, Cell, Config, Plan, check_plan, lossless, run_bench
+from specdec.bench.verify_cost import MoESpec
+from specdec.checkpoint import WEIGHTS, save_model, sha256
+from specdec.cli import main
+from specdec.errors import SpecdecError
+from specdec.heads import build_heads, save_heads
+from specdec.train.loop import init_weights
+
+from .conftest import TINY, tiny_model
+
+CFG = dataclasses.replace(TINY, max_position_embeddings=2048)  # HumanEval prompts are long in a 384-token BPE
+TINY_MOE = MoESpec(hidden_size=32, expert_intermediate_size=32, num_experts=4, top_k=2, num_layers=1,
+                   num_heads=2, num_kv_heads=1, vocab_size=64)
+PLAN = Plan((Cell("humaneval", 0.0, 1, (1, 2), 2, peer_k=2),
+             Cell("random-chars", 1.0, 1, (2,), 2),
+             Cell("stdlib-tests", 0.0, 1, (1, 3), 1),
+             Cell("humaneval", 0.0, 2, (1, 2), 2)),
+            repeats=2, max_new_tokens=6, moe=TINY_MOE)
+CONDITIONS = {"target", "method", "workload", "sampling", "batch_size", "hardware", "software", "repeats",
+              "baseline"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer_file):
+    root = tmp_path_factory.mktemp("bench")
+    save_model(tiny_model(0, CFG), root / "target", tokenizer_file=tokenizer_file, dtype=torch.float32)
+    save_model(tiny_model(1, CFG), root / "draft", tokenizer_file=tokenizer_file, dtype=torch.float32)
+    torch.manual_seed(2)
+    heads = build_heads("mtp-sequential", CFG, 2)
+    init_weights(heads, std=0.1)
+    save_heads(heads, root / "heads", sha256(root / "target" / WEIGHTS), dtype=torch.float32)
+    return root
+
+
+@pytest.fixture(scope="module")
+def result(models):
+    return run_bench(PLAN, models / "target", models / "draft", models / "heads", progress=False)
+
+
+def test_every_configuration_runs_with_its_conditions(result):
+    assert result["schema"] == SCHEMA
+    assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
+    labels = [r["label"] for r in result["cells"][0]["results"]]
+    assert labels == ["plain", "draft-model k=1", "draft-model k=2", "ngram k=1", "ngram k=2", "mtp k=1",
+                      "mtp k=2", "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
+    # MTP heads of depth 2 run only at k <= 2; peers only at batch 1 and where the cell asks
+    assert [r["label"] for r in result["cells"][2]["results"]] == ["plain", "draft-model k=1", "draft-model k=3", "ngram k=1",
+                                                                   "ngram k=3", "mtp k=1"]
+    assert not any(r["method"].startswith("hf-") for r in result["cells"][3]["results"])
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            assert set(r["conditions"]) == CONDITIONS
+            c = r["conditions"]
+            assert c["batch_size"] == cell["batch_size"] and c["method"]["name"]
+            assert c["target"]["checkpoint_sha256"] != "unknown" and c["hardware"]["cpu"]
+            assert c["workload"]["max_new_tokens"] == PLAN.max_new_tokens
+            assert c["sampling"]["temperature"] == cell["sampling"]["temperature"]
+            assert r["tokens_per_s"]["n"] == r["speedup"]["n"] == PLAN.repeats
+            assert r["tokens_per_s"]["min"] <= r["tokens_per_s"]["median"] <= r["tokens_per_s"]["max"]
+            if r["k"] and not r["method"].startswith("hf-"):
+                assert c["method"]["k"] == r["k"]
+    json.loads(json.dumps(result))  # plain JSON
+
+
+def test_lossless_check_in_greedy_cells(result):
+    for cell in result["cells"]:
+        greedy = cell["sampling"]["temperature"] == 0
+        for r in cell["results"]:
+            check = r["lossless"]
+            assert check["checked"] == greedy
+            if greedy:  # fp32 tiny models: every method reproduces its reference exactly
+                assert check["identical"] == check["prompts"] == cell["workload"]["prompts"]
+                assert check["reference"] == ("hf-generate" if r["method"] in ("hf-assisted", "hf-prompt-lookup")
+                                              else "plain")
+
+
+def test_a_mismatch_is_listed_and_printed():
+    plain, bad = Config("plain"), Config("ngram", 2)
+    plain.outputs, bad.outputs = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]
+    check = lossless(bad, plain, 0.0)
+    assert check == {"checked": True, "reference": "plain", "prompts": 2, "identical": 1,
+                     "mismatches": [{"prompt": 1, "first_difference": 1}]}
+
+
+def test_acceptance_and_cost_model_fields(result):
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            speculative = r["method"] in ("draft-model", "ngram", "mtp")
+            assert (r["predicted_speedup"] is not None) == speculative
+            if speculative:
+                assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == r["k"]
+                assert 1 <= r["mean_acceptance_length"] <= r["k"] + 1
+                assert r["prediction_error"] == pytest.approx(r["predicted_speedup"] / r["speedup"]["median"] - 1)
+                assert r["counters"]["emitted"] == cell["workload"]["prompts"] * PLAN.max_new_tokens
+        curve = cell["verify_curve"]
+        assert curve["batch_size"] == cell["batch_size"] and 1 in curve["tokens"]
+        assert len(curve["seconds"]) == len(curve["tokens"]) and min(curve["seconds"]) > 0
+    effect = {(b["method"], b["k"]): b for b in result["batch_effect"]}
+    assert set(effect) == {("draft-model", 1), ("draft-model", 2), ("ngram", 1), ("ngram", 2), ("mtp", 1), ("mtp", 2)}
+    assert all(list(b["speedup_by_batch"]) == [1, 2] for b in effect.values())
+
+
+def test_moe_check(result):
+    moe = result["moe"]
+    assert moe["moe_parameters"]["active"] < moe["moe_parameters"]["total"]
+    assert moe["moe_relative"][0] == moe["dense_relative"][0] == 1.0
+    assert moe["distinct_experts_estimate"][0] == pytest.approx(TINY_MOE.top_k)
+    assert len(moe["moe_seconds"]) == len(moe["dense_seconds"]) == len(moe["tokens"])
+
+
+def test_report_files_and_printed_table(result, tmp_path):
+    out = write_report(result, tmp_path)
+    assert json.loads((out / JSON_NAME).read_text())["schema"] == SCHEMA
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    report = (out / REPORT_NAME).read_text()
+    text = console_report(result, out)
+    for doc in (report, text):
+        assert "conditions: target" in doc and "threads" in doc and "torch" in doc
+        assert "temperature 0 (seed 0), batch 2" in doc and "hf-prompt-lookup k=2" in doc
+        assert "3/3 vs plain" not in doc and "2/2 vs plain" in doc and "n/a (sampling)" in doc
+    assert str(out / REPORT_NAME) in text
+
+
+def test_printed_mismatch(result):
+    cell = json.loads(json.dumps(result["cells"][0]))
+    cell["results"][2]["lossless"].update(identical=1, mismatches=[{"prompt": 1, "first_difference": 4}])
+    assert "1/2 vs plain; differ: prompt 1 from token 4" in "\n".join(cell_table(cell))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"methods": ("eagle",)}, "unknown method 'eagle'"),
+    ({"cells": (Cell("humaneval", 0.0, 0, (2,), 4),)}, "batch size must be >= 1"),
+    ({"cells": (Cell("humaneval", 0.0, 4, (2,), 2),)}, "raise --prompts"),
+    ({"cells": (Cell("gsm8k", 0.0, 1, (2,), 2),)}, "unknown workload 'gsm8k'"),
+    ({"cells": (Cell("humaneval", 0.0, 1, (0,), 2),)}, "k must be >= 1"),
+    ({"repeats": 0}, "repeats and max_new_tokens must be >= 1"),
+])
+def test_bad_plans_are_refused(change, message):
+    with pytest.raises(SpecdecError, match=message):
+        check_plan(dataclasses.replace(PLAN, **change))
+
+
+def test_mtp_k_beyond_the_heads_is_refused(models, capsys):
+    code = main(["bench", "--model", str(models / "target"), "--draft-model", str(models / "draft"),
+                 "--heads", str(models / "heads"), "--ks", "3", "--methods", "mtp", "--no-moe"])
+    assert code == 2
+    assert "MTP heads draft at most 2 tokens per step" in capsys.readouterr().err

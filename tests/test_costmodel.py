@@ -1,0 +1,114 @@
+"""The cost model against hand-computed cases: the α = 0 and α = 1 limits, the closed form of
+E, the verify-curve arithmetic, the batch effect, the MoE expert-activation estimate, and the
+`specdec simulate` command."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.cli import main
+from specdec.costmodel import (VerifyCurve, break_even_alpha, expected_tokens, expected_tokens_iid, moe_curve,
+                               moe_distinct_experts, moe_verify_ratio, predicted_speedup, speedup_limit)
+from specdec.errors import SpecdecError
+
+FLAT = VerifyCurve({1: 0.01, 2: 0.01, 3: 0.01, 5: 0.01, 9: 0.01})      # n tokens cost as much as one
+LINEAR = VerifyCurve({1: 0.01, 9: 0.09})                              # n tokens cost n times one
+
+
+@pytest.mark.parametrize("alpha, k, expected", [
+    (0.0, 4, 1.0),          # nothing accepted: only the recovered token
+    (1.0, 4, 5.0),          # everything accepted: k drafts + the bonus token
+    (0.5, 1, 1.5),
+    (0.5, 2, 1.75),         # 1 + 0.5 + 0.25
+    (0.8, 3, 1 + 0.8 + 0.64 + 0.512),
+    (0.3, 0, 1.0),          # k = 0 is plain decoding
+])
+def test_expected_tokens_closed_form(alpha, k, expected):
+    assert expected_tokens_iid(alpha, k) == pytest.approx(expected)
+    assert expected_tokens([alpha] * k) == pytest.approx(expected)
+
+
+def test_expected_tokens_per_position():
+    assert expected_tokens([0.9, 0.5, 0.2]) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
+    assert expected_tokens([0.0, None]) == 1.0      # position 2 never reached: contributes nothing
+    with pytest.raises(SpecdecError, match=r"\[0, 1\]"):
+        expected_tokens([1.2])
+    with pytest.raises(SpecdecError, match="probability"):
+        expected_tokens_iid(-0.1, 2)
+
+
+def test_verify_curve_interpolates_and_refuses_to_extrapolate():
+    curve = VerifyCurve({1: 0.010, 3: 0.030, 5: 0.034})
+    assert curve.at(2) == pytest.approx(0.020)
+    assert curve.at(4) == pytest.approx(0.032)
+    assert curve.relative() == pytest.approx({1: 1.0, 3: 3.0, 5: 3.4})
+    with pytest.raises(SpecdecError, match="measure it up to"):
+        curve.at(6)
+    with pytest.raises(SpecdecError, match="1-token forward"):
+        VerifyCurve({2: 0.01})
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_speedup_limits(k):
+    # α = 1, free draft, flat curve: every step emits k + 1 tokens for the price of one
+    assert predicted_speedup([1.0] * k, 0.0, FLAT) == pytest.approx(k + 1)
+    # α = 1 but verification cost proportional to tokens: no gain at all
+    assert predicted_speedup([1.0] * k, 0.0, LINEAR) == pytest.approx(1.0)
+    # α = 0: one token per step, and the step costs more than plain decoding's
+    assert predicted_speedup([0.0] * k, 0.002, FLAT) == pytest.approx(0.01 / 0.012)
+    assert speedup_limit(k + 1, k, FLAT) == pytest.approx(k + 1)
+
+
+def test_predicted_speedup_hand_case_with_draft_and_overhead():
+    curve = VerifyCurve({1: 0.010, 2: 0.012})
+    # E = 1.5; step = 2 ms draft + 12 ms verify + 1 ms overhead; plain step 10 ms
+    assert predicted_speedup([0.5], 0.002, curve, 0.001) == pytest.approx(1.5 * 0.010 / 0.015)
+
+
+def test_batch_effect_costs_b_rows_as_b_times_the_tokens():
+    curve = VerifyCurve({1: 1.0, 2: 1.0, 4: 2.0, 6: 3.0, 16: 8.0})
+    # batch 1, k=2: verify 3 tokens (interpolated 1.5) for E = 3 -> 2x
+    assert predicted_speedup([1.0, 1.0], 0.0, curve) == pytest.approx(3 / 1.5)
+    # batch 2: plain step = 2 tokens (1.0), spec step = 6 tokens (3.0): the same E = 3 gains nothing
+    assert predicted_speedup([1.0, 1.0], 0.0, curve, batch_size=2) == pytest.approx(1.0)
+    # a curve measured at the batch size itself is used as it is
+    at_b4 = VerifyCurve({1: 1.0, 3: 2.0}, batch_size=4)
+    assert predicted_speedup([1.0, 1.0], 0.0, at_b4, batch_size=4) == pytest.approx(1.5)
+    with pytest.raises(SpecdecError, match="batch 4, not 2"):
+        predicted_speedup([1.0], 0.0, at_b4, batch_size=2)
+    with pytest.raises(SpecdecError, match="batch size must be >= 1"):
+        predicted_speedup([1.0], 0.0, curve, batch_size=0)
+
+
+def test_moe_expert_activation():
+    assert moe_distinct_experts(8, 2, 0) == 0
+    assert moe_distinct_experts(8, 2, 1) == pytest.approx(2)
+    assert moe_distinct_experts(8, 2, 2) == pytest.approx(8 * (1 - 0.75 ** 2))   # 3.5
+    assert moe_distinct_experts(8, 2, 200) == pytest.approx(8)                   # every expert
+    assert moe_distinct_experts(1, 1, 5) == pytest.approx(1)                     # dense: one MLP
+    # dense (no expert bytes): verifying more tokens reads no more weights
+    assert moe_verify_ratio(16, 8, 2, 0.0) == 1.0
+    assert moe_verify_ratio(1, 8, 2, 0.6) == pytest.approx(1.0)
+    # all bytes in experts, many tokens: all 8 experts instead of 2 -> 4x the bytes
+    assert moe_verify_ratio(200, 8, 2, 1.0) == pytest.approx(4.0)
+    assert moe_verify_ratio(2, 8, 2, 0.5) == pytest.approx(0.5 + 0.5 * 3.5 / 2)
+    curve = moe_curve(FLAT, 8, 2, 1.0)
+    assert curve.seconds[1] == FLAT.seconds[1] and curve.seconds[9] > 3 * FLAT.seconds[9]
+    with pytest.raises(SpecdecError, match="top_k"):
+        moe_distinct_experts(4, 5, 1)
+
+
+def test_break_even_alpha():
+    assert break_even_alpha(4, 0.9) == 0.0          # cheaper than plain: any α pays
+    assert break_even_alpha(2, 3.5) is None         # even α = 1 gives only 3 tokens
+    alpha = break_even_alpha(3, 2.0)
+    assert expected_tokens_iid(alpha, 3) == pytest.approx(2.0, abs=1e-9)
+
+
+def test_simulate_command(capsys):
+    code = main(["simulate", "--alpha", "1", "--ks", "2", "--verify-ms", "10", "10", "10"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| 2 | 3.00 | 1.00 | 0.00 | 3.00x |" in out
+    assert "predicted, not measured" in out and "batch 1" in out and "α = 1.0" in out
+    code = main(["simulate", "--alpha", "0.5", "--alpha-per-position", "0.5", "--verify-ms", "10", "12"])
+    assert code == 2 and "exactly one of --alpha" in capsys.readouterr().err
