@@ -75,8 +75,15 @@ class VerifyCurve:
 
 
 def predicted_speedup(alpha_per_position: list[float | None], draft_seconds: float, curve: VerifyCurve,
-                      overhead_seconds: float = 0.0, batch_size: int = 1) -> float:
-    """Predicted speedup over plain decoding with a chain of k = len(alpha_per_position) drafts.
+                      overhead_seconds: float = 0.0, batch_size: int = 1,
+                      proposal_rate_per_position: list[float | None] | None = None,
+                      mean_drafts: float | None = None) -> float:
+    """Predicted speedup over plain decoding with a chain of up to k = len(alpha_per_position) drafts.
+
+    A proposer that does not always draft k tokens (n-gram lookup drafts only what it finds) is
+    described by p_i (metrics.proposal_rate_per_position: the chance draft i is proposed once
+    reachable) and its mean drafts per step: then E = 1 + Σ_i Π_{j<=i} p_j α_j and a step verifies
+    1 + mean_drafts tokens. Both default to a proposer that always drafts k.
 
     draft_seconds and overhead_seconds are per step (one forward over the whole batch). With
     batch_size B > 1 on a batch-1 curve, B rows of n tokens are costed as B × n tokens of one row;
@@ -84,12 +91,17 @@ def predicted_speedup(alpha_per_position: list[float | None], draft_seconds: flo
     if batch_size < 1:
         raise SpecdecError(f"batch size must be >= 1, got {batch_size}")
     k = len(alpha_per_position)
+    rates = proposal_rate_per_position or [1.0] * k
+    if len(rates) != k:
+        raise SpecdecError(f"{len(rates)} proposal rates for {k} acceptance rates")
+    drafts = k if mean_drafts is None else mean_drafts
     rows = batch_size if curve.batch_size == 1 else 1
     if curve.batch_size not in (1, batch_size):
         raise SpecdecError(f"the verify-cost curve was measured at batch {curve.batch_size}, not {batch_size}")
     plain_step = curve.at(rows)
-    spec_step = draft_seconds + curve.at(rows * (k + 1)) + overhead_seconds
-    return expected_tokens(alpha_per_position) * plain_step / spec_step
+    spec_step = draft_seconds + curve.at(rows * (1 + drafts)) + overhead_seconds
+    reached = [None if a is None or p is None else a * p for a, p in zip(alpha_per_position, rates)]
+    return expected_tokens(reached) * plain_step / spec_step
 
 
 def speedup_limit(tau: float, k: int, curve: VerifyCurve) -> float:

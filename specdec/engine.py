@@ -46,7 +46,7 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
     while not all(row.done for row in rows):
         budgets = torch.tensor([row.budget for row in rows])     # (B,) tokens each row may still emit
         with metrics.timed("draft_seconds"):                      # propose
-            proposal = proposer.propose(state, draft_limits(budgets, k), generator)
+            proposal = proposer.propose(state, draft_limits(budgets, k), generator).trimmed()
         with metrics.timed("verify_seconds"):                     # verify: one forward for all rows
             window = torch.cat([last[:, None], proposal.tokens], 1)  # (B, 1+m)
             out = target(window, positions=next_positions(cache, window.shape[1], context), cache=cache)

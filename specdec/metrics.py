@@ -15,6 +15,9 @@ Counters (DESIGN.md section 3), per run:
   stop checks, bookkeeping), first_token_seconds (start of the run to the first emitted token).
 
 Derived: α = accepted / proposed; α_i = accepted_per_position[i] / reached_per_position[i];
+p_i = reached_per_position[i] / (steps where drafts 1..i were all accepted: steps for i = 0, else
+accepted_per_position[i-1]), the chance that draft i+1 was proposed at all once reachable (1 for a
+proposer that always drafts k, lower for n-gram lookup, which drafts only what it finds);
 τ = emitted / steps (includes the recovered or bonus token); c = draft seconds per forward pass /
 one target single-token forward at the same batch size (`target_token_seconds`, measured by the
 caller, e.g. from a k = 0 run; None when not measured); tokens/s = emitted / total seconds.
@@ -93,6 +96,12 @@ class SpecMetrics:
         return [_ratio(a, r) for a, r in zip(self.accepted_per_position, self.reached_per_position)]
 
     @property
+    def proposal_rate_per_position(self) -> list[float | None]:
+        """p_i, i = 1..k."""
+        before = [self.steps, *self.accepted_per_position[:-1]]
+        return [_ratio(r, b) for r, b in zip(self.reached_per_position, before)]
+
+    @property
     def mean_acceptance_length(self) -> float | None:
         """τ."""
         return _ratio(self.emitted, self.steps)
@@ -121,6 +130,7 @@ class SpecMetrics:
             "reached_per_position": list(self.reached_per_position),
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position,
+            "proposal_rate_per_position": self.proposal_rate_per_position,
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_cost_ratio": self.draft_cost_ratio,
             "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,

@@ -64,6 +64,33 @@ def test_predicted_speedup_hand_case_with_draft_and_overhead():
     assert predicted_speedup([0.5], 0.002, curve, 0.001) == pytest.approx(1.5 * 0.010 / 0.015)
 
 
+def test_a_proposer_that_drafts_less_than_k_is_costed_by_what_it_drafts():
+    curve = VerifyCurve({1: 0.010, 2: 0.012, 3: 0.014})
+    # drafts position 1 half the time and always position 2 after it, each always accepted:
+    # E = 1 + 0.5 + 0.5 = 2; one draft per step on average, so a step verifies 2 tokens (12 ms)
+    assert predicted_speedup([1.0, 1.0], 0.0, curve, proposal_rate_per_position=[0.5, 1.0],
+                             mean_drafts=1.0) == pytest.approx(2 * 0.010 / 0.012)
+
+
+def test_with_measured_proposal_rates_e_is_the_measured_tau():
+    """On a real n-gram run (it drafts only what it finds), 1 + Σ Π p_j α_j telescopes to
+    1 + accepted / steps: exactly τ when no stop cuts a run (here only max_new_tokens, which
+    the engine's draft limits respect)."""
+    from specdec.engine import speculative_generate
+    from specdec.proposers import build_proposer
+    from specdec.sampling import SamplingConfig
+    from specdec.stopping import StopRule
+
+    from .spec_helpers import tiny_llama
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6], list(range(7, 19))]
+    _, m = speculative_generate(tiny_llama(0), build_proposer("ngram"), prompts, StopRule(40), SamplingConfig(), 4)
+    rates = m.proposal_rate_per_position
+    assert min(rates) < 1 and m.proposed < 4 * m.steps  # n-gram lookup really drafted less than k
+    reached = [a * p for a, p in zip(m.acceptance_per_position, rates)]
+    assert expected_tokens(reached) == pytest.approx(m.mean_acceptance_length)
+    assert expected_tokens(m.acceptance_per_position) > m.mean_acceptance_length  # what α_i alone would claim
+
+
 def test_batch_effect_costs_b_rows_as_b_times_the_tokens():
     curve = VerifyCurve({1: 1.0, 2: 1.0, 4: 2.0, 6: 3.0, 16: 8.0})
     # batch 1, k=2: verify 3 tokens (interpolated 1.5) for E = 3 -> 2x

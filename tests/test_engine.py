@@ -146,6 +146,20 @@ def test_empty_proposals():
     assert metrics.proposed < metrics.steps * 4
 
 
+def test_the_target_verifies_only_what_was_proposed(monkeypatch):
+    """n-gram lookup pads its drafts to the limit; the verify window is still 1 + the drafts
+    really proposed (an empty proposal costs a 1-token forward, not a (k+1)-token one)."""
+    widths = []
+    forward = TARGET.forward
+    monkeypatch.setattr(TARGET, "forward", lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or
+                        forward(tokens, *a, **kw))
+    rows, metrics = speculative_generate(TARGET, build_proposer("ngram"), [PROMPTS[2]], RULE, GREEDY, 8)
+    verify = widths[1:]  # after the prefill
+    assert len(verify) == metrics.forwards and sum(w - 1 for w in verify) == metrics.proposed
+    assert min(verify) == 1 and max(verify) == 9  # empty proposals and full ones both happened
+    assert_matches_reference(PROMPTS[2], rows[0].tokens)
+
+
 @pytest.mark.parametrize("name", ["draft-model/noisy-copy", "draft-model/target-itself", "ngram"])
 def test_k_larger_than_the_remaining_context(name):
     # 60 + 5 - 1 = 64 positions: exactly the target's context; padding of finished rows runs past it

@@ -39,6 +39,15 @@ class Proposal:
     def empty(cls, batch_size: int) -> "Proposal":
         return cls(torch.zeros(batch_size, 0, dtype=torch.long), torch.zeros(batch_size, dtype=torch.long), None)
 
+    def trimmed(self) -> "Proposal":
+        """Without the trailing columns no row uses (a proposer may pad its drafts to the limit, as
+        n-gram lookup does when it finds less): the target then verifies only 1 + max(lengths)."""
+        m = int(self.lengths.max()) if self.lengths.numel() else 0
+        if m == self.tokens.shape[1]:
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[:, :m]
+        return Proposal(self.tokens[:, :m], self.lengths, probs)
+
 
 @dataclass
 class Outcome:
