@@ -104,9 +104,10 @@ def predicted_speedup(alpha_per_position: list[float | None], draft_seconds: flo
     return expected_tokens(reached) * plain_step / spec_step
 
 
-def speedup_limit(tau: float, k: int, curve: VerifyCurve) -> float:
-    """S_limit = τ × t(1) / t(k + 1): the speedup with a free draft and no overhead."""
-    return tau * curve.at(1) / curve.at(k + 1)
+def speedup_limit(tau: float, k: int, curve: VerifyCurve, mean_drafts: float | None = None) -> float:
+    """S_limit = τ × t(1) / t(1 + d): the speedup with a free draft and no overhead, d the mean
+    drafts verified per step (k for a proposer that always drafts k)."""
+    return tau * curve.at(1) / curve.at(1 + (k if mean_drafts is None else mean_drafts))
 
 
 def moe_distinct_experts(num_experts: int, top_k: int, n_tokens: int) -> float:

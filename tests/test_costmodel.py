@@ -70,6 +70,8 @@ def test_a_proposer_that_drafts_less_than_k_is_costed_by_what_it_drafts():
     # E = 1 + 0.5 + 0.5 = 2; one draft per step on average, so a step verifies 2 tokens (12 ms)
     assert predicted_speedup([1.0, 1.0], 0.0, curve, proposal_rate_per_position=[0.5, 1.0],
                              mean_drafts=1.0) == pytest.approx(2 * 0.010 / 0.012)
+    # its ceiling with a free draft: τ = 2 over the 2 tokens verified, not over k + 1 = 3
+    assert speedup_limit(2.0, 2, curve, mean_drafts=1.0) == pytest.approx(2 * 0.010 / 0.012)
 
 
 def test_with_measured_proposal_rates_e_is_the_measured_tau():

@@ -337,7 +337,7 @@ def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: flo
                 for part in ("draft", "verify", "other")}
     predicted = predicted_speedup(last.acceptance_per_position, per_step["draft"], curve, per_step["other"],
                                   batch_size, last.proposal_rate_per_position, last.proposed / last.steps)
-    limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve)
+    limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve, last.proposed / last.steps)
     return {"acceptance_rate": last.acceptance_rate, "acceptance_per_position": last.acceptance_per_position,
             "mean_acceptance_length": last.mean_acceptance_length, "draft_cost_ratio": last.draft_cost_ratio,
             "seconds_per_step": per_step, "counters": last.to_dict(), "predicted_speedup": predicted,
