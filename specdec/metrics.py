@@ -81,6 +81,20 @@ class SpecMetrics:
         self.reached_per_position = [a + int(b) for a, b in zip(self.reached_per_position, reached.sum(0))]
         self.accepted_per_position = [a + int(b) for a, b in zip(self.accepted_per_position, hit.sum(0))]
 
+    def __add__(self, other: "SpecMetrics") -> "SpecMetrics":
+        """The counters of two runs with the same k added up (e.g. the batches of one benchmark
+        cell); first-token time and the caller's target_token_seconds are not counters and are
+        left unset."""
+        if other.k != self.k:
+            raise ValueError(f"cannot add the counters of runs with k={self.k} and k={other.k}")
+        return SpecMetrics(
+            self.k, self.batch_size,
+            **{name: getattr(self, name) + getattr(other, name)
+               for name in ("steps", "forwards", "proposed", "accepted", "emitted", "prefill_seconds",
+                            "draft_seconds", "verify_seconds", "other_seconds")},
+            accepted_per_position=[a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)],
+            reached_per_position=[a + b for a, b in zip(self.reached_per_position, other.reached_per_position)])
+
     @property
     def total_seconds(self) -> float:
         return self.prefill_seconds + self.draft_seconds + self.verify_seconds + self.other_seconds

@@ -11,6 +11,7 @@ import torch
 
 from specdec.engine import speculative_generate
 from specdec.errors import SpecdecError
+from specdec.metrics import SpecMetrics
 from specdec.proposers import build_proposer
 from specdec.reference import reference_generate
 from specdec.sampling import SamplingConfig
@@ -229,3 +230,15 @@ def test_metrics_bookkeeping():
 def test_metrics_count_steps_per_row_in_a_batch():
     rows, m = speculative_generate(TARGET, proposer("ngram"), PROMPTS, RULE, GREEDY, 0)
     assert m.steps == 4 * 24 and m.forwards == 24 and m.mean_acceptance_length == 1.0
+
+
+def test_metrics_of_two_runs_add_up():
+    _, a = speculative_generate(TARGET, proposer("ngram"), PROMPTS[:2], RULE, GREEDY, 4)
+    _, b = speculative_generate(TARGET, proposer("ngram"), PROMPTS[2:], RULE, GREEDY, 4)
+    total = a + b
+    for name in ("steps", "forwards", "proposed", "accepted", "emitted", "verify_seconds"):
+        assert getattr(total, name) == pytest.approx(getattr(a, name) + getattr(b, name))
+    assert total.reached_per_position == [x + y for x, y in zip(a.reached_per_position, b.reached_per_position)]
+    assert total.accepted_per_position == [x + y for x, y in zip(a.accepted_per_position, b.accepted_per_position)]
+    with pytest.raises(ValueError, match="k=4 and k=2"):
+        a + SpecMetrics(k=2, batch_size=1)

@@ -279,7 +279,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
             cfg.tokens_per_s.append(produced / (time.perf_counter() - t0))
             cfg.outputs = outputs
             if metrics:
-                cfg.metrics.append(summed(metrics))
+                cfg.metrics.append(sum(metrics[1:], metrics[0]))
     max_k = max(cfg.k for cfg in configs)
     curve_tokens = sorted(set(range(1, max_k + 2)) | ({CURVE_EXTRA_TOKENS} if cell.batch_size == 1 else set()))
     bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
@@ -309,18 +309,6 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
             "verify_curve": {"batch_size": cell.batch_size, "tokens": curve_tokens,
                              "seconds": [curve.seconds[n] for n in curve_tokens]},
             "results": results}
-
-
-def summed(ms: list[SpecMetrics]) -> SpecMetrics:
-    """The counters of several runs (one per batch of a cell) added up."""
-    total = SpecMetrics(k=ms[0].k, batch_size=ms[0].batch_size)
-    for m in ms:
-        for name in ("steps", "forwards", "proposed", "accepted", "emitted", "prefill_seconds", "draft_seconds",
-                     "verify_seconds", "other_seconds"):
-            setattr(total, name, getattr(total, name) + getattr(m, name))
-        total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position, m.accepted_per_position)]
-        total.reached_per_position = [a + b for a, b in zip(total.reached_per_position, m.reached_per_position)]
-    return total
 
 
 def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: float) -> dict:
