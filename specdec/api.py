@@ -27,7 +27,7 @@ from .decode import plain_generate
 from .engine import speculative_generate
 from .errors import SpecdecError
 from .heads import MTPHeads, load_heads
-from .model import LlamaForCausalLM
+from .model import LlamaForCausalLM, compute_dtype
 from .proposers import Proposer
 from .sampling import SamplingConfig
 from .stopping import StopRule
@@ -69,7 +69,7 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None) -> Lo
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     """A separate draft model for `target`: it must use the very same tokenizer."""
-    draft = load(path if path is not None else DEFAULT_DRAFT)
+    draft = load(path if path is not None else DEFAULT_DRAFT, dtype=compute_dtype(target.model))
     if draft.tokenizer.tok.get_vocab() != target.tokenizer.tok.get_vocab():
         raise SpecdecError(f"the draft model {draft.path} uses another tokenizer than the target {target.path}; "
                            "a draft must share the target's tokenizer (train it with --tokenizer "
@@ -84,7 +84,7 @@ def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
     if path == DEFAULT_HEADS and not path.exists():
         raise SpecdecError(f"the shipped MTP heads are missing at {path}: run from a full clone of specdec "
                            "or pass a heads folder")
-    return load_heads(path, target.path, dtype=target.model.lm_head.weight.dtype)
+    return load_heads(path, target.path, dtype=compute_dtype(target.model))
 
 
 def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
@@ -130,6 +130,6 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
         "seconds": seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
         "threads": torch.get_num_threads(),
-        "dtype": str(target.model.lm_head.weight.dtype).removeprefix("torch."),
+        "dtype": str(compute_dtype(target.model)).removeprefix("torch."),
     }
     return Result([r.text() for r in rows], [r.tokens for r in rows], [r.finish_reason for r in rows], stats)

@@ -21,7 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import SpecdecError
-from .model import LlamaConfig, LlamaForCausalLM
+from . import kernels
+from .model import LlamaConfig, LlamaForCausalLM, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,7 +99,9 @@ def read_config(path: str | Path) -> dict:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> LlamaForCausalLM:
-    """Load a checkpoint folder; dtype defaults to the stored dtype."""
+    """Load a checkpoint folder to compute in `dtype` (default float32). A bf16 checkpoint
+    computed in fp32 keeps its matrices in bf16 where the CPU kernels run (exact: bf16 -> fp32
+    loses nothing); elsewhere they are converted to fp32."""
     path = Path(path)
     raw = read_config(path)
     if raw.get("model_type") != "llama":
@@ -126,8 +129,11 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
                  for k in expected if k in got and expected[k] != got[k]][:3]
         raise SpecdecError(f"{path}: {CONFIG} does not match {WEIGHTS} (missing {missing}, unexpected "
                            f"{extra}, wrong shapes {wrong}); the config and weights come from different models")
-    dtype = dtype or DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
+    dtype = dtype or torch.float32
     model.load_hf_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    stored = DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
+    if (dtype, stored, device) == (torch.float32, torch.bfloat16, "cpu") and kernels.can_store_bf16():
+        store_matrices_bf16(model)
     return model.eval()
 
 

@@ -77,12 +77,14 @@ def make_proposer(args, target):
     return build_proposer("ngram", max_n=args.ngram_max, min_n=args.ngram_min)
 
 
-DTYPES = ("stored", "float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")
+DTYPE_HELP = ("arithmetic dtype of target and drafts (default float32: bf16-stored matrices stay bf16 "
+              "and are read by specdec's CPU kernels, exactly upcast)")
 
 
 def torch_dtype(name: str):
     import torch
-    return {"stored": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def cmd_bench(args) -> None:
@@ -141,6 +143,7 @@ def cmd_simulate(args) -> None:
     else:
         from .api import load
         from .bench.conditions import hardware
+        from .model import compute_dtype
         from .bench.verify_cost import measure_verify_curve
 
         target = load(args.model, dtype=torch_dtype(args.dtype))
@@ -148,7 +151,7 @@ def cmd_simulate(args) -> None:
         curve = measure_verify_curve(target.model, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
         source = (f"the verify curve of target {target.path.name} "
-                  f"({str(target.model.lm_head.weight.dtype).removeprefix('torch.')}) measured now on "
+                  f"({str(compute_dtype(target.model)).removeprefix('torch.')}) measured now on "
                   f"{h['cpu']}, {h['threads']} threads")
     if args.moe_experts is not None:
         curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)
@@ -243,8 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
-    b.add_argument("--dtype", choices=DTYPES, default="stored",
-                   help="compute dtype of target and drafts (default: as stored, bf16 for the shipped models)")
+    b.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
@@ -272,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the target now)")
     s.add_argument("--verify-tokens", nargs="+", type=int, help="tokens of each --verify-ms point (default 1, 2, ...)")
     s.add_argument("--model", help="target to measure the curve on (default: the shipped target)")
-    s.add_argument("--dtype", choices=DTYPES, default="stored")
+    s.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     s.add_argument("--moe-experts", type=int, help="estimate an MoE target with this many experts per layer")
     s.add_argument("--moe-top-k", type=int, default=2, help="experts per token (MoE estimate)")
     s.add_argument("--expert-fraction", type=float, default=0.6,

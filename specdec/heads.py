@@ -36,7 +36,9 @@ from torch import nn
 from .checkpoint import CONFIG, WEIGHTS, atomic_dir, sha256
 from .errors import SpecdecError
 from .kv_cache import KVCache
-from .model import DecoderLayer, LlamaConfig, RMSNorm, attention_mask_for, inverse_frequencies, rotary
+from . import kernels
+from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, attention_mask_for, compute_dtype,
+                    inverse_frequencies, rotary, store_matrices_bf16)
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
@@ -129,7 +131,7 @@ class SequentialHeads(MTPHeads):
         C, eps = config.hidden_size, config.rms_norm_eps
         self.hidden_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
         self.embed_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
-        self.projections = nn.ModuleList(nn.Linear(2 * C, C, bias=False) for _ in range(depth))
+        self.projections = nn.ModuleList(Linear(2 * C, C, bias=False) for _ in range(depth))
         self.output_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
 
     def head_input(self, j, trunk, prev, ahead):
@@ -240,8 +242,11 @@ def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None =
         heads.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise SpecdecError(f"{path / HEADS_WEIGHTS} does not match {HEADS_META} ({str(e)[:300]})") from None
-    dtype = dtype or getattr(torch, meta.get("dtype", "float32"))
-    return heads.to(dtype).eval()
+    dtype = dtype or torch.float32
+    heads.to(dtype)
+    if dtype == torch.float32 and meta.get("dtype") == "bfloat16" and kernels.can_store_bf16():
+        store_matrices_bf16(heads)  # exact, as for the target (checkpoint.load_model)
+    return heads.eval()
 
 
 def check_heads_fit(heads: MTPHeads, trunk) -> None:
@@ -251,7 +256,7 @@ def check_heads_fit(heads: MTPHeads, trunk) -> None:
         diff = {k: (v, getattr(trunk.config, k)) for k, v in heads.config.to_dict().items()
                 if getattr(trunk.config, k) != v}
         raise SpecdecError(f"these MTP heads were built for another model (config differs: {diff})")
-    dtype = trunk.lm_head.weight.dtype
-    if next(heads.parameters()).dtype != dtype:
-        raise SpecdecError(f"the MTP heads are {next(heads.parameters()).dtype} but the target is {dtype}: "
+    dtype = compute_dtype(trunk)
+    if compute_dtype(heads) != dtype:
+        raise SpecdecError(f"the MTP heads compute in {compute_dtype(heads)} but the target in {dtype}: "
                            "load both in one dtype (load_heads(..., dtype=...))")

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .kv_cache import KVCache
 
 
@@ -68,7 +69,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be stored in bf16 while activations are fp32 (see kernels)."""
+
+    def forward(self, x):
+        return kernels.linear(x, self.weight)
+
+
+def store_matrices_bf16(module: nn.Module) -> nn.Module:
+    """Keep every Linear weight in bf16 while the rest computes in fp32: exact for weights that
+    hold bf16 values (a bf16 checkpoint), half the memory, read by the kernels without a copy.
+    For inference: the bf16 matrices are frozen."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.weight = nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+    return module
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a model or head computes in (activations, KV cache): that of its norms, since
+    its matrices may be stored in bf16 for fp32 arithmetic."""
+    return next(m.weight.dtype for m in module.modules() if isinstance(m, RMSNorm))
 
 
 def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -95,8 +119,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, span, mask):
         B, T, _ = x.shape
@@ -114,10 +138,7 @@ class Attention(nn.Module):
         # enable_gqa for a few tokens (bf16 without native support especially).
         G = self.n_heads // self.n_kv
         q = q.view(B, T, self.n_kv, G, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, G * T, -1)
-        if mask is not None:
-            S = mask.shape[-1]
-            mask = mask[:, :, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)         # (B, Hkv, G*T, D)
+        y = kernels.cached_attention(q, k, v, mask, G)                       # (B, Hkv, G*T, D)
         y = y.view(B, self.n_kv, G, T, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, G, D)
         return self.o_proj(y.reshape(B, T, -1))
 
@@ -127,8 +148,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -185,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Trunk(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # derived from the config, not a weight: kept out of the state dict and in fp32
@@ -193,9 +214,9 @@ class LlamaForCausalLM(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         cfg = self.config
-        p = self.lm_head.weight
         return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
-                       max_len or cfg.max_position_embeddings, dtype=p.dtype, device=p.device)
+                       max_len or cfg.max_position_embeddings, dtype=compute_dtype(self),
+                       device=self.lm_head.weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import WEIGHTS, sha256
+from ..model import compute_dtype
 
 UNKNOWN = "unknown"
 
@@ -52,7 +53,8 @@ def software() -> dict:
 def model_info(model, path: Path) -> dict:
     weights = path / WEIGHTS
     return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "dtype": str(compute_dtype(model)).removeprefix("torch."),
+            "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
 
 

@@ -57,6 +57,7 @@ from ..decode import plain_generate
 from ..engine import speculative_generate
 from ..errors import SpecdecError
 from ..metrics import SpecMetrics
+from ..model import compute_dtype
 from ..proposers import build_proposer
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
@@ -175,12 +176,11 @@ class Bench:
                  dtype: torch.dtype | None = None):
         self.plan = plan
         self.target = load(target_path, dtype=dtype)
-        dtype = self.target.model.lm_head.weight.dtype
+        dtype = compute_dtype(self.target.model)
         self.proposers, self.method_info = {}, {"plain": {"name": "plain autoregressive decoding"}}
         self.draft = self.heads = None
         if "draft-model" in plan.methods or any(c.peer_k for c in plan.cells):
             self.draft = load_draft_model(self.target, draft_path)
-            self.draft.model.to(dtype)
         if "draft-model" in plan.methods:
             self.proposers["draft-model"] = build_proposer("draft-model", model=self.draft.model)
             self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path)}

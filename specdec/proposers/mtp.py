@@ -34,14 +34,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from .. import kernels
 from ..decode import pad_right
 from ..errors import SpecdecError
 from ..heads import MTPHeads, check_heads_fit
 from ..kv_cache import KVCache
 from ..lm import next_positions
-from ..model import LlamaForCausalLM
+from ..model import LlamaForCausalLM, compute_dtype
 from ..sampling import SamplingConfig, probabilities, sample
 from .base import Outcome, Proposal
 
@@ -86,7 +86,7 @@ class MTPProposer:
                                f"(one per head), but k={k} was asked: use k <= {self.heads.depth}. (Reusing the "
                                "last head for later positions, as some engines do, drafts tokens it was never "
                                "trained to predict, so their acceptance would collapse.)")
-        cfg, B, dtype = self.target.config, len(prompts), self.target.lm_head.weight.dtype
+        cfg, B, dtype = self.target.config, len(prompts), compute_dtype(self.target)
         ahead, lengths = pad_right([p[1:] for p in prompts])  # (B, P-1), (B,)
         # positions written stay below max_len + the widest window after prefill (< 3 (k + 1))
         cache = KVCache(k, B, cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1),
@@ -118,7 +118,7 @@ class MTPProposer:
     def draft(self, normed: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
         """normed (B, C) -> the draft distribution over the full vocabulary (B, V) and a token drawn
         from it (B,), the argmax when greedy."""
-        p = probabilities(F.linear(normed, self.unembedding), sampling)  # (B, N)
+        p = probabilities(kernels.linear(normed, self.unembedding), sampling)  # (B, N)
         token = p.argmax(-1) if sampling.greedy else sample(p, generator)
         if self.draft_ids is None:
             return p, token
