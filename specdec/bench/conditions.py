@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..checkpoint import WEIGHTS, sha256
 from ..model import compute_dtype
 
@@ -55,6 +56,7 @@ def model_info(model, path: Path) -> dict:
     return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
             "dtype": str(compute_dtype(model)).removeprefix("torch."),
             "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
+            "kernels": "specdec CPU kernels (AVX2)" if kernels.compiled() else "PyTorch operators",
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
 
 

@@ -1,7 +1,9 @@
-"""transformers' own decoders as peers, on the same weights and dtype as specdec's target:
-`generate` (plain decoding), assisted generation (`assistant_model=` the same draft model) and
-prompt lookup (`prompt_lookup_num_tokens=k`, n-gram drafting). Batch 1 only: transformers'
-assisted generation supports no larger batch.
+"""transformers' own decoders as peers, on the same weights as specdec's target: `generate`
+(plain decoding), assisted generation (`assistant_model=` the same draft model) and prompt lookup
+(`prompt_lookup_num_tokens=k`, n-gram drafting). Batch 1 only: transformers' assisted generation
+supports no larger batch. They run in bfloat16, transformers' fastest setting on this CPU (its
+float32 path is slower: `specdec bench plain` measures both), so their arithmetic differs from
+specdec's float32 and their outputs are checked against hf-generate, not against specdec.
 """
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ from ..errors import SpecdecError
 from ..sampling import SamplingConfig
 
 PEERS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
+PEER_DTYPE = torch.bfloat16
 
 
 class Peers:
     def __init__(self, target_path: Path, draft_path: Path, dtype: torch.dtype):
         import transformers
 
-        self.version = transformers.__version__
+        self.version, self.dtype = transformers.__version__, dtype
         self.target = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
         self.draft = transformers.AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
         for model in (self.target, self.draft):
@@ -27,7 +30,7 @@ class Peers:
             model.generation_config.pad_token_id = 0
 
     def info(self) -> dict:
-        impl = f"transformers {self.version}"
+        impl = f"transformers {self.version} ({str(self.dtype).removeprefix('torch.')})"
         return {"hf-generate": {"name": "hf-generate", "implementation": f"{impl} generate, KV cache"},
                 "hf-assisted": {"name": "hf-assisted", "implementation": f"{impl} assisted generation",
                                 "assistant": "the draft model of this run", "num_assistant_tokens_schedule": "constant"},

@@ -57,12 +57,11 @@ from ..decode import plain_generate
 from ..engine import speculative_generate
 from ..errors import SpecdecError
 from ..metrics import SpecMetrics
-from ..model import compute_dtype
 from ..proposers import build_proposer
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
 from .conditions import UNKNOWN, hardware, model_info, shown_path, software, spread
-from .peers import PEERS, Peers
+from .peers import PEER_DTYPE, PEERS, Peers
 from .verify_cost import MoESpec, measure_verify_curve, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
@@ -173,10 +172,9 @@ class Bench:
     """The loaded models and proposers, shared by every cell of a run."""
 
     def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE):
         self.plan = plan
         self.target = load(target_path, dtype=dtype)
-        dtype = compute_dtype(self.target.model)
         self.proposers, self.method_info = {}, {"plain": {"name": "plain autoregressive decoding"}}
         self.draft = self.heads = None
         if "draft-model" in plan.methods or any(c.peer_k for c in plan.cells):
@@ -197,7 +195,7 @@ class Bench:
                                        "head_kind": self.heads.kind, "depth": self.heads.depth,
                                        "draft_vocab": draft_vocab or "full",
                                        "parameters": sum(p.numel() for p in self.heads.parameters())}
-        self.peers = Peers(self.target.path, self.draft.path, dtype) if any(c.peer_k for c in plan.cells) else None
+        self.peers = Peers(self.target.path, self.draft.path, peer_dtype) if any(c.peer_k for c in plan.cells) else None
         if self.peers is not None:
             self.method_info.update(self.peers.info())
 
@@ -224,12 +222,13 @@ class Bench:
 
 
 def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
-              dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None) -> dict:
+              dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None,
+              peer_dtype: torch.dtype = PEER_DTYPE) -> dict:
     """Run the plan; `command` (the argv that asked for it) is recorded with the result."""
     started = time.perf_counter()
     check_plan(plan)
     with torch.inference_mode():
-        bench = Bench(plan, target_path, draft_path, heads_path, dtype)
+        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype)
         cells = [(cell, bench.configs(cell)) for cell in plan.cells]
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {
