@@ -126,12 +126,17 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv], cos, sin)  # q and k rotated together
-        q, k, v = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], qkv[:, :, self.n_heads + self.n_kv:]
+        return self.o_proj(self.attend(qk, qkv[:, :, self.n_heads + self.n_kv:], layer, cache, slots, span, mask))
+
+    def attend(self, qk, v, layer: int, cache: KVCache | None, slots, span, mask):
+        """Rotated queries and keys (B, T, H + Hkv, D) and values (B, T, Hkv, D) -> (B, T, H*D)."""
+        B, T = qk.shape[:2]
+        q, k = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:]
         if cache is None:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=self.n_kv != self.n_heads)
-            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            return y.transpose(1, 2).reshape(B, T, -1)
         k, v = cache.write(layer, slots, k, v, span)                        # (B, Hkv, S, D)
         # The query heads sharing a key/value head ride along the query axis: (B, Hkv, G*T, D)
         # attends to (B, Hkv, S, D) without repeating k and v, and is several times faster than
@@ -140,7 +145,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_kv, G, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, G * T, -1)
         y = kernels.cached_attention(q, k, v, mask, G)                       # (B, Hkv, G*T, D)
         y = y.view(B, self.n_kv, G, T, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, G, D)
-        return self.o_proj(y.reshape(B, T, -1))
+        return y.reshape(B, T, -1)
 
 
 class MLP(nn.Module):
@@ -165,6 +170,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, layer, cache, slots, span, mask):
+        a, mlp = self.self_attn, self.mlp
+        matrices = (a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if kernels.fusable(x, *matrices):  # the same layer in three calls instead of ~30 operators
+            B, T, _ = x.shape
+            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+            qkv = kernels.attention_input(x, norm1.weight, norm1.eps, matrices[0], cos, sin, a.n_heads + a.n_kv,
+                                          a.head_dim).view(B, T, -1, a.head_dim)
+            y = a.attend(qkv[:, :, :a.n_heads + a.n_kv], qkv[:, :, a.n_heads + a.n_kv:], layer, cache, slots, span, mask)
+            return kernels.attention_output_mlp(x, y, matrices[1], norm2.weight, norm2.eps, *matrices[2:])
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, slots, span, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -301,4 +315,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        """Distinct parameters; a tied lm_head counts once even when stored apart in bf16."""
+        tied = self.config.tie_word_embeddings
+        return sum(p.numel() for name, p in self.named_parameters() if not (tied and name == "lm_head.weight"))

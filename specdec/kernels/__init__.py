@@ -39,7 +39,7 @@ def compiled():
                                   extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler or ninja: slower, same results
-        warnings.warn(f"specdec: the CPU kernels could not be built ({type(e).__name__}: {e}); using "
+        warnings.warn(f"specdec: the CPU kernels could not be built ({type(e).__name__}: ...{str(e)[-600:]}); using "
                       "PyTorch operators instead, which are slower for bf16 weights. Install a C++ "
                       "compiler (g++) to get them, or set SPECDEC_KERNELS=0 to silence this.")
         return None
@@ -77,6 +77,22 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         B, _, T, S = mask.shape
         mask = mask[:, :, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def fusable(x: torch.Tensor, *matrices: torch.Tensor) -> bool:
+    """Whether a decoder layer on x with these matrices runs as the two fused kernels below."""
+    return (x.dtype == torch.float32 and all(w.dtype == torch.bfloat16 for w in matrices)
+            and _inference(x, *matrices) and compiled() is not None)
+
+
+def attention_input(x, norm_w, eps, w_qkv, cos, sin, rotated_heads: int, head_dim: int) -> torch.Tensor:
+    """rms_norm(x) @ w_qkv.T with rotary positions on the first `rotated_heads` heads: (..., E)."""
+    return compiled().attention_input(x, norm_w, eps, w_qkv, cos, sin, rotated_heads, head_dim)
+
+
+def attention_output_mlp(x, y, w_o, norm_w, eps, w_gate_up, w_down) -> torch.Tensor:
+    """x2 + SwiGLU(rms_norm(x2)) where x2 = x + y @ w_o.T: the rest of a decoder layer."""
+    return compiled().attention_output_mlp(x, y, w_o, norm_w, eps, w_gate_up, w_down)
 
 
 def can_store_bf16() -> bool:

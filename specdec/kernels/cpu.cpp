@@ -19,6 +19,10 @@
 // row at a time in a fixed order, so a row's output too is independent of how many rows share the
 // call. With linear and rms_norm this makes the whole forward row-invariant: verifying k drafts
 // gives each token the logits it would get decoded alone, bit for bit.
+//
+// attention_input and attention_output_mlp are a decoder layer's two halves around attention in
+// one call each (RMSNorm, projections, rotary positions, residuals, SwiGLU): the same row-wise
+// arithmetic without the Python and dispatch cost of the ~30 operators eager PyTorch needs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -139,9 +143,24 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), keep);
 }
 
+// silu(g) * u over n floats: g * sigmoid(g) with sigmoid from e = exp(-|g|).
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + c);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
+    const __m256 positive = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 negative = _mm256_div_ps(e, _mm256_add_ps(one, e));
+    const __m256 sig = _mm256_blendv_ps(positive, negative, _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ));
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + c)));
+  }
+  for (; c < n; ++c) out[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];
+}
+
 }  // namespace
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w) {
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear: x must be float32");
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
               "linear: w must be a contiguous 2-d bfloat16 tensor");
@@ -160,7 +179,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w) {
   return y.view(shape);
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32,
               "rms_norm: x and w must be float32");
   TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: w must have x's last dimension");
@@ -248,8 +267,54 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return y;
 }
 
+// x (M, C); returns qkv (M, E) = rms_norm(x) W_qkv^T with rotary positions applied to the first
+// `rotated` heads of width D (the query and key heads): out_i = x_i cos_i - x_{i+D/2} sin_i for
+// i < D/2, x_i cos_i + x_{i-D/2} sin_i above; cos and sin are (M, D).
+torch::Tensor attention_input(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
+                              const torch::Tensor& w_qkv, const torch::Tensor& cos,
+                              const torch::Tensor& sin, int64_t rotated, int64_t D) {
+  const auto h = rms_norm_f32(x, norm_w, eps);
+  auto qkv = linear_bf16(h, w_qkv);
+  const int64_t M = qkv.numel() / qkv.size(-1), E = qkv.size(-1), half = D / 2;
+  TORCH_CHECK(rotated * D <= E && D % 2 == 0, "attention_input: bad head layout");
+  const auto cs = cos.reshape({M, D}).contiguous(), sn = sin.reshape({M, D}).contiguous();
+  TORCH_CHECK(cs.scalar_type() == torch::kFloat32 && sn.scalar_type() == torch::kFloat32,
+              "attention_input: cos and sin must be float32");
+  float* Q = qkv.data_ptr<float>();
+  const float *Cp = cs.data_ptr<float>(), *Sp = sn.data_ptr<float>();
+  std::vector<float> tmp(D);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t hd = 0; hd < rotated; ++hd) {
+      float* v = Q + m * E + hd * D;
+      const float *c = Cp + m * D, *s = Sp + m * D;
+      for (int64_t i = 0; i < half; ++i) {
+        tmp[i] = v[i] * c[i] - v[i + half] * s[i];
+        tmp[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+      }
+      std::memcpy(v, tmp.data(), D * sizeof(float));
+    }
+  return qkv;
+}
+
+// x (M, C) the layer input, y (M, H*D) the attention output; returns
+// x2 + W_down (silu(g) * u) where x2 = x + y W_o^T and [g, u] = rms_norm(x2) W_gu^T.
+torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w_o,
+                                   const torch::Tensor& norm_w, double eps, const torch::Tensor& w_gu,
+                                   const torch::Tensor& w_down) {
+  auto x2 = linear_bf16(y, w_o).reshape(x.sizes()).add_(x);
+  const auto gu = linear_bf16(rms_norm_f32(x2, norm_w, eps), w_gu);
+  const int64_t F = gu.size(-1) / 2, M = gu.numel() / (2 * F);
+  auto act = torch::empty({M, F}, gu.options());
+  const float* G = gu.data_ptr<float>();
+  float* A = act.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) silu_mul(G + m * 2 * F, G + m * 2 * F + F, A + m * F, F);
+  return x2.add_(linear_bf16(act, w_down).reshape(x.sizes()));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention_input", &attention_input, "RMSNorm, the q/k/v projection and rotary positions");
+  m.def("attention_output_mlp", &attention_output_mlp, "o projection, residual, RMSNorm, SwiGLU MLP, residual");
   m.def("attention", &attention, "cached attention, one query row at a time (see above)");
-  m.def("linear", &linear, "x (..., K) fp32 times bf16 weight (N, K) transposed, fp32 out");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
+  m.def("linear", &linear_bf16, "x (..., K) fp32 times bf16 weight (N, K) transposed, fp32 out");
+  m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dimension, fp32");
 }
