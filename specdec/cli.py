@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "peers on the same prompts, interleaved; writes bench.json, report.md and plots.")
     b.add_argument("mode", choices=["all", "plain"], nargs="?", default="all",
                    help="all: the benchmark (default); plain: specdec vs transformers generate and bandwidth")
-    b.add_argument("--quick", action="store_true", help="the few-minute plan (default: the full plan, ~40 min)")
+    b.add_argument("--quick", action="store_true", help="the few-minute plan (default: the full plan, ~20 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
     b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")

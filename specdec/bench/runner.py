@@ -108,7 +108,7 @@ def quick_plan() -> Plan:
 
 
 def full_plan() -> Plan:
-    """About 40 minutes on a quiet 2-core machine: the k sweep, three workloads, temperature 0
+    """About 20 minutes on a quiet 2-core machine: the k sweep, three workloads, temperature 0
     and 1, and batch 1, 4 and 16 on the same 16 prompts; 96 new tokens per prompt."""
     return Plan((Cell("humaneval", 0.0, 1, (1, 2, 3, 4, 5, 6, 7, 8), 10, peer_k=4),
                  Cell("stdlib-tests", 0.0, 1, (2, 4), 5, peer_k=4),
