@@ -20,8 +20,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .errors import SpecdecError
 from . import kernels
+from .errors import SpecdecError
 from .model import LlamaConfig, LlamaForCausalLM, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"

@@ -33,10 +33,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import kernels
 from .checkpoint import CONFIG, WEIGHTS, atomic_dir, sha256
 from .errors import SpecdecError
 from .kv_cache import KVCache
-from . import kernels
 from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, attention_mask_for, compute_dtype,
                     inverse_frequencies, rotary, store_matrices_bf16)
 

@@ -139,8 +139,7 @@ class Attention(nn.Module):
             return y.transpose(1, 2).reshape(B, T, -1)
         k, v = cache.write(layer, slots, k, v, span)                        # (B, Hkv, S, D)
         # The query heads sharing a key/value head ride along the query axis: (B, Hkv, G*T, D)
-        # attends to (B, Hkv, S, D) without repeating k and v, and is several times faster than
-        # enable_gqa for a few tokens (bf16 without native support especially).
+        # attends to (B, Hkv, S, D) without repeating k and v.
         G = self.n_heads // self.n_kv
         q = q.view(B, T, self.n_kv, G, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, G * T, -1)
         y = kernels.cached_attention(q, k, v, mask, G)                       # (B, Hkv, G*T, D)
@@ -175,9 +174,10 @@ class DecoderLayer(nn.Module):
         if kernels.fusable(x, *matrices):  # the same layer in three calls instead of ~30 operators
             B, T, _ = x.shape
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-            qkv = kernels.attention_input(x, norm1.weight, norm1.eps, matrices[0], cos, sin, a.n_heads + a.n_kv,
+            rotated = a.n_heads + a.n_kv  # queries and keys
+            qkv = kernels.attention_input(x, norm1.weight, norm1.eps, matrices[0], cos, sin, rotated,
                                           a.head_dim).view(B, T, -1, a.head_dim)
-            y = a.attend(qkv[:, :, :a.n_heads + a.n_kv], qkv[:, :, a.n_heads + a.n_kv:], layer, cache, slots, span, mask)
+            y = a.attend(qkv[:, :, :rotated], qkv[:, :, rotated:], layer, cache, slots, span, mask)
             return kernels.attention_output_mlp(x, y, matrices[1], norm2.weight, norm2.eps, *matrices[2:])
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, slots, span, mask)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -49,7 +49,7 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
     counts = torch.arange(len(cases)) % 3
     ngram.observe(state, Outcome(counts, tokens, counts, torch.zeros(len(cases), 3, 1)))
     for b, h in enumerate(histories):
-        assert state.history[b, :int(state.lengths[b])].tolist() == h + [9] * int(counts[b])
+        assert state.rows[b].tokens == h + [9] * int(counts[b])
 
 
 def test_append_ragged_and_drop_prefix():

@@ -1,10 +1,11 @@
 """Compiled CPU kernels for decoding with bf16-stored weights and fp32 arithmetic (see cpu.cpp).
 
 Built from cpu.cpp by the machine's C++ compiler the first time they are needed (about a minute,
-once per machine and source version; cached under ~/.cache/specdec). `linear` and `rms_norm`
-fall back to PyTorch operators computing the same arithmetic wherever the kernels cannot run
-(no AVX2, no compiler, gradients needed, other dtypes or devices), so a result never depends on
-whether they were built beyond fp32 summation order. SPECDEC_KERNELS=0 turns them off.
+once per machine and source version; cached under ~/.cache/specdec). `linear`, `rms_norm` and
+`cached_attention` fall back to PyTorch operators computing the same arithmetic wherever the
+kernels cannot run (no AVX2, no compiler, gradients needed, other dtypes or devices), so a result
+never depends on whether they were built beyond fp32 rounding; the fused layer halves are called
+only where `fusable` says they run. SPECDEC_KERNELS=0 turns the kernels off.
 """
 from __future__ import annotations
 

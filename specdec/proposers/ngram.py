@@ -5,23 +5,48 @@ generated text together), trying n = max_n down to min_n, and propose the tokens
 it. Rows without a match propose nothing. Drafts are deterministic, so verification treats them
 as one-hot (draft_probs None), which keeps sampling lossless.
 
-The search runs over the whole batch at once on a right-padded history tensor.
+Each row keeps, for every n, a table from an n-gram to the latest start at which it occurred
+with at least one token after it; a token appended registers the n-grams it completes the
+continuation of. A lookup is then one table access per n, whatever the length of the text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..decode import pad_right
 from ..errors import SpecdecError
-from .base import Outcome, Proposal, append_ragged
+from .base import Outcome, Proposal
+
+
+@dataclass
+class History:
+    """One row's text and, per n, n-gram -> latest start followed by at least one more token."""
+    sizes: range
+    tokens: list[int] = field(default_factory=list)
+    starts: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+
+    def extend(self, new: list[int]) -> None:
+        for token in new:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1  # the new token continues every n-gram ending just before it
+            for n in self.sizes:
+                if end - n >= 0:
+                    self.starts.setdefault(n, {})[tuple(self.tokens[end - n:end])] = end - n
+
+    def continuation(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix."""
+        for n in reversed(self.sizes):
+            if len(self.tokens) > n:
+                start = self.starts.get(n, {}).get(tuple(self.tokens[-n:]))
+                if start is not None:
+                    return self.tokens[start + n:start + n + limit]
+        return []
 
 
 @dataclass
 class NgramState:
-    history: torch.Tensor  # (B, W) prompt + committed tokens, right-padded
-    lengths: torch.Tensor  # (B,)
+    rows: list[History]
 
 
 class NgramProposer:
@@ -34,26 +59,19 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k) -> NgramState:
-        return NgramState(*pad_right(prompts))
+        rows = [History(range(self.min_n, self.max_n + 1)) for _ in prompts]
+        for row, prompt in zip(rows, prompts):
+            row.extend(prompt)
+        return NgramState(rows)
 
     def propose(self, state: NgramState, limits, generator) -> Proposal:
         B, m = limits.shape[0], int(limits.max())
         if m == 0:
             return Proposal.empty(B)
-        history, lengths = state.history, state.lengths
-        W = history.shape[1]
-        follow = torch.full((B,), -1)  # (B,) index where the proposed continuation starts, -1: none yet
-        for n in range(min(self.max_n, W - 1), self.min_n - 1, -1):
-            windows = history.unfold(1, n, 1)                                             # (B, W-n+1, n)
-            suffix = history.gather(1, (lengths[:, None] - n + torch.arange(n)).clamp(min=0))  # (B, n)
-            start = torch.arange(W - n + 1)[None]
-            # an earlier occurrence, followed by at least one token before the suffix's end
-            match = (windows == suffix[:, None]).all(-1) & (start < (lengths - n)[:, None])  # (B, W-n+1)
-            latest = torch.where(match, start, -1).max(1).values                             # (B,)
-            follow = torch.where((follow < 0) & (latest >= 0), latest + n, follow)
-        counts = torch.where(follow >= 0, torch.minimum(limits, lengths - follow), 0)
-        cols = (follow.clamp(min=0)[:, None] + torch.arange(m)[None]).clamp(max=W - 1)
-        return Proposal(history.gather(1, cols), counts, None)
+        drafts = [row.continuation(limit) for row, limit in zip(state.rows, limits.tolist())]
+        tokens = torch.tensor([d + [0] * (m - len(d)) for d in drafts], dtype=torch.long)  # (B, m)
+        return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
 
     def observe(self, state: NgramState, outcome: Outcome) -> None:
-        state.history, state.lengths = append_ragged(state.history, state.lengths, outcome.tokens, outcome.counts)
+        for row, tokens, count in zip(state.rows, outcome.tokens.tolist(), outcome.counts.tolist()):
+            row.extend(tokens[:count])
