@@ -1,8 +1,8 @@
 // CPU kernels for decoding with bf16-stored weights and fp32 arithmetic (AVX2 + FMA).
 //
-// Why: on a CPU without native bf16 (AVX2 only), PyTorch's bf16 matmul costs grow linearly with
-// the number of rows M (a forward over 4 tokens costs 4 forwards over 1), and its fp32 matmul
-// (MKL) reads weights at a fraction of the memory bandwidth. Speculative decoding lives on
+// Why: on a CPU without native bf16 (AVX2 only), the cost of PyTorch's bf16 matmul grows about in
+// proportion to the number of rows M (4 rows cost about 4 times one row), and its fp32 matmul
+// (MKL, on an AMD CPU) reads weights at a fraction of the memory bandwidth. Speculative decoding lives on
 // verification being almost as cheap as one token, so the matmul must read each weight once
 // for all M rows.
 //
