@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from . import kernels
 from .errors import SpecdecError
-from .model import LlamaConfig, LlamaForCausalLM, store_matrices_bf16
+from .model import LlamaConfig, LlamaForCausalLM, compute_dtype, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,10 +131,16 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
                            f"{extra}, wrong shapes {wrong}); the config and weights come from different models")
     dtype = dtype or torch.float32
     model.load_hf_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    stored = DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
-    if (dtype, stored, device) == (torch.float32, torch.bfloat16, "cpu") and kernels.can_store_bf16():
-        store_matrices_bf16(model)
+    keep_bf16_matrices(model, DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32))
     return model.eval()
+
+
+def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> None:
+    """A model or head computing in fp32 from weights stored in bf16 keeps its matrices in bf16
+    where the CPU kernels run (exact: bf16 -> fp32 loses nothing); elsewhere they stay fp32."""
+    if (stored == torch.bfloat16 and compute_dtype(module) == torch.float32 and kernels.can_store_bf16()
+            and all(p.device.type == "cpu" for p in module.parameters())):
+        store_matrices_bf16(module)
 
 
 def read_meta(path: str | Path) -> dict:

@@ -33,12 +33,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import kernels
-from .checkpoint import CONFIG, WEIGHTS, atomic_dir, sha256
+from .checkpoint import CONFIG, DTYPES, WEIGHTS, atomic_dir, keep_bf16_matrices, sha256
 from .errors import SpecdecError
 from .kv_cache import KVCache
 from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, attention_mask_for, compute_dtype,
-                    inverse_frequencies, rotary, store_matrices_bf16)
+                    inverse_frequencies, rotary)
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
@@ -242,10 +241,8 @@ def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None =
         heads.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise SpecdecError(f"{path / HEADS_WEIGHTS} does not match {HEADS_META} ({str(e)[:300]})") from None
-    dtype = dtype or torch.float32
-    heads.to(dtype)
-    if dtype == torch.float32 and meta.get("dtype") == "bfloat16" and kernels.can_store_bf16():
-        store_matrices_bf16(heads)  # exact, as for the target (checkpoint.load_model)
+    heads.to(dtype or torch.float32)
+    keep_bf16_matrices(heads, DTYPES.get(meta.get("dtype")))
     return heads.eval()
 
 
