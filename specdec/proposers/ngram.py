@@ -24,7 +24,10 @@ class History:
     """One row's text and, per n, n-gram -> latest start followed by at least one more token."""
     sizes: range
     tokens: list[int] = field(default_factory=list)
-    starts: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    starts: dict[int, dict[tuple[int, ...], int]] = field(init=False)
+
+    def __post_init__(self):
+        self.starts = {n: {} for n in self.sizes}
 
     def extend(self, new: list[int]) -> None:
         for token in new:
@@ -32,13 +35,13 @@ class History:
             end = len(self.tokens) - 1  # the new token continues every n-gram ending just before it
             for n in self.sizes:
                 if end - n >= 0:
-                    self.starts.setdefault(n, {})[tuple(self.tokens[end - n:end])] = end - n
+                    self.starts[n][tuple(self.tokens[end - n:end])] = end - n
 
     def continuation(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix."""
         for n in reversed(self.sizes):
             if len(self.tokens) > n:
-                start = self.starts.get(n, {}).get(tuple(self.tokens[-n:]))
+                start = self.starts[n].get(tuple(self.tokens[-n:]))
                 if start is not None:
                     return self.tokens[start + n:start + n + limit]
         return []
