@@ -37,38 +37,43 @@ def save(fig, result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def speedup_vs_k(result: dict, path: Path) -> None:
+def batch1_panels(result: dict):
+    """One panel per batch-1 cell: the figure and, per panel, (ax, cell, {method: its results})."""
     cells = [c for c in result["cells"] if c["batch_size"] == 1]
     fig, axes = panels(len(cells))
-    for ax, cell in zip(axes, cells):
-        for method in SPEC_METHODS:
-            rs = [r for r in cell["results"] if r["method"] == method]
-            if rs:
-                med = [r["speedup"]["median"] for r in rs]
-                err = [[m - r["speedup"]["min"] for m, r in zip(med, rs)], [r["speedup"]["max"] - m for m, r in zip(med, rs)]]
-                ax.errorbar([r["k"] for r in rs], med, yerr=err, marker="o", capsize=3, label=method,
-                            color=COLORS[method])
+    by_method = [{m: rs for m in SPEC_METHODS if (rs := [r for r in cell["results"] if r["method"] == m])}
+                 for cell in cells]
+    return fig, list(zip(axes, cells, by_method))
+
+
+def finish_panel(ax, cell: dict, **labels) -> None:
+    ax.set(title=panel_title(cell), **labels)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8)
+
+
+def speedup_vs_k(result: dict, path: Path) -> None:
+    fig, plotted = batch1_panels(result)
+    for ax, cell, by_method in plotted:
+        for method, rs in by_method.items():
+            med = [r["speedup"]["median"] for r in rs]
+            err = [[m - r["speedup"]["min"] for m, r in zip(med, rs)], [r["speedup"]["max"] - m for m, r in zip(med, rs)]]
+            ax.errorbar([r["k"] for r in rs], med, yerr=err, marker="o", capsize=3, label=method,
+                        color=COLORS[method])
         ax.axhline(1, color="gray", lw=0.8, ls="--")
-        ax.set(title=panel_title(cell), xlabel="k (draft tokens per step)", ylabel="speedup vs plain")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=8)
+        finish_panel(ax, cell, xlabel="k (draft tokens per step)", ylabel="speedup vs plain")
     save(fig, result, path)
 
 
 def acceptance_per_position(result: dict, path: Path) -> None:
-    cells = [c for c in result["cells"] if c["batch_size"] == 1]
-    fig, axes = panels(len(cells))
-    for ax, cell in zip(axes, cells):
-        for method in SPEC_METHODS:
-            rs = [r for r in cell["results"] if r["method"] == method]
-            if rs:
-                r = max(rs, key=lambda r: r["k"])
-                alphas = [a if a is not None else float("nan") for a in r["acceptance_per_position"]]
-                ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=f"{method} k={r['k']}",
-                        color=COLORS[method])
-        ax.set(title=panel_title(cell), xlabel="draft position i", ylabel="α_i", ylim=(0, 1.05))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=8)
+    fig, plotted = batch1_panels(result)
+    for ax, cell, by_method in plotted:
+        for method, rs in by_method.items():
+            r = max(rs, key=lambda r: r["k"])
+            alphas = [a if a is not None else float("nan") for a in r["acceptance_per_position"]]
+            ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=f"{method} k={r['k']}",
+                    color=COLORS[method])
+        finish_panel(ax, cell, xlabel="draft position i", ylabel="α_i", ylim=(0, 1.05))
     save(fig, result, path)
 
 
