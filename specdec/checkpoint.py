@@ -2,8 +2,8 @@
 
 A checkpoint is a folder: config.json (transformers' keys), model.safetensors (the weights,
 never pickle), tokenizer.json, and specdec.json (provenance: recipe, corpus files and hash,
-training summary). Folders are written to a temporary sibling and renamed into place, so an
-interrupted save never leaves a half-written checkpoint.
+training summary). Folders are saved through atomic.atomic_dir, so a killed save never leaves a
+half-written checkpoint, and `read_config` finishes an interrupted one first (atomic.recover).
 
 This module knows nothing about training or decoding.
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import kernels
+from .atomic import atomic_dir, recover
 from .errors import SpecdecError
 from .model import LlamaConfig, LlamaForCausalLM, compute_dtype, store_matrices_bf16
 
@@ -36,28 +35,6 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
              rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
              rope_theta=rope_theta, dtype=str(dtype).removeprefix("torch."), use_cache=True)
     return d
-
-
-def atomic_dir(dest: Path):
-    """Context manager yielding a temp folder that replaces `dest` only when the block succeeds."""
-    class _Atomic:
-        def __enter__(self):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-            return self.tmp
-
-        def __exit__(self, exc_type, exc, tb):
-            if exc_type is not None:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                return False
-            old = dest.with_name(f".{dest.name}.old")
-            if dest.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(dest, old)
-            os.replace(self.tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-            return False
-    return _Atomic()
 
 
 def save_model(model: LlamaForCausalLM, path: str | Path, tokenizer_file: str | Path | None = None,
@@ -84,6 +61,8 @@ def sha256(path: str | Path) -> str:
 
 def read_config(path: str | Path) -> dict:
     path = Path(path)
+    if not path.is_dir():
+        recover(path)
     if not path.is_dir():
         raise SpecdecError(f"no checkpoint folder at {path}: pass --model with a folder holding "
                            f"{CONFIG} and {WEIGHTS} (train one with `specdec train`)")

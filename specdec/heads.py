@@ -33,7 +33,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .checkpoint import CONFIG, DTYPES, WEIGHTS, atomic_dir, keep_bf16_matrices, sha256
+from .atomic import atomic_dir
+from .checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
 from .errors import SpecdecError
 from .kv_cache import KVCache
 from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, attention_mask_for, compute_dtype,

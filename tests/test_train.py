@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.checkpoint import atomic_dir, load_model, read_meta
+from specdec.atomic import atomic_dir
+from specdec.checkpoint import load_model, read_meta
 from specdec.presets import PRESETS
 from specdec.train.loop import TrainConfig, lr_at, train
 

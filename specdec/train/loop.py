@@ -36,7 +36,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..checkpoint import TOKENIZER, WEIGHTS, atomic_dir, load_model, read_config, save_model, sha256
+from ..atomic import atomic_dir, recover
+from ..checkpoint import TOKENIZER, WEIGHTS, load_model, read_config, save_model, sha256
 from ..errors import SpecdecError
 from ..heads import MTPHeads, build_heads, save_heads
 from ..model import LlamaConfig, LlamaForCausalLM
@@ -198,6 +199,7 @@ class Run:
 
     def load_state(self, model, heads, opt):
         state_dir = self.work / "state"
+        recover(state_dir)  # a save killed between its renames left the newest state beside the folder
         if not (state_dir / "state.json").exists():
             return 0, {"train": [], "valid": []}, 0.0
         meta = json.loads((state_dir / "state.json").read_text())
