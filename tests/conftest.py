@@ -1,6 +1,7 @@
 """Shared fixtures: tiny real models and a real tokenizer, built in seconds, never downloaded."""
 from __future__ import annotations
 
+import socket
 import sysconfig
 from pathlib import Path
 
@@ -40,3 +41,11 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_file) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
     save_model(tiny_model(), path, tokenizer_file=tokenizer_file, dtype=torch.float32)
     return path
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (for torchrun's rendezvous), so that tests running
+    side by side never collide on a fixed port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

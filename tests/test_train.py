@@ -2,8 +2,10 @@
 matching one process with the same global batch."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,6 +19,8 @@ from specdec.atomic import atomic_dir
 from specdec.checkpoint import load_model, read_meta
 from specdec.presets import PRESETS
 from specdec.train.loop import TrainConfig, lr_at, train
+
+from .conftest import free_port
 
 JSON_PKG = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
 
@@ -69,7 +73,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path
     steps = 8
     single = train(tiny_cfg(tmp_path / "one", steps=steps))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "specdec.cli", "train", "--preset", "tiny", "--corpus", JSON_PKG, "--steps", str(steps),
            "--out", str(tmp_path / "two")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -79,3 +83,25 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path
     assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, steps + 1))
     assert max(abs(a - b) for (_, a), (_, b) in zip(one, two)) <= 2e-3
     assert one[-1][1] < one[0][1]  # and it learns
+
+
+def test_a_changed_corpus_or_vocabulary_is_prepared_again_or_refused(tmp_path, capsys):
+    """prepared.json is keyed by the corpus files (sizes, mtimes), vocabulary size, tokenizer and seq_len."""
+    from specdec.errors import SpecdecError
+    from specdec.train.loop import Run
+    corpus = tmp_path / "corpus"
+    shutil.copytree(JSON_PKG, corpus)
+    def cfg(**overrides):
+        return TrainConfig(out=str(tmp_path / "run"), **{**PRESETS["tiny"], "corpus": [str(corpus)], **overrides})
+    Run(cfg()).prepare()
+    tokens = json.loads((tmp_path / "run" / "work" / "prepared.json").read_text())["tokens"]["train"]
+    Run(cfg()).prepare()  # same key: reused silently
+    assert "preparing it again" not in capsys.readouterr().err
+    (corpus / "late.py").write_text("print('a file added after a failed run')\n" * 50)
+    Run(cfg()).prepare()
+    assert "another corpus: preparing it again" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "work" / "prepared.json").read_text())["tokens"]["train"] > tokens
+    (tmp_path / "run" / "work" / "state").mkdir()  # a run is under way: its weights expect these tokens
+    model = PRESETS["tiny"]["model"]
+    with pytest.raises(SpecdecError, match="prepared with another vocab size"):
+        Run(cfg(model=dataclasses.replace(model, vocab_size=600))).prepare()

@@ -26,6 +26,7 @@ from specdec.sampling import SamplingConfig
 from specdec.stopping import StopRule
 from specdec.train.loop import build, train, with_frozen_trunk
 
+from .conftest import free_port
 from .test_train import JSON_PKG, tiny_cfg
 
 STEPS = 8
@@ -125,7 +126,7 @@ def test_mtp_under_torchrun_matches_one_process(tmp_path):
     script.write_text("import sys\nfrom tests.test_train import tiny_cfg\nfrom specdec.train.loop import train\n"
                       f"train(tiny_cfg(sys.argv[1], **{settings!r}))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29519",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script), str(tmp_path / "two")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

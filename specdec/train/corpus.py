@@ -80,22 +80,17 @@ class Corpus:
                                f"with one of the suffixes {sorted(TEXT_SUFFIXES)}")
 
     def _add_stdlib(self, valid_percent: float):
-        root = Path(sysconfig.get_paths()["stdlib"])
-        for f in sorted(root.rglob("*.py")):
+        root, files = source_files(STDLIB)
+        for f in files:
             rel = f.relative_to(root)
-            if "site-packages" in rel.parts:
-                continue
             doc = Document(f"{STDLIB}/{rel.as_posix()}", _read_lenient(f))
             held_out = HELD_OUT_DIRS & set(rel.parts[:-1])
             self.splits["test" if held_out else _split(doc.name, valid_percent)].append(doc)
 
     def _add_path(self, path: Path, valid_percent: float):
-        if not path.exists():
-            raise SpecdecError(f"corpus path {path} does not exist; name text/.jsonl files or folders")
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES) \
-            if path.is_dir() else [path]
+        root, files = source_files(str(path))
         for f in files:
-            for doc in _documents(f, path if path.is_dir() else f):
+            for doc in _documents(f, root):
                 self.splits[_split(doc.name, valid_percent)].append(doc)
 
     def provenance(self) -> dict:
@@ -106,6 +101,32 @@ class Corpus:
                 h.update(hashlib.sha256(doc.text.encode()).digest())
         return {"sources": self.sources, "sha256": h.hexdigest(),
                 "files": {s: [d.name for d in docs] for s, docs in self.splits.items()}}
+
+
+def source_files(source: str) -> tuple[Path, list[Path]]:
+    """The root and the sorted files one corpus source reads (STDLIB, a folder or a file)."""
+    if source == STDLIB:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return root, [f for f in sorted(root.rglob("*.py")) if "site-packages" not in f.relative_to(root).parts]
+    path = Path(source)
+    if not path.exists():
+        raise SpecdecError(f"corpus path {path} does not exist; name text/.jsonl files or folders")
+    if not path.is_dir():
+        return path, [path]
+    return path, sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+
+
+def fingerprint(sources: list[str] | None) -> str:
+    """A hash of every file the corpus would read, by path, size and modification time: it
+    changes when a file is added, removed or edited, without reading any text."""
+    h = hashlib.sha256()
+    for source in sources or [STDLIB]:
+        root, files = source_files(source)
+        h.update(f"{source}\0{root.resolve()}\0".encode())
+        for f in files:
+            st = f.stat()
+            h.update(f"{f.relative_to(root) if f != root else f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
 
 
 def _read_lenient(path: Path) -> str:

@@ -7,9 +7,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..checkpoint import sha256
 from ..errors import SpecdecError
 from ..tokenizer import EOS_ID, Tokenizer
-from .corpus import Document
+from .corpus import Document, fingerprint
+
+
+def preparation_key(sources: list[str] | None, vocab_size: int, tokenizer: str | None, seq_len: int) -> dict:
+    """What a run's prepared token files depend on: the corpus files (paths, sizes, modification
+    times), the vocabulary size, the tokenizer file (or none: trained on the corpus) and seq_len
+    (the validation hold-out of a small corpus is measured in windows)."""
+    return {"corpus": fingerprint(sources), "vocab_size": vocab_size,
+            "tokenizer": sha256(tokenizer) if tokenizer else "trained on the corpus", "seq_len": seq_len}
 
 
 def tokenize(docs: list[Document], tokenizer: Tokenizer) -> np.ndarray:

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ from ..heads import MTPHeads, build_heads, save_heads
 from ..model import LlamaConfig, LlamaForCausalLM
 from ..tokenizer import Tokenizer
 from .corpus import Corpus
-from .data import eval_batches, tokenize, window_batch
+from .data import eval_batches, preparation_key, tokenize, window_batch
 from .objectives import OBJECTIVES, LossWeights, mtp_backward, mtp_losses, next_token_loss
 
 
@@ -148,8 +149,27 @@ class Run:
 
     # --- preparation (rank 0 only; the others wait) -------------------------------------
     def prepare(self) -> None:
-        if (self.work / "prepared.json").exists():
-            return
+        key = preparation_key(self.cfg.corpus, self.cfg.model.vocab_size, self.cfg.tokenizer, self.cfg.seq_len)
+        if not self.prepared_for(key):
+            self._prepare(key)
+
+    def prepared_for(self, key: dict) -> bool:
+        """Whether work/ holds tokens prepared for `key`; prepared for another corpus, vocabulary
+        size or tokenizer while a run is under way there is an error (its weights expect them)."""
+        prepared = self.work / "prepared.json"
+        if not prepared.exists():
+            return False
+        saved = json.loads(prepared.read_text()).get("key", key)  # runs prepared before keys: trusted
+        if saved == key:
+            return True
+        changed = ", ".join(k.replace("_", " ") for k in key if saved.get(k) != key[k])
+        if (self.work / "state").exists():
+            raise SpecdecError(f"{self.out} holds a run prepared with another {changed}; resume it with its "
+                               "original options, or start over with a new --out (or delete that folder)")
+        print(f"specdec: {self.work} was prepared with another {changed}: preparing it again", file=sys.stderr)
+        return False
+
+    def _prepare(self, key: dict) -> None:
         corpus = Corpus(self.cfg.corpus)
         self.work.mkdir(parents=True, exist_ok=True)
         if self.cfg.tokenizer:
@@ -172,6 +192,7 @@ class Run:
         counts = {split: int(len(arr)) for split, arr in arrays.items()}
         prov = corpus.provenance()
         prov["tokens"] = counts
+        prov["key"] = key
         (self.work / "prepared.json").write_text(json.dumps(prov, indent=1))
 
     def tokens(self, split: str) -> np.ndarray:
