@@ -18,7 +18,7 @@ def cmd_train(args) -> None:
     preset = dict(PRESETS[args.preset])
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
-                 "mtp_beta", "frozen_trunk"):
+                 "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
@@ -28,7 +28,7 @@ def cmd_train(args) -> None:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
     if args.naive_mtp_order:
         preset["mtp_memory_saving"] = False
-    path = train(TrainConfig(out=args.out, **preset))
+    path = train(TrainConfig(out=args.out, **preset), command=["specdec", *sys.argv[1:]])
     if path is None:
         print(f"stopped early with a checkpoint in {args.out}; rerun the same command to resume")
     elif int(os.environ.get("RANK", 0)) == 0:
@@ -183,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
-    t.add_argument("--preset", choices=["target", "draft", "target-mtp", "tiny"], default="target",
-                   help="target-mtp: MTP heads for the shipped target, trained on its frozen weights")
+    t.add_argument("--preset", choices=["target", "draft", "draft-distill", "target-mtp", "tiny"], default="target",
+                   help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
+                        "draft-distill: the shipped draft distilled from the shipped target")
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
     t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
     t.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
@@ -198,9 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int)
     t.add_argument("--save-every", type=int)
     t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
-    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential"],
+    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
-                        "modules (DeepSeek-V3)")
+                        "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher")
+    t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target checkpoint to learn from "
+                                                      "(its tokenizer is used)")
+    t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
+                                                        "(default: fresh weights)")
+    t.add_argument("--distill-temperature", type=float, help="distill: KL at this temperature (default 1)")
+    t.add_argument("--distill-top-k", type=int, help="distill: the teacher's top-k tokens only, renormalised "
+                                                     "(default: the whole vocabulary)")
     t.add_argument("--mtp-depth", type=int, help="MTP heads: tokens predicted beyond the next one")
     t.add_argument("--mtp-lambda", type=float, help="MTP head j's loss weight is lambda * beta^(j-1)")
     t.add_argument("--mtp-lambda-late", type=float, help="lambda from 70%% of the steps on (schedule)")

@@ -4,7 +4,9 @@ atomic checkpoints with exact resume, single process or torchrun (gloo on CPU).
 Objectives (objectives.py): "next-token", or next-token + multi-token prediction with MTP heads
 ("mtp-parallel", "mtp-sequential", heads.py), either pretrained jointly from scratch or, with
 `frozen_trunk`, added to an existing checkpoint whose weights (embedding and lm_head included)
-stay frozen while only the heads train.
+stay frozen while only the heads train. "distill": a draft model learns the frozen `teacher`
+(target) checkpoint's next-token distribution (KL(target || draft), objectives.py), on the
+teacher's tokenizer, from scratch or from `init_from` (an existing checkpoint's weights).
 
 A run lives in one output folder:
   work/tokenizer.json, work/tokens-*.npy   prepared once (tokenizer trained on the train split,
@@ -45,7 +47,8 @@ from ..model import LlamaConfig, LlamaForCausalLM
 from ..tokenizer import Tokenizer
 from .corpus import Corpus
 from .data import eval_batches, preparation_key, tokenize, window_batch
-from .objectives import OBJECTIVES, LossWeights, mtp_backward, mtp_losses, next_token_loss
+from .objectives import (OBJECTIVES, LossWeights, distill_loss, distill_metrics, mtp_backward, mtp_losses,
+                         next_token_loss)
 
 
 @dataclass
@@ -77,6 +80,10 @@ class TrainConfig:
     mtp_beta: float = 1.0
     mtp_memory_saving: bool = True      # head-by-head backward (objectives.py) instead of one backward
     frozen_trunk: str | None = None     # a checkpoint folder: train only MTP heads on top of it
+    init_from: str | None = None        # a checkpoint folder: start from its weights (and its model config)
+    teacher: str | None = None          # distill: the frozen target checkpoint whose distribution is learnt
+    distill_temperature: float = 1.0    # distill: KL at this temperature (times T^2)
+    distill_top_k: int | None = None    # distill: the teacher's top-k tokens only, renormalised
 
     def validate(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batch <= 0 or self.seq_len <= 1:
@@ -89,6 +96,15 @@ class TrainConfig:
         if self.frozen_trunk and not self.mtp:
             raise SpecdecError("a frozen trunk only makes sense with MTP heads to train: set the objective "
                                "to mtp-parallel or mtp-sequential")
+        if (self.objective == "distill") != (self.teacher is not None):
+            raise SpecdecError("distillation needs a teacher and a teacher needs distillation: give both "
+                               "--objective distill and --teacher MODEL")
+        if self.distill_temperature <= 0 or (self.distill_top_k is not None and self.distill_top_k < 1):
+            raise SpecdecError(f"distill temperature must be > 0 and top-k >= 1, got {self.distill_temperature} "
+                               f"and {self.distill_top_k}")
+        if self.init_from and self.frozen_trunk:
+            raise SpecdecError("--init-from starts a trained model from a checkpoint; a frozen trunk trains no "
+                               "model weights: give one of them")
         if self.mtp and not 1 <= self.mtp_depth < self.seq_len - 1:
             raise SpecdecError(f"mtp_depth must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
                                f"got {self.mtp_depth}")
@@ -96,7 +112,7 @@ class TrainConfig:
 
     @property
     def mtp(self) -> bool:
-        return self.objective != "next-token"
+        return self.objective.startswith("mtp")
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.mtp_depth, self.mtp_lambda, self.mtp_lambda_late, self.mtp_lambda_switch,
@@ -116,6 +132,40 @@ def with_frozen_trunk(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model=model, tokenizer=str(tokenizer))
 
 
+def with_init_from(cfg: TrainConfig) -> TrainConfig:
+    """The config with the starting checkpoint's model config and tokenizer (its weights need them)."""
+    start = Path(cfg.init_from)
+    model = LlamaConfig.from_dict(read_config(start))
+    tokenizer = start / TOKENIZER
+    if not tokenizer.exists():
+        raise SpecdecError(f"{start} has no {TOKENIZER}; a model fine-tuned from it must keep its tokenizer")
+    if cfg.tokenizer and Path(cfg.tokenizer).read_bytes() != tokenizer.read_bytes():
+        raise SpecdecError(f"--tokenizer {cfg.tokenizer} is not the tokenizer of --init-from {start}; leave it "
+                           "out (the checkpoint's own is used)")
+    return dataclasses.replace(cfg, model=model, tokenizer=str(tokenizer))
+
+
+def with_teacher(cfg: TrainConfig) -> TrainConfig:
+    """The config with the teacher's tokenizer, after checking that the student can learn from it:
+    the same tokenizer (token ids mean the same text) and the same vocabulary size."""
+    teacher = Path(cfg.teacher)
+    if not teacher.is_dir():
+        raise SpecdecError(f"the teacher {teacher} does not exist; give the target checkpoint folder to "
+                           "distil from, e.g. --teacher models/target")
+    vocab = LlamaConfig.from_dict(read_config(teacher)).vocab_size
+    tokenizer = teacher / TOKENIZER
+    if not tokenizer.exists():
+        raise SpecdecError(f"the teacher {teacher} has no {TOKENIZER}; the draft must use the teacher's tokenizer")
+    if cfg.tokenizer and Path(cfg.tokenizer).read_bytes() != tokenizer.read_bytes():
+        what = f"--init-from {cfg.init_from}" if cfg.init_from else f"--tokenizer {cfg.tokenizer}"
+        raise SpecdecError(f"{what} uses another tokenizer than the teacher {teacher}; a draft distilled from "
+                           "a target must share its tokenizer (start from scratch or from a draft of that target)")
+    if cfg.model.vocab_size != vocab:
+        raise SpecdecError(f"the student has a vocabulary of {cfg.model.vocab_size} tokens but the teacher "
+                           f"{teacher} has {vocab}; they must agree (set --vocab-size {vocab})")
+    return dataclasses.replace(cfg, tokenizer=str(tokenizer))
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -124,12 +174,17 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, heads: MTPHeads | None, tokens: np.ndarray, seq_len: int, max_windows: int) -> list[float]:
-    """Mean validation losses [next-token, head 1, .., head depth] over evenly spread windows."""
+def evaluate(model, heads: MTPHeads | None, tokens: np.ndarray, seq_len: int, max_windows: int,
+             teacher=None) -> list[float]:
+    """Mean validation losses over evenly spread windows: [next-token, head 1, .., head depth], or
+    with a teacher [KL(teacher || model), greedy agreement, next-token] (objectives.distill_metrics)."""
     was_training = model.training
     model.eval()
     losses = []
     for b in eval_batches(tokens, seq_len, max_windows):
+        if teacher is not None:
+            losses.append(distill_metrics(model, teacher, b))
+            continue
         parts = [next_token_loss(model, b)] if heads is None else mtp_losses(model, heads, b, train_trunk=False)
         losses.append([part.item() for part in parts])
     model.train(was_training)
@@ -139,9 +194,12 @@ def evaluate(model, heads: MTPHeads | None, tokens: np.ndarray, seq_len: int, ma
 class Run:
     """Everything about one training run that is saved to and restored from work/state."""
 
-    def __init__(self, cfg: TrainConfig, trunk_sha256: str | None = None):
+    def __init__(self, cfg: TrainConfig, trunk_sha256: str | None = None, teacher_sha256: str | None = None,
+                 init_sha256: str | None = None):
         self.cfg = cfg
         self.trunk_sha256 = trunk_sha256  # of the frozen trunk's weights file
+        self.teacher_sha256 = teacher_sha256  # of the distillation teacher's weights file
+        self.init_sha256 = init_sha256  # of the weights the model started from (--init-from)
         self.out = Path(cfg.out)
         self.work = self.out / "work"
         self.rank = int(os.environ.get("RANK", 0))
@@ -200,7 +258,7 @@ class Run:
 
     # --- state --------------------------------------------------------------------------
     def identity(self) -> dict:
-        return _identity(asdict(self.cfg), self.trunk_sha256)
+        return _identity(asdict(self.cfg), self.trunk_sha256, self.teacher_sha256, self.init_sha256)
 
     def save_state(self, model, heads, opt, step: int, history: dict, elapsed: float) -> None:
         tensors = {}
@@ -216,7 +274,8 @@ class Run:
             save_file(tensors, tmp / "state.safetensors")
             (tmp / "state.json").write_text(json.dumps(
                 {"step": step, "elapsed": elapsed, "history": history, "config": asdict(self.cfg),
-                 "frozen_trunk_sha256": self.trunk_sha256}))
+                 "frozen_trunk_sha256": self.trunk_sha256, "teacher_sha256": self.teacher_sha256,
+                 "init_from_sha256": self.init_sha256}))
 
     def load_state(self, model, heads, opt):
         state_dir = self.work / "state"
@@ -224,7 +283,8 @@ class Run:
         if not (state_dir / "state.json").exists():
             return 0, {"train": [], "valid": []}, 0.0
         meta = json.loads((state_dir / "state.json").read_text())
-        saved = _identity(meta["config"], meta.get("frozen_trunk_sha256"))
+        saved = _identity(meta["config"], meta.get("frozen_trunk_sha256"), meta.get("teacher_sha256"),
+                          meta.get("init_from_sha256"))
         if saved != self.identity():
             changed = [k for k, v in self.identity().items() if saved[k] != v]
             raise SpecdecError(f"{state_dir} was saved with another {', '.join(changed)}; use a new --out "
@@ -245,13 +305,16 @@ class Run:
         return meta["step"], meta["history"], meta["elapsed"]
 
 
-def _identity(config: dict, trunk_sha256: str | None) -> dict:
+def _identity(config: dict, trunk_sha256: str | None, teacher_sha256: str | None = None,
+              init_sha256: str | None = None) -> dict:
     """What a resumed run must share with the saved one (configs saved before MTP existed are
-    next-token runs)."""
+    next-token runs, before distillation existed had no teacher)."""
     objective = config.get("objective", "next-token")
     return {"model": config["model"], "objective": objective,
-            "mtp_depth": config.get("mtp_depth") if objective != "next-token" else None,
-            "frozen trunk": trunk_sha256}
+            "mtp_depth": config.get("mtp_depth") if objective.startswith("mtp") else None,
+            "frozen trunk": trunk_sha256, "teacher": teacher_sha256, "initial weights": init_sha256,
+            "distillation temperature and top-k": (config.get("distill_temperature"), config.get("distill_top_k"))
+            if objective == "distill" else None}
 
 
 def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
@@ -262,6 +325,9 @@ def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
     else:
         model = LlamaForCausalLM(cfg.model)
         init_weights(model)
+        if cfg.init_from:
+            state = load_file(Path(cfg.init_from) / WEIGHTS)
+            model.load_hf_state_dict({k: v.float() for k, v in state.items()})
     heads = None
     if cfg.mtp:
         heads = build_heads(cfg.objective, cfg.model, cfg.mtp_depth)
@@ -269,13 +335,25 @@ def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
     return model.train(not cfg.frozen_trunk), heads
 
 
-def train(cfg: TrainConfig) -> Path | None:
+def load_teacher(path: str) -> LlamaForCausalLM:
+    """The frozen teacher in fp32, computing exactly as the target does at inference."""
+    return load_model(path, dtype=torch.float32).requires_grad_(False)
+
+
+def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     """Run (or resume) training; return the exported model folder (the heads folder when the
-    trunk is frozen), or None if stopped early."""
+    trunk is frozen), or None if stopped early. `command`: the command line that reproduces the
+    run, recorded in the exported metadata."""
     if cfg.frozen_trunk:
         cfg = with_frozen_trunk(cfg)
+    if cfg.init_from:
+        cfg = with_init_from(cfg)
+    if cfg.teacher is not None:
+        cfg = with_teacher(cfg)
     cfg.validate()
-    run = Run(cfg, sha256(Path(cfg.frozen_trunk) / WEIGHTS) if cfg.frozen_trunk else None)
+    run = Run(cfg, sha256(Path(cfg.frozen_trunk) / WEIGHTS) if cfg.frozen_trunk else None,
+              sha256(Path(cfg.teacher) / WEIGHTS) if cfg.teacher else None,
+              sha256(Path(cfg.init_from) / WEIGHTS) if cfg.init_from else None)
     distributed = run.world > 1
     if distributed:
         dist.init_process_group("gloo")
@@ -288,6 +366,7 @@ def train(cfg: TrainConfig) -> Path | None:
     train_tokens, valid_tokens = run.tokens("train"), run.tokens("valid")
 
     model, heads = build(cfg)
+    teacher = load_teacher(cfg.teacher) if cfg.teacher else None
     train_trunk = not cfg.frozen_trunk
     params = [*(model.parameters() if train_trunk else ()), *(heads.parameters() if heads is not None else ())]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=False)
@@ -298,6 +377,10 @@ def train(cfg: TrainConfig) -> Path | None:
     bar = tqdm(total=cfg.steps, initial=step, disable=run.rank != 0, desc="train", unit="step",
                dynamic_ncols=True)
     t_start = time.time() - elapsed
+    if teacher is not None and step == 0 and run.rank == 0:
+        # the starting point's validation figures: the "before" of the distillation
+        _record(history, "valid", 0, evaluate(model, None, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher),
+                None, distill=True)
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
     while step < last:
         t0 = time.time()
@@ -309,7 +392,11 @@ def train(cfg: TrainConfig) -> Path | None:
         for mb in batch.split(cfg.micro_batch):
             # each process contributes its share of the global mean; gradients are averaged over processes
             scale = mb.shape[0] * run.world / cfg.batch_size
-            if heads is None:
+            if teacher is not None:
+                loss = distill_loss(model, teacher, mb, cfg.distill_temperature, cfg.distill_top_k)
+                (loss * scale).backward()
+                losses = [loss.item()]
+            elif heads is None:
                 loss = next_token_loss(model, mb)
                 (loss * scale).backward()
                 losses = [loss.item()]
@@ -328,10 +415,12 @@ def train(cfg: TrainConfig) -> Path | None:
         _record(history, "train", step, train_losses, heads)
         tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
         if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-            _record(history, "valid", step, evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows),
-                    heads)
+            _record(history, "valid", step,
+                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher), heads,
+                    distill=teacher is not None)
         bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}",
                         val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
+                        **({"agree": f"{history['valid_agreement'][-1][1]:.3f}"} if teacher is not None else {}),
                         **({"heads": "/".join(f"{x:.2f}" for x in history["train_heads"][-1][1])} if heads else {}),
                         tok_s=f"{tok_s:.0f}", gnorm=f"{float(gnorm):.2f}")
         bar.update(1)
@@ -341,7 +430,7 @@ def train(cfg: TrainConfig) -> Path | None:
             dist.barrier()
     bar.close()
     if run.rank == 0 and step == cfg.steps:
-        export(run, model, heads, history, time.time() - t_start)
+        export(run, model, heads, history, time.time() - t_start, teacher, command)
     if distributed:
         dist.destroy_process_group()
     if step < cfg.steps:
@@ -349,10 +438,18 @@ def train(cfg: TrainConfig) -> Path | None:
     return run.out / ("heads" if cfg.frozen_trunk else "model")
 
 
-def _record(history: dict, split: str, step: int, losses: list[float], heads) -> None:
+def _record(history: dict, split: str, step: int, losses: list[float], heads, distill: bool = False) -> None:
     """history[split]: [step, headline loss]: the next-token loss, or the mean of the heads' losses
     where it was not computed (a frozen trunk in training); history[split + "_heads"]: [step,
-    [loss of head 1..depth]]."""
+    [loss of head 1..depth]]. Distillation: the headline is KL(target || draft); validation also
+    records [step, greedy agreement] and [step, next-token loss] under split + "_agreement" and
+    split + "_next_token"."""
+    if distill and split == "valid":
+        kl, agreement, next_token = losses
+        history[split].append([step, kl])
+        history.setdefault(f"{split}_agreement", []).append([step, agreement])
+        history.setdefault(f"{split}_next_token", []).append([step, next_token])
+        return
     if heads is None:
         history[split].append([step, losses[0]])
         return
@@ -361,19 +458,37 @@ def _record(history: dict, split: str, step: int, losses: list[float], heads) ->
     history.setdefault(f"{split}_heads", []).append([step, losses[1:]])
 
 
-def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: dict, seconds: float) -> None:
+def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: dict, seconds: float,
+           teacher=None, command: list[str] | None = None) -> None:
     cfg = run.cfg
     prov = json.loads((run.work / "prepared.json").read_text())
     test = run.tokens("test")
-    test_losses = evaluate(model, heads, test, cfg.seq_len, cfg.test_windows) if len(test) > cfg.seq_len else None
+    test_losses = (evaluate(model, heads, test, cfg.seq_len, cfg.test_windows, teacher)
+                   if len(test) > cfg.seq_len else None)
+    distilled = None
+    if teacher is not None:
+        test_distill, test_losses = test_losses, [test_losses[2]] if test_losses else None
+        distilled = {
+            "teacher": cfg.teacher, "teacher_sha256": run.teacher_sha256,
+            "objective": "KL(target || draft) per position" + (f", target truncated to its top {cfg.distill_top_k}"
+                                                                if cfg.distill_top_k else ""),
+            "temperature": cfg.distill_temperature, "top_k": cfg.distill_top_k,
+            "init_from": cfg.init_from, "init_from_sha256": run.init_sha256,
+            "valid_before": _distill_figures(history, 0),
+            "valid_after": _distill_figures(history, history["valid"][-1][0]) if history["valid"] else None,
+            "test": dict(zip(("kl", "greedy_agreement", "next_token_loss"), test_distill)) if test_distill else None,
+        }
     test_loss = test_losses[0] if test_losses else None
     meta = {
         "kind": "target-or-draft-model",
         "recipe": asdict(cfg),
+        "recipe_command": " ".join(command) if command else None,
+        **({"distilled_from": distilled} if distilled else {}),
         "parameters": model.num_parameters(),
         "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
         "training_seconds": round(seconds, 1),
-        "final_valid_loss": history["valid"][-1][1] if history["valid"] else None,
+        "final_valid_loss": (history["valid_next_token" if teacher is not None else "valid"][-1][1]
+                             if history["valid"] else None),
         "test_loss": test_loss,
         "test_tokens_evaluated": min(cfg.test_windows, len(test) // cfg.seq_len) * cfg.seq_len if test_loss else 0,
         "test_perplexity": math.exp(test_loss) if test_loss is not None else None,
@@ -398,8 +513,49 @@ def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: d
             "final_valid_head_losses": valid_heads, "test_head_losses": test_losses[1:] if test_losses else None})
         params = sum(p.numel() for p in heads.parameters())
     what = "MTP heads on a frozen trunk" if cfg.frozen_trunk else "parameters"
-    plot_history(history, run.out / "loss.png", title=f"{run.out.name}: {params / 1e6:.1f}M {what}",
+    title = f"{run.out.name}: {params / 1e6:.1f}M {what}"
+    if teacher is not None:
+        plot_distill_history(history, run.out / "loss.png", f"{title}, distilled from {Path(cfg.teacher).name}")
+        return
+    plot_history(history, run.out / "loss.png", title=title,
                  train_label="train, mean of the heads" if cfg.frozen_trunk else "train, next token")
+
+
+def _distill_figures(history: dict, step: int) -> dict | None:
+    """Validation KL, greedy agreement and next-token loss recorded at `step`, if any."""
+    for (s, kl), (_, agreement), (_, next_token) in zip(history["valid"], history.get("valid_agreement", []),
+                                                         history.get("valid_next_token", [])):
+        if s == step:
+            return {"step": s, "kl": kl, "greedy_agreement": agreement, "next_token_loss": next_token}
+    return None
+
+
+def plot_distill_history(history: dict, path: Path, title: str) -> None:
+    """KL(target || draft) in training and validation, and the validation greedy agreement."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if history["train"]:
+        s, l = zip(*history["train"])
+        ax.plot(s, l, alpha=0.5, label="train KL")
+    if history["valid"]:
+        s, l = zip(*history["valid"])
+        ax.plot(s, l, marker="o", label="validation KL")
+    ax.set(xlabel="step", ylabel="KL(target || draft) (nats per token)", title=title)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if history.get("valid_agreement"):
+        right = ax.twinx()
+        s, a = zip(*history["valid_agreement"])
+        right.plot(s, a, marker="s", color="tab:green", label="validation greedy agreement")
+        right.set_ylabel("argmax(draft) == argmax(target)")
+        more_handles, more_labels = right.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot_history(history: dict, path: Path, title: str, train_label: str = "train") -> None:

@@ -1,4 +1,5 @@
-"""Training objectives: next-token prediction (NTP) and multi-token prediction (MTP).
+"""Training objectives: next-token prediction (NTP), multi-token prediction (MTP) and
+distillation of a draft model from a frozen target.
 
 A window of tokens (B, S+1) gives the trunk S positions. The trunk's own output ("head 0")
 predicts x_{t+1}; MTP head j (1..depth, heads.py) predicts x_{t+1+j}. The MTP loss is
@@ -19,6 +20,18 @@ Two orders of computing the same gradient:
   through the heads (in reverse) and once through the trunk. At most one (B, S, V) logits tensor
   is alive at a time.
 
+Distillation (a draft that agrees with its target, rather than with the corpus) minimises the
+forward KL from the target's next-token distribution to the draft's, per position:
+
+    KL(target || draft) = sum_v target_probs[v] (log target_probs[v] - log draft_probs[v])
+
+both taken at temperature T, times T^2 so that the gradient's scale does not depend on T (Hinton
+et al. 2015). With top-k the target's distribution is truncated to its k most probable tokens
+and renormalised: the loss needs only (B, S, k) target values instead of (B, S, V), and the
+draft still normalises over the whole vocabulary. Greedy speculative decoding accepts a draft
+token exactly when argmax(draft) == argmax(target), so that agreement rate is reported beside
+the KL.
+
 This module knows nothing about data, optimisers, checkpoints or distribution over processes.
 """
 from __future__ import annotations
@@ -31,7 +44,7 @@ import torch.nn.functional as F
 from ..errors import SpecdecError
 from ..heads import MTPHeads, teacher_forced
 
-OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential")
+OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -118,3 +131,55 @@ def trunk_hidden(trunk, tokens: torch.Tensor) -> torch.Tensor:
     """The trunk's final hidden state (B, S, C) over tokens (B, S), without unembedding every
     position (the memory-saving order unembeds head by head)."""
     return trunk(tokens, logits_index=tokens.new_zeros(tokens.shape[0], 1)).hidden
+
+
+@dataclass(frozen=True)
+class TeacherTargets:
+    """The frozen target's next-token distribution, at the distillation temperature, on a batch's
+    S positions: log-probabilities over the whole vocabulary (indices None) or over its top-k
+    tokens, renormalised (indices: their token ids)."""
+    log_probs: torch.Tensor              # (B, S, V) or (B, S, k), fp32
+    indices: torch.Tensor | None = None  # (B, S, k) token ids, or None for the whole vocabulary
+
+
+@torch.no_grad()
+def teacher_targets(teacher, tokens: torch.Tensor, temperature: float = 1.0,
+                    top_k: int | None = None) -> TeacherTargets:
+    """tokens (B, S) -> the teacher's (target's) distribution at each of the S positions."""
+    logits = teacher(tokens).logits.float() / temperature  # (B, S, V)
+    if top_k is None or top_k >= logits.shape[-1]:
+        return TeacherTargets(F.log_softmax(logits, dim=-1))
+    values, indices = logits.topk(top_k, dim=-1)  # (B, S, k)
+    return TeacherTargets(F.log_softmax(values, dim=-1), indices)
+
+
+def distill_kl(student_logits: torch.Tensor, teacher: TeacherTargets, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over positions of T^2 KL(target || draft) at temperature T; student_logits (B, S, V).
+    With a top-k teacher the sum runs over the teacher's k tokens (its mass elsewhere is 0)."""
+    student_log_probs = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, S, V)
+    if teacher.indices is not None:
+        student_log_probs = student_log_probs.gather(-1, teacher.indices)  # (B, S, k)
+    target_probs = teacher.log_probs.exp()
+    kl = (target_probs * (teacher.log_probs - student_log_probs)).sum(-1)  # (B, S)
+    return kl.mean() * temperature ** 2
+
+
+def distill_loss(model, teacher, batch: torch.Tensor, temperature: float = 1.0,
+                 top_k: int | None = None) -> torch.Tensor:
+    """batch (B, S+1) -> the distillation loss of `model` (the draft) against the frozen `teacher`
+    over the S input positions (the batch's last token is never an input, as in next_token_loss)."""
+    tokens = batch[:, :-1]
+    targets = teacher_targets(teacher, tokens, temperature, top_k)
+    return distill_kl(model(tokens).logits, targets, temperature)
+
+
+@torch.no_grad()
+def distill_metrics(model, teacher, batch: torch.Tensor) -> list[float]:
+    """Validation at temperature 1 over the whole vocabulary: [KL(target || draft), greedy agreement
+    argmax(draft) == argmax(target) as a fraction of positions, the draft's next-token cross-entropy]."""
+    tokens = batch[:, :-1]
+    student_logits = model(tokens).logits.float()  # (B, S, V)
+    teacher_logits = teacher(tokens).logits.float()
+    kl = distill_kl(student_logits, TeacherTargets(F.log_softmax(teacher_logits, dim=-1)))
+    agreement = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()
+    return [kl.item(), agreement.item(), cross_entropy(student_logits, batch[:, 1:]).item()]
