@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -37,21 +36,10 @@ from .atomic import atomic_dir
 from .checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
 from .errors import SpecdecError
 from .kv_cache import KVCache
-from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, attention_mask_for, compute_dtype,
-                    inverse_frequencies, rotary)
+from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, inverse_frequencies
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
-
-
-class Context(NamedTuple):
-    """What a head's attention needs for one call, shared by all heads of a call."""
-    cos: torch.Tensor             # (B, T, 1, D)
-    sin: torch.Tensor             # (B, T, 1, D)
-    cache: KVCache | None         # one layer per head; None in training (causal over the input)
-    slots: tuple | None
-    span: int | None
-    mask: torch.Tensor | None     # (B, 1, T, S) additive
 
 
 class MTPHeads(nn.Module):
@@ -72,22 +60,20 @@ class MTPHeads(nn.Module):
         # derived from the config, not a weight (as in the trunk)
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
 
-    def context(self, positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None = None) -> Context:
-        """positions (B, T). With a cache, the T new entries go after each row's length (the
-        caller advances the cache once all heads have written)."""
-        cos, sin = rotary(positions, self.inv_freq, dtype)
-        if cache is None:
-            return Context(cos, sin, None, None, None, None)
-        T = positions.shape[1]
-        span = int(cache.lengths.max()) + T
-        return Context(cos, sin, cache, cache.slots(T), span, attention_mask_for(cache, T, span, None, dtype))
+    def context(self, positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None = None) -> Window:
+        """The window of one call, shared by all heads: positions (B, T). With a cache (layer j:
+        head j), the T new entries go after each row's length (the caller advances the cache once
+        all heads have written); without, attention is causal over the input (training)."""
+        if cache is not None:
+            cache.check_room(positions.shape[1])
+        return Window(positions, self.inv_freq, dtype, cache)
 
-    def forward_head(self, j: int, trunk, prev: torch.Tensor, ahead: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def forward_head(self, j: int, trunk, prev: torch.Tensor, ahead: torch.Tensor, window: Window) -> torch.Tensor:
         """Output of head j (0-based here) over T positions (B, T, C). prev (B, T, C): the head's
         hidden input (the trunk's hidden state, or the previous module's output); ahead (B, T):
         the token x_{t+j+1} at each position t (read only when `reads_ahead`)."""
         x = self.head_input(j, trunk, prev, ahead)
-        return self.blocks[j](x, ctx.cos, ctx.sin, j, ctx.cache, ctx.slots, ctx.span, ctx.mask)
+        return self.blocks[j](x, j, window)
 
     def head_input(self, j: int, trunk, prev: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -168,12 +154,11 @@ def teacher_forced(heads: MTPHeads, trunk, hidden: torch.Tensor, tokens: torch.T
         raise SpecdecError(f"a window of {S + 1} tokens is too short for {heads.depth} MTP heads: "
                            "raise seq_len or lower the depth")
     positions = torch.arange(S, device=hidden.device)[None].expand(hidden.shape[0], S)
-    ctx = heads.context(positions, hidden.dtype)
+    window = heads.context(positions, hidden.dtype)
     prev = hidden
     for j in range(heads.depth):
         T = S - 1 - j
-        head_ctx = Context(ctx.cos[:, :T], ctx.sin[:, :T], None, None, None, None)
-        out = heads.forward_head(j, trunk, prev[:, :T], tokens[:, j + 1:j + 1 + T], head_ctx)
+        out = heads.forward_head(j, trunk, prev[:, :T], tokens[:, j + 1:j + 1 + T], window.first(T))
         leaf = out.detach().requires_grad_() if detach else out
         yield j, out, leaf, tokens[:, j + 2:]
         prev = heads.next_prev(hidden, leaf)

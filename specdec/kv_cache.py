@@ -1,6 +1,7 @@
 """Preallocated per-layer key/value cache with a length per batch row.
 
-Every layer owns two tensors of shape (B, H_kv, max_len, D) allocated once. Row b holds
+Keys and values are two tensors of shape (layers, B, H_kv, max_len, D) allocated once (the
+kernels read them whole; `k[layer]` and `v[layer]` are views). Row b holds
 `lengths[b]` committed positions; a forward pass writes its T new keys/values at slots
 lengths[b] .. lengths[b] + T - 1 and advances the length. Rolling back is moving the length
 pointer: stale entries past it are masked out and later overwritten, nothing is copied.
@@ -26,9 +27,10 @@ class Slots(NamedTuple):
 class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.max_len = max_len
 
@@ -36,14 +38,18 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def slots(self, num_new: int) -> Slots:
-        """Where the next `num_new` tokens of each row go."""
-        shortest, longest = (int(n) for n in self.lengths.aminmax())
-        needed = longest + num_new
+    def check_room(self, num_new: int, longest: int | None = None) -> None:
+        """Raise unless every row has room for `num_new` more entries."""
+        needed = (int(self.lengths.max()) if longest is None else longest) + num_new
         if needed > self.max_len:
             raise SpecdecError(
                 f"KV cache overflow: {needed} positions needed but the cache holds {self.max_len}. "
                 "Shorten the prompt or max_new_tokens, or allocate a larger cache (<= the model's context).")
+
+    def slots(self, num_new: int) -> Slots:
+        """Where the next `num_new` tokens of each row go."""
+        shortest, longest = (int(n) for n in self.lengths.aminmax())
+        self.check_room(num_new, longest)
         rows = torch.arange(self.batch_size, device=self.lengths.device)[:, None]
         index = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
         return Slots(rows, index, shortest if shortest == longest else None)

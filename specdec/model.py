@@ -10,6 +10,7 @@ This module knows nothing about decoding strategies, sampling or files.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -73,19 +74,39 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight may be stored in bf16 while activations are fp32 (see kernels)."""
+    """nn.Linear whose weight may be stored in bf16 while activations are fp32 (see kernels);
+    `packed` holds the weight's panels for the kernels once it is frozen in bf16."""
+    packed: torch.Tensor | None = None
 
     def forward(self, x):
-        return kernels.linear(x, self.weight)
+        return kernels.linear(x, self.weight, self.packed)
+
+
+def frozen_linear(weight: torch.Tensor) -> Linear:
+    """A Linear over a given (N, K) weight for inference, packed for the kernels where they run."""
+    m = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    m.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if weight.dtype == torch.bfloat16 and kernels.can_store_bf16():
+        m.packed = kernels.pack(m.weight)
+    return m
 
 
 def store_matrices_bf16(module: nn.Module) -> nn.Module:
     """Keep every Linear weight in bf16 while the rest computes in fp32: exact for weights that
-    hold bf16 values (a bf16 checkpoint), half the memory, read by the kernels without a copy.
-    For inference: the bf16 matrices are frozen."""
+    hold bf16 values (a bf16 checkpoint), half the memory. Where the kernels run, the matrices
+    are packed for them and every run of decoder layers becomes one kernel call (decided here,
+    once, at load). For inference: the bf16 matrices are frozen."""
     for m in module.modules():
         if isinstance(m, Linear):
             m.weight = nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
+            if kernels.can_store_bf16():
+                m.packed = kernels.pack(m.weight)
+    if kernels.can_store_bf16() and compute_dtype(module) == torch.float32:
+        for m in module.modules():
+            if isinstance(m, DecoderLayer):
+                m.stack = kernels.stack([m], m.config)
+            elif isinstance(m, LlamaForCausalLM):
+                m.stack = kernels.stack(m.model.layers, m.config)
     return module
 
 
@@ -112,6 +133,51 @@ def apply_rotary(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class Window:
+    """The new tokens of one forward, shared by every layer: their positions (B, T), the KV cache
+    they join (None: training, causal over the input) and which new tokens each one sees (tree
+    (B, T, T) bool, itself included; None: causal). The kernels read just these; the PyTorch
+    path's rotary tables, cache slots and additive mask are computed on first use."""
+
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 cache: KVCache | None = None, tree: torch.Tensor | None = None):
+        self.positions, self.inv_freq, self.dtype, self.cache, self.tree = positions, inv_freq, dtype, cache, tree
+
+    def first(self, T: int) -> "Window":
+        """The window of the first T tokens (training only: no cache)."""
+        return Window(self.positions[:, :T], self.inv_freq, self.dtype)
+
+    def kernel_args(self) -> tuple:
+        """What a kernels.Stack forward reads after (x, k_cache, v_cache, layer0)."""
+        tree = _EMPTY_TREE if self.tree is None else self.tree.contiguous()
+        return self.cache.lengths, self.positions.contiguous(), self.inv_freq, tree
+
+    @cached_property
+    def rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(self.positions, self.inv_freq, self.dtype)
+
+    @cached_property
+    def slots(self):
+        return self.cache.slots(self.positions.shape[1])
+
+    @cached_property
+    def span(self) -> int:
+        return int(self.cache.lengths.max()) + self.positions.shape[1]
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """Additive (B, 1, T, S) with a cache; the tree as a boolean (B, 1, T, T) without."""
+        if self.cache is None:
+            return None if self.tree is None else self.tree[:, None]
+        # one new token after equal-length rows sees the whole span: no mask to build or apply
+        if self.positions.shape[1] > 1 or self.tree is not None or self.slots.start is None:
+            return attention_mask_for(self.cache, self.positions.shape[1], self.span, self.tree, self.dtype)
+        return None
+
+
+_EMPTY_TREE = torch.empty(0, dtype=torch.bool)
+
+
 class Attention(nn.Module):
     """q, k and v come from one fused projection (one matmul instead of three per token); the
     checkpoint stores them as transformers' separate q_proj / k_proj / v_proj (see hf_state_dict)."""
@@ -122,29 +188,17 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache | None, slots, span, mask):
+    def forward(self, x, layer: int, window: Window):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv], cos, sin)  # q and k rotated together
-        return self.o_proj(self.attend(qk, qkv[:, :, self.n_heads + self.n_kv:], layer, cache, slots, span, mask))
-
-    def attend(self, qk, v, layer: int, cache: KVCache | None, slots, span, mask):
-        """Rotated queries and keys (B, T, H + Hkv, D) and values (B, T, Hkv, D) -> (B, T, H*D)."""
-        B, T = qk.shape[:2]
-        q, k = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:]
-        if cache is None:
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=self.n_kv != self.n_heads)
-            return y.transpose(1, 2).reshape(B, T, -1)
-        k, v = cache.write(layer, slots, k, v, span)                        # (B, Hkv, S, D)
-        # The query heads sharing a key/value head ride along the query axis: (B, Hkv, G*T, D)
-        # attends to (B, Hkv, S, D) without repeating k and v.
-        G = self.n_heads // self.n_kv
-        q = q.view(B, T, self.n_kv, G, self.head_dim).permute(0, 2, 3, 1, 4).reshape(B, self.n_kv, G * T, -1)
-        y = kernels.cached_attention(q, k, v, mask, G)                       # (B, Hkv, G*T, D)
-        y = y.view(B, self.n_kv, G, T, self.head_dim).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, G, D)
-        return y.reshape(B, T, -1)
+        qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv], *window.rotary)  # q and k rotated together
+        q, k, v = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], qkv[:, :, self.n_heads + self.n_kv:]
+        if window.cache is not None:                                         # (B, Hkv, S, D)
+            k, v = (t.transpose(1, 2) for t in window.cache.write(layer, window.slots, k, v, window.span))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=window.mask, is_causal=window.mask is None and T > 1,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -161,25 +215,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    stack = None  # the layer as one kernel call (store_matrices_bf16), used with a cache
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        self.config = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layer, cache, slots, span, mask):
-        a, mlp = self.self_attn, self.mlp
-        matrices = (a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        if kernels.fusable(x, *matrices):  # the same layer in three calls instead of ~30 operators
-            B, T, _ = x.shape
-            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-            rotated = a.n_heads + a.n_kv  # queries and keys
-            qkv = kernels.attention_input(x, norm1.weight, norm1.eps, matrices[0], cos, sin, rotated,
-                                          a.head_dim).view(B, T, -1, a.head_dim)
-            y = a.attend(qkv[:, :, :rotated], qkv[:, :, rotated:], layer, cache, slots, span, mask)
-            return kernels.attention_output_mlp(x, y, matrices[1], norm2.weight, norm2.eps, *matrices[2:])
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, slots, span, mask)
+    def forward(self, x, layer: int, window: Window):
+        """x (B, T, C); `layer` indexes the window's cache."""
+        cache = window.cache
+        if self.stack is not None and cache is not None and not torch.is_grad_enabled():
+            return self.stack.forward(x.contiguous(), cache.keys, cache.values, layer, *window.kernel_args(), [])[0]
+        x = x + self.self_attn(self.input_layernorm(x), layer, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,6 +267,8 @@ def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch
 
 
 class LlamaForCausalLM(nn.Module):
+    stack = None  # the decoder layers as one kernel call (store_matrices_bf16), used with a cache
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
@@ -251,21 +304,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         x = self.model.embed_tokens(tokens)  # (B, T, C)
-        cos, sin = rotary(positions, self.inv_freq, x.dtype)
-        slots = span = mask = None
-        if cache is not None:
-            slots = cache.slots(T)
-            span = int(cache.lengths.max()) + T
-            # one new token after equal-length rows sees the whole span: no mask to build or apply
-            if T > 1 or attention_mask is not None or slots.start is None:
-                mask = attention_mask_for(cache, T, span, attention_mask, x.dtype)
-        elif attention_mask is not None:
-            mask = attention_mask[:, None]
-        layers = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, slots, span, mask)
-            if i in output_layers:
-                layers[i] = x
+        window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask)
+        if self.stack is not None and cache is not None and not torch.is_grad_enabled():
+            cache.check_room(T)
+            keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
+            x, *kept = self.stack.forward(x, cache.keys, cache.values, 0, *window.kernel_args(), keep)
+            layers = dict(zip(keep, kept))
+        else:
+            layers = {}
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, i, window)
+                if i in output_layers:
+                    layers[i] = x
         if cache is not None:
             cache.advance(T)
         hidden = self.model.norm(x)

@@ -4,6 +4,7 @@ call. Through the model this makes speculative greedy decoding equal plain decod
 token, with no near-tie allowance at all."""
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -14,7 +15,7 @@ from specdec import kernels
 from specdec.checkpoint import load_model, save_model
 from specdec.decode import plain_generate
 from specdec.engine import speculative_generate
-from specdec.model import compute_dtype, store_matrices_bf16
+from specdec.model import Linear, compute_dtype, store_matrices_bf16
 from specdec.proposers import build_proposer
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopRule
@@ -29,81 +30,166 @@ def built():
     assert kernels.compiled() is not None, "the CPU kernels did not build here (AVX2 and g++ are needed)"
 
 
-def test_linear_matches_a_float64_reference():
+def has_avx512() -> bool:
+    flags = open("/proc/cpuinfo").read().split()
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl"))
+
+
+ISAS = [pytest.param("avx512", marks=pytest.mark.skipif(not has_avx512(), reason="this CPU has no AVX-512")),
+        "avx2"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run a test on one instruction set, then restore the one the kernels had."""
+    before = kernels.isa()
+    kernels.compiled().set_isa(request.param)
+    yield request.param
+    kernels.compiled().set_isa(before)
+
+
+def test_linear_matches_a_float64_reference(isa):
     g = torch.Generator().manual_seed(0)
-    for M, K, N in [(1, 8, 1), (3, 24, 7), (4, 20, 64), (5, 384, 33), (9, 64, 128), (17, 40, 5)]:
+    for M, K, N in [(1, 8, 1), (3, 24, 7), (4, 20, 64), (5, 384, 33), (9, 64, 128), (17, 40, 5), (32, 96, 200)]:
         x = torch.randn(M, K, generator=g)
         w = torch.randn(N, K, generator=g).bfloat16()
         ref = x.double() @ w.double().T
-        got = kernels.linear(x, w)
+        got = kernels.linear(x, w, kernels.pack(w))
         assert got.dtype == torch.float32 and got.shape == (M, N)
         # fp32 summation of K products: error well under 1e-6 per unit of sum |x w|
         bound = 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-7
         assert ((got.double() - ref).abs() <= bound).all(), (M, K, N)
 
 
-def test_linear_rows_do_not_depend_on_each_other():
+def test_linear_rows_alone_and_both_instruction_sets_give_the_same_bits():
+    """Every row count 1..32 (each tile shape the kernel has) on every instruction set gives each
+    row the bits it gets alone, on AVX2."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 7, 48, generator=g)
-    w = torch.randn(40, 48, generator=g).bfloat16()
-    whole = kernels.linear(x, w)
-    assert whole.shape == (2, 7, 40)
-    flat = x.reshape(14, 48)
-    for rows in ([0], [3, 4], [1, 5, 9], [2, 6, 10, 13], list(range(11))):
-        assert torch.equal(kernels.linear(flat[rows], w), whole.reshape(14, 40)[rows]), rows
+    x = torch.randn(32, 200, generator=g)
+    w = torch.randn(333, 200, generator=g).bfloat16()
+    packed = kernels.pack(w)
+    before = kernels.isa()
+    try:
+        kernels.compiled().set_isa("avx2")
+        alone = torch.cat([kernels.linear(x[m:m + 1], w, packed) for m in range(32)])
+        for name in ["avx2"] + (["avx512"] if has_avx512() else []):
+            kernels.compiled().set_isa(name)
+            for M in range(1, 33):
+                start = (7 * M) % (33 - M)  # rows from different places
+                assert torch.equal(kernels.linear(x[start:start + M], w, packed), alone[start:start + M]), (name, M)
+    finally:
+        kernels.compiled().set_isa(before)
     # a non-contiguous input gives the same values
-    assert torch.equal(kernels.linear(x.transpose(0, 1).contiguous().transpose(0, 1), w), whole)
+    assert torch.equal(kernels.linear(x.T.contiguous().T, w, packed), alone)
 
 
-def test_rms_norm_matches_pytorch():
+def test_rms_norm_matches_pytorch(isa):
     g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(3, 5, 40, generator=g), torch.randn(40, generator=g)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5), rtol=1e-5, atol=1e-6)
-
-
-def attention_inputs(seed, B=2, H=2, G=3, T=4, S=29, D=16, cache_len=40):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, G * T, D, generator=g)
-    k_cache, v_cache = (torch.randn(B, H, cache_len, D, generator=g) for _ in range(2))
-    visible = torch.rand(B, 1, T, S, generator=g) < 0.7
-    visible[..., 0] = True  # every query sees at least one key
-    mask = torch.zeros(B, 1, T, S).masked_fill_(~visible, float("-inf"))
-    return q, k_cache, v_cache, mask
-
-
-def test_attention_matches_sdpa():
-    q, k_cache, v_cache, mask = attention_inputs(3)
-    B, _, T, S = mask.shape
-    k, v = k_cache[:, :, :S], v_cache[:, :, :S]
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, :, None].expand(B, 1, 3, T, S).reshape(B, 1, 3 * T, S))
-    torch.testing.assert_close(kernels.cached_attention(q, k, v, mask, 3), ref, rtol=1e-5, atol=1e-6)
-    one = q[:, :, :1]  # one token, no mask: every cached key is visible
-    torch.testing.assert_close(kernels.cached_attention(one, k, v, None, 1),
-                               F.scaled_dot_product_attention(one, k, v), rtol=1e-5, atol=1e-6)
-
-
-def test_attention_rows_do_not_depend_on_the_span_or_other_rows():
-    q, k_cache, v_cache, mask = attention_inputs(4, T=1, G=2)
-    S = mask.shape[-1]
-    base = kernels.cached_attention(q, k_cache[:, :, :S], v_cache[:, :, :S], mask, 2)
-    # a longer span whose extra keys are masked (later drafts of the same step) changes nothing
-    for extra in (1, 5, 11):
-        longer = torch.cat([mask, torch.full(mask.shape[:-1] + (extra,), float("-inf"))], -1)
-        got = kernels.cached_attention(q, k_cache[:, :, :S + extra], v_cache[:, :, :S + extra], longer, 2)
-        assert torch.equal(got, base), extra
-    # each query row alone equals the same row among all
-    for r in range(q.shape[2]):
-        alone = kernels.cached_attention(q[:, :, r:r + 1].contiguous(), k_cache[:, :, :S], v_cache[:, :, :S], mask, 1)
-        assert torch.equal(alone, base[:, :, r:r + 1])
+    for C in (40, 64, 100):
+        x, w = torch.randn(3, 5, C, generator=g), torch.randn(C, generator=g)
+        torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (C,), w, 1e-5), rtol=1e-5, atol=1e-6)
 
 
 def test_kernels_step_aside_for_gradients_and_other_dtypes():
     w = torch.randn(6, 16).bfloat16()
+    packed = kernels.pack(w)
     x = torch.randn(2, 16, requires_grad=True)
-    kernels.linear(x, w).sum().backward()  # autograd through the PyTorch fallback
+    kernels.linear(x, w, packed).sum().backward()  # autograd through the PyTorch fallback
     torch.testing.assert_close(x.grad, w.float().sum(0).expand(2, 16))
     xb = torch.randn(2, 16).bfloat16()
-    assert kernels.linear(xb, w).dtype == torch.bfloat16
+    assert kernels.linear(xb, w, packed).dtype == torch.bfloat16
+
+
+def test_the_measured_fma_peak_is_a_rate():
+    assert kernels.compiled().fma_peak(1, 0.05) > 1.0  # GFLOP/s
+
+
+def pytorch_twin(seed=5):
+    """tiny_bf16(seed) computing through PyTorch operators: bf16 matrices, no packing, no stacks."""
+    model = tiny_model(seed)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.weight = torch.nn.Parameter(m.weight.detach().bfloat16(), requires_grad=False)
+    return model
+
+
+def tiny_bf16(seed=5):
+    return store_matrices_bf16(tiny_model(seed))
+
+
+@torch.no_grad()
+def test_the_stack_computes_what_pytorch_computes(isa):
+    model = tiny_bf16()
+    assert model.stack is not None and model.lm_head.packed is not None
+    twin = pytorch_twin()
+    assert twin.stack is None and twin.lm_head.packed is None
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, TINY.vocab_size, (3, 17), generator=g)
+    new = torch.randint(0, TINY.vocab_size, (3, 5), generator=g)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]],
+                        dtype=torch.bool).expand(3, 5, 5)
+    for mask in (None, tree):
+        outs = []
+        for m in (model, twin):
+            cache = m.new_cache(3, 40)
+            m(prompts[:, :9], cache=cache)
+            cache.rollback(torch.tensor([9, 4, 7]))  # ragged rows
+            positions = cache.lengths[:, None] + torch.arange(5)
+            outs.append(m(new, positions=positions, cache=cache, attention_mask=mask, output_layers=(0,)))
+        torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(outs[0].layers[0], outs[1].layers[0], rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_token_gets_the_same_logits_alone_in_any_window_and_on_any_instruction_set():
+    """Decoded alone, verified among up to 31 others, batched, or on the other instruction set:
+    bit-identical logits (what makes greedy speculative decoding exact)."""
+    model = tiny_bf16()
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, TINY.vocab_size, (2, 12), generator=g)
+    new = torch.randint(0, TINY.vocab_size, (2, 32), generator=g)
+    before = kernels.isa()
+    try:
+        for name in ["avx2"] + (["avx512"] if has_avx512() else []):
+            kernels.compiled().set_isa(name)
+            single = model.new_cache(1, 64)
+            model(prompt[:1], cache=single)
+            alone = torch.cat([model(new[:1, t:t + 1], cache=single).logits for t in range(32)], 1)
+            if name == "avx2":
+                reference = alone
+            assert torch.equal(alone, reference), name
+            for T in range(1, 33):
+                cache = model.new_cache(2, 64)
+                model(prompt, cache=cache)
+                window = model(new[:, :T], cache=cache).logits  # batch of 2, T tokens
+                assert torch.equal(window[0], reference[0, :T]), (name, T)
+    finally:
+        kernels.compiled().set_isa(before)
+
+
+@torch.no_grad()
+def test_a_tree_node_gets_the_logits_of_its_path_decoded_alone():
+    model = tiny_bf16()
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, TINY.vocab_size, (1, 10), generator=g)
+    #  node:     0  1  2  3  4  5   parents: 1 <- 0, 2 <- 0, 3 <- 2, 4 <- 1, 5 <- 3
+    parents = [-1, 0, 0, 2, 1, 3]
+    nodes = torch.randint(0, TINY.vocab_size, (1, 6), generator=g)
+    tree = torch.zeros(1, 6, 6, dtype=torch.bool)
+    depth = []
+    for i, p in enumerate(parents):
+        tree[0, i] = tree[0, p] if p >= 0 else False
+        tree[0, i, i] = True
+        depth.append(depth[p] + 1 if p >= 0 else 0)
+    cache = model.new_cache(1, 32)
+    model(prompt, cache=cache)
+    positions = 10 + torch.tensor([depth])
+    together = model(nodes, positions=positions, cache=cache, attention_mask=tree).logits
+    for i in range(6):
+        path = [j for j in range(6) if tree[0, i, j]]  # ancestors in window order, then i
+        cache.rollback(10)
+        alone = model(nodes[:, path], cache=cache).logits[:, -1]
+        assert torch.equal(alone, together[:, i]), i
 
 
 @pytest.fixture(scope="module")

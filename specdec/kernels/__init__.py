@@ -1,11 +1,14 @@
 """Compiled CPU kernels for decoding with bf16-stored weights and fp32 arithmetic (see cpu.cpp).
 
-Built from cpu.cpp by the machine's C++ compiler the first time they are needed (about a minute,
-once per machine and source version; cached under ~/.cache/specdec). `linear`, `rms_norm` and
-`cached_attention` fall back to PyTorch operators computing the same arithmetic wherever the
-kernels cannot run (no AVX2, no compiler, gradients needed, other dtypes or devices), so a result
-never depends on whether they were built beyond fp32 rounding; the fused layer halves are called
-only where `fusable` says they run. SPECDEC_KERNELS=0 turns the kernels off.
+Built from cpu.cpp and isa.h by the machine's C++ compiler the first time they are needed (about a
+minute, once per machine and source version; cached under ~/.cache/specdec). They run on AVX-512
+where the CPU has it and on AVX2 + FMA otherwise, with bit-identical results (SPECDEC_ISA=avx2
+forces AVX2; SPECDEC_KERNELS=0 turns the kernels off). Where they cannot run (no AVX2, no
+compiler, gradients needed, other dtypes or devices) PyTorch operators compute the same
+arithmetic, so a result never depends on whether they were built beyond fp32 rounding.
+
+A matrix is packed once, at load (`pack`), into panels the kernels read; a model's decoder layers
+become one `Stack` that runs them in a single call.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h")]
+LANES = 16  # outputs per packed panel
+_EMPTY = torch.empty(0)
 
 
 @functools.cache
@@ -30,20 +35,29 @@ def compiled():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     from torch.utils import cpp_extension
-    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    source = b"".join(p.read_bytes() for p in SOURCES)
+    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
     build = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels" / tag
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         print("specdec: building the CPU kernels (once per machine, about a minute)...", file=sys.stderr)
     try:
-        return cpp_extension.load(name="specdec_cpu", sources=[str(SOURCE)], build_directory=str(build),
-                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+        module = cpp_extension.load(name="specdec_cpu", sources=[str(SOURCES[0])], build_directory=str(build),
+                                    extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+                                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler or ninja: slower, same results
         warnings.warn(f"specdec: the CPU kernels could not be built ({type(e).__name__}: ...{str(e)[-600:]}); using "
                       "PyTorch operators instead, which are slower for bf16 weights. Install a C++ "
                       "compiler (g++) to get them, or set SPECDEC_KERNELS=0 to silence this.")
         return None
+    if os.environ.get("SPECDEC_ISA"):
+        module.set_isa(os.environ["SPECDEC_ISA"])
+    return module
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run on ("avx512" or "avx2"), None without kernels."""
+    return compiled().isa() if compiled() else None
 
 
 def _inference(*tensors: torch.Tensor) -> bool:
@@ -51,13 +65,20 @@ def _inference(*tensors: torch.Tensor) -> bool:
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T for nn.Linear's weight layout; fp32 x with bf16 w is computed in fp32."""
-    if w.dtype == x.dtype:
-        return F.linear(x, w)
-    if x.dtype == torch.float32 and w.dtype == torch.bfloat16 and _inference(x, w) and compiled():
-        return compiled().linear(x, w)
-    return F.linear(x, w.to(x.dtype))
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 matrix (N, K) as the kernels read it: panels of 16 outputs, (ceil(N/16), K, 16)."""
+    N, K = w.shape
+    panels = -(-N // LANES)
+    padded = F.pad(w.detach(), (0, 0, 0, panels * LANES - N))
+    return padded.view(panels, LANES, K).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T for nn.Linear's weight layout; with w's panels `packed` (from `pack`), fp32 x with
+    bf16 w is computed by the kernels, in fp32."""
+    if packed is not None and x.dtype == torch.float32 and _inference(x):
+        return compiled().linear(x, packed, w.shape[0], _EMPTY)
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,34 +87,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], w, eps)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     groups: int) -> torch.Tensor:
-    """Attention of q (B, Hkv, G*T, D) — the G query heads sharing a key/value head along the
-    query axis — over the cached k, v (B, Hkv, S, D); mask (B, 1, T, S) additive or None."""
-    if (q.dtype == k.dtype == v.dtype == torch.float32 and q.shape[-1] % 8 == 0 and _inference(q, k, v)
-            and compiled()):
-        empty = q.new_empty(0)
-        return compiled().attention(q, k, v, empty if mask is None else mask[:, 0], q.shape[-1] ** -0.5)
-    if mask is not None:
-        B, _, T, S = mask.shape
-        mask = mask[:, :, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def fusable(x: torch.Tensor, *matrices: torch.Tensor) -> bool:
-    """Whether a decoder layer on x with these matrices runs as the two fused kernels below."""
-    return (x.dtype == torch.float32 and all(w.dtype == torch.bfloat16 for w in matrices)
-            and _inference(x, *matrices) and compiled() is not None)
-
-
-def attention_input(x, norm_w, eps, w_qkv, cos, sin, rotated_heads: int, head_dim: int) -> torch.Tensor:
-    """rms_norm(x) @ w_qkv.T with rotary positions on the first `rotated_heads` heads: (..., E)."""
-    return compiled().attention_input(x, norm_w, eps, w_qkv, cos, sin, rotated_heads, head_dim)
-
-
-def attention_output_mlp(x, y, w_o, norm_w, eps, w_gate_up, w_down) -> torch.Tensor:
-    """x2 + SwiGLU(rms_norm(x2)) where x2 = x + y @ w_o.T: the rest of a decoder layer."""
-    return compiled().attention_output_mlp(x, y, w_o, norm_w, eps, w_gate_up, w_down)
+def stack(layers, config):
+    """The decoder layers (model.DecoderLayer, matrices packed) as one kernel call: a `Stack`
+    whose forward(x, k_cache, v_cache, layer0, lengths, positions, inv_freq, tree, keep) runs
+    them over a window of new tokens (cpu.cpp)."""
+    weights = []
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        weights += [layer.input_layernorm.weight.detach(), a.qkv_proj.packed, a.o_proj.packed,
+                    layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, mlp.down_proj.packed]
+    return compiled().Stack(weights, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                            config.head_dim, config.intermediate_size, config.rms_norm_eps)
 
 
 def can_store_bf16() -> bool:

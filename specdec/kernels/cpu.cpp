@@ -1,185 +1,263 @@
-// CPU kernels for decoding with bf16-stored weights and fp32 arithmetic (AVX2 + FMA).
+// CPU kernels for decoding with bf16-stored weights and fp32 arithmetic, for AVX-512 and AVX2.
 //
-// Why: on a CPU without native bf16 (AVX2 only), the cost of PyTorch's bf16 matmul grows about in
-// proportion to the number of rows M (4 rows cost about 4 times one row), and its fp32 matmul
-// (MKL, on an AMD CPU) reads weights at a fraction of the memory bandwidth. Speculative decoding lives on
-// verification being almost as cheap as one token, so the matmul must read each weight once
-// for all M rows.
+// Why: speculative decoding pays only when verifying k+1 tokens costs about what one token costs.
+// One token reads every weight once (memory-bound); k+1 tokens must share each weight load and
+// each register tile (compute-bound), and nothing else may eat the step — not Python, not ~30
+// PyTorch operators per layer. So a matrix is packed once at load into panels of 16 outputs
+// (isa.h), a tile of up to 6 rows x up to 8 panels lives in registers, and a model's decoder
+// layers run in one call and one OpenMP parallel region (`Stack`).
 //
-// linear(x, w): y[m, n] = sum_k x[m, k] * w[n, k], x fp32 (M, K), w bf16 (N, K) as nn.Linear
-// stores it. bf16 -> fp32 is exact (a 16-bit shift), so this is the fp32 product of the stored
-// weights. Every output is summed in one fixed order (two 8-lane fp32 accumulators over k, then a
-// fixed reduction): its value does not depend on M, on the other rows, or on the thread split — the
-// same token gives bit-identical logits whether it is verified alone or among k drafts.
-//
-// rms_norm(x, w, eps): y = x / sqrt(mean(x^2) + eps) * w over the last dimension, fp32, one call
-// instead of the six operators PyTorch dispatches for it.
-//
-// attention(q, k, v, mask, scale): softmax(q k^T * scale + mask) v for cached decoding, one query
-// row at a time in a fixed order, so a row's output too is independent of how many rows share the
-// call. With linear and rms_norm this makes the whole forward row-invariant: verifying k drafts
-// gives each token the logits it would get decoded alone, bit for bit.
-//
-// attention_input and attention_output_mlp are a decoder layer's two halves around attention in
-// one call each (RMSNorm, projections, rotary positions, residuals, SwiGLU): the same row-wise
-// arithmetic without the Python and dispatch cost of the ~30 operators eager PyTorch needs.
+// The arithmetic contract (what makes greedy speculative decoding exact): every output of a row
+// is computed alone, by the same sequence of IEEE fp32 operations whatever else shares the call.
+// - matrices: output n of row m is x[m] . W[n] summed over k in order, one FMA at a time in its
+//   own vector lane; bf16 -> fp32 is exact (a 16-bit shift), so this is the fp32 product of the
+//   stored weights. Neither the row count, nor the tile shape, nor the thread split enters it.
+// - attention: a query row reduces over exactly the keys it sees (its committed prefix, then the
+//   new tokens it may see — causal, or a tree), key i in lane i mod 16 of the softmax sum.
+// - RMSNorm and SwiGLU: per row, in 16 lanes by element index, reduced by a fixed tree.
+// Both instruction sets run the same operations on a 16-lane vector (one zmm, or two ymm), so
+// AVX-512 and AVX2 give bit-identical results; the tests check it by forcing each.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
-namespace {
+// What the decoder layers read and write, shared by both instruction sets.
+struct LayerWeights {
+  const float* norm1;
+  const uint16_t* qkv;   // packed (E = (H + 2 Hkv) D outputs)
+  const uint16_t* o;     // packed (C outputs from H D)
+  const float* norm2;
+  const uint16_t* gate_up;  // packed (2F outputs: F gate, then F up)
+  const uint16_t* down;  // packed (C outputs from F)
+};
 
-inline __m256 load_bf16(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+struct Shape {
+  int64_t C, H, Hkv, D, F;
+  float eps;
+};
+
+struct Window {  // the new tokens of one forward and where their keys and values go
+  int64_t B, T;
+  const int64_t* lengths;    // (B,) committed cache entries per row: new token t goes to slot lengths[b] + t
+  const int64_t* positions;  // (B, T) rotary positions
+  const bool* tree;          // (B, T, T) which new tokens each new token sees (itself included); null: causal
+  const float* inv_freq;     // (D/2,)
+};
+
+struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each
+  float* k;
+  float* v;
+  int64_t S;
+};
+
+// ---------------------------------------------------------------------------------- AVX-512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+namespace avx512 {
+constexpr int kRegs = 32, kRegsPerV = 1;
+
+inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+struct V {
+  __m512 v;
+  static V zero() { return {_mm512_setzero_ps()}; }
+  static V bcast(float a) { return {_mm512_set1_ps(a)}; }
+  static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static void store(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+  static V load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static V fnma(V a, V b, V c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a b
+  static V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static V sub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static V mul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static V div(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+  static V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static V ge_mask(V a, V b) {
+    return {_mm512_castsi512_ps(_mm512_movm_epi32(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ)))};
+  }
+  static V and_mask(V a, V m) { return {_mm512_and_ps(a.v, m.v)}; }
+  static V round_nearest(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+  static V pow2i(V n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+  }
+  static V neg_abs(V a) { return {_mm512_or_ps(a.v, _mm512_set1_ps(-0.f))}; }
+  static V lt_zero_select(V g, V if_negative, V otherwise) {
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(g.v, _mm512_setzero_ps(), _CMP_LT_OQ), otherwise.v,
+                                 if_negative.v)};
+  }
+  static float hsum(V a) {
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)));
+  }
+  static float hmax(V a) { return _mm512_reduce_max_ps(a.v); }
+};
+#include "isa.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------- AVX2 + FMA
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+constexpr int kRegs = 16, kRegsPerV = 2;
+
+inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-// The scalar tail k = K8..K-1 (K not a multiple of 8), added after the vector sum.
-inline float tail(const float* x, const uint16_t* w, int64_t K8, int64_t K) {
-  float s = 0.f;
-  for (int64_t k = K8; k < K; ++k) s += x[k] * bf16_to_float(w[k]);
-  return s;
-}
-
-// Rows m0 .. m0+R-1 of x against weight row w: each weight load serves R rows, and each output
-// keeps two accumulators (even and odd blocks of 8) so that one row is not bound by FMA latency.
-template <int R>
-inline void dot_rows(const float* X, const uint16_t* w, float* Y, int64_t m0, int64_t n,
-                     int64_t K, int64_t K8, int64_t N) {
-  __m256 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K8; k += 16) {
-    const __m256 w0 = load_bf16(w + k), w1 = load_bf16(w + k + 8);
-    for (int r = 0; r < R; ++r) {
-      even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + r) * K + k), even[r]);
-      odd[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + r) * K + k + 8), odd[r]);
-    }
+struct V {  // lanes 0-7 in lo, 8-15 in hi
+  __m256 lo, hi;
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static V bcast(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static void store(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+  static V load_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+  static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static V fnma(V a, V b, V c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+  static V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+  static V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+  static V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  static V div(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+  static V max(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  static V ge_mask(V a, V b) { return {_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ)}; }
+  static V and_mask(V a, V m) { return {_mm256_and_ps(a.lo, m.lo), _mm256_and_ps(a.hi, m.hi)}; }
+  static V round_nearest(V a) {
+    constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
   }
-  if (k < K8) {
-    const __m256 w0 = load_bf16(w + k);
-    for (int r = 0; r < R; ++r)
-      even[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + r) * K + k), even[r]);
+  static __m256 pow2i8(__m256 n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
   }
-  for (int r = 0; r < R; ++r)
-    Y[(m0 + r) * N + n] = hsum(_mm256_add_ps(even[r], odd[r])) + tail(X + (m0 + r) * K, w, K8, K);
-}
-
-// All M rows against weight row n, four rows at a time.
-inline void all_rows(const float* X, const uint16_t* w, float* Y, int64_t M, int64_t n,
-                     int64_t K, int64_t K8, int64_t N) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dot_rows<4>(X, w, Y, m, n, K, K8, N);
-  switch (M - m) {
-    case 3: dot_rows<3>(X, w, Y, m, n, K, K8, N); break;
-    case 2: dot_rows<2>(X, w, Y, m, n, K, K8, N); break;
-    case 1: dot_rows<1>(X, w, Y, m, n, K, K8, N); break;
+  static V pow2i(V n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
+  static V neg_abs(V a) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    return {_mm256_or_ps(a.lo, sign), _mm256_or_ps(a.hi, sign)};
   }
-}
-
-// x . y over n floats (n a multiple of 8): one 8-lane accumulator.
-inline float dot(const float* x, const float* y, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < n; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + c), _mm256_loadu_ps(y + c), acc);
-  return hsum(acc);
-}
-
-// x . y_i for four consecutive rows y_i of length n: the same arithmetic as dot, interleaved.
-inline void dot4(const float* x, const float* y, int64_t n, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t c = 0; c < n; c += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + c);
-    a0 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(y + c), a0);
-    a1 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(y + n + c), a1);
-    a2 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(y + 2 * n + c), a2);
-    a3 = _mm256_fmadd_ps(xv, _mm256_loadu_ps(y + 3 * n + c), a3);
+  static V lt_zero_select(V g, V if_negative, V otherwise) {
+    const __m256 z = _mm256_setzero_ps();
+    return {_mm256_blendv_ps(otherwise.lo, if_negative.lo, _mm256_cmp_ps(g.lo, z, _CMP_LT_OQ)),
+            _mm256_blendv_ps(otherwise.hi, if_negative.hi, _mm256_cmp_ps(g.hi, z, _CMP_LT_OQ))};
   }
-  out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);
-}
-
-inline float hmax(__m256 v) {
-  __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-// e^x for x <= 0 (x = -inf and x < -87 give exactly 0): x = n ln2 + f with |f| <= ln2 / 2,
-// e^f by its degree-6 Taylor-like minimax polynomial, 2^n through the exponent bits.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
-  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), keep);
-}
-
-// silu(g) * u over n floats: g * sigmoid(g) with sigmoid from e = exp(-|g|).
-inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + c);
-    const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
-    const __m256 positive = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    const __m256 negative = _mm256_div_ps(e, _mm256_add_ps(one, e));
-    const __m256 sig = _mm256_blendv_ps(positive, negative, _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ));
-    _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + c)));
+  static float hsum(V a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+  static float hmax(V a) {
+    const __m256 m = _mm256_max_ps(a.lo, a.hi);
+    __m128 b = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_max_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
   }
-  for (; c < n; ++c) out[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];
+};
+#include "isa.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------- dispatch
+
+namespace {
+
+struct Ops {
+  const char* name;
+  void (*matmul_panels)(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t,
+                        const float*, int64_t, int64_t);
+  void (*rms_norm_row)(const float*, const float*, float, int64_t, float*);
+  float (*fma_loop)(int64_t);
+  double fma_loop_flops;  // per repetition of fma_loop
+  void (*decoder_layers)(const LayerWeights*, int, const Shape&, const Window&,
+                         const Cache*, float*, float* const*, float*, float*, float*, float*, float*,
+                         float*, float*, int64_t);
+};
+
+const Ops kAvx512{"avx512", avx512::matmul_panels, avx512::rms_norm_row, avx512::fma_loop, avx512::kFmaLoopFlops,
+                  avx512::decoder_layers};
+const Ops kAvx2{"avx2", avx2::matmul_panels, avx2::rms_norm_row, avx2::fma_loop, avx2::kFmaLoopFlops,
+                avx2::decoder_layers};
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+const Ops* g_ops = has_avx512() ? &kAvx512 : &kAvx2;
+
+int threads() { return std::max(1, at::get_num_threads()); }
+
+const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+void check_packed(const torch::Tensor& w, int64_t K, int64_t N, const char* what) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 3 && w.size(2) == 16 && w.is_contiguous(),
+              what, ": expected a packed (panels, K, 16) contiguous bfloat16 matrix (kernels.pack)");
+  TORCH_CHECK(w.size(1) == K && w.size(0) == (N + 15) / 16, what, ": packed matrix is (", w.size(0), ", ",
+              w.size(1), ", 16), expected (", (N + 15) / 16, ", ", K, ", 16)");
 }
 
 }  // namespace
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+std::string isa() { return g_ops->name; }
+
+void set_isa(const std::string& name) {
+  if (name == "avx2") {
+    g_ops = &kAvx2;
+  } else if (name == "avx512") {
+    TORCH_CHECK(has_avx512(), "this CPU has no AVX-512 (F, BW, DQ, VL): use SPECDEC_ISA=avx2");
+    g_ops = &kAvx512;
+  } else {
+    TORCH_CHECK(false, "unknown instruction set '", name, "': use avx512 or avx2");
+  }
+}
+
+// y = x (..., K) @ W^T for a packed W with N outputs [+ add, same shape as y], fp32.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, const torch::Tensor& add) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear: x must be float32");
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
-              "linear: w must be a contiguous 2-d bfloat16 tensor");
-  TORCH_CHECK(x.size(-1) == w.size(1), "linear: x has ", x.size(-1), " features, w expects ", w.size(1));
   const auto xs = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t M = xs.size(0), K = xs.size(1), N = w.size(0), K8 = K / 8 * 8;
-  auto y = torch::empty({M, N}, xs.options());
-  const float* X = xs.data_ptr<float>();
-  const auto* W = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) all_rows(X, W + n * K, Y, M, n, K, K8, N);
-  });
+  const int64_t M = xs.size(0), K = xs.size(1);
+  check_packed(w, K, N, "linear");
   auto shape = x.sizes().vec();
   shape.back() = N;
+  auto y = torch::empty({M, N}, xs.options());
+  const bool adding = add.numel() > 0;
+  const auto as = adding ? add.reshape({M, N}).contiguous() : add;
+  TORCH_CHECK(!adding || as.scalar_type() == torch::kFloat32, "linear: add must be float32");
+  const float* X = xs.data_ptr<float>();
+  const float* A = adding ? as.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  const uint16_t* W = bf16_data(w);
+  const int64_t P = (N + 15) / 16;
+  const int nt = static_cast<int>(std::min<int64_t>(threads(), P));
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    g_ops->matmul_panels(X, M, K, W, K, N, Y, N, A, P * tid / n, P * (tid + 1) / n);
+  }
   return y.view(shape);
 }
 
-torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32,
               "rms_norm: x and w must be float32");
   TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: w must have x's last dimension");
@@ -187,134 +265,128 @@ torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, doubl
   const auto ws = w.contiguous();
   const int64_t K = xs.size(-1), M = xs.numel() / K;
   auto y = torch::empty_like(xs);
-  const float* X = xs.data_ptr<float>();
-  const float* Wt = ws.data_ptr<float>();
+  const float *X = xs.data_ptr<float>(), *Wt = ws.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = X + m * K;
-      float ss = 0.f;
-      for (int64_t k = 0; k < K; ++k) ss += xr[k] * xr[k];
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
-      for (int64_t k = 0; k < K; ++k) Y[m * K + k] = xr[k] * r * Wt[k];
-    }
-  });
+  for (int64_t m = 0; m < M; ++m) g_ops->rms_norm_row(X + m * K, Wt, static_cast<float>(eps), K, Y + m * K);
   return y;
 }
 
-// q (B, H, R, D); k, v (B, H, S, D) with unit stride in D and D in S (a slice of the cache);
-// mask (B, T, S) additive, query row r reading mask row r % T, or an empty tensor (all visible).
-// Keys past a row's end are masked to exactly zero weight, so the span S a call happens to have
-// changes nothing: blocks of 8 keys always start at key 0, and masked keys add exact zeros.
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        const torch::Tensor& mask, double scale) {
-  for (const auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->dim() == 4, "attention: q, k, v must be 4-d float32");
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == H && k.size(3) == D,
-              "attention: k and v must be (B, H, S, D) matching q");
-  TORCH_CHECK(D % 8 == 0, "attention: head_dim must be a multiple of 8");
-  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D,
-              "attention: k and v rows must be contiguous");
-  const bool masked = mask.numel() > 0;
-  const auto ms = masked ? mask.contiguous() : mask;
-  const int64_t T = masked ? ms.size(1) : 1;
-  TORCH_CHECK(!masked || (ms.scalar_type() == torch::kFloat32 && ms.dim() == 3 && ms.size(0) == B &&
-                          ms.size(2) == S && R % T == 0), "attention: mask must be (B, T, S) float32");
-  const auto qs = q.contiguous();
-  auto y = torch::empty({B, H, R, D}, qs.options());
-  const float *Q = qs.data_ptr<float>(), *Kp = k.data_ptr<float>(), *Vp = v.data_ptr<float>();
-  const float* Mp = masked ? ms.data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t S8 = (S + 7) / 8 * 8;
-  at::parallel_for(0, B * H * R, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(S8);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
-      const float* qr = Q + i * D;
-      const float* kb = Kp + b * k.stride(0) + h * k.stride(1);
-      const float* vb = Vp + b * v.stride(0) + h * v.stride(1);
-      const float* mr = masked ? Mp + (b * T + r % T) * S : nullptr;
-      int64_t j = 0;
-      for (; j + 4 <= S; j += 4) dot4(qr, kb + j * D, D, &p[j]);  // four independent chains
-      for (; j < S; ++j) p[j] = dot(qr, kb + j * D, D);
-      for (j = 0; j < S; ++j) p[j] = p[j] * sc + (masked ? mr[j] : 0.f);
-      for (int64_t j = S; j < S8; ++j) p[j] = -INFINITY;
-      __m256 top = _mm256_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < S8; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(&p[j]));
-      const __m256 m = _mm256_set1_ps(hmax(top));
-      __m256 total = _mm256_setzero_ps();
-      for (int64_t j = 0; j < S8; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&p[j]), m));
-        _mm256_storeu_ps(&p[j], e);
-        total = _mm256_add_ps(total, e);
-      }
-      const __m256 inv = _mm256_set1_ps(1.f / hsum(total));
-      for (int64_t c0 = 0; c0 < D; c0 += 64) {  // up to 8 accumulators of 8 columns in registers
-        const int nc = static_cast<int>(std::min<int64_t>(64, D - c0) / 8);
-        __m256 acc[8];
-        for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t jj = 0; jj < S; ++jj) {
-          const __m256 pj = _mm256_set1_ps(p[jj]);
-          const float* vr = vb + jj * D + c0;
-          for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-        }
-        for (int c = 0; c < nc; ++c) _mm256_storeu_ps(Y + i * D + c0 + 8 * c, _mm256_mul_ps(acc[c], inv));
-      }
+// The fp32 FMA rate of this machine's cores (GFLOP/s) with `threads` threads over about
+// `seconds`: independent accumulators in registers, no memory traffic — the compute roof the
+// matrix kernels are measured against.
+double fma_peak(int64_t threads_, double seconds) {
+  const int nt = static_cast<int>(std::max<int64_t>(1, threads_));
+  const int64_t reps = 1 << 16;
+  double best = 0;
+  for (int trial = 0; trial < 5; ++trial) {
+    const auto t0 = std::chrono::steady_clock::now();
+    int64_t rounds = 0;
+    double elapsed = 0;
+    while (elapsed < seconds / 5) {
+      float sink = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : sink)
+      sink += g_ops->fma_loop(reps);
+      if (sink == 1.2345f) std::printf(" ");  // keep the loop's result alive
+      ++rounds;
+      elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
-  });
-  return y;
+    best = std::max(best, rounds * reps * g_ops->fma_loop_flops * nt / elapsed / 1e9);
+  }
+  return best;
 }
 
-// x (M, C); returns qkv (M, E) = rms_norm(x) W_qkv^T with rotary positions applied to the first
-// `rotated` heads of width D (the query and key heads): out_i = x_i cos_i - x_{i+D/2} sin_i for
-// i < D/2, x_i cos_i + x_{i-D/2} sin_i above; cos and sin are (M, D).
-torch::Tensor attention_input(const torch::Tensor& x, const torch::Tensor& norm_w, double eps,
-                              const torch::Tensor& w_qkv, const torch::Tensor& cos,
-                              const torch::Tensor& sin, int64_t rotated, int64_t D) {
-  const auto h = rms_norm_f32(x, norm_w, eps);
-  auto qkv = linear_bf16(h, w_qkv);
-  const int64_t M = qkv.numel() / qkv.size(-1), E = qkv.size(-1), half = D / 2;
-  TORCH_CHECK(rotated * D <= E && D % 2 == 0, "attention_input: bad head layout");
-  const auto cs = cos.reshape({M, D}).contiguous(), sn = sin.reshape({M, D}).contiguous();
-  TORCH_CHECK(cs.scalar_type() == torch::kFloat32 && sn.scalar_type() == torch::kFloat32,
-              "attention_input: cos and sin must be float32");
-  float* Q = qkv.data_ptr<float>();
-  const float *Cp = cs.data_ptr<float>(), *Sp = sn.data_ptr<float>();
-  std::vector<float> tmp(D);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t hd = 0; hd < rotated; ++hd) {
-      float* v = Q + m * E + hd * D;
-      const float *c = Cp + m * D, *s = Sp + m * D;
-      for (int64_t i = 0; i < half; ++i) {
-        tmp[i] = v[i] * c[i] - v[i + half] * s[i];
-        tmp[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
-      }
-      std::memcpy(v, tmp.data(), D * sizeof(float));
-    }
-  return qkv;
-}
+// A model's decoder layers (or an MTP head's one layer) with their matrices packed, run in one call.
+struct Stack {
+  std::vector<torch::Tensor> owned;  // keeps the weights alive
+  std::vector<LayerWeights> layers;
+  Shape shape;
 
-// x (M, C) the layer input, y (M, H*D) the attention output; returns
-// x2 + W_down (silu(g) * u) where x2 = x + y W_o^T and [g, u] = rms_norm(x2) W_gu^T.
-torch::Tensor attention_output_mlp(const torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w_o,
-                                   const torch::Tensor& norm_w, double eps, const torch::Tensor& w_gu,
-                                   const torch::Tensor& w_down) {
-  auto x2 = linear_bf16(y, w_o).reshape(x.sizes()).add_(x);
-  const auto gu = linear_bf16(rms_norm_f32(x2, norm_w, eps), w_gu);
-  const int64_t F = gu.size(-1) / 2, M = gu.numel() / (2 * F);
-  auto act = torch::empty({M, F}, gu.options());
-  const float* G = gu.data_ptr<float>();
-  float* A = act.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) silu_mul(G + m * 2 * F, G + m * 2 * F + F, A + m * F, F);
-  return x2.add_(linear_bf16(act, w_down).reshape(x.sizes()));
-}
+  // weights: per layer input norm (C), packed qkv, packed o, post-attention norm (C), packed
+  // gate_up, packed down.
+  Stack(std::vector<torch::Tensor> weights, int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F, double eps)
+      : owned(std::move(weights)), shape{C, H, Hkv, D, F, static_cast<float>(eps)} {
+    TORCH_CHECK(owned.size() % 6 == 0 && !owned.empty(), "Stack: 6 tensors per layer");
+    TORCH_CHECK(D % 16 == 0 && H % Hkv == 0, "Stack: head_dim must be a multiple of 16");
+    const int64_t E = (H + 2 * Hkv) * D;
+    for (size_t i = 0; i < owned.size(); i += 6) {
+      for (int j : {0, 3})
+        TORCH_CHECK(owned[i + j].scalar_type() == torch::kFloat32 && owned[i + j].is_contiguous() &&
+                    owned[i + j].numel() == C, "Stack: norms must be contiguous float32 of size C");
+      check_packed(owned[i + 1], C, E, "Stack qkv");
+      check_packed(owned[i + 2], H * D, C, "Stack o");
+      check_packed(owned[i + 4], C, 2 * F, "Stack gate_up");
+      check_packed(owned[i + 5], F, C, "Stack down");
+      layers.push_back({owned[i].data_ptr<float>(), bf16_data(owned[i + 1]), bf16_data(owned[i + 2]),
+                        owned[i + 3].data_ptr<float>(), bf16_data(owned[i + 4]), bf16_data(owned[i + 5])});
+    }
+  }
+
+  // x (B, T, C) the layer input; k_cache, v_cache (L', B, Hkv, S, D) with this stack's layers at
+  // layer0..; lengths (B,) committed entries; positions (B, T); tree (B, T, T) bool or empty.
+  // Returns [x after the last layer, then x after each layer in `keep`]; the cache gains the new
+  // entries at slots lengths[b] + t (the caller advances the lengths).
+  std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                     int64_t layer0, const torch::Tensor& lengths, const torch::Tensor& positions,
+                                     const torch::Tensor& inv_freq, const torch::Tensor& tree,
+                                     const std::vector<int64_t>& keep) {
+    const auto& s = shape;
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.size(2) == s.C, "Stack: x must be (B, T, C) float32");
+    const int64_t B = x.size(0), T = x.size(1), M = B * T, nl = static_cast<int64_t>(layers.size());
+    for (const auto* c : {&k_cache, &v_cache})
+      TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->is_contiguous() && c->dim() == 5 && c->size(1) == B &&
+                  c->size(2) == s.Hkv && c->size(4) == s.D && layer0 >= 0 && layer0 + nl <= c->size(0),
+                  "Stack: caches must be contiguous (layers, B, Hkv, S, D) float32 holding this stack's layers");
+    TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() && lengths.numel() == B,
+                "Stack: lengths must be (B,) int64");
+    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == M,
+                "Stack: positions must be (B, T) int64");
+    TORCH_CHECK(inv_freq.scalar_type() == torch::kFloat32 && inv_freq.is_contiguous() && inv_freq.numel() == s.D / 2,
+                "Stack: inv_freq must be (D/2,) float32");
+    const bool treed = tree.numel() > 0;
+    TORCH_CHECK(!treed || (tree.scalar_type() == torch::kBool && tree.is_contiguous() && tree.numel() == B * T * T),
+                "Stack: tree must be (B, T, T) bool");
+    const int64_t S = k_cache.size(3);
+    const int64_t* len = lengths.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(len[b] >= 0 && len[b] + T <= S, "Stack: row ", b, " has ", len[b], " cached entries; ", T,
+                  " more do not fit in the cache of ", S);
+    for (int64_t l : keep) TORCH_CHECK(l >= 0 && l < nl, "Stack: kept layer ", l, " out of range");
+
+    auto out = x.contiguous().clone();
+    const auto opts = x.options();
+    const int64_t E = (s.H + 2 * s.Hkv) * s.D;
+    auto h = torch::empty({M, s.C}, opts), qkv = torch::empty({M, E}, opts), y = torch::empty({M, s.H * s.D}, opts);
+    auto gu = torch::empty({M, 2 * s.F}, opts), act = torch::empty({M, s.F}, opts), rope = torch::empty({M, s.D}, opts);
+    const int nt = threads();
+    const int64_t ps = (S + 15) / 16 * 16 + T;
+    auto p = torch::empty({nt, ps}, opts);
+    std::vector<torch::Tensor> result{out};
+    std::vector<float*> kept(nl, nullptr);
+    for (int64_t l : keep) {
+      result.push_back(torch::empty({B, T, s.C}, opts));
+      kept[l] = result.back().data_ptr<float>();
+    }
+    std::vector<Cache> caches;
+    const int64_t per_layer = B * s.Hkv * S * s.D;
+    for (int64_t l = 0; l < nl; ++l)
+      caches.push_back({k_cache.data_ptr<float>() + (layer0 + l) * per_layer, v_cache.data_ptr<float>() + (layer0 + l) * per_layer, S});
+    const Window w{B, T, len, positions.data_ptr<int64_t>(), treed ? tree.data_ptr<bool>() : nullptr,
+                         inv_freq.data_ptr<float>()};
+#pragma omp parallel num_threads(nt)
+    g_ops->decoder_layers(layers.data(), static_cast<int>(nl), s, w, caches.data(), out.data_ptr<float>(), kept.data(),
+                          h.data_ptr<float>(), qkv.data_ptr<float>(), y.data_ptr<float>(), gu.data_ptr<float>(),
+                          act.data_ptr<float>(), rope.data_ptr<float>(), p.data_ptr<float>(), ps);
+    return result;
+  }
+};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attention_input", &attention_input, "RMSNorm, the q/k/v projection and rotary positions");
-  m.def("attention_output_mlp", &attention_output_mlp, "o projection, residual, RMSNorm, SwiGLU MLP, residual");
-  m.def("attention", &attention, "cached attention, one query row at a time (see above)");
-  m.def("linear", &linear_bf16, "x (..., K) fp32 times bf16 weight (N, K) transposed, fp32 out");
-  m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dimension, fp32");
+  m.def("isa", &isa, "the instruction set the kernels run on: avx512 or avx2");
+  m.def("set_isa", &set_isa, "run on avx512 or avx2 (same results; for tests and measurements)");
+  m.def("linear", &linear, "x (..., K) fp32 times a packed bf16 matrix with N outputs, transposed [+ add]");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
+  m.def("fma_peak", &fma_peak, "measured fp32 FMA GFLOP/s with N threads (the compute roof)");
+  pybind11::class_<Stack>(m, "Stack")
+      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("forward", &Stack::forward, "the decoder layers over a window of new tokens, with a KV cache");
 }

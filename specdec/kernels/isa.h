@@ -1,0 +1,312 @@
+// The kernels, written once over a 16-lane fp32 vector `V` and included twice by cpu.cpp: once
+// compiled for AVX-512 (V = one zmm register), once for AVX2 + FMA (V = two ymm registers).
+//
+// Every value is computed by the same sequence of IEEE operations on both instruction sets, so
+// their results are bit-identical, and each output row is computed alone (see cpu.cpp). The
+// lane of an element is its index mod 16 in the loop that reduces it, whichever ISA runs.
+// Expects, defined before inclusion: the structs LayerWeights, Shape, Window and Cache, a vector
+// type V of 16 fp32 lanes (see cpu.cpp), kRegs (vector registers) and kRegsPerV.
+
+constexpr int kLanes = 16;
+
+// ------------------------------------------------------------------------------ elementwise
+
+// e^x for x <= 0 (x = -inf and x < -87 give exactly 0): x = n ln2 + f with |f| <= ln2 / 2,
+// e^f by a degree-6 polynomial, 2^n through the exponent bits.
+inline V exp_nonpositive(V x) {
+  const V lo = V::bcast(-87.f);
+  const V keep_mask = V::ge_mask(x, lo);
+  x = V::max(x, lo);
+  const V n = V::round_nearest(V::mul(x, V::bcast(1.44269504088896341f)));
+  V f = V::fnma(n, V::bcast(0.693359375f), x);
+  f = V::fnma(n, V::bcast(-2.12194440e-4f), f);
+  V y = V::bcast(1.9875691500e-4f);
+  y = V::fma(y, f, V::bcast(1.3981999507e-3f));
+  y = V::fma(y, f, V::bcast(8.3334519073e-3f));
+  y = V::fma(y, f, V::bcast(4.1665795894e-2f));
+  y = V::fma(y, f, V::bcast(1.6666665459e-1f));
+  y = V::fma(y, f, V::bcast(5.0000001201e-1f));
+  y = V::fma(y, V::mul(f, f), V::add(f, V::bcast(1.f)));
+  return V::and_mask(V::mul(y, V::pow2i(n)), keep_mask);
+}
+
+// silu(g) * u for 16 lanes: g * sigmoid(g), sigmoid from e = exp(-|g|) without overflow.
+inline V silu_mul(V g, V u) {
+  const V one = V::bcast(1.f);
+  const V e = exp_nonpositive(V::neg_abs(g));
+  const V positive = V::div(one, V::add(one, e));
+  const V negative = V::div(e, V::add(one, e));
+  return V::mul(V::mul(g, V::lt_zero_select(g, negative, positive)), u);
+}
+
+// Calls f(lane-block start, V) over n floats at p in blocks of 16; the last partial block is
+// read from a zero-padded copy and written back partially, so a tail costs the same arithmetic.
+template <class F>
+inline void blocks16(const float* p, int64_t n, F f) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) f(c, V::load(p + c), kLanes);
+  if (c < n) {
+    alignas(64) float buf[kLanes] = {};
+    std::memcpy(buf, p + c, (n - c) * sizeof(float));
+    f(c, V::load(buf), static_cast<int>(n - c));
+  }
+}
+
+inline void store_part(float* dst, V v, int n) {
+  if (n == kLanes) return V::store(dst, v);
+  alignas(64) float buf[kLanes];
+  V::store(buf, v);
+  std::memcpy(dst, buf, n * sizeof(float));
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w over one row of K floats: the sum of squares in 16 lanes
+// (element c in lane c mod 16), reduced by a fixed tree.
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t K, float* y) {
+  V acc = V::zero();
+  blocks16(x, K, [&](int64_t, V v, int) { acc = V::fma(v, v, acc); });
+  const float r = 1.f / std::sqrt(V::hsum(acc) / static_cast<float>(K) + eps);
+  const V rv = V::bcast(r);
+  blocks16(x, K, [&](int64_t c, V v, int n) {
+    alignas(64) float wb[kLanes] = {};
+    std::memcpy(wb, w + c, n * sizeof(float));
+    store_part(y + c, V::mul(V::mul(v, rv), V::load(wb)), n);
+  });
+}
+
+// ------------------------------------------------------------------------------ matrices
+
+constexpr int kPrefetch = 16;  // cache lines ahead in each panel stream
+
+// A packed matrix holds the bf16 weight W (N, K) as panels of 16 outputs: panel p is (K, 16),
+// element [k][l] = W[16 p + l][k] (zero past N). Output n of row m is the sum over k = 0..K-1,
+// in that order, of x[m][k] * W[n][k], one FMA at a time in its own lane: its value depends on
+// nothing but x[m] and W[n] — not on the row count, the tile shape, the thread split or the ISA.
+
+// Rows r0..r0+R-1 of X against panels p0..p0+NB-1: R x NB accumulators held in registers, so
+// each weight load serves R rows and each row load serves NB panels.
+template <int R, int NB>
+inline void tile(const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0, int64_t r0,
+                 float* Y, int64_t ldy, int64_t N, const float* add) {
+  V acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
+  const uint16_t* wp = W + p0 * K * kLanes;
+  const float* xr = X + r0 * ldx;
+  for (int64_t k = 0; k < K; ++k) {
+    if ((k & 1) == 0)  // one cache line of each panel per two k; fetched kPrefetch lines ahead
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wp + (j * K + k) * kLanes) + kPrefetch * 64, _MM_HINT_T0);
+    V w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = V::load_bf16(wp + (j * K + k) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const V xb = V::bcast(xr[r * ldx + k]);
+      for (int j = 0; j < NB; ++j) acc[r][j] = V::fma(xb, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n0 = (p0 + j) * kLanes;
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
+      float* y = Y + (r0 + r) * ldy + n0;
+      V v = acc[r][j];
+      if (add) {  // residual: add[m][n] + (x W^T)[m][n], after the whole sum
+        alignas(64) float buf[kLanes] = {};
+        std::memcpy(buf, add + (r0 + r) * ldy + n0, n * sizeof(float));
+        v = V::add(V::load(buf), v);
+      }
+      store_part(y, v, n);
+    }
+}
+
+// Panels per tile for a block of R rows: as many accumulators as the registers hold.
+constexpr int panels_for(int R) {
+  return R * kRegsPerV * 8 <= kRegs - 4 ? 8 : (kRegs - 4) / (R * kRegsPerV) < 1 ? 1 : (kRegs - 4) / (R * kRegsPerV);
+}
+constexpr int kMaxRows = 6;
+
+template <int R, int NB>
+inline void tile_dispatch_nb(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
+                             int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add) {
+  if constexpr (NB >= 1) {
+    if (nb == NB) return tile<R, NB>(X, ldx, W, K, p0, r0, Y, ldy, N, add);
+    return tile_dispatch_nb<R, NB - 1>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add);
+  }
+}
+
+template <int R>
+inline void tile_rows(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
+                      int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add) {
+  tile_dispatch_nb<R, panels_for(R)>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add);
+}
+
+// Y (M, N) = X (M, K) W^T [+ add], for the panels [q0, q1) of the packed W: the share of one thread.
+inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t* W, int64_t K, int64_t N,
+                          float* Y, int64_t ldy, const float* add, int64_t q0, int64_t q1) {
+  // rows in blocks of nearly equal size (8 = 4 + 4, not 6 + 2), panels per tile as many as the
+  // registers hold for the largest block; the row blocks of a tile reuse its panels from cache
+  const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, rows = (M + blocks - 1) / blocks;
+  const int G = panels_for(static_cast<int>(rows));
+  for (int64_t p = q0; p < q1; p += G) {
+    const int nb = static_cast<int>(std::min<int64_t>(G, q1 - p));
+    for (int64_t r0 = 0; r0 < M; r0 += rows) {
+      const int R = static_cast<int>(std::min<int64_t>(rows, M - r0));
+      switch (R) {
+        case 1: tile_rows<1>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        case 2: tile_rows<2>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        case 3: tile_rows<3>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        case 4: tile_rows<4>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        case 5: tile_rows<5>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        default: tile_rows<6>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+      }
+    }
+  }
+}
+
+// `reps` rounds of 12 independent FMA chains on 16 lanes: the core's FMA throughput, nothing else.
+constexpr double kFmaLoopFlops = 12.0 * 16 * 2;
+inline float fma_loop(int64_t reps) {
+  V acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = V::bcast(static_cast<float>(i));
+  const V a = V::bcast(0.999f), b = V::bcast(1e-3f);
+  for (int64_t r = 0; r < reps; ++r)
+    for (int i = 0; i < 12; ++i) acc[i] = V::fma(acc[i], a, b);
+  V total = V::zero();
+  for (int i = 0; i < 12; ++i) total = V::add(total, acc[i]);
+  return V::hsum(total);
+}
+
+// ------------------------------------------------------------------------------ attention
+
+// One query row q (D floats) over `n` visible keys given by key(i) -> row pointer in the cache
+// (i = 0..n-1, in key order): out = softmax(q k^T * scale) v. The score of key i lives in lane
+// i mod 16 of the softmax sum, whatever other keys the cache holds: a row's output depends only
+// on its own visible keys (so a token verified in a window, or a tree node, gets what it gets
+// decoded alone). p: scratch of at least n rounded up to 16 floats.
+template <class KeyRow>
+inline void attend_row(const float* q, int64_t D, int64_t n, KeyRow krow, KeyRow vrow, float scale,
+                       float* p, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* kr = krow(i);
+    V acc = V::zero();
+    for (int64_t c = 0; c < D; c += kLanes) acc = V::fma(V::load(q + c), V::load(kr + c), acc);
+    p[i] = V::hsum(acc) * scale;
+  }
+  const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t i = n; i < n16; ++i) p[i] = -INFINITY;
+  V top = V::bcast(-INFINITY);
+  for (int64_t i = 0; i < n16; i += kLanes) top = V::max(top, V::load(p + i));
+  const V m = V::bcast(V::hmax(top));
+  V total = V::zero();
+  for (int64_t i = 0; i < n16; i += kLanes) {
+    const V e = exp_nonpositive(V::sub(V::load(p + i), m));
+    V::store(p + i, e);
+    total = V::add(total, e);
+  }
+  const V inv = V::bcast(1.f / V::hsum(total));
+  for (int64_t c0 = 0; c0 < D; c0 += 4 * kLanes) {  // up to 4 x 16 output columns in registers
+    const int nc = static_cast<int>(std::min<int64_t>(4 * kLanes, D - c0) / kLanes);
+    V acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+    for (int64_t i = 0; i < n; ++i) {
+      const V pi = V::bcast(p[i]);
+      const float* vr = vrow(i) + c0;
+      for (int c = 0; c < nc; ++c) acc[c] = V::fma(pi, V::load(vr + kLanes * c), acc[c]);
+    }
+    for (int c = 0; c < nc; ++c) V::store(out + c0 + kLanes * c, V::mul(acc[c], inv));
+  }
+}
+
+// ------------------------------------------------------------------------------ decoder layers
+
+// The share [q0, q1) of n items for thread tid of nt.
+inline void share(int64_t n, int tid, int nt, int64_t& q0, int64_t& q1) {
+  q0 = n * tid / nt;
+  q1 = n * (tid + 1) / nt;
+}
+
+// Runs `layers` over x (B*T, C) in place, inside an OpenMP parallel region (every thread calls
+// it; the steps are separated by barriers). kept[l], if not null, receives x after layer l.
+// Scratch: h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, D) cos then sin
+// halves, p (threads, p_stride) with p_stride >= S rounded up to 16, plus T.
+inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, const Window& w,
+                           const Cache* caches, float* x, float* const* kept, float* h, float* qkv, float* y,
+                           float* gu, float* act, float* rope, float* p_all, int64_t p_stride) {
+  const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+  const int64_t M = w.B * w.T, C = s.C, D = s.D, half = D / 2, G = s.H / s.Hkv;
+  const int64_t E = (s.H + 2 * s.Hkv) * D, HD = s.H * D, F2 = 2 * s.F;
+  float* p = p_all + tid * p_stride;
+  int* visible = reinterpret_cast<int*>(p + p_stride - w.T);  // new tokens a query sees (<= T ints)
+  int64_t q0, q1;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = static_cast<float>(w.positions[m]) * w.inv_freq[i];
+      rope[m * D + i] = std::cos(a);
+      rope[m * D + half + i] = std::sin(a);
+    }
+  for (int l = 0; l < nl; ++l) {
+    const LayerWeights& L = layers[l];
+    const Cache& cache = caches[l];
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * C, L.norm1, s.eps, C, h + m * C);
+    share((E + kLanes - 1) / kLanes, tid, nt, q0, q1);
+    matmul_panels(h, M, C, L.qkv, C, E, qkv, E, nullptr, q0, q1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {  // rotary positions on queries and keys; keys and values to the cache
+      const int64_t b = m / w.T, t = m % w.T, slot = w.lengths[b] + t;
+      const float *c = rope + m * D, *sn = rope + m * D + half;
+      for (int64_t hd = 0; hd < s.H + s.Hkv; ++hd) {
+        float* v = qkv + m * E + hd * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = v[i], hi = v[i + half];
+          v[i] = lo * c[i] - hi * sn[i];
+          v[i + half] = hi * c[i] + lo * sn[i];
+        }
+      }
+      for (int64_t kv = 0; kv < s.Hkv; ++kv) {
+        const int64_t at = ((b * s.Hkv + kv) * cache.S + slot) * D;
+        std::memcpy(cache.k + at, qkv + m * E + (s.H + kv) * D, D * sizeof(float));
+        std::memcpy(cache.v + at, qkv + m * E + (s.H + s.Hkv + kv) * D, D * sizeof(float));
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < M * s.H; ++item) {  // (b, t, kv head, group member)
+      const int64_t m = item / s.H, head = item % s.H, kv = head / G, b = m / w.T, t = m % w.T;
+      const int64_t committed = w.lengths[b];
+      int64_t n_new = 0;
+      for (int64_t u = 0; u < w.T; ++u)
+        if (w.tree ? w.tree[(b * w.T + t) * w.T + u] : u <= t) visible[n_new++] = static_cast<int>(u);
+      const float* kb = cache.k + (b * s.Hkv + kv) * cache.S * D;
+      const float* vb = cache.v + (b * s.Hkv + kv) * cache.S * D;
+      auto key = [&](const float* base) {
+        return [=](int64_t i) { return base + (i < committed ? i : committed + visible[i - committed]) * D; };
+      };
+      attend_row(qkv + m * E + head * D, D, committed + n_new, key(kb), key(vb), 1.f / std::sqrt(static_cast<float>(D)),
+                 p, y + m * HD + head * D);
+    }
+    share((C + kLanes - 1) / kLanes, tid, nt, q0, q1);
+    matmul_panels(y, M, HD, L.o, HD, C, x, C, x, q0, q1);  // x += y W_o^T
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * C, L.norm2, s.eps, C, h + m * C);
+    share((F2 + kLanes - 1) / kLanes, tid, nt, q0, q1);
+    matmul_panels(h, M, C, L.gate_up, C, F2, gu, F2, nullptr, q0, q1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = gu + m * F2;
+      blocks16(g, s.F, [&](int64_t c, V gv, int n) {
+        alignas(64) float ub[kLanes] = {};
+        std::memcpy(ub, g + s.F + c, n * sizeof(float));
+        store_part(act + m * s.F + c, silu_mul(gv, V::load(ub)), n);
+      });
+    }
+    share((C + kLanes - 1) / kLanes, tid, nt, q0, q1);
+    matmul_panels(act, M, s.F, L.down, s.F, C, x, C, x, q0, q1);  // x += act W_down^T
+#pragma omp barrier
+    if (kept[l]) {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) std::memcpy(kept[l] + m * C, x + m * C, C * sizeof(float));
+    }
+  }
+}
