@@ -8,11 +8,16 @@
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=draft, k=4)
     print(result.texts[0], result.stats["mean_acceptance_length"])
     mtp = build_proposer("mtp", heads=load_mtp_heads(target), target=target.model)   # the shipped heads
-    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=mtp, k=3)
+    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=mtp)      # k = one per head
 
-Prompts are preceded by the document separator <|endoftext|>, as every training document was,
-and their trailing whitespace is left for the model to generate (see `encode_prompts`): the
-completion of a prompt P is P.rstrip() + result.texts[i].
+Prompts are preceded by the document separator <|endoftext|>, as every training document was. A
+prompt ending in whitespace is token-healed (healing.py): its last token is backed off and the
+first generated token must extend the prompt's text, so the completion of a prompt P is always
+P + result.texts[i]; the first of result.tokens[i] then also covers P's trailing whitespace.
+
+Inputs are checked by inputs.py before anything runs. One-time setup (the CPU kernels: built or
+loaded) happens in `load`, which records its seconds; generate's timed region excludes it.
+`generate` never touches torch's global random generator: it samples from a private one.
 """
 from __future__ import annotations
 
@@ -22,15 +27,19 @@ from pathlib import Path
 
 import torch
 
+from . import inputs, kernels
 from .checkpoint import load_model
 from .decode import plain_generate
 from .engine import speculative_generate
 from .errors import SpecdecError
+from .healing import back_off, first_tokens
 from .heads import MTPHeads, load_heads
+from .lm import causal_lm
 from .model import LlamaForCausalLM, compute_dtype
 from .proposers import Proposer
+from .proposers.mtp import MTPProposer
 from .sampling import SamplingConfig
-from .stopping import StopRule
+from .stopping import Row, StopRule
 from .tokenizer import EOS_ID, Tokenizer
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -41,9 +50,10 @@ DEFAULT_HEADS = MODELS / "target-mtp"
 
 @dataclass
 class Loaded:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM           # or a transformers causal LM (see lm.py)
     tokenizer: Tokenizer
     path: Path
+    load_seconds: float | None = None  # reading the weights and one-time setup (None: not loaded by `load`)
 
 
 @dataclass
@@ -55,6 +65,7 @@ class Result:
 
 
 def load(path: str | Path | None = None, dtype: torch.dtype | None = None) -> Loaded:
+    t0 = time.perf_counter()
     path = Path(path) if path is not None else DEFAULT_TARGET
     if path == DEFAULT_TARGET and not path.exists():
         raise SpecdecError(f"the shipped target is missing at {path}: run from a full clone of specdec "
@@ -64,7 +75,8 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None) -> Lo
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                            f"{model.config.vocab_size}; they do not belong together")
-    return Loaded(model, tokenizer, path)
+    kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
+    return Loaded(model, tokenizer, path, time.perf_counter() - t0)
 
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
@@ -87,49 +99,100 @@ def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
     return load_heads(path, target.path, dtype=compute_dtype(target.model))
 
 
-def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+def default_k(proposer: Proposer | None) -> int:
+    """Draft tokens per step when none is given: one per MTP head, else 4 (0 without a proposer)."""
+    if proposer is None:
+        return 0
+    return proposer.heads.depth if isinstance(proposer, MTPProposer) else 4
+
+
+def check_context(target: Loaded, ids: list[list[int]], max_new_tokens: int) -> None:
     context = target.model.config.max_position_embeddings
-    encoded = []
-    for i, prompt in enumerate(prompts):
-        if not prompt.strip():
-            raise SpecdecError(f"prompt {i} is empty; give some text to continue")
-        # trailing whitespace is left for the model to generate: byte-level BPE merges a newline
-        # with the indentation after it, so a prompt ending in a bare "\n" token asks for text the
-        # model rarely saw (a line at column 0) instead of the indented body that should follow
-        ids = [EOS_ID] + target.tokenizer.encode(prompt.rstrip())
-        if len(ids) + max_new_tokens > context:
-            raise SpecdecError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that "
+    for i, row in enumerate(ids):
+        if len(row) + max_new_tokens > context:
+            raise SpecdecError(f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} that "
                                f"exceeds the model's context of {context} tokens. Shorten the prompt or "
                                "lower max_new_tokens")
-        encoded.append(ids)
-    return encoded
+
+
+def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Benchmark prompts as fixed token sequences: <|endoftext|> and the prompt without its
+    trailing whitespace (a benchmark decodes given token ids; `generate` heals instead)."""
+    prompts = inputs.prompts(prompts)
+    ids = [[EOS_ID] + target.tokenizer.encode(p.rstrip()) for p in prompts]
+    check_context(target, ids, max_new_tokens)
+    return ids
+
+
+def model_dtype(model) -> str:
+    """The dtype a model computes in: specdec's own (its norms), or a transformers model's weights."""
+    if isinstance(model, LlamaForCausalLM):
+        return str(compute_dtype(model)).removeprefix("torch.")
+    inner = getattr(model, "model", model)  # hf_adapter.HFCausalLM wraps the transformers model
+    return str(next(inner.parameters()).dtype).removeprefix("torch.")
 
 
 def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int = 4) -> Result:
-    """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`)."""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+             stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | None = None) -> Result:
+    """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`);
+    k: draft tokens per step (default: `default_k`)."""
+    prompts = inputs.prompts(prompts)
+    inputs.sampling(temperature, top_k, top_p, seed)
+    stop = inputs.generation(max_new_tokens, stop)
+    inputs.draft_length(k, proposer)
+    k = default_k(proposer) if k is None else k
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    rule = StopRule(max_new_tokens, EOS_ID, tuple(stop), target.tokenizer.decode)
-    ids = encode_prompts(target, prompts, max_new_tokens)
+    decode = target.tokenizer.decode
+    healed = [back_off(target.tokenizer, p) for p in prompts]
+    ids = [[EOS_ID] + h.ids for h in healed]
+    check_context(target, [row + [0] * bool(h.text) for row, h in zip(ids, healed)], max_new_tokens)
+    model = causal_lm(target.model, role="target")
+    generator = sampling.generator()
     t0 = time.perf_counter()
+    healing = [i for i, h in enumerate(healed) if h.text] if max_new_tokens > 0 else []
+    if healing:
+        firsts = first_tokens(model, target.tokenizer, [ids[i] for i in healing], [healed[i].text for i in healing],
+                              sampling, generator)
+        for i, token in zip(healing, firsts):
+            ids[i] = ids[i] + [token]
+    healing_seconds = time.perf_counter() - t0
+    # when every row is healed its first token is already chosen; otherwise the healed rows are cut below
+    rule = StopRule(max_new_tokens - (len(healing) == len(prompts)), EOS_ID, stop, decode)
     if proposer is None:
-        rows, timing = plain_generate(target.model, ids, rule, sampling, sampling.generator())
+        rows, timing = plain_generate(model, ids, rule, sampling, generator)
         spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
     else:
-        rows, metrics = speculative_generate(target.model, proposer, ids, rule, sampling, k, sampling.generator())
+        rows, metrics = speculative_generate(model, proposer, ids, rule, sampling, k, generator)
         spec = {"method": proposer.name, **metrics.to_dict(), "time_to_first_token": metrics.first_token_seconds}
     seconds = time.perf_counter() - t0
+    if healing:
+        spec["time_to_first_token"] = healing_seconds
+        for i in healing:
+            rows[i] = healed_row(ids[i][-1], rows[i].tokens, len(healed[i].text), max_new_tokens, stop, decode)
     new_tokens = sum(len(r.tokens) for r in rows)
     stats = {
         **spec,
         "batch_size": len(prompts),
-        "prompt_tokens": [len(i) for i in ids],
+        "prompt_tokens": [len(h.ids) + 1 for h in healed],
+        "healed_prompts": len(healing),
         "new_tokens": new_tokens,
         "seconds": seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
+        "load_seconds": target.load_seconds,
         "threads": torch.get_num_threads(),
-        "dtype": str(compute_dtype(target.model)).removeprefix("torch."),
+        "dtype": model_dtype(target.model),
     }
     return Result([r.text() for r in rows], [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
+
+
+def healed_row(first: int, rest: list[int], healed_chars: int, max_new_tokens: int, stop: tuple[str, ...],
+               decode) -> Row:
+    """A healed row's output under the caller's stop rule: the first token and the ones decoded
+    after it, replayed through `Row.append` on the text after the prompt (a stop string may
+    begin inside the first token), so EOS, stop strings and max_new_tokens cut exactly."""
+    row = Row(StopRule(max_new_tokens, EOS_ID, stop, lambda tokens: decode(tokens)[healed_chars:]))
+    for token in [first, *rest]:
+        if row.append(token):
+            break
+    return row

@@ -36,31 +36,45 @@ def cmd_train(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from .api import generate, load
+    from . import inputs
+    from .api import default_k, generate, load
     from .bench.workloads import humaneval_prompt
 
     if (args.prompt is None) == (args.humaneval is None):
         raise SpecdecError("give exactly one of --prompt TEXT or --humaneval INDEX")
-    prompt = args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval)
-    target = load(args.model)
+    prompt = inputs.prompts(args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval))[0]
+    inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    inputs.generation(args.max_new_tokens, args.stop)
+    inputs.draft_options(args.draft, {"-k": args.k, "--draft-model": args.draft_model, "--heads": args.heads,
+                                      "--draft-vocab": args.draft_vocab, "--ngram-max": args.ngram_max,
+                                      "--ngram-min": args.ngram_min})
+    target = load(args.model, dtype=torch_dtype(args.dtype))
     proposer = make_proposer(args, target)
-    k = args.k if args.k is not None else getattr(getattr(proposer, "heads", None), "depth", 4)
+    k = args.k if args.k is not None else default_k(proposer)
     result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-                      proposer=proposer, k=k)
+                      proposer=proposer, k=k if proposer is not None else None)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
         return
     s = result.stats
-    print(prompt.rstrip() + result.texts[0])
+    print(prompt + result.texts[0])
+    print(f"\n--- {footer(s, k, args.temperature)}; target {target.path}; finish: {result.finish_reasons[0]}",
+          file=sys.stderr)
+
+
+def footer(s: dict, k: int, temperature: float) -> str:
+    """The one-line summary of a generation; a figure that does not exist (α with k = 0, where
+    the JSON says null) is written n/a."""
+    def fmt(x, spec=".2f", scale=1.0):
+        return "n/a" if x is None else format(x * scale, spec)
     method = "plain decoding" if s["method"] == "plain" else (
-        f"{s['method']} k={k}: acceptance rate {s['acceptance_rate'] or 0:.2f}, "
-        f"mean acceptance length {s['mean_acceptance_length']:.2f} over {s['steps']} steps")
-    print(f"\n--- {s['new_tokens']} tokens in {s['seconds']:.2f} s ({s['tokens_per_s']:.1f} tokens/s, "
-          f"time to first token {s['time_to_first_token'] * 1000:.0f} ms); {method}; target {target.path}, "
-          f"{s['dtype']}, batch 1, temperature {args.temperature}, {s['threads']} threads; "
-          f"finish: {result.finish_reasons[0]}", file=sys.stderr)
+        f"{s['method']} k={k}: acceptance rate {fmt(s['acceptance_rate'])}, "
+        f"mean acceptance length {fmt(s['mean_acceptance_length'])} over {s['steps']} steps")
+    return (f"{s['new_tokens']} tokens in {s['seconds']:.2f} s ({fmt(s['tokens_per_s'], '.1f')} tokens/s, time to "
+            f"first token {fmt(s['time_to_first_token'], '.0f', 1000)} ms; loading {fmt(s['load_seconds'], '.1f')} s, "
+            f"not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, {s['threads']} threads")
 
 
 def make_proposer(args, target):
@@ -74,7 +88,8 @@ def make_proposer(args, target):
     if args.draft == "mtp":
         return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
-    return build_proposer("ngram", max_n=args.ngram_max, min_n=args.ngram_min)
+    sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
+    return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
 
 
 DTYPES = ("float32", "bfloat16")
@@ -88,6 +103,9 @@ def torch_dtype(name: str):
 
 
 def cmd_bench(args) -> None:
+    from . import inputs
+
+    inputs.bench(args.prompts, args.repeats, args.max_new_tokens, args.ks, args.temperatures, args.batch_sizes)
     if args.mode == "plain":
         from .bench.plain import bench_plain, format_plain
 
@@ -116,7 +134,8 @@ def bench_plan(args):
                          args.batch_sizes or [1], args.prompts or 4, peers=not args.no_peers)
     else:
         plan = quick_plan() if args.quick else full_plan()
-    changes = {"cells": tuple(dataclasses.replace(c, prompts=args.prompts or c.prompts,
+    prompts = args.prompts  # validated: None (the plan's) or >= 1
+    changes = {"cells": tuple(dataclasses.replace(c, prompts=c.prompts if prompts is None else prompts,
                                                   peer_k=None if args.no_peers else c.peer_k) for c in plan.cells)}
     for name in ("methods", "repeats", "max_new_tokens"):
         value = getattr(args, name)
@@ -131,13 +150,13 @@ def cmd_simulate(args) -> None:
     from .costmodel import (VerifyCurve, break_even_alpha, expected_tokens, moe_curve,
                             predicted_speedup)
 
-    if (args.alpha is None) == (args.alpha_per_position is None):
-        raise SpecdecError("give exactly one of --alpha A (i.i.d. acceptance, with --ks) or "
-                           "--alpha-per-position A1 A2 ... (measured α_i; k is their count)")
+    from . import inputs
+    from .bench.noise import implausible_verify_points
+
+    inputs.simulate(args.alpha, args.alpha_per_position, args.ks, args.draft_cost, args.batch_size, args.verify_ms,
+                    args.verify_tokens, args.moe_experts, args.moe_top_k, args.expert_fraction)
     if args.verify_ms is not None:
         tokens = args.verify_tokens or list(range(1, len(args.verify_ms) + 1))
-        if len(tokens) != len(args.verify_ms):
-            raise SpecdecError(f"--verify-tokens has {len(tokens)} values but --verify-ms {len(args.verify_ms)}")
         curve = VerifyCurve({n: ms / 1000 for n, ms in zip(tokens, args.verify_ms)})
         source = "the verify curve given on the command line (target and hardware: unknown)"
     else:
@@ -176,6 +195,13 @@ def cmd_simulate(args) -> None:
     print(f"\npredicted, not measured: a chain of k drafts, acceptance {acceptance}, draft cost "
           f"{args.draft_cost} x t_verify(1 token) per drafted token, batch {args.batch_size}, sampling and "
           f"workload as the acceptance was measured; from {source}. S_limit = E x t(1)/t(k+1).")
+    implausible = implausible_verify_points(curve.seconds)
+    if implausible:
+        points = ", ".join(f"n={n}: {r:.2f}x" for n, r in implausible)
+        print(f"warning: noisy verify curve, the predictions above are not trustworthy: t(n) against the dearest "
+              f"smaller n (or the next larger n) is {points}, but a forward over more tokens cannot cost much "
+              "less than over fewer; the machine was busy while measuring. Rerun on a quiet machine, or give "
+              "--verify-ms.", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,15 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
     t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
     t.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
-    t.add_argument("--vocab-size", type=int)
-    t.add_argument("--steps", type=int)
-    t.add_argument("--batch-size", type=int)
-    t.add_argument("--micro-batch", type=int)
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--lr", type=float)
-    t.add_argument("--seed", type=int)
-    t.add_argument("--eval-every", type=int)
-    t.add_argument("--save-every", type=int)
+    t.add_argument("--vocab-size", type=int, help="tokens in the vocabulary (default: the preset's)")
+    t.add_argument("--steps", type=int, help="optimizer steps in all (default: the preset's)")
+    t.add_argument("--batch-size", type=int, help="sequences per optimizer step, over all processes "
+                                                   "(default: the preset's)")
+    t.add_argument("--micro-batch", type=int, help="sequences per forward/backward (gradient accumulation; "
+                                                    "default: the preset's)")
+    t.add_argument("--seq-len", type=int, help="tokens per training window (default: the preset's)")
+    t.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
+    t.add_argument("--seed", type=int, help="seed of the initial weights and of the batches (default 0)")
+    t.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
+    t.add_argument("--save-every", type=int, help="save the resume state every N steps (default: the preset's)")
     t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
     t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
@@ -223,11 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="checkpoint folder (default: the shipped target)")
     g.add_argument("--prompt", help="text to continue")
     g.add_argument("--humaneval", type=int, metavar="INDEX", help="use HumanEval prompt INDEX (0..163)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this "
+                                               "probability mass (default: 1, all)")
+    g.add_argument("--seed", type=int, help="seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--draft", choices=["none", "draft-model", "ngram", "mtp"], default="none",
@@ -239,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--draft mtp: draft over the N token ids most frequent in the heads' training tokens "
                         "(cheaper heads; lossless; default: the full vocabulary)")
     g.add_argument("-k", type=int, help="draft tokens proposed per step (default: 4; for mtp, one per head)")
-    g.add_argument("--ngram-max", type=int, default=3, help="longest n-gram matched (ngram proposer)")
-    g.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (ngram proposer)")
+    g.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
+    g.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
@@ -276,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8], help="draft lengths with --alpha")
     s.add_argument("--draft-cost", type=float, default=0.0,
                    help="draft seconds per drafted token / target 1-token forward (n-gram ~0, a draft model ~0.1-0.5)")
-    s.add_argument("--batch-size", type=int, default=1)
+    s.add_argument("--batch-size", type=int, default=1, help="rows verified together per step")
     s.add_argument("--verify-ms", nargs="+", type=float,
                    help="the verify curve: ms of a target forward over --verify-tokens tokens (default: measure "
                         "the target now)")
@@ -288,7 +318,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--expert-fraction", type=float, default=0.6,
                    help="share of a 1-token forward's weight bytes that are expert weights (MoE estimate)")
     s.set_defaults(func=cmd_simulate)
+    for command in sub.choices.values():
+        command.formatter_class = ShownDefaults
     return p
+
+
+class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it or there is none
+    to show (a flag that is off, or a value that falls back to something the help names)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,12 @@ class SamplingConfig:
         return self.temperature == 0
 
     def generator(self) -> torch.Generator:
+        """A private generator (torch's global one is never touched): seeded, or from OS entropy."""
         g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
         return g
 
 

@@ -5,6 +5,7 @@ normalised. Special tokens: <|pad|> = 0, <|bos|> = 1, <|endoftext|> = 2 (the EOS
 """
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
@@ -15,6 +16,15 @@ from .errors import SpecdecError
 
 SPECIAL = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """The characters byte-level BPE writes its tokens with, and the byte each stands for: the
+    188 printable bytes stand for themselves, the other 68 for the characters 256.. in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 class Tokenizer:
@@ -55,6 +65,17 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    @cached_property
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each token id stands for (None: a special token, which stands for no text)."""
+        alphabet = byte_level_alphabet()
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values()}
+        table: list[bytes | None] = [None] * self.vocab_size
+        for token, i in self.tok.get_vocab().items():
+            if token not in special:
+                table[i] = bytes(alphabet[c] for c in token)
+        return table
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

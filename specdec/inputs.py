@@ -1,0 +1,170 @@
+"""The one validation layer for what a user hands specdec, shared by the `specdec` command and the
+Python API: prompts, sampling settings, k, draft options, and the arguments of `simulate` and
+`bench`. Every check runs before any model is loaded or any output is written, and a bad value
+raises SpecdecError naming the value and what to give instead, never a traceback.
+
+This module knows nothing about models, tokens or timing.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+from .errors import SpecdecError
+
+MAX_SEED = 2 ** 63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool)
+
+
+def integer(name: str, value, low: int | None = None, high: int | None = None, optional: bool = False):
+    """`value` as an int in [low, high] (None allowed when `optional`)."""
+    if value is None and optional:
+        return None
+    if not _is_int(value):
+        raise SpecdecError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}" if low is not None else f"<= {high}"
+        raise SpecdecError(f"{name} must be {bounds}, got {value}")
+    return int(value)
+
+
+def number(name: str, value, low: float | None = None, high: float | None = None, low_open: bool = False,
+           optional: bool = False):
+    """`value` as a finite float in [low, high] ((low, high] when `low_open`)."""
+    if value is None and optional:
+        return None
+    if not _is_real(value) or not math.isfinite(value):
+        raise SpecdecError(f"{name} must be a finite number, got {value!r}")
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        if high is None:
+            bounds = f"{'>' if low_open else '>='} {low}"
+        else:
+            bounds = f"in {'(' if low_open else '['}{low}, {high}]"
+        raise SpecdecError(f"{name} must be {bounds}, got {value}")
+    return float(value)
+
+
+def prompts(value) -> list[str]:
+    """A prompt or a list of prompts: non-empty lists of non-empty text that is valid Unicode
+    (a command-line argument with bytes that are not UTF-8 arrives with lone surrogates)."""
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, (bytes, bytearray)):
+        raise SpecdecError("prompts must be text (str), not bytes: decode them first, e.g. data.decode('utf-8')")
+    elif value is None or not isinstance(value, (list, tuple)):
+        raise SpecdecError(f"prompts must be a string or a list of strings, got {type(value).__name__}")
+    if not value:
+        raise SpecdecError("no prompts given: pass a string or a non-empty list of strings")
+    for i, p in enumerate(value):
+        if not isinstance(p, str):
+            raise SpecdecError(f"prompt {i} must be text (str), got {type(p).__name__}")
+        if not p:
+            raise SpecdecError(f"prompt {i} is empty; give some text to continue")
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = p[e.start:e.end].encode("utf-8", "surrogateescape")
+            raise SpecdecError(f"prompt {i} is not valid UTF-8 text (bytes {bad.hex(' ')} at character {e.start}); "
+                               "pass UTF-8 encoded text") from None
+    return list(value)
+
+
+def sampling(temperature, top_k, top_p, seed) -> None:
+    number("temperature", temperature, low=0)
+    integer("top_k", top_k, low=1, optional=True)
+    number("top_p", top_p, low=0, high=1, low_open=True, optional=True)
+    integer("seed", seed, low=0, high=MAX_SEED, optional=True)
+
+
+def generation(max_new_tokens, stop) -> tuple[str, ...]:
+    integer("max_new_tokens", max_new_tokens, low=0)
+    if isinstance(stop, str):
+        raise SpecdecError(f"stop must be a list of strings, not one string: stop=[{stop!r}]")
+    stop = tuple(stop or ())
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise SpecdecError(f"stop strings must be non-empty text, got {s!r}")
+    return stop
+
+
+def draft_length(k, proposer) -> None:
+    """k counts the draft tokens per step: it needs a proposer to draft them."""
+    if k is None:
+        return
+    integer("k (draft tokens per step)", k, low=0)
+    if proposer is None and k > 0:
+        raise SpecdecError(f"k={k} draft tokens per step needs a proposer: pass proposer=build_proposer(...) "
+                           "(command line: --draft draft-model|ngram|mtp), or leave k out for plain decoding")
+
+
+def draft_options(draft: str, given: dict[str, object]) -> None:
+    """Command-line draft options: each belongs to one --draft choice; `given` maps the option
+    names set on the command line (e.g. "--heads") to their values."""
+    owners = {"-k": ("draft-model", "ngram", "mtp"), "--draft-model": ("draft-model",), "--heads": ("mtp",),
+              "--draft-vocab": ("mtp",), "--ngram-max": ("ngram",), "--ngram-min": ("ngram",)}
+    for option, value in given.items():
+        if value is not None and draft not in owners[option]:
+            raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "
+                               f"add --draft {owners[option][0]} or leave {option} out")
+    integer("--draft-vocab", given.get("--draft-vocab"), low=1, optional=True)
+    lo = integer("--ngram-min", given.get("--ngram-min"), low=1, optional=True)
+    hi = integer("--ngram-max", given.get("--ngram-max"), low=1, optional=True)
+    if lo is not None and hi is not None and lo > hi:
+        raise SpecdecError(f"--ngram-min {lo} is larger than --ngram-max {hi}")
+
+
+def simulate(alpha, alpha_per_position, ks, draft_cost, batch_size, verify_ms, verify_tokens,
+             moe_experts, moe_top_k, expert_fraction) -> None:
+    if (alpha is None) == (alpha_per_position is None):
+        raise SpecdecError("give exactly one of --alpha A (i.i.d. acceptance, with --ks) or "
+                           "--alpha-per-position A1 A2 ... (measured α_i; k is their count)")
+    number("--alpha (an acceptance rate)", alpha, low=0, high=1, optional=True)
+    for a in alpha_per_position or ():
+        number("--alpha-per-position values (acceptance rates)", a, low=0, high=1)
+    if not ks:
+        raise SpecdecError("--ks needs at least one draft length")
+    for k in ks:
+        integer("--ks values (draft lengths k)", k, low=1)
+    number("--draft-cost", draft_cost, low=0)
+    integer("--batch-size", batch_size, low=1)
+    for ms in verify_ms or ():
+        number("--verify-ms values", ms, low=0, low_open=True)
+    if verify_tokens is not None:
+        if verify_ms is None:
+            raise SpecdecError("--verify-tokens names the points of --verify-ms: give both")
+        for n in verify_tokens:
+            integer("--verify-tokens values", n, low=1)
+        if len(verify_tokens) != len(verify_ms):
+            raise SpecdecError(f"--verify-tokens has {len(verify_tokens)} values but --verify-ms {len(verify_ms)}")
+        if len(set(verify_tokens)) != len(verify_tokens):
+            raise SpecdecError(f"--verify-tokens has repeated values: {verify_tokens}")
+    if verify_ms is not None:
+        tokens = verify_tokens or list(range(1, len(verify_ms) + 1))
+        needed = batch_size * (1 + (len(alpha_per_position) if alpha_per_position else max(ks)))
+        if 1 not in tokens or max(tokens) < needed:
+            raise SpecdecError(f"the verify curve must include the 1-token point and reach {needed} tokens "
+                               f"(batch {batch_size} x (k + 1)); it has {sorted(tokens)}")
+    if moe_experts is not None:
+        integer("--moe-experts", moe_experts, low=1)
+        integer("--moe-top-k", moe_top_k, low=1, high=moe_experts)
+        number("--expert-fraction", expert_fraction, low=0, high=1)
+
+
+def bench(prompts, repeats, max_new_tokens, ks, temperatures, batch_sizes) -> None:
+    """`specdec bench` overrides (None: the plan's value)."""
+    integer("--prompts", prompts, low=1, optional=True)
+    integer("--repeats", repeats, low=1, optional=True)
+    integer("--max-new-tokens", max_new_tokens, low=1, optional=True)
+    for k in ks or ():
+        integer("--ks values (draft lengths k)", k, low=1)
+    for t in temperatures or ():
+        number("--temperatures values", t, low=0)
+    for b in batch_sizes or ():
+        integer("--batch-sizes values", b, low=1)

@@ -1,0 +1,137 @@
+"""The Python API: token healing of prompts ending in whitespace (greedy output checked against
+the reference decoder, speculative against plain), no global random state touched, the MTP
+proposer's default k, a transformers model as a loaded target, and one-time setup at load."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from specdec import kernels
+from specdec.api import Loaded, generate, healed_row, load
+from specdec.checkpoint import hf_config, sha256
+from specdec.errors import SpecdecError
+from specdec.healing import back_off
+from specdec.heads import build_heads, save_heads
+from specdec.proposers import build_proposer
+from specdec.reference import reference_generate
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopRule
+from specdec.tokenizer import EOS_ID
+from specdec.train.loop import init_weights
+
+from .conftest import TINY
+
+INDENTED = "def f(x):\n    "
+
+
+@pytest.fixture(scope="module")
+def target(tiny_checkpoint):
+    return load(tiny_checkpoint)
+
+
+def test_a_prompt_ending_in_whitespace_is_healed_not_stripped(target):
+    healed = back_off(target.tokenizer, INDENTED)
+    assert healed.text and INDENTED.endswith(healed.text)
+    assert target.tokenizer.decode(healed.ids) + healed.text == INDENTED
+    result = generate(target, INDENTED, max_new_tokens=12)
+    first = result.tokens[0][0]
+    assert target.tokenizer.token_bytes[first].startswith(healed.text.encode())
+    # the completion extends the prompt exactly: prompt + text is the decoded token sequence
+    assert INDENTED + result.texts[0] == target.tokenizer.decode(healed.ids + result.tokens[0])
+    assert result.stats["healed_prompts"] == 1
+
+
+def test_healed_greedy_output_is_the_constrained_argmax_then_the_reference(target):
+    healed = back_off(target.tokenizer, INDENTED)
+    prefix = [EOS_ID] + healed.ids
+    logits = target.model(torch.tensor([prefix])).logits[0, -1]
+    allowed = [i for i, b in enumerate(target.tokenizer.token_bytes) if b and b.startswith(healed.text.encode())]
+    first = max(allowed, key=lambda i: logits[i].item())
+    rest = reference_generate(target.model, prefix + [first], StopRule(11, EOS_ID), SamplingConfig())
+    result = generate(target, INDENTED, max_new_tokens=12)
+    assert result.tokens[0] == [first, *rest.tokens]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_decoding_of_healed_prompts_equals_plain(target, k):
+    prompts = [INDENTED, "import os\n", "x = 1"]  # healed, healed, not healed: one batch
+    plain = generate(target, prompts, max_new_tokens=10)
+    spec = generate(target, prompts, max_new_tokens=10, proposer=build_proposer("ngram"), k=k)
+    assert spec.tokens == plain.tokens and spec.texts == plain.texts
+    assert all(len(t) == 10 for t in plain.tokens) and plain.stats["healed_prompts"] == 2
+
+
+def test_a_stop_string_inside_the_healed_first_token_cuts_there(target):
+    """The first token of a healed row covers the prompt's trailing whitespace and may carry
+    more text: a stop string starting in that extra text ends the row at that very token."""
+    healed = back_off(target.tokenizer, INDENTED)
+    table = target.tokenizer.token_bytes
+    first = next(i for i, b in enumerate(table) if b and b.startswith(healed.text.encode())
+                 and len(b) > len(healed.text.encode()))  # e.g. a deeper indentation
+    extra = table[first][len(healed.text.encode()):].decode()
+    rest = target.tokenizer.encode(" = 1\n")
+    row = healed_row(first, rest, len(healed.text), 8, (extra[:1],), target.tokenizer.decode)
+    assert row.finish_reason == "stop" and row.tokens == [first] and row.text() == ""
+    row = healed_row(first, rest, len(healed.text), 8, ("= 1",), target.tokenizer.decode)
+    assert row.tokens == [first, *rest[:len(row.tokens) - 1]] and row.text() == extra + " "
+    row = healed_row(first, rest, len(healed.text), 2, (), target.tokenizer.decode)
+    assert row.finish_reason == "length" and row.text() == target.tokenizer.decode([first, rest[0]])[len(healed.text):]
+
+
+def test_generate_never_touches_the_global_random_generator(target):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    generate(target, "def f(x):", max_new_tokens=4)                        # greedy, seed None
+    generate(target, "def f(x):", max_new_tokens=4, temperature=1.0)       # sampling, seed None
+    generate(target, "def f(x):", max_new_tokens=4, temperature=1.0, seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_mtp_proposers_default_k_is_its_number_of_heads(tmp_path, tiny_checkpoint, target):
+    heads = build_heads("mtp-parallel", TINY, 2)
+    init_weights(heads)
+    save_heads(heads, tmp_path / "heads", sha256(tiny_checkpoint / "model.safetensors"), dtype=torch.float32)
+    from specdec.api import load_mtp_heads
+    mtp = build_proposer("mtp", heads=load_mtp_heads(target, tmp_path / "heads"), target=target.model)
+    result = generate(target, "def f(x):", max_new_tokens=8, proposer=mtp)
+    assert result.stats["k"] == 2
+    assert result.tokens == generate(target, "def f(x):", max_new_tokens=8).tokens
+
+
+def test_a_transformers_model_as_a_loaded_target_gets_its_stats(target):
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(TINY, torch.float32)))
+    hf.load_state_dict(target.model.hf_state_dict())
+    wrapped = Loaded(hf.eval(), target.tokenizer, target.path)
+    ours = generate(target, "def f(x):", max_new_tokens=8)
+    theirs = generate(wrapped, "def f(x):", max_new_tokens=8)
+    assert theirs.tokens == ours.tokens
+    assert theirs.stats["dtype"] == "float32" and theirs.stats["load_seconds"] is None
+
+
+def test_load_does_the_one_time_setup_and_records_its_seconds(tiny_checkpoint):
+    kernels.compiled.cache_clear()
+    loaded = load(tiny_checkpoint)
+    assert kernels.compiled.cache_info().currsize == 1  # built or loaded inside load, not in generate
+    assert loaded.load_seconds > 0
+    assert generate(loaded, "x", max_new_tokens=2).stats["load_seconds"] == loaded.load_seconds
+
+
+@pytest.mark.parametrize("prompts, kwargs, message", [
+    ([], {}, "no prompts given"),
+    (None, {}, "must be a string or a list"),
+    (b"def f():", {}, "not bytes"),
+    (["ok", None], {}, "prompt 1 must be text"),
+    ("abc\udcff\udcfedef", {}, "not valid UTF-8 text (bytes ff fe"),
+    ("x", {"k": 3}, "needs a proposer"),
+    ("x", {"temperature": float("nan")}, "temperature must be a finite number"),
+    ("x", {"temperature": float("inf")}, "temperature must be a finite number"),
+    ("x", {"top_k": 2.5}, "top_k must be an integer"),
+    ("x", {"seed": -1}, "seed must be in 0.."),
+    ("x", {"max_new_tokens": True}, "max_new_tokens must be an integer"),
+    ("x", {"stop": "\n"}, "not one string"),
+])
+def test_bad_api_input_is_a_clear_error(target, prompts, kwargs, message):
+    with pytest.raises(SpecdecError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        generate(target, prompts, max_new_tokens=kwargs.pop("max_new_tokens", 4), **kwargs)
