@@ -26,9 +26,11 @@ forward KL from the target's next-token distribution to the draft's, per positio
     KL(target || draft) = sum_v target_probs[v] (log target_probs[v] - log draft_probs[v])
 
 both taken at temperature T, times T^2 so that the gradient's scale does not depend on T (Hinton
-et al. 2015). With top-k the target's distribution is truncated to its k most probable tokens
-and renormalised: the loss needs only (B, S, k) target values instead of (B, S, V), and the
-draft still normalises over the whole vocabulary. Greedy speculative decoding accepts a draft
+et al. 2015). With top-k only the target's k most probable tokens are kept apart and the rest of
+the vocabulary is one bucket holding the remaining mass, for the target and for the draft alike:
+the KL of these k+1 outcomes, a lower bound of the full KL that needs (B, S, k+1) target values
+instead of (B, S, V). (Renormalising the k tokens instead teaches the draft to give the rest
+nothing, and the full KL grows while the top tokens agree better.) Greedy speculative decoding accepts a draft
 token exactly when argmax(draft) == argmax(target), so that agreement rate is reported beside
 the KL.
 
@@ -136,9 +138,9 @@ def trunk_hidden(trunk, tokens: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class TeacherTargets:
     """The frozen target's next-token distribution, at the distillation temperature, on a batch's
-    S positions: log-probabilities over the whole vocabulary (indices None) or over its top-k
-    tokens, renormalised (indices: their token ids)."""
-    log_probs: torch.Tensor              # (B, S, V) or (B, S, k), fp32
+    S positions: log-probabilities over the whole vocabulary (indices None), or over its top-k
+    tokens (indices: their token ids) followed by the log of the mass of all other tokens."""
+    log_probs: torch.Tensor              # (B, S, V) or (B, S, k+1), fp32
     indices: torch.Tensor | None = None  # (B, S, k) token ids, or None for the whole vocabulary
 
 
@@ -149,18 +151,26 @@ def teacher_targets(teacher, tokens: torch.Tensor, temperature: float = 1.0,
     logits = teacher(tokens).logits.float() / temperature  # (B, S, V)
     if top_k is None or top_k >= logits.shape[-1]:
         return TeacherTargets(F.log_softmax(logits, dim=-1))
-    values, indices = logits.topk(top_k, dim=-1)  # (B, S, k)
-    return TeacherTargets(F.log_softmax(values, dim=-1), indices)
+    indices = logits.topk(top_k, dim=-1).indices  # (B, S, k)
+    return TeacherTargets(top_k_and_rest(F.log_softmax(logits, dim=-1), indices), indices)
+
+
+def top_k_and_rest(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """log_probs (B, S, V), indices (B, S, k) -> (B, S, k+1): the k tokens' log-probabilities and
+    the log of the mass of every other token (log-sum-exp with the k masked out: no 1 - sum)."""
+    rest = log_probs.scatter(-1, indices, float("-inf")).logsumexp(-1, keepdim=True)  # (B, S, 1)
+    return torch.cat([log_probs.gather(-1, indices), rest], dim=-1)
 
 
 def distill_kl(student_logits: torch.Tensor, teacher: TeacherTargets, temperature: float = 1.0) -> torch.Tensor:
     """Mean over positions of T^2 KL(target || draft) at temperature T; student_logits (B, S, V).
-    With a top-k teacher the sum runs over the teacher's k tokens (its mass elsewhere is 0)."""
+    With a top-k teacher the sum runs over the teacher's k tokens and the bucket of all others."""
     student_log_probs = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, S, V)
     if teacher.indices is not None:
-        student_log_probs = student_log_probs.gather(-1, teacher.indices)  # (B, S, k)
+        student_log_probs = top_k_and_rest(student_log_probs, teacher.indices)  # (B, S, k+1)
     target_probs = teacher.log_probs.exp()
-    kl = (target_probs * (teacher.log_probs - student_log_probs)).sum(-1)  # (B, S)
+    # a target probability of 0 contributes 0 (x log x -> 0), not 0 * inf
+    kl = torch.where(target_probs > 0, target_probs * (teacher.log_probs - student_log_probs), 0.0).sum(-1)  # (B, S)
     return kl.mean() * temperature ** 2
 
 
