@@ -11,6 +11,7 @@ import math
 from numbers import Integral, Real
 
 from .errors import SpecdecError
+from .sampling import SamplingConfig
 
 MAX_SEED = 2 ** 63 - 1
 
@@ -78,6 +79,7 @@ def prompts(value) -> list[str]:
 
 def sampling(temperature, top_k, top_p, seed) -> None:
     number("temperature", temperature, low=0)
+    SamplingConfig(temperature)  # 0 (greedy) or large enough to divide logits by
     integer("top_k", top_k, low=1, optional=True)
     number("top_p", top_p, low=0, high=1, low_open=True, optional=True)
     integer("seed", seed, low=0, high=MAX_SEED, optional=True)
