@@ -12,10 +12,10 @@ from .errors import SpecdecError
 
 
 def cmd_train(args) -> None:
-    from .presets import PRESETS
+    from .presets import preset as recipe
     from .train.loop import TrainConfig, train
 
-    preset = dict(PRESETS[args.preset])
+    preset = recipe(args.preset)
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
                  "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k"):

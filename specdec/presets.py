@@ -1,7 +1,16 @@
-"""The recipes of the shipped default models: `specdec train --preset NAME --out DIR` reproduces each."""
+"""The recipes of the shipped default models: `specdec train --preset NAME --out DIR` reproduces each.
+
+Paths in a recipe ("models/target") are relative to the repository root; `preset` resolves them,
+so a recipe works from any working directory.
+"""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .model import LlamaConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+PATHS = ("tokenizer", "frozen_trunk", "init_from", "teacher")  # recipe entries naming files or folders
 
 TARGET_MODEL = LlamaConfig(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=64,
@@ -33,3 +42,12 @@ PRESETS = {
                  seq_len=64, batch_size=4, micro_batch=4, steps=20, lr=3e-3, warmup=5, eval_every=10,
                  eval_windows=8, save_every=5),
 }
+
+
+def preset(name: str) -> dict:
+    """The recipe `name` with its paths made absolute against the repository root."""
+    recipe = dict(PRESETS[name])
+    for key in PATHS:
+        if key in recipe and not Path(recipe[key]).is_absolute():
+            recipe[key] = str(ROOT / recipe[key])
+    return recipe

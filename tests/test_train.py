@@ -105,3 +105,13 @@ def test_a_changed_corpus_or_vocabulary_is_prepared_again_or_refused(tmp_path, c
     model = PRESETS["tiny"]["model"]
     with pytest.raises(SpecdecError, match="prepared with another vocab size"):
         Run(cfg(model=dataclasses.replace(model, vocab_size=600))).prepare()
+
+
+def test_presets_name_the_shipped_models_from_any_working_directory(tmp_path, monkeypatch):
+    from specdec.presets import PATHS, preset
+    monkeypatch.chdir(tmp_path)
+    for name in PRESETS:
+        for key in PATHS:
+            if key in PRESETS[name]:
+                assert Path(preset(name)[key]).exists(), f"preset {name}: {key} {preset(name)[key]} not found"
+    assert Path(preset("target-mtp")["frozen_trunk"]).is_absolute()
