@@ -420,7 +420,8 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
                     distill=teacher is not None)
         bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}",
                         val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
-                        **({"agree": f"{history['valid_agreement'][-1][1]:.3f}"} if teacher is not None else {}),
+                        **({"agree": f"{history['valid_agreement'][-1][1]:.3f}"} if history.get("valid_agreement")
+                           else {}),
                         **({"heads": "/".join(f"{x:.2f}" for x in history["train_heads"][-1][1])} if heads else {}),
                         tok_s=f"{tok_s:.0f}", gnorm=f"{float(gnorm):.2f}")
         bar.update(1)
