@@ -199,7 +199,7 @@ def cmd_simulate(args) -> None:
     if implausible:
         points = ", ".join(f"n={n}: {r:.2f}x" for n, r in implausible)
         print(f"warning: noisy verify curve, the predictions above are not trustworthy: t(n) against the dearest "
-              f"smaller n (or the next larger n) is {points}, but a forward over more tokens cannot cost much "
+              f"smaller n (for a spike: against the dearest larger n) is {points}, but a forward over more tokens cannot cost much "
               "less than over fewer; the machine was busy while measuring. Rerun on a quiet machine, or give "
               "--verify-ms.", file=sys.stderr)
 

@@ -162,3 +162,50 @@ def test_mtp_k_beyond_the_heads_is_refused(models, capsys):
                  "--heads", str(models / "heads"), "--ks", "3", "--methods", "mtp", "--no-moe"])
     assert code == 2
     assert "MTP heads draft at most 2 tokens per step" in capsys.readouterr().err
+
+
+def test_conditions_are_measured_not_constants(result):
+    h = result["conditions"]["hardware"]
+    assert h["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), None)
+    if flags is None:
+        assert h["cpu_features"] == "unknown"
+    else:
+        assert set(h["cpu_features"]) <= set(flags) and ("avx2" in h["cpu_features"]) == ("avx2" in flags)
+    assert h["accelerator"].startswith("none (") == (not torch.cuda.is_available())
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            assert r["lossless_method"] == r["acceptance"]["lossless"]
+            sampled = cell["sampling"]["temperature"] > 0
+            if r["method"] in ("draft-model", "ngram", "mtp"):
+                assert r["acceptance"]["rule"].endswith("rejection_sample" if sampled else "greedy_accept")
+
+
+def test_noisy_figures_are_marked_in_the_report_and_the_json(result, tmp_path):
+    from specdec.bench.noise import implausible_verify_points, result_noise
+    assert implausible_verify_points({1: 1.0, 2: 0.23, 3: 1.3}) == [(2, pytest.approx(0.23))]  # simulate's
+    assert implausible_verify_points({1: 1.0, 2: 246.9, 3: 1.4}) == [(2, pytest.approx(246.9 / 1.4))]
+    assert implausible_verify_points({1: 1.0, 2: 1.27, 4: 1.61}) == []
+    quiet = {"median": 1.65, "min": 1.6, "max": 1.7, "n": 3}
+    loud = {"median": 1.65, "min": 0.02, "max": 3.05, "n": 3}  # the quick bench
+    assert result_noise(quiet, quiet, False, True) == []
+    assert "speedup repeats spread 184%" in result_noise(quiet, loud, False, True)[0]
+    assert result_noise(quiet, quiet, True, True) == ["the verify-cost curve the prediction uses is implausible"]
+    noisy = json.loads(json.dumps(result))
+    cell = noisy["cells"][0]
+    cell["results"][1]["noise"] = result_noise(quiet, loud, False, True)
+    cell["verify_curve"]["implausible"] = [[3, 0.23]]
+    out = write_report(noisy, tmp_path)
+    report = (out / REPORT_NAME).read_text()
+    assert f"{cell['results'][1]['label']}: speedup repeats spread 184%" in report
+    assert "NOISY verify-cost curve: t(3) is 0.23x" in report and " NOISY |" in report
+    assert "1 noisy configurations left out" in console_report(noisy, out)
+    assert all("noise" in r for c in result["cells"] for r in c["results"]) and "noisy" in result["cells"][0]
+
+
+def test_no_empty_batch_effect_plot(result, tmp_path):
+    without = dict(result, batch_effect=[])
+    out = write_report(without, tmp_path)
+    assert not (out / "speedup_vs_batch.png").exists()
+    assert "speedup_vs_batch.png" not in (out / REPORT_NAME).read_text()
+    assert (out / "speedup_vs_k.png").exists()

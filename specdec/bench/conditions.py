@@ -38,9 +38,41 @@ def git_sha() -> str:
         return UNKNOWN
 
 
+# CPU features that decide which kernels and which PyTorch paths run (x86 flags; ARM "Features")
+FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+            "avx512_fp16", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+
+
+def cpu_features() -> list[str] | str:
+    """The FEATURES this CPU reports in /proc/cpuinfo, or "unknown" where there is none to read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in FEATURES if f in flags]
+    except OSError:
+        pass
+    return UNKNOWN
+
+
+def accelerator() -> str:
+    """The accelerators torch can see (the benchmark itself runs on the CPU), or "none" with the
+    reason; "unknown" if torch cannot be asked."""
+    try:
+        found = [f"cuda {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
+        if torch.backends.mps.is_available():
+            found.append("mps")
+        if hasattr(torch, "xpu") and torch.xpu.is_available():
+            found.append("xpu")
+    except (RuntimeError, AssertionError):
+        return UNKNOWN
+    return ", ".join(found) if found else "none (torch sees no CUDA, MPS or XPU device)"
+
+
 def hardware() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count() or UNKNOWN, "threads": torch.get_num_threads(),
-            "accelerator": "none"}
+            "cpu_features": cpu_features(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "accelerator": accelerator(), "device_used": "cpu"}
 
 
 def software() -> dict:
@@ -56,7 +88,7 @@ def model_info(model, path: Path) -> dict:
     return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
             "dtype": str(compute_dtype(model)).removeprefix("torch."),
             "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
-            "kernels": "specdec CPU kernels (AVX2)" if kernels.compiled() else "PyTorch operators",
+            "kernels": f"specdec CPU kernels ({kernels.isa()})" if kernels.compiled() else "PyTorch operators",
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
 
 

@@ -5,7 +5,7 @@ reported as a result without a word.
 - Spread: repeats of one configuration whose (max - min) / median exceeds SPREAD_LIMIT.
 - Impossible verify curve: a forward over n tokens measured faster than CURVE_FLOOR times an
   earlier point m < n (more tokens cannot cost much less; t(n)/t(1) < 0.9 for n > 1 is the usual
-  case), or a point dearer than SPIKE_LIMIT times the next larger one (a stall in the middle).
+  case), or a point dearer than SPIKE_LIMIT times every larger one (a stall in the middle).
 
 This module knows nothing about models or decoding; it reads numbers.
 """
@@ -22,16 +22,17 @@ def relative_spread(s: dict) -> float:
 
 
 def implausible_verify_points(seconds: dict[int, float]) -> list[tuple[int, float]]:
-    """(n, t(n) / t(m)) for every point n cheaper than CURVE_FLOOR x the dearest earlier point m,
-    and every point dearer than SPIKE_LIMIT x the next larger one."""
+    """(n, t(n) / t(m)) for every point n cheaper than CURVE_FLOOR x the dearest plausible earlier
+    point m, and every point dearer than SPIKE_LIMIT x all larger ones (a spike)."""
     points = sorted(seconds.items())
-    found = []
+    found, dearest = [], None  # dearest: the largest earlier time not itself found implausible
     for i, (n, t) in enumerate(points):
-        earlier = max((s for _, s in points[:i]), default=None)
-        if earlier is not None and t < CURVE_FLOOR * earlier:
-            found.append((n, t / earlier))
-        elif i + 1 < len(points) and t > SPIKE_LIMIT * points[i + 1][1]:
-            found.append((n, t / points[i + 1][1]))
+        if dearest is not None and t < CURVE_FLOOR * dearest:
+            found.append((n, t / dearest))
+        elif i + 1 < len(points) and t > SPIKE_LIMIT * max(s for _, s in points[i + 1:]):
+            found.append((n, t / max(s for _, s in points[i + 1:])))
+        else:
+            dearest = max(t, dearest or t)
     return found
 
 

@@ -1,5 +1,6 @@
 """The PNG plots of a `specdec bench` result (report.PLOTS names them). Each plot's title carries
-the target, dtype and hardware; each panel its workload, temperature and batch size."""
+the target, dtype and hardware; each panel its workload, temperature and batch size. A plot with
+nothing to show (no batch-1 cell, no configuration measured at two batch sizes) is not written."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,13 +47,22 @@ def batch1_panels(result: dict):
     return fig, list(zip(axes, cells, by_method))
 
 
-def finish_panel(ax, cell: dict, **labels) -> None:
+def finish_panel(ax, cell: dict, xs: list[int], **labels) -> None:
+    """Title, labels, legend; ticks at the integers xs measured (one each, never crowded)."""
     ax.set(title=panel_title(cell), **labels)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    xs = sorted(set(xs))
+    if len(xs) == 1:
+        ax.set_xlim(xs[0] - 1, xs[0] + 1)
+    if 0 < len(xs) <= 12:
+        ax.set_xticks(xs)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
 
 
-def speedup_vs_k(result: dict, path: Path) -> None:
+def speedup_vs_k(result: dict, path: Path) -> bool:
+    if not any(c["batch_size"] == 1 for c in result["cells"]):
+        return False
     fig, plotted = batch1_panels(result)
     for ax, cell, by_method in plotted:
         for method, rs in by_method.items():
@@ -61,11 +71,15 @@ def speedup_vs_k(result: dict, path: Path) -> None:
             ax.errorbar([r["k"] for r in rs], med, yerr=err, marker="o", capsize=3, label=method,
                         color=COLORS[method])
         ax.axhline(1, color="gray", lw=0.8, ls="--")
-        finish_panel(ax, cell, xlabel="k (draft tokens per step)", ylabel="speedup vs plain")
+        finish_panel(ax, cell, [r["k"] for rs in by_method.values() for r in rs],
+                     xlabel="k (draft tokens per step)", ylabel="speedup vs plain")
     save(fig, result, path)
+    return True
 
 
-def acceptance_per_position(result: dict, path: Path) -> None:
+def acceptance_per_position(result: dict, path: Path) -> bool:
+    if not any(c["batch_size"] == 1 for c in result["cells"]):
+        return False
     fig, plotted = batch1_panels(result)
     for ax, cell, by_method in plotted:
         for method, rs in by_method.items():
@@ -73,11 +87,15 @@ def acceptance_per_position(result: dict, path: Path) -> None:
             alphas = [a if a is not None else float("nan") for a in r["acceptance_per_position"]]
             ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=f"{method} k={r['k']}",
                     color=COLORS[method])
-        finish_panel(ax, cell, xlabel="draft position i", ylabel="α_i", ylim=(0, 1.05))
+        positions = [i for rs in by_method.values() for i in range(1, max(r["k"] for r in rs) + 1)]
+        finish_panel(ax, cell, positions, xlabel="draft position i", ylabel="α_i", ylim=(0, 1.05))
     save(fig, result, path)
+    return True
 
 
-def predicted_vs_measured(result: dict, path: Path) -> None:
+def predicted_vs_measured(result: dict, path: Path) -> bool:
+    if not any(r["predicted_speedup"] is not None for cell in result["cells"] for r in cell["results"]):
+        return False
     fig, (ax,) = panels(1, 5.5)
     top = 0.0
     for method in SPEC_METHODS:
@@ -90,9 +108,13 @@ def predicted_vs_measured(result: dict, path: Path) -> None:
     ax.set(title="every speculative configuration", xlabel="measured speedup", ylabel="predicted speedup")
     ax.legend(fontsize=8)
     save(fig, result, path)
+    return True
 
 
-def speedup_vs_batch(result: dict, path: Path) -> None:
+def speedup_vs_batch(result: dict, path: Path) -> bool:
+    """Only where the plan measured one prompt set at two batch sizes or more (result["batch_effect"])."""
+    if not result["batch_effect"]:
+        return False
     fig, (ax,) = panels(1, 5.5)
     for b in result["batch_effect"]:
         batches = [int(x) for x in b["speedup_by_batch"]]
@@ -101,12 +123,12 @@ def speedup_vs_batch(result: dict, path: Path) -> None:
     ax.axhline(1, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set(title="speedup vs batch size", xlabel="batch size", ylabel="speedup vs plain (same batch)")
-    if result["batch_effect"]:
-        ax.legend(fontsize=8)
+    ax.legend(fontsize=8)
     save(fig, result, path)
+    return True
 
 
-def verify_cost(result: dict, path: Path) -> None:
+def verify_cost(result: dict, path: Path) -> bool:
     fig, (ax, ax_moe) = panels(2, 5.0)
     seen = set()
     for cell in result["cells"]:
@@ -135,6 +157,7 @@ def verify_cost(result: dict, path: Path) -> None:
     else:
         ax_moe.set_axis_off()
     save(fig, result, path)
+    return True
 
 
 PLOTS = {  # file name: (what it shows, how it is drawn)
@@ -147,6 +170,13 @@ PLOTS = {  # file name: (what it shows, how it is drawn)
 }
 
 
-def write_plots(result: dict, out_dir: Path) -> None:
+def write_plots(result: dict, out_dir: Path) -> list[str]:
+    """Write every plot that has something to show; return their file names (a plot left out is
+    also removed from out_dir, so no stale one from an earlier run remains)."""
+    written = []
     for name, (_, draw) in PLOTS.items():
-        draw(result, out_dir / name)
+        if draw(result, out_dir / name):
+            written.append(name)
+        else:
+            (out_dir / name).unlink(missing_ok=True)
+    return written

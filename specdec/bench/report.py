@@ -42,13 +42,27 @@ def cell_heading(cell: dict) -> str:
 
 
 def cell_table(cell: dict) -> list[str]:
+    """The cell's table; a noisy figure is marked NOISY and the reasons follow the table."""
     lines = ["| method | α | τ | tokens/s median (min-max) | speedup (min-max) | predicted | lossless check |",
              "|---|---|---|---|---|---|---|"]
     for r in cell["results"]:
         lines.append(f"| {r['label']} | {num(r['acceptance_rate'])} | {num(r['mean_acceptance_length'])} | "
-                     f"{spread_text(r['tokens_per_s'])} | {spread_text(r['speedup'], '.2f', 'x')} | "
+                     f"{spread_text(r['tokens_per_s'])} | {spread_text(r['speedup'], '.2f', 'x')}"
+                     f"{' NOISY' if r['noise'] else ''} | "
                      f"{num(r['predicted_speedup'])}{'x' if r['predicted_speedup'] is not None else ''} | "
                      f"{lossless_text(r)} |")
+    return lines + noise_lines(cell)
+
+
+def noise_lines(cell: dict) -> list[str]:
+    """Why the cell's NOISY figures are not results (specdec/bench/noise.py)."""
+    lines = [f"NOISY {r['label']}: {'; '.join(r['noise'])}" for r in cell["results"] if r["noise"]]
+    points = cell["verify_curve"]["implausible"]
+    if points:
+        lines.append("NOISY verify-cost curve: " + ", ".join(f"t({n}) is {ratio:.2f}x its neighbour" for n, ratio in points)
+                     + " (more tokens cannot cost much less, nor fewer much more): the machine was busy")
+    if lines:
+        lines.append("NOISY figures are not results: rerun on a quiet machine or with more --repeats.")
     return lines
 
 
@@ -64,24 +78,30 @@ def conditions_text(result: dict) -> str:
     if isinstance(heads, dict):
         parts.append(f"MTP heads `{heads['path']}` ({heads['head_kind']}, {heads['depth']} modules, "
                      f"{heads['parameters'] / 1e6:.1f}M)")
-    parts += ["n-gram 3..1", f"{h['cpu']} ({h['cores']} cores, {h['threads']} threads, accelerator "
-              f"{h['accelerator']})", f"python {s['python']}, torch {s['torch']}, transformers {s['transformers']}, "
+    features = " ".join(h["cpu_features"]) if isinstance(h["cpu_features"], list) else h["cpu_features"]
+    parts += ["n-gram 3..1", f"{h['cpu']} ({h['cores']} cores, {h['threads']} threads, features {features}, torch "
+              f"CPU capability {h['torch_cpu_capability']}; accelerator {h['accelerator']}, used: {h['device_used']})", f"python {s['python']}, torch {s['torch']}, transformers {s['transformers']}, "
               f"specdec {s['specdec']} ({s['git']})", f"{c['repeats']} interleaved repeats",
               f"baseline: {c['baseline']}"]
     return "conditions: " + "; ".join(parts)
 
 
-def prediction_errors(result: dict) -> list[float]:
-    return [abs(r["prediction_error"]) for cell in result["cells"] for r in cell["results"]
-            if r["prediction_error"] is not None]
+def prediction_errors(result: dict) -> tuple[list[float], int]:
+    """|prediction error| of every speculative configuration whose figures are not noisy, and
+    how many noisy ones were left out."""
+    rs = [r for cell in result["cells"] for r in cell["results"] if r["prediction_error"] is not None]
+    return [abs(r["prediction_error"]) for r in rs if not r["noise"]], sum(1 for r in rs if r["noise"])
 
 
 def summary_lines(result: dict) -> list[str]:
     lines = []
-    errors = prediction_errors(result)
+    errors, noisy = prediction_errors(result)
+    left_out = f"; {noisy} noisy configurations left out" if noisy else ""
     if errors:
         lines.append(f"cost model: median |prediction error| {100 * statistics.median(errors):.0f}% "
-                     f"(max {100 * max(errors):.0f}%) over {len(errors)} speculative configurations")
+                     f"(max {100 * max(errors):.0f}%) over {len(errors)} speculative configurations{left_out}")
+    elif noisy:
+        lines.append(f"cost model: no prediction error reported, all {noisy} speculative configurations are noisy")
     for b in result["batch_effect"]:
         by_batch = ", ".join(f"B={k}: {v:.2f}x" for k, v in b["speedup_by_batch"].items())
         first = min(b["speedup_by_batch"])
@@ -111,7 +131,8 @@ def console_report(result: dict, out_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(result: dict) -> str:
+def markdown_report(result: dict, plots: list[str]) -> str:
+    """report.md; `plots`: the PNG files written (a plot with nothing to show is not)."""
     cmd = " ".join(result["command"]) if isinstance(result["command"], list) else result["command"]
     lines = ["# specdec bench", "", f"`{cmd}` — {result['seconds'] / 60:.1f} min.", "", conditions_text(result), "",
              "Speedup = tokens/s of the method / tokens/s of specdec's plain decoding in the same repeat "
@@ -136,7 +157,7 @@ def markdown_report(result: dict) -> str:
             alphas = " ".join(num(a) for a in r["acceptance_per_position"])
             lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
                          f"{r['label']} | {alphas} | {num(r['draft_cost_ratio'])} | {ms} | "
-                         f"{r['predicted_speedup']:.2f}x | {r['speedup']['median']:.2f}x | "
+                         f"{r['predicted_speedup']:.2f}x | {r['speedup']['median']:.2f}x{' NOISY' if r['noise'] else ''} | "
                          f"{100 * r['prediction_error']:+.0f}% | {r['speedup_limit']:.2f} | {r['efficiency']:.2f} |")
     lines += ["", *(f"- {line}" for line in summary_lines(result)), ""]
     moe = result["moe"]
@@ -156,7 +177,7 @@ def markdown_report(result: dict) -> str:
             n, ms, ds, mr, dr, er, ex = row
             lines.append(f"| {n} | {1000 * ms:.1f} | {1000 * ds:.1f} | {mr:.2f} | {dr:.2f} | {er:.2f} | {ex:.1f} |")
         lines.append("")
-    lines += ["## Plots", ""] + [f"![{title}]({name})" for name, (title, _) in PLOTS.items()]
+    lines += ["## Plots", ""] + [f"![{PLOTS[name][0]}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
 
 
@@ -164,6 +185,6 @@ def write_report(result: dict, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / JSON_NAME).write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / REPORT_NAME).write_text(markdown_report(result))
-    write_plots(result, out_dir)
+    plots = write_plots(result, out_dir)
+    (out_dir / REPORT_NAME).write_text(markdown_report(result, plots))
     return out_dir

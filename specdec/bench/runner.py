@@ -20,9 +20,11 @@ Output JSON (schema "specdec-bench/1"):
         repeats, baseline
     cells[]: workload {name, description, prompts, prompt_tokens: spread, max_new_tokens, eos},
         sampling {temperature, top_k, top_p, seed}, batch_size, ks,
-        verify_curve {batch_size, tokens[], seconds[]} (median seconds of one target forward over n
-            new tokens per row after 128 cached ones)
-        results[]: method, k, label, lossless_method (bool),
+        verify_curve {batch_size, tokens[], seconds[], implausible [[n, ratio]]} (median seconds of one
+            target forward over n new tokens per row after 128 cached ones; implausible points: noise.py),
+        noisy (bool: a result's noise or an implausible verify curve)
+        results[]: method, k, label, acceptance {rule, lossless}, lossless_method (bool: that rule is lossless),
+            noise [reasons] (empty: the figures are not noisy, see noise.py),
             tokens_per_s {median, min, max, n}, speedup {median, min, max, n} (vs plain, same repeat),
             acceptance_rate (α), acceptance_per_position (α_i), mean_acceptance_length (τ),
             draft_cost_ratio (c), seconds_per_step {draft, verify, other} (medians over repeats),
@@ -60,7 +62,9 @@ from ..metrics import SpecMetrics
 from ..proposers import build_proposer
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
+from ..verify import greedy_accept, rejection_sample
 from .conditions import UNKNOWN, hardware, model_info, shown_path, software, spread
+from .noise import implausible_verify_points, result_noise
 from .peers import PEER_DTYPE, PEERS, Peers
 from .verify_cost import MoESpec, measure_verify_curve, moe_vs_dense
 from .workloads import WORKLOADS, workload
@@ -283,6 +287,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
     curve_tokens = sorted(set(range(1, max_k + 2)) | ({CURVE_EXTRA_TOKENS} if cell.batch_size == 1 else set()))
     bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
     curve = measure_verify_curve(bench.target.model, curve_tokens, cell.batch_size)
+    implausible = implausible_verify_points(curve.seconds)
     workload_info = {"name": wl.name, "description": wl.description, "prompts": len(prompts),
                      "prompt_tokens": spread([len(p) for p in prompts]), "max_new_tokens": plan.max_new_tokens,
                      "eos": "ignored (exactly max_new_tokens per prompt)"}
@@ -296,18 +301,39 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
         reference = hf_generate if cfg.method in PEERS and cfg is not hf_generate else plain
         method = {**bench.method_info[cfg.method], **({"k": cfg.k} if cfg.k else {})}
         speedup = spread([a / b for a, b in zip(cfg.tokens_per_s, plain.tokens_per_s)])
+        rule = acceptance_rule(cfg.method, cell.temperature)
+        prediction = acceptance_and_prediction(cfg, curve, cell.batch_size, speedup["median"])
         results.append({
-            "method": cfg.method, "k": cfg.k, "label": cfg.label, "lossless_method": True,
-            "tokens_per_s": spread(cfg.tokens_per_s), "speedup": speedup,
-            **acceptance_and_prediction(cfg, curve, cell.batch_size, speedup["median"]),
+            "method": cfg.method, "k": cfg.k, "label": cfg.label, "acceptance": rule,
+            "lossless_method": rule["lossless"],
+            "tokens_per_s": spread(cfg.tokens_per_s), "speedup": speedup, **prediction,
+            "noise": result_noise(spread(cfg.tokens_per_s), speedup, bool(implausible),
+                                  prediction["predicted_speedup"] is not None),
             "lossless": lossless(cfg, reference, cell.temperature),
             "conditions": {**{k: run_conditions[k] for k in ("target", "hardware", "software", "repeats", "baseline")},
                            "method": method, **cell_conditions},
         })
     return {**cell_conditions, "ks": list(cell.ks),
             "verify_curve": {"batch_size": cell.batch_size, "tokens": curve_tokens,
-                             "seconds": [curve.seconds[n] for n in curve_tokens]},
+                             "seconds": [curve.seconds[n] for n in curve_tokens],
+                             "implausible": [[n, ratio] for n, ratio in implausible]},
+            "noisy": bool(implausible) or any(r["noise"] for r in results),
             "results": results}
+
+
+LOSSLESS_RULES = (greedy_accept, rejection_sample)  # verify.py: the rules DESIGN section 2 proves lossless
+
+
+def acceptance_rule(method: str, temperature: float) -> dict:
+    """How a configuration accepts drafts, and whether that rule is lossless: specdec's engine
+    uses verify.greedy_accept when greedy and verify.rejection_sample when sampling."""
+    if method in ("plain", "hf-generate"):
+        return {"rule": "none: no drafts, the target decodes alone", "lossless": True}
+    if method in PEERS:
+        return {"rule": "transformers' candidate verification (its greedy match or speculative sampling, "
+                        "lossless as transformers documents it)", "lossless": True}
+    rule = greedy_accept if temperature == 0 else rejection_sample
+    return {"rule": f"specdec.verify.{rule.__name__}", "lossless": rule in LOSSLESS_RULES}
 
 
 def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: float) -> dict:
