@@ -110,7 +110,8 @@ def cmd_bench(args) -> None:
         from .bench.plain import bench_plain, format_plain
 
         result = bench_plain(args.model, n_prompts=args.prompts or 10, repeats=args.repeats or 5,
-                             max_new_tokens=args.max_new_tokens or 128, dtype=torch_dtype(args.dtype))
+                             max_new_tokens=args.max_new_tokens or 128, dtype=torch_dtype(args.dtype),
+                             llama_cpp=not args.no_llamacpp)
         print(format_plain(result))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -277,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
                                    "peers on the same prompts, interleaved; writes bench.json, report.md and plots.")
     b.add_argument("mode", choices=["all", "plain"], nargs="?", default="all",
-                   help="all: the benchmark (default); plain: specdec vs transformers generate and bandwidth")
+                   help="all: the benchmark (default); plain: specdec vs transformers generate (and llama.cpp "
+                        "when installed) and bandwidth")
     b.add_argument("--quick", action="store_true", help="the few-minute plan (default: the full plan, ~20 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
@@ -296,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (overrides the plan)")
     b.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and prompt lookup")
     b.add_argument("--no-moe", action="store_true", help="skip the MoE vs dense verify-cost check")
+    b.add_argument("--no-llamacpp", action="store_true",
+                   help="plain: skip llama.cpp (run when llama-cpp-python is installed: pip install -e '.[llamacpp]')")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("simulate", help="predict speculative decoding's speedup with the cost model",

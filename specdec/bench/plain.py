@@ -1,6 +1,9 @@
-"""Plain decoding speed: specdec's decoder vs transformers' `generate` on the same weights, the
-same prompts, in the same run, interleaved repeat by repeat — transformers both in specdec's
-arithmetic dtype (like for like) and in bf16 (its faster setting on a CPU without native bf16).
+"""Plain decoding speed: specdec's decoder vs transformers' `generate` and, when the optional
+`llama-cpp-python` is installed, llama.cpp's greedy decoding of the same weights converted to GGUF
+(bf16 and f32), on the same prompts, in the same run, interleaved repeat by repeat —
+transformers both in specdec's arithmetic dtype (like for like) and in bf16 (its faster setting
+on a CPU without native bf16). specdec and llama.cpp report prompt evaluation and decoding apart,
+so their decode-only tokens/s are compared too; transformers' figure includes its prefill.
 Also the memory bandwidth reached: the weight bytes one decoding step reads (every matrix except
 the embedding table, of which a step reads one row) times tokens/s, as a fraction of the 47 GB/s
 of DESIGN.md's build machine and of the read bandwidth measured on this machine now.
@@ -8,8 +11,10 @@ of DESIGN.md's build machine and of the read bandwidth measured on this machine 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -18,6 +23,7 @@ from ..decode import plain_generate
 from ..model import compute_dtype
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
+from . import llamacpp
 from .conditions import hardware, model_info, software, spread
 from .workloads import humaneval_prompts
 
@@ -42,9 +48,44 @@ def weight_bytes_per_token(model) -> int:
     return total - (0 if tied else embed.numel() * embed.element_size())
 
 
+@dataclass
+class Decoded:
+    tokens: list[int]
+    decode_seconds: float | None = None  # after the prompt and the first token; None: not reported apart
+
+
+def llama_cpp_peers(target, prompts: list[list[int]], enabled: bool) -> tuple[dict, dict]:
+    """llama.cpp models (bf16 and f32 GGUF) on specdec's threads, each checked against specdec's
+    logits on the first prompt; or none, with the reason."""
+    version = llamacpp.available()
+    if not enabled or version is None:
+        reason = ("--no-llamacpp" if not enabled else
+                  f"llama-cpp-python is not installed; install with {llamacpp.INSTALL_HINT}")
+        return {}, {"status": "skipped", "reason": reason, "version": version or "absent"}
+    threads = torch.get_num_threads()
+    reference = target.model(torch.tensor([prompts[0]])).logits[0].float().numpy()  # (T, V)
+    models, info = {}, {}
+    for dtype in llamacpp.GGUF_DTYPES:
+        settings = llamacpp.PEER_SETTINGS[dtype]
+        model = llamacpp.LlamaCppModel(llamacpp.convert(target.path, dtype), threads,
+                                       target.model.config.max_position_embeddings, **settings)
+        logits = model.logits(prompts[0])
+        name = f"llama.cpp {dtype}"
+        models[name] = model
+        info[name] = {"gguf": str(model.path), "weights": dtype, "kv_cache": settings["kv"],
+                      "flash_attention": settings["flash_attn"],
+                      "max_abs_logit_diff_vs_specdec": float(np.abs(logits - reference).max()),
+                      "argmax_agreement_vs_specdec": float((logits.argmax(-1) == reference.argmax(-1)).mean()),
+                      "logit_check_tokens": len(prompts[0])}
+    return models, {"status": "ran", "version": version, "threads": threads, "models": info,
+                    "sampling": "llama.cpp's greedy sampler (argmax)",
+                    "eos": "ignored (exactly max_new_tokens per prompt)",
+                    "input": "token ids fed directly (llama.cpp's tokenizer bypassed)"}
+
+
 @torch.inference_mode()
 def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repeats: int = 5,
-                max_new_tokens: int = 128, dtype: torch.dtype | None = None) -> dict:
+                max_new_tokens: int = 128, dtype: torch.dtype | None = None, llama_cpp: bool = True) -> dict:
     import transformers
 
     target = load(target_path, dtype=dtype)
@@ -57,43 +98,66 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
         hfs[name].generation_config.pad_token_id = 0
     prompts = encode_prompts(target, humaneval_prompts(n_prompts), max_new_tokens)
     rule, greedy = StopRule(max_new_tokens), SamplingConfig()
+    cpps, cpp_info = llama_cpp_peers(target, prompts, llama_cpp)
 
     def ours(ids):
-        rows, _ = plain_generate(target.model, [ids], rule, greedy)
-        return rows[0].tokens
+        rows, timing = plain_generate(target.model, [ids], rule, greedy)
+        return Decoded(rows[0].tokens, timing.decode_seconds)
 
     def theirs(hf):
         def run(ids):
             out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-            return out[0, len(ids):].tolist()
+            return Decoded(out[0, len(ids):].tolist())
         return run
 
-    methods = {"specdec": ours, **{name: theirs(hf) for name, hf in hfs.items()}}
+    def llama(model):
+        def run(ids):
+            tokens, _, decode_seconds = model.generate(ids, max_new_tokens)
+            return Decoded(tokens, decode_seconds)
+        return run
+
+    methods = {"specdec": ours, **{name: theirs(hf) for name, hf in hfs.items()},
+               **{name: llama(m) for name, m in cpps.items()}}
     tokens_per_s = {m: [] for m in methods}
+    decode_per_s = {m: [] for m in methods}
     outputs = {}
-    for fn in methods.values():
-        fn(prompts[0])  # warm-up, not timed
-    with tqdm(total=repeats * len(methods) * len(prompts), desc="plain decoding", unit="gen") as bar:
-        for _ in range(repeats):
-            for name, fn in methods.items():  # interleaved: every repeat runs both
-                t0, produced = time.perf_counter(), 0
-                for i, ids in enumerate(prompts):
-                    out = fn(ids)
-                    outputs[name, i] = out
-                    produced += len(out)
-                    bar.update(1)
-                tokens_per_s[name].append(produced / (time.perf_counter() - t0))
+    try:
+        for fn in methods.values():
+            fn(prompts[0])  # warm-up, not timed
+        with tqdm(total=repeats * len(methods) * len(prompts), desc="plain decoding", unit="gen") as bar:
+            for _ in range(repeats):
+                for name, fn in methods.items():  # interleaved: every repeat runs every decoder
+                    t0, produced, decoded, decode_seconds = time.perf_counter(), 0, 0, 0.0
+                    for i, ids in enumerate(prompts):
+                        out = fn(ids)
+                        outputs[name, i] = out.tokens
+                        produced += len(out.tokens)
+                        if out.decode_seconds is not None:
+                            decoded += len(out.tokens) - 1
+                            decode_seconds += out.decode_seconds
+                        bar.update(1)
+                    tokens_per_s[name].append(produced / (time.perf_counter() - t0))
+                    if decode_seconds > 0:
+                        decode_per_s[name].append(decoded / decode_seconds)
+    finally:
+        for model in cpps.values():
+            model.close()
     speeds = {name: spread(v) for name, v in tokens_per_s.items()}
+    decode_speeds = {name: spread(v) for name, v in decode_per_s.items() if v}
     ours_s, like = speeds["specdec"], f"transformers.generate {short(same)}"
     fastest = max(peers, key=lambda name: speeds[name]["median"])
     bytes_per_token = weight_bytes_per_token(target.model)
     measured = measured_read_bandwidth()
     identical = {name: f"{sum(outputs['specdec', i] == outputs[name, i] for i in range(len(prompts)))}/{len(prompts)}"
-                 for name in peers}
+                 for name in methods if name != "specdec"}
     return {
         "tokens_per_s": speeds,
+        "decode_tokens_per_s": decode_speeds,
         "speedup_vs_transformers": ours_s["median"] / speeds[like]["median"],
         "speedup_vs_fastest_transformers": {"peer": fastest, "speedup": ours_s["median"] / speeds[fastest]["median"]},
+        "speedup_vs_llama_cpp": {name: decode_speeds["specdec"]["median"] / decode_speeds[name]["median"]
+                                 for name in cpps},
+        "llama_cpp": cpp_info,
         "weight_bytes_per_token": bytes_per_token,
         "bandwidth_GBps": bytes_per_token * ours_s["median"] / 1e9,
         "bandwidth_fraction": bytes_per_token * ours_s["median"] / MACHINE_READ_BANDWIDTH,
@@ -110,10 +174,13 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
             "batch_size": 1,
             "repeats": repeats,
             "tokens_per_s_includes": "prefill and decoding, one prompt after another",
+            "decode_tokens_per_s_includes": "the forwards after the prompt's: (max_new_tokens - 1) tokens per "
+                                            "prompt over their seconds (specdec and llama.cpp)",
             "hardware": {**hardware(), "read_bandwidth_assumed_GBps": MACHINE_READ_BANDWIDTH / 1e9},
-            "software": software(),
+            "software": {**software(), "llama_cpp": cpp_info["version"]},
             "baseline": f"transformers generate (greedy, KV cache) on the same weights, in {short(same)} "
-                        "(specdec's arithmetic) and in bfloat16",
+                        "(specdec's arithmetic) and in bfloat16; llama.cpp (greedy) on the same weights in "
+                        "GGUF bf16 and f32 when installed",
         },
     }
 
@@ -123,17 +190,39 @@ def short(dtype: torch.dtype) -> str:
 
 
 def format_plain(r: dict) -> str:
-    c = r["conditions"]
-    rows = [f"| {'specdec plain' if name == 'specdec' else name} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) |"
-            for name, s in r["tokens_per_s"].items()]
-    fastest = r["speedup_vs_fastest_transformers"]
+    c, decode = r["conditions"], r["decode_tokens_per_s"]
+    ours = r["tokens_per_s"]["specdec"]["median"]
+
+    def row(name: str, s: dict) -> str:
+        d = decode.get(name)
+        if name == "specdec":
+            ratio, same = "1.00x", "-"
+        elif d:
+            ratio, same = f"{decode['specdec']['median'] / d['median']:.2f}x (decode)", r["identical_outputs"][name]
+        else:
+            ratio, same = f"{ours / s['median']:.2f}x (prefill+decode)", r["identical_outputs"][name]
+        shown = f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})" if d else "n/a (not reported apart)"
+        return (f"| {'specdec plain' if name == 'specdec' else name} | {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) "
+                f"| {shown} | {ratio} | {same} |")
+
+    fastest, cpp = r["speedup_vs_fastest_transformers"], r["llama_cpp"]
+    if cpp["status"] == "ran":
+        checks = "; ".join(f"{name}: max |logit diff| vs specdec {m['max_abs_logit_diff_vs_specdec']:.2g} over "
+                           f"{m['logit_check_tokens']} tokens, argmax agreement {100 * m['argmax_agreement_vs_specdec']:.0f}%, "
+                           f"KV cache {m['kv_cache']}, flash attention {m['flash_attention']}" for name, m in cpp["models"].items())
+        cpp_line = (f"llama.cpp {cpp['version']} (llama-cpp-python), {cpp['threads']} threads, token ids fed directly, "
+                    f"greedy sampler, EOS ignored; {checks}")
+    else:
+        cpp_line = f"llama.cpp peer skipped: {cpp['reason']}"
     return "\n".join([
-        "| decoder | tokens/s median (min-max) |",
-        "|---|---|",
-        *rows,
+        "| decoder | tokens/s (prefill+decode) median (min-max) | decode tokens/s median (min-max) "
+        "| specdec / decoder | greedy tokens = specdec |",
+        "|---|---|---|---|---|",
+        *[row(name, s) for name, s in r["tokens_per_s"].items()],
         "",
         f"speedup vs transformers in the same dtype: {r['speedup_vs_transformers']:.2f}x; vs its fastest "
         f"({fastest['peer']}): {fastest['speedup']:.2f}x",
+        cpp_line,
         f"memory bandwidth {r['bandwidth_GBps']:.1f} GB/s ({r['weight_bytes_per_token'] / 1e6:.1f} MB of weights "
         f"per token) = {100 * r['bandwidth_fraction']:.0f}% of {c['hardware']['read_bandwidth_assumed_GBps']:.0f} "
         f"GB/s, {100 * r['bandwidth_fraction_of_measured']:.0f}% of the {r['measured_read_bandwidth_GBps']:.1f} "
@@ -142,5 +231,6 @@ def format_plain(r: dict) -> str:
         f"{c['target']['dtype']}, sha256 {c['target']['checkpoint_sha256'][:12]}), HumanEval "
         f"{c['workload']['prompts']} prompts, {c['workload']['max_new_tokens']} new tokens, greedy, batch 1, "
         f"{c['repeats']} interleaved repeats, {c['hardware']['cpu']}, {c['hardware']['threads']} threads, "
-        f"torch {c['software']['torch']}, transformers {c['software']['transformers']}",
+        f"torch {c['software']['torch']}, transformers {c['software']['transformers']}, "
+        f"llama.cpp {c['software']['llama_cpp']}",
     ])
