@@ -115,3 +115,14 @@ def test_presets_name_the_shipped_models_from_any_working_directory(tmp_path, mo
             if key in PRESETS[name]:
                 assert Path(preset(name)[key]).exists(), f"preset {name}: {key} {preset(name)[key]} not found"
     assert Path(preset("target-mtp")["frozen_trunk"]).is_absolute()
+
+
+def test_building_a_run_gives_the_global_random_state_back():
+    from specdec.train.loop import build
+    torch.manual_seed(7)
+    expected = torch.rand(2)
+    torch.manual_seed(7)
+    a, _ = build(tiny_cfg(Path("unused")))
+    b, _ = build(tiny_cfg(Path("unused")))
+    assert torch.equal(torch.rand(2), expected)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))  # still a function of the seed

@@ -43,10 +43,12 @@ class Peers:
         kw = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy)
         if not sampling.greedy:  # the same transform as specdec's: temperature only, no top-k / top-p
             kw.update(temperature=sampling.temperature, top_k=0, top_p=1.0)
-            torch.manual_seed(sampling.seed or 0)
         if method == "hf-assisted":
             kw.update(assistant_model=self.draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
         elif method == "hf-prompt-lookup":
             kw.update(prompt_lookup_num_tokens=k)
         ids = torch.tensor(batch)
-        return [self.target.generate(ids, **kw)[0, ids.shape[1]:].tolist()]
+        # transformers samples from torch's global generator: seed it, and give the caller's state back
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sampling.seed or 0)
+            return [self.target.generate(ids, **kw)[0, ids.shape[1]:].tolist()]

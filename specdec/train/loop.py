@@ -318,7 +318,14 @@ def _identity(config: dict, trunk_sha256: str | None, teacher_sha256: str | None
 
 
 def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
-    """The trunk (fresh from the seed, or the frozen checkpoint in fp32) and the MTP heads."""
+    """The trunk (fresh from the seed, or the frozen checkpoint in fp32) and the MTP heads. The
+    initial weights come from torch's global generator seeded with cfg.seed; the caller's
+    generator state is given back afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        return _build(cfg)
+
+
+def _build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
     torch.manual_seed(cfg.seed)
     if cfg.frozen_trunk:
         model = load_model(cfg.frozen_trunk, dtype=torch.float32).requires_grad_(False)
