@@ -13,7 +13,7 @@ import torch
 
 from specdec.api import load
 from specdec.bench import llamacpp
-from specdec.bench.plain import bench_plain, format_plain
+from specdec.bench.plain import bench_plain, format_plain, llama_cpp_peers
 from specdec.checkpoint import save_model, sha256
 from specdec.decode import plain_generate
 from specdec.model import apply_rotary, inverse_frequencies, rotary
@@ -173,6 +173,13 @@ def test_bench_plain_says_why_llama_cpp_did_not_run(checkpoint):
     assert "llama.cpp peer skipped: --no-llamacpp" in format_plain(r)
     assert set(r["decode_tokens_per_s"]) == {"specdec"} and r["speedup_vs_llama_cpp"] == {}
     json.loads(json.dumps(r))
+
+
+def test_without_llama_cpp_the_peer_is_skipped_with_the_install_command(checkpoint, monkeypatch):
+    monkeypatch.setattr(llamacpp, "available", lambda: None)
+    models, info = llama_cpp_peers(load(checkpoint), [[2, 5, 9]], enabled=True)
+    assert models == {} and info["status"] == "skipped" and info["version"] == "absent"
+    assert "pip install -e '.[llamacpp]'" in info["reason"]
 
 
 @needs_llama_cpp
