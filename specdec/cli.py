@@ -344,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk or a folder we may not write, wherever it happens: say so plainly
+        from .atomic import DENIED, FULL
+        if e.errno not in FULL | DENIED:
+            raise
+        print(f"specdec: error: {e.strerror}: {e.filename or 'a file'}; "
+              f"{'free some space or write elsewhere' if e.errno in FULL else 'use files and folders you may access'} "
+              "(e.g. another --out)", file=sys.stderr)
+        return 2
     return 0
 
 

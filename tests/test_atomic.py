@@ -13,7 +13,9 @@ import pathlib
 import resource
 import shutil
 import signal
+import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import torch
@@ -187,3 +189,32 @@ def test_a_refused_permission_is_a_clear_error(tmp_path):
         locked.chmod(0o555)
     assert in_child(body) == KILLED
     assert list(locked.iterdir()) == []
+
+
+def test_the_command_reports_an_unwritable_run_folder_plainly(tmp_path):
+    """Beyond checkpoints: any write the command makes (here the prepared corpus) into a folder it
+    may not write ends in one clear line, not a traceback."""
+    from specdec.cli import main
+    base = Path(tempfile.mkdtemp())  # outside pytest's private tmp folders, so another user can enter
+    try:
+        base.chmod(0o755)
+        shutil.copytree(JSON_PKG, base / "corpus")
+        (base / "locked").mkdir(mode=0o755)
+        err = tmp_path / "err.txt"
+
+        def body():
+            with open(err, "w") as sys.stderr:
+                if os.geteuid() == 0:
+                    os.setuid(65534)  # root may write anywhere: become nobody
+                code = main(["train", "--preset", "tiny", "--corpus", str(base / "corpus"),
+                             "--out", str(base / "locked" / "run")])
+            os._exit(KILLED if code == 2 else 1)
+        if os.geteuid() != 0:
+            (base / "locked").chmod(0o555)
+        assert in_child(body) == KILLED
+        text = err.read_text()
+        assert f"specdec: error: Permission denied: {base / 'locked' / 'run'}" in text and "Traceback" not in text
+        assert list((base / "locked").iterdir()) == []
+    finally:
+        (base / "locked").chmod(0o755)
+        shutil.rmtree(base)
