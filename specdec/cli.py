@@ -332,7 +332,7 @@ class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):
     to show (a flag that is off, or a value that falls back to something the help names)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

@@ -82,10 +82,11 @@ def test_every_flag_has_help_and_shows_its_default():
         for action in sub._actions:
             if action.dest == "help":
                 continue
-            assert action.help, f"specdec {name} {action.option_strings or action.dest} has no help text"
-            if action.default not in (None, False) and action.option_strings:
-                help_line = action.help + " " + text  # ArgumentDefaultsHelpFormatter or written out
-                assert "default" in help_line.lower()
+            flag = f"specdec {name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{flag} has no help text"
+            if action.default is not None and action.default is not False:
+                shown = sub._get_formatter()._get_help_string(action)  # the help line as printed
+                assert "default" in shown.lower(), f"{flag} does not show its default {action.default!r}"
         assert "(default: None)" not in text and "(default: False)" not in text
 
 
