@@ -10,6 +10,7 @@ of DESIGN.md's build machine and of the read bandwidth measured on this machine 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,7 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
     prompts = encode_prompts(target, humaneval_prompts(n_prompts), max_new_tokens)
     rule, greedy = StopRule(max_new_tokens), SamplingConfig()
     cpps, cpp_info = llama_cpp_peers(target, prompts, llama_cpp)
+    load_before = os.getloadavg()[0]  # a busy shared machine slows the peers unevenly: say how busy it was
 
     def ours(ids):
         rows, timing = plain_generate(target.model, [ids], rule, greedy)
@@ -147,6 +149,7 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
     ours_s, like = speeds["specdec"], f"transformers.generate {short(same)}"
     fastest = max(peers, key=lambda name: speeds[name]["median"])
     bytes_per_token = weight_bytes_per_token(target.model)
+    load_after = os.getloadavg()[0]
     measured = measured_read_bandwidth()
     identical = {name: f"{sum(outputs['specdec', i] == outputs[name, i] for i in range(len(prompts)))}/{len(prompts)}"
                  for name in methods if name != "specdec"}
@@ -176,7 +179,8 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
             "tokens_per_s_includes": "prefill and decoding, one prompt after another",
             "decode_tokens_per_s_includes": "the forwards after the prompt's: (max_new_tokens - 1) tokens per "
                                             "prompt over their seconds (specdec and llama.cpp)",
-            "hardware": {**hardware(), "read_bandwidth_assumed_GBps": MACHINE_READ_BANDWIDTH / 1e9},
+            "hardware": {**hardware(), "read_bandwidth_assumed_GBps": MACHINE_READ_BANDWIDTH / 1e9,
+                         "load_average_1min": {"before": load_before, "after": load_after}},
             "software": {**software(), "llama_cpp": cpp_info["version"]},
             "baseline": f"transformers generate (greedy, KV cache) on the same weights, in {short(same)} "
                         "(specdec's arithmetic) and in bfloat16; llama.cpp (greedy) on the same weights in "
@@ -230,7 +234,9 @@ def format_plain(r: dict) -> str:
         f"conditions: target {c['target']['name']} ({c['target']['parameters'] / 1e6:.1f}M params, "
         f"{c['target']['dtype']}, sha256 {c['target']['checkpoint_sha256'][:12]}), HumanEval "
         f"{c['workload']['prompts']} prompts, {c['workload']['max_new_tokens']} new tokens, greedy, batch 1, "
-        f"{c['repeats']} interleaved repeats, {c['hardware']['cpu']}, {c['hardware']['threads']} threads, "
+        f"{c['repeats']} interleaved repeats, {c['hardware']['cpu']}, {c['hardware']['threads']} threads, load "
+        f"average {c['hardware']['load_average_1min']['before']:.1f} before / "
+        f"{c['hardware']['load_average_1min']['after']:.1f} after, "
         f"torch {c['software']['torch']}, transformers {c['software']['transformers']}, "
         f"llama.cpp {c['software']['llama_cpp']}",
     ])
