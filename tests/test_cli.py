@@ -120,3 +120,22 @@ def test_draft_with_another_tokenizer_and_negative_k_are_clear_errors(capsys, tm
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", "x",
                            "--draft", "ngram", "-k", "-1")
     assert code == 2 and "must be >= 0" in err
+
+
+def test_k0_footer_says_na_where_the_json_says_null(capsys, tiny_checkpoint):
+    base = ["generate", "--model", str(tiny_checkpoint), "--prompt", "def f(x):", "--max-new-tokens", "6",
+            "--draft", "ngram", "-k", "0"]
+    code, out, _ = run_cli(capsys, *base, "--json")
+    assert code == 0 and json.loads(out)["stats"]["acceptance_rate"] is None
+    code, out, err = run_cli(capsys, *base)
+    assert code == 0 and "ngram k=0: acceptance rate n/a" in err and out.startswith("def f(x):")
+
+
+def test_a_prompt_ending_in_whitespace_is_printed_as_given(capsys, tiny_checkpoint):
+    prompt = "def f(x):\n    "
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", prompt,
+                           "--max-new-tokens", "5", "--json")
+    text = json.loads(out)["text"]
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", prompt,
+                           "--max-new-tokens", "5")
+    assert code == 0 and out == prompt + text + "\n"
