@@ -16,6 +16,7 @@ from specdec.bench import llamacpp
 from specdec.bench.plain import bench_plain, format_plain, llama_cpp_peers
 from specdec.checkpoint import save_model, sha256
 from specdec.decode import plain_generate
+from specdec.errors import SpecdecError
 from specdec.model import apply_rotary, inverse_frequencies, rotary
 from specdec.sampling import SamplingConfig
 from specdec.stopping import StopRule
@@ -126,7 +127,7 @@ def test_gguf_reads_back_with_llama_names_shapes_and_metadata(checkpoint, cache,
 
 
 def test_unknown_gguf_dtype_is_refused(checkpoint, cache):
-    with pytest.raises(Exception, match="choose one of bf16, f32"):
+    with pytest.raises(SpecdecError, match="choose one of bf16, f32"):
         llamacpp.convert(checkpoint, "q4_0", cache)
 
 
@@ -151,6 +152,14 @@ def test_llama_cpp_logits_equal_specdecs(checkpoint, cache, dtype, tolerance):
             assert np.abs(theirs - ours).max() <= tolerance, (dtype, np.abs(theirs - ours).max())
     finally:
         model.close()
+
+
+@needs_llama_cpp
+def test_a_file_llama_cpp_cannot_load_is_one_clear_error_with_its_reason(tmp_path):
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(b"GGUF" + bytes(12))
+    with pytest.raises(SpecdecError, match=r"llama.cpp could not load .*truncated.gguf \(.+\); delete the file"):
+        llamacpp.LlamaCppModel(bad, 1, 256)
 
 
 @needs_llama_cpp

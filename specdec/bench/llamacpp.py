@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,15 +197,27 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 # flash attention rounds through f16, ~1e-3 on the logits, so it is off), bf16 in llama.cpp's
 # defaults (f16 KV cache, flash attention as llama.cpp decides) — its fast setting.
 PEER_SETTINGS = {"f32": {"kv": "f32", "flash_attn": "off"}, "bf16": {"kv": "f16", "flash_attn": "auto"}}
+LOG_ERROR = 4  # ggml_log_level GGML_LOG_LEVEL_ERROR
 _quiet_log = None  # the C logging callback must outlive every call that may log
+_errors: deque[str] = deque(maxlen=8)  # llama.cpp's latest error lines, for our error messages
+
+
+def _keep_errors(level: int, text: bytes, user_data) -> None:
+    if level == LOG_ERROR:
+        _errors.append(text.decode(errors="replace").strip())
 
 
 def _silence_llama_cpp(lc) -> None:
-    """Route llama.cpp's load-time chatter (hundreds of lines per model) nowhere; errors still raise."""
+    """Keep llama.cpp's load-time chatter (hundreds of lines per model) off the terminal; its
+    error lines are kept for the message of the SpecdecError that follows them."""
     global _quiet_log
     if _quiet_log is None:
-        _quiet_log = lc.llama_log_callback(lambda level, text, user_data: None)
+        _quiet_log = lc.llama_log_callback(_keep_errors)
         lc.llama_log_set(_quiet_log, None)
+
+
+def _why() -> str:
+    return "; ".join(_errors) or "llama.cpp logged no error"
 
 
 class LlamaCppModel:
@@ -220,12 +233,13 @@ class LlamaCppModel:
         self.lc, self.path, self.n_threads = lc, Path(path), n_threads
         self.kv, self.flash_attn = kv, flash_attn
         _silence_llama_cpp(lc)
+        _errors.clear()
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
         self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
-            raise SpecdecError(f"llama.cpp could not load {path}; delete it to convert again")
+            raise SpecdecError(f"llama.cpp could not load {path} ({_why()}); delete the file to convert again")
         cp = lc.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx   # a whole prompt is one batch
         cp.n_threads = cp.n_threads_batch = n_threads
@@ -235,7 +249,7 @@ class LlamaCppModel:
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lc.llama_model_free(self.model)
-            raise SpecdecError(f"llama.cpp could not create a context for {path} (n_ctx={n_ctx})")
+            raise SpecdecError(f"llama.cpp could not create a context for {path} (n_ctx={n_ctx}: {_why()})")
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.greedy = lc.llama_sampler_init_greedy()
 
