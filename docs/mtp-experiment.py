@@ -99,7 +99,7 @@ def acceptance(out: Path, name: str) -> dict:
             _, m = speculative_generate(target, wrap(proposer) if wrap else proposer, prompts, StopRule(MAX_NEW),
                                         sampling, k, torch.Generator().manual_seed(k))
             result[f"{label}, k={k}"] = {"alpha": m.acceptance_rate, "alpha_i": m.acceptance_per_position,
-                                         "tau": m.mean_acceptance_length, "steps": m.steps, "emitted": m.emitted}
+                                         "tau": m.mean_acceptance_length, "steps": m.row_steps, "emitted": m.emitted}
     return result
 
 
@@ -223,8 +223,8 @@ def shipped() -> dict:
                                     torch.Generator().manual_seed(0))
         result["acceptance"][f"{label}, k={k}"] = {
             "alpha": m.acceptance_rate, "alpha_i": m.acceptance_per_position, "tau": m.mean_acceptance_length,
-            "draft_seconds_per_forward": m.draft_seconds / m.forwards,
-            "verify_seconds_per_forward": m.verify_seconds / m.forwards}
+            "draft_seconds_per_forward": m.draft_seconds / m.steps,
+            "verify_seconds_per_forward": m.verify_seconds / m.steps}
         print(label, k, result["acceptance"][f"{label}, k={k}"], flush=True)
     return result
 

@@ -42,43 +42,53 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
         cache = target.new_cache(len(prompts), max_len + k)       # + k: room for padded windows
         state = proposer.start(prompts, prefill_all_but_last(target, cache, prompts), sampling, max_len, k)
-        last = torch.tensor([p[-1] for p in prompts])             # (B,) newest token, not in the cache
+        last = [p[-1] for p in prompts]                           # (B,) newest token, not in the cache
+    clock = time.perf_counter
     while not all(row.done for row in rows):
-        budgets = torch.tensor([row.budget for row in rows])     # (B,) tokens each row may still emit
-        with metrics.timed("draft_seconds"):                      # propose
-            proposal = proposer.propose(state, draft_limits(budgets, k), generator).trimmed()
-        with metrics.timed("verify_seconds"):                     # verify: one forward for all rows
-            window = torch.cat([last[:, None], proposal.tokens], 1)  # (B, 1+m)
-            out = target(window, positions=next_positions(cache, window.shape[1], context), cache=cache)
-            verdict = verify(proposal, out.logits)                   # accept: logits (B, 1+m, V)
-        committed, counts = commit(rows, proposal, verdict)          # (B, 1+m), (B,) emitted
-        metrics.first_token_seconds = metrics.first_token_seconds or time.perf_counter() - t0
+        budgets = [row.budget for row in rows]                    # tokens each row may still emit
+        t_start = clock()
+        proposal = proposer.propose(state, draft_limits(budgets, k), generator).trimmed()   # propose
+        t_proposed = clock()
+        drafts = proposal.tokens.tolist()                             # (B, m)
+        window = torch.tensor([[token] + row for token, row in zip(last, drafts)])  # (B, 1+m)
+        out = target(window, positions=next_positions(cache, window.shape[1], context), cache=cache)
+        t_forward = clock()
+        verdict = verify(proposal, out.logits)                        # accept: logits (B, 1+m, V)
+        t_accepted = clock()
+        accepted = verdict.accepted.tolist()
+        runs, counts = commit(rows, drafts, accepted, verdict.next_token.tolist())  # (B, 1+m), (B,)
+        emitted = torch.tensor(counts)
         # roll back: keep the window positions that predicted an emitted token
-        cache.rollback(cache.lengths - window.shape[1] + counts)
+        cache.rollback(cache.lengths + (emitted - window.shape[1]))
         # the newest emitted token opens the next window (finished rows keep theirs)
-        last = torch.where(counts > 0, committed.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0], last)
-        with metrics.timed("draft_seconds"):
-            proposer.observe(state, Outcome(verdict.accepted, committed, counts, out.hidden))
-        metrics.record_step(budgets > 0, proposal.lengths, verdict.accepted, counts)
+        last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, last)]
+        t_committed = clock()
+        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), emitted, out.hidden))
+        t_observed = clock()
+        metrics.record_step([b > 0 for b in budgets], proposal.lengths.tolist(), accepted, counts)
+        metrics.record_phases(t_start, t_proposed, t_forward, t_accepted, t_committed, t_observed, clock())
+        metrics.first_token_seconds = metrics.first_token_seconds or t_committed - t0
     metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
     return rows, metrics
 
 
-def draft_limits(budgets: torch.Tensor, k: int) -> torch.Tensor:
+def draft_limits(budgets: list[int], k: int) -> torch.Tensor:
     """Drafts each row may propose (B,): a step emits accepted + 1 tokens, so at most budget - 1;
     finished rows (budget 0) propose none. The context needs no separate clip: check_inputs
     ensured that prompt + max_new_tokens fits, and the budget bounds every row's sequence."""
-    return (budgets - 1).clamp(min=0, max=k)
+    return torch.tensor([min(max(budget - 1, 0), k) for budget in budgets])
 
 
-def commit(rows: list[Row], proposal: Proposal, verdict: Verdict) -> tuple[torch.Tensor, torch.Tensor]:
+def commit(rows: list[Row], drafts: list[list[int]], accepted: list[int],
+           next_tokens: list[int]) -> tuple[list[list[int]], list[int]]:
     """Emit each row's accepted drafts and then its recovered/bonus token through Row.append, one
-    at a time, so a stop inside the run cuts it. Returns the run (B, 1+m) and the counts emitted
-    (B,): accepted + 1, fewer where the row finished, 0 for rows already finished."""
-    runs = torch.cat([proposal.tokens, verdict.next_token[:, None]], 1).scatter(
-        1, verdict.accepted[:, None], verdict.next_token[:, None])  # (B, 1+m)
-    counts = [emit(row, run, n + 1) for row, run, n in zip(rows, runs.tolist(), verdict.accepted.tolist())]
-    return runs, torch.tensor(counts, dtype=torch.long)
+    at a time, so a stop inside the run cuts it. Returns each row's run (its m drafts with the
+    recovered token at the first rejection, then the recovered or bonus token: 1+m) and the counts
+    emitted: accepted + 1, fewer where the row finished, 0 for rows already finished."""
+    runs = [row_drafts + [token] for row_drafts, token in zip(drafts, next_tokens)]
+    for run, n, token in zip(runs, accepted, next_tokens):
+        run[n] = token  # the recovered token replaces the first rejected draft
+    return runs, [emit(row, run, n + 1) for row, run, n in zip(rows, runs, accepted)]
 
 
 def emit(row: Row, run: list[int], n: int) -> int:

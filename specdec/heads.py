@@ -60,13 +60,16 @@ class MTPHeads(nn.Module):
         # derived from the config, not a weight (as in the trunk)
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
 
-    def context(self, positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None = None) -> Window:
-        """The window of one call, shared by all heads: positions (B, T). With a cache (layer j:
-        head j), the T new entries go after each row's length (the caller advances the cache once
-        all heads have written); without, attention is causal over the input (training)."""
+    def context(self, positions: torch.Tensor | None, dtype: torch.dtype, cache: KVCache | None = None,
+                width: int | None = None) -> Window:
+        """The window of one call, shared by all heads: positions (B, T), or None for each row's
+        cache length + 0..width-1. With a cache (layer j: head j), the T new entries go after each
+        row's length (the caller advances the cache once all heads have written); without,
+        attention is causal over the input (training)."""
+        window = Window(positions, self.inv_freq, dtype, cache, width=width)
         if cache is not None:
-            cache.check_room(positions.shape[1])
-        return Window(positions, self.inv_freq, dtype, cache)
+            cache.check_room(window.width)
+        return window
 
     def forward_head(self, j: int, trunk, prev: torch.Tensor, ahead: torch.Tensor, window: Window) -> torch.Tensor:
         """Output of head j (0-based here) over T positions (B, T, C). prev (B, T, C): the head's

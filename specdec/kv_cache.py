@@ -30,7 +30,8 @@ class KVCache:
         shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
+        self.k = [self.keys[i] for i in range(num_layers)]  # views (not unbind: writable under autograd)
+        self.v = [self.values[i] for i in range(num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.max_len = max_len
 

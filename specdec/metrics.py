@@ -2,25 +2,29 @@
 
 Counters (DESIGN.md section 3), per run:
 
-- steps: verifications of one row; a target forward pass over B active rows adds B steps (at
-  batch 1 a step is one verification forward pass). Counting per row keeps τ a per-sequence
-  figure, so plain decoding has τ = 1 at any batch size.
-- forwards: target verification forward passes (the unit wall time is paid in).
+- steps: target verification forward passes (DESIGN's step: the unit wall time is paid in).
+- row_steps: verifications of one row; a step over B active rows adds B (at batch 1, row_steps =
+  steps). Counting per row keeps τ a per-sequence figure, so plain decoding has τ = 1 at any
+  batch size.
 - proposed: draft tokens proposed; accepted: draft tokens the target accepted (the verifier's
   count, including any that a stop condition then cut off); emitted: tokens appended to rows.
 - accepted_per_position[i] / reached_per_position[i]: steps where draft i+1 was accepted /
   steps where draft i+1 was proposed and drafts 1..i were all accepted.
-- prefill_seconds (target prefill and proposer start), draft_seconds (every proposer call),
-  verify_seconds (target forward and acceptance), other_seconds (the rest: committing tokens,
-  stop checks, bookkeeping), first_token_seconds (start of the run to the first emitted token).
+- prefill_seconds (target prefill and proposer start); per step, the phases of the loop:
+  propose_seconds, forward_seconds (the target's verification forward), acceptance_seconds,
+  commit_seconds (emitting tokens, stop checks, cache rollback), observe_seconds (the proposer's
+  bookkeeping and draft-cache updates), metrics_seconds (these counters); other_seconds: the rest
+  of the run; first_token_seconds (start of the run to the first emitted token).
+  draft_seconds = propose + observe; verify_seconds = forward + acceptance.
 
 Derived: α = accepted / proposed; α_i = accepted_per_position[i] / reached_per_position[i];
-p_i = reached_per_position[i] / (steps where drafts 1..i were all accepted: steps for i = 0, else
+p_i = reached_per_position[i] / (row steps where drafts 1..i were all accepted: row_steps for i = 0, else
 accepted_per_position[i-1]), the chance that draft i+1 was proposed at all once reachable (1 for a
 proposer that always drafts k, lower for n-gram lookup, which drafts only what it finds);
-τ = emitted / steps (includes the recovered or bonus token); c = draft seconds per forward pass /
+τ = emitted / row_steps (includes the recovered or bonus token); c = draft seconds per step /
 one target single-token forward at the same batch size (`target_token_seconds`, measured by the
-caller, e.g. from a k = 0 run; None when not measured); tokens/s = emitted / total seconds.
+caller, e.g. from a k = 0 run; None when not measured); tokens/s = emitted / total seconds;
+step_breakdown_ms: each phase's milliseconds per step.
 """
 from __future__ import annotations
 
@@ -28,7 +32,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
+
+
+PHASES = ("propose_seconds", "forward_seconds", "acceptance_seconds", "commit_seconds", "observe_seconds",
+          "metrics_seconds")
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -40,15 +47,19 @@ class SpecMetrics:
     k: int
     batch_size: int
     steps: int = 0
-    forwards: int = 0
+    row_steps: int = 0
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     reached_per_position: list[int] = field(default_factory=list)   # [k]
     prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    propose_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    acceptance_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    observe_seconds: float = 0.0
+    metrics_seconds: float = 0.0
     other_seconds: float = 0.0
     first_token_seconds: float | None = None
     target_token_seconds: float | None = None
@@ -66,20 +77,31 @@ class SpecMetrics:
         finally:
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
-    def record_step(self, active: torch.Tensor, draft_lengths: torch.Tensor, accepted: torch.Tensor,
-                    emitted: torch.Tensor) -> None:
-        """One verification forward pass. active (B,) bool: rows verified in it; draft_lengths,
-        accepted, emitted (B,): drafts proposed, drafts accepted, tokens emitted per row."""
-        pos = torch.arange(self.k)[None]                                                # (1, k)
-        reached = active[:, None] & (pos < draft_lengths[:, None]) & (pos <= accepted[:, None])
-        hit = reached & (pos < accepted[:, None])                                        # (B, k)
-        self.forwards += 1
-        self.steps += int(active.sum())
-        self.proposed += int(draft_lengths[active].sum())
-        self.accepted += int(accepted[active].sum())
-        self.emitted += int(emitted.sum())
-        self.reached_per_position = [a + int(b) for a, b in zip(self.reached_per_position, reached.sum(0))]
-        self.accepted_per_position = [a + int(b) for a, b in zip(self.accepted_per_position, hit.sum(0))]
+    def record_step(self, active: list[bool], draft_lengths: list[int], accepted: list[int],
+                    emitted: list[int]) -> None:
+        """One verification forward pass, per row: verified in it or not, drafts proposed, drafts
+        accepted, tokens emitted (plain counters: a few additions per row)."""
+        self.steps += 1
+        self.emitted += sum(emitted)
+        for verified, drafts, n in zip(active, draft_lengths, accepted):
+            if not verified:
+                continue
+            self.row_steps += 1
+            self.proposed += drafts
+            self.accepted += n
+            for i in range(min(drafts, n + 1)):  # draft i+1 was reached, and accepted when i < n
+                self.reached_per_position[i] += 1
+                self.accepted_per_position[i] += i < n
+
+    def record_phases(self, start: float, proposed: float, forward: float, accepted: float, committed: float,
+                      observed: float, end: float) -> None:
+        """Clock readings around the phases of one step (end: after record_step)."""
+        self.propose_seconds += proposed - start
+        self.forward_seconds += forward - proposed
+        self.acceptance_seconds += accepted - forward
+        self.commit_seconds += committed - accepted
+        self.observe_seconds += observed - committed
+        self.metrics_seconds += end - observed
 
     def __add__(self, other: "SpecMetrics") -> "SpecMetrics":
         """The counters of two runs with the same k added up (e.g. the batches of one benchmark
@@ -90,14 +112,28 @@ class SpecMetrics:
         return SpecMetrics(
             self.k, self.batch_size,
             **{name: getattr(self, name) + getattr(other, name)
-               for name in ("steps", "forwards", "proposed", "accepted", "emitted", "prefill_seconds",
-                            "draft_seconds", "verify_seconds", "other_seconds")},
+               for name in ("steps", "row_steps", "proposed", "accepted", "emitted", *PHASES,
+                            "prefill_seconds", "other_seconds")},
             accepted_per_position=[a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)],
             reached_per_position=[a + b for a, b in zip(self.reached_per_position, other.reached_per_position)])
 
     @property
+    def draft_seconds(self) -> float:
+        return self.propose_seconds + self.observe_seconds
+
+    @property
+    def verify_seconds(self) -> float:
+        return self.forward_seconds + self.acceptance_seconds
+
+    @property
     def total_seconds(self) -> float:
-        return self.prefill_seconds + self.draft_seconds + self.verify_seconds + self.other_seconds
+        return self.prefill_seconds + sum(getattr(self, name) for name in PHASES) + self.other_seconds
+
+    @property
+    def step_breakdown_ms(self) -> dict[str, float | None]:
+        """Milliseconds per step of each phase of the loop (and of the rest of the run)."""
+        return {name.removesuffix("_seconds"): _ratio(getattr(self, name) * 1e3, self.steps)
+                for name in (*PHASES, "other_seconds")}
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -112,20 +148,20 @@ class SpecMetrics:
     @property
     def proposal_rate_per_position(self) -> list[float | None]:
         """p_i, i = 1..k."""
-        before = [self.steps, *self.accepted_per_position[:-1]]
+        before = [self.row_steps, *self.accepted_per_position[:-1]]
         return [_ratio(r, b) for r, b in zip(self.reached_per_position, before)]
 
     @property
     def mean_acceptance_length(self) -> float | None:
         """τ."""
-        return _ratio(self.emitted, self.steps)
+        return _ratio(self.emitted, self.row_steps)
 
     @property
     def draft_cost_ratio(self) -> float | None:
         """c."""
-        if self.target_token_seconds is None or not self.forwards:
+        if self.target_token_seconds is None or not self.steps:
             return None
-        return self.draft_seconds / self.forwards / self.target_token_seconds
+        return self.draft_seconds / self.steps / self.target_token_seconds
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -138,7 +174,7 @@ class SpecMetrics:
     def to_dict(self) -> dict:
         return {
             "k": self.k, "batch_size": self.batch_size,
-            "steps": self.steps, "forwards": self.forwards, "proposed": self.proposed,
+            "steps": self.steps, "row_steps": self.row_steps, "proposed": self.proposed,
             "accepted": self.accepted, "emitted": self.emitted,
             "accepted_per_position": list(self.accepted_per_position),
             "reached_per_position": list(self.reached_per_position),
@@ -149,6 +185,7 @@ class SpecMetrics:
             "draft_cost_ratio": self.draft_cost_ratio,
             "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds, "other_seconds": self.other_seconds,
+            **{name: getattr(self, name) for name in PHASES}, "step_breakdown_ms": self.step_breakdown_ms,
             "total_seconds": self.total_seconds, "first_token_seconds": self.first_token_seconds,
             "target_token_seconds": self.target_token_seconds,
             "tokens_per_second": self.tokens_per_second, "seconds_per_token": self.seconds_per_token,

@@ -139,9 +139,18 @@ class Window:
     (B, T, T) bool, itself included; None: causal). The kernels read just these; the PyTorch
     path's rotary tables, cache slots and additive mask are computed on first use."""
 
-    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
-                 cache: KVCache | None = None, tree: torch.Tensor | None = None):
-        self.positions, self.inv_freq, self.dtype, self.cache, self.tree = positions, inv_freq, dtype, cache, tree
+    def __init__(self, positions: torch.Tensor | None, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 cache: KVCache | None = None, tree: torch.Tensor | None = None, width: int | None = None):
+        """positions None: each row's cache length (0 without a cache) + 0..width-1."""
+        self.given_positions, self.inv_freq, self.dtype, self.cache, self.tree = positions, inv_freq, dtype, cache, tree
+        self.width = positions.shape[1] if positions is not None else width
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        if self.given_positions is not None:
+            return self.given_positions
+        start = self.cache.lengths[:, None] if self.cache is not None else torch.zeros(1, 1, dtype=torch.long)
+        return start + torch.arange(self.width, device=start.device)[None]
 
     def first(self, T: int) -> "Window":
         """The window of the first T tokens (training only: no cache)."""
@@ -150,7 +159,8 @@ class Window:
     def kernel_args(self) -> tuple:
         """What a kernels.Stack forward reads after (x, k_cache, v_cache, layer0)."""
         tree = _EMPTY_TREE if self.tree is None else self.tree.contiguous()
-        return self.cache.lengths, self.positions.contiguous(), self.inv_freq, tree
+        positions = _EMPTY_POSITIONS if self.given_positions is None else self.given_positions.contiguous()
+        return self.cache.lengths, positions, self.inv_freq, tree
 
     @cached_property
     def rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,11 +168,11 @@ class Window:
 
     @cached_property
     def slots(self):
-        return self.cache.slots(self.positions.shape[1])
+        return self.cache.slots(self.width)
 
     @cached_property
     def span(self) -> int:
-        return int(self.cache.lengths.max()) + self.positions.shape[1]
+        return int(self.cache.lengths.max()) + self.width
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
@@ -170,12 +180,13 @@ class Window:
         if self.cache is None:
             return None if self.tree is None else self.tree[:, None]
         # one new token after equal-length rows sees the whole span: no mask to build or apply
-        if self.positions.shape[1] > 1 or self.tree is not None or self.slots.start is None:
-            return attention_mask_for(self.cache, self.positions.shape[1], self.span, self.tree, self.dtype)
+        if self.width > 1 or self.tree is not None or self.slots.start is None:
+            return attention_mask_for(self.cache, self.width, self.span, self.tree, self.dtype)
         return None
 
 
 _EMPTY_TREE = torch.empty(0, dtype=torch.bool)
+_EMPTY_POSITIONS = torch.empty(0, dtype=torch.long)
 
 
 class Attention(nn.Module):
@@ -287,24 +298,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
-                output_layers: tuple[int, ...] = (), logits_index: torch.Tensor | None = None
-                ) -> ModelOutput:
+                output_layers: tuple[int, ...] = (), logits_index: torch.Tensor | None = None,
+                unembedding: nn.Module | None = None) -> ModelOutput:
         """tokens (B, T); positions (B, T), default: each row's cache length + 0..T-1.
 
         With a cache, the new keys/values are written after each row's committed length and
         the length advances by T (roll back with `cache.rollback`). attention_mask (B, T, T)
         is the visibility among the new tokens (tree verification); default causal.
-        logits_index (B, N) picks the positions to unembed (default: all T).
+        logits_index (B, N) picks the positions to unembed (default: all T); unembedding replaces
+        lm_head (a draft vocabulary's rows of it, say).
         """
         B, T = tokens.shape
-        if positions is None:
-            start = cache.lengths[:, None] if cache is not None else 0
-            positions = start + torch.arange(T, device=tokens.device)[None].expand(B, T)
-        if int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
+        last = (int(cache.lengths.max()) if cache is not None else 0) + T - 1 if positions is None else int(positions.max())
+        if last >= self.config.max_position_embeddings:
+            raise ValueError(f"position {last} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         x = self.model.embed_tokens(tokens)  # (B, T, C)
-        window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask)
+        window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T)
         if self.stack is not None and cache is not None and not torch.is_grad_enabled():
             cache.check_room(T)
             keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
@@ -321,7 +331,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.norm(x)
         picked = hidden if logits_index is None else hidden.gather(
             1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
-        return ModelOutput(self.lm_head(picked), hidden, layers)
+        head = self.lm_head if unembedding is None else unembedding
+        return ModelOutput(head(picked), hidden, layers)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under transformers' `LlamaForCausalLM` names (fused projections split)."""

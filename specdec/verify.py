@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from .sampling import argmax
+
 
 class Verdict(NamedTuple):
     accepted: torch.Tensor    # (B,) long, number of drafts accepted per row
@@ -49,13 +51,21 @@ def _prefix_length(ok: torch.Tensor) -> torch.Tensor:
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
                   draft_lengths: torch.Tensor | None = None) -> Verdict:
     """draft_tokens (B, k); target_logits (B, k+1, V); draft_lengths (B,) real drafts per row
-    (default k). A draft is accepted while it equals the target's argmax."""
-    target_tokens = target_logits.argmax(-1)  # (B, k+1)
-    k = draft_tokens.shape[1]
-    lengths = _draft_lengths(draft_tokens, draft_lengths)
-    proposed = torch.arange(k, device=draft_tokens.device)[None] < lengths[:, None]  # (B, k)
-    accepted = _prefix_length((draft_tokens == target_tokens[:, :k]) & proposed)
-    return Verdict(accepted, target_tokens.gather(1, accepted[:, None]).squeeze(1))
+    (default k). A draft is accepted while it equals the target's argmax.
+
+    Only an argmax over the vocabulary; the comparison runs over at most k ids per row on the
+    host, which costs less than the dozen tiny tensor operations it would take."""
+    target_tokens = argmax(target_logits).tolist()  # (B, k+1)
+    lengths = _draft_lengths(draft_tokens, draft_lengths).tolist()
+    accepted, next_token = [], []
+    for drafts, target, n_drafts in zip(draft_tokens.tolist(), target_tokens, lengths):
+        n = 0
+        while n < n_drafts and drafts[n] == target[n]:
+            n += 1
+        accepted.append(n)
+        next_token.append(target[n])
+    device = draft_tokens.device
+    return Verdict(torch.tensor(accepted, device=device), torch.tensor(next_token, device=device))
 
 
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ def test_with_measured_proposal_rates_e_is_the_measured_tau():
     prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6], list(range(7, 19))]
     _, m = speculative_generate(tiny_llama(0), build_proposer("ngram"), prompts, StopRule(40), SamplingConfig(), 4)
     rates = m.proposal_rate_per_position
-    assert min(rates) < 1 and m.proposed < 4 * m.steps  # n-gram lookup really drafted less than k
+    assert min(rates) < 1 and m.proposed < 4 * m.row_steps  # n-gram lookup really drafted less than k
     reached = [a * p for a, p in zip(m.acceptance_per_position, rates)]
     assert expected_tokens(reached) == pytest.approx(m.mean_acceptance_length)
     assert expected_tokens(m.acceptance_per_position) > m.mean_acceptance_length  # what α_i alone would claim

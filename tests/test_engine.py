@@ -86,7 +86,7 @@ def test_k_zero_is_plain_decoding():
     rows, metrics = speculative_generate(TARGET, proposer("draft-model/noisy-copy"), PROMPTS, RULE, GREEDY, 0)
     for prompt, row in zip(PROMPTS, rows):
         assert_matches_reference(prompt, row.tokens)
-    assert metrics.proposed == 0 and metrics.steps == metrics.emitted and metrics.mean_acceptance_length == 1.0
+    assert metrics.proposed == 0 and metrics.row_steps == metrics.emitted and metrics.mean_acceptance_length == 1.0
 
 
 # ---- stops inside accepted runs ----
@@ -106,7 +106,7 @@ def test_eos_inside_an_accepted_run(batch):
     for prompt, row in zip(prompts, rows):
         assert_matches_reference(prompt, row.tokens, rule)
         assert row.finish_reason == reference_generate(TARGET, prompt, rule, GREEDY).finish_reason
-    assert metrics.accepted + metrics.steps > metrics.emitted  # accepted drafts after EOS were dropped
+    assert metrics.accepted + metrics.row_steps > metrics.emitted  # accepted drafts after EOS were dropped
 
 
 def test_stop_string_inside_an_accepted_run():
@@ -119,7 +119,7 @@ def test_stop_string_inside_an_accepted_run():
         expected = reference_generate(TARGET, prompt, rule, GREEDY)
         assert (row.tokens, row.finish_reason, row.text()) == (expected.tokens, expected.finish_reason, expected.text())
     assert rows[2].finish_reason == "stop" and len(rows[2].tokens) <= j + 1
-    assert metrics.accepted + metrics.steps > metrics.emitted
+    assert metrics.accepted + metrics.row_steps > metrics.emitted
 
 
 def test_max_new_tokens_smaller_than_k_clips_the_drafts():
@@ -128,7 +128,7 @@ def test_max_new_tokens_smaller_than_k_clips_the_drafts():
     for prompt, row in zip(PROMPTS, rows):
         assert row.tokens == reference(tuple(prompt))[:5] and row.finish_reason == "length"
     # one step per row: 4 drafts (budget - 1) and the bonus token
-    assert (metrics.steps, metrics.proposed, metrics.emitted) == (4, 16, 20)
+    assert (metrics.row_steps, metrics.proposed, metrics.emitted) == (4, 16, 20)
 
 
 def test_max_new_tokens_zero_and_one():
@@ -144,7 +144,7 @@ def test_empty_proposals():
     rows, metrics = speculative_generate(TARGET, ngram, prompts, RULE, GREEDY, 4)
     for prompt, row in zip(prompts, rows):
         assert_matches_reference(prompt, row.tokens)
-    assert metrics.proposed < metrics.steps * 4
+    assert metrics.proposed < metrics.row_steps * 4
 
 
 def test_the_target_verifies_only_what_was_proposed(monkeypatch):
@@ -156,7 +156,7 @@ def test_the_target_verifies_only_what_was_proposed(monkeypatch):
                         forward(tokens, *a, **kw))
     rows, metrics = speculative_generate(TARGET, build_proposer("ngram"), [PROMPTS[2]], RULE, GREEDY, 8)
     verify = widths[1:]  # after the prefill
-    assert len(verify) == metrics.forwards and sum(w - 1 for w in verify) == metrics.proposed
+    assert len(verify) == metrics.steps and sum(w - 1 for w in verify) == metrics.proposed
     assert min(verify) == 1 and max(verify) == 9  # empty proposals and full ones both happened
     assert_matches_reference(PROMPTS[2], rows[0].tokens)
 
@@ -211,7 +211,7 @@ def test_metrics_bookkeeping():
                                    GREEDY, 4)
     assert rows[0].tokens == reference(tuple(PROMPTS[2]))[:11]
     # budget 11: steps of 4 + 1, 4 + 1, then 0 drafts + 1 (budget 1 leaves no room for drafts)
-    assert (m.steps, m.forwards, m.proposed, m.accepted, m.emitted) == (3, 3, 8, 8, 11)
+    assert (m.row_steps, m.steps, m.proposed, m.accepted, m.emitted) == (3, 3, 8, 8, 11)
     assert m.accepted_per_position == m.reached_per_position == [2, 2, 2, 2]
     assert m.acceptance_rate == 1.0 and m.acceptance_per_position == [1.0] * 4
     assert m.mean_acceptance_length == 11 / 3
@@ -229,14 +229,14 @@ def test_metrics_bookkeeping():
 
 def test_metrics_count_steps_per_row_in_a_batch():
     rows, m = speculative_generate(TARGET, proposer("ngram"), PROMPTS, RULE, GREEDY, 0)
-    assert m.steps == 4 * 24 and m.forwards == 24 and m.mean_acceptance_length == 1.0
+    assert m.row_steps == 4 * 24 and m.steps == 24 and m.mean_acceptance_length == 1.0
 
 
 def test_metrics_of_two_runs_add_up():
     _, a = speculative_generate(TARGET, proposer("ngram"), PROMPTS[:2], RULE, GREEDY, 4)
     _, b = speculative_generate(TARGET, proposer("ngram"), PROMPTS[2:], RULE, GREEDY, 4)
     total = a + b
-    for name in ("steps", "forwards", "proposed", "accepted", "emitted", "verify_seconds"):
+    for name in ("steps", "row_steps", "proposed", "accepted", "emitted", "verify_seconds"):
         assert getattr(total, name) == pytest.approx(getattr(a, name) + getattr(b, name))
     assert total.reached_per_position == [x + y for x, y in zip(a.reached_per_position, b.reached_per_position)]
     assert total.accepted_per_position == [x + y for x, y in zip(a.accepted_per_position, b.accepted_per_position)]

@@ -41,10 +41,15 @@ SETTINGS = {
     "T=1": SamplingConfig(temperature=1.0),
     "T=0.7,top-k=8,top-p=0.9": SamplingConfig(temperature=0.7, top_k=8, top_p=0.9),
 }
+# a draft vocabulary of 10 of the 16 tokens: the draft's probability is 0 on the other 6
+DRAFT_VOCAB_COUNTS = torch.tensor([9, 1, 8, 2, 7, 3, 6, 4, 5, 0, 10, 11, 0, 12, 0, 13])
 PROPOSERS = {"draft-model": lambda: build_proposer("draft-model", model=DRAFT),
+             "draft-model, 10-token draft vocabulary": lambda: build_proposer(
+                 "draft-model", model=DRAFT, draft_vocab=10, token_counts=DRAFT_VOCAB_COUNTS),
              "ngram": lambda: build_proposer("ngram")}
 CONFIGS = [("draft-model", "T=1", 1), ("draft-model", "T=0.7,top-k=8,top-p=0.9", 3),
-           ("ngram", "T=1", 3), ("ngram", "T=0.7,top-k=8,top-p=0.9", 1)]
+           ("ngram", "T=1", 3), ("ngram", "T=0.7,top-k=8,top-p=0.9", 1),
+           ("draft-model, 10-token draft vocabulary", "T=1", 3)]
 
 
 @torch.no_grad()

@@ -116,7 +116,7 @@ def test_eos_stop_strings_and_max_new_tokens_inside_accepted_runs(kind):
         for prompt, row in zip(PROMPTS, rows):
             expected = reference_generate(TARGET, prompt, rule, GREEDY)
             assert (row.tokens, row.finish_reason) == (expected.tokens, expected.finish_reason)
-        cut_inside_run += metrics.accepted + metrics.steps > metrics.emitted
+        cut_inside_run += metrics.accepted + metrics.row_steps > metrics.emitted
     assert cut_inside_run > 0
 
 

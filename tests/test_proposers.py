@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec.proposers import PROPOSERS, build_proposer
-from specdec.proposers.base import Outcome, append_ragged, drop_prefix
+from specdec.proposers.base import Outcome
 from specdec.sampling import SamplingConfig
 
 # history, max_n, min_n, limit, proposal
@@ -52,16 +52,27 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
         assert state.rows[b].tokens == h + [9] * int(counts[b])
 
 
-def test_append_ragged_and_drop_prefix():
-    tokens, lengths = torch.tensor([[1, 2, 0], [3, 0, 0], [0, 0, 0]]), torch.tensor([2, 1, 0])
-    new, new_lengths = torch.tensor([[7, 8], [9, 9], [5, 6]]), torch.tensor([1, 2, 2])
-    out, total = append_ragged(tokens, lengths, new, new_lengths)
-    assert total.tolist() == [3, 3, 2]
-    assert [out[b, :int(total[b])].tolist() for b in range(3)] == [[1, 2, 7], [3, 9, 9], [5, 6]]
-    cut, n = drop_prefix(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 0]), torch.tensor([3, 1]))
-    assert [cut[b, :int(n[b])].tolist() for b in range(2)] == [[2, 3], [4]]
-
-
 def test_registry_builds_each_proposer_by_name():
     assert {"draft-model", "ngram"} <= set(PROPOSERS)
     assert build_proposer("ngram").name == "ngram"
+
+
+def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens():
+    from specdec.engine import speculative_generate
+    from specdec.reference import reference_generate
+    from specdec.stopping import StopRule
+
+    from .spec_helpers import noisy_copy, tiny_llama
+    target = tiny_llama(0)
+    counts = torch.arange(64).flip(0)  # ids 0..23 are the 24 most frequent
+    proposer = build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1), draft_vocab=24,
+                              token_counts=counts)
+    assert proposer.draft_ids.tolist() == list(range(24))
+    prompts, rule = [[3, 9, 4], [5, 1, 2, 7, 1]], StopRule(max_new_tokens=20)
+    rows, metrics = speculative_generate(target, proposer, prompts, rule, SamplingConfig(), 3)
+    expected = [reference_generate(target, p, rule, SamplingConfig()).tokens for p in prompts]
+    assert [r.tokens for r in rows] == expected and metrics.accepted > 0
+    state = proposer.start(prompts[:1], torch.zeros(1, 2, 32), SamplingConfig(), 30, 3)
+    assert max(proposer.propose(state, torch.tensor([3]), None).tokens[0].tolist()) < 24
+    with pytest.raises(Exception, match="token counts"):
+        build_proposer("draft-model", model=target, draft_vocab=24)

@@ -346,11 +346,13 @@ def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: flo
                               "prediction_error", "speedup_limit", "efficiency"))
     last = cfg.metrics[-1]
     last.target_token_seconds = curve.at(1)
-    per_step = {part: statistics.median(getattr(m, f"{part}_seconds") / m.forwards for m in cfg.metrics)
-                for part in ("draft", "verify", "other")}
+    per_step = {part: statistics.median(sum(getattr(m, f"{name}_seconds") for name in names) / m.steps
+                                        for m in cfg.metrics)
+                for part, names in (("draft", ["draft"]), ("verify", ["verify"]),
+                                    ("other", ["commit", "metrics", "other"]))}
     predicted = predicted_speedup(last.acceptance_per_position, per_step["draft"], curve, per_step["other"],
-                                  batch_size, last.proposal_rate_per_position, last.proposed / last.steps)
-    limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve, last.proposed / last.steps)
+                                  batch_size, last.proposal_rate_per_position, last.proposed / last.row_steps)
+    limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve, last.proposed / last.row_steps)
     return {"acceptance_rate": last.acceptance_rate, "acceptance_per_position": last.acceptance_per_position,
             "mean_acceptance_length": last.mean_acceptance_length, "draft_cost_ratio": last.draft_cost_ratio,
             "seconds_per_step": per_step, "counters": last.to_dict(), "predicted_speedup": predicted,

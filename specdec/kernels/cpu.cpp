@@ -47,7 +47,7 @@ struct Shape {
 struct Window {  // the new tokens of one forward and where their keys and values go
   int64_t B, T;
   const int64_t* lengths;    // (B,) committed cache entries per row: new token t goes to slot lengths[b] + t
-  const int64_t* positions;  // (B, T) rotary positions
+  const int64_t* positions;  // (B, T) rotary positions; null: lengths[b] + t
   const bool* tree;          // (B, T, T) which new tokens each new token sees (itself included); null: causal
   const float* inv_freq;     // (D/2,)
 };
@@ -205,7 +205,12 @@ bool has_avx512() {
 
 const Ops* g_ops = has_avx512() ? &kAvx512 : &kAvx2;
 
-int threads() { return std::max(1, at::get_num_threads()); }
+// Threads for a call that reads `bytes` of weights for `rows` rows: below about a megabyte of
+// weight traffic (a draft model's layer, one token) a second thread costs more in wake-ups and
+// barriers than it saves. Results never depend on it.
+int threads(int64_t bytes, int64_t rows) {
+  return bytes * rows < (int64_t{1} << 20) ? 1 : std::max(1, at::get_num_threads());
+}
 
 const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
@@ -248,7 +253,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, 
   float* Y = y.data_ptr<float>();
   const uint16_t* W = bf16_data(w);
   const int64_t P = (N + 15) / 16;
-  const int nt = static_cast<int>(std::min<int64_t>(threads(), P));
+  const int nt = static_cast<int>(std::min<int64_t>(threads(w.numel() * 2, M), P));
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
@@ -300,6 +305,7 @@ struct Stack {
   std::vector<torch::Tensor> owned;  // keeps the weights alive
   std::vector<LayerWeights> layers;
   Shape shape;
+  int64_t layer_bytes = 0;  // packed matrix bytes of one layer
 
   // weights: per layer input norm (C), packed qkv, packed o, post-attention norm (C), packed
   // gate_up, packed down.
@@ -316,13 +322,15 @@ struct Stack {
       check_packed(owned[i + 2], H * D, C, "Stack o");
       check_packed(owned[i + 4], C, 2 * F, "Stack gate_up");
       check_packed(owned[i + 5], F, C, "Stack down");
+      layer_bytes = 2 * (owned[i + 1].numel() + owned[i + 2].numel() + owned[i + 4].numel() + owned[i + 5].numel());
       layers.push_back({owned[i].data_ptr<float>(), bf16_data(owned[i + 1]), bf16_data(owned[i + 2]),
                         owned[i + 3].data_ptr<float>(), bf16_data(owned[i + 4]), bf16_data(owned[i + 5])});
     }
   }
 
   // x (B, T, C) the layer input; k_cache, v_cache (L', B, Hkv, S, D) with this stack's layers at
-  // layer0..; lengths (B,) committed entries; positions (B, T); tree (B, T, T) bool or empty.
+  // layer0..; lengths (B,) committed entries; positions (B, T) or empty (lengths[b] + t); tree
+  // (B, T, T) bool or empty (causal).
   // Returns [x after the last layer, then x after each layer in `keep`]; the cache gains the new
   // entries at slots lengths[b] + t (the caller advances the lengths).
   std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -338,8 +346,9 @@ struct Stack {
                   "Stack: caches must be contiguous (layers, B, Hkv, S, D) float32 holding this stack's layers");
     TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() && lengths.numel() == B,
                 "Stack: lengths must be (B,) int64");
-    TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == M,
-                "Stack: positions must be (B, T) int64");
+    const bool given = positions.numel() > 0;
+    TORCH_CHECK(!given || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == M),
+                "Stack: positions must be (B, T) int64, or empty for each row's length + 0..T-1");
     TORCH_CHECK(inv_freq.scalar_type() == torch::kFloat32 && inv_freq.is_contiguous() && inv_freq.numel() == s.D / 2,
                 "Stack: inv_freq must be (D/2,) float32");
     const bool treed = tree.numel() > 0;
@@ -357,7 +366,7 @@ struct Stack {
     const int64_t E = (s.H + 2 * s.Hkv) * s.D;
     auto h = torch::empty({M, s.C}, opts), qkv = torch::empty({M, E}, opts), y = torch::empty({M, s.H * s.D}, opts);
     auto gu = torch::empty({M, 2 * s.F}, opts), act = torch::empty({M, s.F}, opts), rope = torch::empty({M, s.D}, opts);
-    const int nt = threads();
+    const int nt = threads(layer_bytes, M);
     const int64_t ps = (S + 15) / 16 * 16 + T;
     auto p = torch::empty({nt, ps}, opts);
     std::vector<torch::Tensor> result{out};
@@ -370,7 +379,7 @@ struct Stack {
     const int64_t per_layer = B * s.Hkv * S * s.D;
     for (int64_t l = 0; l < nl; ++l)
       caches.push_back({k_cache.data_ptr<float>() + (layer0 + l) * per_layer, v_cache.data_ptr<float>() + (layer0 + l) * per_layer, S});
-    const Window w{B, T, len, positions.data_ptr<int64_t>(), treed ? tree.data_ptr<bool>() : nullptr,
+    const Window w{B, T, len, given ? positions.data_ptr<int64_t>() : nullptr, treed ? tree.data_ptr<bool>() : nullptr,
                          inv_freq.data_ptr<float>()};
 #pragma omp parallel num_threads(nt)
     g_ops->decoder_layers(layers.data(), static_cast<int>(nl), s, w, caches.data(), out.data_ptr<float>(), kept.data(),

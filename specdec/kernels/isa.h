@@ -239,7 +239,8 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
 #pragma omp for schedule(static)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < half; ++i) {
-      const float a = static_cast<float>(w.positions[m]) * w.inv_freq[i];
+      const int64_t position = w.positions ? w.positions[m] : w.lengths[m / w.T] + m % w.T;
+      const float a = static_cast<float>(position) * w.inv_freq[i];
       rope[m * D + i] = std::cos(a);
       rope[m * D + half + i] = std::sin(a);
     }

@@ -75,25 +75,3 @@ class Proposer(Protocol):
 
     def observe(self, state: Any, outcome: Outcome) -> None:
         """Learn what the target committed for the last proposal; drop what it rejected."""
-
-
-def append_ragged(tokens: torch.Tensor, lengths: torch.Tensor, new: torch.Tensor,
-                  new_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append row b's first new_lengths[b] of `new` (B, T) after its first lengths[b] of `tokens`
-    (B, W). Returns the right-padded result (B, W') and its lengths (B,)."""
-    total = lengths + new_lengths
-    out = torch.zeros(tokens.shape[0], max(int(total.max()), 1), dtype=tokens.dtype)  # (B, W')
-    old = tokens[:, :out.shape[1]]
-    keep = torch.arange(old.shape[1])[None] < lengths[:, None]
-    out[:, :old.shape[1]] = torch.where(keep, old, 0)
-    new_cols = lengths[:, None] + torch.arange(new.shape[1])[None]                    # (B, T)
-    take = torch.arange(new.shape[1])[None] < new_lengths[:, None]
-    rows = torch.arange(tokens.shape[0])[:, None].expand_as(new_cols)
-    out[rows[take], new_cols[take]] = new[take]
-    return out, total
-
-
-def drop_prefix(tokens: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row b's tokens[b, start[b]:end[b]] of `tokens` (B, T), left-aligned: (B, T), lengths (B,)."""
-    cols = (start[:, None] + torch.arange(tokens.shape[1])[None]).clamp(max=max(tokens.shape[1] - 1, 0))
-    return tokens.gather(1, cols), (end - start).clamp(min=0)

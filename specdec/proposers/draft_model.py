@@ -18,71 +18,100 @@ import torch
 
 from ..errors import SpecdecError
 from ..lm import causal_lm, context_length, next_positions, prefill_all_but_last
-from ..sampling import SamplingConfig, probabilities, sample
-from .base import Outcome, Proposal, append_ragged, drop_prefix
+from ..model import LlamaForCausalLM, frozen_linear
+from ..sampling import SamplingConfig, argmax, probabilities, sample
+from .base import Outcome, Proposal
 
 
 @dataclass
 class DraftState:
     cache: object
     sampling: SamplingConfig
-    pending: torch.Tensor      # (B, W) committed tokens not yet in the draft cache, right-padded
-    pending_len: torch.Tensor  # (B,)
-    committed: torch.Tensor    # (B,) cache length holding committed tokens only
-    fed_drafts: int = 0        # drafts of the last proposal written into the cache after `committed`
+    pending: list[list[int]]  # per row: committed tokens not yet in the draft cache (at least the newest)
+    committed: list[int]      # per row: cache entries holding committed tokens only
+    fed_drafts: int = 0       # drafts of the last proposal written into the cache after `committed`
 
 
 class DraftModelProposer:
     name = "draft-model"
 
-    def __init__(self, model):
+    def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None):
+        """draft_vocab N: draft over the N most frequent token ids of `token_counts` (V,) — the
+        counts of the training tokens, saved with the draft — through an unembedding of N rows
+        instead of V. Lossless: the draft's probability is 0 outside them, which rejection sampling
+        accounts for; it only lowers the draft's cost."""
         self.model = causal_lm(model, role="draft model")
         self.vocab_size = self.model.config.vocab_size
         self.context = context_length(self.model)
+        self.draft_ids, self.unembedding = None, None  # (N,) ids drafted over; their rows of lm_head
+        if draft_vocab is not None and draft_vocab < self.vocab_size:
+            if draft_vocab < 1:
+                raise SpecdecError(f"draft_vocab must be >= 1 token, got {draft_vocab}")
+            if token_counts is None:
+                raise SpecdecError("this draft model was saved without the token counts of its training data, so "
+                                   "no draft vocabulary can be chosen: draft over the full vocabulary, or add "
+                                   "them (checkpoint.save_token_counts)")
+            if not isinstance(self.model, LlamaForCausalLM):
+                raise SpecdecError("a draft vocabulary needs specdec's own LlamaForCausalLM as the draft model")
+            self.draft_ids = token_counts.topk(draft_vocab).indices.sort().values
+            self.unembedding = frozen_linear(self.model.lm_head.weight[self.draft_ids])
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k) -> DraftState:
         if max_len - 1 > self.context:
             raise SpecdecError(f"the draft model's context ({self.context} tokens) is shorter than the "
                                f"{max_len - 1} positions this generation needs: shorten the prompt or "
                                "max_new_tokens, or use a draft model with a longer context")
-        B = len(prompts)
         # room for padding: a row may be written up to k + 1 slots past its longest sequence
-        cache = self.model.new_cache(B, max_len + k + 1)
+        cache = self.model.new_cache(len(prompts), max_len + k + 1)
         prefill_all_but_last(self.model, cache, prompts)
-        last = torch.tensor([[p[-1]] for p in prompts])  # (B, 1)
-        return DraftState(cache, sampling, last, torch.ones(B, dtype=torch.long), cache.lengths.clone())
+        return DraftState(cache, sampling, [[p[-1]] for p in prompts], [len(p) - 1 for p in prompts])
+
+    def forward(self, tokens: torch.Tensor, cache, logits_index=None) -> torch.Tensor:
+        """Logits (B, N) at the last position (or logits_index (B, 1)) over the draft vocabulary."""
+        extra = {} if self.unembedding is None else {"unembedding": self.unembedding}
+        out = self.model(tokens, positions=next_positions(cache, tokens.shape[1], self.context), cache=cache,
+                         logits_index=logits_index, **extra)
+        return out.logits[:, -1]
 
     def propose(self, state: DraftState, limits, generator) -> Proposal:
-        B, m = limits.shape[0], int(limits.max())
+        limit = limits.tolist()
+        B, m = len(limit), max(limit)
         state.fed_drafts = 0
         if m == 0:
             return Proposal.empty(B)
-        active = limits > 0
-        cache = state.cache
         # feed the pending tokens; rows that draft nothing keep theirs pending
-        out = self.model(state.pending, positions=next_positions(cache, state.pending.shape[1], self.context),
-                         cache=cache, logits_index=(state.pending_len - 1).clamp(min=0)[:, None])
-        state.committed = state.committed + torch.where(active, state.pending_len, 0)
-        cache.rollback(state.committed)
-        state.pending_len = torch.where(active, 0, state.pending_len)
-        logits = out.logits[:, 0]  # (B, V)
+        lengths = [len(p) for p in state.pending]
+        width = max(lengths)
+        window = torch.tensor([p + [0] * (width - len(p)) for p in state.pending])  # (B, W)
+        last = torch.tensor([[max(n - 1, 0)] for n in lengths]) if width > 1 else None  # (B, 1)
+        logits = self.forward(window, state.cache, last)
+        for b in range(B):
+            if limit[b]:
+                state.committed[b] += lengths[b]
+                state.pending[b] = []
+        state.cache.rollback(torch.tensor(state.committed))
         tokens, probs = [], []
         for i in range(m):
-            p = probabilities(logits, state.sampling)  # (B, V)
-            token = p.argmax(-1) if state.sampling.greedy else sample(p, generator)  # (B,)
+            if state.sampling.greedy:  # an argmax: greedy verification reads no draft distribution
+                token = argmax(logits)  # (B,)
+            else:
+                probs.append(probabilities(logits, state.sampling))  # (B, N)
+                token = sample(probs[-1], generator)
             tokens.append(token)
-            probs.append(p)
             if i + 1 < m:
-                logits = self.model(token[:, None], positions=next_positions(cache, 1, self.context),
-                                    cache=cache).logits[:, 0]
+                logits = self.forward(token[:, None], state.cache)
         state.fed_drafts = m - 1
-        return Proposal(torch.stack(tokens, 1), limits.clone(), torch.stack(probs, 1))
+        drafts = torch.stack(tokens, 1)  # (B, m)
+        if self.draft_ids is not None:
+            drafts = self.draft_ids[drafts]
+            probs = [p.new_zeros(B, self.vocab_size).index_copy_(1, self.draft_ids, p) for p in probs]
+        return Proposal(drafts, limits.clone(), torch.stack(probs, 1) if probs else None)
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
         # accepted drafts already in the cache stay; the rest of the committed tokens become pending
-        kept = torch.minimum(outcome.accepted.clamp(max=state.fed_drafts), outcome.counts)  # (B,)
-        state.committed = state.committed + kept
-        state.cache.rollback(state.committed)
-        new, new_len = drop_prefix(outcome.tokens, kept, outcome.counts)
-        state.pending, state.pending_len = append_ragged(state.pending, state.pending_len, new, new_len)
-
+        for b, (tokens, n, emitted) in enumerate(zip(outcome.tokens.tolist(), outcome.accepted.tolist(),
+                                                     outcome.counts.tolist())):
+            kept = min(n, state.fed_drafts, emitted)
+            state.committed[b] += kept
+            state.pending[b] += tokens[kept:emitted]
+        state.cache.rollback(torch.tensor(state.committed))

@@ -35,13 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
 from ..decode import pad_right
 from ..errors import SpecdecError
 from ..heads import MTPHeads, check_heads_fit
 from ..kv_cache import KVCache
 from ..lm import next_positions
-from ..model import LlamaForCausalLM, compute_dtype
+from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
 from ..sampling import SamplingConfig, probabilities, sample
 from .base import Outcome, Proposal
 
@@ -78,7 +77,7 @@ class MTPProposer:
                                    "the heads with this version of specdec")
             self.draft_ids = heads.token_counts.topk(draft_vocab).indices.sort().values
         weight = target.lm_head.weight
-        self.unembedding = weight if self.draft_ids is None else weight[self.draft_ids].contiguous()  # (N, C)
+        self.unembedding = frozen_linear(weight if self.draft_ids is None else weight[self.draft_ids])  # (N, C)
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k) -> MTPState:
         if k > self.heads.depth:
@@ -99,7 +98,7 @@ class MTPProposer:
         if m == 0 or W == 0:
             return Proposal.empty(B)
         heads, trunk, k = self.heads, self.target, state.k
-        ctx = heads.context(next_positions(state.cache, W, self.context), state.hidden.dtype, state.cache)
+        ctx = heads.context(next_positions(state.cache, W, self.context), state.hidden.dtype, state.cache, W)
         last = (state.lengths - 1).clamp(min=0)[:, None, None].expand(B, 1, state.hidden.shape[2])  # (B, 1, C)
         ahead = torch.cat([state.ahead, state.ahead.new_zeros(B, k)], 1)  # (B, W+k): then drafts at lengths+j
         prev, tokens, probs = state.hidden, [], []
@@ -113,13 +112,18 @@ class MTPProposer:
         state.cache.advance(W)
         state.written = W
         lengths = torch.where(state.lengths > 0, limits, 0)  # a one-token prompt has no hidden state yet
-        return Proposal(torch.stack(tokens, 1)[:, :m], lengths, torch.stack(probs, 1)[:, :m])
+        probs = None if state.sampling.greedy else torch.stack(probs, 1)[:, :m]
+        return Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs)
 
-    def draft(self, normed: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, normed: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor | None, torch.Tensor]:
         """normed (B, C) -> the draft distribution over the full vocabulary (B, V) and a token drawn
-        from it (B,), the argmax when greedy."""
-        p = probabilities(kernels.linear(normed, self.unembedding), sampling)  # (B, N)
-        token = p.argmax(-1) if sampling.greedy else sample(p, generator)
+        from it (B,); greedy: None (greedy verification reads no draft distribution) and the argmax."""
+        logits = self.unembedding(normed)  # (B, N)
+        if sampling.greedy:
+            token = logits.argmax(-1)
+            return None, token if self.draft_ids is None else self.draft_ids[token]
+        p = probabilities(logits, sampling)
+        token = sample(p, generator)
         if self.draft_ids is None:
             return p, token
         full = p.new_zeros(p.shape[0], self.vocab_size).index_copy_(1, self.draft_ids, p)
