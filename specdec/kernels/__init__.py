@@ -1,7 +1,7 @@
 """Compiled CPU kernels for decoding with bf16-stored weights and fp32 arithmetic (see cpu.cpp).
 
 Built from cpu.cpp and isa.h by the machine's C++ compiler the first time they are needed (about a
-minute, once per machine and source version; cached under ~/.cache/specdec). They run on AVX-512
+minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by `cache_key`). They run on AVX-512
 where the CPU has it and on AVX2 + FMA otherwise, with bit-identical results (SPECDEC_ISA=avx2
 forces AVX2; SPECDEC_KERNELS=0 turns the kernels off). Where they cannot run (no AVX2, no
 compiler, gradients needed, other dtypes or devices) PyTorch operators compute the same
@@ -12,10 +12,15 @@ become one `Stack` that runs them in a single call.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,24 +32,20 @@ LANES = 16  # outputs per packed panel
 _EMPTY = torch.empty(0)
 
 
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+
 @functools.cache
 def compiled():
     """The built extension module, or None where it cannot be used here."""
     if os.environ.get("SPECDEC_KERNELS", "1") == "0":
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        warnings.warn("specdec: this CPU has no AVX2, so the CPU kernels cannot run; using PyTorch operators "
+                      "(slower for bf16 weights, the same results).")
         return None
-    from torch.utils import cpp_extension
-    source = b"".join(p.read_bytes() for p in SOURCES)
-    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
-    build = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels" / tag
-    build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("*.so")):
-        print("specdec: building the CPU kernels (once per machine, about a minute)...", file=sys.stderr)
     try:
-        module = cpp_extension.load(name="specdec_cpu", sources=[str(SOURCES[0])], build_directory=str(build),
-                                    extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+        module = _load_or_build()
     except Exception as e:  # no compiler or ninja: slower, same results
         warnings.warn(f"specdec: the CPU kernels could not be built ({type(e).__name__}: ...{str(e)[-600:]}); using "
                       "PyTorch operators instead, which are slower for bf16 weights. Install a C++ "
@@ -52,6 +53,49 @@ def compiled():
         return None
     if os.environ.get("SPECDEC_ISA"):
         module.set_isa(os.environ["SPECDEC_ISA"])
+    return module
+
+
+def cache_key() -> str:
+    """What the built module depends on: the sources, the flags, the compiler, torch and Python
+    (not the virtual environment's path, so environments with the same versions share a build)."""
+    from torch.utils import cpp_extension
+    compiler = cpp_extension.get_cxx_compiler()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"no working C++ compiler ({compiler}): {e}") from None
+    parts = [p.read_bytes() for p in SOURCES] + [" ".join(FLAGS).encode(), version.encode(),
+                                                 torch.__version__.encode(), sys.version.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _load_or_build():
+    """Load the module built for this key, or build it: in a private folder renamed into place
+    when complete, under a lock that the operating system releases if its holder dies (a killed
+    build leaves no lock to wait on, and its half-built folder is removed by the next one)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels"
+    root.mkdir(parents=True, exist_ok=True)
+    key = cache_key()
+    built = root / key / "specdec_cpu.so"
+    if not built.exists():
+        with open(root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same key: wait for it
+            if not built.exists():
+                for stale in root.glob(f"{key}.build-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                print(f"specdec: building the CPU kernels (once per machine and version, about a minute) in {root / key}",
+                      file=sys.stderr)
+                from torch.utils import cpp_extension
+                work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
+                cpp_extension.load(name="specdec_cpu", sources=[str(SOURCES[0])], build_directory=str(work),
+                                   extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+                                   is_python_module=False)
+                shutil.rmtree(root / key, ignore_errors=True)  # an incomplete copy, if any
+                work.rename(root / key)  # the module appears whole or not at all
+    spec = importlib.util.spec_from_file_location("specdec_cpu", built)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
