@@ -199,10 +199,11 @@ def cmd_simulate(args) -> None:
     implausible = implausible_verify_points(curve.seconds)
     if implausible:
         points = ", ".join(f"n={n}: {r:.2f}x" for n, r in implausible)
+        cause = ("check the --verify-ms values." if args.verify_ms is not None else "the machine was busy while "
+                 "measuring. Rerun on a quiet machine, or give --verify-ms.")
         print(f"warning: noisy verify curve, the predictions above are not trustworthy: t(n) against the dearest "
               f"smaller n (for a spike: against the dearest larger n) is {points}, but a forward over more tokens cannot cost much "
-              "less than over fewer; the machine was busy while measuring. Rerun on a quiet machine, or give "
-              "--verify-ms.", file=sys.stderr)
+              f"less than over fewer; {cause}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

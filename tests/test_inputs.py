@@ -160,3 +160,10 @@ def test_property_simulate_rejects_before_printing_or_prints_a_table(capsys, alp
     else:
         assert out.count("\n| ") >= 1 and math.isfinite(alpha) and 0 <= alpha <= 1
     tally("command (simulate, random values)", code == 0)
+
+
+def test_simulate_warns_about_an_impossible_verify_curve(capsys):
+    code, out, err = run_cli(capsys, "simulate", "--alpha", "0.5", "--ks", "2", "--verify-ms", "1", "0.23", "1.3")
+    assert code == 0 and "| 2 |" in out and "noisy verify curve" in err and "n=2: 0.23x" in err
+    code, out, err = run_cli(capsys, "simulate", "--alpha", "0.5", "--ks", "2", "--verify-ms", "1", "1.2", "1.4")
+    assert code == 0 and "noisy" not in err
