@@ -174,7 +174,7 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
     stats = {
         **spec,
         "batch_size": len(prompts),
-        "prompt_tokens": [len(h.ids) + 1 for h in healed],
+        "prompt_tokens": [1 + len(h.ids) + bool(h.text) for h in healed],  # <|endoftext|> and the whole prompt
         "healed_prompts": len(healing),
         "new_tokens": new_tokens,
         "seconds": seconds,

@@ -42,6 +42,7 @@ def test_a_prompt_ending_in_whitespace_is_healed_not_stripped(target):
     # the completion extends the prompt exactly: prompt + text is the decoded token sequence
     assert INDENTED + result.texts[0] == target.tokenizer.decode(healed.ids + result.tokens[0])
     assert result.stats["healed_prompts"] == 1
+    assert result.stats["prompt_tokens"] == [1 + len(target.tokenizer.encode(INDENTED))]
 
 
 def test_healed_greedy_output_is_the_constrained_argmax_then_the_reference(target):
