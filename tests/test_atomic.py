@@ -218,3 +218,43 @@ def test_the_command_reports_an_unwritable_run_folder_plainly(tmp_path):
     finally:
         (base / "locked").chmod(0o755)
         shutil.rmtree(base)
+
+
+def test_a_recovery_killed_at_every_step_still_ends_with_the_newest_copy(tmp_path):
+    """recover() itself may be killed (a second crash during the resume): each of its steps is a
+    rename or a delete, and running it again finishes the job."""
+    def layout(root: Path, with_dest: bool) -> Path:
+        for name, text in ((".state.new", "new"), ("state", "old") if with_dest else (".state.old", "older")):
+            (root / name).mkdir(parents=True)
+            (root / name / "state.json").write_text(text)
+        (root / ".state.tmp-1-abcdef").mkdir()
+        return root / "state"
+
+    cases = 0
+    for with_dest in (True, False):
+        n = 0
+        while True:
+            dest = layout(tmp_path / f"{with_dest}-{n}", with_dest)
+
+            def body():
+                count = [0]
+
+                def kill_point(real):
+                    def op(*args, **kwargs):
+                        if count[0] == n:
+                            os._exit(KILLED)
+                        count[0] += 1
+                        return real(*args, **kwargs)
+                    return op
+                os.replace, shutil.rmtree = kill_point(os.replace), kill_point(shutil.rmtree)
+                recover(dest)
+            status = in_child(body)
+            recover(dest)
+            assert (dest / "state.json").read_text() == "new", f"kill {n}"
+            assert sorted(p.name for p in dest.parent.iterdir()) == ["state"]
+            cases += 1
+            if status == 0:
+                break
+            n += 1
+    print(f"recovery: {cases} kills, 0 lost copies")
+    assert cases >= 6
