@@ -43,6 +43,7 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         cache = target.new_cache(len(prompts), max_len + k)       # + k: room for padded windows
         state = proposer.start(prompts, prefill_all_but_last(target, cache, prompts), sampling, max_len, k)
         last = [p[-1] for p in prompts]                           # (B,) newest token, not in the cache
+        cached = [len(p) - 1 for p in prompts]                    # (B,) the target cache's lengths
     clock = time.perf_counter
     while not all(row.done for row in rows):
         budgets = [row.budget for row in rows]                    # tokens each row may still emit
@@ -51,19 +52,21 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         t_proposed = clock()
         drafts = proposal.tokens.tolist()                             # (B, m)
         window = torch.tensor([[token] + row for token, row in zip(last, drafts)])  # (B, 1+m)
-        out = target(window, positions=next_positions(cache, window.shape[1], context), cache=cache)
+        width = window.shape[1]
+        positions = None if max(cached) + width <= context else next_positions(cache, width, context)
+        out = target(window, positions=positions, cache=cache)
         t_forward = clock()
         verdict = verify(proposal, out.logits)                        # accept: logits (B, 1+m, V)
         t_accepted = clock()
         accepted = verdict.accepted.tolist()
         runs, counts = commit(rows, drafts, accepted, verdict.next_token.tolist())  # (B, 1+m), (B,)
-        emitted = torch.tensor(counts)
         # roll back: keep the window positions that predicted an emitted token
-        cache.rollback(cache.lengths + (emitted - window.shape[1]))
+        cached = [n + c for n, c in zip(cached, counts)]
+        cache.rollback(cached)
         # the newest emitted token opens the next window (finished rows keep theirs)
         last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, last)]
         t_committed = clock()
-        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), emitted, out.hidden))
+        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts), out.hidden))
         t_observed = clock()
         metrics.record_step([b > 0 for b in budgets], proposal.lengths.tolist(), accepted, counts)
         metrics.record_phases(t_start, t_proposed, t_forward, t_accepted, t_committed, t_observed, clock())

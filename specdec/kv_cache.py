@@ -71,7 +71,10 @@ class KVCache:
     def advance(self, num_new: int) -> None:
         self.lengths += num_new
 
-    def rollback(self, lengths: torch.Tensor | int) -> None:
+    def rollback(self, lengths: torch.Tensor | list[int] | int) -> None:
         """Set every row's committed length (O(1): entries past it become invisible)."""
+        if isinstance(lengths, list) and self.lengths.device.type == "cpu":  # one copy, no intermediate tensor
+            self.lengths.numpy()[:] = lengths
+            return
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
         self.lengths.copy_(lengths.expand_as(self.lengths))

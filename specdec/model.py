@@ -309,14 +309,15 @@ class LlamaForCausalLM(nn.Module):
         lm_head (a draft vocabulary's rows of it, say).
         """
         B, T = tokens.shape
-        last = (int(cache.lengths.max()) if cache is not None else 0) + T - 1 if positions is None else int(positions.max())
+        longest = int(cache.lengths.max()) if cache is not None else 0  # committed entries of the longest row
+        last = longest + T - 1 if positions is None else int(positions.max())
         if last >= self.config.max_position_embeddings:
             raise ValueError(f"position {last} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T)
         if self.stack is not None and cache is not None and not torch.is_grad_enabled():
-            cache.check_room(T)
+            cache.check_room(T, longest)
             keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
             x, *kept = self.stack.forward(x, cache.keys, cache.values, 0, *window.kernel_args(), keep)
             layers = dict(zip(keep, kept))

@@ -83,9 +83,24 @@ def software() -> dict:
             "transformers": transformers.__version__, "specdec": __version__, "git": git_sha()}
 
 
+def roofline(read_bandwidth_GBps: float) -> dict:
+    """The machine's two roofs, measured now: fp32 FMA GFLOP/s at the threads in use (the kernels'
+    register-only loop; "unknown" without kernels) and the read bandwidth."""
+    peak = kernels.compiled().fma_peak(torch.get_num_threads(), 0.5) if kernels.compiled() else UNKNOWN
+    return {"fma_peak_gflops": peak, "read_bandwidth_GBps": read_bandwidth_GBps,
+            "isa": kernels.isa() or UNKNOWN, "threads": torch.get_num_threads()}
+
+
+def matrix_parameters(model) -> int:
+    """Parameters of the matrices a forward multiplies by (every Linear; not the embedding table)."""
+    from ..model import Linear
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+
+
 def model_info(model, path: Path) -> dict:
     weights = path / WEIGHTS
     return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
+            "matrix_parameters": matrix_parameters(model),
             "dtype": str(compute_dtype(model)).removeprefix("torch."),
             "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
             "kernels": f"specdec CPU kernels ({kernels.isa()})" if kernels.compiled() else "PyTorch operators",

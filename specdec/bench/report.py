@@ -66,6 +66,57 @@ def noise_lines(cell: dict) -> list[str]:
     return lines
 
 
+def curve_lines(result: dict, cell: dict) -> list[str]:
+    """The cell's verify-cost curve with its arithmetic: matrix FLOPs per forward, the rate they
+    ran at against the measured FMA peak, and one token's weight bytes against the measured read
+    bandwidth."""
+    curve, roof = cell["verify_curve"], result["conditions"].get("roofline", {})
+    params = result["conditions"]["target"].get("matrix_parameters")
+    B, t1 = curve["batch_size"], curve["seconds"][0]
+    lines = [f"Verify-cost curve: one target forward over n new tokens per row at batch {B}"
+             + (f"; matrix FLOPs = 2 x {params / 1e6:.1f}M parameters x {B} x n" if params else "") + ".", "",
+             "| n | ms | t(n)/t(1) | matrix GFLOP/s | of the FMA peak |", "|---|---|---|---|---|"]
+    peak = roof.get("fma_peak_gflops")
+    for n, s in zip(curve["tokens"], curve["seconds"]):
+        rate = 2 * params * B * n / s / 1e9 if params else None
+        share = f"{100 * rate / peak:.0f}%" if rate and isinstance(peak, float) else "unknown"
+        lines.append(f"| {n} | {1000 * s:.3f} | {s / t1:.2f} | {num(rate, '.0f')} | {share} |")
+    bandwidth = roof.get("read_bandwidth_GBps")
+    if params and isinstance(bandwidth, float):
+        lines += ["", f"One token reads {2 * params / 1e6:.1f} MB of bf16 matrices per row: "
+                      f"{2 * params * B / t1 / 1e9:.1f} GB/s at t(1), against {bandwidth:.1f} GB/s measured "
+                      f"(summing 512 MB) and an FMA peak of {num(peak, '.0f')} GFLOP/s ({roof.get('isa')}, "
+                      f"{roof.get('threads')} threads)."]
+    return lines
+
+
+PHASES = ("propose", "forward", "acceptance", "commit", "observe", "metrics", "other")
+
+
+def step_breakdown_lines(result: dict) -> list[str]:
+    """Where a step's time goes (metrics.step_breakdown_ms), per configuration of each batch-1 cell,
+    and the bookkeeping beyond the forward passes as a fraction of one target token's forward."""
+    lines = ["## Step breakdown", "",
+             "Milliseconds per step (one target forward) of each phase of the engine's loop, from the last "
+             "repeat's counters. *propose* holds the draft forwards of model drafts and all of n-gram lookup; "
+             "*observe* the proposer's bookkeeping (and draft-cache updates); *bookkeeping* = acceptance + commit + "
+             "metrics + other, plus propose and observe for n-gram (which has no forward), over t(1).", "",
+             "| cell | method | " + " | ".join(PHASES) + " | bookkeeping / t(1) |", "|---|---|" + "---|" * (len(PHASES) + 1)]
+    for cell in result["cells"]:
+        if cell["batch_size"] != 1:
+            continue
+        t1 = cell["verify_curve"]["seconds"][0]
+        for r in cell["results"]:
+            parts = (r.get("counters") or {}).get("step_breakdown_ms")
+            if not parts:
+                continue
+            own = ["acceptance", "commit", "metrics", "other"] + (["propose", "observe"] if r["method"] == "ngram" else [])
+            overhead = sum(parts[p] for p in own) / 1e3 / t1
+            lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} | {r['label']} | "
+                         + " | ".join(f"{parts[p]:.3f}" for p in PHASES) + f" | {overhead:.2f} |")
+    return lines + [""]
+
+
 def conditions_text(result: dict) -> str:
     c = result["conditions"]
     t, h, s = c["target"], c["hardware"], c["software"]
@@ -141,11 +192,8 @@ def markdown_report(result: dict, plots: list[str]) -> str:
              "(specdec/costmodel.py) from α_i, the measured draft and bookkeeping seconds per step and the "
              "measured verify-cost curve.", ""]
     for cell in result["cells"]:
-        lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), ""]
-        curve = cell["verify_curve"]
-        lines += ["verify-cost curve (one target forward over n new tokens per row, batch "
-                  f"{curve['batch_size']}): " + ", ".join(f"{n}: {1000 * s:.1f} ms" for n, s in
-                                                         zip(curve["tokens"], curve["seconds"])), ""]
+        lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), "", *curve_lines(result, cell), ""]
+    lines += step_breakdown_lines(result)
     lines += ["## Cost model: predicted vs measured", "",
               "| cell | method | α_1..α_k | c | draft / verify / other ms per step | predicted | measured | error | "
               "S_limit | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -63,9 +63,10 @@ from ..proposers import build_proposer
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
 from ..verify import greedy_accept, rejection_sample
-from .conditions import UNKNOWN, hardware, model_info, shown_path, software, spread
+from .conditions import UNKNOWN, hardware, model_info, roofline, shown_path, software, spread
 from .noise import implausible_verify_points, result_noise
 from .peers import PEER_DTYPE, PEERS, Peers
+from .plain import measured_read_bandwidth
 from .verify_cost import MoESpec, measure_verify_curve, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
@@ -239,7 +240,8 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
             "target": model_info(bench.target.model, bench.target.path),
             "draft": model_info(bench.draft.model, bench.draft.path) if bench.draft else "not used",
             "mtp_heads": bench.method_info.get("mtp", "not used"),
-            "hardware": hardware(), "software": software(), "repeats": plan.repeats,
+            "hardware": hardware(), "roofline": roofline(measured_read_bandwidth() / 1e9),
+            "software": software(), "repeats": plan.repeats,
             "baseline": "specdec plain decoding of the same target weights and dtype, same prompts, batch "
                         "and sampling settings, same run (repeats interleaved)",
         }
