@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import inputs, kernels
-from .checkpoint import load_model
+from .checkpoint import load_model, load_token_counts
 from .decode import plain_generate
 from .engine import speculative_generate
 from .errors import SpecdecError
@@ -54,6 +54,7 @@ class Loaded:
     tokenizer: Tokenizer
     path: Path
     load_seconds: float | None = None  # reading the weights and one-time setup (None: not loaded by `load`)
+    token_counts: torch.Tensor | None = None  # (V,) of its training tokens, where saved (a draft vocabulary's source)
 
 
 @dataclass
@@ -76,7 +77,7 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None) -> Lo
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                            f"{model.config.vocab_size}; they do not belong together")
     kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
-    return Loaded(model, tokenizer, path, time.perf_counter() - t0)
+    return Loaded(model, tokenizer, path, time.perf_counter() - t0, load_token_counts(path))
 
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:

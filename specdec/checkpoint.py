@@ -122,6 +122,21 @@ def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> N
         store_matrices_bf16(module)
 
 
+TOKEN_COUNTS = "token_counts.safetensors"
+
+
+def save_token_counts(path: str | Path, counts: torch.Tensor) -> None:
+    """How often each token id occurred in a model's training tokens (V,), saved beside it: a draft
+    vocabulary (the N most frequent ids) is chosen from them."""
+    save_file({"token_counts": counts.to(torch.int64).contiguous()}, Path(path) / TOKEN_COUNTS)
+
+
+def load_token_counts(path: str | Path) -> torch.Tensor | None:
+    """The counts saved by save_token_counts, or None for a model saved without them."""
+    f = Path(path) / TOKEN_COUNTS
+    return load_file(f)["token_counts"] if f.exists() else None
+
+
 def read_meta(path: str | Path) -> dict:
     f = Path(path) / META
     return json.loads(f.read_text()) if f.exists() else {}

@@ -84,7 +84,9 @@ def make_proposer(args, target):
     if args.draft == "none":
         return None
     if args.draft == "draft-model":
-        return build_proposer("draft-model", model=load_draft_model(target, args.draft_model).model)
+        draft = load_draft_model(target, args.draft_model)
+        return build_proposer("draft-model", model=draft.model, draft_vocab=args.draft_vocab,
+                              token_counts=draft.token_counts)
     if args.draft == "mtp":
         return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
@@ -268,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     g.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
     g.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="--draft mtp: draft over the N token ids most frequent in the heads' training tokens "
-                        "(cheaper heads; lossless; default: the full vocabulary)")
+                   help="--draft mtp or draft-model: draft over the N token ids most frequent in the drafter's "
+                        "training tokens (a cheaper unembedding; lossless; default: the full vocabulary)")
     g.add_argument("-k", type=int, help="draft tokens proposed per step (default: 4; for mtp, one per head)")
     g.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
     g.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")

@@ -110,7 +110,7 @@ def draft_options(draft: str, given: dict[str, object]) -> None:
     """Command-line draft options: each belongs to one --draft choice; `given` maps the option
     names set on the command line (e.g. "--heads") to their values."""
     owners = {"-k": ("draft-model", "ngram", "mtp"), "--draft-model": ("draft-model",), "--heads": ("mtp",),
-              "--draft-vocab": ("mtp",), "--ngram-max": ("ngram",), "--ngram-min": ("ngram",)}
+              "--draft-vocab": ("mtp", "draft-model"), "--ngram-max": ("ngram",), "--ngram-min": ("ngram",)}
     for option, value in given.items():
         if value is not None and draft not in owners[option]:
             raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "

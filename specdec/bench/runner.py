@@ -77,6 +77,7 @@ NGRAM = {"max_n": 3, "min_n": 1}
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
 # unembedding cost per head
 MTP_DRAFT_VOCAB = 4096
+DRAFT_VOCAB = 4096  # the draft model's too, where it was saved with its token counts
 CURVE_EXTRA_TOKENS = 16  # the batch-1 verify curve also reaches this many tokens (for the plot)
 
 
@@ -185,8 +186,11 @@ class Bench:
         if "draft-model" in plan.methods or any(c.peer_k for c in plan.cells):
             self.draft = load_draft_model(self.target, draft_path)
         if "draft-model" in plan.methods:
-            self.proposers["draft-model"] = build_proposer("draft-model", model=self.draft.model)
-            self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path)}
+            draft_vocab = DRAFT_VOCAB if self.draft.token_counts is not None else None
+            self.proposers["draft-model"] = build_proposer("draft-model", model=self.draft.model, draft_vocab=draft_vocab,
+                                                           token_counts=self.draft.token_counts)
+            self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path),
+                                               "draft_vocab": draft_vocab or "full"}
         if "ngram" in plan.methods:
             self.proposers["ngram"] = build_proposer("ngram", **NGRAM)
             self.method_info["ngram"] = {"name": "ngram", **NGRAM}
