@@ -106,6 +106,23 @@ struct V {
     return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)));
   }
   static float hmax(V a) { return _mm512_reduce_max_ps(a.v); }
+  // out[j] = hsum(a[j]) for 16 vectors at once: the same additions as hsum (lanes i and i+8, then
+  // i and i+4, i and i+2, i and i+1) done for 16 sums in parallel by transposing as it folds.
+  static void hsum16(const V* a, float* out) {
+    __m512 t[8], u[4], v[2];
+    for (int m = 0; m < 8; ++m)  // fold 8: two sums per vector, 8 lanes each
+      t[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m].v, a[2 * m + 1].v, 0x44),
+                           _mm512_shuffle_f32x4(a[2 * m].v, a[2 * m + 1].v, 0xEE));
+    for (int m = 0; m < 4; ++m)  // fold 4: quarter c of u[m] is sum 4m + c
+      u[m] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0x88),
+                           _mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; ++m)  // fold 2, within each quarter
+      v[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44), _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
+    // fold 1: element 4q + e is sum 4e + q; put sum j at element j
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s));
+  }
 };
 #include "isa.h"
 }  // namespace avx512
@@ -170,6 +187,9 @@ struct V {  // lanes 0-7 in lo, 8-15 in hi
     b = _mm_max_ps(b, _mm_movehl_ps(b, b));
     b = _mm_max_ss(b, _mm_movehdup_ps(b));
     return _mm_cvtss_f32(b);
+  }
+  static void hsum16(const V* a, float* out) {
+    for (int j = 0; j < 16; ++j) out[j] = hsum(a[j]);
   }
 };
 #include "isa.h"

@@ -75,7 +75,7 @@ inline void rms_norm_row(const float* x, const float* w, float eps, int64_t K, f
 
 // ------------------------------------------------------------------------------ matrices
 
-constexpr int kPrefetch = 16;  // cache lines ahead in each panel stream
+constexpr int kPrefetch = 48;  // cache lines ahead in each panel stream
 
 // A packed matrix holds the bf16 weight W (N, K) as panels of 16 outputs: panel p is (K, 16),
 // element [k][l] = W[16 p + l][k] (zero past N). Output n of row m is the sum over k = 0..K-1,
@@ -185,7 +185,19 @@ inline float fma_loop(int64_t reps) {
 template <class KeyRow>
 inline void attend_row(const float* q, int64_t D, int64_t n, KeyRow krow, KeyRow vrow, float scale,
                        float* p, float* out) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {  // 16 keys at a time, their 16 sums reduced together
+    V acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = V::zero();
+    for (int64_t c = 0; c < D; c += kLanes) {
+      const V qc = V::load(q + c);
+      for (int j = 0; j < kLanes; ++j) acc[j] = V::fma(qc, V::load(krow(i + j) + c), acc[j]);
+    }
+    alignas(64) float sums[kLanes];
+    V::hsum16(acc, sums);
+    for (int j = 0; j < kLanes; ++j) p[i + j] = sums[j] * scale;
+  }
+  for (; i < n; ++i) {
     const float* kr = krow(i);
     V acc = V::zero();
     for (int64_t c = 0; c < D; c += kLanes) acc = V::fma(V::load(q + c), V::load(kr + c), acc);
