@@ -65,14 +65,15 @@ def build_moe_and_dense(spec: MoESpec, dtype: torch.dtype = torch.float32):
     common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
                   num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
                   max_position_embeddings=1024, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    moe = MixtralForCausalLM(MixtralConfig(intermediate_size=spec.expert_intermediate_size,
-                                           num_local_experts=spec.num_experts,
-                                           num_experts_per_tok=spec.top_k, **common))
+    with torch.random.fork_rng(devices=[]):  # seeded weights; the caller's random stream is left as it was
+        torch.manual_seed(0)
+        moe = MixtralForCausalLM(MixtralConfig(intermediate_size=spec.expert_intermediate_size,
+                                               num_local_experts=spec.num_experts,
+                                               num_experts_per_tok=spec.top_k, **common))
+        dense = LlamaForCausalLM(LlamaConfig(intermediate_size=spec.top_k * spec.expert_intermediate_size, **common))
     # a loop over the experts the tokens were routed to: its cost follows the distinct experts touched
     # (transformers' default here, "grouped_mm", took over a second for 2 tokens on the 2-core CPU)
     moe.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    dense = LlamaForCausalLM(LlamaConfig(intermediate_size=spec.top_k * spec.expert_intermediate_size, **common))
     return moe.to(dtype).eval(), dense.to(dtype).eval()
 
 
