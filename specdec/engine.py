@@ -54,6 +54,7 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         window = torch.tensor([[token] + row for token, row in zip(last, drafts)])  # (B, 1+m)
         width = window.shape[1]
         positions = None if max(cached) + width <= context else next_positions(cache, width, context)
+        t_window = clock()
         out = target(window, positions=positions, cache=cache)
         t_forward = clock()
         verdict = verify(proposal, out.logits)                        # accept: logits (B, 1+m, V)
@@ -69,7 +70,7 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts), out.hidden))
         t_observed = clock()
         metrics.record_step([b > 0 for b in budgets], proposal.lengths.tolist(), accepted, counts)
-        metrics.record_phases(t_start, t_proposed, t_forward, t_accepted, t_committed, t_observed, clock())
+        metrics.record_phases(t_start, t_proposed, t_window, t_forward, t_accepted, t_committed, t_observed, clock())
         metrics.first_token_seconds = metrics.first_token_seconds or t_committed - t0
     metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
     return rows, metrics

@@ -93,11 +93,12 @@ class SpecMetrics:
                 self.reached_per_position[i] += 1
                 self.accepted_per_position[i] += i < n
 
-    def record_phases(self, start: float, proposed: float, forward: float, accepted: float, committed: float,
-                      observed: float, end: float) -> None:
-        """Clock readings around the phases of one step (end: after record_step)."""
+    def record_phases(self, start: float, proposed: float, window: float, forward: float, accepted: float,
+                      committed: float, observed: float, end: float) -> None:
+        """Clock readings around the phases of one step (window: the verify window assembled, just
+        before the target's forward, a gap left to other_seconds; end: after record_step)."""
         self.propose_seconds += proposed - start
-        self.forward_seconds += forward - proposed
+        self.forward_seconds += forward - window
         self.acceptance_seconds += accepted - forward
         self.commit_seconds += committed - accepted
         self.observe_seconds += observed - committed
