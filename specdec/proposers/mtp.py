@@ -50,9 +50,10 @@ class MTPState:
     sampling: SamplingConfig
     k: int                # heads run per step (the first k)
     cache: KVCache        # layer j: head j; lengths (B,): the window's first position F per row
+    first: list[int]      # (B,) F, the cache's lengths before the last proposal wrote (kept on the host)
     hidden: torch.Tensor  # (B, W, C) target hidden states at positions F..T-1, right-padded
     ahead: torch.Tensor   # (B, W) tokens x_{F+1}..x_T, aligned with `hidden`
-    lengths: torch.Tensor  # (B,) window length per row, T - F
+    lengths: list[int]    # (B,) window length per row, T - F
     written: int = 0      # window columns the last proposal wrote into the cache (0: it ran no head)
 
 
@@ -90,7 +91,7 @@ class MTPProposer:
         # positions written stay below max_len + the widest window after prefill (< 3 (k + 1))
         cache = KVCache(k, B, cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1),
                         dtype=dtype, device=prompt_hidden.device)
-        return MTPState(sampling, k, cache, prompt_hidden.to(dtype), ahead, lengths)
+        return MTPState(sampling, k, cache, [0] * B, prompt_hidden.to(dtype), ahead, lengths.tolist())
 
     def propose(self, state: MTPState, limits, generator) -> Proposal:
         B, m, W = limits.shape[0], int(limits.max()), state.hidden.shape[1]
@@ -98,20 +99,23 @@ class MTPProposer:
         if m == 0 or W == 0:
             return Proposal.empty(B)
         heads, trunk, k = self.heads, self.target, state.k
-        ctx = heads.context(next_positions(state.cache, W, self.context), state.hidden.dtype, state.cache, W)
-        last = (state.lengths - 1).clamp(min=0)[:, None, None].expand(B, 1, state.hidden.shape[2])  # (B, 1, C)
+        positions = None if max(state.first) + W <= self.context else next_positions(state.cache, W, self.context)
+        ctx = heads.context(positions, state.hidden.dtype, state.cache, W)
+        columns = torch.tensor([[max(n - 1, 0), n] for n in state.lengths])  # (B, 2): window's last, then next
+        last = columns[:, :1, None].expand(B, 1, state.hidden.shape[2])      # (B, 1, C)
         ahead = torch.cat([state.ahead, state.ahead.new_zeros(B, k)], 1)  # (B, W+k): then drafts at lengths+j
         prev, tokens, probs = state.hidden, [], []
         for j in range(k):  # every head writes the window, even beyond m: they share the cache lengths
             out = heads.forward_head(j, trunk, prev, ahead[:, j:j + W], ctx)  # (B, W, C)
             p, token = self.draft(heads.normed(j, trunk, out.gather(1, last))[:, 0], state.sampling, generator)
-            ahead.scatter_(1, (state.lengths + j)[:, None], token[:, None])
+            ahead.scatter_(1, columns[:, 1:] + j, token[:, None])
             tokens.append(token)
             probs.append(p)
             prev = heads.next_prev(state.hidden, out)
         state.cache.advance(W)
         state.written = W
-        lengths = torch.where(state.lengths > 0, limits, 0)  # a one-token prompt has no hidden state yet
+        # a one-token prompt has no hidden state yet: no drafts
+        lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
         probs = None if state.sampling.greedy else torch.stack(probs, 1)[:, :m]
         return Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs)
 
@@ -130,29 +134,33 @@ class MTPProposer:
         return full, self.draft_ids[token]
 
     def observe(self, state: MTPState, outcome: Outcome) -> None:
-        first = state.cache.lengths - state.written              # (B,) F
-        end = first + state.lengths                              # (B,) T: the window's end
         lookahead = state.k if self.heads.reads_ahead else 0
-        # keep entries whose inputs were all committed: every head at positions < T' - lookahead
-        # (accepted drafts equal the committed tokens); nothing is kept that was not written
-        keep_to = torch.minimum(end + outcome.counts - lookahead, end if state.written else first)
-        keep_to = torch.maximum(keep_to, first)
+        keep_to, drop = [], []
+        for first, n, emitted in zip(state.first, state.lengths, outcome.counts.tolist()):
+            end = first + n  # T: the window's end
+            # keep entries whose inputs were all committed: every head at positions < T' - lookahead
+            # (accepted drafts equal the committed tokens); nothing is kept that was not written
+            keep_to.append(max(min(end + emitted - lookahead, end if state.written else first), first))
+            drop.append(keep_to[-1] - first)
         state.cache.rollback(keep_to)
-        drop = keep_to - first
-        state.hidden, lengths = _ragged_concat(state.hidden, state.lengths, drop, outcome.hidden, outcome.counts)
-        state.ahead, _ = _ragged_concat(state.ahead, state.lengths, drop, outcome.tokens, outcome.counts)
-        state.lengths = lengths
+        state.first = keep_to
+        index, state.lengths = _ragged_concat_index(state.hidden.shape[1], outcome.tokens.shape[1], state.lengths,
+                                                    drop, outcome.counts.tolist())
+        state.hidden = _gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
+        state.ahead = _gather_rows(torch.cat([state.ahead, outcome.tokens], 1), index)
 
 
-def _ragged_concat(old: torch.Tensor, old_len: torch.Tensor, drop: torch.Tensor, new: torch.Tensor,
-                   new_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row b: old[b, drop[b]:old_len[b]] then new[b, :new_len[b]], left-aligned and right-padded.
-    old (B, W, ...), new (B, M, ...) -> (B, W', ...), lengths (B,)."""
-    keep = old_len - drop
-    total = keep + new_len
-    col = torch.arange(int(total.max()))[None]                                   # (1, W')
-    src = torch.where(col < keep[:, None], drop[:, None] + col, old.shape[1] + col - keep[:, None])
-    src = src.clamp(0, old.shape[1] + new.shape[1] - 1)                          # (B, W') padding: any
-    both = torch.cat([old, new.to(old.dtype)], 1)
-    index = src.view(*src.shape, *[1] * (both.dim() - 2)).expand(-1, -1, *both.shape[2:])
-    return both.gather(1, index), total
+def _ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
+                         new_len: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Columns of cat([old, new], 1) that give row b old[b, drop[b]:old_len[b]] then
+    new[b, :new_len[b]], left-aligned and right-padded (padding: any column): (B, W'), lengths."""
+    total = [n - d + m for n, d, m in zip(old_len, drop, new_len)]
+    width, last = max(total), old_width + new_width - 1
+    index = [[min(d + c if c < n - d else old_width + c - (n - d), last) for c in range(width)]
+             for n, d in zip(old_len, drop)]
+    return torch.tensor(index).view(len(total), width), total
+
+
+def _gather_rows(both: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """both (B, W, ...) -> (B, W', ...) the columns index (B, W') of each row."""
+    return both.gather(1, index.view(*index.shape, *[1] * (both.dim() - 2)).expand(-1, -1, *both.shape[2:]))
