@@ -122,7 +122,7 @@ inline void tile(const float* X, int64_t ldx, const uint16_t* W, int64_t K, int6
 constexpr int panels_for(int R) {
   return R * kRegsPerV * 8 <= kRegs - 4 ? 8 : (kRegs - 4) / (R * kRegsPerV) < 1 ? 1 : (kRegs - 4) / (R * kRegsPerV);
 }
-constexpr int kMaxRows = 6;
+constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;  // rows per block: as many as leave room for 3+ panels
 
 template <int R, int NB>
 inline void tile_dispatch_nb(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
@@ -156,7 +156,9 @@ inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t
         case 3: tile_rows<3>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
         case 4: tile_rows<4>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
         case 5: tile_rows<5>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        default: tile_rows<6>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        case 6: tile_rows<6>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        case 7: tile_rows<7>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        default: tile_rows<8>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
       }
     }
   }
