@@ -30,7 +30,8 @@ et al. 2015). With top-k only the target's k most probable tokens are kept apart
 the vocabulary is one bucket holding the remaining mass, for the target and for the draft alike:
 the KL of these k+1 outcomes, a lower bound of the full KL that needs (B, S, k+1) target values
 instead of (B, S, V). (Renormalising the k tokens instead teaches the draft to give the rest
-nothing, and the full KL grows while the top tokens agree better.) Greedy speculative decoding accepts a draft
+nothing, and the full KL grows while the top tokens agree better. Distilling the shipped draft,
+even the bucket let the full KL grow, so the default is the whole vocabulary; README.) Greedy speculative decoding accepts a draft
 token exactly when argmax(draft) == argmax(target), so that agreement rate is reported beside
 the KL.
 
