@@ -93,17 +93,17 @@ class DraftModelProposer:
         tokens, probs = [], []
         for i in range(m):
             if state.sampling.greedy:  # an argmax: greedy verification reads no draft distribution
-                token = argmax(logits)  # (B,)
+                token = argmax(logits)  # (B,) over the draft vocabulary
             else:
                 probs.append(probabilities(logits, state.sampling))  # (B, N)
                 token = sample(probs[-1], generator)
+            token = token if self.draft_ids is None else self.draft_ids[token]  # a target id
             tokens.append(token)
             if i + 1 < m:
                 logits = self.forward(token[:, None], state.cache)
         state.fed_drafts = m - 1
         drafts = torch.stack(tokens, 1)  # (B, m)
         if self.draft_ids is not None:
-            drafts = self.draft_ids[drafts]
             probs = [p.new_zeros(B, self.vocab_size).index_copy_(1, self.draft_ids, p) for p in probs]
         return Proposal(drafts, limits.clone(), torch.stack(probs, 1) if probs else None)
 
