@@ -71,8 +71,15 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) probabilities -> (B,) token ids, one draw per row."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """(B, V) probabilities (rows need not sum to 1) -> (B,) token ids, one draw per row.
+
+    Inverse CDF: the first id whose cumulative mass exceeds u x the row's mass, u uniform in
+    [0, 1), in float64 (so u x mass stays below the total and a zero-probability id is never
+    drawn). Exact, and one uniform per row: torch.multinomial took ~250 us per 16,384-id row on
+    the CPU, as much as a target forward."""
+    cdf = probs.double().cumsum(-1)                                                      # (B, V)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

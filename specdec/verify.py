@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .sampling import argmax
+from .sampling import argmax, sample
 
 
 class Verdict(NamedTuple):
@@ -110,5 +110,5 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         else:
             draft_at = draft_probs[rows, pos]                                         # (B, V)
         at = torch.where(rejected[:, None], residual(at, draft_at), at)
-    next_token = torch.multinomial(at, 1, generator=generator).squeeze(1)
+    next_token = sample(at, generator)
     return Verdict(accepted, next_token)

@@ -70,7 +70,7 @@ def test_greedy_output_equals_reference(kind, k, batch):
             assert_matches_reference(prompt, row.tokens)
         assert metrics.emitted == sum(len(r.tokens) for r in rows)
     if batch == 4:  # the distilled heads are neither useless nor perfect: both paths were taken
-        assert 0.1 < metrics.acceptance_rate < 1.0
+        assert 0 < metrics.accepted < metrics.proposed
 
 
 @pytest.mark.parametrize("kind", HEAD_KINDS)

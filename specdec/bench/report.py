@@ -83,8 +83,8 @@ def curve_lines(result: dict, cell: dict) -> list[str]:
         lines.append(f"| {n} | {1000 * s:.3f} | {s / t1:.2f} | {num(rate, '.0f')} | {share} |")
     bandwidth = roof.get("read_bandwidth_GBps")
     if params and isinstance(bandwidth, float):
-        lines += ["", f"One token reads {2 * params / 1e6:.1f} MB of bf16 matrices per row: "
-                      f"{2 * params * B / t1 / 1e9:.1f} GB/s at t(1), against {bandwidth:.1f} GB/s measured "
+        lines += ["", f"A forward reads the {2 * params / 1e6:.1f} MB of bf16 matrices once for its {B} row(s): "
+                      f"{2 * params / t1 / 1e9:.1f} GB/s at t(1), against {bandwidth:.1f} GB/s measured "
                       f"(summing 512 MB) and an FMA peak of {num(peak, '.0f')} GFLOP/s ({roof.get('isa')}, "
                       f"{roof.get('threads')} threads)."]
     return lines
