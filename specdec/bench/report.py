@@ -74,6 +74,7 @@ def curve_lines(result: dict, cell: dict) -> list[str]:
     params = result["conditions"]["target"].get("matrix_parameters")
     B, t1 = curve["batch_size"], curve["seconds"][0]
     lines = [f"Verify-cost curve: one target forward over n new tokens per row at batch {B}"
+             + (f", after {curve['context_tokens']} cached tokens" if "context_tokens" in curve else "")
              + (f"; matrix FLOPs = 2 x {params / 1e6:.1f}M parameters x {B} x n" if params else "") + ".", "",
              "| n | ms | t(n)/t(1) | matrix GFLOP/s | of the FMA peak |", "|---|---|---|---|---|"]
     peak = roof.get("fma_peak_gflops")

@@ -16,12 +16,14 @@ Output JSON (schema "specdec-bench/1"):
 
     schema, command (argv), plan (the cells and settings run), seconds (wall time of the run)
     conditions: target, draft, mtp_heads (name, parameters, dtype, checkpoint sha256),
-        hardware (cpu, cores, threads, accelerator), software (python, torch, transformers, specdec, git),
+        hardware (cpu, cores, threads, accelerator), roofline (fma_peak_gflops and read_bandwidth_GBps
+        measured in the run, isa, threads), software (python, torch, transformers, specdec, git),
         repeats, baseline
     cells[]: workload {name, description, prompts, prompt_tokens: spread, max_new_tokens, eos},
         sampling {temperature, top_k, top_p, seed}, batch_size, ks,
-        verify_curve {batch_size, tokens[], seconds[], implausible [[n, ratio]]} (median seconds of one
-            target forward over n new tokens per row after 128 cached ones; implausible points: noise.py),
+        verify_curve {batch_size, context_tokens, tokens[], seconds[], implausible [[n, ratio]]} (median
+            seconds of one target forward over n new tokens per row after context_tokens cached ones: the
+            cell's median prompt plus half its new tokens; implausible points: noise.py),
         noisy (bool: a result's noise or an implausible verify curve)
         results[]: method, k, label, acceptance {rule, lossless}, lossless_method (bool: that rule is lossless),
             noise [reasons] (empty: the figures are not noisy, see noise.py),
@@ -292,7 +294,9 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
     max_k = max(cfg.k for cfg in configs)
     curve_tokens = sorted(set(range(1, max_k + 2)) | ({CURVE_EXTRA_TOKENS} if cell.batch_size == 1 else set()))
     bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
-    curve = measure_verify_curve(bench.target.model, curve_tokens, cell.batch_size)
+    # at the cell's typical context: its median prompt plus half the new tokens (attention grows with it)
+    context = int(statistics.median(map(len, prompts))) + plan.max_new_tokens // 2
+    curve = measure_verify_curve(bench.target.model, curve_tokens, cell.batch_size, context_tokens=context)
     implausible = implausible_verify_points(curve.seconds)
     workload_info = {"name": wl.name, "description": wl.description, "prompts": len(prompts),
                      "prompt_tokens": spread([len(p) for p in prompts]), "max_new_tokens": plan.max_new_tokens,
@@ -320,7 +324,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
                            "method": method, **cell_conditions},
         })
     return {**cell_conditions, "ks": list(cell.ks),
-            "verify_curve": {"batch_size": cell.batch_size, "tokens": curve_tokens,
+            "verify_curve": {"batch_size": cell.batch_size, "context_tokens": context, "tokens": curve_tokens,
                              "seconds": [curve.seconds[n] for n in curve_tokens],
                              "implausible": [[n, ratio] for n, ratio in implausible]},
             "noisy": bool(implausible) or any(r["noise"] for r in results),
