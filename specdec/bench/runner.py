@@ -359,7 +359,8 @@ def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: flo
     per_step = {part: statistics.median(sum(getattr(m, f"{name}_seconds") for name in names) / m.steps
                                         for m in cfg.metrics)
                 for part, names in (("draft", ["draft"]), ("verify", ["verify"]),
-                                    ("other", ["commit", "metrics", "other"]))}
+                                    # the bookkeeping beyond the forwards (the curve costs the forward alone)
+                                    ("other", ["acceptance", "commit", "metrics", "other"]))}
     predicted = predicted_speedup(last.acceptance_per_position, per_step["draft"], curve, per_step["other"],
                                   batch_size, last.proposal_rate_per_position, last.proposed / last.row_steps)
     limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve, last.proposed / last.row_steps)
