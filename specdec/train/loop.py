@@ -121,27 +121,27 @@ class TrainConfig:
 
 def with_frozen_trunk(cfg: TrainConfig) -> TrainConfig:
     """The config with the frozen trunk's model config and tokenizer (which the heads must share)."""
-    trunk = Path(cfg.frozen_trunk)
-    model = LlamaConfig.from_dict(read_config(trunk))
-    tokenizer = trunk / TOKENIZER
-    if not tokenizer.exists():
-        raise SpecdecError(f"{trunk} has no {TOKENIZER}; the heads must use the trunk's tokenizer")
-    if cfg.tokenizer and Path(cfg.tokenizer).read_bytes() != tokenizer.read_bytes():
-        raise SpecdecError(f"--tokenizer {cfg.tokenizer} is not the frozen trunk's tokenizer; leave it out "
-                           "(the trunk's own is used)")
-    return dataclasses.replace(cfg, model=model, tokenizer=str(tokenizer))
+    return adopt_checkpoint(cfg, Path(cfg.frozen_trunk), "the heads must use the trunk's tokenizer",
+                            "the frozen trunk's tokenizer")
 
 
 def with_init_from(cfg: TrainConfig) -> TrainConfig:
     """The config with the starting checkpoint's model config and tokenizer (its weights need them)."""
     start = Path(cfg.init_from)
-    model = LlamaConfig.from_dict(read_config(start))
-    tokenizer = start / TOKENIZER
+    return adopt_checkpoint(cfg, start, "a model fine-tuned from it must keep its tokenizer",
+                            f"the tokenizer of --init-from {start}")
+
+
+def adopt_checkpoint(cfg: TrainConfig, path: Path, why: str, whose: str) -> TrainConfig:
+    """cfg with the model config and tokenizer of the checkpoint at `path`; a --tokenizer that is
+    not that checkpoint's is refused."""
+    model = LlamaConfig.from_dict(read_config(path))
+    tokenizer = path / TOKENIZER
     if not tokenizer.exists():
-        raise SpecdecError(f"{start} has no {TOKENIZER}; a model fine-tuned from it must keep its tokenizer")
+        raise SpecdecError(f"{path} has no {TOKENIZER}; {why}")
     if cfg.tokenizer and Path(cfg.tokenizer).read_bytes() != tokenizer.read_bytes():
-        raise SpecdecError(f"--tokenizer {cfg.tokenizer} is not the tokenizer of --init-from {start}; leave it "
-                           "out (the checkpoint's own is used)")
+        raise SpecdecError(f"--tokenizer {cfg.tokenizer} is not {whose}; leave it out (the checkpoint's own "
+                           "is used)")
     return dataclasses.replace(cfg, model=model, tokenizer=str(tokenizer))
 
 
