@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("mode", choices=["all", "plain"], nargs="?", default="all",
                    help="all: the benchmark (default); plain: specdec vs transformers generate (and llama.cpp "
                         "when installed) and bandwidth")
-    b.add_argument("--quick", action="store_true", help="the few-minute plan (default: the full plan, ~20 min)")
+    b.add_argument("--quick", action="store_true", help="the half-minute plan (default: the full plan, about 3 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
     b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
