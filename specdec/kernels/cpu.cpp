@@ -4,7 +4,7 @@
 // One token reads every weight once (memory-bound); k+1 tokens must share each weight load and
 // each register tile (compute-bound), and nothing else may eat the step — not Python, not ~30
 // PyTorch operators per layer. So a matrix is packed once at load into panels of 16 outputs
-// (isa.h), a tile of up to 6 rows x up to 8 panels lives in registers, and a model's decoder
+// (isa.h), a tile of up to 8 rows (6 on AVX2) x up to 8 panels lives in registers, and a model's decoder
 // layers run in one call and one OpenMP parallel region (`Stack`).
 //
 // The arithmetic contract (what makes greedy speculative decoding exact): every output of a row

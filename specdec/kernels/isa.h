@@ -122,7 +122,8 @@ inline void tile(const float* X, int64_t ldx, const uint16_t* W, int64_t K, int6
 constexpr int panels_for(int R) {
   return R * kRegsPerV * 8 <= kRegs - 4 ? 8 : (kRegs - 4) / (R * kRegsPerV) < 1 ? 1 : (kRegs - 4) / (R * kRegsPerV);
 }
-constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;  // rows per block: as many as leave room for 3+ panels
+// rows per block: AVX-512 8 (x 3 panels in 24 registers), AVX2 6 (x 1 panel in 12)
+constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;
 
 template <int R, int NB>
 inline void tile_dispatch_nb(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
