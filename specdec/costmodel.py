@@ -77,7 +77,7 @@ class VerifyCurve:
 def predicted_speedup(alpha_per_position: list[float | None], draft_seconds: float, curve: VerifyCurve,
                       overhead_seconds: float = 0.0, batch_size: int = 1,
                       proposal_rate_per_position: list[float | None] | None = None,
-                      mean_drafts: float | None = None) -> float:
+                      mean_drafts: float | None = None, prefill_seconds_per_token: float = 0.0) -> float:
     """Predicted speedup over plain decoding with a chain of up to k = len(alpha_per_position) drafts.
 
     A proposer that does not always draft k tokens (n-gram lookup drafts only what it finds) is
@@ -87,7 +87,11 @@ def predicted_speedup(alpha_per_position: list[float | None], draft_seconds: flo
 
     draft_seconds and overhead_seconds are per step (one forward over the whole batch). With
     batch_size B > 1 on a batch-1 curve, B rows of n tokens are costed as B × n tokens of one row;
-    pass a curve measured at that batch size (curve.batch_size == B) to use it as it is."""
+    pass a curve measured at that batch size (curve.batch_size == B) to use it as it is.
+
+    prefill_seconds_per_token: the prompt's prefill spread over the tokens a generation emits
+    (the same for both decoders), for a speedup measured on whole generations: then
+    S = (t_plain + p) / (t_spec + p) per emitted token, which a long prompt pulls towards 1."""
     if batch_size < 1:
         raise SpecdecError(f"batch size must be >= 1, got {batch_size}")
     k = len(alpha_per_position)
@@ -101,7 +105,10 @@ def predicted_speedup(alpha_per_position: list[float | None], draft_seconds: flo
     plain_step = curve.at(rows)
     spec_step = draft_seconds + curve.at(rows * (1 + drafts)) + overhead_seconds
     reached = [None if a is None or p is None else a * p for a, p in zip(alpha_per_position, rates)]
-    return expected_tokens(reached) * plain_step / spec_step
+    per_row = rows if curve.batch_size == 1 else batch_size  # tokens a plain step emits
+    plain_token = plain_step / per_row
+    spec_token = spec_step / (expected_tokens(reached) * per_row)
+    return (plain_token + prefill_seconds_per_token) / (spec_token + prefill_seconds_per_token)
 
 
 def speedup_limit(tau: float, k: int, curve: VerifyCurve, mean_drafts: float | None = None) -> float:

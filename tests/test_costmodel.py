@@ -64,6 +64,15 @@ def test_predicted_speedup_hand_case_with_draft_and_overhead():
     assert predicted_speedup([0.5], 0.002, curve, 0.001) == pytest.approx(1.5 * 0.010 / 0.015)
 
 
+def test_a_generation_s_prefill_pulls_the_speedup_towards_1():
+    curve = VerifyCurve({1: 0.010, 2: 0.012})
+    decode_only = predicted_speedup([0.5], 0.0, curve, 0.001)  # 1.5 x 10 ms / 13 ms
+    # 5 ms of prefill per emitted token, the same for both: (10 + 5) / (13 / 1.5 + 5)
+    whole = predicted_speedup([0.5], 0.0, curve, 0.001, prefill_seconds_per_token=0.005)
+    assert decode_only == pytest.approx(1.5 * 0.010 / 0.013)
+    assert whole == pytest.approx(0.015 / (0.013 / 1.5 + 0.005)) and 1 < whole < decode_only
+
+
 def test_a_proposer_that_drafts_less_than_k_is_costed_by_what_it_drafts():
     curve = VerifyCurve({1: 0.010, 2: 0.012, 3: 0.014})
     # drafts position 1 half the time and always position 2 after it, each always accepted:

@@ -190,8 +190,9 @@ def markdown_report(result: dict, plots: list[str]) -> str:
              "Speedup = tokens/s of the method / tokens/s of specdec's plain decoding in the same repeat "
              "(median and range over repeats). α = accepted / proposed drafts, τ = tokens emitted per step "
              "including the recovered or bonus token (specdec/metrics.py). *predicted*: the cost model "
-             "(specdec/costmodel.py) from α_i, the measured draft and bookkeeping seconds per step and the "
-             "measured verify-cost curve.", ""]
+             "(specdec/costmodel.py) from α_i, the measured draft and bookkeeping seconds per step, the "
+             "measured verify-cost curve and the generation's prefill per emitted token (the measured "
+             "speedup is over whole generations).", ""]
     for cell in result["cells"]:
         lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), "", *curve_lines(result, cell), ""]
     lines += step_breakdown_lines(result)

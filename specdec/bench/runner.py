@@ -361,8 +361,11 @@ def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: flo
                 for part, names in (("draft", ["draft"]), ("verify", ["verify"]),
                                     # the bookkeeping beyond the forwards (the curve costs the forward alone)
                                     ("other", ["acceptance", "commit", "metrics", "other"]))}
+    # the speedup is measured on whole generations: their prefill (target and proposer start) counts
+    prefill = statistics.median(m.prefill_seconds / m.emitted for m in cfg.metrics)
     predicted = predicted_speedup(last.acceptance_per_position, per_step["draft"], curve, per_step["other"],
-                                  batch_size, last.proposal_rate_per_position, last.proposed / last.row_steps)
+                                  batch_size, last.proposal_rate_per_position, last.proposed / last.row_steps,
+                                  prefill)
     limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve, last.proposed / last.row_steps)
     return {"acceptance_rate": last.acceptance_rate, "acceptance_per_position": last.acceptance_per_position,
             "mean_acceptance_length": last.mean_acceptance_length, "draft_cost_ratio": last.draft_cost_ratio,
