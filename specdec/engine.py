@@ -53,7 +53,7 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         drafts = proposal.tokens.tolist()                             # (B, m)
         window = torch.tensor([[token] + row for token, row in zip(last, drafts)])  # (B, 1+m)
         width = window.shape[1]
-        positions = None if max(cached) + width <= context else next_positions(cache, width, context)
+        positions = next_positions(cache, width, context, longest=max(cached))
         t_window = clock()
         out = target(window, positions=positions, cache=cache)
         t_forward = clock()

@@ -47,15 +47,16 @@ def context_length(model) -> int:
     return int(length)
 
 
-def next_positions(cache, width: int, context: int) -> torch.Tensor | None:
+def next_positions(cache, width: int, context: int, longest: int | None = None) -> torch.Tensor | None:
     """Positions (B, width) of the next `width` tokens of each row, or None where they are the
     model's default (each row's cache length + 0..width-1: no row reaches the context's end).
+    longest: the longest row's cache length where the caller keeps it on the host (else read).
 
     In a batch, rows that draft fewer tokens than the widest row are padded, and that padding may
     run past the model's context near the end of a row; its positions are clamped to stay valid
     (outputs at padding are never read, and its cache entries lie past the row's length).
     """
-    if int(cache.lengths.max()) + width <= context:
+    if (int(cache.lengths.max()) if longest is None else longest) + width <= context:
         return None
     steps = torch.arange(width, device=cache.lengths.device)[None]
     return (cache.lengths[:, None] + steps).clamp(max=context - 1)

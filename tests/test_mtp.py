@@ -15,7 +15,7 @@ from specdec.decode import plain_generate
 from specdec.engine import speculative_generate
 from specdec.errors import SpecdecError
 from specdec.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
-from specdec.proposers import build_proposer, mtp
+from specdec.proposers import base, build_proposer
 from specdec.reference import reference_generate
 from specdec.sampling import SamplingConfig, probabilities
 from specdec.stopping import StopRule
@@ -196,7 +196,7 @@ def test_speculative_sampling_matches_the_target_distribution(kind, setting, k, 
 def test_the_distribution_test_fails_when_drafts_are_not_drawn_from_draft_probs(monkeypatch):
     """A proposer bug, not a verifier bug: drafting the heads' argmax while reporting their
     distribution as draft_probs (greedy drafts are lossless only with one-hot draft_probs)."""
-    monkeypatch.setattr(mtp, "sample", lambda probs, generator: probs.argmax(-1))
+    monkeypatch.setattr(base, "sample", lambda probs, generator: probs.argmax(-1))  # where drafts are drawn
     kind, setting, k, _ = CONFIGS[0]
     counts, _ = counts_for(kind, setting, k, monkeypatch)
     result = sampling_test.distribution_test(counts, sampling_test.exact_joint(sampling_test.SETTINGS[setting]))

@@ -16,6 +16,9 @@ The target's final hidden states reach the proposer as arguments (`prompt_hidden
 target's cache always lags one token behind the sequence: the newest token ("last") is fed with
 the next verification window [last, drafts].
 
+A proposer that drafts from logits may draft over a draft vocabulary (`DraftVocabulary`) and
+draws its tokens with `draw`, so that every such proposer shares one definition of both.
+
 This module knows nothing about particular proposers, verification or stopping.
 """
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..sampling import SamplingConfig
+from ..errors import SpecdecError
+from ..model import frozen_linear
+from ..sampling import SamplingConfig, argmax, probabilities, sample
 
 
 @dataclass
@@ -75,3 +80,41 @@ class Proposer(Protocol):
 
     def observe(self, state: Any, outcome: Outcome) -> None:
         """Learn what the target committed for the last proposal; drop what it rejected."""
+
+
+class DraftVocabulary:
+    """A drafter's unembedding over the N token ids most frequent in its training tokens, and the
+    map back to target ids. Lossless: the draft's probability is 0 outside the N ids, which the
+    acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V)."""
+
+    def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
+        self.ids = ids                                              # (N,) sorted target ids
+        self.unembedding = frozen_linear(lm_head_weight[ids])       # (N, C) rows of the lm_head
+
+    @staticmethod
+    def ids_for(size: int | None, vocab_size: int, token_counts: torch.Tensor | None,
+                no_counts: str) -> torch.Tensor | None:
+        """The `size` most frequent ids (sorted), or None for the full vocabulary (size None or
+        >= vocab_size); `no_counts` is the error when the counts were not saved."""
+        if size is None or size >= vocab_size:
+            return None
+        if size < 1:
+            raise SpecdecError(f"draft_vocab must be >= 1 token, got {size}")
+        if token_counts is None:
+            raise SpecdecError(no_counts)
+        return token_counts.topk(size).indices.sort().values
+
+
+def draw(logits: torch.Tensor, sampling: SamplingConfig, generator, vocab: DraftVocabulary | None,
+         vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Draft logits (B, N) (N = V without a draft vocabulary) -> the distribution the draft is
+    drawn from, over the full vocabulary (B, V), and the drawn target ids (B,); greedy: None (greedy
+    verification reads no draft distribution) and the argmax."""
+    if sampling.greedy:
+        token = argmax(logits)
+        return None, token if vocab is None else vocab.ids[token]
+    p = probabilities(logits, sampling)
+    token = sample(p, generator)
+    if vocab is None:
+        return p, token
+    return p.new_zeros(p.shape[0], vocab_size).index_copy_(1, vocab.ids, p), vocab.ids[token]

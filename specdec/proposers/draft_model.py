@@ -18,9 +18,9 @@ import torch
 
 from ..errors import SpecdecError
 from ..lm import causal_lm, context_length, next_positions, prefill_all_but_last
-from ..model import LlamaForCausalLM, frozen_linear
-from ..sampling import SamplingConfig, argmax, probabilities, sample
-from .base import Outcome, Proposal
+from ..model import LlamaForCausalLM
+from ..sampling import SamplingConfig
+from .base import DraftVocabulary, Outcome, Proposal, draw
 
 
 @dataclass
@@ -43,18 +43,18 @@ class DraftModelProposer:
         self.model = causal_lm(model, role="draft model")
         self.vocab_size = self.model.config.vocab_size
         self.context = context_length(self.model)
-        self.draft_ids, self.unembedding = None, None  # (N,) ids drafted over; their rows of lm_head
-        if draft_vocab is not None and draft_vocab < self.vocab_size:
-            if draft_vocab < 1:
-                raise SpecdecError(f"draft_vocab must be >= 1 token, got {draft_vocab}")
-            if token_counts is None:
-                raise SpecdecError("this draft model was saved without the token counts of its training data, so "
-                                   "no draft vocabulary can be chosen: draft over the full vocabulary, or add "
-                                   "them (checkpoint.save_token_counts)")
-            if not isinstance(self.model, LlamaForCausalLM):
-                raise SpecdecError("a draft vocabulary needs specdec's own LlamaForCausalLM as the draft model")
-            self.draft_ids = token_counts.topk(draft_vocab).indices.sort().values
-            self.unembedding = frozen_linear(self.model.lm_head.weight[self.draft_ids])
+        ids = DraftVocabulary.ids_for(
+            draft_vocab, self.vocab_size, token_counts,
+            "this draft model was saved without the token counts of its training data, so no draft "
+            "vocabulary can be chosen: draft over the full vocabulary, or add them (checkpoint.save_token_counts)")
+        if ids is not None and not isinstance(self.model, LlamaForCausalLM):
+            raise SpecdecError("a draft vocabulary needs specdec's own LlamaForCausalLM as the draft model")
+        self.vocab = None if ids is None else DraftVocabulary(ids, self.model.lm_head.weight)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """(N,) the token ids drafted over; None: all V."""
+        return None if self.vocab is None else self.vocab.ids
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k) -> DraftState:
         if max_len - 1 > self.context:
@@ -68,7 +68,7 @@ class DraftModelProposer:
 
     def forward(self, tokens: torch.Tensor, cache, logits_index=None) -> torch.Tensor:
         """Logits (B, N) at the last position (or logits_index (B, 1)) over the draft vocabulary."""
-        extra = {} if self.unembedding is None else {"unembedding": self.unembedding}
+        extra = {} if self.vocab is None else {"unembedding": self.vocab.unembedding}
         out = self.model(tokens, positions=next_positions(cache, tokens.shape[1], self.context), cache=cache,
                          logits_index=logits_index, **extra)
         return out.logits[:, -1]
@@ -92,20 +92,14 @@ class DraftModelProposer:
         state.cache.rollback(torch.tensor(state.committed))
         tokens, probs = [], []
         for i in range(m):
-            if state.sampling.greedy:  # an argmax: greedy verification reads no draft distribution
-                token = argmax(logits)  # (B,) over the draft vocabulary
-            else:
-                probs.append(probabilities(logits, state.sampling))  # (B, N)
-                token = sample(probs[-1], generator)
-            token = token if self.draft_ids is None else self.draft_ids[token]  # a target id
+            p, token = draw(logits, state.sampling, generator, self.vocab, self.vocab_size)  # (B, V), (B,)
             tokens.append(token)
+            probs.append(p)
             if i + 1 < m:
                 logits = self.forward(token[:, None], state.cache)
         state.fed_drafts = m - 1
-        drafts = torch.stack(tokens, 1)  # (B, m)
-        if self.draft_ids is not None:
-            probs = [p.new_zeros(B, self.vocab_size).index_copy_(1, self.draft_ids, p) for p in probs]
-        return Proposal(drafts, limits.clone(), torch.stack(probs, 1) if probs else None)
+        probs = None if state.sampling.greedy else torch.stack(probs, 1)
+        return Proposal(torch.stack(tokens, 1), limits.clone(), probs)
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
         # accepted drafts already in the cache stay; the rest of the committed tokens become pending

@@ -41,8 +41,8 @@ from ..heads import MTPHeads, check_heads_fit
 from ..kv_cache import KVCache
 from ..lm import next_positions
 from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
-from ..sampling import SamplingConfig, probabilities, sample
-from .base import Outcome, Proposal
+from ..sampling import SamplingConfig
+from .base import DraftVocabulary, Outcome, Proposal, draw
 
 
 @dataclass
@@ -68,17 +68,17 @@ class MTPProposer:
         self.heads, self.target = heads, target
         self.vocab_size = V = target.config.vocab_size
         self.context = target.config.max_position_embeddings
-        self.draft_ids = None  # (N,) the token ids drafted over; None: all V
-        if draft_vocab is not None and draft_vocab < V:
-            if draft_vocab < 1:
-                raise SpecdecError(f"draft_vocab must be >= 1 token, got {draft_vocab}")
-            if heads.token_counts is None:
-                raise SpecdecError("these MTP heads were saved without their training token counts, so no "
-                                   "draft vocabulary can be chosen: draft over the full vocabulary, or retrain "
-                                   "the heads with this version of specdec")
-            self.draft_ids = heads.token_counts.topk(draft_vocab).indices.sort().values
-        weight = target.lm_head.weight
-        self.unembedding = frozen_linear(weight if self.draft_ids is None else weight[self.draft_ids])  # (N, C)
+        ids = DraftVocabulary.ids_for(
+            draft_vocab, V, heads.token_counts,
+            "these MTP heads were saved without their training token counts, so no draft vocabulary can be "
+            "chosen: draft over the full vocabulary, or retrain the heads with this version of specdec")
+        self.vocab = None if ids is None else DraftVocabulary(ids, target.lm_head.weight)
+        self.unembedding = frozen_linear(target.lm_head.weight) if ids is None else self.vocab.unembedding
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """(N,) the token ids drafted over; None: all V."""
+        return None if self.vocab is None else self.vocab.ids
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k) -> MTPState:
         if k > self.heads.depth:
@@ -99,7 +99,7 @@ class MTPProposer:
         if m == 0 or W == 0:
             return Proposal.empty(B)
         heads, trunk, k = self.heads, self.target, state.k
-        positions = None if max(state.first) + W <= self.context else next_positions(state.cache, W, self.context)
+        positions = next_positions(state.cache, W, self.context, longest=max(state.first))
         ctx = heads.context(positions, state.hidden.dtype, state.cache, W)
         columns = torch.tensor([[max(n - 1, 0), n] for n in state.lengths])  # (B, 2): window's last, then next
         last = columns[:, :1, None].expand(B, 1, state.hidden.shape[2])      # (B, 1, C)
@@ -107,7 +107,8 @@ class MTPProposer:
         prev, tokens, probs = state.hidden, [], []
         for j in range(k):  # every head writes the window, even beyond m: they share the cache lengths
             out = heads.forward_head(j, trunk, prev, ahead[:, j:j + W], ctx)  # (B, W, C)
-            p, token = self.draft(heads.normed(j, trunk, out.gather(1, last))[:, 0], state.sampling, generator)
+            normed = heads.normed(j, trunk, out.gather(1, last))[:, 0]  # (B, C)
+            p, token = draw(self.unembedding(normed), state.sampling, generator, self.vocab, self.vocab_size)
             ahead.scatter_(1, columns[:, 1:] + j, token[:, None])
             tokens.append(token)
             probs.append(p)
@@ -118,20 +119,6 @@ class MTPProposer:
         lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
         probs = None if state.sampling.greedy else torch.stack(probs, 1)[:, :m]
         return Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs)
-
-    def draft(self, normed: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """normed (B, C) -> the draft distribution over the full vocabulary (B, V) and a token drawn
-        from it (B,); greedy: None (greedy verification reads no draft distribution) and the argmax."""
-        logits = self.unembedding(normed)  # (B, N)
-        if sampling.greedy:
-            token = logits.argmax(-1)
-            return None, token if self.draft_ids is None else self.draft_ids[token]
-        p = probabilities(logits, sampling)
-        token = sample(p, generator)
-        if self.draft_ids is None:
-            return p, token
-        full = p.new_zeros(p.shape[0], self.vocab_size).index_copy_(1, self.draft_ids, p)
-        return full, self.draft_ids[token]
 
     def observe(self, state: MTPState, outcome: Outcome) -> None:
         lookahead = state.k if self.heads.reads_ahead else 0
