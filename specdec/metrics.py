@@ -32,8 +32,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-
-
 PHASES = ("propose_seconds", "forward_seconds", "acceptance_seconds", "commit_seconds", "observe_seconds",
           "metrics_seconds")
 

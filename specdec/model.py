@@ -204,9 +204,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
         qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv], *window.rotary)  # q and k rotated together
         q, k, v = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], qkv[:, :, self.n_heads + self.n_kv:]
-        if window.cache is not None:                                         # (B, Hkv, S, D)
-            k, v = (t.transpose(1, 2) for t in window.cache.write(layer, window.slots, k, v, window.span))
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        if window.cache is not None:  # the cached keys and values with the new ones: (B, Hkv, S, D)
+            k, v = window.cache.write(layer, window.slots, k, v, window.span)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
                                            attn_mask=window.mask, is_causal=window.mask is None and T > 1,
                                            enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
