@@ -58,18 +58,23 @@ struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each
   int64_t S;
 };
 
-// ---------------------------------------------------------------------------------- AVX-512
+// The sum of 8 lanes by a fixed tree (lanes i and i+4, then i and i+2, then 0 and 1), shared by
+// both instruction sets (AVX-512 first folds its 16 lanes to 8 the same way AVX2 does).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
-namespace avx512 {
-constexpr int kRegs = 32, kRegsPerV = 1;
-
+#pragma GCC target("avx2,fma")
 inline float hsum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
   a = _mm_add_ss(a, _mm_movehdup_ps(a));
   return _mm_cvtss_f32(a);
 }
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------- AVX-512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+namespace avx512 {
+constexpr int kRegs = 32, kRegsPerV = 1;
 
 struct V {
   __m512 v;
@@ -133,13 +138,6 @@ struct V {
 #pragma GCC target("avx2,fma")
 namespace avx2 {
 constexpr int kRegs = 16, kRegsPerV = 2;
-
-inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
 
 inline __m256 bf16x8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
