@@ -113,9 +113,10 @@ def spread(values: list[float]) -> dict:
 
 
 def shown_path(path: Path) -> str:
-    """A path inside the repository relative to its root (models/target), others as given."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        return Path(path).resolve().relative_to(root).as_posix()
-    except ValueError:
-        return str(path)
+    """A path inside the repository relative to its root (models/target), one in the home folder
+    from ~ (no machine's user paths in a report), others as given."""
+    resolved = Path(path).resolve()
+    for root, prefix in ((Path(__file__).resolve().parents[2], ""), (Path.home().resolve(), "~/")):
+        if resolved.is_relative_to(root):
+            return prefix + resolved.relative_to(root).as_posix()
+    return str(path)

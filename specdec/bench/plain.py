@@ -25,7 +25,7 @@ from ..model import compute_dtype
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
 from . import llamacpp
-from .conditions import hardware, model_info, software, spread
+from .conditions import hardware, model_info, shown_path, software, spread
 from .workloads import humaneval_prompts
 
 MACHINE_READ_BANDWIDTH = 47e9  # bytes/s, measured on the build machine (DESIGN.md section 8)
@@ -73,7 +73,7 @@ def llama_cpp_peers(target, prompts: list[list[int]], enabled: bool) -> tuple[di
         logits = model.logits(prompts[0])
         name = f"llama.cpp {dtype}"
         models[name] = model
-        info[name] = {"gguf": str(model.path), "weights": dtype, "kv_cache": settings["kv"],
+        info[name] = {"gguf": shown_path(model.path), "weights": dtype, "kv_cache": settings["kv"],
                       "flash_attention": settings["flash_attn"],
                       "max_abs_logit_diff_vs_specdec": float(np.abs(logits - reference).max()),
                       "argmax_agreement_vs_specdec": float((logits.argmax(-1) == reference.argmax(-1)).mean()),
