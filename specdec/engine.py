@@ -7,6 +7,10 @@ emitted through `Row.append` one at a time, so EOS, stop strings and max_new_tok
 inside an accepted run; then each row's target cache is rolled back to the tokens it kept and the
 proposer is told what was committed. k = 0 proposes nothing: one token per step, plain decoding.
 
+A proposal may be a tree (tree.py; `widths` caps the drafts per depth): the window then carries
+every node, with positions by depth and a tree attention mask, acceptance walks the tree, and the
+cache keeps the accepted path's entries moved to follow each other (`KVCache.compact`).
+
 This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py)
 or model internals (lm.py).
 """
@@ -19,28 +23,33 @@ import torch
 from .errors import SpecdecError
 from .lm import causal_lm, context_length, next_positions, prefill_all_but_last
 from .metrics import SpecMetrics
+from .model import LlamaForCausalLM
 from .proposers.base import Outcome, Proposal, Proposer
 from .sampling import SamplingConfig, probabilities
 from .stopping import Row, StopRule
-from .verify import Verdict, greedy_accept, rejection_sample
+from .tree import levels_reached, path_columns, window_layout
+from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
 
 
 @torch.inference_mode()
 def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule,
                          sampling: SamplingConfig, k: int, generator: torch.Generator | None = None,
-                         *, sampled_verify=rejection_sample) -> tuple[list[Row], SpecMetrics]:
-    """`sampled_verify` is the acceptance rule used when sampling (signature of
-    verify.rejection_sample); tests replace it to show a wrong rule is detected."""
+                         *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
+                         tree_verify=tree_rejection_sample) -> tuple[list[Row], SpecMetrics]:
+    """widths: the most drafts per depth (len k; default all ones, a chain). `sampled_verify` and
+    `tree_verify` are the acceptance rules used when sampling chains and trees (signatures of
+    verify.rejection_sample and verify.tree_rejection_sample); tests replace them to show a
+    wrong rule is detected."""
     target = causal_lm(target, role="target")
     context = context_length(target)
-    check_inputs(target, proposer, prompts, rule, k, context)
-    verify = _verifier(sampling, sampled_verify, generator)
+    widths = check_inputs(target, proposer, prompts, rule, k, widths, context)
+    verify = _verifier(sampling, sampled_verify, tree_verify, generator)
     metrics = SpecMetrics(k=k, batch_size=len(prompts))
     rows = [Row(rule) for _ in prompts]
     t0 = time.perf_counter()
     with metrics.timed("prefill_seconds"):
         max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
-        cache = target.new_cache(len(prompts), max_len + k)       # + k: room for padded windows
+        cache = target.new_cache(len(prompts), max_len + sum(widths))  # + room for padded windows
         state = proposer.start(prompts, prefill_all_but_last(target, cache, prompts), sampling, max_len, k)
         last = [p[-1] for p in prompts]                           # (B,) newest token, not in the cache
         cached = [len(p) - 1 for p in prompts]                    # (B,) the target cache's lengths
@@ -48,28 +57,39 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
     while not all(row.done for row in rows):
         budgets = [row.budget for row in rows]                    # tokens each row may still emit
         t_start = clock()
-        proposal = proposer.propose(state, draft_limits(budgets, k), generator).trimmed()   # propose
+        limits = draft_limits(budgets, k)
+        proposal = proposer.propose(state, limits, widths, generator).trimmed()   # propose
         t_proposed = clock()
         drafts = proposal.tokens.tolist()                             # (B, m)
         window = torch.tensor([[token] + row for token, row in zip(last, drafts)])  # (B, 1+m)
-        width = window.shape[1]
-        positions = next_positions(cache, width, context, longest=max(cached))
+        if proposal.parents is None:                                  # a chain: causal, default positions
+            positions, tree = next_positions(cache, window.shape[1], context, longest=max(cached)), None
+        else:
+            positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), cached, context)
         t_window = clock()
-        out = target(window, positions=positions, cache=cache)
+        out = target(window, positions=positions, cache=cache, attention_mask=tree)
         t_forward = clock()
         verdict = verify(proposal, out.logits)                        # accept: logits (B, 1+m, V)
         t_accepted = clock()
         accepted = verdict.accepted.tolist()
-        runs, counts = commit(rows, drafts, accepted, verdict.next_token.tolist())  # (B, 1+m), (B,)
-        # roll back: keep the window positions that predicted an emitted token
+        paths = verdict.paths or [range(n) for n in accepted]
+        runs, counts = commit(rows, drafts, paths, verdict.next_token.tolist())  # (B, 1+m), (B,)
+        # keep the window entries that predicted an emitted token: the root, then the accepted path
+        if verdict.paths is not None:
+            cache.compact(cached, verdict.paths)
         cached = [n + c for n, c in zip(cached, counts)]
         cache.rollback(cached)
         # the newest emitted token opens the next window (finished rows keep theirs)
         last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, last)]
         t_committed = clock()
-        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts), out.hidden))
+        hidden = out.hidden if verdict.paths is None else out.hidden.gather(
+            1, path_columns(verdict.paths, window.shape[1])[..., None].expand_as(out.hidden))
+        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts), hidden,
+                                        verdict.paths))
         t_observed = clock()
-        metrics.record_step([b > 0 for b in budgets], proposal.lengths.tolist(), accepted, counts)
+        lengths = proposal.lengths.tolist()
+        metrics.record_step([b > 0 for b in budgets], lengths, accepted, counts, None if verdict.paths is None
+                            else levels_reached(proposal.parents, lengths, verdict.paths))
         metrics.record_phases(t_start, t_proposed, t_window, t_forward, t_accepted, t_committed, t_observed, clock())
         metrics.first_token_seconds = metrics.first_token_seconds or t_committed - t0
     metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
@@ -83,16 +103,15 @@ def draft_limits(budgets: list[int], k: int) -> torch.Tensor:
     return torch.tensor([min(max(budget - 1, 0), k) for budget in budgets])
 
 
-def commit(rows: list[Row], drafts: list[list[int]], accepted: list[int],
-           next_tokens: list[int]) -> tuple[list[list[int]], list[int]]:
-    """Emit each row's accepted drafts and then its recovered/bonus token through Row.append, one
-    at a time, so a stop inside the run cuts it. Returns each row's run (its m drafts with the
-    recovered token at the first rejection, then the recovered or bonus token: 1+m) and the counts
-    emitted: accepted + 1, fewer where the row finished, 0 for rows already finished."""
-    runs = [row_drafts + [token] for row_drafts, token in zip(drafts, next_tokens)]
-    for run, n, token in zip(runs, accepted, next_tokens):
-        run[n] = token  # the recovered token replaces the first rejected draft
-    return runs, [emit(row, run, n + 1) for row, run, n in zip(rows, runs, accepted)]
+def commit(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]
+           ) -> tuple[list[list[int]], list[int]]:
+    """Emit each row's accepted drafts (the nodes of its path) and then its recovered/bonus token
+    through Row.append, one at a time, so a stop inside the run cuts it. Returns each row's run
+    (the path's drafts, the recovered or bonus token, zeros up to 1+m) and the counts emitted:
+    accepted + 1, fewer where the row finished, 0 for rows already finished."""
+    runs = [[row_drafts[i] for i in path] + [token] + [0] * (len(row_drafts) - len(path))
+            for row_drafts, path, token in zip(drafts, paths, next_tokens)]
+    return runs, [emit(row, run, len(path) + 1) for row, run, path in zip(rows, runs, paths)]
 
 
 def emit(row: Row, run: list[int], n: int) -> int:
@@ -104,21 +123,31 @@ def emit(row: Row, run: list[int], n: int) -> int:
     return n
 
 
-def _verifier(sampling: SamplingConfig, sampled_verify, generator):
-    """The acceptance rule for these sampling settings, chosen once."""
+def _verifier(sampling: SamplingConfig, sampled_verify, tree_verify, generator):
+    """The acceptance rule for these sampling settings, chosen once (chain or tree per proposal)."""
     if sampling.greedy:
-        return lambda proposal, logits: greedy_accept(proposal.tokens, logits, proposal.lengths)
+        return lambda proposal, logits: greedy_accept(proposal.tokens, logits, proposal.lengths, proposal.parents)
 
     def sampled(proposal: Proposal, logits: torch.Tensor) -> Verdict:
-        return sampled_verify(proposal.tokens, proposal.draft_probs, probabilities(logits, sampling),
-                              generator, proposal.lengths)
+        if proposal.parents is None:
+            return sampled_verify(proposal.tokens, proposal.draft_probs, probabilities(logits, sampling),
+                                  generator, proposal.lengths)
+        return tree_verify(proposal.tokens, proposal.draft_probs, probabilities(logits, sampling),
+                           proposal.parents, generator, proposal.lengths)
     return sampled
 
 
 def check_inputs(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule, k: int,
-                 context: int) -> None:
+                 widths: tuple[int, ...] | None, context: int) -> tuple[int, ...]:
+    """Refuse bad input with a message saying what to give instead; return the widths per depth."""
     if k < 0:
         raise SpecdecError(f"k (draft tokens per step) must be >= 0, got {k}")
+    widths = (1,) * k if widths is None else tuple(widths)
+    if len(widths) != k or any(w < 1 for w in widths):
+        raise SpecdecError(f"a draft tree needs one width >= 1 per depth (k={k} depths), got {widths}")
+    if max(widths, default=1) > 1 and not isinstance(target, LlamaForCausalLM):
+        raise SpecdecError("draft trees need specdec's own LlamaForCausalLM as the target (its forward takes a "
+                           "tree attention mask); use chains (widths of 1) with this target")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SpecdecError("every prompt needs at least one token (and at least one prompt is needed)")
     vocab = target.config.vocab_size
@@ -132,3 +161,4 @@ def check_inputs(target, proposer: Proposer, prompts: list[list[int]], rule: Sto
             raise SpecdecError(f"prompt {b} has {len(p)} tokens; with max_new_tokens={rule.max_new_tokens} "
                                f"it needs {len(p) + rule.max_new_tokens - 1} positions but the target's "
                                f"context is {context}: shorten the prompt or lower max_new_tokens")
+    return widths

@@ -47,8 +47,13 @@ class HFCausalLM:
         return HFCache(self.model)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                 cache: HFCache | None = None, logits_index: torch.Tensor | None = None) -> ModelOutput:
-        """tokens (B, T); positions (B, T), default: after the cached ones; logits_index (B, N)."""
+                 cache: HFCache | None = None, attention_mask: torch.Tensor | None = None,
+                 logits_index: torch.Tensor | None = None) -> ModelOutput:
+        """tokens (B, T); positions (B, T), default: after the cached ones; logits_index (B, N).
+        attention_mask: causal only (None); draft trees need specdec's own model."""
+        if attention_mask is not None:
+            raise SpecdecError("draft trees need specdec's own LlamaForCausalLM as the target; a transformers "
+                               "model verifies chains only")
         T = tokens.shape[1]
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0

@@ -71,6 +71,20 @@ class KVCache:
     def advance(self, num_new: int) -> None:
         self.lengths += num_new
 
+    def compact(self, starts: list[int], paths: list[list[int]]) -> None:
+        """Keep a verified tree's accepted path: row b's window began at slot starts[b] (the root),
+        node i's entry is at starts[b] + 1 + i, and path node j moves to starts[b] + 1 + j, so the
+        kept entries follow each other as if the path alone had been fed (tree.py). Rows whose path
+        is already in place move nothing. Set the lengths with `rollback` after."""
+        for b, (start, path) in enumerate(zip(starts, paths)):
+            moved = [(j, i) for j, i in enumerate(path) if i != j]
+            if moved:
+                dst = torch.tensor([start + 1 + j for j, _ in moved], device=self.keys.device)
+                src = torch.tensor([start + 1 + i for _, i in moved], device=self.keys.device)
+                # the right side is gathered (a copy) before anything is written
+                for store in (self.keys, self.values):
+                    store[:, b, :, dst] = store[:, b, :, src]
+
     def rollback(self, lengths: torch.Tensor | list[int] | int) -> None:
         """Set every row's committed length (O(1): entries past it become invisible)."""
         if isinstance(lengths, list) and self.lengths.device.type == "cpu":  # one copy, no intermediate tensor

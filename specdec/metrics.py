@@ -9,7 +9,9 @@ Counters (DESIGN.md section 3), per run:
 - proposed: draft tokens proposed; accepted: draft tokens the target accepted (the verifier's
   count, including any that a stop condition then cut off); emitted: tokens appended to rows.
 - accepted_per_position[i] / reached_per_position[i]: steps where draft i+1 was accepted /
-  steps where draft i+1 was proposed and drafts 1..i were all accepted.
+  steps where draft i+1 was proposed and drafts 1..i were all accepted. For a tree (tree.py),
+  position i + 1 is depth i + 1: a node there was accepted / the accepted path reached depth i and
+  its last node had children. proposed counts every node.
 - prefill_seconds (target prefill and proposer start); per step, the phases of the loop:
   propose_seconds, forward_seconds (the target's verification forward), acceptance_seconds,
   commit_seconds (emitting tokens, stop checks, cache rollback), observe_seconds (the proposer's
@@ -76,18 +78,21 @@ class SpecMetrics:
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
     def record_step(self, active: list[bool], draft_lengths: list[int], accepted: list[int],
-                    emitted: list[int]) -> None:
+                    emitted: list[int], reached: list[int] | None = None) -> None:
         """One verification forward pass, per row: verified in it or not, drafts proposed, drafts
-        accepted, tokens emitted (plain counters: a few additions per row)."""
+        accepted, tokens emitted, and for a tree the depths reached (tree.levels_reached; a chain:
+        min(drafts, accepted + 1)) (plain counters: a few additions per row)."""
         self.steps += 1
         self.emitted += sum(emitted)
-        for verified, drafts, n in zip(active, draft_lengths, accepted):
+        if reached is None:
+            reached = [min(drafts, n + 1) for drafts, n in zip(draft_lengths, accepted)]
+        for verified, drafts, n, depth in zip(active, draft_lengths, accepted, reached):
             if not verified:
                 continue
             self.row_steps += 1
             self.proposed += drafts
             self.accepted += n
-            for i in range(min(drafts, n + 1)):  # draft i+1 was reached, and accepted when i < n
+            for i in range(depth):  # draft i+1 was reached, and accepted when i < n
                 self.reached_per_position[i] += 1
                 self.accepted_per_position[i] += i < n
 

@@ -18,7 +18,17 @@ normalised. The emitted token is then distributed exactly as target_probs. Deter
 (n-gram lookup) pass draft_probs=None, meaning one-hot on the drafted token: acceptance with
 probability target_probs[d_i] and the residual is target_probs without d_i, which stays lossless.
 
-Both functions take probabilities already processed by the same temperature / top-k / top-p
+Trees (tree.py): the drafts may branch, each naming its parent. Acceptance walks from the root:
+greedy follows the child whose token is the target's argmax; sampling (multi-draft speculative
+sampling, SpecInfer / EAGLE-2) tries the children of the current node in order, accepting child c
+with probability min(1, p(d_c) / q_c(d_c)) where p is the target's distribution there, and after
+each rejection replaces p by the residual max(0, p - q_c) normalised; when every child is
+rejected, the next token is drawn from what is left of p. Each child's q_c is the distribution it
+was drawn from given the siblings tried before it (one-hot for a deterministic draft), so the
+emitted token is still distributed as the target's. The accepted drafts are then a path of nodes
+(`Verdict.paths`); for a chain, its first n nodes.
+
+The sampled rules take probabilities already processed by the same temperature / top-k / top-p
 transform for target and draft (sampling.probabilities); this module knows nothing about models,
 caches or stopping.
 """
@@ -29,11 +39,13 @@ from typing import NamedTuple
 import torch
 
 from .sampling import argmax, sample
+from .tree import children
 
 
 class Verdict(NamedTuple):
     accepted: torch.Tensor    # (B,) long, number of drafts accepted per row
     next_token: torch.Tensor  # (B,) long, the recovered token (after a rejection) or the bonus token
+    paths: list[list[int]] | None = None  # per row, the accepted nodes of a tree; None: a chain's first n
 
 
 def _draft_lengths(draft_tokens: torch.Tensor, draft_lengths: torch.Tensor | None) -> torch.Tensor:
@@ -49,23 +61,39 @@ def _prefix_length(ok: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                  draft_lengths: torch.Tensor | None = None) -> Verdict:
-    """draft_tokens (B, k); target_logits (B, k+1, V); draft_lengths (B,) real drafts per row
-    (default k). A draft is accepted while it equals the target's argmax.
+                  draft_lengths: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> Verdict:
+    """draft_tokens (B, m); target_logits (B, m+1, V); draft_lengths (B,) real drafts per row
+    (default m); parents (B, m) the tree (tree.py), None for a chain. A draft is accepted while it
+    is the target's argmax after its accepted parent.
 
-    Only an argmax over the vocabulary; the comparison runs over at most k ids per row on the
-    host, which costs less than the dozen tiny tensor operations it would take."""
-    target_tokens = argmax(target_logits).tolist()  # (B, k+1)
+    Only an argmax over the vocabulary; the walk runs over at most m ids per row on the host,
+    which costs less than the dozen tiny tensor operations it would take."""
+    target_tokens = argmax(target_logits).tolist()  # (B, m+1)
     lengths = _draft_lengths(draft_tokens, draft_lengths).tolist()
-    accepted, next_token = [], []
-    for drafts, target, n_drafts in zip(draft_tokens.tolist(), target_tokens, lengths):
-        n = 0
-        while n < n_drafts and drafts[n] == target[n]:
-            n += 1
-        accepted.append(n)
-        next_token.append(target[n])
+    drafts = draft_tokens.tolist()
     device = draft_tokens.device
-    return Verdict(torch.tensor(accepted, device=device), torch.tensor(next_token, device=device))
+    if parents is None:
+        accepted, next_token = [], []
+        for row, target, n_drafts in zip(drafts, target_tokens, lengths):
+            n = 0
+            while n < n_drafts and row[n] == target[n]:
+                n += 1
+            accepted.append(n)
+            next_token.append(target[n])
+        return Verdict(torch.tensor(accepted, device=device), torch.tensor(next_token, device=device))
+    paths, next_token = [], []
+    for row, target, n_drafts, row_parents in zip(drafts, target_tokens, lengths, parents.tolist()):
+        kids, node, path = children(row_parents, n_drafts), -1, []
+        while True:
+            want = target[node + 1]
+            node = next((c for c in kids.get(node, ()) if row[c] == want), None)
+            if node is None:
+                break
+            path.append(node)
+        paths.append(path)
+        next_token.append(want)
+    return Verdict(torch.tensor([len(p) for p in paths], device=device), torch.tensor(next_token, device=device),
+                   paths)
 
 
 def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
@@ -112,3 +140,46 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         at = torch.where(rejected[:, None], residual(at, draft_at), at)
     next_token = sample(at, generator)
     return Verdict(accepted, next_token)
+
+
+def tree_rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                          target_probs: torch.Tensor, parents: torch.Tensor,
+                          generator: torch.Generator | None = None,
+                          draft_lengths: torch.Tensor | None = None, residual_rule=None) -> Verdict:
+    """Multi-draft verification of a tree: draft_tokens (B, m), draft_probs (B, m, V) the
+    distribution each node was drawn from given the siblings tried before it (one-hot rows for
+    deterministic nodes; None: every node deterministic), target_probs (B, m+1, V), parents (B, m)
+    (tree.py), draft_lengths (B,) (default m).
+
+    From the root, try the current node's children in order: accept child c with probability
+    min(1, p(d_c) / q_c(d_c)) and move to it; after a rejection p becomes the residual
+    max(0, p - q_c) normalised. When every child is rejected (or there is none) the next token is
+    drawn from p. `residual_rule` replaces `residual` (tests show a wrong one is detected)."""
+    rule = residual if residual_rule is None else residual_rule
+    B, m = draft_tokens.shape
+    lengths = _draft_lengths(draft_tokens, draft_lengths).tolist()
+    uniform = torch.rand(B, m, generator=generator).tolist()  # one per node: each is tried at most once
+    tokens, rows_parents = draft_tokens.tolist(), parents.tolist()
+    paths, last_probs = [], []
+    for b in range(B):
+        kids, node, path = children(rows_parents[b], lengths[b]), -1, []
+        p = target_probs[b, 0]
+        while True:
+            for c in kids.get(node, ()):
+                x = tokens[b][c]
+                q = None if draft_probs is None else draft_probs[b, c]
+                if uniform[b][c] * (1.0 if q is None else float(q[x])) < float(p[x]):
+                    break
+                if q is None:
+                    q = torch.zeros_like(p)
+                    q[x] = 1.0
+                p = rule(p[None], q[None])[0]
+            else:
+                break  # every child rejected: the next token comes from what is left of p
+            path.append(c)
+            node = c
+            p = target_probs[b, c + 1]
+        paths.append(path)
+        last_probs.append(p)
+    next_token = sample(torch.stack(last_probs), generator)
+    return Verdict(torch.tensor([len(p) for p in paths], device=draft_tokens.device), next_token, paths)

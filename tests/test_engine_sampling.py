@@ -53,10 +53,10 @@ CONFIGS = [("draft-model", "T=1", 1), ("draft-model", "T=0.7,top-k=8,top-p=0.9",
 
 
 @torch.no_grad()
-def exact_joint(sampling: SamplingConfig) -> torch.Tensor:
-    """(V^3,) float64: P(t1, t2, t3 | PROMPT) under the target, indexed t1 * V^2 + t2 * V + t3."""
-    seqs = torch.tensor([PROMPT + list(c) for c in itertools.product(range(V), repeat=3)])  # (V^3, P+3)
-    P = len(PROMPT)
+def exact_joint(sampling: SamplingConfig, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """(V^3,) float64: P(t1, t2, t3 | prompt) under the target, indexed t1 * V^2 + t2 * V + t3."""
+    seqs = torch.tensor([prompt + list(c) for c in itertools.product(range(V), repeat=3)])  # (V^3, P+3)
+    P = len(prompt)
     probs = probabilities(TARGET(seqs).logits[:, P - 1:P + 2], sampling).double()            # (V^3, 3, V)
     return probs.gather(2, seqs[:, P:, None]).squeeze(2).prod(1)
 

@@ -124,15 +124,15 @@ class Recorder:
     """Delegates to a proposer and remembers every proposal with the sequences it was made for."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.vocab_size = inner, inner.name, inner.vocab_size
+        self.inner, self.name, self.vocab_size, self.trees = inner, inner.name, inner.vocab_size, inner.trees
         self.log = []
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k):
         self.sequences = [list(p) for p in prompts]
         return self.inner.start(prompts, prompt_hidden, sampling, max_len, k)
 
-    def propose(self, state, limits, generator):
-        proposal = self.inner.propose(state, limits, generator)
+    def propose(self, state, limits, widths, generator):
+        proposal = self.inner.propose(state, limits, widths, generator)
         self.log.append(([list(s) for s in self.sequences], proposal))
         return proposal
 

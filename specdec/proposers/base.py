@@ -7,7 +7,7 @@ engine passes back to every call, so one proposer can serve any number of genera
 
     state = proposer.start(prompts, prompt_hidden, sampling, max_len, k)   # after the target's prefill
     loop:
-        proposal = proposer.propose(state, limits, generator)             # up to limits[b] drafts per row
+        proposal = proposer.propose(state, limits, widths, generator)     # up to limits[b] levels per row
         ... the target verifies, rows take their tokens ...
         proposer.observe(state, outcome)                                   # what was committed; roll back
 
@@ -15,6 +15,10 @@ The target's final hidden states reach the proposer as arguments (`prompt_hidden
 `Outcome.hidden` after each step), for heads that draft from them (MTP, EAGLE, Medusa). The
 target's cache always lags one token behind the sequence: the newest token ("last") is fed with
 the next verification window [last, drafts].
+
+A proposal may be a tree (tree.py): each draft names its parent. `widths[d]` caps the drafts at
+depth d + 1 (all ones: a chain); a proposer that can branch says so with `trees = True` and lists
+its main chain first (nodes 0, 1, ..), the alternatives after it; one that cannot ignores widths.
 
 A proposer that drafts from logits may draft over a draft vocabulary (`DraftVocabulary`) and
 draws its tokens with `draw`, so that every such proposer shares one definition of both.
@@ -30,6 +34,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..model import frozen_linear
+from ..tree import caterpillar_layout
 from ..sampling import SamplingConfig, argmax, probabilities, sample
 
 
@@ -38,7 +43,9 @@ class Proposal:
     tokens: torch.Tensor               # (B, m) long draft tokens; row b's first lengths[b] are real
     lengths: torch.Tensor              # (B,) long, drafts proposed per row (0..limits[b])
     draft_probs: torch.Tensor | None   # (B, m, V) distributions the drafts were drawn from (after the
-                                       # sampling transform); None: deterministic drafts (one-hot)
+                                       # sampling transform; a tree's node: given the siblings before it);
+                                       # None: deterministic drafts (one-hot)
+    parents: torch.Tensor | None = None  # (B, m) long, each node's parent (-1: the root), tree.py; None: a chain
 
     @classmethod
     def empty(cls, batch_size: int) -> "Proposal":
@@ -46,12 +53,16 @@ class Proposal:
 
     def trimmed(self) -> "Proposal":
         """Without the trailing columns no row uses (a proposer may pad its drafts to the limit, as
-        n-gram lookup does when it finds less): the target then verifies only 1 + max(lengths)."""
+        n-gram lookup does when it finds less): the target then verifies only 1 + max(lengths).
+        A tree whose real nodes all form chains 0, 1, .. is a chain."""
         m = int(self.lengths.max()) if self.lengths.numel() else 0
-        if m == self.tokens.shape[1]:
+        parents = self.parents
+        if parents is not None and bool((parents[:, :m] == torch.arange(-1, m - 1)).all()):
+            parents = None
+        if m == self.tokens.shape[1] and parents is self.parents:
             return self
         probs = None if self.draft_probs is None else self.draft_probs[:, :m]
-        return Proposal(self.tokens[:, :m], self.lengths, probs)
+        return Proposal(self.tokens[:, :m], self.lengths, probs, None if parents is None else parents[:, :m])
 
 
 @dataclass
@@ -61,13 +72,16 @@ class Outcome:
     tokens: torch.Tensor    # (B, m+1) the accepted drafts, then the recovered or bonus token
     counts: torch.Tensor    # (B,) tokens of `tokens` emitted: accepted + 1, fewer where the row
                             # finished inside the run, 0 for rows finished before the step
-    hidden: torch.Tensor    # (B, m+1, C) target final hidden states over [last, drafts]; the first
-                            # counts[b] are now in the target's cache, hidden[b, i] predicted tokens[b, i]
+    hidden: torch.Tensor    # (B, m+1, C) target final hidden states over [last, accepted path]; the
+                            # first counts[b] are now in the target's cache, hidden[b, i] predicted tokens[b, i]
+    paths: list[list[int]] | None = None  # per row, the accepted nodes of a tree proposal; None: a chain
+                                          # (its first accepted[b] nodes)
 
 
 class Proposer(Protocol):
     name: str
     vocab_size: int | None  # token ids it can propose; None: any (it copies ids it has seen)
+    trees: bool             # whether it drafts trees when widths allow (else always chains)
 
     def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor, sampling: SamplingConfig,
               max_len: int, k: int) -> Any:
@@ -75,8 +89,10 @@ class Proposer(Protocol):
         each prompt without its last token (right-padded). max_len: the longest sequence (prompt +
         generated) a row may reach; k: the most drafts any row will be asked for per step."""
 
-    def propose(self, state: Any, limits: torch.Tensor, generator: torch.Generator | None) -> Proposal:
-        """Draft at most limits[b] (B,) tokens after each row's sequence (0: draft nothing)."""
+    def propose(self, state: Any, limits: torch.Tensor, widths: tuple[int, ...],
+                generator: torch.Generator | None) -> Proposal:
+        """Draft at most limits[b] (B,) levels after each row's sequence (0: draft nothing), at
+        most widths[d] nodes at depth d + 1 (len(widths) >= max(limits); all ones: a chain)."""
 
     def observe(self, state: Any, outcome: Outcome) -> None:
         """Learn what the target committed for the last proposal; drop what it rejected."""
@@ -103,6 +119,38 @@ class DraftVocabulary:
         if token_counts is None:
             raise SpecdecError(no_counts)
         return token_counts.topk(size).indices.sort().values
+
+
+def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tuple[int, ...],
+                      vocab: DraftVocabulary | None, vocab_size: int) -> Proposal:
+    """A chain proposal (B, k) turned into the static tree of tree.caterpillar_layout: beside the
+    chain's draft at depth d + 1, the widths[d] - 1 best other tokens of that depth's draft logits
+    scores[d] (B, N). The alternatives are deterministic (one-hot in draft_probs, which keeps
+    multi-draft sampling exact: the residual after the chain's draft does not depend on which
+    token was drawn). A row drafting l levels has the nodes of depths <= l."""
+    B, k = proposal.tokens.shape
+    widths = tuple(widths[:k])
+    if all(w == 1 for w in widths):
+        return proposal
+    parents, chain = caterpillar_layout(widths)
+    tokens = torch.zeros(B, len(parents), dtype=torch.long)
+    tokens[:, chain] = proposal.tokens
+    for d, width in enumerate(widths):
+        if width > 1:
+            best = scores[d].topk(min(width, scores[d].shape[1]), dim=1).indices  # (B, w) draft-vocab ids
+            best = best if vocab is None else vocab.ids[best]
+            others = [[t for t in row if t != drafted][:width - 1] for row, drafted in
+                      zip(best.tolist(), proposal.tokens[:, d].tolist())]
+            for j in range(width - 1):  # a vocabulary smaller than the width leaves the last ones 0
+                tokens[:, chain[d] + 1 + j] = torch.tensor([row[j] if j < len(row) else 0 for row in others])
+    probs = None
+    if proposal.draft_probs is not None:
+        probs = torch.zeros(B, len(parents), vocab_size, dtype=proposal.draft_probs.dtype)
+        probs.scatter_(2, tokens[..., None], 1.0)
+        probs[:, chain] = proposal.draft_probs
+    starts = [0] + list(torch.tensor(widths).cumsum(0).tolist())
+    lengths = torch.tensor([starts[n] for n in proposal.lengths.tolist()])
+    return Proposal(tokens, lengths, probs, torch.tensor(parents).expand(B, -1).clone())
 
 
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator, vocab: DraftVocabulary | None,

@@ -20,7 +20,8 @@ from ..errors import SpecdecError
 from ..lm import causal_lm, context_length, next_positions, prefill_all_but_last
 from ..model import LlamaForCausalLM
 from ..sampling import SamplingConfig
-from .base import DraftVocabulary, Outcome, Proposal, draw
+from ..tree import caterpillar_layout, on_chain
+from .base import DraftVocabulary, Outcome, Proposal, draw, with_alternatives
 
 
 @dataclass
@@ -30,10 +31,14 @@ class DraftState:
     pending: list[list[int]]  # per row: committed tokens not yet in the draft cache (at least the newest)
     committed: list[int]      # per row: cache entries holding committed tokens only
     fed_drafts: int = 0       # drafts of the last proposal written into the cache after `committed`
+    chain: list[int] | None = None  # the last proposal's chain nodes when it was a tree
 
 
 class DraftModelProposer:
+    """Static trees: the chain it drafts, with the next-best tokens of each step beside it
+    (base.with_alternatives)."""
     name = "draft-model"
+    trees = True
 
     def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None):
         """draft_vocab N: draft over the N most frequent token ids of `token_counts` (V,) — the
@@ -73,10 +78,10 @@ class DraftModelProposer:
                          logits_index=logits_index, **extra)
         return out.logits[:, -1]
 
-    def propose(self, state: DraftState, limits, generator) -> Proposal:
+    def propose(self, state: DraftState, limits, widths, generator) -> Proposal:
         limit = limits.tolist()
         B, m = len(limit), max(limit)
-        state.fed_drafts = 0
+        state.fed_drafts, state.chain = 0, None
         if m == 0:
             return Proposal.empty(B)
         # feed the pending tokens; rows that draft nothing keep theirs pending
@@ -90,21 +95,27 @@ class DraftModelProposer:
                 state.committed[b] += lengths[b]
                 state.pending[b] = []
         state.cache.rollback(torch.tensor(state.committed))
-        tokens, probs = [], []
+        tokens, probs, scores = [], [], []
         for i in range(m):
             p, token = draw(logits, state.sampling, generator, self.vocab, self.vocab_size)  # (B, V), (B,)
             tokens.append(token)
             probs.append(p)
+            scores.append(logits)
             if i + 1 < m:
                 logits = self.forward(token[:, None], state.cache)
         state.fed_drafts = m - 1
         probs = None if state.sampling.greedy else torch.stack(probs, 1)
-        return Proposal(torch.stack(tokens, 1), limits.clone(), probs)
+        proposal = with_alternatives(Proposal(torch.stack(tokens, 1), limits.clone(), probs), scores, widths,
+                                     self.vocab, self.vocab_size)
+        if proposal.parents is not None:
+            state.chain = caterpillar_layout(tuple(widths[:m]))[1]
+        return proposal
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
         # accepted drafts already in the cache stay; the rest of the committed tokens become pending
-        for b, (tokens, n, emitted) in enumerate(zip(outcome.tokens.tolist(), outcome.accepted.tolist(),
-                                                     outcome.counts.tolist())):
+        chained = outcome.accepted.tolist() if state.chain is None else [
+            on_chain(path, state.chain) for path in outcome.paths]  # accepted drafts of the fed chain
+        for b, (tokens, n, emitted) in enumerate(zip(outcome.tokens.tolist(), chained, outcome.counts.tolist())):
             kept = min(n, state.fed_drafts, emitted)
             state.committed[b] += kept
             state.pending[b] += tokens[kept:emitted]

@@ -42,7 +42,8 @@ from ..kv_cache import KVCache
 from ..lm import next_positions
 from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
 from ..sampling import SamplingConfig
-from .base import DraftVocabulary, Outcome, Proposal, draw
+from ..tree import caterpillar_layout, on_chain
+from .base import DraftVocabulary, Outcome, Proposal, draw, with_alternatives
 
 
 @dataclass
@@ -55,10 +56,14 @@ class MTPState:
     ahead: torch.Tensor   # (B, W) tokens x_{F+1}..x_T, aligned with `hidden`
     lengths: list[int]    # (B,) window length per row, T - F
     written: int = 0      # window columns the last proposal wrote into the cache (0: it ran no head)
+    chain: list[int] | None = None  # the last proposal's chain nodes when it was a tree
 
 
 class MTPProposer:
+    """Static trees: the chain the heads draft, with each head's next-best tokens beside it
+    (base.with_alternatives)."""
     name = "mtp"
+    trees = True
 
     def __init__(self, heads: MTPHeads, target: LlamaForCausalLM, draft_vocab: int | None = None):
         if not isinstance(target, LlamaForCausalLM):
@@ -93,9 +98,9 @@ class MTPProposer:
                         dtype=dtype, device=prompt_hidden.device)
         return MTPState(sampling, k, cache, [0] * B, prompt_hidden.to(dtype), ahead, lengths.tolist())
 
-    def propose(self, state: MTPState, limits, generator) -> Proposal:
+    def propose(self, state: MTPState, limits, widths, generator) -> Proposal:
         B, m, W = limits.shape[0], int(limits.max()), state.hidden.shape[1]
-        state.written = 0
+        state.written, state.chain = 0, None
         if m == 0 or W == 0:
             return Proposal.empty(B)
         heads, trunk, k = self.heads, self.target, state.k
@@ -104,26 +109,36 @@ class MTPProposer:
         columns = torch.tensor([[max(n - 1, 0), n] for n in state.lengths])  # (B, 2): window's last, then next
         last = columns[:, :1, None].expand(B, 1, state.hidden.shape[2])      # (B, 1, C)
         ahead = torch.cat([state.ahead, state.ahead.new_zeros(B, k)], 1)  # (B, W+k): then drafts at lengths+j
-        prev, tokens, probs = state.hidden, [], []
+        prev, tokens, probs, scores = state.hidden, [], [], []
         for j in range(k):  # every head writes the window, even beyond m: they share the cache lengths
             out = heads.forward_head(j, trunk, prev, ahead[:, j:j + W], ctx)  # (B, W, C)
             normed = heads.normed(j, trunk, out.gather(1, last))[:, 0]  # (B, C)
-            p, token = draw(self.unembedding(normed), state.sampling, generator, self.vocab, self.vocab_size)
+            logits = self.unembedding(normed)
+            p, token = draw(logits, state.sampling, generator, self.vocab, self.vocab_size)
             ahead.scatter_(1, columns[:, 1:] + j, token[:, None])
             tokens.append(token)
             probs.append(p)
+            scores.append(logits)
             prev = heads.next_prev(state.hidden, out)
         state.cache.advance(W)
         state.written = W
         # a one-token prompt has no hidden state yet: no drafts
         lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
         probs = None if state.sampling.greedy else torch.stack(probs, 1)[:, :m]
-        return Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs)
+        proposal = with_alternatives(Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs), scores, widths,
+                                     self.vocab, self.vocab_size)
+        if proposal.parents is not None:
+            state.chain = caterpillar_layout(tuple(widths[:m]))[1]
+        return proposal
 
     def observe(self, state: MTPState, outcome: Outcome) -> None:
         lookahead = state.k if self.heads.reads_ahead else 0
         keep_to, drop = [], []
-        for first, n, emitted in zip(state.first, state.lengths, outcome.counts.tolist()):
+        counts = outcome.counts.tolist()
+        # entries read the chain's drafts: past a node off the chain, they read tokens not committed
+        valid = counts if state.chain is None else [min(c, on_chain(path, state.chain) + 1)
+                                                    for c, path in zip(counts, outcome.paths)]
+        for first, n, emitted in zip(state.first, state.lengths, valid):
             end = first + n  # T: the window's end
             # keep entries whose inputs were all committed: every head at positions < T' - lookahead
             # (accepted drafts equal the committed tokens); nothing is kept that was not written

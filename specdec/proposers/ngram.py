@@ -5,9 +5,14 @@ generated text together), trying n = max_n down to min_n, and propose the tokens
 it. Rows without a match propose nothing. Drafts are deterministic, so verification treats them
 as one-hot (draft_probs None), which keeps sampling lossless.
 
-Each row keeps, for every n, a table from an n-gram to the latest start at which it occurred
-with at least one token after it; a token appended registers the n-grams it completes the
-continuation of. A lookup is then one table access per n, whatever the length of the text.
+Each row keeps, for every n, a table from an n-gram to its latest starts (the most recent
+`MATCHES`) at which it occurred with at least one token after it; a token appended registers the
+n-grams it completes the continuation of. A lookup is then one table access per n, whatever the
+length of the text.
+
+Trees: where the widths allow more than one draft per depth, the continuations of several earlier
+occurrences (most recent first, longest n first) are merged into a trie, at most widths[d] nodes
+at depth d + 1; the most recent continuation is its main chain.
 """
 from __future__ import annotations
 
@@ -18,13 +23,16 @@ import torch
 from ..errors import SpecdecError
 from .base import Outcome, Proposal
 
+MATCHES = 8  # earlier occurrences remembered per n-gram (trees draw their branches from them)
+
 
 @dataclass
 class History:
-    """One row's text and, per n, n-gram -> latest start followed by at least one more token."""
+    """One row's text and, per n, n-gram -> latest starts (oldest first) followed by at least one
+    more token."""
     sizes: range
     tokens: list[int] = field(default_factory=list)
-    starts: dict[int, dict[tuple[int, ...], int]] = field(init=False)
+    starts: dict[int, dict[tuple[int, ...], list[int]]] = field(init=False)
 
     def __post_init__(self):
         self.starts = {n: {} for n in self.sizes}
@@ -35,16 +43,52 @@ class History:
             end = len(self.tokens) - 1  # the new token continues every n-gram ending just before it
             for n in self.sizes:
                 if end - n >= 0:
-                    self.starts[n][tuple(self.tokens[end - n:end])] = end - n
+                    starts = self.starts[n].setdefault(tuple(self.tokens[end - n:end]), [])
+                    starts.append(end - n)
+                    del starts[:-MATCHES]
+
+    def continuations(self, limit: int, count: int) -> list[list[int]]:
+        """Up to `count` distinct continuations of at most `limit` tokens that followed earlier
+        occurrences of the text's suffix: the longest matching suffix first, most recent first."""
+        found: list[list[int]] = []
+        for n in reversed(self.sizes):
+            if len(self.tokens) > n:
+                for start in reversed(self.starts[n].get(tuple(self.tokens[-n:]), ())):
+                    continuation = self.tokens[start + n:start + n + limit]
+                    if continuation not in found:
+                        found.append(continuation)
+                        if len(found) == count:
+                            return found
+        return found
 
     def continuation(self, limit: int) -> list[int]:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix."""
-        for n in reversed(self.sizes):
-            if len(self.tokens) > n:
-                start = self.starts[n].get(tuple(self.tokens[-n:]))
-                if start is not None:
-                    return self.tokens[start + n:start + n + limit]
-        return []
+        found = self.continuations(limit, 1)
+        return found[0] if found else []
+
+
+def trie(continuations: list[list[int]], widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Merge continuations (the first is the main chain) into a tree of at most widths[d] nodes at
+    depth d + 1: its tokens and parents in depth order (tree.py)."""
+    levels: list[list[tuple[int, int]]] = [[] for _ in widths]  # per depth: (parent key, token)
+    keys: list[dict[tuple[int, int], int]] = [{} for _ in widths]
+    for continuation in continuations:
+        parent = -1
+        for d, token in enumerate(continuation[:len(widths)]):
+            key = (parent, token)
+            if key not in keys[d]:
+                if len(levels[d]) == widths[d]:
+                    break
+                keys[d][key] = len(levels[d])
+                levels[d].append(key)
+            parent = keys[d][key]
+    tokens, parents, offset, previous = [], [], 0, 0
+    for d, level in enumerate(levels):
+        for parent, token in level:
+            tokens.append(token)
+            parents.append(-1 if d == 0 else previous + parent)
+        previous, offset = offset, offset + len(level)
+    return tokens, parents
 
 
 @dataclass
@@ -55,6 +99,7 @@ class NgramState:
 class NgramProposer:
     name = "ngram"
     vocab_size = None  # proposes only ids it has seen
+    trees = True
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:
@@ -67,13 +112,21 @@ class NgramProposer:
             row.extend(prompt)
         return NgramState(rows)
 
-    def propose(self, state: NgramState, limits, generator) -> Proposal:
+    def propose(self, state: NgramState, limits, widths, generator) -> Proposal:
         B, m = limits.shape[0], int(limits.max())
         if m == 0:
             return Proposal.empty(B)
-        drafts = [row.continuation(limit) for row, limit in zip(state.rows, limits.tolist())]
-        tokens = torch.tensor([d + [0] * (m - len(d)) for d in drafts], dtype=torch.long)  # (B, m)
-        return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
+        branches = max(widths[:m])
+        if branches == 1:
+            drafts = [row.continuation(limit) for row, limit in zip(state.rows, limits.tolist())]
+            tokens = torch.tensor([d + [0] * (m - len(d)) for d in drafts], dtype=torch.long)  # (B, m)
+            return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
+        trees = [trie(row.continuations(limit, branches), tuple(widths[:limit]))
+                 for row, limit in zip(state.rows, limits.tolist())]
+        n = max(len(t) for t, _ in trees)
+        tokens = torch.tensor([t + [0] * (n - len(t)) for t, _ in trees], dtype=torch.long)  # (B, n)
+        parents = torch.tensor([p + [-1] * (n - len(p)) for _, p in trees], dtype=torch.long)
+        return Proposal(tokens, torch.tensor([len(t) for t, _ in trees], dtype=torch.long), None, parents)
 
     def observe(self, state: NgramState, outcome: Outcome) -> None:
         for row, tokens, count in zip(state.rows, outcome.tokens.tolist(), outcome.counts.tolist()):

@@ -1,0 +1,120 @@
+"""Draft trees: the shape of a proposal whose drafts branch, and what verifying one needs.
+
+A proposal of m draft nodes names each node's parent (B, m): -1 is the root, the newest committed
+token ("last") that opens the verification window [last, d_1..d_m]; parents[b, i] < i, so nodes
+come in topological order and a chain is the degenerate tree parents = [-1, 0, 1, ..]. Window
+column 0 is the root and column 1 + i is node i. The target verifies all nodes in one forward:
+node i sits at position (row's cache length + its depth) and sees the committed prefix, the root,
+its ancestors and itself — the tree attention mask — so its logits are those of its path decoded
+alone. Acceptance walks from the root down (verify.py); the accepted path is a list of node
+indices, and the cache then keeps the root and the path's entries, moved to follow each other
+(`KVCache.compact`).
+
+Padding nodes (i >= lengths[b]) hang off the root; their outputs are never read and their cache
+entries lie past the row's kept length.
+
+This module is pure index arithmetic on host lists and small tensors; it knows nothing about
+models, sampling or proposers.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import SpecdecError
+
+
+def chain_parents(batch_size: int, m: int) -> torch.Tensor:
+    """(B, m) the parents of a chain of m drafts: -1, 0, 1, .., m-2."""
+    return (torch.arange(m) - 1).expand(batch_size, m).clone()
+
+
+def check_parents(parents: list[list[int]], lengths: list[int]) -> None:
+    """Refuse a malformed tree: a parent that is not an earlier real node of the same row (which
+    also rules out cycles)."""
+    for b, (row, n) in enumerate(zip(parents, lengths)):
+        for i, p in enumerate(row[:n]):
+            if not -1 <= p < i:
+                raise SpecdecError(f"malformed draft tree in row {b}: node {i} names parent {p}, but a parent "
+                                   "must be an earlier node (0..i-1) or -1 for the root; list nodes parent first")
+
+
+def children(parents: list[int], n: int) -> dict[int, list[int]]:
+    """node (-1: root) -> its children among the first n nodes, in node order."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents[:n]):
+        kids.setdefault(p, []).append(i)
+    return kids
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each node (root's children: 1)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def is_chain_prefix(path: list[int]) -> bool:
+    """Whether the path is 0, 1, .., n-1: its entries already follow each other in the window."""
+    return all(node == i for i, node in enumerate(path))
+
+
+def on_chain(path: list[int], chain: list[int]) -> int:
+    """How many leading nodes of the accepted path are the proposer's main chain (its node indices
+    `chain`, one per depth): the drafts a proposer that fed its chain onward may keep."""
+    n = 0
+    while n < len(path) and n < len(chain) and path[n] == chain[n]:
+        n += 1
+    return n
+
+
+def caterpillar_layout(widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """A main chain with widths[d] - 1 alternatives beside its node at each depth d + 1, in depth
+    order (each depth's chain node first): the parents of all nodes, and the chain's node indices.
+    Static trees of the drafters that feed only their chain onward (draft model, MTP heads)."""
+    parents, chain = [], []
+    for width in widths:
+        parent = chain[-1] if chain else -1
+        chain.append(len(parents))
+        parents += [parent] * width
+    return parents, chain
+
+
+def window_layout(parents: torch.Tensor, lengths: list[int], cache_lengths: list[int],
+                  context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification window's positions (B, 1+m) and tree mask (B, 1+m, 1+m) (True: may see).
+    Positions past the context (padding, or a tree deeper than the context allows) are refused
+    for real nodes and clamped for padding."""
+    B, m = parents.shape
+    rows = parents.tolist()
+    check_parents(rows, lengths)
+    mask = torch.zeros(B, 1 + m, 1 + m, dtype=torch.bool)
+    mask[:, :, 0] = True                                  # everyone sees the root
+    positions = []
+    for b, (row, n, start) in enumerate(zip(rows, lengths, cache_lengths)):
+        row = [p if i < n else -1 for i, p in enumerate(row)]
+        depth = depths(row)
+        if n and start + max(depth[:n]) >= context:
+            raise SpecdecError(f"draft tree of row {b} reaches depth {max(depth[:n])} after {start + 1} tokens: "
+                               f"beyond the target's context of {context} positions; draft fewer levels")
+        positions.append([start] + [min(start + d, context - 1) for d in depth])
+        for i, p in enumerate(row):
+            mask[b, 1 + i] = mask[b, 1 + p]  # the parent's ancestors (root: column 0) ...
+            mask[b, 1 + i, 1 + i] = True     # ... and itself
+    return torch.tensor(positions), mask
+
+
+def levels_reached(parents: torch.Tensor, lengths: list[int], paths: list[list[int]]) -> list[int]:
+    """Per row, the depths whose drafts the target got to judge: the accepted path's, and one more
+    where the path's last node (or the root) has children."""
+    reached = []
+    for row, n, path in zip(parents.tolist(), lengths, paths):
+        end = path[-1] if path else -1
+        reached.append(len(path) + (end in row[:n]))
+    return reached
+
+
+def path_columns(paths: list[list[int]], width: int) -> torch.Tensor:
+    """(B, width) window columns of the root and each row's accepted path first (then column 0 as
+    filler): gathers what the target computed at the committed tokens, in sequence order."""
+    return torch.tensor([[0] + [1 + i for i in path] + [0] * (width - 1 - len(path)) for path in paths])
