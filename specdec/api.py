@@ -100,11 +100,12 @@ def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
     return load_heads(path, target.path, dtype=compute_dtype(target.model))
 
 
-def default_k(proposer: Proposer | None) -> int:
-    """Draft tokens per step when none is given: one per MTP head, else 4 (0 without a proposer)."""
+def default_k(proposer: Proposer | None, widths: tuple[int, ...] | None = None) -> int | str:
+    """Draft tokens per step when none is given: "auto" (adaptive.py: chosen each step from what
+    pays, up to a depth of a given tree), 0 without a proposer."""
     if proposer is None:
         return 0
-    return proposer.heads.depth if isinstance(proposer, MTPProposer) else 4
+    return "auto"
 
 
 def check_context(target: Loaded, ids: list[list[int]], max_new_tokens: int) -> None:
@@ -135,13 +136,15 @@ def model_dtype(model) -> str:
 
 def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | None = None) -> Result:
+             stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | str | None = None,
+             widths: tuple[int, ...] | None = None) -> Result:
     """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`);
-    k: draft tokens per step (default: `default_k`)."""
+    k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
+    pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains)."""
     prompts = inputs.prompts(prompts)
     inputs.sampling(temperature, top_k, top_p, seed)
     stop = inputs.generation(max_new_tokens, stop)
-    inputs.draft_length(k, proposer)
+    inputs.draft_length(k, proposer, widths)
     k = default_k(proposer) if k is None else k
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     decode = target.tokenizer.decode
@@ -164,7 +167,7 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
         rows, timing = plain_generate(model, ids, rule, sampling, generator)
         spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
     else:
-        rows, metrics = speculative_generate(model, proposer, ids, rule, sampling, k, generator)
+        rows, metrics = speculative_generate(model, proposer, ids, rule, sampling, k, generator, widths=widths)
         spec = {"method": proposer.name, **metrics.to_dict(), "time_to_first_token": metrics.first_token_seconds}
     seconds = time.perf_counter() - t0
     if healing:

@@ -45,15 +45,16 @@ def cmd_generate(args) -> None:
     prompt = inputs.prompts(args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval))[0]
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
-    inputs.draft_options(args.draft, {"-k": args.k, "--draft-model": args.draft_model, "--heads": args.heads,
+    inputs.draft_options(args.draft, {"-k": args.k, "--tree": args.tree, "--draft-model": args.draft_model, "--heads": args.heads,
                                       "--draft-vocab": args.draft_vocab, "--ngram-max": args.ngram_max,
                                       "--ngram-min": args.ngram_min})
     target = load(args.model, dtype=torch_dtype(args.dtype))
     proposer = make_proposer(args, target)
-    k = args.k if args.k is not None else default_k(proposer)
+    inputs.draft_length(args.k, proposer, args.tree)
+    k = args.k if args.k is not None else (len(args.tree) if args.tree and proposer else default_k(proposer))
     result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-                      proposer=proposer, k=k if proposer is not None else None)
+                      proposer=proposer, k=k if proposer is not None else None, widths=args.tree)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
@@ -64,7 +65,7 @@ def cmd_generate(args) -> None:
           file=sys.stderr)
 
 
-def footer(s: dict, k: int, temperature: float) -> str:
+def footer(s: dict, k: int | str, temperature: float) -> str:
     """The one-line summary of a generation; a figure that does not exist (α with k = 0, where
     the JSON says null) is written n/a."""
     def fmt(x, spec=".2f", scale=1.0):
@@ -92,6 +93,26 @@ def make_proposer(args, target):
                               draft_vocab=args.draft_vocab)
     sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
     return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
+
+
+def draft_k(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"-k takes a number of draft tokens or auto, not {text!r}") from None
+
+
+def tree_widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"--tree takes widths >= 1 per depth separated by commas (e.g. 3,2,2), "
+                                         f"not {text!r}")
+    return widths
 
 
 DTYPES = ("float32", "bfloat16")
@@ -138,8 +159,10 @@ def bench_plan(args):
     else:
         plan = quick_plan() if args.quick else full_plan()
     prompts = args.prompts  # validated: None (the plan's) or >= 1
+    trees = {} if args.trees is None else {"trees": tuple(args.trees)}
     changes = {"cells": tuple(dataclasses.replace(c, prompts=c.prompts if prompts is None else prompts,
-                                                  peer_k=None if args.no_peers else c.peer_k) for c in plan.cells)}
+                                                  peer_k=None if args.no_peers else c.peer_k,
+                                                  auto=c.auto and not args.no_auto, **trees) for c in plan.cells)}
     for name in ("methods", "repeats", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None:
@@ -147,6 +170,18 @@ def bench_plan(args):
     if args.no_moe:
         changes["moe"] = None
     return dataclasses.replace(plan, **changes)
+
+
+def cmd_calibrate(args) -> None:
+    from .api import load
+    from .calibration import cached_verify_curve, machine
+
+    target = load(args.model, dtype=torch_dtype(args.dtype))
+    for batch in args.batch_sizes:
+        curve, _ = cached_verify_curve(target.model, batch, args.max_tokens, remeasure=True)
+        row = "  ".join(f"t({n})={1000 * s:.2f}" for n, s in sorted(curve.seconds.items()))
+        print(f"batch {batch}: {row} ms")
+    print(f"stored for -k auto on this machine: {json.dumps(machine())}")
 
 
 def cmd_simulate(args) -> None:
@@ -166,7 +201,7 @@ def cmd_simulate(args) -> None:
         from .api import load
         from .bench.conditions import hardware
         from .model import compute_dtype
-        from .bench.verify_cost import measure_verify_curve
+        from .calibration import measure_verify_curve
 
         target = load(args.model, dtype=torch_dtype(args.dtype))
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
@@ -272,10 +307,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab", type=int, metavar="N",
                    help="--draft mtp or draft-model: draft over the N token ids most frequent in the drafter's "
                         "training tokens (a cheaper unembedding; lossless; default: the full vocabulary)")
-    g.add_argument("-k", type=int, help="draft tokens proposed per step (default: 4; for mtp, one per head)")
+    g.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
+                                            "from the measured acceptance and this machine's costs, 0 (plain "
+                                            "decoding) included (default: auto)")
+    g.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
+                   help="draft a tree of at most Wd tokens at depth d (e.g. 3,2,2: 3 candidates for the next "
+                        "token, 2 after the best, ...); with -k auto (the default), the tree tried beside chains")
     g.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
     g.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("calibrate", help="measure the target's verify-cost curve on this machine for -k auto",
+                       description="Re-measure t(n), the seconds of one target forward over n tokens per row, at "
+                                   "each batch size, and store it where -k auto reads it (it measures once by "
+                                   "itself on first use; run this on a quiet machine after a change).")
+    c.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    c.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    c.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16], help="batch sizes (default 1 4 16)")
+    c.add_argument("--max-tokens", type=int, default=14, help="tokens per row measured up to (default 14: "
+                                                              "the widest window of -k auto)")
+    c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
                        description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
@@ -294,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
     b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")
+    b.add_argument("--trees", nargs="+", type=tree_widths, metavar="W1,W2,..",
+                   help="static draft trees each method also runs in every cell (default: the plan's)")
+    b.add_argument("--no-auto", action="store_true", help="leave out the -k auto configuration of each method")
     b.add_argument("--temperatures", nargs="+", type=float, help="grid: sampling temperatures (0 = greedy)")
     b.add_argument("--batch-sizes", nargs="+", type=int, help="grid: batch sizes")
     b.add_argument("--prompts", type=int, help="prompts per cell (overrides the plan)")

@@ -11,6 +11,9 @@ A proposal may be a tree (tree.py; `widths` caps the drafts per depth): the wind
 every node, with positions by depth and a tree attention mask, acceptance walks the tree, and the
 cache keeps the accepted path's entries moved to follow each other (`KVCache.compact`).
 
+k = "auto" chooses each step's depth (0: plain decoding) and shape from what pays (adaptive.py):
+the controller is told what each step accepted and cost.
+
 This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py)
 or model internals (lm.py).
 """
@@ -20,6 +23,7 @@ import time
 
 import torch
 
+from .adaptive import Adaptive
 from .errors import SpecdecError
 from .lm import causal_lm, context_length, next_positions, prefill_all_but_last
 from .metrics import SpecMetrics
@@ -33,15 +37,21 @@ from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sam
 
 @torch.inference_mode()
 def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule,
-                         sampling: SamplingConfig, k: int, generator: torch.Generator | None = None,
+                         sampling: SamplingConfig, k: int | str, generator: torch.Generator | None = None,
                          *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                          tree_verify=tree_rejection_sample) -> tuple[list[Row], SpecMetrics]:
-    """widths: the most drafts per depth (len k; default all ones, a chain). `sampled_verify` and
-    `tree_verify` are the acceptance rules used when sampling chains and trees (signatures of
-    verify.rejection_sample and verify.tree_rejection_sample); tests replace them to show a
-    wrong rule is detected."""
+    """k: drafts per step, or "auto" (adaptive.py). widths: the most drafts per depth (len k;
+    default all ones, a chain; with "auto", the tree shape tried beside chains). `sampled_verify`
+    and `tree_verify` are the acceptance rules used when sampling chains and trees (signatures of
+    verify.rejection_sample and verify.tree_rejection_sample); tests replace them to show a wrong
+    rule is detected."""
     target = causal_lm(target, role="target")
     context = context_length(target)
+    adaptive = None
+    if k == "auto":
+        check_inputs(target, proposer, prompts, rule, 0, None, context)
+        adaptive = Adaptive.for_run(target, proposer, len(prompts), widths)
+        k, widths = adaptive.depth, adaptive.widest
     widths = check_inputs(target, proposer, prompts, rule, k, widths, context)
     verify = _verifier(sampling, sampled_verify, tree_verify, generator)
     metrics = SpecMetrics(k=k, batch_size=len(prompts))
@@ -56,9 +66,11 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
     clock = time.perf_counter
     while not all(row.done for row in rows):
         budgets = [row.budget for row in rows]                    # tokens each row may still emit
+        active = [b > 0 for b in budgets]
         t_start = clock()
-        limits = draft_limits(budgets, k)
-        proposal = proposer.propose(state, limits, widths, generator).trimmed()   # propose
+        depth, shape = adaptive.choose(active) if adaptive else (k, widths)
+        limits = draft_limits(budgets, depth)
+        proposal = proposer.propose(state, limits, shape, generator).trimmed()   # propose
         t_proposed = clock()
         drafts = proposal.tokens.tolist()                             # (B, m)
         window = torch.tensor([[token] + row for token, row in zip(last, drafts)])  # (B, 1+m)
@@ -88,11 +100,15 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
                                         verdict.paths))
         t_observed = clock()
         lengths = proposal.lengths.tolist()
-        metrics.record_step([b > 0 for b in budgets], lengths, accepted, counts, None if verdict.paths is None
+        metrics.record_step(active, lengths, accepted, counts, None if verdict.paths is None
                             else levels_reached(proposal.parents, lengths, verdict.paths))
         metrics.record_phases(t_start, t_proposed, t_window, t_forward, t_accepted, t_committed, t_observed, clock())
         metrics.first_token_seconds = metrics.first_token_seconds or t_committed - t0
+        if adaptive:
+            adaptive.observe(limits.tolist(), accepted, active, window.shape[1],
+                             t_proposed - t_start + t_observed - t_committed, clock() - t_start, t_forward - t_window)
     metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
+    metrics.adaptive = adaptive.summary() if adaptive else None
     return rows, metrics
 
 

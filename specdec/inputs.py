@@ -96,9 +96,21 @@ def generation(max_new_tokens, stop) -> tuple[str, ...]:
     return stop
 
 
-def draft_length(k, proposer) -> None:
-    """k counts the draft tokens per step: it needs a proposer to draft them."""
-    if k is None:
+def draft_length(k, proposer, widths=None) -> None:
+    """k counts the draft tokens per step, or is "auto": it needs a proposer to draft them.
+    widths: a draft tree's most nodes per depth (one per level: len k)."""
+    if widths is not None:
+        if proposer is None:
+            raise SpecdecError("a draft tree needs a proposer: pass proposer=build_proposer(...) "
+                               "(command line: --draft ...)")
+        for w in widths:
+            integer("a draft tree's width", w, low=1)
+        if k not in (None, "auto") and k != len(widths):
+            raise SpecdecError(f"a draft tree of {len(widths)} levels ({','.join(map(str, widths))}) drafts "
+                               f"{len(widths)} levels per step, not k={k}: leave k out or set it to {len(widths)}")
+    if k is None or k == "auto":
+        if k == "auto" and proposer is None:
+            raise SpecdecError('k="auto" chooses how much to draft: it needs a proposer (command line: --draft ...)')
         return
     integer("k (draft tokens per step)", k, low=0)
     if proposer is None and k > 0:
@@ -109,7 +121,7 @@ def draft_length(k, proposer) -> None:
 def draft_options(draft: str, given: dict[str, object]) -> None:
     """Command-line draft options: each belongs to one --draft choice; `given` maps the option
     names set on the command line (e.g. "--heads") to their values."""
-    owners = {"-k": ("draft-model", "ngram", "mtp"), "--draft-model": ("draft-model",), "--heads": ("mtp",),
+    owners = {"-k": ("draft-model", "ngram", "mtp"), "--tree": ("draft-model", "ngram", "mtp"), "--draft-model": ("draft-model",), "--heads": ("mtp",),
               "--draft-vocab": ("mtp", "draft-model"), "--ngram-max": ("ngram",), "--ngram-min": ("ngram",)}
     for option, value in given.items():
         if value is not None and draft not in owners[option]:

@@ -63,6 +63,7 @@ class SpecMetrics:
     other_seconds: float = 0.0
     first_token_seconds: float | None = None
     target_token_seconds: float | None = None
+    adaptive: dict | None = None  # k="auto": what was chosen and why (adaptive.Adaptive.summary)
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.k
@@ -193,4 +194,5 @@ class SpecMetrics:
             "total_seconds": self.total_seconds, "first_token_seconds": self.first_token_seconds,
             "target_token_seconds": self.target_token_seconds,
             "tokens_per_second": self.tokens_per_second, "seconds_per_token": self.seconds_per_token,
+            "adaptive": self.adaptive,
         }

@@ -25,10 +25,10 @@ from .conftest import TINY, tiny_model
 CFG = dataclasses.replace(TINY, max_position_embeddings=2048)  # HumanEval prompts are long in a 384-token BPE
 TINY_MOE = MoESpec(hidden_size=32, expert_intermediate_size=32, num_experts=4, top_k=2, num_layers=1,
                    num_heads=2, num_kv_heads=1, vocab_size=64)
-PLAN = Plan((Cell("humaneval", 0.0, 1, (1, 2), 2, peer_k=2),
-             Cell("random-chars", 1.0, 1, (2,), 2),
-             Cell("stdlib-tests", 0.0, 1, (1, 3), 1),
-             Cell("humaneval", 0.0, 2, (1, 2), 2)),
+PLAN = Plan((Cell("humaneval", 0.0, 1, (1, 2), 2, peer_k=2, trees=((2, 2),)),
+             Cell("random-chars", 1.0, 1, (2,), 2, auto=False),
+             Cell("stdlib-tests", 0.0, 1, (1, 3), 1, auto=False),
+             Cell("humaneval", 0.0, 2, (1, 2), 2, auto=False)),
             repeats=2, max_new_tokens=6, moe=TINY_MOE)
 CONDITIONS = {"target", "method", "workload", "sampling", "batch_size", "hardware", "software", "repeats",
               "baseline"}
@@ -57,8 +57,11 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert result["schema"] == SCHEMA
     assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
     labels = [r["label"] for r in result["cells"][0]["results"]]
-    assert labels == ["plain", "draft-model k=1", "draft-model k=2", "ngram k=1", "ngram k=2", "mtp k=1",
-                      "mtp k=2", "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
+    assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "ngram", "mtp")
+                                 for c in ("k=1", "k=2", "tree=2,2", "k=auto")),
+                      "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
+    auto = next(r for r in result["cells"][0]["results"] if r["label"] == "ngram k=auto")
+    assert sum(auto["adaptive"]["choices"].values()) == auto["counters"]["steps"]
     # MTP heads of depth 2 run only at k <= 2; peers only at batch 1 and where the cell asks
     assert [r["label"] for r in result["cells"][2]["results"]] == ["plain", "draft-model k=1", "draft-model k=3", "ngram k=1",
                                                                    "ngram k=3", "mtp k=1"]
@@ -104,8 +107,10 @@ def test_acceptance_and_cost_model_fields(result):
             speculative = r["method"] in ("draft-model", "ngram", "mtp")
             assert (r["predicted_speedup"] is not None) == speculative
             if speculative:
-                assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == r["k"]
-                assert 1 <= r["mean_acceptance_length"] <= r["k"] + 1
+                depth = r["counters"]["k"]  # "auto": the deepest option
+                assert r["k"] == depth or r["k"] == "auto"
+                assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == depth
+                assert 1 <= r["mean_acceptance_length"] <= depth + 1
                 assert r["prediction_error"] == pytest.approx(r["predicted_speedup"] / r["speedup"]["median"] - 1)
                 assert r["counters"]["emitted"] == cell["workload"]["prompts"] * PLAN.max_new_tokens
         curve = cell["verify_curve"]

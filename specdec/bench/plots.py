@@ -42,7 +42,9 @@ def batch1_panels(result: dict):
     """One panel per batch-1 cell: the figure and, per panel, (ax, cell, {method: its results})."""
     cells = [c for c in result["cells"] if c["batch_size"] == 1]
     fig, axes = panels(len(cells))
-    by_method = [{m: rs for m in SPEC_METHODS if (rs := [r for r in cell["results"] if r["method"] == m])}
+    # the k sweep: fixed chains (adaptive and tree configurations have their own table in the report)
+    by_method = [{m: rs for m in SPEC_METHODS if (rs := [r for r in cell["results"] if r["method"] == m
+                                                          and isinstance(r["k"], int) and not r.get("widths")])}
                  for cell in cells]
     return fig, list(zip(axes, cells, by_method))
 

@@ -60,6 +60,7 @@ from ..costmodel import predicted_speedup, speedup_limit
 from ..decode import plain_generate
 from ..engine import speculative_generate
 from ..errors import SpecdecError
+from ..adaptive import AUTO_TREE, merge_summaries
 from ..metrics import SpecMetrics
 from ..proposers import build_proposer
 from ..sampling import SamplingConfig
@@ -69,7 +70,8 @@ from .conditions import UNKNOWN, hardware, model_info, roofline, shown_path, sof
 from .noise import implausible_verify_points, result_noise
 from .peers import PEER_DTYPE, PEERS, Peers
 from .plain import measured_read_bandwidth
-from .verify_cost import MoESpec, measure_verify_curve, moe_vs_dense
+from ..calibration import measure_verify_curve
+from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
@@ -91,6 +93,8 @@ class Cell:
     ks: tuple[int, ...]
     prompts: int
     peer_k: int | None = None  # k of transformers' assisted / prompt-lookup peers; None: no peers
+    auto: bool = True          # also run each method with k="auto" (adaptive.py)
+    trees: tuple[tuple[int, ...], ...] = ()  # static tree shapes (widths per depth) run by each method
 
     @property
     def label(self) -> str:
@@ -166,14 +170,24 @@ def check_mtp_ks(plan: Plan, depth: int) -> None:
 class Config:
     """One configuration of a cell and what its repeats measured."""
     method: str                 # plain | draft-model | ngram | mtp | hf-generate | hf-assisted | hf-prompt-lookup
-    k: int = 0
+    k: int | str = 0            # drafts per step, or "auto"
+    widths: tuple[int, ...] | None = None  # a static tree's widths per depth (None: a chain)
     tokens_per_s: list[float] = field(default_factory=list)
     metrics: list[SpecMetrics] = field(default_factory=list)  # per repeat, summed over batches
     outputs: list[list[int]] = field(default_factory=list)     # the last repeat's tokens per prompt
 
     @property
     def label(self) -> str:
+        if self.widths:
+            return f"{self.method} tree={','.join(map(str, self.widths))}"
         return self.method if self.k == 0 else f"{self.method} k={self.k}"
+
+    @property
+    def window(self) -> int:
+        """The most tokens per row one verification carries."""
+        if self.k == "auto":
+            return 1 + sum(AUTO_TREE)
+        return 1 + (sum(self.widths) if self.widths else self.k)
 
 
 class Bench:
@@ -213,8 +227,10 @@ class Bench:
     def configs(self, cell: Cell) -> list[Config]:
         configs = [Config("plain")]
         for method in self.plan.methods:
-            ks = [k for k in cell.ks if method != "mtp" or k <= self.heads.depth]
-            configs += [Config(method, k) for k in ks]
+            depth = self.heads.depth if method == "mtp" else None
+            configs += [Config(method, k) for k in cell.ks if depth is None or k <= depth]
+            configs += [Config(method, len(w), w) for w in cell.trees if depth is None or len(w) <= depth]
+            configs += [Config(method, "auto")] if cell.auto else []
         if cell.peer_k and cell.batch_size == 1:
             configs += [Config(p, 0 if p == "hf-generate" else cell.peer_k) for p in PEERS]
         return configs
@@ -228,7 +244,7 @@ class Bench:
         if cfg.method in PEERS:
             return self.peers.generate(cfg.method, cfg.k, batch, rule.max_new_tokens, sampling), None
         rows, metrics = speculative_generate(self.target.model, self.proposers[cfg.method], batch, rule, sampling,
-                                             cfg.k, generator)
+                                             cfg.k, generator, widths=cfg.widths)
         return [r.tokens for r in rows], metrics
 
 
@@ -290,9 +306,11 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
             cfg.tokens_per_s.append(produced / (time.perf_counter() - t0))
             cfg.outputs = outputs
             if metrics:
-                cfg.metrics.append(sum(metrics[1:], metrics[0]))
-    max_k = max(cfg.k for cfg in configs)
-    curve_tokens = sorted(set(range(1, max_k + 2)) | ({CURVE_EXTRA_TOKENS} if cell.batch_size == 1 else set()))
+                summed = sum(metrics[1:], metrics[0])
+                summed.adaptive = merge_summaries([m.adaptive for m in metrics])
+                cfg.metrics.append(summed)
+    window = max(cfg.window for cfg in configs if cfg.method not in PEERS)
+    curve_tokens = sorted(set(range(1, window + 1)) | ({CURVE_EXTRA_TOKENS} if cell.batch_size == 1 else set()))
     bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
     # at the cell's typical context: its median prompt plus half the new tokens (attention grows with it)
     context = int(statistics.median(map(len, prompts))) + plan.max_new_tokens // 2
@@ -309,12 +327,15 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
     for cfg in configs:
         # transformers' speculative peers must reproduce transformers' own plain decoding
         reference = hf_generate if cfg.method in PEERS and cfg is not hf_generate else plain
-        method = {**bench.method_info[cfg.method], **({"k": cfg.k} if cfg.k else {})}
+        method = {**bench.method_info[cfg.method], **({"k": cfg.k} if cfg.k else {}),
+                  **({"tree_widths": list(cfg.widths)} if cfg.widths else {})}
         speedup = spread([a / b for a, b in zip(cfg.tokens_per_s, plain.tokens_per_s)])
         rule = acceptance_rule(cfg.method, cell.temperature)
         prediction = acceptance_and_prediction(cfg, curve, cell.batch_size, speedup["median"])
         results.append({
-            "method": cfg.method, "k": cfg.k, "label": cfg.label, "acceptance": rule,
+            "method": cfg.method, "k": cfg.k, "widths": list(cfg.widths) if cfg.widths else None,
+            "label": cfg.label, "acceptance": rule,
+            "adaptive": cfg.metrics[-1].adaptive if cfg.metrics else None,
             "lossless_method": rule["lossless"],
             "tokens_per_s": spread(cfg.tokens_per_s), "speedup": speedup, **prediction,
             "noise": result_noise(spread(cfg.tokens_per_s), speedup, bool(implausible),
@@ -366,7 +387,7 @@ def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: flo
     predicted = predicted_speedup(last.acceptance_per_position, per_step["draft"], curve, per_step["other"],
                                   batch_size, last.proposal_rate_per_position, last.proposed / last.row_steps,
                                   prefill)
-    limit = speedup_limit(last.mean_acceptance_length, cfg.k, curve, last.proposed / last.row_steps)
+    limit = speedup_limit(last.mean_acceptance_length, 0, curve, last.proposed / last.row_steps)
     return {"acceptance_rate": last.acceptance_rate, "acceptance_per_position": last.acceptance_per_position,
             "mean_acceptance_length": last.mean_acceptance_length, "draft_cost_ratio": last.draft_cost_ratio,
             "seconds_per_step": per_step, "counters": last.to_dict(), "predicted_speedup": predicted,

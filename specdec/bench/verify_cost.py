@@ -8,41 +8,14 @@ fine: only their cost curves matter) and run through the same code path (hf_adap
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from ..costmodel import VerifyCurve, moe_distinct_experts, moe_verify_ratio
-from ..lm import causal_lm
+from ..calibration import measure_verify_curve
+from ..costmodel import moe_distinct_experts, moe_verify_ratio
 
-CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
 EXPERTS_IMPLEMENTATION = "eager"
-
-
-@torch.inference_mode()
-def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
-                         context_tokens: int = CONTEXT_TOKENS) -> VerifyCurve:
-    """Median seconds of a forward over n new tokens per row (every n in tokens_per_row) at
-    `batch_size` rows, after `context_tokens` cached ones; the n values are interleaved repeat by
-    repeat and the cache is rolled back after each forward, so every forward sees the same context."""
-    lm = causal_lm(model, role="target")
-    vocab = lm.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    cache = lm.new_cache(batch_size, context_tokens + max(tokens_per_row))
-    lm(torch.randint(0, vocab, (batch_size, context_tokens), generator=g), cache=cache)
-    windows = {n: torch.randint(0, vocab, (batch_size, n), generator=g) for n in tokens_per_row}
-    times = {n: [] for n in tokens_per_row}
-    for r in range(repeats + 1):  # the first round warms up and is not kept
-        for n, window in windows.items():
-            t0 = time.perf_counter()
-            lm(window, cache=cache)
-            elapsed = time.perf_counter() - t0
-            cache.rollback(context_tokens)
-            if r:
-                times[n].append(elapsed)
-    return VerifyCurve({n: statistics.median(t) for n, t in times.items()}, batch_size)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ class Proposer(Protocol):
     name: str
     vocab_size: int | None  # token ids it can propose; None: any (it copies ids it has seen)
     trees: bool             # whether it drafts trees when widths allow (else always chains)
+    max_depth: int | None   # the most levels it drafts per step; None: any
 
     def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor, sampling: SamplingConfig,
               max_len: int, k: int) -> Any:

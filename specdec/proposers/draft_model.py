@@ -39,6 +39,7 @@ class DraftModelProposer:
     (base.with_alternatives)."""
     name = "draft-model"
     trees = True
+    max_depth = None
 
     def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None):
         """draft_vocab N: draft over the N most frequent token ids of `token_counts` (V,) — the

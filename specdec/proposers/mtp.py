@@ -81,6 +81,11 @@ class MTPProposer:
         self.unembedding = frozen_linear(target.lm_head.weight) if ids is None else self.vocab.unembedding
 
     @property
+    def max_depth(self) -> int:
+        """The most drafts per step: one per head."""
+        return self.heads.depth
+
+    @property
     def draft_ids(self) -> torch.Tensor | None:
         """(N,) the token ids drafted over; None: all V."""
         return None if self.vocab is None else self.vocab.ids

@@ -100,6 +100,7 @@ class NgramProposer:
     name = "ngram"
     vocab_size = None  # proposes only ids it has seen
     trees = True
+    max_depth = None
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:

@@ -1,0 +1,132 @@
+"""adaptive.py and k="auto": the controller picks what its cost model says pays (plain decoding
+when drafts are rejected and verification is expensive, deep drafts when they are accepted and
+it is cheap), probes deeper options, says what it chose and why; the engine with k="auto" stays
+lossless (greedy token for token, sampling in distribution)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import adaptive, calibration
+from specdec.adaptive import PROBE_EVERY, Adaptive
+from specdec.costmodel import VerifyCurve
+from specdec.engine import speculative_generate
+from specdec.proposers import build_proposer
+from specdec.reference import reference_generate
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopRule
+
+from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
+from .test_engine_sampling import DRAFT, N, PROMPT, SETTINGS, TARGET, distribution_test, exact_joint, passes
+from .test_tree import tiny_heads
+
+STEEP = VerifyCurve({n: 1e-3 * n for n in range(1, 20)})   # every token costs a full forward
+FLAT = VerifyCurve({n: 1e-3 * (1 + 0.01 * n) for n in range(1, 20)})
+
+
+@pytest.fixture(autouse=True)
+def private_curve_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "_cache_dir", lambda: tmp_path / "curves")
+
+
+def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None) -> Adaptive:
+    """Feed the controller `steps` steps at batch 2 in which every draft is accepted (or none)."""
+    controller = Adaptive(curve, 2, shapes or {"chain": (1,) * 6})
+    for _ in range(steps):
+        depth, _ = controller.choose([True, True])
+        accepted = [depth if accept else 0] * 2
+        controller.observe([depth] * 2, accepted, [True, True], 1 + depth, 1e-5 * depth, 1.2e-3, 1e-3)
+    return controller
+
+
+def test_rejected_drafts_and_a_steep_curve_choose_plain_decoding():
+    controller = run_controller(STEEP, accept=False)
+    assert controller.choices["plain"] >= 40 - 40 // PROBE_EVERY - 2  # the rest: probes and the prior's first tries
+    assert controller.summary()["predicted_speedup"]["chain:1"] < 1
+
+
+def test_accepted_drafts_and_a_flat_curve_choose_the_deepest_chain():
+    controller = run_controller(FLAT, accept=True)
+    assert controller.chosen == (0, 6)
+    assert controller.summary()["predicted_speedup"]["chain:6"] > 4
+
+
+def test_probes_draft_one_level_deeper_than_the_best():
+    controller = run_controller(STEEP, accept=False, steps=PROBE_EVERY - 1)
+    depth, widths = controller.choose([True, True])  # step PROBE_EVERY
+    assert depth == 1 and widths == (1,)
+
+
+def test_a_tree_is_chosen_where_its_alternatives_are_accepted():
+    controller = Adaptive(FLAT, 1, {"chain": (1, 1), "tree": (3, 3)})
+    for _ in range(30):
+        depth, widths = controller.choose([True])
+        tree = max(widths, default=1) > 1
+        controller.observe([depth], [depth if tree else 0], [True], 1 + sum(widths), 1e-5, 1.1e-3, 1e-3)
+    assert controller.names[controller.chosen[0]] == "tree"
+
+
+def test_the_stored_curve_is_measured_once_and_never_decreases():
+    model = tiny_llama(0)
+    curve, measured = calibration.cached_verify_curve(model, 2, 6, repeats=1)
+    again, measured_again = calibration.cached_verify_curve(model, 2, 6)
+    assert measured and not measured_again and again.seconds == curve.seconds
+    times = [curve.seconds[n] for n in sorted(curve.seconds)]
+    assert times == sorted(times) and max(curve.seconds) >= 6
+
+
+def proposers(target):
+    return {"draft-model": lambda: build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)),
+            "mtp": lambda: build_proposer("mtp", heads=tiny_heads(target, "mtp-sequential", 3), target=target),
+            "ngram": lambda: build_proposer("ngram")}
+
+
+@pytest.mark.parametrize("name", ["draft-model", "mtp", "ngram"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_auto_greedy_equals_plain_decoding(name, batch):
+    target = tiny_llama(0)
+    prompts = [[3, 9, 4, 3, 9], [5, 1, 2, 7, 1, 2, 7], [8], [4, 4, 4, 4]][:batch]
+    rule = StopRule(max_new_tokens=30)
+    rows, metrics = speculative_generate(target, proposers(target)[name](), prompts, rule, SamplingConfig(), "auto")
+    for prompt, row in zip(prompts, rows):
+        expected = reference_generate(target, prompt, rule, SamplingConfig()).tokens
+        gap = greedy_divergence(target, prompt, row.tokens, expected)
+        assert gap is None or gap < NEAR_TIE
+    summary = metrics.adaptive
+    assert sum(summary["choices"].values()) == metrics.steps
+    assert "plain" in summary["predicted_speedup"] and summary["verify_curve_ms"]
+
+
+def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
+    class ChainsOnly:
+        def __init__(self, inner):
+            self.inner, self.name, self.vocab_size = inner, "chains-only", inner.vocab_size
+            self.trees, self.max_depth = False, None
+
+        def start(self, *args):
+            return self.inner.start(*args)
+
+        def propose(self, state, limits, widths, generator):
+            return self.inner.propose(state, limits, (1,) * len(widths), generator)
+
+        def observe(self, state, outcome):
+            self.inner.observe(state, outcome)
+
+    target = tiny_llama(0)
+    _, metrics = speculative_generate(target, ChainsOnly(build_proposer("ngram")), [[1, 2, 1, 2]],
+                                      StopRule(max_new_tokens=8), SamplingConfig(), "auto")
+    assert "chains only" in metrics.adaptive["note"] and list(metrics.adaptive["shapes"]) == ["chain"]
+
+
+def test_auto_sampling_matches_the_target_distribution(monkeypatch):
+    # a batch of N rows: a made-up curve instead of timing forwards of N rows (only the choices depend on it)
+    monkeypatch.setattr(adaptive, "cached_verify_curve", lambda model, batch, tokens: (
+        VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, batch), False))
+    rule = StopRule(max_new_tokens=3)
+    rows, metrics = speculative_generate(TARGET, build_proposer("draft-model", model=DRAFT), [PROMPT] * N, rule,
+                                         SETTINGS["T=1"], "auto", torch.Generator().manual_seed(5))
+    first3 = torch.tensor([row.tokens[:3] for row in rows])
+    V = TARGET.config.vocab_size
+    counts = torch.bincount(first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2], minlength=V ** 3).double()
+    assert passes(distribution_test(counts, exact_joint(SETTINGS["T=1"])))
+    assert metrics.accepted > 0.01 * N
