@@ -12,18 +12,30 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
 - t_B(n): the target's forward over n tokens per row at this batch size, measured on this
   machine once and cached (calibration.py); n(s, d) the window such a step really carried
   (a running mean; it starts at 1 + Σ widths[:d], what a full proposal would carry).
-- draft_level: the proposer's seconds per level drafted, overhead: the engine's own seconds per
-  step (running means of what the steps took).
+- draft(d): the proposer's seconds per step at depth d, overhead: the engine's own seconds per
+  step (running means of what the steps took; a depth not yet measured is scaled from the nearest
+  one that was, in proportion to d; steps right after a plain stretch of several steps are left
+  out of draft(d), since they also catch up on the stretch).
 
-The option of highest rate is drafted. Every PROBE_EVERY steps one level deeper than the best is
-drafted instead (cycling through the shapes), so the estimates of levels not chosen stay fresh at
-a bounded cost. `summary()` says what was chosen and why: each option's mean predicted speedup
+What a run learned carries over to the next run of the same proposer, target and batch size in
+this process (`remember`): the costs, the probe stretch and, as the new rows' prior, the rows'
+mean q per shape and depth. A server or a benchmark thus stops exploring what it already knows.
+
+The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
+steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
+level drafted, cycling through the shapes; each probe that does not change the verdict doubles the
+next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. A
+proposer whose drafts cost almost nothing (below CHEAP × t(1) per step: n-gram lookup) is probed
+after every plain step instead, since its matches come in bursts. While
+drafting pays, every PROBE_EVERY steps one level deeper than the best is drafted instead, so the
+estimates of levels not chosen stay fresh. `summary()` says what was chosen and why: each option's mean predicted speedup
 over plain decoding.
 
 This module knows nothing about models or tokens: the engine reports each step's outcome.
 """
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -37,6 +49,13 @@ PRIOR, PRIOR_WEIGHT = 0.7, 1.0        # q before any evidence: optimistic, so sp
 DECAY = 0.9                           # weight of a row's older steps per new one (about the last 10)
 SMOOTHING = 0.2                       # running means of costs and windows
 PROBE_EVERY = 16
+MAX_STRETCH = 256
+REMEMBERED_WEIGHT = 2.0               # pseudo-steps a remembered q counts for in a new row
+REMEMBERED_STRETCH = 4 * PROBE_EVERY  # the longest stretch a new run starts with
+CHEAP = 0.1                           # draft seconds per step below this share of t(1): probing is free
+
+# proposer -> {(target id, batch size, shapes): what its last run learned}
+_MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
 class Adaptive:
@@ -49,13 +68,22 @@ class Adaptive:
         self.accepted = np.zeros((S, batch_size, K))
         self.offered = np.zeros((S, batch_size, K))
         self.window = np.array([[1.0 + sum(w[:d]) for d in range(K + 1)] for w in self.shapes])  # (S, K+1)
-        self.level_seconds = 0.0
-        self.overhead_seconds = 0.0
-        self.steps = 0
+        points = sorted(curve.seconds)
+        self.curve_tokens, self.curve_seconds = np.array(points, float), np.array([curve.seconds[n] for n in points])
+        self.forward = self.forward_seconds(self.window)                                     # (S, K+1)
+        self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
+        self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
+        self.plain_run = 0                                    # plain steps since the last drafting step
+        self.stretch = PROBE_EVERY                            # plain steps before the next probe
+        self.probes = 0
+        self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [1:] of a drafting step
+        self.steps = 0        # steps decided (a plain stretch counts each of its steps)
+        self.evaluations = 0  # times the options were weighed
         self.chosen: tuple[int, int] = (0, 0)
         self.choices: Counter = Counter()
         self.predicted_sum = np.zeros((S, K + 1))
         self.measured_now, self.note = measured_now, note
+        self.memory, self.memory_key = None, None
 
     @classmethod
     def for_run(cls, target, proposer, batch_size: int, widths: tuple[int, ...] | None) -> "Adaptive":
@@ -74,7 +102,35 @@ class Adaptive:
             else:
                 note = f"the {proposer.name} proposer drafts no trees: chains only"
         curve, measured_now = cached_verify_curve(target, batch_size, 1 + sum(max(w) for w in zip(*shapes.values())))
-        return cls(curve, batch_size, shapes, measured_now, note)
+        adaptive = cls(curve, batch_size, shapes, measured_now, note)
+        try:
+            memory = _MEMORY.setdefault(proposer, {})
+        except TypeError:  # a proposer that cannot be weakly referenced starts afresh every run
+            memory = {}
+        adaptive.memory = memory
+        adaptive.memory_key = (id(target), batch_size, tuple(shapes.items()))
+        adaptive.recall(memory.get(adaptive.memory_key))
+        return adaptive
+
+    def recall(self, learned: dict | None) -> None:
+        if learned is None:
+            return
+        for name in ("draft_seconds", "draft_measured", "overhead_seconds", "window", "forward"):
+            setattr(self, name, learned[name].copy())
+        self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
+        self.accepted[:] = (learned["q"] * REMEMBERED_WEIGHT)[:, None]
+        self.offered[:] = np.where(learned["seen"], REMEMBERED_WEIGHT, 0.0)[:, None]
+
+    def remember(self) -> None:
+        """Keep what this run learned for the next run (see the module docstring)."""
+        if getattr(self, "memory", None) is None:
+            return
+        offered = self.offered.sum(1)                                           # (S, K)
+        q = (self.accepted.sum(1) + PRIOR * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
+        self.memory[self.memory_key] = {
+            "q": q, "seen": offered > 0, "stretch": self.stretch,
+            **{name: getattr(self, name).copy() for name in ("draft_seconds", "draft_measured", "overhead_seconds",
+                                                             "window", "forward")}}
 
     @property
     def widest(self) -> tuple[int, ...]:
@@ -86,23 +142,45 @@ class Adaptive:
         q = (self.accepted + PRIOR * PRIOR_WEIGHT) / (self.offered + PRIOR_WEIGHT)          # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
         tokens = E[:, np.asarray(active, dtype=bool)].sum(1)                                  # (S, K+1)
-        top = max(self.curve.seconds)
-        forward = np.vectorize(lambda n: self.curve.at(min(max(n, 1.0), top)))(self.window)
-        cost = forward + np.arange(self.depth + 1) * self.level_seconds + self.overhead_seconds
+        cost = self.forward + self.draft_estimates() + self.overhead_seconds
         return tokens / cost
 
-    def choose(self, active: list[bool]) -> tuple[int, tuple[int, ...]]:
-        """The depth to draft this step and the widths per depth to draft it with."""
+    def draft_estimates(self) -> np.ndarray:
+        """(K+1,) draft seconds per step by depth: measured, else scaled from the nearest measured depth."""
+        measured = np.flatnonzero(self.draft_measured)
+        if measured.size == 0:
+            return np.zeros(self.depth + 1)
+        depths = np.arange(self.depth + 1)
+        nearest = measured[np.abs(depths[:, None] - measured[None]).argmin(1)]
+        return np.where(self.draft_measured, self.draft_seconds, self.draft_seconds[nearest] * depths / nearest)
+
+    def forward_seconds(self, window):
+        """t_B(n) at windows n, interpolated between the measured points (held at the ends)."""
+        return np.interp(window, self.curve_tokens, self.curve_seconds)
+
+    def choose(self, active: list[bool]) -> tuple[int, tuple[int, ...], int]:
+        """The depth to draft next, the widths per depth to draft it with, and for how many steps
+        (1 when drafting; plain decoding: up to the next probe)."""
         rates = self.rates(active)
         self.predicted_sum += rates / rates[0, 0]
+        self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
-        self.steps += 1
-        if self.steps % PROBE_EVERY == 0:
-            s = (self.steps // PROBE_EVERY) % len(self.shapes)
+        steps = 1
+        # a proposer that costs next to nothing (n-gram lookup) is probed every other step: its
+        # matches come in bursts, and a probe costs little more than the plain step it replaces
+        stretch = 1 if self.draft_estimates()[1:].max() < CHEAP * self.forward[0, 0] else self.stretch
+        if d == 0 and self.plain_run < stretch:
+            steps = stretch - self.plain_run
+        elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best
+            s = self.probes % len(self.shapes)
             d = min(self.depth, int(rates[s].argmax()) + 1)
+            self.probes += 1
+            if self.plain_run:
+                self.stretch = min(2 * self.stretch, MAX_STRETCH)
+        else:
+            self.stretch = PROBE_EVERY
         self.chosen = (int(s), int(d))
-        self.choices[self.label(*self.chosen)] += 1
-        return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]]
+        return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
     def observe(self, limits: list[int], accepted: list[int], active: list[bool], width: int,
                 draft_seconds: float, step_seconds: float, forward_seconds: float) -> None:
@@ -110,23 +188,38 @@ class Adaptive:
         window the target verified, and the seconds spent drafting, in the whole step and in the
         target's forward."""
         s, d = self.chosen
+        self.steps += 1
+        self.choices[self.label(s, d)] += 1
         levels = np.arange(self.depth)[None]                                   # (1, K)
         limits, accepted = np.asarray(limits)[:, None], np.asarray(accepted)[:, None]  # (B, 1)
         judged = (levels < np.minimum(limits, accepted + 1)) & np.asarray(active, dtype=bool)[:, None]
         self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
         self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
         self.window[s, d] += SMOOTHING * (width - self.window[s, d])
-        if d:
-            self.level_seconds += SMOOTHING * (draft_seconds / d - self.level_seconds)
-        other = step_seconds - forward_seconds - (draft_seconds if d else 0.0)
-        self.overhead_seconds += SMOOTHING * (other - self.overhead_seconds)
+        self.forward[s, d] = self.forward_seconds(self.window[s, d])
+        if self.plain_run <= 1:  # after a longer stretch the step also caught up on it
+            if not self.draft_measured[d]:
+                self.draft_seconds[d], self.draft_measured[d] = draft_seconds, True
+            self.draft_seconds[d] += SMOOTHING * (draft_seconds - self.draft_seconds[d])
+        self.plain_run = 0
+        other = step_seconds - forward_seconds - draft_seconds
+        self.overhead_seconds[1:] += SMOOTHING * (other - self.overhead_seconds[1:])
+
+    def observe_plain(self, steps: int, seconds: float, forward_seconds: float) -> None:
+        """A plain stretch of `steps` steps took `seconds`, `forward_seconds` of them in forwards."""
+        self.steps += steps
+        self.plain_run += steps
+        self.choices["plain"] += steps
+        if steps:
+            other = (seconds - forward_seconds) / steps
+            self.overhead_seconds[0] += SMOOTHING * (other - self.overhead_seconds[0])
 
     def label(self, s: int, d: int) -> str:
         return "plain" if d == 0 else f"{self.names[s]}:{d}"
 
     def summary(self) -> dict:
         """What was chosen, how often, and each option's mean predicted speedup over plain decoding."""
-        mean = self.predicted_sum / max(self.steps, 1)
+        mean = self.predicted_sum / max(self.evaluations, 1)
         predicted = {self.label(s, d): round(float(mean[s, d]), 3)
                      for s in range(len(self.shapes)) for d in range(self.depth + 1) if d or s == 0}
         return {"shapes": dict(zip(self.names, self.shapes)), "choices": dict(self.choices),

@@ -11,12 +11,14 @@ This module knows nothing about drafting or verification.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import platform
 import statistics
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -66,11 +68,12 @@ def cached_verify_curve(model, batch_size: int, max_tokens: int, remeasure: bool
     was measured on this machine before, else measured now and stored. Returns it and whether it
     was measured now (also when the stored one stops short of max_tokens)."""
     path = _cache_dir() / f"{_key(model, batch_size)}.json"
-    if path.exists() and not remeasure:
-        stored = json.loads(path.read_text())
-        curve = VerifyCurve({int(n): s for n, s in stored["seconds"].items()}, stored["batch_size"])
-        if max(curve.seconds) >= max_tokens:
-            return curve, False
+    if not remeasure and (path in _LOADED or path.exists()):
+        if path not in _LOADED:
+            stored = json.loads(path.read_text())
+            _LOADED[path] = VerifyCurve({int(n): s for n, s in stored["seconds"].items()}, stored["batch_size"])
+        if max(_LOADED[path].seconds) >= max_tokens:
+            return _LOADED[path], False
     # the fastest of the repeats, made non-decreasing in n (more tokens never cost less): a stored
     # curve outlives the moment it was measured in, so a busy moment must not bend it
     fastest = measure_verify_curve(model, curve_points(max_tokens), batch_size, repeats=repeats, reduce=min)
@@ -80,7 +83,11 @@ def cached_verify_curve(model, batch_size: int, max_tokens: int, remeasure: bool
     tmp = path.with_name(f".{path.name}.{os.getpid()}")  # written whole, then renamed: never half a file
     tmp.write_text(json.dumps({"seconds": curve.seconds, "batch_size": batch_size, "machine": machine()}, indent=1))
     os.replace(tmp, path)
+    _LOADED[path] = curve
     return curve, True
+
+
+_LOADED: dict[Path, VerifyCurve] = {}  # curves read from disk in this process
 
 
 def machine() -> dict:
@@ -91,17 +98,30 @@ def machine() -> dict:
 
 def _key(model, batch_size: int) -> str:
     lm = causal_lm(model, role="target")
-    weights = lm.lm_head.weight if hasattr(lm, "lm_head") else next(lm.parameters())
-    fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
-    config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
-    text = json.dumps([config, fingerprint, batch_size, machine()], sort_keys=True, default=str)
+    text = json.dumps([_model_identity(lm), batch_size, machine()], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+_IDENTITIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _model_identity(lm) -> list:
+    """The config and a fingerprint of the weights (a sum over the unembedding), computed once per
+    model object: a generation asks for it every time."""
+    inner = getattr(lm, "model", lm)
+    if inner not in _IDENTITIES:
+        weights = lm.lm_head.weight if hasattr(lm, "lm_head") else next(lm.parameters())
+        fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
+        config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
+        _IDENTITIES[inner] = [config, fingerprint]
+    return _IDENTITIES[inner]
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "verify-curves"
 
 
+@functools.cache
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

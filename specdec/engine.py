@@ -29,7 +29,7 @@ from .lm import causal_lm, context_length, next_positions, prefill_all_but_last
 from .metrics import SpecMetrics
 from .model import LlamaForCausalLM
 from .proposers.base import Outcome, Proposal, Proposer
-from .sampling import SamplingConfig, probabilities
+from .sampling import SamplingConfig, pick, probabilities
 from .stopping import Row, StopRule
 from .tree import levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
@@ -68,7 +68,14 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         budgets = [row.budget for row in rows]                    # tokens each row may still emit
         active = [b > 0 for b in budgets]
         t_start = clock()
-        depth, shape = adaptive.choose(active) if adaptive else (k, widths)
+        depth, shape, stretch = adaptive.choose(active) if adaptive else (k, widths, None)
+        if depth == 0:  # plain decoding for a stretch of steps; the proposer hears of them at its end
+            last, cached, steps, forward = plain_stretch(target, proposer, state, cache, rows, last, cached, stretch,
+                                                         context, sampling, generator, metrics)
+            metrics.first_token_seconds = metrics.first_token_seconds or clock() - t0
+            if adaptive:
+                adaptive.observe_plain(steps, clock() - t_start, forward)
+            continue
         limits = draft_limits(budgets, depth)
         proposal = proposer.propose(state, limits, shape, generator).trimmed()   # propose
         t_proposed = clock()
@@ -108,8 +115,50 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
             adaptive.observe(limits.tolist(), accepted, active, window.shape[1],
                              t_proposed - t_start + t_observed - t_committed, clock() - t_start, t_forward - t_window)
     metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
-    metrics.adaptive = adaptive.summary() if adaptive else None
+    if adaptive:
+        adaptive.remember()
+        metrics.adaptive = adaptive.summary()
     return rows, metrics
+
+
+def plain_stretch(target, proposer: Proposer, state, cache, rows: list[Row], last: list[int], cached: list[int],
+                  steps: int | None, context: int, sampling: SamplingConfig, generator,
+                  metrics: SpecMetrics) -> tuple[list[int], list[int], int, float]:
+    """Plain decoding, one token per row per forward, for `steps` steps (None: until every row is
+    done), as lean as decoding without a proposer; the proposer then observes the whole stretch at
+    once (no drafts, every token the target's). Returns the new `last` and `cached`, the steps
+    taken and the seconds of their forwards."""
+    B, clock = len(rows), time.perf_counter
+    emitted, hidden, step, forward, last = [[] for _ in rows], [], 0, 0.0, list(last)
+    t_start = clock()
+    window = torch.tensor(last)[:, None]  # (B, 1)
+    while not all(row.done for row in rows) and (steps is None or step < steps):
+        active = [not row.done for row in rows]
+        t_window = clock()
+        out = target(window, positions=next_positions(cache, 1, context, longest=max(cached)), cache=cache)
+        forward += clock() - t_window
+        picked = pick(out.logits[:, -1], sampling, generator)  # (B,)
+        counts = [emit(row, [token], 1) for row, token in zip(rows, picked.tolist())]
+        for b, n in enumerate(counts):
+            if n:
+                last[b] = rows[b].tokens[-1]
+                emitted[b].append(last[b])
+        cached = [c + n for c, n in zip(cached, counts)]
+        if not all(counts):
+            cache.rollback(cached)  # rows already done keep their length
+        hidden.append(out.hidden)
+        window = picked[:, None]  # rows already done feed a token nobody reads
+        metrics.record_step(active, [0] * B, [0] * B, counts)
+        step += 1
+    t_observe = clock()
+    width = max(map(len, emitted))
+    proposer.observe(state, Outcome(torch.zeros(B, dtype=torch.long),
+                                    torch.tensor([e + [0] * (width - len(e)) for e in emitted]),
+                                    torch.tensor([len(e) for e in emitted]), torch.cat(hidden, 1)))
+    metrics.observe_seconds += clock() - t_observe
+    metrics.forward_seconds += forward
+    metrics.commit_seconds += t_observe - t_start - forward
+    return last, cached, step, forward
 
 
 def draft_limits(budgets: list[int], k: int) -> torch.Tensor:

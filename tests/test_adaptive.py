@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec import adaptive, calibration
-from specdec.adaptive import PROBE_EVERY, Adaptive
+from specdec.adaptive import MAX_STRETCH, PROBE_EVERY, Adaptive
 from specdec.costmodel import VerifyCurve
 from specdec.engine import speculative_generate
 from specdec.proposers import build_proposer
@@ -29,38 +29,71 @@ def private_curve_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_cache_dir", lambda: tmp_path / "curves")
 
 
-def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None) -> Adaptive:
-    """Feed the controller `steps` steps at batch 2 in which every draft is accepted (or none)."""
+def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None, level: float = 3e-4) -> Adaptive:
+    """Feed the controller `steps` steps at batch 2 in which every draft is accepted (or none);
+    drafting costs `level` seconds per level."""
     controller = Adaptive(curve, 2, shapes or {"chain": (1,) * 6})
-    for _ in range(steps):
-        depth, _ = controller.choose([True, True])
+    while controller.steps < steps:
+        depth, _, stretch = controller.choose([True, True])
+        if depth == 0:
+            controller.observe_plain(stretch, stretch * 1.05e-3, stretch * 1e-3)
+            continue
         accepted = [depth if accept else 0] * 2
-        controller.observe([depth] * 2, accepted, [True, True], 1 + depth, 1e-5 * depth, 1.2e-3, 1e-3)
+        forward = curve.at(1 + depth)
+        controller.observe([depth] * 2, accepted, [True, True], 1 + depth, level * depth,
+                           forward + level * depth + 1e-4, forward)
     return controller
 
 
 def test_rejected_drafts_and_a_steep_curve_choose_plain_decoding():
-    controller = run_controller(STEEP, accept=False)
-    assert controller.choices["plain"] >= 40 - 40 // PROBE_EVERY - 2  # the rest: probes and the prior's first tries
+    controller = run_controller(STEEP, accept=False, steps=300)
+    assert controller.choices["plain"] >= 0.9 * controller.steps  # the rest: the first tries and the probes
     assert controller.summary()["predicted_speedup"]["chain:1"] < 1
 
 
+def test_a_proposer_that_costs_nothing_is_probed_after_every_plain_step():
+    controller = run_controller(STEEP, accept=False, steps=60, level=1e-6)
+    assert controller.choose([True, True])[2] == 1  # plain for one step at a time
+    assert controller.choices["plain"] < 40
+
+
 def test_accepted_drafts_and_a_flat_curve_choose_the_deepest_chain():
-    controller = run_controller(FLAT, accept=True)
+    controller = run_controller(FLAT, accept=True, level=1e-5)
     assert controller.chosen == (0, 6)
     assert controller.summary()["predicted_speedup"]["chain:6"] > 4
 
 
-def test_probes_draft_one_level_deeper_than_the_best():
-    controller = run_controller(STEEP, accept=False, steps=PROBE_EVERY - 1)
-    depth, widths = controller.choose([True, True])  # step PROBE_EVERY
-    assert depth == 1 and widths == (1,)
+def test_probes_draft_one_level_and_back_off_while_plain_decoding_wins():
+    controller = run_controller(STEEP, accept=False, steps=8)
+    stretches, probes = [], []
+    for _ in range(12):
+        depth, widths, steps = controller.choose([True, True])
+        if depth == 0:
+            stretches.append(steps)
+            controller.observe_plain(steps, steps * 1.05e-3, steps * 1e-3)
+        else:
+            probes.append((depth, widths))
+            controller.observe([depth] * 2, [0, 0], [True, True], 1 + depth, 3e-4, 2.4e-3, 2e-3)
+    assert probes and all(p == (1, (1,)) for p in probes)
+    assert stretches[1:] == sorted(stretches[1:]) and max(stretches) == MAX_STRETCH
+
+
+def test_accepted_probes_bring_drafting_back():
+    controller = run_controller(FLAT, accept=False, steps=100)
+    for _ in range(40):  # the text turns predictable: every draft is accepted from now on
+        depth, _, steps = controller.choose([True, True])
+        if depth == 0:
+            controller.observe_plain(steps, steps * 1.05e-3, steps * 1e-3)
+        else:
+            controller.observe([depth] * 2, [depth] * 2, [True, True], 1 + depth, 3e-4 * depth,
+                               1.1e-3 + 3e-4 * depth, 1e-3)
+    assert controller.chosen[1] > 1
 
 
 def test_a_tree_is_chosen_where_its_alternatives_are_accepted():
     controller = Adaptive(FLAT, 1, {"chain": (1, 1), "tree": (3, 3)})
     for _ in range(30):
-        depth, widths = controller.choose([True])
+        depth, widths, _ = controller.choose([True])
         tree = max(widths, default=1) > 1
         controller.observe([depth], [depth if tree else 0], [True], 1 + sum(widths), 1e-5, 1.1e-3, 1e-3)
     assert controller.names[controller.chosen[0]] == "tree"

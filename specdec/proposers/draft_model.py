@@ -121,3 +121,4 @@ class DraftModelProposer:
             state.committed[b] += kept
             state.pending[b] += tokens[kept:emitted]
         state.cache.rollback(torch.tensor(state.committed))
+        state.fed_drafts, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal

@@ -155,6 +155,7 @@ class MTPProposer:
                                                     drop, outcome.counts.tolist())
         state.hidden = _gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
         state.ahead = _gather_rows(torch.cat([state.ahead, outcome.tokens], 1), index)
+        state.written, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal
 
 
 def _ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
