@@ -45,13 +45,14 @@ def cmd_generate(args) -> None:
     prompt = inputs.prompts(args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval))[0]
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
-    inputs.draft_options(args.draft, {"-k": args.k, "--tree": args.tree, "--draft-model": args.draft_model, "--heads": args.heads,
+    inputs.draft_options(args.draft, {"-k": args.k, "--tree": args.tree,
+                                      "--dynamic-tree": args.dynamic_tree or None, "--draft-model": args.draft_model, "--heads": args.heads,
                                       "--draft-vocab": args.draft_vocab, "--ngram-max": args.ngram_max,
                                       "--ngram-min": args.ngram_min})
     target = load(args.model, dtype=torch_dtype(args.dtype))
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
-    k = args.k if args.k is not None else (len(args.tree) if args.tree and proposer else default_k(proposer))
+    k = args.k if args.k is not None else default_k(proposer)
     result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
                       proposer=proposer, k=k if proposer is not None else None, widths=args.tree)
@@ -87,7 +88,7 @@ def make_proposer(args, target):
     if args.draft == "draft-model":
         draft = load_draft_model(target, args.draft_model)
         return build_proposer("draft-model", model=draft.model, draft_vocab=args.draft_vocab,
-                              token_counts=draft.token_counts)
+                              token_counts=draft.token_counts, tree="dynamic" if args.dynamic_tree else "static")
     if args.draft == "mtp":
         return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
@@ -312,7 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
                                             "decoding) included (default: auto)")
     g.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
                    help="draft a tree of at most Wd tokens at depth d (e.g. 3,2,2: 3 candidates for the next "
-                        "token, 2 after the best, ...); with -k auto (the default), the tree tried beside chains")
+                        "token, 2 after the best, ...); with -k auto (the default), the tree tried beside chains; "
+                        "with -k N (N = its depth), always this tree")
+    g.add_argument("--dynamic-tree", action="store_true",
+                   help="--draft draft-model with --tree: grow the tree by the draft's confidence (EAGLE-2: the "
+                        "best-scored candidates of all nodes at each depth) instead of beside its chain")
     g.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
     g.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
     g.set_defaults(func=cmd_generate)

@@ -58,7 +58,8 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
     labels = [r["label"] for r in result["cells"][0]["results"]]
     assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "ngram", "mtp")
-                                 for c in ("k=1", "k=2", "tree=2,2", "k=auto")),
+                                 for c in ("k=1", "k=2", "tree=2,2", *(["dynamic=2,2"] * (m == "draft-model")),
+                                           "k=auto")),
                       "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
     auto = next(r for r in result["cells"][0]["results"] if r["label"] == "ngram k=auto")
     assert sum(auto["adaptive"]["choices"].values()) == auto["counters"]["steps"]

@@ -137,10 +137,12 @@ def tree_proposers(target):
         "mtp parallel": (lambda: build_proposer("mtp", heads=tiny_heads(target, "mtp-parallel", 2), target=target),
                          (3, 3)),
         "ngram": (lambda: build_proposer("ngram"), (3, 2, 2, 1)),
+        "draft-model dynamic": (lambda: build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1),
+                                                       tree="dynamic"), (3, 3, 2)),
     }
 
 
-@pytest.mark.parametrize("name", ["draft-model", "mtp sequential", "mtp parallel", "ngram"])
+@pytest.mark.parametrize("name", ["draft-model", "mtp sequential", "mtp parallel", "ngram", "draft-model dynamic"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_tree_speculation_equals_plain_decoding(name, batch):
     target = tiny_llama(0)
@@ -170,6 +172,20 @@ def test_off_chain_branches_are_accepted():
     assert taus[1] > taus[0]
 
 
+def test_a_dynamic_tree_keeps_the_best_scored_candidates_per_depth():
+    from specdec.proposers.base import grow_tree
+    # root: token 5 (p .6) then 7 (p .3); after 5 the best child is 1, after 7 it is 2 (more certain)
+    root = torch.log(torch.tensor([[.01, .01, .01, .01, .01, .6, .01, .3, .02, .02]]))
+    after = {5: [.01, .5, .4, .01, .02, .01, .01, .01, .02, .01], 7: [.01, .01, .9, .01, .01, .01, .01, .01, .02, .0]}
+
+    def children_logits(tokens, parents, frontier):
+        return torch.log(torch.tensor([[after[tokens[0, i].item()] for i in frontier[0].tolist()]]) + 1e-9)
+
+    proposal = grow_tree(root, children_logits, (2, 2), [2], None)
+    # depth 2 candidates: 5->1 (.30), 5->2 (.24), 7->2 (.27): the two best are 5->1 and 7->2
+    assert proposal.tokens.tolist() == [[5, 7, 1, 2]] and proposal.parents.tolist() == [[-1, -1, 0, 1]]
+
+
 def test_widths_must_match_k():
     target = tiny_llama(0)
     with pytest.raises(SpecdecError, match="one width >= 1 per depth"):
@@ -181,6 +197,8 @@ def test_widths_must_match_k():
 
 TREE_CONFIGS = {  # >= 2 siblings at depth 1 and 2
     "draft-model (3,3), T=1": (lambda: build_proposer("draft-model", model=DRAFT), (3, 3), "T=1", PROMPT),
+    "draft-model dynamic (2,3), T=1": (lambda: build_proposer("draft-model", model=DRAFT, tree="dynamic"), (2, 3),
+                                       "T=1", PROMPT),
     # "2" is followed by 4, 1 and 6 in the prompt: n-gram lookup branches
     "ngram (2,2,2), T=0.7": (lambda: build_proposer("ngram"), (2, 2, 2), "T=0.7,top-k=8,top-p=0.9",
                              PROMPT + [1, 2, 4, 2, 6, 2]),

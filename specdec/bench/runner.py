@@ -171,7 +171,8 @@ class Config:
     """One configuration of a cell and what its repeats measured."""
     method: str                 # plain | draft-model | ngram | mtp | hf-generate | hf-assisted | hf-prompt-lookup
     k: int | str = 0            # drafts per step, or "auto"
-    widths: tuple[int, ...] | None = None  # a static tree's widths per depth (None: a chain)
+    widths: tuple[int, ...] | None = None  # a tree's widths per depth (None: a chain)
+    dynamic: bool = False                  # the draft model's dynamic trees instead of its static ones
     tokens_per_s: list[float] = field(default_factory=list)
     metrics: list[SpecMetrics] = field(default_factory=list)  # per repeat, summed over batches
     outputs: list[list[int]] = field(default_factory=list)     # the last repeat's tokens per prompt
@@ -179,7 +180,7 @@ class Config:
     @property
     def label(self) -> str:
         if self.widths:
-            return f"{self.method} tree={','.join(map(str, self.widths))}"
+            return f"{self.method} {'dynamic' if self.dynamic else 'tree'}={','.join(map(str, self.widths))}"
         return self.method if self.k == 0 else f"{self.method} k={self.k}"
 
     @property
@@ -203,8 +204,9 @@ class Bench:
             self.draft = load_draft_model(self.target, draft_path)
         if "draft-model" in plan.methods:
             draft_vocab = DRAFT_VOCAB if self.draft.token_counts is not None else None
-            self.proposers["draft-model"] = build_proposer("draft-model", model=self.draft.model, draft_vocab=draft_vocab,
-                                                           token_counts=self.draft.token_counts)
+            self.proposers["draft-model"], self.dynamic_draft = (
+                build_proposer("draft-model", model=self.draft.model, draft_vocab=draft_vocab,
+                               token_counts=self.draft.token_counts, tree=kind) for kind in ("static", "dynamic"))
             self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path),
                                                "draft_vocab": draft_vocab or "full"}
         if "ngram" in plan.methods:
@@ -230,6 +232,7 @@ class Bench:
             depth = self.heads.depth if method == "mtp" else None
             configs += [Config(method, k) for k in cell.ks if depth is None or k <= depth]
             configs += [Config(method, len(w), w) for w in cell.trees if depth is None or len(w) <= depth]
+            configs += [Config(method, len(w), w, dynamic=True) for w in cell.trees if method == "draft-model"]
             configs += [Config(method, "auto")] if cell.auto else []
         if cell.peer_k and cell.batch_size == 1:
             configs += [Config(p, 0 if p == "hf-generate" else cell.peer_k) for p in PEERS]
@@ -243,8 +246,9 @@ class Bench:
             return [r.tokens for r in rows], None
         if cfg.method in PEERS:
             return self.peers.generate(cfg.method, cfg.k, batch, rule.max_new_tokens, sampling), None
-        rows, metrics = speculative_generate(self.target.model, self.proposers[cfg.method], batch, rule, sampling,
-                                             cfg.k, generator, widths=cfg.widths)
+        proposer = self.dynamic_draft if cfg.dynamic else self.proposers[cfg.method]
+        rows, metrics = speculative_generate(self.target.model, proposer, batch, rule, sampling, cfg.k, generator,
+                                             widths=cfg.widths)
         return [r.tokens for r in rows], metrics
 
 
@@ -328,12 +332,14 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
         # transformers' speculative peers must reproduce transformers' own plain decoding
         reference = hf_generate if cfg.method in PEERS and cfg is not hf_generate else plain
         method = {**bench.method_info[cfg.method], **({"k": cfg.k} if cfg.k else {}),
-                  **({"tree_widths": list(cfg.widths)} if cfg.widths else {})}
+                  **({"tree_widths": list(cfg.widths), "tree": "dynamic" if cfg.dynamic else "static"}
+                     if cfg.widths else {})}
         speedup = spread([a / b for a, b in zip(cfg.tokens_per_s, plain.tokens_per_s)])
         rule = acceptance_rule(cfg.method, cell.temperature)
         prediction = acceptance_and_prediction(cfg, curve, cell.batch_size, speedup["median"])
         results.append({
             "method": cfg.method, "k": cfg.k, "widths": list(cfg.widths) if cfg.widths else None,
+            "tree": ("dynamic" if cfg.dynamic else "static") if cfg.widths else None,
             "label": cfg.label, "acceptance": rule,
             "adaptive": cfg.metrics[-1].adaptive if cfg.metrics else None,
             "lossless_method": rule["lossless"],

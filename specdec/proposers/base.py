@@ -154,6 +154,52 @@ def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tu
     return Proposal(tokens, lengths, probs, torch.tensor(parents).expand(B, -1).clone())
 
 
+def grow_tree(root_logits: torch.Tensor, children_logits, widths: tuple[int, ...], limits: list[int],
+              vocab: DraftVocabulary | None) -> Proposal:
+    """A dynamic draft tree (EAGLE-2): the widths[0] best tokens of root_logits (B, N) open it;
+    then, depth by depth, every node of the newest level proposes its widths[d] best children and
+    the widths[d] candidates of highest score (the product of the draft probabilities along their
+    path) form the next level, wherever they hang. Row b grows limits[b] levels.
+    children_logits(tokens (B, n), parents (B, n), frontier (B, f)) returns the draft logits
+    (B, f, N) after the frontier nodes (node indices into tokens; padding nodes hang off the root).
+    The nodes are deterministic drafts (draft_probs None, one-hot for rejection sampling)."""
+    B, depth = root_logits.shape[0], max(limits, default=0)
+    if depth == 0:
+        return Proposal.empty(B)
+    tokens = [[] for _ in range(B)]
+    parents = [[] for _ in range(B)]
+    scores = [[] for _ in range(B)]
+    frontier = [[] for _ in range(B)]
+    logp = torch.log_softmax(root_logits.float(), -1)[:, None]                   # (B, 1, N)
+    for d in range(depth):
+        width = widths[d]
+        best = logp.topk(min(width, logp.shape[-1]), dim=-1)                      # (B, f, w)
+        ids = best.indices if vocab is None else vocab.ids[best.indices]
+        for b in range(B):
+            if d >= limits[b]:
+                frontier[b] = []
+                continue
+            at = frontier[b] if d else [-1]
+            base = [scores[b][i] if i >= 0 else 0.0 for i in at]
+            candidates = sorted(((base[f] + v, t, at[f]) for f in range(len(at))
+                                 for v, t in zip(best.values[b, f].tolist(), ids[b, f].tolist())), reverse=True)
+            frontier[b] = []
+            for score, token, parent in candidates[:width]:
+                frontier[b].append(len(tokens[b]))
+                tokens[b].append(token)
+                parents[b].append(parent)
+                scores[b].append(score)
+        if d + 1 < depth:
+            n, f = max(map(len, tokens)), max(map(len, frontier))
+            logp = torch.log_softmax(children_logits(
+                torch.tensor([t + [0] * (n - len(t)) for t in tokens]),
+                torch.tensor([p + [-1] * (n - len(p)) for p in parents]),
+                torch.tensor([fr + [0] * (f - len(fr)) for fr in frontier])).float(), -1)  # (B, f, N)
+    n = max(map(len, tokens))
+    return Proposal(torch.tensor([t + [0] * (n - len(t)) for t in tokens]), torch.tensor(list(map(len, tokens))),
+                    None, torch.tensor([p + [-1] * (n - len(p)) for p in parents]))
+
+
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator, vocab: DraftVocabulary | None,
          vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Draft logits (B, N) (N = V without a draft vocabulary) -> the distribution the draft is

@@ -20,8 +20,8 @@ from ..errors import SpecdecError
 from ..lm import causal_lm, context_length, next_positions, prefill_all_but_last
 from ..model import LlamaForCausalLM
 from ..sampling import SamplingConfig
-from ..tree import caterpillar_layout, on_chain
-from .base import DraftVocabulary, Outcome, Proposal, draw, with_alternatives
+from ..tree import caterpillar_layout, on_chain, window_layout
+from .base import DraftVocabulary, Outcome, Proposal, draw, grow_tree, with_alternatives
 
 
 @dataclass
@@ -35,17 +35,22 @@ class DraftState:
 
 
 class DraftModelProposer:
-    """Static trees: the chain it drafts, with the next-best tokens of each step beside it
-    (base.with_alternatives)."""
+    """Trees (widths > 1): static ones, the chain it drafts with the next-best tokens of each step
+    beside it (base.with_alternatives), or dynamic ones (tree="dynamic", EAGLE-2: base.grow_tree),
+    every level of the tree so far fed in one draft forward with a tree mask."""
     name = "draft-model"
     trees = True
     max_depth = None
 
-    def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None):
+    def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None,
+                 tree: str = "static"):
         """draft_vocab N: draft over the N most frequent token ids of `token_counts` (V,) — the
         counts of the training tokens, saved with the draft — through an unembedding of N rows
         instead of V. Lossless: the draft's probability is 0 outside them, which rejection sampling
-        accounts for; it only lowers the draft's cost."""
+        accounts for; it only lowers the draft's cost. tree: "static" or "dynamic" (see above)."""
+        if tree not in ("static", "dynamic"):
+            raise SpecdecError(f"a draft model's trees are static or dynamic, not {tree!r}")
+        self.tree = tree
         self.model = causal_lm(model, role="draft model")
         self.vocab_size = self.model.config.vocab_size
         self.context = context_length(self.model)
@@ -96,6 +101,8 @@ class DraftModelProposer:
                 state.committed[b] += lengths[b]
                 state.pending[b] = []
         state.cache.rollback(torch.tensor(state.committed))
+        if self.tree == "dynamic" and max(widths[:m]) > 1:
+            return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab)
         tokens, probs, scores = [], [], []
         for i in range(m):
             p, token = draw(logits, state.sampling, generator, self.vocab, self.vocab_size)  # (B, V), (B,)
@@ -111,6 +118,18 @@ class DraftModelProposer:
         if proposal.parents is not None:
             state.chain = caterpillar_layout(tuple(widths[:m]))[1]
         return proposal
+
+    def tree_logits(self, state: DraftState, tokens, parents, frontier) -> torch.Tensor:
+        """Draft logits (B, f, N) after the frontier nodes of a tree (base.grow_tree): the whole
+        tree fed after the committed tokens with its tree mask, then dropped from the cache."""
+        B, n = tokens.shape
+        # the committed tokens end with the root: depth 1 sits right after them
+        positions, mask = window_layout(parents, [n] * B, [c - 1 for c in state.committed], self.context)
+        extra = {} if self.vocab is None else {"unembedding": self.vocab.unembedding}
+        out = self.model(tokens, positions=positions[:, 1:], cache=state.cache, attention_mask=mask[:, 1:, 1:],
+                         logits_index=frontier, **extra)
+        state.cache.rollback(torch.tensor(state.committed))
+        return out.logits
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
         # accepted drafts already in the cache stay; the rest of the committed tokens become pending
