@@ -25,7 +25,7 @@ from .conftest import TINY, tiny_model
 CFG = dataclasses.replace(TINY, max_position_embeddings=2048)  # HumanEval prompts are long in a 384-token BPE
 TINY_MOE = MoESpec(hidden_size=32, expert_intermediate_size=32, num_experts=4, top_k=2, num_layers=1,
                    num_heads=2, num_kv_heads=1, vocab_size=64)
-PLAN = Plan((Cell("humaneval", 0.0, 1, (1, 2), 2, peer_k=2, trees=((2, 2),)),
+PLAN = Plan((Cell("humaneval", 0.0, 1, (1, 2), 2, peer_k=2, trees=((2,),)),
              Cell("random-chars", 1.0, 1, (2,), 2, auto=False),
              Cell("stdlib-tests", 0.0, 1, (1, 3), 1, auto=False),
              Cell("humaneval", 0.0, 2, (1, 2), 2, auto=False)),
@@ -58,7 +58,7 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
     labels = [r["label"] for r in result["cells"][0]["results"]]
     assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "ngram", "mtp")
-                                 for c in ("k=1", "k=2", "tree=2,2", *(["dynamic=2,2"] * (m == "draft-model")),
+                                 for c in ("k=1", "k=2", "tree=2", *(["dynamic=2"] * (m == "draft-model")),
                                            "k=auto")),
                       "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
     auto = next(r for r in result["cells"][0]["results"] if r["label"] == "ngram k=auto")
@@ -142,6 +142,9 @@ def test_report_files_and_printed_table(result, tmp_path):
         assert "temperature 0 (seed 0), batch 2" in doc and "hf-prompt-lookup k=2" in doc
         assert "3/3 vs plain" not in doc and "2/2 vs plain" in doc and "n/a (sampling)" in doc
     assert str(out / REPORT_NAME) in text
+    # -k auto against the best fixed configuration, and each tree against the chain of as many drafts
+    assert "## Adaptive speculation" in report and "| ngram | " in report
+    assert "## Trees vs chains" in report and "draft-model dynamic=2 (vs k=2)" in report
 
 
 def test_printed_mismatch(result):

@@ -121,7 +121,7 @@ def speedup_vs_batch(result: dict, path: Path) -> bool:
     for b in result["batch_effect"]:
         batches = [int(x) for x in b["speedup_by_batch"]]
         ax.plot(batches, list(b["speedup_by_batch"].values()), marker="o", color=COLORS[b["method"]],
-                label=f"{b['method']} k={b['k']} ({b['workload']}, T={b['temperature']:g})")
+                label=f"{b['label']} ({b['workload']}, T={b['temperature']:g})")
     ax.axhline(1, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set(title="speedup vs batch size", xlabel="batch size", ylabel="speedup vs plain (same batch)")

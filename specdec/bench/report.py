@@ -160,7 +160,7 @@ def summary_lines(result: dict) -> list[str]:
         verdict = ("pays at every batch size measured" if b["stops_paying_at"] is None
                    else "pays at no batch size measured" if b["stops_paying_at"] == first
                    else f"stops paying off at batch {b['stops_paying_at']}")
-        lines.append(f"batch effect, {b['method']} k={b['k']} ({b['workload']}, {b['prompts']} prompts, "
+        lines.append(f"batch effect, {b['label']} ({b['workload']}, {b['prompts']} prompts, "
                      f"temperature {b['temperature']:g}): "
                      f"{by_batch} -> {verdict}")
     moe = result["moe"]
@@ -171,6 +171,52 @@ def summary_lines(result: dict) -> list[str]:
                      f"top-{moe['spec']['top_k']}, {moe['moe_parameters']['active'] / 1e6:.1f}M active, {moe['dtype']}): "
                      f"{rel}")
     return lines
+
+
+def adaptive_lines(result: dict) -> list[str]:
+    """Per cell and method: -k auto against plain decoding and the best fixed configuration."""
+    lines = ["| cell | method | auto | best fixed (label) | auto / best | chosen (steps) |", "|---|---|---|---|---|---|"]
+    for cell in result["cells"]:
+        for method in dict.fromkeys(r["method"] for r in cell["results"]):
+            auto = next((r for r in cell["results"] if r["method"] == method and r["k"] == "auto"), None)
+            fixed = [r for r in cell["results"] if r["method"] == method and r["k"] != "auto"]
+            if auto is None or not fixed:
+                continue
+            best = max(fixed, key=lambda r: r["speedup"]["median"])
+            chosen = sorted(auto["adaptive"]["choices"].items(), key=lambda c: -c[1])[:4]
+            lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
+                         f"{method} | {auto['speedup']['median']:.2f}x{' NOISY' if auto['noise'] else ''} | "
+                         f"{best['speedup']['median']:.2f}x ({best['label']}) | "
+                         f"{auto['speedup']['median'] / best['speedup']['median']:.2f} | "
+                         f"{', '.join(f'{label} {n}' for label, n in chosen)} |")
+    return lines if len(lines) > 2 else []
+
+
+def tree_lines(result: dict) -> list[str]:
+    """Trees against the chain that verifies as many tokens per step, at batch 1, and what the
+    cost model predicts for both on a flat verify curve (t(n) = t(1), as on hardware where a
+    forward of a few tokens costs what one does): τ × t(1) / (t(1) + draft + other)."""
+    lines = ["| cell | tree | verified tokens / step | τ tree / chain | speedup tree / chain | "
+             "flat curve: tree / chain |", "|---|---|---|---|---|---|"]
+    for cell in result["cells"]:
+        if cell["batch_size"] != 1:
+            continue
+        t1 = cell["verify_curve"]["seconds"][cell["verify_curve"]["tokens"].index(1)]
+        for tree in (r for r in cell["results"] if r.get("widths") and r["counters"]):
+            nodes = sum(tree["widths"])
+            chain = next((r for r in cell["results"] if r["method"] == tree["method"] and r["k"] == nodes
+                          and not r.get("widths") and r["counters"]), None)
+            if chain is None:
+                continue
+            flat = [r["mean_acceptance_length"] * t1 / (t1 + r["seconds_per_step"]["draft"] +
+                                                         r["seconds_per_step"]["other"]) for r in (tree, chain)]
+            verified = 1 + tree["counters"]["proposed"] / tree["counters"]["row_steps"]
+            lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} | {tree['label']} "
+                         f"(vs k={nodes}) | {verified:.1f} / {1 + nodes} | "
+                         f"{tree['mean_acceptance_length']:.2f} / {chain['mean_acceptance_length']:.2f} | "
+                         f"{tree['speedup']['median']:.2f}x / {chain['speedup']['median']:.2f}x | "
+                         f"{flat[0]:.2f}x / {flat[1]:.2f}x |")
+    return lines if len(lines) > 2 else []
 
 
 def console_report(result: dict, out_dir: Path) -> str:
@@ -196,6 +242,19 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     for cell in result["cells"]:
         lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), "", *curve_lines(result, cell), ""]
     lines += step_breakdown_lines(result)
+    adaptive = adaptive_lines(result)
+    if adaptive:
+        lines += ["## Adaptive speculation (-k auto)", "",
+                  "Each method with `-k auto` (specdec/adaptive.py) against the best fixed k or tree of the same "
+                  "cell, measured in the same repeats; *chosen*: the options it drafted, in steps "
+                  "(plain: plain decoding).", "", *adaptive, ""]
+    trees = tree_lines(result)
+    if trees:
+        lines += ["## Trees vs chains at equal verified tokens (batch 1)", "",
+                  "A tree of N nodes against the chain of k = N drafts (both verify up to 1 + N tokens per step). "
+                  "*flat curve*: the cost model with t(n) = t(1) (hardware where a forward of a few tokens costs "
+                  "what one does): τ × t(1) / (t(1) + draft + other seconds per step, as measured here).", "",
+                  *trees, ""]
     lines += ["## Cost model: predicted vs measured", "",
               "| cell | method | α_1..α_k | c | draft / verify / other ms per step | predicted | measured | error | "
               "S_limit | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -415,17 +415,17 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def batch_effect(cells: list[dict]) -> list[dict]:
-    """For every (workload and its prompts, temperature, method, k) measured at several batch
-    sizes: the median speedup per batch size and the smallest batch size at which it is below 1
-    (null: it pays at every batch size measured)."""
+    """For every (workload and its prompts, temperature, method configuration) measured at several
+    batch sizes: the median speedup per batch size and the smallest batch size at which it is
+    below 1 (null: it pays at every batch size measured)."""
     groups: dict[tuple, dict[int, float]] = {}
     for cell in cells:
         w = cell["workload"]
         for r in cell["results"]:
             if r["method"] in SPEC_METHODS:
-                key = (w["name"], w["prompts"], cell["sampling"]["temperature"], r["method"], r["k"])
+                key = (w["name"], w["prompts"], cell["sampling"]["temperature"], r["method"], r["k"], r["label"])
                 groups.setdefault(key, {})[cell["batch_size"]] = r["speedup"]["median"]
-    return [{"workload": w, "prompts": n, "temperature": t, "method": m, "k": k,
+    return [{"workload": w, "prompts": n, "temperature": t, "method": m, "k": k, "label": label,
              "speedup_by_batch": dict(sorted(by_b.items())),
              "stops_paying_at": next((b for b in sorted(by_b) if by_b[b] < 1), None)}
-            for (w, n, t, m, k), by_b in groups.items() if len(by_b) > 1]
+            for (w, n, t, m, k, label), by_b in groups.items() if len(by_b) > 1]
