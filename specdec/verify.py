@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from .sampling import argmax, sample
+from .sampling import argmax, sample, uniform
 
 
 class Verdict(NamedTuple):
@@ -97,9 +97,9 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         draft_p = torch.ones_like(target_p)
     else:
         draft_p = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)          # (B, k)
-    uniform = torch.rand(B, k, generator=generator, device=target_p.device)
+    u = uniform(B, k, generator, device=target_p.device)
     # u < target/draft, written without the division (draft_p > 0 for any sampled draft)
-    accepted = _prefix_length((uniform * draft_p < target_p) & proposed)              # (B,)
+    accepted = _prefix_length((u * draft_p < target_p) & proposed)              # (B,)
 
     at = target_probs[rows, accepted]                                                 # (B, V)
     rejected = accepted < lengths
