@@ -64,6 +64,41 @@ def cmd_generate(args) -> None:
           file=sys.stderr)
 
 
+def cmd_serve(args) -> None:
+    import uvicorn
+
+    from . import inputs
+    from .api import default_k, load
+    from .proposers import build_proposer
+    from .serve.app import create_app
+    from .serve.service import Service
+
+    inputs.draft_options(args.draft, {"-k": args.k, "--draft-model": args.draft_model, "--heads": args.heads,
+                                      "--draft-vocab": args.draft_vocab, "--ngram-max": args.ngram_max,
+                                      "--ngram-min": args.ngram_min})
+    inputs.integer("--max-batch", args.max_batch, low=1)
+    inputs.integer("--max-queue", args.max_queue, low=1)
+    inputs.integer("--port", args.port, low=0, high=65535)
+    target = load(args.model, dtype=torch_dtype(args.dtype))
+    proposer = make_proposer(args, target)
+    k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
+    method = proposer.name if proposer is not None and k > 0 else "plain"
+    # plain decoding is the same engine proposing nothing (k = 0)
+    service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue)
+    print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
+          f", up to {args.max_batch} requests per batch; http://{args.host}:{args.port}/", file=sys.stderr)
+    uvicorn.run(create_app(service, args.shutdown_timeout), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+
+
+def draft_tokens(value: str) -> int:
+    """-k: draft tokens per step, an integer >= 0 (a named policy such as `auto` would parse here)."""
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens per step, got {value!r}") from None
+
+
 def footer(s: dict, k: int, temperature: float) -> str:
     """The one-line summary of a generation; a figure that does not exist (α with k = 0, where
     the JSON says null) is written n/a."""
@@ -276,6 +311,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
     g.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
     g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
+                       description="POST /v1/completions (OpenAI's format, streaming with SSE), GET /v1/models, "
+                                   "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
+                                   "one running batch between steps (continuous batching).")
+    v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    v.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    v.add_argument("--draft", choices=["none", "draft-model", "ngram", "mtp"], default="none",
+                   help="speculative decoding with this proposer (default: plain decoding)")
+    v.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
+    v.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
+    v.add_argument("--draft-vocab", type=int, metavar="N", help="draft over the N most frequent token ids")
+    v.add_argument("-k", type=draft_tokens, help="draft tokens proposed per step (default: 4; for mtp, one per head)")
+    v.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
+    v.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
+    v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
+    v.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a row; more are refused with 429")
+    v.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds a shutdown waits for running requests before cancelling them")
+    v.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
                        description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
