@@ -143,6 +143,26 @@ def cmd_bench(args) -> None:
     from . import inputs
 
     inputs.bench(args.prompts, args.repeats, args.max_new_tokens, args.ks, args.temperatures, args.batch_sizes)
+    if args.mode == "serve":
+        from .api import default_k, load
+        from .bench.serve import bench_serve, format_serve, write
+
+        for c in args.clients:
+            inputs.integer("--clients values", c, low=1)
+        method = (args.methods or ["draft-model"])[0]
+        args.draft, args.draft_vocab, args.ngram_max, args.ngram_min = method, None, None, None
+        target = load(args.model, dtype=torch_dtype(args.dtype))
+        proposer = make_proposer(args, target)
+        k = args.ks[0] if args.ks else default_k(proposer)
+        serve_args = ["--dtype", args.dtype, "--draft", method, "-k", str(k)]
+        serve_args += ["--draft-model", args.draft_model] if args.draft_model and method == "draft-model" else []
+        serve_args += ["--heads", args.heads] if args.heads and method == "mtp" else []
+        result = bench_serve(target, method, serve_args, proposer, k, args.clients, args.prompts or 32,
+                             args.max_new_tokens or 64)
+        print(format_serve(result))
+        if args.out:
+            write(result, args.out)
+        return
     if args.mode == "plain":
         from .bench.plain import bench_plain, format_plain
 
@@ -338,9 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
                        description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
                                    "peers on the same prompts, interleaved; writes bench.json, report.md and plots.")
-    b.add_argument("mode", choices=["all", "plain"], nargs="?", default="all",
+    b.add_argument("mode", choices=["all", "plain", "serve"], nargs="?", default="all",
                    help="all: the benchmark (default); plain: specdec vs transformers generate (and llama.cpp "
-                        "when installed) and bandwidth")
+                        "when installed) and bandwidth; serve: `specdec serve` vs the same engine offline, plain vs "
+                        "speculative (the first of --methods, default draft-model; k: the first of --ks), at --clients")
+    b.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16],
+                   help="serve: concurrent streaming clients (and offline batch rows)")
     b.add_argument("--quick", action="store_true", help="the half-minute plan (default: the full plan, about 3 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
