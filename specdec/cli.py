@@ -79,6 +79,9 @@ def cmd_serve(args) -> None:
     inputs.integer("--max-batch", args.max_batch, low=1)
     inputs.integer("--max-queue", args.max_queue, low=1)
     inputs.integer("--port", args.port, low=0, high=65535)
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
     target = load(args.model, dtype=torch_dtype(args.dtype))
     proposer = make_proposer(args, target)
     k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
@@ -155,10 +158,11 @@ def cmd_bench(args) -> None:
         proposer = make_proposer(args, target)
         k = args.ks[0] if args.ks else default_k(proposer)
         serve_args = ["--dtype", args.dtype, "--draft", method, "-k", str(k)]
+        serve_args += ["--threads", str(args.server_threads)] if args.server_threads else []
         serve_args += ["--draft-model", args.draft_model] if args.draft_model and method == "draft-model" else []
         serve_args += ["--heads", args.heads] if args.heads and method == "mtp" else []
         result = bench_serve(target, method, serve_args, proposer, k, args.clients, args.prompts or 32,
-                             args.max_new_tokens or 64)
+                             args.max_new_tokens or 64, args.repeats or 3)
         print(format_serve(result))
         if args.out:
             write(result, args.out)
@@ -351,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a row; more are refused with 429")
+    v.add_argument("--threads", type=int, help="threads of the model's kernels (default: torch's, one per core); the "
+                                               "HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds a shutdown waits for running requests before cancelling them")
     v.set_defaults(func=cmd_serve)
@@ -364,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "speculative (the first of --methods, default draft-model; k: the first of --ks), at --clients")
     b.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16],
                    help="serve: concurrent streaming clients (and offline batch rows)")
+    b.add_argument("--server-threads", type=int, help="serve: the server's kernel threads (default: torch's)")
     b.add_argument("--quick", action="store_true", help="the half-minute plan (default: the full plan, about 3 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")

@@ -45,8 +45,10 @@ def offline(target, proposer, k: int, ids: list[list[int]], max_tokens: int, con
         engine.step()
     seconds = time.perf_counter() - start
     tokens = sum(len(r.row.tokens) for r in requests)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tau": engine.metrics.mean_acceptance_length, "acceptance_rate": engine.metrics.acceptance_rate}
+    m = engine.metrics
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": m.mean_acceptance_length,
+            "acceptance_rate": m.acceptance_rate, "steps": m.steps, "step_breakdown_ms": m.step_breakdown_ms,
+            "prefill_seconds": m.prefill_seconds}
 
 
 async def clients(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
@@ -84,6 +86,11 @@ async def clients(url: str, prompts: list[str], max_tokens: int, concurrency: in
             "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99)}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (its latencies with it)."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
 def percentile(values: list[float], q: float) -> float:
     """The nearest-rank q-th percentile (with fewer than 100 values, p99 is the largest)."""
     ranked = sorted(values)
@@ -109,7 +116,7 @@ def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
 
 
 def bench_serve(target: Loaded, method: str, serve_args: list[str], proposer, k: int,
-                concurrencies: list[int], n_prompts: int, max_tokens: int) -> dict:
+                concurrencies: list[int], n_prompts: int, max_tokens: int, repeats: int) -> dict:
     from ..proposers import build_proposer
 
     prompts = [p.rstrip() for p in humaneval_prompts(n_prompts)]
@@ -123,12 +130,16 @@ def bench_serve(target: Loaded, method: str, serve_args: list[str], proposer, k:
         try:
             asyncio.run(clients(url, prompts[:2], 8, 2))  # warm-up
             for c in concurrencies:
-                off = offline(target, prop, kk, ids, max_tokens, c)
-                on = asyncio.run(clients(url, prompts, max_tokens, c))
+                runs = []
+                for _ in range(repeats):  # interleaved: a disturbance hits one pair, not one side
+                    runs.append((offline(target, prop, kk, ids, max_tokens, c),
+                                 asyncio.run(clients(url, prompts, max_tokens, c))))
+                off, on = (median_run([r[side] for r in runs]) for side in (0, 1))
                 cells.append({"method": name, "k": kk, "concurrency": c, "offline": off, "server": on,
-                              "server_over_offline": on["tokens_per_s"] / off["tokens_per_s"]})
-                print(f"{name} c={c}: offline {off['tokens_per_s']:.0f} tok/s, server {on['tokens_per_s']:.0f} tok/s",
-                      file=sys.stderr)
+                              "server_over_offline": on["tokens_per_s"] / off["tokens_per_s"],
+                              "repeats_tokens_per_s": [[r[0]["tokens_per_s"], r[1]["tokens_per_s"]] for r in runs]})
+                print(f"{name} c={c}: offline {off['tokens_per_s']:.0f} tok/s, server {on['tokens_per_s']:.0f} tok/s "
+                      f"(medians of {repeats})", file=sys.stderr)
         finally:
             proc.terminate()
             proc.wait(60)
@@ -139,23 +150,26 @@ def bench_serve(target: Loaded, method: str, serve_args: list[str], proposer, k:
                                           for side in ("offline", "server")}
     return {"cells": cells, "conditions": {
         "target": target.path.name, "method": method, "k": k, "workload": f"humaneval, first {n_prompts} prompts "
-        "(trailing whitespace stripped)", "max_tokens": max_tokens, "sampling": "greedy",
-        "client": "httpx streaming clients in the bench process, same machine", "hardware": hardware(),
+        "(trailing whitespace stripped)", "max_tokens": max_tokens, "sampling": "greedy", "repeats": repeats,
+        "client": "httpx streaming clients in the bench process, same machine", "server_args": serve_args,
+        "hardware": hardware(),
         "software": software(), "torch_threads": torch.get_num_threads()}}
 
 
 def format_serve(result: dict) -> str:
     lines = ["| method | clients | offline tok/s | server tok/s | server / offline | TTFT p50 ms | TTFT p99 ms | "
-             "inter-token p50 ms | inter-token p99 ms | spec / plain (server) | τ offline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "inter-token p50 ms | inter-token p99 ms | spec / plain offline | spec / plain server | τ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         s, o = c["server"], c["offline"]
         tau = "–" if o["tau"] is None else f"{o['tau']:.2f}"
         lines.append(f"| {c['method']} k={c['k']} | {c['concurrency']} | {o['tokens_per_s']:.0f} | {s['tokens_per_s']:.0f} | "
                      f"{c['server_over_offline']:.2f}x | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} | "
-                     f"{s['itl_p50_ms']:.1f} | {s['itl_p99_ms']:.1f} | {c['speculative_over_plain']['server']:.2f}x | {tau} |")
+                     f"{s['itl_p50_ms']:.1f} | {s['itl_p99_ms']:.1f} | {c['speculative_over_plain']['offline']:.2f}x | "
+                     f"{c['speculative_over_plain']['server']:.2f}x | {tau} |")
     cond = result["conditions"]
-    lines.append(f"\n{cond['target']}, greedy, {cond['workload']}, max_tokens {cond['max_tokens']}; "
+    lines.append(f"\n{cond['target']}, greedy, {cond['workload']}, max_tokens {cond['max_tokens']}, median of "
+                 f"{cond['repeats']} interleaved repeats; "
                  f"{cond['hardware']['cpu']}, {cond['torch_threads']} threads; {cond['client']}")
     return "\n".join(lines) + "\n" + json.dumps(result)
 

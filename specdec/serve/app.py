@@ -148,7 +148,7 @@ async def whole(service: Service, job: Job, head: dict, request: Request) -> JSO
     try:
         while True:
             try:
-                event = await asyncio.wait_for(job.events.get(), 1.0)
+                event = await asyncio.wait_for(job.next_event(), 1.0)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return JSONResponse({})
@@ -177,7 +177,7 @@ async def sse(service: Service, job: Job, head: dict, include_usage: bool):
     tokens, first_at, ended = 0, None, False
     try:
         while True:
-            event = await job.events.get()
+            event = await job.next_event()
             first_at = first_at or time.perf_counter()
             tokens += len(event.tokens)
             finish = FINISH[event.finish_reason] if event.finish_reason else None

@@ -57,12 +57,18 @@ class Event:
     accepted: int
 
 
+def merged(events: list[Event]) -> Event:
+    """Consecutive events of one job as one (a handler that fell behind sends them in one chunk)."""
+    last = events[-1]
+    return Event([p for e in events for p in e.pieces], [t for e in events for t in e.tokens], last.finish_reason,
+                 last.steps, last.proposed, last.accepted)
+
+
 @dataclass(eq=False)
 class Job:
     params: Params
     ids: list[int]                 # <|endoftext|> + the prompt's ids (the last backed off when healing)
     healed: str                    # text the first token must start with ("" = no healing)
-    loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
     cancelled: bool = False
@@ -72,6 +78,13 @@ class Job:
         self.cancelled = True
         if self.request is not None:
             self.request.cancelled = True
+
+    async def next_event(self) -> Event:
+        """The next event, merged with any that queued up behind it."""
+        events = [await self.events.get()]
+        while not self.events.empty():
+            events.append(self.events.get_nowait())
+        return events[0] if len(events) == 1 else merged(events)
 
 
 class Service:
@@ -83,6 +96,8 @@ class Service:
         self.engine = Engine(target.model, proposer, k, capacity, self.context)
         self.max_queue = max_queue
         self.intake: deque[Job] = deque()  # jobs not yet healed and submitted (this thread reads them)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the handlers' loop
+        self.outbox: list[tuple[Job, Event]] = []  # events of the current step, handed over at once
         self.wake = threading.Condition()
         self.closing = False
         self.failure: str | None = None  # why the engine thread stopped, if it failed
@@ -114,7 +129,8 @@ class Service:
         if len(self.intake) + len(self.engine.waiting) >= self.max_queue:
             self.requests["rejected"] += 1
             raise QueueFull(f"{self.max_queue} requests are already queued; retry later")
-        job = Job(params, ids, healed, asyncio.get_running_loop())
+        self.loop = asyncio.get_running_loop()
+        job = Job(params, ids, healed)
         self.prompt_tokens += len(ids) + bool(healed)
         with self.wake:
             self.intake.append(job)
@@ -151,11 +167,19 @@ class Service:
                 while self.intake:
                     self._admit(self.intake.popleft())
                 self.engine.step()
+                self._hand_over()
         except Exception as e:  # the engine is broken: say so to every waiting handler and to /health
             self.failure = f"{type(e).__name__}: {e}"
             for request in [*self.engine.requests, *self.engine.waiting]:
                 request.on_tokens(request, [], 0)
+            self._hand_over()
             raise
+
+    def _hand_over(self) -> None:
+        """Deliver the step's events to their handlers: one wake-up of their loop per step."""
+        if self.outbox:
+            batch, self.outbox = self.outbox, []
+            self.loop.call_soon_threadsafe(_deliver, batch)
 
     def _admit(self, job: Job) -> None:
         """Heal the prompt when needed (its first token, emitted at once), then queue the request."""
@@ -170,9 +194,8 @@ class Service:
             row = request.row
             final = row.text() if row.done else None
             reason = row.finish_reason or ("error" if self.failure else None)
-            event = Event(stream.add(tokens, drafted, final), tokens, reason, request.steps,
-                          request.proposed, request.accepted)
-            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
+            self.outbox.append((job, Event(stream.add(tokens, drafted, final), tokens, reason, request.steps,
+                                           request.proposed, request.accepted)))
 
         ids = job.ids
         first = None
@@ -229,3 +252,8 @@ class Service:
             *self.ttft.lines(), *self.itl.lines(), *self.e2e.lines(),
         ]
         return "\n".join(lines) + "\n"
+
+
+def _deliver(batch: list[tuple[Job, Event]]) -> None:
+    for job, event in batch:
+        job.events.put_nowait(event)
