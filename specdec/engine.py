@@ -138,10 +138,10 @@ class Engine:
         joining = []
         while self.waiting and len(self.requests) + len(joining) < self.capacity:
             request = self.waiting.popleft()
-            if request.finished:  # max_new_tokens 0, or cancelled while it waited
-                request.on_tokens and request.on_tokens(request, [], 0)
-            else:
+            if not request.finished:
                 joining.append(request)
+            elif request.on_tokens is not None:  # max_new_tokens 0, or cancelled while it waited
+                request.on_tokens(request, [], 0)
         if joining:
             prompts = [r.prompt for r in joining]
             with self.metrics.timed("prefill_seconds"):

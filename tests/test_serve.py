@@ -185,6 +185,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(servers):
     with pytest.raises(openai.BadRequestError):
         client(servers["draft"]).completions.create(model="tiny", prompt="x", temperature=-1)
     assert httpx.get(servers["draft"].url + "/health").json()["status"] == "ok"
+    nothing = client(servers["draft"]).completions.create(model="tiny", prompt="x", max_tokens=0)
+    assert nothing.choices[0].text == "" and nothing.choices[0].finish_reason == "length"
     ok = client(servers["draft"]).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0)
     assert ok.usage.completion_tokens == 5
 
