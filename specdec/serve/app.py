@@ -161,6 +161,8 @@ async def whole(service: Service, job: Job, head: dict, request: Request) -> JSO
                 break
     finally:
         service.finished(job, first_at, len(tokens), ended)
+    if event.finish_reason == "error":
+        raise APIError(500, f"the engine failed: {service.failure}; see the server's log", kind="server_error")
     return JSONResponse({**head, "choices": [{"index": 0, "text": text, "logprobs": None,
                                               "finish_reason": FINISH[event.finish_reason]}],
                          "usage": usage_of(job, len(tokens)),
@@ -173,7 +175,8 @@ def stats(service: Service, event: Event) -> dict:
 
 
 async def sse(service: Service, job: Job, head: dict, include_usage: bool):
-    """Server-sent events in OpenAI's streaming format; one event per engine step."""
+    """Server-sent events in OpenAI's streaming format: one event per engine step (steps that
+    queued up behind a slow client go out as one event); finish_reason "error" if the engine failed."""
     tokens, first_at, ended = 0, None, False
     try:
         while True:

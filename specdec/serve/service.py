@@ -103,9 +103,9 @@ class Service:
         self.failure: str | None = None  # why the engine thread stopped, if it failed
         self.thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
         self.requests = {"ok": 0, "cancelled": 0, "rejected": 0, "invalid": 0}
-        self.prompt_tokens = self.completion_tokens = 0
+        self.prompt_tokens = 0
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Queueing, prefill and first step of a request.")
-        self.itl = Histogram("specdec_inter_token_seconds", "Time between a request's streamed steps, per token.")
+        self.itl = Histogram("specdec_inter_token_seconds", "A request's mean time per token after its first.")
         self.e2e = Histogram("specdec_request_seconds", "Whole request, from arrival to its last token.")
 
     # ---- the handler side (asyncio thread) ----
@@ -143,7 +143,6 @@ class Service:
         if not ended:
             job.cancel()
         self.requests["ok" if ended else "cancelled"] += 1
-        self.completion_tokens += tokens
         self.e2e.observe(now - job.queued_at)
         if first_at is not None:
             self.ttft.observe(first_at - job.queued_at)
