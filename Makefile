@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make run    the main job: specdec bench --quick on the shipped models (about half a minute)
-#   make test   the whole test suite
+#   make test   the whole test suite (installs Debian's chromium and chromium-driver for the browser test
+#               when they are missing and we are root)
 # Both build .venv first (torch pinned to the CPU build 2.13.0; any other torch request pulls CUDA).
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,8 +10,18 @@ PY := $(VENV)/bin/python
 run: $(VENV)/.installed
 	$(VENV)/bin/specdec bench --quick
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed chromium
 	$(PY) -m pytest -q
+
+# the live view's test drives Debian's Chromium with Selenium: install it when missing and we are root
+# (otherwise that one test is skipped and says how to enable it)
+.PHONY: chromium
+chromium:
+	@if ! command -v chromedriver >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+		 (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null)) || \
+		echo "could not install chromium; the browser test will be skipped"; \
+	fi
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)

@@ -3,33 +3,35 @@ whether as a chain or a tree, from what pays on this machine; 0 levels is plain 
 
 The predicted rate of an option (shape s, depth d) is tokens per second over the batch:
 
-    rate(s, d) = Σ_rows E_b(s, d) / (t_B(n(s, d)) + d × draft_level + overhead)
+    rate(s, d) = Σ_rows E_b(s, d) / (t_B(n(s, d)) + draft(d) + overhead)
 
 - E_b(s, d) = 1 + Σ_{i<=d} Π_{j<=i} q_bj: q_bj is row b's chance that a draft at depth j is
   accepted once the accepted path got to depth j - 1 and the step allowed depth j (decayed counts
   per row with a prior). It folds the cost model's proposal rate p_j and acceptance α_j into one
   (costmodel.predicted_speedup), per shape: a tree's alternatives raise it.
-- t_B(n): the target's forward over n tokens per row at this batch size, measured on this
-  machine once and cached (calibration.py); n(s, d) the window such a step really carried
-  (a running mean; it starts at 1 + Σ widths[:d], what a full proposal would carry).
+- t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
+  leave), measured on this machine once per batch size (powers of two) and cached
+  (calibration.py); n(s, d) the window such a step really carried (a running mean; it starts at
+  1 + Σ widths[:d], what a full proposal would carry).
 - draft(d): the proposer's seconds per step at depth d, overhead: the engine's own seconds per
   step (running means of what the steps took; a depth not yet measured is scaled from the nearest
   one that was, in proportion to d; steps right after a plain stretch of several steps are left
   out of draft(d), since they also catch up on the stretch).
 
-What a run learned carries over to the next run of the same proposer, target and batch size in
-this process (`remember`): the costs, the probe stretch and, as the new rows' prior, the rows'
-mean q per shape and depth. A server or a benchmark thus stops exploring what it already knows.
+What a run learned carries over to the next run of the same proposer, target and capacity in
+this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the rows'
+mean q per shape and depth. A benchmark thus stops exploring what it already knows; a server's
+rows start from what the earlier ones taught.
 
 The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
 steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
 level drafted, cycling through the shapes; each probe that does not change the verdict doubles the
 next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. A
 proposer whose drafts cost almost nothing (below CHEAP × t(1) per step: n-gram lookup) is probed
-after every plain step instead, since its matches come in bursts. While
-drafting pays, every PROBE_EVERY steps one level deeper than the best is drafted instead, so the
-estimates of levels not chosen stay fresh. `summary()` says what was chosen and why: each option's mean predicted speedup
-over plain decoding.
+after every plain step instead, since its matches come in bursts. While drafting pays, every
+PROBE_EVERY steps one level deeper than the best is drafted instead, so the estimates of levels
+not chosen stay fresh. `summary()` says what was chosen and why: each option's mean predicted
+speedup over plain decoding.
 
 This module knows nothing about models or tokens: the engine reports each step's outcome.
 """
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from typing import Callable
 
 import numpy as np
 
@@ -59,18 +62,19 @@ _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
 class Adaptive:
-    def __init__(self, curve: VerifyCurve, batch_size: int, shapes: dict[str, tuple[int, ...]],
-                 measured_now: bool = False, note: str | None = None):
-        self.curve, self.names = curve, list(shapes)
+    def __init__(self, curves: VerifyCurve | Callable[[int], VerifyCurve], rows: int,
+                 shapes: dict[str, tuple[int, ...]], note: str | None = None):
+        """curves: the target's verify curve for a batch of B rows (a function of B), or one curve
+        for every batch size; rows: the rows of the batch to begin with (more `join` later)."""
+        self.curves = curves if callable(curves) else (lambda rows: curves)
+        self.names = list(shapes)
         self.shapes = [shapes[name] for name in self.names]
         self.depth = K = len(self.shapes[0])
         S = len(self.shapes)
-        self.accepted = np.zeros((S, batch_size, K))
-        self.offered = np.zeros((S, batch_size, K))
+        self.accepted = np.zeros((S, rows, K))  # per shape and row: decayed counts by depth
+        self.offered = np.zeros((S, rows, K))
+        self.prior = None  # (accepted, offered) (S, K) a joining row starts with; None: nothing
         self.window = np.array([[1.0 + sum(w[:d]) for d in range(K + 1)] for w in self.shapes])  # (S, K+1)
-        points = sorted(curve.seconds)
-        self.curve_tokens, self.curve_seconds = np.array(points, float), np.array([curve.seconds[n] for n in points])
-        self.forward = self.forward_seconds(self.window)                                     # (S, K+1)
         self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
         self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
         self.plain_run = 0                                    # plain steps since the last drafting step
@@ -82,15 +86,16 @@ class Adaptive:
         self.chosen: tuple[int, int] = (0, 0)
         self.choices: Counter = Counter()
         self.predicted_sum = np.zeros((S, K + 1))
-        self.measured_now, self.note = measured_now, note
+        self.note = note
         self.memory, self.memory_key = None, None
 
     @classmethod
-    def for_run(cls, target, proposer, batch_size: int, widths: tuple[int, ...] | None) -> "Adaptive":
+    def for_run(cls, target, proposer, capacity: int, widths: tuple[int, ...] | None) -> "Adaptive":
         """Options for this proposer: chains of 1..K levels and, where it drafts trees, the tree
         `widths` (default AUTO_TREE) cut at each depth; K = len(widths) or AUTO_DEPTH, at most what
-        the proposer can draft. The target's verify curve at this batch size comes from the cache
-        or is measured now."""
+        the proposer can draft. The target's verify curves come from the cache or are measured on
+        first need, at batch sizes of powers of two up to `capacity`; what earlier runs of this
+        proposer learned is recalled."""
         limit = proposer.max_depth
         tree = tuple(widths) if widths is not None else AUTO_TREE
         depth = min(len(tree), limit or len(tree))
@@ -101,49 +106,63 @@ class Adaptive:
                 shapes["tree"] = tree
             else:
                 note = f"the {proposer.name} proposer drafts no trees: chains only"
-        curve, measured_now = cached_verify_curve(target, batch_size, 1 + sum(max(w) for w in zip(*shapes.values())))
-        adaptive = cls(curve, batch_size, shapes, measured_now, note)
+        window = 1 + sum(max(w) for w in zip(*shapes.values()))
+
+        def curves(rows: int) -> VerifyCurve:
+            return cached_verify_curve(target, min(capacity, 1 << max(rows - 1, 0).bit_length()), window)[0]
+
+        adaptive = cls(curves, 0, shapes, note)
         try:
             memory = _MEMORY.setdefault(proposer, {})
         except TypeError:  # a proposer that cannot be weakly referenced starts afresh every run
             memory = {}
-        adaptive.memory = memory
-        adaptive.memory_key = (id(target), batch_size, tuple(shapes.items()))
+        adaptive.memory, adaptive.memory_key = memory, (id(target), capacity, tuple(shapes.items()))
         adaptive.recall(memory.get(adaptive.memory_key))
         return adaptive
 
     def recall(self, learned: dict | None) -> None:
         if learned is None:
             return
-        for name in ("draft_seconds", "draft_measured", "overhead_seconds", "window", "forward"):
+        for name in ("draft_seconds", "draft_measured", "overhead_seconds", "window"):
             setattr(self, name, learned[name].copy())
         self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
-        self.accepted[:] = (learned["q"] * REMEMBERED_WEIGHT)[:, None]
-        self.offered[:] = np.where(learned["seen"], REMEMBERED_WEIGHT, 0.0)[:, None]
+        self.prior = learned["q"] * REMEMBERED_WEIGHT, np.where(learned["seen"], REMEMBERED_WEIGHT, 0.0)
 
     def remember(self) -> None:
         """Keep what this run learned for the next run (see the module docstring)."""
-        if getattr(self, "memory", None) is None:
+        if self.memory is None:
             return
         offered = self.offered.sum(1)                                           # (S, K)
         q = (self.accepted.sum(1) + PRIOR * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
         self.memory[self.memory_key] = {
             "q": q, "seen": offered > 0, "stretch": self.stretch,
             **{name: getattr(self, name).copy() for name in ("draft_seconds", "draft_measured", "overhead_seconds",
-                                                             "window", "forward")}}
+                                                             "window")}}
+
+    def join(self, rows: int) -> None:
+        """Rows appended to the batch: they start from the remembered acceptance, if any."""
+        S, _, K = self.accepted.shape
+        accepted, offered = self.prior if self.prior is not None else (np.zeros((S, K)), np.zeros((S, K)))
+        self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
+        self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)
+
+    def leave(self, keep: list[int]) -> None:
+        """Only rows `keep` stay, in that order."""
+        self.accepted, self.offered = self.accepted[:, keep], self.offered[:, keep]
 
     @property
     def widest(self) -> tuple[int, ...]:
         """The most nodes per depth any option drafts (for the room a cache needs)."""
         return tuple(max(w) for w in zip(*self.shapes))
 
-    def rates(self, active: list[bool]) -> np.ndarray:
-        """(S, K+1) predicted tokens per second of each option over the active rows."""
+    def rates(self) -> np.ndarray:
+        """(S, K+1) predicted tokens per second of each option over the batch's rows."""
         q = (self.accepted + PRIOR * PRIOR_WEIGHT) / (self.offered + PRIOR_WEIGHT)          # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
-        tokens = E[:, np.asarray(active, dtype=bool)].sum(1)                                  # (S, K+1)
-        cost = self.forward + self.draft_estimates() + self.overhead_seconds
-        return tokens / cost
+        curve = self.curves(q.shape[1])
+        points = sorted(curve.seconds)
+        forward = np.interp(self.window, points, [curve.seconds[n] for n in points])          # (S, K+1)
+        return E.sum(1) / (forward + self.draft_estimates() + self.overhead_seconds)
 
     def draft_estimates(self) -> np.ndarray:
         """(K+1,) draft seconds per step by depth: measured, else scaled from the nearest measured depth."""
@@ -154,21 +173,18 @@ class Adaptive:
         nearest = measured[np.abs(depths[:, None] - measured[None]).argmin(1)]
         return np.where(self.draft_measured, self.draft_seconds, self.draft_seconds[nearest] * depths / nearest)
 
-    def forward_seconds(self, window):
-        """t_B(n) at windows n, interpolated between the measured points (held at the ends)."""
-        return np.interp(window, self.curve_tokens, self.curve_seconds)
-
-    def choose(self, active: list[bool]) -> tuple[int, tuple[int, ...], int]:
+    def choose(self) -> tuple[int, tuple[int, ...], int]:
         """The depth to draft next, the widths per depth to draft it with, and for how many steps
         (1 when drafting; plain decoding: up to the next probe)."""
-        rates = self.rates(active)
+        rates = self.rates()
         self.predicted_sum += rates / rates[0, 0]
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
         steps = 1
         # a proposer that costs next to nothing (n-gram lookup) is probed every other step: its
         # matches come in bursts, and a probe costs little more than the plain step it replaces
-        stretch = 1 if self.draft_estimates()[1:].max() < CHEAP * self.forward[0, 0] else self.stretch
+        t1 = self.curves(self.accepted.shape[1]).seconds[1]  # a plain step's forward
+        stretch = 1 if self.draft_estimates()[1:].max() < CHEAP * t1 else self.stretch
         if d == 0 and self.plain_run < stretch:
             steps = stretch - self.plain_run
         elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best
@@ -182,8 +198,8 @@ class Adaptive:
         self.chosen = (int(s), int(d))
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
-    def observe(self, limits: list[int], accepted: list[int], active: list[bool], width: int,
-                draft_seconds: float, step_seconds: float, forward_seconds: float) -> None:
+    def observe(self, limits: list[int], accepted: list[int], width: int, draft_seconds: float,
+                step_seconds: float, forward_seconds: float) -> None:
         """What the chosen step did: per row the levels it allowed and the drafts accepted, the
         window the target verified, and the seconds spent drafting, in the whole step and in the
         target's forward."""
@@ -192,11 +208,10 @@ class Adaptive:
         self.choices[self.label(s, d)] += 1
         levels = np.arange(self.depth)[None]                                   # (1, K)
         limits, accepted = np.asarray(limits)[:, None], np.asarray(accepted)[:, None]  # (B, 1)
-        judged = (levels < np.minimum(limits, accepted + 1)) & np.asarray(active, dtype=bool)[:, None]
+        judged = levels < np.minimum(limits, accepted + 1)
         self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
         self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
         self.window[s, d] += SMOOTHING * (width - self.window[s, d])
-        self.forward[s, d] = self.forward_seconds(self.window[s, d])
         if self.plain_run <= 1:  # after a longer stretch the step also caught up on it
             if not self.draft_measured[d]:
                 self.draft_seconds[d], self.draft_measured[d] = draft_seconds, True
@@ -224,8 +239,7 @@ class Adaptive:
                      for s in range(len(self.shapes)) for d in range(self.depth + 1) if d or s == 0}
         return {"shapes": dict(zip(self.names, self.shapes)), "choices": dict(self.choices),
                 "predicted_speedup": predicted, "probe_every": PROBE_EVERY,
-                "verify_curve_ms": {n: round(s * 1e3, 3) for n, s in sorted(self.curve.seconds.items())},
-                "verify_curve_measured_now": self.measured_now, "note": self.note}
+                "note": self.note}
 
 
 def merge_summaries(summaries: list[dict | None]) -> dict | None:

@@ -66,6 +66,39 @@ def cmd_generate(args) -> None:
           file=sys.stderr)
 
 
+def cmd_serve(args) -> None:
+    import uvicorn
+
+    from . import inputs
+    from .api import default_k, load
+    from .proposers import build_proposer
+    from .serve.app import create_app
+    from .serve.service import Service
+
+    inputs.draft_options(args.draft, {"-k": args.k, "--tree": args.tree,
+                                      "--dynamic-tree": args.dynamic_tree or None, "--draft-model": args.draft_model,
+                                      "--heads": args.heads, "--draft-vocab": args.draft_vocab,
+                                      "--ngram-max": args.ngram_max, "--ngram-min": args.ngram_min})
+    inputs.integer("--max-batch", args.max_batch, low=1)
+    inputs.integer("--max-queue", args.max_queue, low=1)
+    inputs.integer("--port", args.port, low=0, high=65535)
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
+    target = load(args.model, dtype=torch_dtype(args.dtype))
+    proposer = make_proposer(args, target)
+    inputs.draft_length(args.k, proposer, args.tree)
+    k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
+    method = proposer.name if proposer is not None and k != 0 else "plain"
+    # plain decoding is the same engine proposing nothing (k = 0)
+    service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue,
+                      widths=args.tree)
+    print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
+          f", up to {args.max_batch} requests per batch; http://{args.host}:{args.port}/", file=sys.stderr)
+    uvicorn.run(create_app(service, args.shutdown_timeout), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+
+
 def footer(s: dict, k: int | str, temperature: float) -> str:
     """The one-line summary of a generation; a figure that does not exist (α with k = 0, where
     the JSON says null) is written n/a."""
@@ -92,6 +125,8 @@ def make_proposer(args, target):
     if args.draft == "mtp":
         return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
+    if args.draft == "suffix":
+        return build_proposer("suffix")
     sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
     return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
 
@@ -116,6 +151,7 @@ def tree_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
+DRAFTS = ("draft-model", "ngram", "mtp", "suffix")
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default float32: bf16-stored matrices stay bf16 "
               "and are read by specdec's CPU kernels, exactly upcast)")
@@ -130,6 +166,27 @@ def cmd_bench(args) -> None:
     from . import inputs
 
     inputs.bench(args.prompts, args.repeats, args.max_new_tokens, args.ks, args.temperatures, args.batch_sizes)
+    if args.mode == "serve":
+        from .api import default_k, load
+        from .bench.serve import bench_serve, format_serve, write
+
+        for c in args.clients:
+            inputs.integer("--clients values", c, low=1)
+        method = (args.methods or ["draft-model"])[0]
+        args.draft, args.draft_vocab, args.ngram_max, args.ngram_min = method, None, None, None
+        target = load(args.model, dtype=torch_dtype(args.dtype))
+        proposer = make_proposer(args, target)
+        k = args.ks[0] if args.ks else default_k(proposer)
+        serve_args = ["--dtype", args.dtype, "--draft", method, "-k", str(k)]
+        serve_args += ["--threads", str(args.server_threads)] if args.server_threads else []
+        serve_args += ["--draft-model", args.draft_model] if args.draft_model and method == "draft-model" else []
+        serve_args += ["--heads", args.heads] if args.heads and method == "mtp" else []
+        result = bench_serve(target, method, serve_args, proposer, k, args.clients, args.prompts or 32,
+                             args.max_new_tokens or 64, args.repeats or 3)
+        print(format_serve(result))
+        if args.out:
+            write(result, args.out)
+        return
     if args.mode == "plain":
         from .bench.plain import bench_plain, format_plain
 
@@ -300,9 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--draft", choices=["none", "draft-model", "ngram", "mtp"], default="none",
+    g.add_argument("--draft", choices=["none", *DRAFTS], default="none",
                    help="speculative decoding with this proposer (default: plain decoding; mtp: the "
-                        "target's own MTP heads)")
+                        "target's own MTP heads; suffix: suffix-tree lookup over the prompt and earlier outputs)")
     g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     g.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
     g.add_argument("--draft-vocab", type=int, metavar="N",
@@ -333,12 +390,45 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "the widest window of -k auto)")
     c.set_defaults(func=cmd_calibrate)
 
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
+                       description="POST /v1/completions (OpenAI's format, streaming with SSE), GET /v1/models, "
+                                   "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
+                                   "one running batch between steps (continuous batching).")
+    v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    v.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    v.add_argument("--draft", choices=["none", *DRAFTS], default="none",
+                   help="speculative decoding with this proposer (default: plain decoding)")
+    v.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
+    v.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
+    v.add_argument("--draft-vocab", type=int, metavar="N", help="draft over the N most frequent token ids")
+    v.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step from "
+                                            "the measured acceptance and this machine's costs (default: auto)")
+    v.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
+                   help="draft trees of at most Wd tokens at depth d (see specdec generate --help)")
+    v.add_argument("--dynamic-tree", action="store_true", help="--draft draft-model: dynamic trees (EAGLE-2)")
+    v.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
+    v.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
+    v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
+    v.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a row; more are refused with 429")
+    v.add_argument("--threads", type=int, help="threads of the model's kernels (default: torch's, one per core); the "
+                                               "HTTP side needs some CPU too")
+    v.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds a shutdown waits for running requests before cancelling them")
+    v.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
                        description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
                                    "peers on the same prompts, interleaved; writes bench.json, report.md and plots.")
-    b.add_argument("mode", choices=["all", "plain"], nargs="?", default="all",
+    b.add_argument("mode", choices=["all", "plain", "serve"], nargs="?", default="all",
                    help="all: the benchmark (default); plain: specdec vs transformers generate (and llama.cpp "
-                        "when installed) and bandwidth")
+                        "when installed) and bandwidth; serve: `specdec serve` vs the same engine offline, plain vs "
+                        "speculative (the first of --methods, default draft-model; k: the first of --ks), at --clients")
+    b.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16],
+                   help="serve: concurrent streaming clients (and offline batch rows)")
+    b.add_argument("--server-threads", type=int, help="serve: the server's kernel threads (default: torch's)")
     b.add_argument("--quick", action="store_true", help="the half-minute plan (default: the full plan, about 3 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")

@@ -1,105 +1,159 @@
-"""Speculative decoding: prefill, then loop propose -> verify -> accept -> commit.
+"""Speculative decoding as a step loop: propose -> verify -> accept -> commit, over a batch of
+requests that join and leave between steps (continuous batching).
 
-Every row of the batch keeps its own sequence, cache length, accepted counts and stop state. The
-target's cache lags one token behind each sequence: the newest token ("last") opens the next
-verification window [last, d_1..d_m], scored by ONE target forward pass for all rows. Tokens are
-emitted through `Row.append` one at a time, so EOS, stop strings and max_new_tokens cut exactly
-inside an accepted run; then each row's target cache is rolled back to the tokens it kept and the
-proposer is told what was committed. k = 0 proposes nothing: one token per step, plain decoding.
+Every row of the batch is one request with its own sequence, cache length, sampling settings,
+random generator, stop rule and stream. The target's cache lags one token behind each sequence:
+the newest token ("last") opens the next verification window [last, d_1..d_m], scored by ONE
+target forward pass for all rows. Tokens are emitted through `Row.append` one at a time, so EOS,
+stop strings and max_new_tokens cut exactly inside an accepted run; then each row's target cache
+is rolled back to the tokens it kept and the proposer is told what was committed.
 
 A proposal may be a tree (tree.py; `widths` caps the drafts per depth): the window then carries
 every node, with positions by depth and a tree attention mask, acceptance walks the tree, and the
 cache keeps the accepted path's entries moved to follow each other (`KVCache.compact`).
 
-k = "auto" chooses each step's depth (0: plain decoding) and shape from what pays (adaptive.py):
-the controller is told what each step accepted and cost.
+Depth 0 is plain decoding, lean one-token steps (`Engine.plain_step`); a stretch of them is told to
+the proposer once, at its end. k = "auto" chooses each step's depth (0 included) and shape
+from what pays (adaptive.py); the controller is told what each step accepted and cost.
 
-This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py)
-or model internals (lm.py).
+Between steps (`Engine.regroup`) finished or cancelled rows leave and waiting requests join: the
+joining prompts are prefilled, and the target's cache, the proposer's state and the controller
+regroup their rows; caches are allocated once, for `capacity` rows. `speculative_generate` is the
+engine run on one closed batch.
+
+This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py),
+model internals (lm.py) or serving (serve/).
 """
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .adaptive import Adaptive
 from .errors import SpecdecError
-from .lm import causal_lm, context_length, next_positions, prefill_all_but_last
+from .lm import causal_lm, context_length, next_positions, prefill_joining
 from .metrics import SpecMetrics
 from .model import LlamaForCausalLM
 from .proposers.base import Outcome, Proposal, Proposer
-from .sampling import SamplingConfig, pick, probabilities
+from .sampling import RowGenerators, SamplingConfig, argmax, row_probabilities, sample
 from .stopping import Row, StopRule
 from .tree import levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
 
 
-@torch.inference_mode()
-def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule,
-                         sampling: SamplingConfig, k: int | str, generator: torch.Generator | None = None,
-                         *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
-                         tree_verify=tree_rejection_sample) -> tuple[list[Row], SpecMetrics]:
-    """k: drafts per step, or "auto" (adaptive.py). widths: the most drafts per depth (len k;
-    default all ones, a chain; with "auto", the tree shape tried beside chains). `sampled_verify`
-    and `tree_verify` are the acceptance rules used when sampling chains and trees (signatures of
-    verify.rejection_sample and verify.tree_rejection_sample); tests replace them to show a wrong
-    rule is detected."""
-    target = causal_lm(target, role="target")
-    context = context_length(target)
-    adaptive = None
-    if k == "auto":
-        check_inputs(target, proposer, prompts, rule, 0, None, context)
-        adaptive = Adaptive.for_run(target, proposer, len(prompts), widths)
-        k, widths = adaptive.depth, adaptive.widest
-    widths = check_inputs(target, proposer, prompts, rule, k, widths, context)
-    verify = _verifier(sampling, sampled_verify, tree_verify, generator)
-    metrics = SpecMetrics(k=k, batch_size=len(prompts))
-    rows = [Row(rule) for _ in prompts]
-    t0 = time.perf_counter()
-    with metrics.timed("prefill_seconds"):
-        max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
-        cache = target.new_cache(len(prompts), max_len + sum(widths))  # + room for padded windows
-        state = proposer.start(prompts, prefill_all_but_last(target, cache, prompts), sampling, max_len, k)
-        last = [p[-1] for p in prompts]                           # (B,) newest token, not in the cache
-        cached = [len(p) - 1 for p in prompts]                    # (B,) the target cache's lengths
-    clock = time.perf_counter
-    while not all(row.done for row in rows):
-        budgets = [row.budget for row in rows]                    # tokens each row may still emit
-        active = [b > 0 for b in budgets]
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. `on_tokens(request, tokens, drafted)` is called from the engine's
+    thread after every step that emitted tokens for it (the first `drafted` of them were accepted
+    drafts, the rest chosen by the target), and once with no tokens when it finishes without
+    running; `cancelled` may be set from any thread: the row leaves at the next step."""
+    prompt: list[int]
+    rule: StopRule
+    sampling: SamplingConfig = SamplingConfig()
+    generator: torch.Generator | None = None
+    on_tokens: Callable[["Request", list[int], int], None] | None = None
+    cancelled: bool = False
+    row: Row = field(init=False)
+    steps: int = 0      # verifications of this row
+    proposed: int = 0   # drafts proposed for it
+    accepted: int = 0   # of which the target accepted
+
+    def __post_init__(self):
+        self.row = Row(self.rule)
+
+    @property
+    def finished(self) -> bool:
+        return self.row.done or self.cancelled
+
+
+class Engine:
+    def __init__(self, target, proposer: Proposer, k: int | str, capacity: int, max_len: int,
+                 *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
+                 tree_verify=tree_rejection_sample):
+        """k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
+        default all ones, a chain; with "auto", the tree tried beside chains). capacity: the most
+        rows in the batch; max_len: the longest sequence (prompt + generated) a row may reach.
+        `sampled_verify` and `tree_verify` are the acceptance rules of sampled rows for chains and
+        trees (signatures of verify.rejection_sample and verify.tree_rejection_sample); tests
+        replace them to show a wrong rule is detected."""
+        self.target = causal_lm(target, role="target")
+        self.context = context_length(self.target)
+        self.adaptive = None
+        if k == "auto":
+            check_setup(self.target, proposer, 0, None)
+            self.adaptive = Adaptive.for_run(self.target, proposer, capacity, widths)
+            k, widths = self.adaptive.depth, self.adaptive.widest
+        self.widths = check_setup(self.target, proposer, k, widths)
+        self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
+        self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
+        nodes = sum(self.widths)
+        self.cache = self.target.new_cache(capacity, max_len + nodes)  # + room for padded windows
+        self.cache.regroup([])
+        no_hidden = torch.zeros(0, 0, self.target.config.hidden_size)
+        self.state = proposer.start([], no_hidden, [], max_len, k, capacity=capacity, nodes=nodes)
+        self.requests: list[Request] = []  # (B,) the rows, in cache order
+        self.last: list[int] = []          # (B,) newest token of each row, not in the cache
+        self.cached: list[int] = []        # (B,) the target cache's lengths
+        self.waiting: deque[Request] = deque()
+        self.plain_left = 0  # steps left in the current stretch of plain decoding (inf: k = 0)
+        self.plain = PlainStretch([])
+        self.metrics = SpecMetrics(k=k, batch_size=capacity)
+        self.started = time.perf_counter()
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (any thread); it joins the batch at the next step with room."""
+        check_prompt(request.prompt, request.rule, self.target.config.vocab_size,
+                     min(self.context, self.max_len), "the prompt")
+        self.waiting.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.requests or self.waiting)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Regroup, then advance every row by one verification (or one step of plain decoding)."""
+        self.regroup()
+        if not self.requests:
+            return
+        proposer, state, cache, metrics, clock = self.proposer, self.state, self.cache, self.metrics, time.perf_counter
         t_start = clock()
-        depth, shape, stretch = adaptive.choose(active) if adaptive else (k, widths, None)
-        if depth == 0:  # plain decoding for a stretch of steps; the proposer hears of them at its end
-            last, cached, steps, forward = plain_stretch(target, proposer, state, cache, rows, last, cached, stretch,
-                                                         context, sampling, generator, metrics)
-            metrics.first_token_seconds = metrics.first_token_seconds or clock() - t0
-            if adaptive:
-                adaptive.observe_plain(steps, clock() - t_start, forward)
-            continue
-        limits = draft_limits(budgets, depth)
-        proposal = proposer.propose(state, limits, shape, generator).trimmed()   # propose
+        if not self.plain_left:
+            depth, shape, stretch = self.adaptive.choose() if self.adaptive else (self.k, self.widths, None)
+            if depth == 0:
+                self.plain_left = stretch or math.inf
+        if self.plain_left:
+            self.plain_step()
+            return
+        limits = draft_limits([r.row.budget for r in self.requests], depth)
+        proposal = proposer.propose(state, limits, shape, self.generator()).trimmed()   # propose
         t_proposed = clock()
         drafts = proposal.tokens.tolist()                             # (B, m)
-        window = torch.tensor([[token] + row for token, row in zip(last, drafts)])  # (B, 1+m)
+        window = torch.tensor([[token] + row for token, row in zip(self.last, drafts)])  # (B, 1+m)
         if proposal.parents is None:                                  # a chain: causal, default positions
-            positions, tree = next_positions(cache, window.shape[1], context, longest=max(cached)), None
+            positions, tree = next_positions(cache, window.shape[1], self.context, longest=max(self.cached)), None
         else:
-            positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), cached, context)
+            positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
         t_window = clock()
-        out = target(window, positions=positions, cache=cache, attention_mask=tree)
+        out = self.target(window, positions=positions, cache=cache, attention_mask=tree)
         t_forward = clock()
-        verdict = verify(proposal, out.logits)                        # accept: logits (B, 1+m, V)
+        verdict = self.verify(proposal, out.logits)                   # accept: logits (B, 1+m, V)
         t_accepted = clock()
         accepted = verdict.accepted.tolist()
         paths = verdict.paths or [range(n) for n in accepted]
-        runs, counts = commit(rows, drafts, paths, verdict.next_token.tolist())  # (B, 1+m), (B,)
+        runs, counts = commit([r.row for r in self.requests], drafts, paths, verdict.next_token.tolist())
         # keep the window entries that predicted an emitted token: the root, then the accepted path
         if verdict.paths is not None:
-            cache.compact(cached, verdict.paths)
-        cached = [n + c for n, c in zip(cached, counts)]
-        cache.rollback(cached)
-        # the newest emitted token opens the next window (finished rows keep theirs)
-        last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, last)]
+            cache.compact(self.cached, verdict.paths)
+        self.cached = [n + c for n, c in zip(self.cached, counts)]
+        cache.rollback(self.cached)
+        # the newest emitted token opens the next window
+        self.last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, self.last)]
         t_committed = clock()
         hidden = out.hidden if verdict.paths is None else out.hidden.gather(
             1, path_columns(verdict.paths, window.shape[1])[..., None].expand_as(out.hidden))
@@ -107,64 +161,205 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
                                         verdict.paths))
         t_observed = clock()
         lengths = proposal.lengths.tolist()
-        metrics.record_step(active, lengths, accepted, counts, None if verdict.paths is None
+        metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
                             else levels_reached(proposal.parents, lengths, verdict.paths))
         metrics.record_phases(t_start, t_proposed, t_window, t_forward, t_accepted, t_committed, t_observed, clock())
-        metrics.first_token_seconds = metrics.first_token_seconds or t_committed - t0
-        if adaptive:
-            adaptive.observe(limits.tolist(), accepted, active, window.shape[1],
-                             t_proposed - t_start + t_observed - t_committed, clock() - t_start, t_forward - t_window)
-    metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
-    if adaptive:
-        adaptive.remember()
-        metrics.adaptive = adaptive.summary()
-    return rows, metrics
+        metrics.first_token_seconds = metrics.first_token_seconds or t_committed - self.started
+        stream(self.requests, runs, counts, lengths, accepted)
+        if self.adaptive:
+            self.adaptive.observe(limits.tolist(), accepted, window.shape[1], t_proposed - t_start + t_observed
+                                  - t_committed, clock() - t_start, t_forward - t_window)
 
-
-def plain_stretch(target, proposer: Proposer, state, cache, rows: list[Row], last: list[int], cached: list[int],
-                  steps: int | None, context: int, sampling: SamplingConfig, generator,
-                  metrics: SpecMetrics) -> tuple[list[int], list[int], int, float]:
-    """Plain decoding, one token per row per forward, for `steps` steps (None: until every row is
-    done), as lean as decoding without a proposer; the proposer then observes the whole stretch at
-    once (no drafts, every token the target's). Returns the new `last` and `cached`, the steps
-    taken and the seconds of their forwards."""
-    B, clock = len(rows), time.perf_counter
-    emitted, hidden, step, forward, last = [[] for _ in rows], [], 0, 0.0, list(last)
-    t_start = clock()
-    window = torch.tensor(last)[:, None]  # (B, 1)
-    while not all(row.done for row in rows) and (steps is None or step < steps):
-        active = [not row.done for row in rows]
-        t_window = clock()
-        out = target(window, positions=next_positions(cache, 1, context, longest=max(cached)), cache=cache)
-        forward += clock() - t_window
-        picked = pick(out.logits[:, -1], sampling, generator)  # (B,)
-        counts = [emit(row, [token], 1) for row, token in zip(rows, picked.tolist())]
-        for b, n in enumerate(counts):
-            if n:
-                last[b] = rows[b].tokens[-1]
-                emitted[b].append(last[b])
-        cached = [c + n for c, n in zip(cached, counts)]
+    def plain_step(self) -> None:
+        """One step of plain decoding, one token per row, as lean as decoding without a proposer.
+        With k="auto" the tokens and hidden states are kept for the proposer, which hears of the
+        whole stretch of plain steps at once when it ends (`end_plain`); with k = 0 it never drafts
+        and hears nothing."""
+        B, clock, metrics = len(self.requests), time.perf_counter, self.metrics
+        t_start = clock()
+        out = self.target(torch.tensor(self.last)[:, None], cache=self.cache,
+                          positions=next_positions(self.cache, 1, self.context, longest=max(self.cached)))
+        t_forward = clock()
+        tokens = self.pick(out.logits[:, -1]).tolist()  # (B,)
+        counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
+        self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
+        self.cached = [c + n for c, n in zip(self.cached, counts)]
         if not all(counts):
-            cache.rollback(cached)  # rows already done keep their length
-        hidden.append(out.hidden)
-        window = picked[:, None]  # rows already done feed a token nobody reads
-        metrics.record_step(active, [0] * B, [0] * B, counts)
-        step += 1
-    t_observe = clock()
-    width = max(map(len, emitted))
-    proposer.observe(state, Outcome(torch.zeros(B, dtype=torch.long),
-                                    torch.tensor([e + [0] * (width - len(e)) for e in emitted]),
-                                    torch.tensor([len(e) for e in emitted]), torch.cat(hidden, 1)))
-    metrics.observe_seconds += clock() - t_observe
-    metrics.forward_seconds += forward
-    metrics.commit_seconds += t_observe - t_start - forward
-    return last, cached, step, forward
+            self.cache.rollback(self.cached)  # rows already done keep their length
+        if self.adaptive:
+            plain = self.plain
+            if not plain.steps:
+                plain.tokens = [[] for _ in range(B)]
+            for row, token, n in zip(plain.tokens, tokens, counts):
+                row += [token] * n
+            plain.hidden.append(out.hidden)
+            plain.steps += 1
+        metrics.record_step([True] * B, [0] * B, [0] * B, counts)
+        metrics.first_token_seconds = metrics.first_token_seconds or clock() - self.started
+        stream(self.requests, [[t] for t in tokens], counts, [0] * B, [0] * B)
+        self.plain_left -= 1
+        metrics.forward_seconds += t_forward - t_start
+        metrics.commit_seconds += clock() - t_forward
+        if self.adaptive:
+            self.plain.forward_seconds += t_forward - t_start
+            self.plain.seconds += clock() - t_start
+            if not self.plain_left:
+                self.end_plain()
+
+    def end_plain(self) -> None:
+        """The proposer observes the plain steps since the last (no drafts: every token the
+        target's) and the controller learns what they cost."""
+        plain, B = self.plain, len(self.requests)
+        self.plain, self.plain_left = PlainStretch([]), 0
+        if not plain.steps:
+            return
+        t_start = time.perf_counter()
+        width = max(map(len, plain.tokens))
+        self.proposer.observe(self.state, Outcome(torch.zeros(B, dtype=torch.long),
+                                                  torch.tensor([t + [0] * (width - len(t)) for t in plain.tokens]),
+                                                  torch.tensor(list(map(len, plain.tokens))),
+                                                  torch.cat(plain.hidden, 1)))
+        observe = time.perf_counter() - t_start
+        self.metrics.observe_seconds += observe
+        self.adaptive.observe_plain(plain.steps, plain.seconds + observe, plain.forward_seconds)
+
+    def regroup(self) -> None:
+        """Finished and cancelled rows leave; waiting requests join while there is room."""
+        keep = [b for b, r in enumerate(self.requests) if not r.finished]
+        if self.adaptive and (len(keep) < len(self.requests) or self.waiting):
+            self.end_plain()  # the proposer's rows must be up to date before they regroup
+        if len(keep) < len(self.requests):
+            self.cache.regroup(keep)
+            self.proposer.leave(self.state, keep)
+            if self.adaptive:
+                self.adaptive.leave(keep)
+            self.requests, self.last, self.cached = ([rows[b] for b in keep] for rows in (
+                self.requests, self.last, self.cached))
+        joining = []
+        while self.waiting and len(self.requests) + len(joining) < self.capacity:
+            request = self.waiting.popleft()
+            if not request.finished:
+                joining.append(request)
+            elif request.on_tokens is not None:  # max_new_tokens 0, or cancelled while it waited
+                request.on_tokens(request, [], 0)
+        if joining:
+            prompts = [r.prompt for r in joining]
+            with self.metrics.timed("prefill_seconds"):
+                hidden = prefill_joining(self.target, self.cache, prompts)
+                self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
+            if self.adaptive:
+                self.adaptive.join(len(joining))
+            self.requests += joining
+            self.last += [p[-1] for p in prompts]
+            self.cached += [len(p) - 1 for p in prompts]
+
+    def generator(self):
+        """The rows' random generators: their common one, or one per row."""
+        generators = [r.generator for r in self.requests]
+        if all(g is generators[0] for g in generators):
+            return generators[0]
+        return RowGenerators(generators)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits -> (B,) each row's next token under its own sampling settings."""
+        tokens = argmax(logits)
+        sampled = [b for b, r in enumerate(self.requests) if not r.sampling.greedy]
+        if sampled:
+            generator = self.generator()
+            s = torch.tensor(sampled)
+            tokens[s] = sample(row_probabilities(logits[s], [self.requests[b].sampling for b in sampled]),
+                               generator.select(sampled) if isinstance(generator, RowGenerators) else generator)
+        return tokens
+
+    def verify(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
+        """Greedy rows by greedy acceptance, sampled rows by `sampled_verify` (chains) or
+        `tree_verify` (trees) on their own sampling settings' probabilities (logits (B, 1+m, V));
+        one call for each kind present."""
+        greedy = [b for b, r in enumerate(self.requests) if r.sampling.greedy]
+        sampled = [b for b, r in enumerate(self.requests) if not r.sampling.greedy]
+        generator = self.generator()
+
+        def by_greedy(rows):
+            return greedy_accept(proposal.tokens[rows], logits[rows], proposal.lengths[rows],
+                                 None if proposal.parents is None else proposal.parents[rows])
+
+        def by_sampling(rows, generator):
+            tokens, lengths = proposal.tokens[rows], proposal.lengths[rows]
+            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[rows]
+            target_probs = row_probabilities(logits[rows], [self.requests[b].sampling for b in sampled])
+            if proposal.parents is None:
+                return self.sampled_verify(tokens, draft_probs, target_probs, generator, lengths)
+            return self.tree_verify(tokens, draft_probs, target_probs, proposal.parents[rows], generator, lengths)
+
+        if not sampled:
+            return by_greedy(slice(None))
+        if not greedy:
+            return by_sampling(slice(None), generator)
+        g, s = torch.tensor(greedy), torch.tensor(sampled)
+        verdicts = by_greedy(g), by_sampling(s, generator.select(sampled) if isinstance(generator, RowGenerators)
+                                             else generator)
+        accepted, next_token = (torch.empty(len(self.requests), dtype=torch.long) for _ in range(2))
+        paths = None if proposal.parents is None else [None] * len(self.requests)
+        for rows, verdict in zip((greedy, sampled), verdicts):
+            accepted[rows], next_token[rows] = verdict.accepted, verdict.next_token
+            if paths is not None:
+                for b, path in zip(rows, verdict.paths):
+                    paths[b] = path
+        return Verdict(accepted, next_token, paths)
+
+
+@dataclass
+class PlainStretch:
+    """What the plain steps since the proposer last heard have emitted and cost (k="auto")."""
+    tokens: list[list[int]]                                  # per row, the tokens emitted
+    hidden: list[torch.Tensor] = field(default_factory=list)  # per step (B, 1, C)
+    steps: int = 0
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+@torch.inference_mode()
+def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule,
+                         sampling: SamplingConfig, k: int | str, generator: torch.Generator | None = None,
+                         *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
+                         tree_verify=tree_rejection_sample) -> tuple[list[Row], SpecMetrics]:
+    """One closed batch through the engine: every prompt under the same settings, one generator.
+    k, widths, sampled_verify, tree_verify: as `Engine`."""
+    t0 = time.perf_counter()
+    target = causal_lm(target, role="target")
+    check_inputs(target, proposer, prompts, rule, context_length(target))
+    max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
+    engine = Engine(target, proposer, k, len(prompts), max_len, widths=widths, sampled_verify=sampled_verify,
+                    tree_verify=tree_verify)
+    requests = [Request(p, rule, sampling, generator) for p in prompts]
+    for request in requests:
+        engine.submit(request)
+    while engine.busy:
+        engine.step()
+    metrics = engine.metrics
+    metrics.batch_size = len(prompts)
+    metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
+    if engine.adaptive:
+        engine.adaptive.remember()
+        metrics.adaptive = engine.adaptive.summary()
+    return [r.row for r in requests], metrics
+
+
+def stream(requests: list[Request], runs: list[list[int]], counts: list[int], lengths: list[int],
+           accepted: list[int]) -> None:
+    """Count each request's step and hand it the tokens it took."""
+    for request, run, n, proposed, took in zip(requests, runs, counts, lengths, accepted):
+        request.steps += 1
+        request.proposed += proposed
+        request.accepted += took
+        if n and request.on_tokens is not None:
+            request.on_tokens(request, run[:n], min(took, n))
 
 
 def draft_limits(budgets: list[int], k: int) -> torch.Tensor:
-    """Drafts each row may propose (B,): a step emits accepted + 1 tokens, so at most budget - 1;
-    finished rows (budget 0) propose none. The context needs no separate clip: check_inputs
-    ensured that prompt + max_new_tokens fits, and the budget bounds every row's sequence."""
+    """Drafts each row may propose (B,): a step emits accepted + 1 tokens, so at most budget - 1.
+    The context needs no separate clip: check_prompt ensured that prompt + max_new_tokens fits,
+    and the budget bounds every row's sequence."""
     return torch.tensor([min(max(budget - 1, 0), k) for budget in budgets])
 
 
@@ -188,23 +383,8 @@ def emit(row: Row, run: list[int], n: int) -> int:
     return n
 
 
-def _verifier(sampling: SamplingConfig, sampled_verify, tree_verify, generator):
-    """The acceptance rule for these sampling settings, chosen once (chain or tree per proposal)."""
-    if sampling.greedy:
-        return lambda proposal, logits: greedy_accept(proposal.tokens, logits, proposal.lengths, proposal.parents)
-
-    def sampled(proposal: Proposal, logits: torch.Tensor) -> Verdict:
-        if proposal.parents is None:
-            return sampled_verify(proposal.tokens, proposal.draft_probs, probabilities(logits, sampling),
-                                  generator, proposal.lengths)
-        return tree_verify(proposal.tokens, proposal.draft_probs, probabilities(logits, sampling),
-                           proposal.parents, generator, proposal.lengths)
-    return sampled
-
-
-def check_inputs(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule, k: int,
-                 widths: tuple[int, ...] | None, context: int) -> tuple[int, ...]:
-    """Refuse bad input with a message saying what to give instead; return the widths per depth."""
+def check_setup(target, proposer: Proposer, k: int, widths: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Refuse a bad setup with a message saying what to give instead; return the widths per depth."""
     if k < 0:
         raise SpecdecError(f"k (draft tokens per step) must be >= 0, got {k}")
     widths = (1,) * k if widths is None else tuple(widths)
@@ -213,17 +393,26 @@ def check_inputs(target, proposer: Proposer, prompts: list[list[int]], rule: Sto
     if max(widths, default=1) > 1 and not isinstance(target, LlamaForCausalLM):
         raise SpecdecError("draft trees need specdec's own LlamaForCausalLM as the target (its forward takes a "
                            "tree attention mask); use chains (widths of 1) with this target")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise SpecdecError("every prompt needs at least one token (and at least one prompt is needed)")
     vocab = target.config.vocab_size
     if proposer.vocab_size is not None and proposer.vocab_size != vocab:
         raise SpecdecError(f"the {proposer.name} proposer has a vocabulary of {proposer.vocab_size} tokens "
                            f"but the target has {vocab}: draft and target must share one tokenizer")
-    for b, p in enumerate(prompts):
-        if max(p) >= vocab or min(p) < 0:
-            raise SpecdecError(f"prompt {b} holds token ids outside the target's vocabulary (0..{vocab - 1})")
-        if len(p) + rule.max_new_tokens - 1 > context:
-            raise SpecdecError(f"prompt {b} has {len(p)} tokens; with max_new_tokens={rule.max_new_tokens} "
-                               f"it needs {len(p) + rule.max_new_tokens - 1} positions but the target's "
-                               f"context is {context}: shorten the prompt or lower max_new_tokens")
     return widths
+
+
+def check_prompt(prompt: list[int], rule: StopRule, vocab: int, context: int, name: str) -> None:
+    if not prompt:
+        raise SpecdecError(f"{name} needs at least one token")
+    if max(prompt) >= vocab or min(prompt) < 0:
+        raise SpecdecError(f"{name} holds token ids outside the target's vocabulary (0..{vocab - 1})")
+    if len(prompt) + rule.max_new_tokens - 1 > context:
+        raise SpecdecError(f"{name} has {len(prompt)} tokens; with max_new_tokens={rule.max_new_tokens} "
+                           f"it needs {len(prompt) + rule.max_new_tokens - 1} positions but the target's "
+                           f"context is {context}: shorten the prompt or lower max_new_tokens")
+
+
+def check_inputs(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule, context: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise SpecdecError("every prompt needs at least one token (and at least one prompt is needed)")
+    for b, p in enumerate(prompts):
+        check_prompt(p, rule, target.config.vocab_size, context, f"prompt {b}")

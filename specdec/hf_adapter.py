@@ -16,8 +16,18 @@ from .model import ModelOutput
 
 class HFCache:
     def __init__(self, model: PreTrainedModel):
+        self.config = model.config
         self.inner = DynamicCache(config=model.config)
         self.lengths = torch.zeros(1, dtype=torch.long)  # (1,)
+
+    def regroup(self, keep: list[int], joining=None, empty: int = 0) -> None:
+        """Batch size 1 only: keep the row, or start an empty one (see KVCache.regroup)."""
+        if len(keep) + empty > 1 or joining is not None:
+            raise SpecdecError("transformers models run at batch size 1 here: one request at a time "
+                               "(use specdec's LlamaForCausalLM to batch requests)")
+        if not keep:
+            self.inner = DynamicCache(config=self.config)
+            self.lengths = torch.zeros(len(keep) + empty, dtype=torch.long)
 
     def advance(self, num_new: int) -> None:
         self.lengths += num_new

@@ -121,7 +121,7 @@ def draft_length(k, proposer, widths=None) -> None:
 def draft_options(draft: str, given: dict[str, object]) -> None:
     """Command-line draft options: each belongs to one --draft choice; `given` maps the option
     names set on the command line (e.g. "--heads") to their values."""
-    owners = {"-k": ("draft-model", "ngram", "mtp"), "--tree": ("draft-model", "ngram", "mtp"),
+    owners = {"-k": ("draft-model", "ngram", "mtp", "suffix"), "--tree": ("draft-model", "ngram", "mtp", "suffix"),
               "--dynamic-tree": ("draft-model",), "--draft-model": ("draft-model",), "--heads": ("mtp",),
               "--draft-vocab": ("mtp", "draft-model"), "--ngram-max": ("ngram",), "--ngram-min": ("ngram",)}
     for option, value in given.items():

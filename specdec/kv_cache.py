@@ -6,10 +6,16 @@ kernels read them whole; `k[layer]` and `v[layer]` are views). Row b holds
 lengths[b] .. lengths[b] + T - 1 and advances the length. Rolling back is moving the length
 pointer: stale entries past it are masked out and later overwritten, nothing is copied.
 
+Serving regroups the rows between steps (`regroup`): rows that finished leave, new ones join.
+The kernels read a layer's rows as one contiguous (B, H_kv, S, D) block, so the batch is kept
+compact: the committed entries of the rows that stay (and of the joining rows, prefilled in a
+cache of their own) are copied into a second buffer allocated once, which becomes the current one.
+
 This module knows nothing about attention or models; it only stores and indexes.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -27,13 +33,62 @@ class Slots(NamedTuple):
 class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.k = [self.keys[i] for i in range(num_layers)]  # views (not unbind: writable under autograd)
-        self.v = [self.values[i] for i in range(num_layers)]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
+        self.layout = (num_layers, num_kv_heads, max_len, head_dim)  # (L, H_kv, S, D) around the rows
+        self.capacity = batch_size  # the most rows `regroup` may make
+        self.buffer = torch.zeros(2, batch_size * math.prod(self.layout), dtype=dtype, device=device)  # keys, values
+        self.spare: torch.Tensor | None = None  # the second buffer, allocated by the first regroup that copies
+        self.joining: KVCache | None = None      # where joining rows are prefilled (`staging`)
         self.max_len = max_len
+        self._view(self.buffer, torch.zeros(batch_size, dtype=torch.long, device=device))
+
+    def _view(self, buffer: torch.Tensor, lengths: torch.Tensor) -> None:
+        """len(lengths) rows, laid out compactly at the start of `buffer`."""
+        L, H, S, D = self.layout
+        B = lengths.shape[0]
+        keys_values = buffer[:, :B * L * H * S * D].view(2, L, B, H, S, D)
+        self.keys, self.values = keys_values[0], keys_values[1]   # (L, B, H_kv, S, D) each
+        self.k = [self.keys[i] for i in range(L)]  # views (not unbind: writable under autograd)
+        self.v = [self.values[i] for i in range(L)]
+        self.lengths = lengths  # (B,)
+        self.buffer = buffer
+
+    def regroup(self, keep: list[int], joining: "KVCache | None" = None, empty: int = 0) -> None:
+        """Make the rows: rows `keep` of this cache (in that order), then every row of `joining`,
+        then `empty` rows of length 0. Only committed entries are copied, once, into the spare
+        buffer (allocated on first use, then reused): O(rows x longest length), no allocation."""
+        joined = [] if joining is None else joining.lengths.tolist()
+        rows = len(keep) + len(joined) + empty
+        if rows > self.capacity:
+            raise SpecdecError(f"the cache holds at most {self.capacity} rows, {rows} were asked for: "
+                               "allocate it with more rows (the server's --max-batch)")
+        lengths = torch.cat([self.lengths[keep], torch.tensor(joined, dtype=torch.long, device=self.lengths.device),
+                             self.lengths.new_zeros(empty)])
+        if not keep and not joined:  # nothing to copy: the rows start empty in the current buffer
+            self._view(self.buffer, lengths)
+            return
+        if self.spare is None:
+            self.spare = torch.zeros_like(self.buffer)  # zeros: attention reads masked slots too (0 x NaN = NaN)
+        old_keys, old_values, buffer = self.keys, self.values, self.spare
+        self.spare = self.buffer
+        self._view(buffer, lengths)
+        used = int(lengths.max())
+        n = len(keep)
+        if n:
+            index = torch.tensor(keep, device=lengths.device)
+            self.keys[:, :n, :, :used] = old_keys[:, index, :, :used]
+            self.values[:, :n, :, :used] = old_values[:, index, :, :used]
+        if joined:
+            self.keys[:, n:n + len(joined), :, :used] = joining.keys[:, :, :, :used]
+            self.values[:, n:n + len(joined), :, :used] = joining.values[:, :, :, :used]
+
+    def staging(self, rows: int) -> "KVCache":
+        """An empty cache of `rows` rows laid out like this one, to prefill joining rows in before
+        `regroup` copies them here (allocated on first use, then reused)."""
+        if self.joining is None:
+            L, H, S, D = self.layout
+            self.joining = KVCache(L, self.capacity, H, D, S, self.buffer.dtype, self.buffer.device)
+        self.joining.regroup([], empty=rows)
+        return self.joining
 
     @property
     def batch_size(self) -> int:

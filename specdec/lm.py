@@ -71,3 +71,17 @@ def prefill_all_but_last(model, cache, prompts: list[list[int]]) -> torch.Tensor
     hidden = model(heads, cache=cache, logits_index=lengths.clamp(min=1)[:, None] - 1).hidden
     cache.rollback(lengths)
     return hidden
+
+
+def prefill_joining(model, cache, prompts: list[list[int]]) -> torch.Tensor:
+    """Append each prompt as a new row after the cache's rows, prefilled without its last token
+    (as `prefill_all_but_last`, in a staging cache when rows are already there); return the final
+    hidden states there (n, P-1, C), right-padded."""
+    rows = cache.lengths.shape[0]
+    if rows == 0:
+        cache.regroup([], empty=len(prompts))
+        return prefill_all_but_last(model, cache, prompts)
+    staging = cache.staging(len(prompts))
+    hidden = prefill_all_but_last(model, staging, prompts)
+    cache.regroup(list(range(rows)), staging)
+    return hidden

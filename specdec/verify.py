@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from .sampling import argmax, sample
+from .sampling import argmax, sample, uniform
 from .tree import children
 
 
@@ -125,9 +125,9 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         draft_p = torch.ones_like(target_p)
     else:
         draft_p = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)          # (B, k)
-    uniform = torch.rand(B, k, generator=generator, device=target_p.device)
+    u = uniform(B, k, generator, device=target_p.device)
     # u < target/draft, written without the division (draft_p > 0 for any sampled draft)
-    accepted = _prefix_length((uniform * draft_p < target_p) & proposed)              # (B,)
+    accepted = _prefix_length((u * draft_p < target_p) & proposed)              # (B,)
 
     at = target_probs[rows, accepted]                                                 # (B, V)
     rejected = accepted < lengths
@@ -158,7 +158,7 @@ def tree_rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
     rule = residual if residual_rule is None else residual_rule
     B, m = draft_tokens.shape
     lengths = _draft_lengths(draft_tokens, draft_lengths).tolist()
-    uniform = torch.rand(B, m, generator=generator).tolist()  # one per node: each is tried at most once
+    u = uniform(B, m, generator).tolist()  # one per node: each is tried at most once
     tokens, rows_parents = draft_tokens.tolist(), parents.tolist()
     paths, last_probs = [], []
     for b in range(B):
@@ -168,7 +168,7 @@ def tree_rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
             for c in kids.get(node, ()):
                 x = tokens[b][c]
                 q = None if draft_probs is None else draft_probs[b, c]
-                if uniform[b][c] * (1.0 if q is None else float(q[x])) < float(p[x]):
+                if u[b][c] * (1.0 if q is None else float(q[x])) < float(p[x]):
                     break
                 if q is None:
                     q = torch.zeros_like(p)

@@ -43,6 +43,15 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_file) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def draft_checkpoint(tmp_path_factory, tokenizer_file, tiny_checkpoint) -> Path:
+    """A draft for tiny_checkpoint: a noisy copy of it, so it agrees often, not always."""
+    from .spec_helpers import noisy_copy
+    path = tmp_path_factory.mktemp("draft") / "tiny-draft"
+    save_model(noisy_copy(tiny_model(), 0.01, seed=3), path, tokenizer_file=tokenizer_file, dtype=torch.float32)
+    return path
+
+
 def free_port() -> int:
     """A TCP port no process listens on now (for torchrun's rendezvous), so that tests running
     side by side never collide on a fixed port."""

@@ -4,6 +4,7 @@ it is cheap), probes deeper options, says what it chose and why; the engine with
 lossless (greedy token for token, sampling in distribution)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,13 +35,13 @@ def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=Non
     drafting costs `level` seconds per level."""
     controller = Adaptive(curve, 2, shapes or {"chain": (1,) * 6})
     while controller.steps < steps:
-        depth, _, stretch = controller.choose([True, True])
+        depth, _, stretch = controller.choose()
         if depth == 0:
             controller.observe_plain(stretch, stretch * 1.05e-3, stretch * 1e-3)
             continue
         accepted = [depth if accept else 0] * 2
         forward = curve.at(1 + depth)
-        controller.observe([depth] * 2, accepted, [True, True], 1 + depth, level * depth,
+        controller.observe([depth] * 2, accepted, 1 + depth, level * depth,
                            forward + level * depth + 1e-4, forward)
     return controller
 
@@ -53,7 +54,7 @@ def test_rejected_drafts_and_a_steep_curve_choose_plain_decoding():
 
 def test_a_proposer_that_costs_nothing_is_probed_after_every_plain_step():
     controller = run_controller(STEEP, accept=False, steps=60, level=1e-6)
-    assert controller.choose([True, True])[2] == 1  # plain for one step at a time
+    assert controller.choose()[2] == 1  # plain for one step at a time
     assert controller.choices["plain"] < 40
 
 
@@ -67,13 +68,13 @@ def test_probes_draft_one_level_and_back_off_while_plain_decoding_wins():
     controller = run_controller(STEEP, accept=False, steps=8)
     stretches, probes = [], []
     for _ in range(12):
-        depth, widths, steps = controller.choose([True, True])
+        depth, widths, steps = controller.choose()
         if depth == 0:
             stretches.append(steps)
             controller.observe_plain(steps, steps * 1.05e-3, steps * 1e-3)
         else:
             probes.append((depth, widths))
-            controller.observe([depth] * 2, [0, 0], [True, True], 1 + depth, 3e-4, 2.4e-3, 2e-3)
+            controller.observe([depth] * 2, [0, 0], 1 + depth, 3e-4, 2.4e-3, 2e-3)
     assert probes and all(p == (1, (1,)) for p in probes)
     assert stretches[1:] == sorted(stretches[1:]) and max(stretches) == MAX_STRETCH
 
@@ -81,11 +82,11 @@ def test_probes_draft_one_level_and_back_off_while_plain_decoding_wins():
 def test_accepted_probes_bring_drafting_back():
     controller = run_controller(FLAT, accept=False, steps=100)
     for _ in range(40):  # the text turns predictable: every draft is accepted from now on
-        depth, _, steps = controller.choose([True, True])
+        depth, _, steps = controller.choose()
         if depth == 0:
             controller.observe_plain(steps, steps * 1.05e-3, steps * 1e-3)
         else:
-            controller.observe([depth] * 2, [depth] * 2, [True, True], 1 + depth, 3e-4 * depth,
+            controller.observe([depth] * 2, [depth] * 2, 1 + depth, 3e-4 * depth,
                                1.1e-3 + 3e-4 * depth, 1e-3)
     assert controller.chosen[1] > 1
 
@@ -93,10 +94,23 @@ def test_accepted_probes_bring_drafting_back():
 def test_a_tree_is_chosen_where_its_alternatives_are_accepted():
     controller = Adaptive(FLAT, 1, {"chain": (1, 1), "tree": (3, 3)})
     for _ in range(30):
-        depth, widths, _ = controller.choose([True])
+        depth, widths, _ = controller.choose()
         tree = max(widths, default=1) > 1
-        controller.observe([depth], [depth if tree else 0], [True], 1 + sum(widths), 1e-5, 1.1e-3, 1e-3)
+        controller.observe([depth], [depth if tree else 0], 1 + sum(widths), 1e-5, 1.1e-3, 1e-3)
     assert controller.names[controller.chosen[0]] == "tree"
+
+
+def test_rows_joining_start_from_what_earlier_rows_taught():
+    controller = run_controller(FLAT, accept=True)
+    controller.memory, controller.memory_key = {}, "key"
+    controller.remember()
+    fresh = Adaptive(FLAT, 0, {"chain": (1,) * 6})
+    fresh.recall(controller.memory["key"])
+    fresh.join(3)
+    assert fresh.accepted.shape == (1, 3, 6) and (fresh.accepted / fresh.offered > 0.9).all()
+    assert fresh.choose()[0] > 1  # it drafts at once, where a fresh controller would explore first
+    fresh.leave([2])
+    assert fresh.accepted.shape == (1, 1, 6)
 
 
 def test_the_stored_curve_is_measured_once_and_never_decreases():
@@ -127,7 +141,7 @@ def test_auto_greedy_equals_plain_decoding(name, batch):
         assert gap is None or gap < NEAR_TIE
     summary = metrics.adaptive
     assert sum(summary["choices"].values()) == metrics.steps
-    assert "plain" in summary["predicted_speedup"] and summary["verify_curve_ms"]
+    assert "plain" in summary["predicted_speedup"]
 
 
 def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
@@ -136,8 +150,14 @@ def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
             self.inner, self.name, self.vocab_size = inner, "chains-only", inner.vocab_size
             self.trees, self.max_depth = False, None
 
-        def start(self, *args):
-            return self.inner.start(*args)
+        def start(self, *args, **kwargs):
+            return self.inner.start(*args, **kwargs)
+
+        def join(self, *args):
+            self.inner.join(*args)
+
+        def leave(self, *args):
+            self.inner.leave(*args)
 
         def propose(self, state, limits, widths, generator):
             return self.inner.propose(state, limits, (1,) * len(widths), generator)

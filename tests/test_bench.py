@@ -110,7 +110,9 @@ def test_acceptance_and_cost_model_fields(result):
             if speculative:
                 depth = r["counters"]["k"]  # "auto": the deepest option
                 assert r["k"] == depth or r["k"] == "auto"
-                assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == depth
+                # auto may have decoded plainly all along (no drafts: no α)
+                assert (0 <= r["acceptance_rate"] <= 1 if r["counters"]["proposed"] else r["k"] == "auto")
+                assert len(r["acceptance_per_position"]) == depth
                 assert 1 <= r["mean_acceptance_length"] <= depth + 1
                 assert r["prediction_error"] == pytest.approx(r["predicted_speedup"] / r["speedup"]["median"] - 1)
                 assert r["counters"]["emitted"] == cell["workload"]["prompts"] * PLAN.max_new_tokens

@@ -84,7 +84,7 @@ def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens(kind)
     rows, metrics = speculative_generate(TARGET, recorder, PROMPTS, RULE, GREEDY, DEPTH)
     for prompt, row in zip(PROMPTS, rows):
         assert_matches_reference(prompt, row.tokens)
-    drafted = {t for _, proposal in recorder.log for b in range(len(PROMPTS))
+    drafted = {t for _, proposal in recorder.log for b in range(proposal.tokens.shape[0])
                for t in proposal.tokens[b, :proposal.lengths[b]].tolist()}
     assert drafted <= allowed and metrics.accepted > 0
     assert any(t not in allowed for row in rows for t in row.tokens)
@@ -124,12 +124,21 @@ class Recorder:
     """Delegates to a proposer and remembers every proposal with the sequences it was made for."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.vocab_size, self.trees = inner, inner.name, inner.vocab_size, inner.trees
+        self.inner, self.name, self.vocab_size = inner, inner.name, inner.vocab_size
+        self.trees, self.max_depth = inner.trees, inner.max_depth
         self.log = []
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k):
+    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None):
         self.sequences = [list(p) for p in prompts]
-        return self.inner.start(prompts, prompt_hidden, sampling, max_len, k)
+        return self.inner.start(prompts, prompt_hidden, sampling, max_len, k, capacity, nodes)
+
+    def join(self, state, prompts, prompt_hidden, samplings):
+        self.sequences += [list(p) for p in prompts]
+        self.inner.join(state, prompts, prompt_hidden, samplings)
+
+    def leave(self, state, keep):
+        self.sequences = [self.sequences[b] for b in keep]
+        self.inner.leave(state, keep)
 
     def propose(self, state, limits, widths, generator):
         proposal = self.inner.propose(state, limits, widths, generator)

@@ -1,15 +1,21 @@
 """The one proposer protocol: every source of draft tokens (draft model, n-gram lookup, and later
-MTP, EAGLE and Medusa heads) implements these three methods with these arguments.
+MTP, EAGLE and Medusa heads) implements these methods with these arguments.
 
 A proposer object holds only its configuration and weights. Everything that belongs to one
 generation (a draft KV cache, the token history) lives in the state that `start` returns and the
-engine passes back to every call, so one proposer can serve any number of generations.
+engine passes back to every call, so one proposer can serve any number of generations. The state
+is a batch of rows, one per sequence; rows join and leave between steps (continuous batching).
 
-    state = proposer.start(prompts, prompt_hidden, sampling, max_len, k)   # after the target's prefill
+    state = proposer.start(prompts, prompt_hidden, samplings, max_len, k, capacity, nodes)  # after the target's prefill
     loop:
+        proposer.leave(state, keep)                                        # only rows `keep` stay, in that order
+        proposer.join(state, prompts, prompt_hidden, samplings)            # rows appended after them
         proposal = proposer.propose(state, limits, widths, generator)     # up to limits[b] levels per row
         ... the target verifies, rows take their tokens ...
         proposer.observe(state, outcome)                                   # what was committed; roll back
+
+Each row has its own sampling settings (`samplings[b]`), and `generator` may be one generator or
+one per row (sampling.RowGenerators).
 
 The target's final hidden states reach the proposer as arguments (`prompt_hidden` at start,
 `Outcome.hidden` after each step), for heads that draft from them (MTP, EAGLE, Medusa). The
@@ -34,8 +40,8 @@ import torch
 
 from ..errors import SpecdecError
 from ..model import frozen_linear
+from ..sampling import SamplingConfig, argmax, row_probabilities, sample
 from ..tree import caterpillar_layout
-from ..sampling import SamplingConfig, argmax, probabilities, sample
 
 
 @dataclass
@@ -84,11 +90,22 @@ class Proposer(Protocol):
     trees: bool             # whether it drafts trees when widths allow (else always chains)
     max_depth: int | None   # the most levels it drafts per step; None: any
 
-    def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor, sampling: SamplingConfig,
-              max_len: int, k: int) -> Any:
-        """New per-generation state. prompt_hidden (B, P-1, C): target final hidden states over
-        each prompt without its last token (right-padded). max_len: the longest sequence (prompt +
-        generated) a row may reach; k: the most drafts any row will be asked for per step."""
+    def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor,
+              sampling: SamplingConfig | list[SamplingConfig], max_len: int, k: int,
+              capacity: int | None = None, nodes: int | None = None) -> Any:
+        """New per-generation state holding `prompts` as its rows (as `join`). sampling: one
+        setting for every row or one per row. max_len: the longest sequence (prompt + generated)
+        a row may reach; k: the most levels any row will be asked for per step; capacity: the
+        most rows it will hold at once (storage allocated now; default len(prompts)); nodes: the
+        most drafts a proposal may hold, a tree's included (default k)."""
+
+    def join(self, state: Any, prompts: list[list[int]], prompt_hidden: torch.Tensor,
+             samplings: list[SamplingConfig]) -> None:
+        """Append rows for `prompts`. prompt_hidden (n, P-1, C): target final hidden states over
+        each prompt without its last token (right-padded)."""
+
+    def leave(self, state: Any, keep: list[int]) -> None:
+        """Keep only rows `keep`, in that order (finished or cancelled rows leave)."""
 
     def propose(self, state: Any, limits: torch.Tensor, widths: tuple[int, ...],
                 generator: torch.Generator | None) -> Proposal:
@@ -97,6 +114,11 @@ class Proposer(Protocol):
 
     def observe(self, state: Any, outcome: Outcome) -> None:
         """Learn what the target committed for the last proposal; drop what it rejected."""
+
+
+def per_row(sampling: SamplingConfig | list[SamplingConfig], rows: int) -> list[SamplingConfig]:
+    """`start`'s sampling argument as one setting per row."""
+    return list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * rows
 
 
 class DraftVocabulary:
@@ -200,15 +222,16 @@ def grow_tree(root_logits: torch.Tensor, children_logits, widths: tuple[int, ...
                     None, torch.tensor([p + [-1] * (n - len(p)) for p in parents]))
 
 
-def draw(logits: torch.Tensor, sampling: SamplingConfig, generator, vocab: DraftVocabulary | None,
+def draw(logits: torch.Tensor, samplings: list[SamplingConfig], generator, vocab: DraftVocabulary | None,
          vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Draft logits (B, N) (N = V without a draft vocabulary) -> the distribution the draft is
-    drawn from, over the full vocabulary (B, V), and the drawn target ids (B,); greedy: None (greedy
-    verification reads no draft distribution) and the argmax."""
-    if sampling.greedy:
+    """Draft logits (B, N) (N = V without a draft vocabulary) -> the distribution each row's draft
+    is drawn from under its own sampling settings, over the full vocabulary (B, V), and the drawn
+    target ids (B,). When every row is greedy: None (greedy verification reads no draft
+    distribution) and the argmax; a greedy row among sampled ones gets the one-hot of its argmax."""
+    if all(cfg.greedy for cfg in samplings):
         token = argmax(logits)
         return None, token if vocab is None else vocab.ids[token]
-    p = probabilities(logits, sampling)
+    p = row_probabilities(logits, samplings)
     token = sample(p, generator)
     if vocab is None:
         return p, token

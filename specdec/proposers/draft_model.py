@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecdecError
-from ..lm import causal_lm, context_length, next_positions, prefill_all_but_last
+from ..lm import causal_lm, context_length, next_positions, prefill_joining
 from ..model import LlamaForCausalLM
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain, window_layout
-from .base import DraftVocabulary, Outcome, Proposal, draw, grow_tree, with_alternatives
+from .base import DraftVocabulary, Outcome, Proposal, draw, grow_tree, per_row, with_alternatives
 
 
 @dataclass
 class DraftState:
     cache: object
-    sampling: SamplingConfig
+    samplings: list[SamplingConfig]  # per row
     pending: list[list[int]]  # per row: committed tokens not yet in the draft cache (at least the newest)
     committed: list[int]      # per row: cache entries holding committed tokens only
     fed_drafts: int = 0       # drafts of the last proposal written into the cache after `committed`
@@ -67,15 +67,31 @@ class DraftModelProposer:
         """(N,) the token ids drafted over; None: all V."""
         return None if self.vocab is None else self.vocab.ids
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k) -> DraftState:
+    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> DraftState:
         if max_len - 1 > self.context:
             raise SpecdecError(f"the draft model's context ({self.context} tokens) is shorter than the "
                                f"{max_len - 1} positions this generation needs: shorten the prompt or "
                                "max_new_tokens, or use a draft model with a longer context")
-        # room for padding: a row may be written up to k + 1 slots past its longest sequence
-        cache = self.model.new_cache(len(prompts), max_len + k + 1)
-        prefill_all_but_last(self.model, cache, prompts)
-        return DraftState(cache, sampling, [[p[-1]] for p in prompts], [len(p) - 1 for p in prompts])
+        # room for padding: a row may be written up to k + 1 slots past its longest sequence, a
+        # dynamic tree's nodes after its committed tokens
+        cache = self.model.new_cache(capacity or len(prompts), max_len + max(k, nodes or 0) + 1)
+        cache.regroup([])
+        state = DraftState(cache, [], [], [])
+        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
+        return state
+
+    def join(self, state: DraftState, prompts, prompt_hidden, samplings) -> None:
+        if not prompts:
+            return
+        prefill_joining(self.model, state.cache, prompts)
+        state.samplings += samplings
+        state.pending += [[p[-1]] for p in prompts]
+        state.committed += [len(p) - 1 for p in prompts]
+
+    def leave(self, state: DraftState, keep: list[int]) -> None:
+        state.cache.regroup(keep)
+        state.samplings, state.pending, state.committed = ([rows[b] for b in keep] for rows in (
+            state.samplings, state.pending, state.committed))
 
     def forward(self, tokens: torch.Tensor, cache, logits_index=None) -> torch.Tensor:
         """Logits (B, N) at the last position (or logits_index (B, 1)) over the draft vocabulary."""
@@ -105,14 +121,14 @@ class DraftModelProposer:
             return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab)
         tokens, probs, scores = [], [], []
         for i in range(m):
-            p, token = draw(logits, state.sampling, generator, self.vocab, self.vocab_size)  # (B, V), (B,)
+            p, token = draw(logits, state.samplings, generator, self.vocab, self.vocab_size)  # (B, V), (B,)
             tokens.append(token)
             probs.append(p)
             scores.append(logits)
             if i + 1 < m:
                 logits = self.forward(token[:, None], state.cache)
         state.fed_drafts = m - 1
-        probs = None if state.sampling.greedy else torch.stack(probs, 1)
+        probs = None if probs[0] is None else torch.stack(probs, 1)
         proposal = with_alternatives(Proposal(torch.stack(tokens, 1), limits.clone(), probs), scores, widths,
                                      self.vocab, self.vocab_size)
         if proposal.parents is not None:

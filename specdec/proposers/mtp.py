@@ -43,12 +43,12 @@ from ..lm import next_positions
 from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain
-from .base import DraftVocabulary, Outcome, Proposal, draw, with_alternatives
+from .base import DraftVocabulary, Outcome, Proposal, draw, per_row, with_alternatives
 
 
 @dataclass
 class MTPState:
-    sampling: SamplingConfig
+    samplings: list[SamplingConfig]  # per row
     k: int                # heads run per step (the first k)
     cache: KVCache        # layer j: head j; lengths (B,): the window's first position F per row
     first: list[int]      # (B,) F, the cache's lengths before the last proposal wrote (kept on the host)
@@ -90,18 +90,40 @@ class MTPProposer:
         """(N,) the token ids drafted over; None: all V."""
         return None if self.vocab is None else self.vocab.ids
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k) -> MTPState:
+    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> MTPState:
         if k > self.heads.depth:
             raise SpecdecError(f"these {self.heads.kind} heads draft at most {self.heads.depth} tokens per step "
                                f"(one per head), but k={k} was asked: use k <= {self.heads.depth}. (Reusing the "
                                "last head for later positions, as some engines do, drafts tokens it was never "
                                "trained to predict, so their acceptance would collapse.)")
-        cfg, B, dtype = self.target.config, len(prompts), compute_dtype(self.target)
-        ahead, lengths = pad_right([p[1:] for p in prompts])  # (B, P-1), (B,)
+        cfg, dtype = self.target.config, compute_dtype(self.target)
         # positions written stay below max_len + the widest window after prefill (< 3 (k + 1))
-        cache = KVCache(k, B, cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1),
+        cache = KVCache(k, capacity or len(prompts), cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1),
                         dtype=dtype, device=prompt_hidden.device)
-        return MTPState(sampling, k, cache, [0] * B, prompt_hidden.to(dtype), ahead, lengths.tolist())
+        cache.regroup([])
+        state = MTPState([], k, cache, [], prompt_hidden.new_zeros(0, 0, cfg.hidden_size, dtype=dtype),
+                         torch.zeros(0, 0, dtype=torch.long), [])
+        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
+        return state
+
+    def join(self, state: MTPState, prompts, prompt_hidden, samplings) -> None:
+        if not prompts:
+            return
+        ahead, lengths = pad_right([p[1:] for p in prompts])  # (n, P-1), (n,)
+        state.cache.regroup(list(range(len(state.first))), empty=len(prompts))
+        state.hidden = _stack_rows(state.hidden, prompt_hidden.to(state.hidden.dtype))
+        state.ahead = _stack_rows(state.ahead, ahead)
+        state.samplings += samplings
+        state.first += [0] * len(prompts)
+        state.lengths += lengths.tolist()
+
+    def leave(self, state: MTPState, keep: list[int]) -> None:
+        state.cache.regroup(keep)
+        width = max((state.lengths[b] for b in keep), default=0)
+        index = torch.tensor(keep, dtype=torch.long)
+        state.hidden, state.ahead = state.hidden[index, :width], state.ahead[index, :width]
+        state.samplings, state.first, state.lengths = ([rows[b] for b in keep] for rows in (
+            state.samplings, state.first, state.lengths))
 
     def propose(self, state: MTPState, limits, widths, generator) -> Proposal:
         B, m, W = limits.shape[0], int(limits.max()), state.hidden.shape[1]
@@ -119,7 +141,7 @@ class MTPProposer:
             out = heads.forward_head(j, trunk, prev, ahead[:, j:j + W], ctx)  # (B, W, C)
             normed = heads.normed(j, trunk, out.gather(1, last))[:, 0]  # (B, C)
             logits = self.unembedding(normed)
-            p, token = draw(logits, state.sampling, generator, self.vocab, self.vocab_size)
+            p, token = draw(logits, state.samplings, generator, self.vocab, self.vocab_size)
             ahead.scatter_(1, columns[:, 1:] + j, token[:, None])
             tokens.append(token)
             probs.append(p)
@@ -129,7 +151,7 @@ class MTPProposer:
         state.written = W
         # a one-token prompt has no hidden state yet: no drafts
         lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
-        probs = None if state.sampling.greedy else torch.stack(probs, 1)[:, :m]
+        probs = None if probs[0] is None else torch.stack(probs, 1)[:, :m]
         proposal = with_alternatives(Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs), scores, widths,
                                      self.vocab, self.vocab_size)
         if proposal.parents is not None:
@@ -167,6 +189,14 @@ def _ragged_concat_index(old_width: int, new_width: int, old_len: list[int], dro
     index = [[min(d + c if c < n - d else old_width + c - (n - d), last) for c in range(width)]
              for n, d in zip(old_len, drop)]
     return torch.tensor(index).view(len(total), width), total
+
+
+def _stack_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """(B, W, ...) and (n, W', ...) -> (B + n, max(W, W'), ...), each right-padded with zeros."""
+    width = max(old.shape[1], new.shape[1])
+    pad = [(0, 0)] * (old.dim() - 2)
+    return torch.cat([torch.nn.functional.pad(t, [x for p in pad for x in p] + [0, width - t.shape[1]])
+                      for t in (old, new)])
 
 
 def _gather_rows(both: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpecdecError
-from .base import Outcome, Proposal
+from .base import Outcome, Proposal, per_row
 
 MATCHES = 8  # earlier occurrences remembered per n-gram (trees draw their branches from them)
 
@@ -107,11 +107,18 @@ class NgramProposer:
             raise SpecdecError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k) -> NgramState:
-        rows = [History(range(self.min_n, self.max_n + 1)) for _ in prompts]
-        for row, prompt in zip(rows, prompts):
-            row.extend(prompt)
-        return NgramState(rows)
+    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> NgramState:
+        state = NgramState([])
+        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
+        return state
+
+    def join(self, state: NgramState, prompts, prompt_hidden, samplings) -> None:
+        for prompt in prompts:
+            state.rows.append(History(range(self.min_n, self.max_n + 1)))
+            state.rows[-1].extend(prompt)
+
+    def leave(self, state: NgramState, keep: list[int]) -> None:
+        state.rows = [state.rows[b] for b in keep]
 
     def propose(self, state: NgramState, limits, widths, generator) -> Proposal:
         B, m = limits.shape[0], int(limits.max())

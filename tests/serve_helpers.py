@@ -1,0 +1,57 @@
+"""A real `specdec serve` process on 127.0.0.1 for the server tests, and the tiny draft it uses."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .conftest import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    """`specdec serve ARGS` in a subprocess; `url` once /health answers."""
+
+    def __init__(self, *args: str, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(self.port), *args],
+                                     env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"specdec serve exited with {self.proc.returncode}: {log.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"specdec serve did not answer /health within 120 s: {log.read_text()}")
+
+    def stop(self, timeout: float = 60) -> bool:
+        """SIGTERM (graceful shutdown) and wait; True when it ended cleanly: uvicorn re-raises the
+        signal after its graceful shutdown, so the exit status is that of SIGTERM, and the log
+        holds no traceback."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.ended_cleanly(timeout)
+
+    def ended_cleanly(self, timeout: float = 60) -> bool:
+        return self.proc.wait(timeout) in (0, -signal.SIGTERM) and "Traceback" not in self.log.read_text()
+
+    def metric(self, name: str) -> float:
+        """One sample of /metrics, e.g. 'specdec_requests_total{outcome="cancelled"}'."""
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise KeyError(name)
