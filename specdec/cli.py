@@ -65,6 +65,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    import signal
+    import threading
+
     import uvicorn
 
     from . import inputs
@@ -88,10 +91,30 @@ def cmd_serve(args) -> None:
     method = proposer.name if proposer is not None and k > 0 else "plain"
     # plain decoding is the same engine proposing nothing (k = 0)
     service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue)
+    server = uvicorn.Server(uvicorn.Config(create_app(service, args.shutdown_timeout), host=args.host,
+                                           port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+
+    def http() -> None:  # uvicorn on its own thread; the engine keeps the main one (serve/service.py says why)
+        try:
+            server.run()
+        finally:
+            service.close(0)  # returns at once if the lifespan already closed it
+
+    def stop(signum, frame) -> None:  # graceful: no new connections, running requests finish, then exit
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    thread = threading.Thread(target=http, name="specdec-http")
+    thread.start()
     print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
           f", up to {args.max_batch} requests per batch; http://{args.host}:{args.port}/", file=sys.stderr)
-    uvicorn.run(create_app(service, args.shutdown_timeout), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    service.run()
+    thread.join()
+    if not server.started:
+        raise SpecdecError(f"could not listen on {args.host}:{args.port} (see the message above): "
+                           "choose another --port or --host")
 
 
 def draft_tokens(value: str) -> int:
