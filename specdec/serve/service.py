@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..api import Loaded
 from ..engine import Engine, Request
 from ..errors import SpecdecError
+from ..metrics import PHASES
 from ..healing import back_off, first_tokens
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
@@ -250,6 +251,9 @@ class Service:
                     [(f'{{position="{i}"}}', value(a)) for i, a in zip(positions, m.acceptance_per_position)]),
             *family("specdec_mean_acceptance_length", "gauge", "τ: emitted tokens / row steps (with the "
                     "recovered or bonus token).", [("", value(m.mean_acceptance_length))]),
+            *family("specdec_engine_seconds_total", "counter", "Engine time by phase of the step loop (metrics.py).",
+                    [(f'{{phase="{name.removesuffix("_seconds")}"}}', value(getattr(m, name)))
+                     for name in ("prefill_seconds", *PHASES)]),
             *family("specdec_queue_length", "gauge", "Requests waiting for a row.",
                     [("", len(self.intake) + len(self.engine.waiting))]),
             *family("specdec_batch_size", "gauge", "Rows in the running batch.", [("", len(self.engine.requests))]),
