@@ -81,7 +81,7 @@ def cmd_serve(args) -> None:
                                       "--ngram-min": args.ngram_min})
     inputs.integer("--max-batch", args.max_batch, low=1)
     inputs.integer("--max-queue", args.max_queue, low=1)
-    inputs.integer("--port", args.port, low=0, high=65535)
+    inputs.integer("--port", args.port, low=1, high=65535)
     if args.threads is not None:
         import torch
         torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "one running batch between steps (continuous batching).")
     v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    v.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    v.add_argument("--port", type=int, default=8000, help="TCP port")
     v.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     v.add_argument("--draft", choices=["none", "draft-model", "ngram", "mtp"], default="none",
                    help="speculative decoding with this proposer (default: plain decoding)")
