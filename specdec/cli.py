@@ -67,6 +67,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    import signal
+    import threading
+
     import uvicorn
 
     from . import inputs
@@ -81,7 +84,7 @@ def cmd_serve(args) -> None:
                                       "--ngram-max": args.ngram_max, "--ngram-min": args.ngram_min})
     inputs.integer("--max-batch", args.max_batch, low=1)
     inputs.integer("--max-queue", args.max_queue, low=1)
-    inputs.integer("--port", args.port, low=0, high=65535)
+    inputs.integer("--port", args.port, low=1, high=65535)
     if args.threads is not None:
         import torch
         torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
@@ -93,10 +96,30 @@ def cmd_serve(args) -> None:
     # plain decoding is the same engine proposing nothing (k = 0)
     service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue,
                       widths=args.tree)
+    server = uvicorn.Server(uvicorn.Config(create_app(service, args.shutdown_timeout), host=args.host,
+                                           port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+
+    def http() -> None:  # uvicorn on its own thread; the engine keeps the main one (serve/service.py says why)
+        try:
+            server.run()
+        finally:
+            service.close(0)  # returns at once if the lifespan already closed it
+
+    def stop(signum, frame) -> None:  # graceful: no new connections, running requests finish, then exit
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    thread = threading.Thread(target=http, name="specdec-http")
+    thread.start()
     print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
           f", up to {args.max_batch} requests per batch; http://{args.host}:{args.port}/", file=sys.stderr)
-    uvicorn.run(create_app(service, args.shutdown_timeout), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    service.run()
+    thread.join()
+    if not server.started:
+        raise SpecdecError(f"could not listen on {args.host}:{args.port} (see the message above): "
+                           "choose another --port or --host")
 
 
 def footer(s: dict, k: int | str, temperature: float) -> str:
@@ -396,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "one running batch between steps (continuous batching).")
     v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    v.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    v.add_argument("--port", type=int, default=8000, help="TCP port")
     v.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
     v.add_argument("--draft", choices=["none", *DRAFTS], default="none",
                    help="speculative decoding with this proposer (default: plain decoding)")

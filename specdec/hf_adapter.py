@@ -27,7 +27,7 @@ class HFCache:
                                "(use specdec's LlamaForCausalLM to batch requests)")
         if not keep:
             self.inner = DynamicCache(config=self.config)
-            self.lengths = torch.zeros(len(keep) + empty, dtype=torch.long)
+            self.lengths = torch.zeros(empty, dtype=torch.long)
 
     def advance(self, num_new: int) -> None:
         self.lengths += num_new

@@ -111,7 +111,8 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
                      target_probs: torch.Tensor, generator: torch.Generator | None = None,
                      draft_lengths: torch.Tensor | None = None) -> Verdict:
     """draft_tokens (B, k); draft_probs (B, k, V) the distributions the drafts were sampled from,
-    or None for deterministic drafts; target_probs (B, k+1, V); draft_lengths (B,) (default k).
+    or None for deterministic drafts; target_probs (B, k+1, V); draft_lengths (B,) (default k);
+    generator: one for all rows, or one per row (sampling.RowGenerators).
 
     Accept d_i with probability min(1, target/draft), then emit a recovered token from the
     residual at the first rejection, or a bonus token from target_probs after the last draft.
@@ -127,7 +128,7 @@ def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
         draft_p = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)          # (B, k)
     u = uniform(B, k, generator, device=target_p.device)
     # u < target/draft, written without the division (draft_p > 0 for any sampled draft)
-    accepted = _prefix_length((u * draft_p < target_p) & proposed)              # (B,)
+    accepted = _prefix_length((u * draft_p < target_p) & proposed)                    # (B,)
 
     at = target_probs[rows, accepted]                                                 # (B, V)
     rejected = accepted < lengths

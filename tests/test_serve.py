@@ -230,7 +230,7 @@ def test_metrics_are_prometheus_text(servers):
     for name in ("specdec_requests_total", "specdec_generated_tokens_total", "specdec_steps_total",
                  "specdec_proposed_tokens_total", "specdec_accepted_tokens_total",
                  "specdec_accepted_per_position_total", "specdec_acceptance_per_position", "specdec_acceptance_rate",
-                 "specdec_mean_acceptance_length", "specdec_queue_length", "specdec_batch_size",
+                 "specdec_mean_acceptance_length", "specdec_queue_length", "specdec_batch_size", "specdec_engine_seconds_total",
                  "specdec_time_to_first_token_seconds", "specdec_inter_token_seconds", "specdec_request_seconds"):
         assert name in families, name
     assert families["specdec_time_to_first_token_seconds"] == "histogram"

@@ -51,6 +51,13 @@ def offline(target, proposer, k: int, ids: list[list[int]], max_tokens: int, con
             "prefill_seconds": m.prefill_seconds}
 
 
+def engine_seconds(url: str) -> dict[str, float]:
+    """The server's engine time by phase so far (its /metrics)."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {line.split('"')[1]: float(line.split()[-1]) for line in lines
+            if line.startswith("specdec_engine_seconds_total{")}
+
+
 async def clients(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
     todo = list(enumerate(prompts))
     ttft, gaps, tokens = [], [], 0
@@ -77,11 +84,13 @@ async def clients(url: str, prompts: list[str], max_tokens: int, concurrency: in
                     tokens += n
                     last = now
 
+    before = engine_seconds(url)
     async with httpx.AsyncClient(timeout=600) as h:
         start = time.perf_counter()
         await asyncio.gather(*(worker(h) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+    engine = {phase: t - before[phase] for phase, t in engine_seconds(url).items()}
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "engine_seconds": engine,
             "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
             "itl_p50_ms": 1e3 * percentile(gaps, 50), "itl_p99_ms": 1e3 * percentile(gaps, 99)}
 

@@ -80,7 +80,6 @@ def parse(body, model: str) -> tuple[Params, bool, bool]:
 def create_app(service: Service, shutdown_timeout: float = 30.0) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        service.start()
         yield
         await asyncio.to_thread(service.close, shutdown_timeout)
 

@@ -1,5 +1,12 @@
-"""The engine behind the server: one thread owns the model and runs the step loop; HTTP handlers
-hand it jobs through a bounded queue and read their tokens back as events.
+"""The engine behind the server: the main thread owns the model and runs the step loop (`run`);
+HTTP handlers, on uvicorn's thread, hand it jobs through a bounded queue and read their tokens
+back as events.
+
+Why the main thread: the CPU kernels run each forward in an OpenMP region whose threads meet at a
+barrier in every layer. OpenMP keeps one thread team per thread that ever started a region; the
+main thread has one (loading the model starts regions), and a second team on another thread makes
+more OpenMP threads than cores, so libgomp stops spinning at barriers and sleeps instead: measured,
+a forward run from a second thread took 1.5 ms instead of 0.6 ms on 2 cores.
 
 A job's prompt is encoded as `specdec generate` encodes it (api.py): <|endoftext|> first, and a
 prompt ending in whitespace token-healed (its first token chosen on this thread, one target
@@ -17,11 +24,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 
 from ..api import Loaded
 from ..engine import Engine, Request
 from ..errors import SpecdecError
+from ..metrics import PHASES
 from ..healing import back_off, first_tokens
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
@@ -100,8 +107,8 @@ class Service:
         self.outbox: list[tuple[Job, Event]] = []  # events of the current step, handed over at once
         self.wake = threading.Condition()
         self.closing = False
-        self.failure: str | None = None  # why the engine thread stopped, if it failed
-        self.thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self.failure: str | None = None  # why the engine loop stopped, if it failed
+        self.stopped = threading.Event()  # the engine loop has returned
         self.requests = {"ok": 0, "cancelled": 0, "rejected": 0, "invalid": 0}
         self.prompt_tokens = 0
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Queueing, prefill and first step of a request.")
@@ -149,18 +156,15 @@ class Service:
             if tokens > 1:
                 self.itl.observe((now - first_at) / (tokens - 1))
 
-    # ---- the engine side (its own thread) ----
+    # ---- the engine side (the main thread) ----
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)
+    def run(self) -> None:
+        """The engine loop, until `close` and every job is done (or cancelled)."""
         try:
             while True:
                 with self.wake:
                     while not (self.intake or self.engine.busy or self.closing):
-                        self.wake.wait()
+                        self.wake.wait(0.5)  # a timeout keeps the thread responsive to signals
                     if self.closing and not (self.intake or self.engine.busy):
                         return
                 while self.intake:
@@ -173,6 +177,8 @@ class Service:
                 request.on_tokens(request, [], 0)
             self._hand_over()
             raise
+        finally:
+            self.stopped.set()
 
     def _hand_over(self) -> None:
         """Deliver the step's events to their handlers: one wake-up of their loop per step."""
@@ -208,16 +214,16 @@ class Service:
         self.engine.submit(job.request)
 
     def close(self, timeout: float) -> None:
-        """Finish running and queued jobs within `timeout` seconds, then cancel what is left."""
+        """Finish running and queued jobs within `timeout` seconds, then cancel what is left; return
+        when the engine loop has stopped (any thread but the loop's)."""
         with self.wake:
             self.closing = True
             self.wake.notify()
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            for job_request in [*self.engine.requests, *self.engine.waiting]:
-                job_request.cancelled = True
+        if not self.stopped.wait(timeout):
+            for request in [*self.engine.requests, *self.engine.waiting]:
+                request.cancelled = True
             self.intake.clear()
-            self.thread.join()
+            self.stopped.wait()
 
     # ---- /metrics ----
 
@@ -245,6 +251,9 @@ class Service:
                     [(f'{{position="{i}"}}', value(a)) for i, a in zip(positions, m.acceptance_per_position)]),
             *family("specdec_mean_acceptance_length", "gauge", "τ: emitted tokens / row steps (with the "
                     "recovered or bonus token).", [("", value(m.mean_acceptance_length))]),
+            *family("specdec_engine_seconds_total", "counter", "Engine time by phase of the step loop (metrics.py).",
+                    [(f'{{phase="{name.removesuffix("_seconds")}"}}', value(getattr(m, name)))
+                     for name in ("prefill_seconds", *PHASES)]),
             *family("specdec_queue_length", "gauge", "Requests waiting for a row.",
                     [("", len(self.intake) + len(self.engine.waiting))]),
             *family("specdec_batch_size", "gauge", "Rows in the running batch.", [("", len(self.engine.requests))]),
