@@ -9,8 +9,9 @@ from .base import Outcome, Proposal, Proposer
 from .draft_model import DraftModelProposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer
+from .suffix import SuffixProposer
 
-PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer, MTPProposer)}
+PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer, MTPProposer, SuffixProposer)}
 
 
 def build_proposer(name: str, **kwargs) -> Proposer:
