@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
-    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp)")
+    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp suffix)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
     b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")

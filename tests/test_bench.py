@@ -57,7 +57,7 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert result["schema"] == SCHEMA
     assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
     labels = [r["label"] for r in result["cells"][0]["results"]]
-    assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "ngram", "mtp")
+    assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "ngram", "mtp", "suffix")
                                  for c in ("k=1", "k=2", "tree=2", *(["dynamic=2"] * (m == "draft-model")),
                                            "k=auto")),
                       "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
@@ -65,7 +65,7 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert sum(auto["adaptive"]["choices"].values()) == auto["counters"]["steps"]
     # MTP heads of depth 2 run only at k <= 2; peers only at batch 1 and where the cell asks
     assert [r["label"] for r in result["cells"][2]["results"]] == ["plain", "draft-model k=1", "draft-model k=3", "ngram k=1",
-                                                                   "ngram k=3", "mtp k=1"]
+                                                                   "ngram k=3", "mtp k=1", "suffix k=1", "suffix k=3"]
     assert not any(r["method"].startswith("hf-") for r in result["cells"][3]["results"])
     for cell in result["cells"]:
         for r in cell["results"]:
@@ -105,7 +105,7 @@ def test_a_mismatch_is_listed_and_printed():
 def test_acceptance_and_cost_model_fields(result):
     for cell in result["cells"]:
         for r in cell["results"]:
-            speculative = r["method"] in ("draft-model", "ngram", "mtp")
+            speculative = r["method"] in ("draft-model", "ngram", "mtp", "suffix")
             assert (r["predicted_speedup"] is not None) == speculative
             if speculative:
                 depth = r["counters"]["k"]  # "auto": the deepest option
@@ -120,7 +120,7 @@ def test_acceptance_and_cost_model_fields(result):
         assert curve["batch_size"] == cell["batch_size"] and 1 in curve["tokens"]
         assert len(curve["seconds"]) == len(curve["tokens"]) and min(curve["seconds"]) > 0
     effect = {(b["method"], b["k"]): b for b in result["batch_effect"]}
-    assert set(effect) == {("draft-model", 1), ("draft-model", 2), ("ngram", 1), ("ngram", 2), ("mtp", 1), ("mtp", 2)}
+    assert set(effect) == {(m, k) for m in ("draft-model", "ngram", "mtp", "suffix") for k in (1, 2)}
     assert all(list(b["speedup_by_batch"]) == [1, 2] for b in effect.values())
 
 
@@ -188,7 +188,7 @@ def test_conditions_are_measured_not_constants(result):
         for r in cell["results"]:
             assert r["lossless_method"] == r["acceptance"]["lossless"]
             sampled = cell["sampling"]["temperature"] > 0
-            if r["method"] in ("draft-model", "ngram", "mtp"):
+            if r["method"] in ("draft-model", "ngram", "mtp", "suffix"):
                 assert r["acceptance"]["rule"].endswith("rejection_sample" if sampled else "greedy_accept")
 
 

@@ -47,7 +47,7 @@ CASES = {
     "a full depth drops the subtrees of its losers": (BRANCHY, {"factor": 3}, 3, (3, 1, 1),
                                                       [4, 6, 1, 2, 6], [-1, -1, -1, 0, 3]),
     "limit cuts the depth": (BRANCHY, {"factor": 3}, 1, (2, 2, 2), [4, 6], [-1, -1]),
-    "max_depth bounds match + continuation": ([1, 2, 3, 4, 5, 1, 2], {"max_depth": 3, "max_match": 2,
+    "trie_depth bounds match + continuation": ([1, 2, 3, 4, 5, 1, 2], {"trie_depth": 3, "max_match": 2,
                                                                        "factor": 3}, 4, CHAIN, [3], None),
     "the continuation ends with the text": ([7, 8, 7], {"factor": 4}, 4, CHAIN, [8, 7], None),
     "no repeat: nothing": ([1, 2, 3], {}, 4, CHAIN, [], None),
@@ -163,7 +163,7 @@ def test_trees_keep_widths_limits_depth_order_and_follow_the_history():
 
 
 def test_the_shared_trie_keeps_its_node_budget_and_relearns_after_a_flush():
-    proposer = build_proposer("suffix", max_depth=4, max_match=2, factor=2, shared_nodes=12)
+    proposer = build_proposer("suffix", trie_depth=4, max_match=2, factor=2, shared_nodes=12)
     generate_by_hand(proposer, [0], [1, 2, 3, 4])  # suffixes of at most 4 tokens: 1 + 2 + 3 + 4 nodes
     assert len(proposer.shared) == 10
     # 10 + 1 at "10", 13 at "11": flushed; then 12..15 learnt afresh, 1 + 2 + 3 + 4 nodes
@@ -177,9 +177,9 @@ def test_the_shared_trie_keeps_its_node_budget_and_relearns_after_a_flush():
 
 
 BAD = {
-    "max_depth 1": ({"max_depth": 1}, "max_depth must be an integer >= 2"),
-    "max_match 0": ({"max_match": 0}, "max_match must be an integer from 1 to max_depth - 1"),
-    "max_match = max_depth": ({"max_depth": 8, "max_match": 8}, "lower it or raise max_depth"),
+    "trie_depth 1": ({"trie_depth": 1}, "trie_depth must be an integer >= 2"),
+    "max_match 0": ({"max_match": 0}, "max_match must be an integer from 1 to trie_depth - 1"),
+    "max_match = trie_depth": ({"trie_depth": 8, "max_match": 8}, "lower it or raise trie_depth"),
     "min_score above 1": ({"min_score": 1.5}, r"min_score .* must lie in \[0, 1\]"),
     "factor 0": ({"factor": 0}, "factor .* must be > 0"),
     "negative shared_nodes": ({"shared_nodes": -1}, "shared_nodes must be an integer >= 0"),
@@ -242,7 +242,7 @@ def test_multi_draft_sampling_with_suffix_trees_matches_the_target_distribution(
     prompt = PROMPT + [4, 4, 9, 0, 2, 9, 4, 0, 4, 4, 0, 7, 2]
 
     def make():  # paths of 6 tokens are enough here, and keep 40,000 tries small
-        return build_proposer("suffix", max_depth=6, max_match=3, factor=3)
+        return build_proposer("suffix", trie_depth=6, max_match=3, factor=3)
 
     proposer = make()
     first = proposer.propose(start(proposer, [prompt]), torch.tensor([3]), (2, 2, 2), None)

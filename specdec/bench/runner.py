@@ -75,7 +75,7 @@ from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
-SPEC_METHODS = ("draft-model", "ngram", "mtp")
+SPEC_METHODS = ("draft-model", "ngram", "mtp", "suffix")
 NGRAM = {"max_n": 3, "min_n": 1}
 # MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
@@ -213,6 +213,10 @@ class Bench:
         if "ngram" in plan.methods:
             self.proposers["ngram"] = build_proposer("ngram", **NGRAM)
             self.method_info["ngram"] = {"name": "ngram", **NGRAM}
+        if "suffix" in plan.methods:
+            self.proposers["suffix"] = build_proposer("suffix")
+            self.method_info["suffix"] = {"name": "suffix", "shared_trie": "the generations of one repeat of a cell "
+                                                                           "(never a prompt's own earlier output)"}
         if "mtp" in plan.methods:
             self.heads = load_mtp_heads(self.target, heads_path)
             check_mtp_ks(plan, self.heads.depth)
@@ -238,6 +242,13 @@ class Bench:
         if cell.peer_k and cell.batch_size == 1:
             configs += [Config(p, 0 if p == "hf-generate" else cell.peer_k) for p in PEERS]
         return configs
+
+    def forget(self, cfg: Config) -> None:
+        """A fresh suffix proposer for each repeat of a configuration: its shared trie learns from
+        the other prompts' outputs, as a server's would, never from the same prompt's earlier
+        repeat (which would be memorising the answer)."""
+        if cfg.method == "suffix":
+            self.proposers["suffix"] = build_proposer("suffix")
 
     def decode(self, cfg: Config, batch: list[list[int]], sampling: SamplingConfig,
                rule: StopRule) -> tuple[list[list[int]], SpecMetrics | None]:
@@ -301,6 +312,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
     for _ in range(plan.repeats):
         for cfg in configs:
             bar.set_description(f"{cell.label}, {cfg.label}")
+            bench.forget(cfg)
             t0, produced, outputs, metrics = time.perf_counter(), 0, [], []
             for batch in batches:
                 tokens, m = bench.decode(cfg, batch, sampling, rule)

@@ -1,7 +1,7 @@
 """Suffix-tree proposer (SuffixDecoding, Oliaro et al. 2024; vLLM's method `suffix`): no model, no
 draft probabilities, trees of the continuations the text has already shown, ranked by frequency.
 
-Two suffix tries, each bounded in depth (a path holds at most `max_depth` tokens):
+Two suffix tries, each bounded in depth (a path holds at most `trie_depth` tokens):
 - per row, over that row's prompt and generated tokens;
 - one shared by every generation this proposer object serves, over generated tokens only (the
   prompts stay in their rows). It is written at each `observe`: the protocol never says when a
@@ -15,7 +15,7 @@ Two suffix tries, each bounded in depth (a path holds at most `max_depth` tokens
 A trie lives in flat lists of ints and one dict (SuffixTrie), not one object per node: a long
 history makes hundreds of thousands of nodes, and per-node containers would make every garbage
 collection walk them all. Appending a token costs one step down from each of the (at most
-max_depth) nodes that end the text: the row keeps that list (`open`), so nothing is rebuilt.
+trie_depth) nodes that end the text: the row keeps that list (`open`), so nothing is rebuilt.
 
 propose: per trie, the longest suffix of the row's text (at most `max_match` tokens) that occurred
 earlier with a continuation; from that node, candidates are scored by the product of empirical
@@ -39,16 +39,16 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecdecError
-from .base import Outcome, Proposal
+from .base import Outcome, Proposal, per_row
 
 
 class SuffixTrie:
-    """Every suffix of the text(s) written into it, cut at max_depth tokens, with counts. Node 0 is
+    """Every suffix of the text(s) written into it, cut at trie_depth tokens, with counts. Node 0 is
     the root; node i holds count[i] (suffixes passing through it), token[i], its newest child
     first[i] and its next older sibling sibling[i] (0: none, as the root is nobody's child)."""
 
-    def __init__(self, max_depth: int):
-        self.max_depth = max_depth
+    def __init__(self, trie_depth: int):
+        self.trie_depth = trie_depth
         self.edges: dict[int, int] = {}  # parent << 32 | token -> child
         self.count, self.token, self.first, self.sibling = [0], [0], [0], [0]
 
@@ -58,7 +58,7 @@ class SuffixTrie:
 
     def extend(self, open_nodes: list[int], token: int) -> list[int]:
         """Append a token to a text whose suffixes of lengths 0, 1, .. end at open_nodes (root
-        first): each gains a child for it. Returns the new list (lengths 0..max_depth-1)."""
+        first): each gains a child for it. Returns the new list (lengths 0..trie_depth-1)."""
         edges, count = self.edges, self.count
         grown = [0]
         for node in open_nodes:
@@ -74,7 +74,7 @@ class SuffixTrie:
             else:
                 count[child] += 1
             grown.append(child)
-        if len(grown) > self.max_depth:  # a suffix of max_depth tokens is a leaf: it grows no further
+        if len(grown) > self.trie_depth:  # a suffix of trie_depth tokens is a leaf: it grows no further
             grown.pop()
         return grown
 
@@ -154,7 +154,7 @@ class SuffixTrie:
 class RowTries:
     """One row's own trie and where its text ends in both tries."""
     trie: SuffixTrie          # the row's prompt and generated tokens
-    open: list[int]           # its nodes of the text's suffixes of lengths 0..max_depth-1
+    open: list[int]           # its nodes of the text's suffixes of lengths 0..trie_depth-1
     writer: list[int]         # the shared trie: nodes of the generated text's suffixes, lengths 0..
     cursor: list[int]         # the shared trie: nodes of the whole text's suffixes, lengths 1..max_match
     epoch: int                # the shared trie's epoch those two lists belong to
@@ -169,18 +169,19 @@ class SuffixProposer:
     name = "suffix"
     vocab_size = None  # proposes only ids it has seen
     trees = True
+    max_depth = None   # levels per step: as many as the match allows (factor), within the limits
 
-    def __init__(self, max_depth: int = 24, max_match: int = 12, min_score: float = 0.1, factor: float = 1.0,
+    def __init__(self, trie_depth: int = 24, max_match: int = 12, min_score: float = 0.1, factor: float = 1.0,
                  shared_nodes: int = 1_000_000):
-        """max_depth: tokens a trie path holds (match + continuation); max_match: the longest suffix
+        """trie_depth: tokens a trie path holds (match + continuation); max_match: the longest suffix
         matched; min_score: the lowest path score drafted; factor: draft at most factor x match
         length levels; shared_nodes: the shared trie's node budget (0: no shared trie)."""
-        if not (isinstance(max_depth, int) and max_depth >= 2):
-            raise SpecdecError(f"suffix max_depth must be an integer >= 2 (a matched token and one to draft), "
-                               f"got {max_depth!r}")
-        if not (isinstance(max_match, int) and 1 <= max_match < max_depth):
-            raise SpecdecError(f"suffix max_match must be an integer from 1 to max_depth - 1 = {max_depth - 1} "
-                               f"(a match must leave room to draft), got {max_match!r}; lower it or raise max_depth")
+        if not (isinstance(trie_depth, int) and trie_depth >= 2):
+            raise SpecdecError(f"suffix trie_depth must be an integer >= 2 (a matched token and one to draft), "
+                               f"got {trie_depth!r}")
+        if not (isinstance(max_match, int) and 1 <= max_match < trie_depth):
+            raise SpecdecError(f"suffix max_match must be an integer from 1 to trie_depth - 1 = {trie_depth - 1} "
+                               f"(a match must leave room to draft), got {max_match!r}; lower it or raise trie_depth")
         if not 0 <= min_score <= 1:
             raise SpecdecError(f"suffix min_score is a path probability, so it must lie in [0, 1], got {min_score!r}")
         if not factor > 0:
@@ -188,21 +189,27 @@ class SuffixProposer:
         if not (isinstance(shared_nodes, int) and shared_nodes >= 0):
             raise SpecdecError(f"suffix shared_nodes must be an integer >= 0 (0 turns the shared trie off), "
                                f"got {shared_nodes!r}")
-        self.max_depth, self.max_match, self.min_score, self.factor = max_depth, max_match, min_score, factor
+        self.trie_depth, self.max_match, self.min_score, self.factor = trie_depth, max_match, min_score, factor
         self.shared_nodes = shared_nodes
-        self.shared, self.epoch = SuffixTrie(max_depth), 0
+        self.shared, self.epoch = SuffixTrie(trie_depth), 0
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k) -> SuffixState:
-        rows = []
+    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> SuffixState:
+        state = SuffixState([])
+        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
+        return state
+
+    def join(self, state: SuffixState, prompts, prompt_hidden, samplings) -> None:
         for prompt in prompts:
-            trie, open_nodes, cursor = SuffixTrie(self.max_depth), [0], []
+            trie, open_nodes, cursor = SuffixTrie(self.trie_depth), [0], []
             for token in prompt:
                 open_nodes = trie.extend(open_nodes, token)
             if self.shared_nodes:
                 for token in prompt[-self.max_match:]:
                     cursor = self.shared.follow(cursor, token, self.max_match)
-            rows.append(RowTries(trie, open_nodes, [0], cursor, self.epoch))
-        return SuffixState(rows)
+            state.rows.append(RowTries(trie, open_nodes, [0], cursor, self.epoch))
+
+    def leave(self, state: SuffixState, keep: list[int]) -> None:
+        state.rows = [state.rows[b] for b in keep]
 
     def draft(self, row: RowTries, limit: int, widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
         """One row's tree (tokens, parents in depth order) of at most `limit` levels."""
@@ -245,7 +252,7 @@ class SuffixProposer:
                     row.writer = shared.extend(row.writer, token)
                     row.cursor = shared.follow(row.cursor, token, match)
         if len(shared) > self.shared_nodes:
-            self.shared, self.epoch = SuffixTrie(self.max_depth), self.epoch + 1
+            self.shared, self.epoch = SuffixTrie(self.trie_depth), self.epoch + 1
 
     def shared_places(self, row: RowTries) -> RowTries:
         """The row, its places in the shared trie dropped if the trie was flushed since it took them."""
