@@ -15,8 +15,8 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   1 + Σ widths[:d], what a full proposal would carry).
 - draft(d): the proposer's seconds per step at depth d, overhead: the engine's own seconds per
   step (running means of what the steps took; a depth not yet measured is scaled from the nearest
-  one that was, in proportion to d; steps right after a plain stretch of several steps are left
-  out of draft(d), since they also catch up on the stretch).
+  one that was, in proportion to d; draft(d) is the median of its latest five steps, or the
+  fewest seconds of its first two, so one spike does not keep a depth from being drafted).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
 this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the rows'
@@ -30,15 +30,16 @@ next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pa
 proposer whose drafts cost almost nothing (below CHEAP × t(1) per step: n-gram lookup) is probed
 after every plain step instead, since its matches come in bursts. While drafting pays, every
 PROBE_EVERY steps one level deeper than the best is drafted instead, so the estimates of levels
-not chosen stay fresh. `summary()` says what was chosen and why: each option's mean predicted
+not chosen stay fresh, and a drafting choice holds for HOLD steps between weighings. `summary()` says what was chosen and why: each option's mean predicted
 speedup over plain decoding.
 
 This module knows nothing about models or tokens: the engine reports each step's outcome.
 """
 from __future__ import annotations
 
+import statistics
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from typing import Callable
 
 import numpy as np
@@ -52,9 +53,10 @@ PRIOR, PRIOR_WEIGHT = 0.7, 1.0        # q before any evidence: optimistic, so sp
 DECAY = 0.9                           # weight of a row's older steps per new one (about the last 10)
 SMOOTHING = 0.2                       # running means of costs and windows
 PROBE_EVERY = 16
+HOLD = 4
 MAX_STRETCH = 256
 REMEMBERED_WEIGHT = 2.0               # pseudo-steps a remembered q counts for in a new row
-REMEMBERED_STRETCH = 4 * PROBE_EVERY  # the longest stretch a new run starts with
+REMEMBERED_STRETCH = MAX_STRETCH     # the longest stretch a new run starts with
 CHEAP = 0.1                           # draft seconds per step below this share of t(1): probing is free
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
@@ -77,9 +79,11 @@ class Adaptive:
         self.window = np.array([[1.0 + sum(w[:d]) for d in range(K + 1)] for w in self.shapes])  # (S, K+1)
         self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
         self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
+        self.draft_samples = [deque(maxlen=5) for _ in range(K + 1)]  # the latest seconds per depth
         self.plain_run = 0                                    # plain steps since the last drafting step
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
         self.probes = 0
+        self.held = 0                                         # steps the current choice still holds
         self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [1:] of a drafting step
         self.steps = 0        # steps decided (a plain stretch counts each of its steps)
         self.evaluations = 0  # times the options were weighed
@@ -108,8 +112,13 @@ class Adaptive:
                 note = f"the {proposer.name} proposer drafts no trees: chains only"
         window = 1 + sum(max(w) for w in zip(*shapes.values()))
 
+        measured: dict[int, VerifyCurve] = {}
+
         def curves(rows: int) -> VerifyCurve:
-            return cached_verify_curve(target, min(capacity, 1 << max(rows - 1, 0).bit_length()), window)[0]
+            batch = min(capacity, 1 << max(rows - 1, 0).bit_length())
+            if batch not in measured:
+                measured[batch] = cached_verify_curve(target, batch, window)[0]
+            return measured[batch]
 
         adaptive = cls(curves, 0, shapes, note)
         try:
@@ -125,8 +134,11 @@ class Adaptive:
             return
         for name in ("draft_seconds", "draft_measured", "overhead_seconds", "window"):
             setattr(self, name, learned[name].copy())
+        self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
+                              for s, seen in zip(self.draft_seconds, self.draft_measured)]
         self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
-        self.prior = learned["q"] * REMEMBERED_WEIGHT, np.where(learned["seen"], REMEMBERED_WEIGHT, 0.0)
+        seen = learned["seen"]
+        self.prior = np.where(seen, learned["q"] * REMEMBERED_WEIGHT, 0.0), np.where(seen, REMEMBERED_WEIGHT, 0.0)
 
     def remember(self) -> None:
         """Keep what this run learned for the next run (see the module docstring)."""
@@ -175,7 +187,12 @@ class Adaptive:
 
     def choose(self) -> tuple[int, tuple[int, ...], int]:
         """The depth to draft next, the widths per depth to draft it with, and for how many steps
-        (1 when drafting; plain decoding: up to the next probe)."""
+        (1 when drafting; plain decoding: up to the next probe). A drafting choice holds for HOLD
+        steps before the options are weighed again (between probes): weighing costs tens of
+        microseconds, and the estimates move slowly."""
+        if self.held and (self.steps + 1) % PROBE_EVERY:
+            self.held -= 1
+            return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
         rates = self.rates()
         self.predicted_sum += rates / rates[0, 0]
         self.evaluations += 1
@@ -194,7 +211,7 @@ class Adaptive:
             if self.plain_run:
                 self.stretch = min(2 * self.stretch, MAX_STRETCH)
         else:
-            self.stretch = PROBE_EVERY
+            self.stretch, self.held = PROBE_EVERY, HOLD - 1
         self.chosen = (int(s), int(d))
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
@@ -212,10 +229,12 @@ class Adaptive:
         self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
         self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
         self.window[s, d] += SMOOTHING * (width - self.window[s, d])
-        if self.plain_run <= 1:  # after a longer stretch the step also caught up on it
-            if not self.draft_measured[d]:
-                self.draft_seconds[d], self.draft_measured[d] = draft_seconds, True
-            self.draft_seconds[d] += SMOOTHING * (draft_seconds - self.draft_seconds[d])
+        # robust to the spikes of a first step (lazy set-up, cold caches), a busy machine or a
+        # catch-up after a long stretch: the fewest seconds of up to 2 samples, the median of 3..5
+        samples = self.draft_samples[d]
+        samples.append(draft_seconds)
+        self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
+        self.draft_measured[d] = True
         self.plain_run = 0
         other = step_seconds - forward_seconds - draft_seconds
         self.overhead_seconds[1:] += SMOOTHING * (other - self.overhead_seconds[1:])

@@ -129,7 +129,13 @@ class Engine:
                 self.plain_left = stretch or math.inf
         if self.plain_left:
             self.plain_step()
+            # rows nobody streams from, and nobody waiting: the stretch goes on without returning
+            # to the caller for every token (a closed batch: speculative_generate)
+            while self.plain_left and not self.waiting and not any(
+                    r.on_tokens is not None or r.finished for r in self.requests):
+                self.plain_step()
             return
+        t_chosen = clock()
         limits = draft_limits([r.row.budget for r in self.requests], depth)
         proposal = proposer.propose(state, limits, shape, self.generator()).trimmed()   # propose
         t_proposed = clock()
@@ -167,7 +173,7 @@ class Engine:
         metrics.first_token_seconds = metrics.first_token_seconds or t_committed - self.started
         stream(self.requests, runs, counts, lengths, accepted)
         if self.adaptive:
-            self.adaptive.observe(limits.tolist(), accepted, window.shape[1], t_proposed - t_start + t_observed
+            self.adaptive.observe(limits.tolist(), accepted, window.shape[1], t_proposed - t_chosen + t_observed
                                   - t_committed, clock() - t_start, t_forward - t_window)
 
     def plain_step(self) -> None:

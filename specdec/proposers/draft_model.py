@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecdecError
-from ..lm import causal_lm, context_length, next_positions, prefill_joining
+from ..lm import causal_lm, context_length, next_positions
 from ..model import LlamaForCausalLM
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain, window_layout
@@ -81,12 +81,15 @@ class DraftModelProposer:
         return state
 
     def join(self, state: DraftState, prompts, prompt_hidden, samplings) -> None:
+        """New rows start empty, their whole prompt pending: the draft reads it with its first
+        proposal (one forward), so a generation that never drafts (k=auto choosing plain
+        decoding) never pays the draft's prefill."""
         if not prompts:
             return
-        prefill_joining(self.model, state.cache, prompts)
+        state.cache.regroup(list(range(len(state.pending))), empty=len(prompts))
         state.samplings += samplings
-        state.pending += [[p[-1]] for p in prompts]
-        state.committed += [len(p) - 1 for p in prompts]
+        state.pending += [list(p) for p in prompts]
+        state.committed += [0] * len(prompts)
 
     def leave(self, state: DraftState, keep: list[int]) -> None:
         state.cache.regroup(keep)
