@@ -18,12 +18,15 @@ def cmd_train(args) -> None:
     preset = recipe(args.preset)
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
-                 "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k"):
+                 "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k",
+                 "target", "eagle_steps", "eagle_decay", "draft_vocab"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
     if args.corpus:
         preset["corpus"] = args.corpus
+    if args.eagle_layers:
+        preset["eagle_layers"] = tuple(args.eagle_layers)
     if args.vocab_size:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
     if args.naive_mtp_order:
@@ -32,7 +35,7 @@ def cmd_train(args) -> None:
     if path is None:
         print(f"stopped early with a checkpoint in {args.out}; rerun the same command to resume")
     elif int(os.environ.get("RANK", 0)) == 0:
-        print(f"{'MTP heads' if path.name == 'heads' else 'model'} written to {path}")
+        print(f"{'draft heads' if path.name == 'heads' else 'model'} written to {path}")
 
 
 def cmd_generate(args) -> None:
@@ -78,7 +81,7 @@ def footer(s: dict, k: int, temperature: float) -> str:
 
 
 def make_proposer(args, target):
-    from .api import load_draft_model, load_mtp_heads
+    from .api import load_draft_model, load_eagle_head, load_mtp_heads
     from .proposers import build_proposer
 
     if args.draft == "none":
@@ -90,6 +93,8 @@ def make_proposer(args, target):
     if args.draft == "mtp":
         return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
+    if args.draft == "eagle":
+        return build_proposer("eagle", head=load_eagle_head(target, args.heads), target=target.model)
     sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
     return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
 
@@ -213,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
-    t.add_argument("--preset", choices=["target", "draft", "draft-distill", "target-mtp", "tiny"], default="target",
+    t.add_argument("--preset", choices=["target", "draft", "draft-distill", "target-mtp", "target-eagle", "tiny"],
+                   default="target",
                    help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
+                        "target-eagle: the shipped EAGLE head of the shipped target; "
                         "draft-distill: the shipped draft distilled from the shipped target")
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
     t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
@@ -231,9 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
     t.add_argument("--save-every", type=int, help="save the resume state every N steps (default: the preset's)")
     t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
-    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill"],
+    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
-                        "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher")
+                        "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher, "
+                        "or eagle: an EAGLE-3 draft head for the frozen --target")
+    t.add_argument("--target", metavar="MODEL", help="eagle: the frozen target checkpoint the head drafts for "
+                                                     "(its tokenizer is used)")
+    t.add_argument("--eagle-layers", nargs="+", type=int, metavar="ID",
+                   help="eagle: the target decoder layers (0-based) whose outputs the head reads "
+                        "(default: low, middle, high)")
+    t.add_argument("--eagle-steps", type=int, help="eagle: draft steps unrolled in training (default 4)")
+    t.add_argument("--eagle-decay", type=float, help="eagle: step j's loss weight is decay^j (default 0.8)")
+    t.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="eagle: the head drafts over the N most frequent training token ids (default 4096)")
     t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target checkpoint to learn from "
                                                       "(its tokenizer is used)")
     t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
@@ -264,11 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--draft", choices=["none", "draft-model", "ngram", "mtp"], default="none",
+    g.add_argument("--draft", choices=["none", "draft-model", "ngram", "mtp", "eagle"], default="none",
                    help="speculative decoding with this proposer (default: plain decoding; mtp: the "
-                        "target's own MTP heads)")
+                        "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features)")
     g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
-    g.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
+    g.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle "
+                                   "(default: the shipped target's)")
     g.add_argument("--draft-vocab", type=int, metavar="N",
                    help="--draft mtp or draft-model: draft over the N token ids most frequent in the drafter's "
                         "training tokens (a cheaper unembedding; lossless; default: the full vocabulary)")

@@ -17,7 +17,7 @@ import time
 import torch
 
 from .errors import SpecdecError
-from .lm import causal_lm, context_length, next_positions, prefill_all_but_last
+from .lm import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_all_but_last
 from .metrics import SpecMetrics
 from .proposers.base import Outcome, Proposal, Proposer
 from .sampling import SamplingConfig, probabilities
@@ -41,7 +41,8 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
     with metrics.timed("prefill_seconds"):
         max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
         cache = target.new_cache(len(prompts), max_len + k)       # + k: room for padded windows
-        state = proposer.start(prompts, prefill_all_but_last(target, cache, prompts), sampling, max_len, k)
+        features = proposer.features                              # target layers it reads: () = final hidden
+        state = proposer.start(prompts, prefill_all_but_last(target, cache, prompts, features), sampling, max_len, k)
         last = [p[-1] for p in prompts]                           # (B,) newest token, not in the cache
         cached = [len(p) - 1 for p in prompts]                    # (B,) the target cache's lengths
     clock = time.perf_counter
@@ -55,7 +56,7 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         width = window.shape[1]
         positions = next_positions(cache, width, context, longest=max(cached))
         t_window = clock()
-        out = target(window, positions=positions, cache=cache)
+        out = target(window, positions=positions, cache=cache, **layer_request(features))
         t_forward = clock()
         verdict = verify(proposal, out.logits)                        # accept: logits (B, 1+m, V)
         t_accepted = clock()
@@ -67,7 +68,8 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         # the newest emitted token opens the next window (finished rows keep theirs)
         last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, last)]
         t_committed = clock()
-        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts), out.hidden))
+        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts),
+                                        declared_features(out, features)))
         t_observed = clock()
         metrics.record_step([b > 0 for b in budgets], proposal.lengths.tolist(), accepted, counts)
         metrics.record_phases(t_start, t_proposed, t_window, t_forward, t_accepted, t_committed, t_observed, clock())

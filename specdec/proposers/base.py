@@ -11,8 +11,10 @@ engine passes back to every call, so one proposer can serve any number of genera
         ... the target verifies, rows take their tokens ...
         proposer.observe(state, outcome)                                   # what was committed; roll back
 
-The target's final hidden states reach the proposer as arguments (`prompt_hidden` at start,
-`Outcome.hidden` after each step), for heads that draft from them (MTP, EAGLE, Medusa). The
+The target's features reach the proposer as arguments (`prompt_hidden` at start, `Outcome.hidden`
+after each step), for heads that draft from them (MTP, EAGLE, Medusa): its final hidden states, or
+the outputs of the decoder layers the proposer declares once in `features` (EAGLE), which the
+target's forward returns at no extra pass. The
 target's cache always lags one token behind the sequence: the newest token ("last") is fed with
 the next verification window [last, drafts].
 
@@ -61,17 +63,20 @@ class Outcome:
     tokens: torch.Tensor    # (B, m+1) the accepted drafts, then the recovered or bonus token
     counts: torch.Tensor    # (B,) tokens of `tokens` emitted: accepted + 1, fewer where the row
                             # finished inside the run, 0 for rows finished before the step
-    hidden: torch.Tensor    # (B, m+1, C) target final hidden states over [last, drafts]; the first
+    hidden: torch.Tensor    # (B, m+1, C) target features over [last, drafts] (final hidden states, or the
+                            # declared layers' outputs concatenated: (B, m+1, len(features) * C)); the first
                             # counts[b] are now in the target's cache, hidden[b, i] predicted tokens[b, i]
 
 
 class Proposer(Protocol):
     name: str
     vocab_size: int | None  # token ids it can propose; None: any (it copies ids it has seen)
+    features: tuple[int, ...]  # target decoder layers whose outputs it reads, concatenated in this order,
+                               # as prompt_hidden and Outcome.hidden; (): the final hidden states
 
     def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor, sampling: SamplingConfig,
               max_len: int, k: int) -> Any:
-        """New per-generation state. prompt_hidden (B, P-1, C): target final hidden states over
+        """New per-generation state. prompt_hidden (B, P-1, C): target features (see `features`) over
         each prompt without its last token (right-padded). max_len: the longest sequence (prompt +
         generated) a row may reach; k: the most drafts any row will be asked for per step."""
 
@@ -90,6 +95,13 @@ class DraftVocabulary:
     def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
         self.ids = ids                                              # (N,) sorted target ids
         self.unembedding = frozen_linear(lm_head_weight[ids])       # (N, C) rows of the lm_head
+
+    @classmethod
+    def trained(cls, ids: torch.Tensor, unembedding: torch.nn.Module) -> "DraftVocabulary":
+        """A drafter's own unembedding over ids (N,), trained with it (an EAGLE head's lm_head)."""
+        vocab = cls.__new__(cls)
+        vocab.ids, vocab.unembedding = ids, unembedding
+        return vocab
 
     @staticmethod
     def ids_for(size: int | None, vocab_size: int, token_counts: torch.Tensor | None,

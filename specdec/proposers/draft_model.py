@@ -34,6 +34,7 @@ class DraftState:
 
 class DraftModelProposer:
     name = "draft-model"
+    features = ()  # none read; the engine's default
 
     def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None):
         """draft_vocab N: draft over the N most frequent token ids of `token_counts` (V,) — the

@@ -59,6 +59,7 @@ class MTPState:
 
 class MTPProposer:
     name = "mtp"
+    features = ()  # the target's final hidden states
 
     def __init__(self, heads: MTPHeads, target: LlamaForCausalLM, draft_vocab: int | None = None):
         if not isinstance(target, LlamaForCausalLM):

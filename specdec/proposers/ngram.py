@@ -54,6 +54,7 @@ class NgramState:
 
 class NgramProposer:
     name = "ngram"
+    features = ()  # none read; the engine's default
     vocab_size = None  # proposes only ids it has seen
 
     def __init__(self, max_n: int = 3, min_n: int = 1):

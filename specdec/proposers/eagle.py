@@ -1,0 +1,117 @@
+"""An EAGLE-3 head as the draft (eagle.py): it drafts from the target's features, which the engine
+hands over because the proposer declares them (`features`: the head's layer ids).
+
+Alignment. The sequence is x_0..x_T (x_T the newest token, not yet in the target's cache), so the
+target's features are known at positions 0..T-1, and f_{T-1} is the one that predicted x_T. The
+head's KV cache holds its entries for the positions it has read with target features; the
+positions since ("pending": features f_t and tokens x_{t+1}, at least the newest) are fed at the
+next proposal, whose last output drafts d_1 = x_{T+1}. Each further draft is one head step on its
+own output and the token it just drafted (d_j at position T-1+j), written into the cache after the
+committed entries. After verification those draft entries are dropped (the cache is rolled back to
+the committed part): the accepted positions come back with the target's own features and are fed
+at the next proposal, as in EAGLE. So it drafts any k, one decoder-layer step per draft.
+
+Drafts are drawn from the head's distribution after the same sampling transform as the target
+(sampling.probabilities) over its draft vocabulary (base.draw), and those distributions are
+returned as draft_probs, so rejection sampling stays lossless; greedy drafts its argmax.
+
+Works at any batch size, with specdec's LlamaForCausalLM as the target (the head shares its
+embedding and reads its decoder layers' outputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decode import pad_right
+from ..eagle import EagleHead, check_head_fits
+from ..errors import SpecdecError
+from ..kv_cache import KVCache
+from ..lm import next_positions
+from ..model import LlamaForCausalLM
+from ..sampling import SamplingConfig
+from .base import DraftVocabulary, Outcome, Proposal, draw
+from .mtp import _gather_rows, _ragged_concat_index
+
+
+@dataclass
+class EagleState:
+    sampling: SamplingConfig
+    cache: KVCache          # the head's: lengths (B,) = entries read with target features (during a
+                            # proposal, plus its drafts)
+    committed: list[int]    # (B,) those entries, kept on the host
+    features: torch.Tensor  # (B, W, nC) pending target features, right-padded
+    ahead: torch.Tensor     # (B, W) the token after each pending position
+    lengths: list[int]      # (B,) pending positions per row
+    fed: bool = False       # did the last proposal feed the pending positions into the cache?
+
+
+class EagleProposer:
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, target: LlamaForCausalLM):
+        if not isinstance(target, LlamaForCausalLM):
+            raise SpecdecError(f"an EAGLE head drafts from specdec's own LlamaForCausalLM target, not "
+                               f"{type(target).__name__}")
+        check_head_fits(head, target)
+        self.head, self.target = head, target
+        self.features = head.layer_ids  # declared once: the engine hands these layers' outputs over
+        self.vocab_size = target.config.vocab_size
+        self.context = target.config.max_position_embeddings
+        self.vocab = DraftVocabulary.trained(head.draft_ids, head.lm_head)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """(N,) the token ids drafted over."""
+        return self.head.draft_ids
+
+    def start(self, prompts, prompt_hidden, sampling, max_len, k) -> EagleState:
+        """prompt_hidden (B, P-1, nC): the declared features over each prompt but its last token."""
+        if k < 1:
+            raise SpecdecError(f"an EAGLE head drafts k >= 1 tokens per step, got k={k}: use k >= 1 (k = 0 is "
+                               "plain decoding: leave out the draft)")
+        cfg, B = self.target.config, len(prompts)
+        ahead, lengths = pad_right([p[1:] for p in prompts])  # (B, P-1), (B,)
+        # the longest row's entries stay below max_len; drafts and padded windows add < 2 (k + 1)
+        cache = KVCache(1, B, cfg.num_key_value_heads, cfg.head_dim, max_len + 2 * (k + 1),
+                        dtype=prompt_hidden.dtype, device=prompt_hidden.device)
+        return EagleState(sampling, cache, [0] * B, prompt_hidden, ahead, lengths.tolist())
+
+    def propose(self, state: EagleState, limits, generator) -> Proposal:
+        B, m, W = limits.shape[0], int(limits.max()), state.features.shape[1]
+        state.fed = False
+        if m == 0 or W == 0:
+            return Proposal.empty(B)
+        head, embed = self.head, self.target.model.embed_tokens
+        positions = next_positions(state.cache, W, self.context, longest=max(state.committed))
+        h = head(embed(state.ahead), head.fuse(state.features), head.window(positions, state.cache, W))  # (B, W, C)
+        last = torch.tensor(state.lengths).clamp(min=1)[:, None, None] - 1                            # (B, 1, 1)
+        prev = h.gather(1, last.expand(B, 1, h.shape[2]))                                              # (B, 1, C)
+        state.committed = [n + w for n, w in zip(state.committed, state.lengths)]
+        state.cache.rollback(state.committed)
+        state.fed = True
+        tokens, probs = [], []
+        for j in range(m):
+            p, token = draw(head.logits(prev[:, 0]), state.sampling, generator, self.vocab, self.vocab_size)
+            tokens.append(token)
+            probs.append(p)
+            if j + 1 < m:  # d_{j+1} at position T+j, its own output as the feature
+                positions = next_positions(state.cache, 1, self.context, longest=max(state.committed) + j)
+                prev = head(embed(token[:, None]), prev, head.window(positions, state.cache, 1))
+                state.cache.advance(1)
+        # a one-token prompt has no features yet: no drafts
+        lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
+        probs = None if state.sampling.greedy else torch.stack(probs, 1)
+        return Proposal(torch.stack(tokens, 1), lengths, probs)
+
+    def observe(self, state: EagleState, outcome: Outcome) -> None:
+        """outcome.hidden (B, m+1, nC): the declared features over [last, drafts]; the first counts[b]
+        predicted the emitted tokens, which become pending (after the unfed ones, if any)."""
+        state.cache.rollback(state.committed)  # drop the draft entries
+        drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
+        counts = outcome.counts.tolist()
+        index, state.lengths = _ragged_concat_index(state.features.shape[1], outcome.tokens.shape[1],
+                                                    state.lengths, drop, counts)
+        state.features = _gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
+        state.ahead = _gather_rows(torch.cat([state.ahead, outcome.tokens], 1), index)
