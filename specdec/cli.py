@@ -128,7 +128,7 @@ def cmd_bench(args) -> None:
     from .bench.runner import run_bench
 
     result = run_bench(bench_plan(args), args.model, args.draft_model, args.heads, torch_dtype(args.dtype),
-                       command=["specdec", *sys.argv[1:]])
+                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle)
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
 
@@ -307,8 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
+    b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
     b.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
-    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp)")
+    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp eagle)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
     b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")

@@ -17,6 +17,7 @@ from specdec.bench.verify_cost import MoESpec
 from specdec.checkpoint import WEIGHTS, save_model, sha256
 from specdec.cli import main
 from specdec.errors import SpecdecError
+from specdec.eagle import initial_head, save_eagle
 from specdec.heads import build_heads, save_heads
 from specdec.train.loop import init_weights
 
@@ -43,6 +44,8 @@ def models(tmp_path_factory, tokenizer_file):
     heads = build_heads("mtp-sequential", CFG, 2)
     init_weights(heads, std=0.1)
     save_heads(heads, root / "heads", sha256(root / "target" / WEIGHTS), dtype=torch.float32)
+    head = initial_head(tiny_model(0, CFG), (0, 1), torch.arange(0, CFG.vocab_size, 2))
+    save_eagle(head, root / "eagle", sha256(root / "target" / WEIGHTS), dtype=torch.float32)
     return root
 
 
@@ -50,7 +53,7 @@ def models(tmp_path_factory, tokenizer_file):
 def result(models):
     # the peers in fp32 too: tiny random models have no rounding ties then, so every check is exact
     return run_bench(PLAN, models / "target", models / "draft", models / "heads", progress=False,
-                     peer_dtype=torch.float32)
+                     peer_dtype=torch.float32, eagle_path=models / "eagle")
 
 
 def test_every_configuration_runs_with_its_conditions(result):
@@ -58,10 +61,10 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
     labels = [r["label"] for r in result["cells"][0]["results"]]
     assert labels == ["plain", "draft-model k=1", "draft-model k=2", "ngram k=1", "ngram k=2", "mtp k=1",
-                      "mtp k=2", "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
+                      "mtp k=2", "eagle k=1", "eagle k=2", "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
     # MTP heads of depth 2 run only at k <= 2; peers only at batch 1 and where the cell asks
     assert [r["label"] for r in result["cells"][2]["results"]] == ["plain", "draft-model k=1", "draft-model k=3", "ngram k=1",
-                                                                   "ngram k=3", "mtp k=1"]
+                                                                   "ngram k=3", "mtp k=1", "eagle k=1", "eagle k=3"]
     assert not any(r["method"].startswith("hf-") for r in result["cells"][3]["results"])
     for cell in result["cells"]:
         for r in cell["results"]:
@@ -101,7 +104,7 @@ def test_a_mismatch_is_listed_and_printed():
 def test_acceptance_and_cost_model_fields(result):
     for cell in result["cells"]:
         for r in cell["results"]:
-            speculative = r["method"] in ("draft-model", "ngram", "mtp")
+            speculative = r["method"] in ("draft-model", "ngram", "mtp", "eagle")
             assert (r["predicted_speedup"] is not None) == speculative
             if speculative:
                 assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == r["k"]
@@ -112,7 +115,8 @@ def test_acceptance_and_cost_model_fields(result):
         assert curve["batch_size"] == cell["batch_size"] and 1 in curve["tokens"]
         assert len(curve["seconds"]) == len(curve["tokens"]) and min(curve["seconds"]) > 0
     effect = {(b["method"], b["k"]): b for b in result["batch_effect"]}
-    assert set(effect) == {("draft-model", 1), ("draft-model", 2), ("ngram", 1), ("ngram", 2), ("mtp", 1), ("mtp", 2)}
+    assert set(effect) == {("draft-model", 1), ("draft-model", 2), ("ngram", 1), ("ngram", 2), ("mtp", 1), ("mtp", 2),
+                           ("eagle", 1), ("eagle", 2)}
     assert all(list(b["speedup_by_batch"]) == [1, 2] for b in effect.values())
 
 
@@ -136,6 +140,9 @@ def test_report_files_and_printed_table(result, tmp_path):
         assert "temperature 0 (seed 0), batch 2" in doc and "hf-prompt-lookup k=2" in doc
         assert "3/3 vs plain" not in doc and "2/2 vs plain" in doc and "n/a (sampling)" in doc
     assert str(out / REPORT_NAME) in text
+    # the learned drafters side by side (tiny models saved without training metadata: budget unknown)
+    rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| humaneval | ")]
+    assert [row[1] for row in rows] == ["draft-model", "mtp", "eagle"] and all(row[3] == "unknown" for row in rows)
 
 
 def test_printed_mismatch(result):
@@ -145,7 +152,7 @@ def test_printed_mismatch(result):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"methods": ("eagle",)}, "unknown method 'eagle'"),
+    ({"methods": ("medusa",)}, "unknown method 'medusa'"),
     ({"cells": (Cell("humaneval", 0.0, 0, (2,), 4),)}, "batch size must be >= 1"),
     ({"cells": (Cell("humaneval", 0.0, 4, (2,), 2),)}, "raise --prompts"),
     ({"cells": (Cell("gsm8k", 0.0, 1, (2,), 2),)}, "unknown workload 'gsm8k'"),
@@ -177,7 +184,7 @@ def test_conditions_are_measured_not_constants(result):
         for r in cell["results"]:
             assert r["lossless_method"] == r["acceptance"]["lossless"]
             sampled = cell["sampling"]["temperature"] > 0
-            if r["method"] in ("draft-model", "ngram", "mtp"):
+            if r["method"] in ("draft-model", "ngram", "mtp", "eagle"):
                 assert r["acceptance"]["rule"].endswith("rejection_sample" if sampled else "greedy_accept")
 
 

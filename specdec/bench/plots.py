@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .runner import SPEC_METHODS  # noqa: E402
 
-COLORS = {"draft-model": "tab:blue", "ngram": "tab:orange", "mtp": "tab:green"}
+COLORS = {"draft-model": "tab:blue", "ngram": "tab:orange", "mtp": "tab:green", "eagle": "tab:red"}
 
 
 def suptitle(result: dict) -> str:
