@@ -94,7 +94,8 @@ def make_proposer(args, target):
         return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
     if args.draft == "eagle":
-        return build_proposer("eagle", head=load_eagle_head(target, args.heads), target=target.model)
+        return build_proposer("eagle", head=load_eagle_head(target, args.heads), target=target.model,
+                              draft_vocab=args.draft_vocab)
     sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
     return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
 
@@ -288,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle "
                                    "(default: the shipped target's)")
     g.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="--draft mtp or draft-model: draft over the N token ids most frequent in the drafter's "
-                        "training tokens (a cheaper unembedding; lossless; default: the full vocabulary)")
+                   help="--draft mtp, eagle or draft-model: draft over the N token ids most frequent in the "
+                        "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
+                        "an EAGLE head's own draft vocabulary)")
     g.add_argument("-k", type=int, help="draft tokens proposed per step (default: 4; for mtp, one per head)")
     g.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
     g.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")

@@ -52,6 +52,7 @@ from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_ro
 
 KIND = "eagle3"
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"  # the file names every heads folder uses
+TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors: the training tokens' counts, where saved
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -91,6 +92,9 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(C, config.rms_norm_eps)
         self.lm_head = Linear(C, draft_ids.numel(), bias=False)
         self.register_buffer("draft_ids", draft_ids.to(torch.long).clone())  # (N,) draft id -> target id
+        # how often each token id occurred in the training tokens (None: not recorded); a proposer may
+        # draft over the most frequent of draft_ids only (proposers/eagle.py, draft_vocab)
+        self.token_counts: torch.Tensor | None = None
         # derived from the config, not a weight (as in the target)
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
 
@@ -110,9 +114,10 @@ class EagleHead(nn.Module):
         """One drafting call over a window of positions with the head's KV cache (layer 0): (B, T, C) h."""
         return self.layer(self.layer_input(embedded, prev), 0, window)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., C) head output -> (..., N) logits over the draft vocabulary."""
-        return self.lm_head(self.norm(h))
+    def logits(self, h: torch.Tensor, unembedding: nn.Module | None = None) -> torch.Tensor:
+        """(..., C) head output -> (..., N) logits over the draft vocabulary (or over the rows of it
+        that `unembedding` holds: a smaller draft vocabulary at drafting time)."""
+        return (self.lm_head if unembedding is None else unembedding)(self.norm(h))
 
     def window(self, positions: torch.Tensor | None, cache=None, width: int | None = None) -> Window:
         """The window of one drafting call: positions (B, T), or None for each row's cache length +
@@ -202,6 +207,10 @@ def save_eagle(head: EagleHead, path: str | Path, target_sha256: str, meta: dict
             "dtype": str(dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in head.parameters())}
     state = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
              for k, v in head.state_dict().items()}
+    if head.token_counts is not None:
+        state[TOKEN_COUNTS] = head.token_counts.to(torch.int64).contiguous()
+        info[TOKEN_COUNTS] = (f"in {HEADS_WEIGHTS}: occurrences of each token id in the "
+                              f"{int(head.token_counts.sum())} training tokens")
     with atomic_dir(path) as tmp:
         save_file(state, tmp / HEADS_WEIGHTS, metadata={"format": "pt", "kind": KIND})
         (tmp / HEADS_META).write_text(json.dumps(info, indent=2) + "\n")
@@ -246,7 +255,9 @@ def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None =
         raise SpecdecError(f"{path} has no {HEADS_WEIGHTS}") from None
     except (SafetensorError, OSError) as e:
         raise SpecdecError(f"{path / HEADS_WEIGHTS} is corrupt or truncated ({e}); retrain the head") from None
+    counts = state.pop(TOKEN_COUNTS, None)
     head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"])
+    head.token_counts = counts
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:

@@ -111,7 +111,7 @@ def draft_options(draft: str, given: dict[str, object]) -> None:
     names set on the command line (e.g. "--heads") to their values."""
     owners = {"-k": ("draft-model", "ngram", "mtp", "eagle"), "--draft-model": ("draft-model",),
               "--heads": ("mtp", "eagle"),
-              "--draft-vocab": ("mtp", "draft-model"), "--ngram-max": ("ngram",), "--ngram-min": ("ngram",)}
+              "--draft-vocab": ("mtp", "draft-model", "eagle"), "--ngram-max": ("ngram",), "--ngram-min": ("ngram",)}
     for option, value in given.items():
         if value is not None and draft not in owners[option]:
             raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "

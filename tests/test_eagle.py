@@ -56,6 +56,7 @@ def distilled(target=TARGET, layer_ids=(0, 1), draft_vocab: int | None = None, s
             eagle_backward(frozen, head, data[torch.randint(0, len(data), (16,), generator=g)], STEPS, 0.8, 1.0)
             opt.step()
             opt.zero_grad()
+    head.token_counts = torch.bincount(data.flatten(), minlength=V)  # as training records them
     return head.eval()
 
 
@@ -145,6 +146,28 @@ def test_held_out_prompts_longer_runs_and_a_draft_vocabulary():
                 assert_matches_reference(prompt, row.tokens, rule)
             assert metrics.accepted > 0
         assert len(allowed) == (24 if kw else 64)
+
+
+def test_a_smaller_draft_vocabulary_at_drafting_time():
+    """The head's 64 ids cut to its 20 most frequent when drafting: output equals the reference,
+    drafts are only those ids; a head saved without counts cannot be cut."""
+    head = distilled()
+    p = build_proposer("eagle", head=head, target=TARGET, draft_vocab=20)
+    allowed = set(p.draft_ids.tolist())
+    assert allowed == set(head.token_counts.topk(20).indices.tolist())
+    drafted = []
+    propose = p.propose
+    p.propose = lambda *args: drafted.append(propose(*args)) or drafted[-1]  # record every proposal
+    for k in (2, 6):
+        rows, metrics = speculative_generate(TARGET, p, PROMPTS, RULE, GREEDY, k)
+        for prompt, row in zip(PROMPTS, rows):
+            assert_matches_reference(prompt, row.tokens)
+        assert metrics.accepted > 0
+    assert {t for d in drafted for b in range(len(PROMPTS)) for t in d.tokens[b, :d.lengths[b]].tolist()} <= allowed
+    uncounted = copy.deepcopy(head)
+    uncounted.token_counts = None
+    with pytest.raises(SpecdecError, match="saved without its training token counts"):
+        build_proposer("eagle", head=uncounted, target=TARGET, draft_vocab=20)
 
 
 def test_prompts_up_to_the_end_of_the_context_and_stops_inside_accepted_runs():

@@ -13,7 +13,10 @@ at the next proposal, as in EAGLE. So it drafts any k, one decoder-layer step pe
 
 Drafts are drawn from the head's distribution after the same sampling transform as the target
 (sampling.probabilities) over its draft vocabulary (base.draw), and those distributions are
-returned as draft_probs, so rejection sampling stays lossless; greedy drafts its argmax.
+returned as draft_probs, so rejection sampling stays lossless; greedy drafts its argmax. With
+`draft_vocab=M` the head drafts over only the M of its ids most frequent in its training tokens
+(those rows of its unembedding): a cheaper unembedding, still lossless (the draft's probability
+is 0 elsewhere), acceptance tells what it loses.
 
 Works at any batch size, with specdec's LlamaForCausalLM as the target (the head shares its
 embedding and reads its decoder layers' outputs).
@@ -29,7 +32,7 @@ from ..eagle import EagleHead, check_head_fits
 from ..errors import SpecdecError
 from ..kv_cache import KVCache
 from ..lm import next_positions
-from ..model import LlamaForCausalLM
+from ..model import LlamaForCausalLM, frozen_linear
 from ..sampling import SamplingConfig
 from .base import DraftVocabulary, Outcome, Proposal, draw
 from .mtp import _gather_rows, _ragged_concat_index
@@ -50,7 +53,7 @@ class EagleState:
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target: LlamaForCausalLM):
+    def __init__(self, head: EagleHead, target: LlamaForCausalLM, draft_vocab: int | None = None):
         if not isinstance(target, LlamaForCausalLM):
             raise SpecdecError(f"an EAGLE head drafts from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
@@ -59,12 +62,17 @@ class EagleProposer:
         self.features = head.layer_ids  # declared once: the engine hands these layers' outputs over
         self.vocab_size = target.config.vocab_size
         self.context = target.config.max_position_embeddings
-        self.vocab = DraftVocabulary.trained(head.draft_ids, head.lm_head)
+        ids = DraftVocabulary.ids_for(
+            draft_vocab, head.draft_vocab_size, None if head.token_counts is None else head.token_counts[head.draft_ids],
+            "this EAGLE head was saved without its training token counts, so no smaller draft vocabulary can be "
+            "chosen: draft over its own, or retrain it with this version of specdec")
+        self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
+                      DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
 
     @property
     def draft_ids(self) -> torch.Tensor:
         """(N,) the token ids drafted over."""
-        return self.head.draft_ids
+        return self.vocab.ids
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k) -> EagleState:
         """prompt_hidden (B, P-1, nC): the declared features over each prompt but its last token."""
@@ -93,7 +101,8 @@ class EagleProposer:
         state.fed = True
         tokens, probs = [], []
         for j in range(m):
-            p, token = draw(head.logits(prev[:, 0]), state.sampling, generator, self.vocab, self.vocab_size)
+            logits = head.logits(prev[:, 0], self.vocab.unembedding)  # (B, N)
+            p, token = draw(logits, state.sampling, generator, self.vocab, self.vocab_size)
             tokens.append(token)
             probs.append(p)
             if j + 1 < m:  # d_{j+1} at position T+j, its own output as the feature

@@ -396,7 +396,9 @@ def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.nda
     layers = cfg.eagle_layers if cfg.eagle_layers is not None else default_layer_ids(cfg.model.num_hidden_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return initial_head(target, layers, ids)
+        head = initial_head(target, layers, ids)
+    head.token_counts = counts  # saved with it: a smaller draft vocabulary can be chosen at drafting time
+    return head
 
 
 def load_teacher(path: str) -> LlamaForCausalLM:
