@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..atomic import atomic_dir, recover
+from ..bench.conditions import shown_path
 from ..checkpoint import TOKENIZER, WEIGHTS, load_model, read_config, save_model, sha256
 from ..errors import SpecdecError
 from ..eagle import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
@@ -616,13 +617,15 @@ def export_eagle(run: Run, target: LlamaForCausalLM, head: EagleHead, history: d
     prov = json.loads((run.work / "prepared.json").read_text())
     test = run.tokens("test")
     steps = cfg.eagle_steps
+    # the repository's files named from its root (models/target), never as this machine's paths
+    recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key))) for key in ("target", "tokenizer", "out")}}
     figures = (evaluate(target, head, test, cfg.seq_len, cfg.test_windows, eagle_steps=steps)
                if len(test) > cfg.seq_len else None)
     meta = {
-        "recipe": asdict(cfg),
+        "recipe": recipe,
         "recipe_command": " ".join(command) if command else None,
-        "target": cfg.target,
-        "speculators": speculators_metadata(head, cfg.target, steps),
+        "target": recipe["target"],
+        "speculators": speculators_metadata(head, recipe["target"], steps),
         "objective": (f"KL(target || head) over the {head.draft_vocab_size}-token draft vocabulary, unrolled "
                       f"{steps} draft steps on its own outputs (training-time test), step j weighted "
                       f"{cfg.eagle_decay}^j"),
