@@ -14,9 +14,8 @@ engine passes back to every call, so one proposer can serve any number of genera
 The target's features reach the proposer as arguments (`prompt_hidden` at start, `Outcome.hidden`
 after each step), for heads that draft from them (MTP, EAGLE, Medusa): its final hidden states, or
 the outputs of the decoder layers the proposer declares once in `features` (EAGLE), which the
-target's forward returns at no extra pass. The
-target's cache always lags one token behind the sequence: the newest token ("last") is fed with
-the next verification window [last, drafts].
+target's forward returns at no extra pass. The target's cache always lags one token behind the
+sequence: the newest token ("last") is fed with the next verification window [last, drafts].
 
 A proposer that drafts from logits may draft over a draft vocabulary (`DraftVocabulary`) and
 draws its tokens with `draw`, so that every such proposer shares one definition of both.
