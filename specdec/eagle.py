@@ -122,7 +122,8 @@ class EagleHead(nn.Module):
     def window(self, positions: torch.Tensor | None, cache=None, width: int | None = None) -> Window:
         """The window of one drafting call: positions (B, T), or None for each row's cache length +
         0..width-1; the caller advances or rolls back the cache."""
-        window = Window(positions, self.inv_freq, compute_dtype(self), cache, width=width)
+        # the compute dtype (model.compute_dtype) read off its own norm: no search through the modules per draft
+        window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, width=width)
         if cache is not None:
             cache.check_room(window.width)
         return window
