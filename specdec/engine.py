@@ -41,7 +41,7 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
     with metrics.timed("prefill_seconds"):
         max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
         cache = target.new_cache(len(prompts), max_len + k)       # + k: room for padded windows
-        features = proposer.features                              # target layers it reads: () = final hidden
+        features = getattr(proposer, "features", ())              # target layers it reads: () = final hidden
         state = proposer.start(prompts, prefill_all_but_last(target, cache, prompts, features), sampling, max_len, k)
         last = [p[-1] for p in prompts]                           # (B,) newest token, not in the cache
         cached = [len(p) - 1 for p in prompts]                    # (B,) the target cache's lengths

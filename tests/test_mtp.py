@@ -124,7 +124,7 @@ class Recorder:
     """Delegates to a proposer and remembers every proposal with the sequences it was made for."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.vocab_size = inner, inner.name, inner.vocab_size
+        self.inner, self.name, self.vocab_size, self.features = inner, inner.name, inner.vocab_size, inner.features
         self.log = []
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k):

@@ -71,7 +71,7 @@ class Proposer(Protocol):
     name: str
     vocab_size: int | None  # token ids it can propose; None: any (it copies ids it has seen)
     features: tuple[int, ...]  # target decoder layers whose outputs it reads, concatenated in this order,
-                               # as prompt_hidden and Outcome.hidden; (): the final hidden states
+                               # as prompt_hidden and Outcome.hidden; () or absent: the final hidden states
 
     def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor, sampling: SamplingConfig,
               max_len: int, k: int) -> Any:
