@@ -9,6 +9,8 @@
     print(result.texts[0], result.stats["mean_acceptance_length"])
     mtp = build_proposer("mtp", heads=load_mtp_heads(target), target=target.model)   # the shipped heads
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=mtp)      # k = one per head
+    eagle = build_proposer("eagle", head=load_eagle_head(target), target=target.model)  # the shipped head
+    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=eagle, k=4)
 
 Prompts are preceded by the document separator <|endoftext|>, as every training document was. A
 prompt ending in whitespace is token-healed (healing.py): its last token is backed off and the
@@ -30,6 +32,7 @@ import torch
 from . import inputs, kernels
 from .checkpoint import load_model, load_token_counts
 from .decode import plain_generate
+from .eagle import EagleHead, load_eagle
 from .engine import speculative_generate
 from .errors import SpecdecError
 from .healing import back_off, first_tokens
@@ -46,6 +49,7 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "target"
 DEFAULT_DRAFT = MODELS / "draft"
 DEFAULT_HEADS = MODELS / "target-mtp"
+DEFAULT_EAGLE = MODELS / "eagle"
 
 
 @dataclass
@@ -98,6 +102,16 @@ def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
         raise SpecdecError(f"the shipped MTP heads are missing at {path}: run from a full clone of specdec "
                            "or pass a heads folder")
     return load_heads(path, target.path, dtype=compute_dtype(target.model))
+
+
+def load_eagle_head(target: Loaded, path: str | Path | None = None) -> EagleHead:
+    """An EAGLE head for `target` (default: the shipped head of the shipped target), in the target's
+    dtype; a head trained for another target is refused (checkpoint hash, see eagle.load_eagle)."""
+    path = Path(path) if path is not None else DEFAULT_EAGLE
+    if path == DEFAULT_EAGLE and not path.exists():
+        raise SpecdecError(f"the shipped EAGLE head is missing at {path}: run from a full clone of specdec "
+                           "or pass a head folder")
+    return load_eagle(path, target.path, dtype=compute_dtype(target.model))
 
 
 def default_k(proposer: Proposer | None, widths: tuple[int, ...] | None = None) -> int | str:

@@ -71,7 +71,8 @@ def read_config(path: str | Path) -> dict:
     except FileNotFoundError:
         if (path / "heads.json").exists():
             raise SpecdecError(f"{path} holds draft heads (heads.json), not a model: they draft for the target "
-                               "they were trained on (MTP heads: `--draft mtp --heads PATH`)") from None
+                               "they were trained on (MTP heads: `--draft mtp --heads PATH`; an EAGLE head: "
+                               "`--draft eagle --heads PATH`)") from None
         raise SpecdecError(f"{path} has no {CONFIG}: it is not a specdec/transformers checkpoint") from None
     except json.JSONDecodeError as e:
         raise SpecdecError(f"{path / CONFIG} is not valid JSON ({e}); the checkpoint is corrupt, re-save or retrain it") from None

@@ -18,12 +18,15 @@ def cmd_train(args) -> None:
     preset = recipe(args.preset)
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
-                 "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k"):
+                 "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k",
+                 "target", "eagle_steps", "eagle_decay", "draft_vocab"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
     if args.corpus:
         preset["corpus"] = args.corpus
+    if args.eagle_layers:
+        preset["eagle_layers"] = tuple(args.eagle_layers)
     if args.vocab_size:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
     if args.naive_mtp_order:
@@ -32,7 +35,7 @@ def cmd_train(args) -> None:
     if path is None:
         print(f"stopped early with a checkpoint in {args.out}; rerun the same command to resume")
     elif int(os.environ.get("RANK", 0)) == 0:
-        print(f"{'MTP heads' if path.name == 'heads' else 'model'} written to {path}")
+        print(f"{'draft heads' if path.name == 'heads' else 'model'} written to {path}")
 
 
 def cmd_generate(args) -> None:
@@ -136,7 +139,7 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 
 def make_proposer(args, target):
-    from .api import load_draft_model, load_mtp_heads
+    from .api import load_draft_model, load_eagle_head, load_mtp_heads
     from .proposers import build_proposer
 
     if args.draft == "none":
@@ -150,6 +153,9 @@ def make_proposer(args, target):
                               draft_vocab=args.draft_vocab)
     if args.draft == "suffix":
         return build_proposer("suffix")
+    if args.draft == "eagle":
+        return build_proposer("eagle", head=load_eagle_head(target, args.heads), target=target.model,
+                              draft_vocab=args.draft_vocab)
     sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
     return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
 
@@ -174,7 +180,7 @@ def tree_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
-DRAFTS = ("draft-model", "ngram", "mtp", "suffix")
+DRAFTS = ("draft-model", "ngram", "mtp", "suffix", "eagle")
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default float32: bf16-stored matrices stay bf16 "
               "and are read by specdec's CPU kernels, exactly upcast)")
@@ -225,7 +231,7 @@ def cmd_bench(args) -> None:
     from .bench.runner import run_bench
 
     result = run_bench(bench_plan(args), args.model, args.draft_model, args.heads, torch_dtype(args.dtype),
-                       command=["specdec", *sys.argv[1:]])
+                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle)
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
 
@@ -329,8 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
-    t.add_argument("--preset", choices=["target", "draft", "draft-distill", "target-mtp", "tiny"], default="target",
+    t.add_argument("--preset", choices=["target", "draft", "draft-distill", "target-mtp", "target-eagle", "tiny"],
+                   default="target",
                    help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
+                        "target-eagle: the shipped EAGLE head of the shipped target; "
                         "draft-distill: the shipped draft distilled from the shipped target")
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
     t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
@@ -347,9 +355,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
     t.add_argument("--save-every", type=int, help="save the resume state every N steps (default: the preset's)")
     t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
-    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill"],
+    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
-                        "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher")
+                        "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher, "
+                        "or eagle: an EAGLE-3 draft head for the frozen --target")
+    t.add_argument("--target", metavar="MODEL", help="eagle: the frozen target checkpoint the head drafts for "
+                                                     "(its tokenizer is used)")
+    t.add_argument("--eagle-layers", nargs="+", type=int, metavar="ID",
+                   help="eagle: the target decoder layers (0-based) whose outputs the head reads "
+                        "(default: low, middle, high)")
+    t.add_argument("--eagle-steps", type=int, help="eagle: draft steps unrolled in training (default 4)")
+    t.add_argument("--eagle-decay", type=float, help="eagle: step j's loss weight is decay^j (default 0.8)")
+    t.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="eagle: the head drafts over the N most frequent training token ids (default 4096)")
     t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target checkpoint to learn from "
                                                       "(its tokenizer is used)")
     t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
@@ -382,12 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--draft", choices=["none", *DRAFTS], default="none",
                    help="speculative decoding with this proposer (default: plain decoding; mtp: the "
-                        "target's own MTP heads; suffix: suffix-tree lookup over the prompt and earlier outputs)")
+                        "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features; "
+                        "suffix: suffix-tree lookup over the prompt and earlier outputs)")
     g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
-    g.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
+    g.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle "
+                                   "(default: the shipped target's)")
     g.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="--draft mtp or draft-model: draft over the N token ids most frequent in the drafter's "
-                        "training tokens (a cheaper unembedding; lossless; default: the full vocabulary)")
+                   help="--draft mtp, eagle or draft-model: draft over the N token ids most frequent in the "
+                        "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
+                        "an EAGLE head's own draft vocabulary)")
     g.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
                                             "from the measured acceptance and this machine's costs, 0 (plain "
                                             "decoding) included (default: auto)")
@@ -458,8 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
+    b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
     b.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
-    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp suffix)")
+    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp suffix eagle)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
     b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")

@@ -36,7 +36,7 @@ import torch
 
 from .adaptive import Adaptive
 from .errors import SpecdecError
-from .lm import causal_lm, context_length, next_positions, prefill_joining
+from .lm import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_joining
 from .metrics import SpecMetrics
 from .model import LlamaForCausalLM
 from .proposers.base import Outcome, Proposal, Proposer
@@ -91,10 +91,11 @@ class Engine:
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
+        self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
         self.cache = self.target.new_cache(capacity, max_len + nodes)  # + room for padded windows
         self.cache.regroup([])
-        no_hidden = torch.zeros(0, 0, self.target.config.hidden_size)
+        no_hidden = torch.zeros(0, 0, self.target.config.hidden_size * max(len(self.features), 1))
         self.state = proposer.start([], no_hidden, [], max_len, k, capacity=capacity, nodes=nodes)
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
@@ -146,7 +147,8 @@ class Engine:
         else:
             positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
         t_window = clock()
-        out = self.target(window, positions=positions, cache=cache, attention_mask=tree)
+        out = self.target(window, positions=positions, cache=cache, attention_mask=tree,
+                          **layer_request(self.features))
         t_forward = clock()
         verdict = self.verify(proposal, out.logits)                   # accept: logits (B, 1+m, V)
         t_accepted = clock()
@@ -161,8 +163,9 @@ class Engine:
         # the newest emitted token opens the next window
         self.last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, self.last)]
         t_committed = clock()
-        hidden = out.hidden if verdict.paths is None else out.hidden.gather(
-            1, path_columns(verdict.paths, window.shape[1])[..., None].expand_as(out.hidden))
+        hidden = declared_features(out, self.features)                # (B, 1+m, ...) what the proposer reads
+        if verdict.paths is not None:                                 # along the accepted path
+            hidden = hidden.gather(1, path_columns(verdict.paths, window.shape[1])[..., None].expand_as(hidden))
         proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts), hidden,
                                         verdict.paths))
         t_observed = clock()
@@ -184,7 +187,8 @@ class Engine:
         B, clock, metrics = len(self.requests), time.perf_counter, self.metrics
         t_start = clock()
         out = self.target(torch.tensor(self.last)[:, None], cache=self.cache,
-                          positions=next_positions(self.cache, 1, self.context, longest=max(self.cached)))
+                          positions=next_positions(self.cache, 1, self.context, longest=max(self.cached)),
+                          **layer_request(self.features))
         t_forward = clock()
         tokens = self.pick(out.logits[:, -1]).tolist()  # (B,)
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
@@ -198,7 +202,7 @@ class Engine:
                 plain.tokens = [[] for _ in range(B)]
             for row, token, n in zip(plain.tokens, tokens, counts):
                 row += [token] * n
-            plain.hidden.append(out.hidden)
+            plain.hidden.append(declared_features(out, self.features))
             plain.steps += 1
         metrics.record_step([True] * B, [0] * B, [0] * B, counts)
         metrics.first_token_seconds = metrics.first_token_seconds or clock() - self.started
@@ -251,7 +255,7 @@ class Engine:
         if joining:
             prompts = [r.prompt for r in joining]
             with self.metrics.timed("prefill_seconds"):
-                hidden = prefill_joining(self.target, self.cache, prompts)
+                hidden = prefill_joining(self.target, self.cache, prompts, self.features)
                 self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
             if self.adaptive:
                 self.adaptive.join(len(joining))

@@ -62,26 +62,37 @@ def next_positions(cache, width: int, context: int, longest: int | None = None) 
     return (cache.lengths[:, None] + steps).clamp(max=context - 1)
 
 
-def prefill_all_but_last(model, cache, prompts: list[list[int]]) -> torch.Tensor:
+def prefill_all_but_last(model, cache, prompts: list[list[int]], features: tuple[int, ...] = ()) -> torch.Tensor:
     """Write every prompt except its last token into the cache (the last one opens the first
-    window); return the final hidden states there (B, P-1, C), right-padded."""
+    window); return the features there (`declared_features`), right-padded."""
     heads, lengths = pad_right([p[:-1] for p in prompts])  # (B, P-1), (B,)
     if heads.shape[1] == 0:
-        return torch.zeros(len(prompts), 0, model.config.hidden_size)
-    hidden = model(heads, cache=cache, logits_index=lengths.clamp(min=1)[:, None] - 1).hidden
+        return torch.zeros(len(prompts), 0, model.config.hidden_size * max(len(features), 1))
+    out = model(heads, cache=cache, logits_index=lengths.clamp(min=1)[:, None] - 1, **layer_request(features))
     cache.rollback(lengths)
-    return hidden
+    return declared_features(out, features)
 
 
-def prefill_joining(model, cache, prompts: list[list[int]]) -> torch.Tensor:
+def layer_request(features: tuple[int, ...]) -> dict:
+    """The forward's keyword that returns the outputs of the decoder layers `features` (none for ())."""
+    return {"output_layers": features} if features else {}
+
+
+def declared_features(out, features: tuple[int, ...]) -> torch.Tensor:
+    """What a proposer declared (proposers/base.py): the final hidden states (B, T, C) for (), else
+    the outputs of those decoder layers concatenated (B, T, len(features) * C)."""
+    return out.hidden if not features else torch.cat([out.layers[i] for i in features], -1)
+
+
+def prefill_joining(model, cache, prompts: list[list[int]], features: tuple[int, ...] = ()) -> torch.Tensor:
     """Append each prompt as a new row after the cache's rows, prefilled without its last token
-    (as `prefill_all_but_last`, in a staging cache when rows are already there); return the final
-    hidden states there (n, P-1, C), right-padded."""
+    (as `prefill_all_but_last`, in a staging cache when rows are already there); return the
+    features there (`declared_features`, (n, P-1, ...)), right-padded."""
     rows = cache.lengths.shape[0]
     if rows == 0:
         cache.regroup([], empty=len(prompts))
-        return prefill_all_but_last(model, cache, prompts)
+        return prefill_all_but_last(model, cache, prompts, features)
     staging = cache.staging(len(prompts))
-    hidden = prefill_all_but_last(model, staging, prompts)
+    hidden = prefill_all_but_last(model, staging, prompts, features)
     cache.regroup(list(range(rows)), staging)
     return hidden

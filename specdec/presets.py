@@ -10,7 +10,7 @@ from pathlib import Path
 from .model import LlamaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-PATHS = ("tokenizer", "frozen_trunk", "init_from", "teacher")  # recipe entries naming files or folders
+PATHS = ("tokenizer", "frozen_trunk", "init_from", "teacher", "target")  # recipe entries naming files or folders
 
 TARGET_MODEL = LlamaConfig(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=64,
@@ -36,6 +36,11 @@ PRESETS = {
     "target-mtp": dict(frozen_trunk="models/target", objective="mtp-sequential", mtp_depth=3, seq_len=512,
                        batch_size=8, micro_batch=8, steps=130, lr=2e-3, warmup=10, eval_every=26, eval_windows=32,
                        test_windows=48, save_every=10),
+    # the shipped EAGLE head (eagle.py) of the shipped target: layers 1, 3, 5, a 4096-token draft vocabulary,
+    # 5 draft steps unrolled in training; about 30 minutes on a shared 2-core CPU
+    "target-eagle": dict(target="models/target", objective="eagle", draft_vocab=4096, eagle_steps=5,
+                         seq_len=256, batch_size=8, micro_batch=8, steps=500, lr=2e-3, warmup=20, eval_every=50,
+                         eval_windows=24, test_windows=48, save_every=10),
     # a few seconds: for tests and for trying the machinery
     "tiny": dict(model=LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -198,8 +198,8 @@ def test_bad_input_raises_specdec_error():
     with pytest.raises(SpecdecError, match="draft model's context"):
         speculative_generate(TARGET, build_proposer("draft-model", model=tiny_llama(2, context=16)),
                              [[1] * 10], StopRule(10), GREEDY, 2)
-    with pytest.raises(SpecdecError, match="unknown proposer 'eagle'; known: .*draft-model.*ngram"):
-        build_proposer("eagle")
+    with pytest.raises(SpecdecError, match="unknown proposer 'medusa'; known: .*draft-model.*eagle.*ngram"):
+        build_proposer("medusa")
     with pytest.raises(SpecdecError, match="min_n <= max_n"):
         build_proposer("ngram", max_n=1, min_n=2)
 

@@ -125,7 +125,7 @@ class Recorder:
 
     def __init__(self, inner):
         self.inner, self.name, self.vocab_size = inner, inner.name, inner.vocab_size
-        self.trees, self.max_depth = inner.trees, inner.max_depth
+        self.trees, self.max_depth, self.features = inner.trees, inner.max_depth, inner.features
         self.log = []
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None):

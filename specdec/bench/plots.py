@@ -13,7 +13,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .runner import SPEC_METHODS  # noqa: E402
 
-COLORS = {"draft-model": "tab:blue", "ngram": "tab:orange", "mtp": "tab:green", "suffix": "tab:purple"}
+COLORS = {"draft-model": "tab:blue", "ngram": "tab:orange", "mtp": "tab:green", "suffix": "tab:purple",
+          "eagle": "tab:red"}
 
 
 def suptitle(result: dict) -> str:

@@ -130,12 +130,56 @@ def conditions_text(result: dict) -> str:
     if isinstance(heads, dict):
         parts.append(f"MTP heads `{heads['path']}` ({heads['head_kind']}, {heads['depth']} modules, "
                      f"{heads['parameters'] / 1e6:.1f}M)")
+    eagle = c.get("eagle_head")
+    if isinstance(eagle, dict):
+        parts.append(f"EAGLE head `{eagle['path']}` ({eagle['head_kind']}, target layers "
+                     f"{' '.join(map(str, eagle['layer_ids']))}, {eagle['draft_vocab']}-token draft vocabulary, "
+                     f"{eagle['parameters'] / 1e6:.1f}M)")
     features = " ".join(h["cpu_features"]) if isinstance(h["cpu_features"], list) else h["cpu_features"]
     parts += ["n-gram 3..1", f"{h['cpu']} ({h['cores']} cores, {h['threads']} threads, features {features}, torch "
               f"CPU capability {h['torch_cpu_capability']}; accelerator {h['accelerator']}, used: {h['device_used']})", f"python {s['python']}, torch {s['torch']}, transformers {s['transformers']}, "
               f"specdec {s['specdec']} ({s['git']})", f"{c['repeats']} interleaved repeats",
               f"baseline: {c['baseline']}"]
     return "conditions: " + "; ".join(parts)
+
+
+LEARNED_DRAFTERS = ("draft-model", "mtp", "eagle")
+
+
+def drafter_comparison_lines(result: dict) -> list[str]:
+    """The learned drafters side by side on the same target, per greedy batch-1 cell: what each cost
+    to train (parameters, training tokens and seconds, from its metadata) and what it gives at its
+    fastest k (α_i, τ, c, speedup)."""
+    lines = []
+    for cell in result["cells"]:
+        if cell["sampling"]["temperature"] != 0 or cell["batch_size"] != 1:
+            continue
+        best = {}
+        for r in cell["results"]:
+            if r["method"] in LEARNED_DRAFTERS and (r["method"] not in best or
+                                                    r["speedup"]["median"] > best[r["method"]]["speedup"]["median"]):
+                best[r["method"]] = r
+        if len(best) < 2:
+            continue
+        if not lines:
+            lines = ["## Learned drafters on the same target", "",
+                     "Each at its fastest k in the cell. Parameters: the drafter's own (an EAGLE head and MTP "
+                     "heads also read the target's embedding; the draft model has its own); training tokens and "
+                     "seconds: its training run as recorded in its metadata (the shipped draft model's distillation "
+                     "run, which started from a pretrained draft).", "",
+                     "| cell | drafter | parameters | training tokens | training s | best k | α_1..α_k | τ | c | "
+                     "speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for method, r in best.items():
+            info = r["conditions"]["method"]
+            params = info["draft"]["parameters"] if method == "draft-model" else info["parameters"]
+            tokens, seconds = info.get("training_tokens"), info.get("training_seconds")
+            budget = (f"{tokens / 1e6:.2f}M | {seconds / 60:.0f} min"
+                      if isinstance(tokens, int) and isinstance(seconds, (int, float)) else "unknown | unknown")
+            lines.append(f"| {cell['workload']['name']} | {method} | {params / 1e6:.1f}M | {budget} | {r['k']} | "
+                         f"{' '.join(num(a) for a in r['acceptance_per_position'])} | "
+                         f"{num(r['mean_acceptance_length'])} | {num(r['draft_cost_ratio'])} | "
+                         f"{r['speedup']['median']:.2f}x |")
+    return lines + ([""] if lines else [])
 
 
 def prediction_errors(result: dict) -> tuple[list[float], int]:
@@ -269,6 +313,7 @@ def markdown_report(result: dict, plots: list[str]) -> str:
                          f"{r['predicted_speedup']:.2f}x | {r['speedup']['median']:.2f}x{' NOISY' if r['noise'] else ''} | "
                          f"{100 * r['prediction_error']:+.0f}% | {r['speedup_limit']:.2f} | {r['efficiency']:.2f} |")
     lines += ["", *(f"- {line}" for line in summary_lines(result)), ""]
+    lines += drafter_comparison_lines(result)
     moe = result["moe"]
     if moe:
         p = moe["moe_parameters"]

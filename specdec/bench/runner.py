@@ -15,7 +15,7 @@ measurement.
 Output JSON (schema "specdec-bench/1"):
 
     schema, command (argv), plan (the cells and settings run), seconds (wall time of the run)
-    conditions: target, draft, mtp_heads (name, parameters, dtype, checkpoint sha256),
+    conditions: target, draft, mtp_heads, eagle_head (name, parameters, dtype, checkpoint sha256, training),
         hardware (cpu, cores, threads, accelerator), roofline (fma_peak_gflops and read_bandwidth_GBps
         measured in the run, isa, threads), software (python, torch, transformers, specdec, git),
         repeats, baseline
@@ -47,15 +47,19 @@ Values that cannot be determined are "unknown" (conditions) or null (metrics), n
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..api import DEFAULT_HEADS, encode_prompts, load, load_draft_model, load_mtp_heads
+from ..api import (DEFAULT_EAGLE, DEFAULT_HEADS, encode_prompts, load, load_draft_model, load_eagle_head,
+                   load_mtp_heads)
+from ..checkpoint import read_meta
 from ..costmodel import predicted_speedup, speedup_limit
 from ..decode import plain_generate
 from ..engine import speculative_generate
@@ -75,13 +79,18 @@ from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
-SPEC_METHODS = ("draft-model", "ngram", "mtp", "suffix")
+SPEC_METHODS = ("draft-model", "ngram", "mtp", "suffix", "eagle")
 NGRAM = {"max_n": 3, "min_n": 1}
 # MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
 # unembedding cost per head
 MTP_DRAFT_VOCAB = 4096
 DRAFT_VOCAB = 4096  # the draft model's too, where it was saved with its token counts
+# the EAGLE head drafts over the 2048 most frequent of its 4096 ids (half the unembedding per draft): measured
+# on the shipped head (HumanEval, first 10 prompts, batch 1, k = 1..6, two bench runs), greedy τ is unchanged
+# and the best greedy speedup went from 1.19x to 1.24x; at temperature 1 τ drops (2.98 -> 2.74 at k = 3: the
+# head's mass outside the 2048 ids is lost) at about the same speed (best 0.98x -> 0.96x)
+EAGLE_DRAFT_VOCAB = 2048
 CURVE_EXTRA_TOKENS = 16  # the batch-1 verify curve also reaches this many tokens (for the plot)
 
 
@@ -196,7 +205,7 @@ class Bench:
     """The loaded models and proposers, shared by every cell of a run."""
 
     def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
-                 dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE):
+                 dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None):
         self.plan = plan
         self.target = load(target_path, dtype=dtype)
         self.proposers, self.method_info = {}, {"plain": {"name": "plain autoregressive decoding"}}
@@ -209,7 +218,8 @@ class Bench:
                 build_proposer("draft-model", model=self.draft.model, draft_vocab=draft_vocab,
                                token_counts=self.draft.token_counts, tree=kind) for kind in ("static", "dynamic"))
             self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path),
-                                               "draft_vocab": draft_vocab or "full"}
+                                               "draft_vocab": draft_vocab or "full",
+                                               **training_budget(read_meta(self.draft.path))}
         if "ngram" in plan.methods:
             self.proposers["ngram"] = build_proposer("ngram", **NGRAM)
             self.method_info["ngram"] = {"name": "ngram", **NGRAM}
@@ -226,7 +236,19 @@ class Bench:
             self.method_info["mtp"] = {"name": "mtp", "path": shown_path(heads_path or DEFAULT_HEADS),
                                        "head_kind": self.heads.kind, "depth": self.heads.depth,
                                        "draft_vocab": draft_vocab or "full",
-                                       "parameters": sum(p.numel() for p in self.heads.parameters())}
+                                       "parameters": sum(p.numel() for p in self.heads.parameters()),
+                                       **training_budget(heads_meta(heads_path or DEFAULT_HEADS))}
+        if "eagle" in plan.methods:
+            head = load_eagle_head(self.target, eagle_path)
+            draft_vocab = EAGLE_DRAFT_VOCAB if head.token_counts is not None else None
+            self.proposers["eagle"] = build_proposer("eagle", head=head, target=self.target.model,
+                                                     draft_vocab=draft_vocab)
+            self.method_info["eagle"] = {"name": "eagle", "path": shown_path(eagle_path or DEFAULT_EAGLE),
+                                         "head_kind": head.kind, "layer_ids": list(head.layer_ids),
+                                         "draft_vocab": min(draft_vocab or head.draft_vocab_size,
+                                                            head.draft_vocab_size),
+                                         "parameters": sum(p.numel() for p in head.parameters()),
+                                         **training_budget(heads_meta(eagle_path or DEFAULT_EAGLE))}
         self.peers = Peers(self.target.path, self.draft.path, peer_dtype) if any(c.peer_k for c in plan.cells) else None
         if self.peers is not None:
             self.method_info.update(self.peers.info())
@@ -266,18 +288,19 @@ class Bench:
 
 def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
               dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None,
-              peer_dtype: torch.dtype = PEER_DTYPE) -> dict:
+              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None) -> dict:
     """Run the plan; `command` (the argv that asked for it) is recorded with the result."""
     started = time.perf_counter()
     check_plan(plan)
     with torch.inference_mode():
-        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype)
+        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path)
         cells = [(cell, bench.configs(cell)) for cell in plan.cells]
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {
             "target": model_info(bench.target.model, bench.target.path),
             "draft": model_info(bench.draft.model, bench.draft.path) if bench.draft else "not used",
             "mtp_heads": bench.method_info.get("mtp", "not used"),
+            "eagle_head": bench.method_info.get("eagle", "not used"),
             "hardware": hardware(), "roofline": roofline(measured_read_bandwidth() / 1e9),
             "software": software(), "repeats": plan.repeats,
             "baseline": "specdec plain decoding of the same target weights and dtype, same prompts, batch "
@@ -292,6 +315,20 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
     return {"schema": SCHEMA, "command": command or UNKNOWN,
             "plan": dataclasses.asdict(plan), "seconds": time.perf_counter() - started,
             "conditions": run_conditions, "cells": out_cells, "moe": moe, "batch_effect": batch_effect(out_cells)}
+
+
+def heads_meta(path) -> dict:
+    """A heads folder's heads.json (MTP or EAGLE), {} where it cannot be read."""
+    try:
+        return json.loads((Path(path) / "heads.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def training_budget(meta: dict) -> dict:
+    """What a drafter cost to train, from its metadata: training tokens and seconds ("unknown"
+    where not recorded), for the equal-budget comparison of drafters."""
+    return {"training_tokens": meta.get("tokens_seen", UNKNOWN), "training_seconds": meta.get("training_seconds", UNKNOWN)}
 
 
 def bar_note(progress: bool, text: str) -> None:

@@ -17,10 +17,11 @@ is a batch of rows, one per sequence; rows join and leave between steps (continu
 Each row has its own sampling settings (`samplings[b]`), and `generator` may be one generator or
 one per row (sampling.RowGenerators).
 
-The target's final hidden states reach the proposer as arguments (`prompt_hidden` at start,
-`Outcome.hidden` after each step), for heads that draft from them (MTP, EAGLE, Medusa). The
-target's cache always lags one token behind the sequence: the newest token ("last") is fed with
-the next verification window [last, drafts].
+The target's features reach the proposer as arguments (`prompt_hidden` at start, `Outcome.hidden`
+after each step), for heads that draft from them (MTP, EAGLE, Medusa): its final hidden states, or
+the outputs of the decoder layers the proposer declares once in `features` (EAGLE), which the
+target's forward returns at no extra pass. The target's cache always lags one token behind the
+sequence: the newest token ("last") is fed with the next verification window [last, drafts].
 
 A proposal may be a tree (tree.py): each draft names its parent. `widths[d]` caps the drafts at
 depth d + 1 (all ones: a chain); a proposer that can branch says so with `trees = True` and lists
@@ -78,7 +79,8 @@ class Outcome:
     tokens: torch.Tensor    # (B, m+1) the accepted drafts, then the recovered or bonus token
     counts: torch.Tensor    # (B,) tokens of `tokens` emitted: accepted + 1, fewer where the row
                             # finished inside the run, 0 for rows finished before the step
-    hidden: torch.Tensor    # (B, m+1, C) target final hidden states over [last, accepted path]; the
+    hidden: torch.Tensor    # (B, m+1, C) target features over [last, accepted path] (final hidden states, or
+                            # the declared layers' outputs concatenated: (B, m+1, len(features) * C)); the
                             # first counts[b] are now in the target's cache, hidden[b, i] predicted tokens[b, i]
     paths: list[list[int]] | None = None  # per row, the accepted nodes of a tree proposal; None: a chain
                                           # (its first accepted[b] nodes)
@@ -89,15 +91,18 @@ class Proposer(Protocol):
     vocab_size: int | None  # token ids it can propose; None: any (it copies ids it has seen)
     trees: bool             # whether it drafts trees when widths allow (else always chains)
     max_depth: int | None   # the most levels it drafts per step; None: any
+    features: tuple[int, ...]  # target decoder layers whose outputs it reads, concatenated in this order,
+                               # as prompt_hidden and Outcome.hidden; () or absent: the final hidden states
 
     def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor,
               sampling: SamplingConfig | list[SamplingConfig], max_len: int, k: int,
               capacity: int | None = None, nodes: int | None = None) -> Any:
-        """New per-generation state holding `prompts` as its rows (as `join`). sampling: one
-        setting for every row or one per row. max_len: the longest sequence (prompt + generated)
-        a row may reach; k: the most levels any row will be asked for per step; capacity: the
-        most rows it will hold at once (storage allocated now; default len(prompts)); nodes: the
-        most drafts a proposal may hold, a tree's included (default k)."""
+        """New per-generation state holding `prompts` as its rows (as `join`); prompt_hidden
+        (B, P-1, ...): target features (see `features`) over each prompt without its last token
+        (right-padded). sampling: one setting for every row or one per row. max_len: the longest
+        sequence (prompt + generated) a row may reach; k: the most levels any row will be asked
+        for per step; capacity: the most rows it will hold at once (storage allocated now; default
+        len(prompts)); nodes: the most drafts a proposal may hold, a tree's included (default k)."""
 
     def join(self, state: Any, prompts: list[list[int]], prompt_hidden: torch.Tensor,
              samplings: list[SamplingConfig]) -> None:
@@ -129,6 +134,13 @@ class DraftVocabulary:
     def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
         self.ids = ids                                              # (N,) sorted target ids
         self.unembedding = frozen_linear(lm_head_weight[ids])       # (N, C) rows of the lm_head
+
+    @classmethod
+    def trained(cls, ids: torch.Tensor, unembedding: torch.nn.Module) -> "DraftVocabulary":
+        """A drafter's own unembedding over ids (N,), trained with it (an EAGLE head's lm_head)."""
+        vocab = cls.__new__(cls)
+        vocab.ids, vocab.unembedding = ids, unembedding
+        return vocab
 
     @staticmethod
     def ids_for(size: int | None, vocab_size: int, token_counts: torch.Tensor | None,

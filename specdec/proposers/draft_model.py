@@ -41,6 +41,7 @@ class DraftModelProposer:
     name = "draft-model"
     trees = True
     max_depth = None
+    features = ()  # none read; the engine's default
 
     def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None,
                  tree: str = "static"):

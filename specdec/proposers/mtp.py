@@ -64,6 +64,7 @@ class MTPProposer:
     (base.with_alternatives)."""
     name = "mtp"
     trees = True
+    features = ()  # the target's final hidden states
 
     def __init__(self, heads: MTPHeads, target: LlamaForCausalLM, draft_vocab: int | None = None):
         if not isinstance(target, LlamaForCausalLM):

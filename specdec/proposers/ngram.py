@@ -98,6 +98,7 @@ class NgramState:
 
 class NgramProposer:
     name = "ngram"
+    features = ()  # none read; the engine's default
     vocab_size = None  # proposes only ids it has seen
     trees = True
     max_depth = None

@@ -4,7 +4,8 @@ atomic checkpoints with exact resume, single process or torchrun (gloo on CPU).
 Objectives (objectives.py): "next-token", or next-token + multi-token prediction with MTP heads
 ("mtp-parallel", "mtp-sequential", heads.py), either pretrained jointly from scratch or, with
 `frozen_trunk`, added to an existing checkpoint whose weights (embedding and lm_head included)
-stay frozen while only the heads train. "distill": a draft model learns the frozen `teacher`
+stay frozen while only the heads train. "eagle": an EAGLE-3 draft head (eagle.py) learns from the
+frozen `target` checkpoint's features and distributions with the training-time test. "distill": a draft model learns the frozen `teacher`
 (target) checkpoint's next-token distribution (KL(target || draft), objectives.py), on the
 teacher's tokenizer, from scratch or from `init_from` (an existing checkpoint's weights).
 
@@ -15,7 +16,7 @@ A run lives in one output folder:
   model/                                   the exported checkpoint (bf16, transformers layout), unless
                                            the trunk is frozen
   heads/                                   the exported MTP heads (heads.py), for the model in model/
-                                           or for the frozen trunk
+                                           or for the frozen trunk; or the EAGLE head (eagle.py)
   loss.png                                 training and validation loss curves
 Batches are a pure function of (seed, step), so an interrupted run resumes to the same result.
 Under torchrun each process takes its share of the global batch and the gradients are averaged
@@ -40,15 +41,17 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..atomic import atomic_dir, recover
+from ..bench.conditions import shown_path
 from ..checkpoint import TOKENIZER, WEIGHTS, load_model, read_config, save_model, sha256
 from ..errors import SpecdecError
+from ..eagle import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
 from ..heads import MTPHeads, build_heads, save_heads
 from ..model import LlamaConfig, LlamaForCausalLM
 from ..tokenizer import Tokenizer
 from .corpus import Corpus
 from .data import eval_batches, preparation_key, tokenize, window_batch
-from .objectives import (OBJECTIVES, LossWeights, distill_loss, distill_metrics, mtp_backward, mtp_losses,
-                         next_token_loss)
+from .objectives import (OBJECTIVES, LossWeights, distill_loss, distill_metrics, eagle_backward, eagle_metrics,
+                         mtp_backward, mtp_losses, next_token_loss)
 
 
 @dataclass
@@ -84,6 +87,11 @@ class TrainConfig:
     teacher: str | None = None          # distill: the frozen target checkpoint whose distribution is learnt
     distill_temperature: float = 1.0    # distill: KL at this temperature (times T^2)
     distill_top_k: int | None = None    # distill: the teacher's top-k tokens only, renormalised
+    target: str | None = None           # eagle: the frozen target checkpoint the head drafts for
+    eagle_layers: tuple[int, ...] | None = None  # eagle: the target layers read (None: low, middle, high)
+    eagle_steps: int = 4                # eagle: draft steps unrolled in training (the training-time test)
+    eagle_decay: float = 0.8            # eagle: step j's loss weight is decay^j
+    draft_vocab: int = 4096             # eagle: the N most frequent training token ids the head drafts over
 
     def validate(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batch <= 0 or self.seq_len <= 1:
@@ -102,13 +110,30 @@ class TrainConfig:
         if self.distill_temperature <= 0 or (self.distill_top_k is not None and self.distill_top_k < 1):
             raise SpecdecError(f"distill temperature must be > 0 and top-k >= 1, got {self.distill_temperature} "
                                f"and {self.distill_top_k}")
-        if self.init_from and self.frozen_trunk:
+        if self.init_from and self.frozen:
             raise SpecdecError("--init-from starts a trained model from a checkpoint; a frozen trunk trains no "
                                "model weights: give one of them")
         if self.mtp and not 1 <= self.mtp_depth < self.seq_len - 1:
             raise SpecdecError(f"mtp_depth must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
                                f"got {self.mtp_depth}")
+        if (self.objective == "eagle") != (self.target is not None):
+            raise SpecdecError("an EAGLE head needs its target and a target needs the eagle objective: give both "
+                               "--objective eagle and --target MODEL")
+        if self.eagle and not (1 <= self.eagle_steps <= self.seq_len - 2 and 0 < self.eagle_decay <= 1
+                               and self.draft_vocab >= 1):
+            raise SpecdecError(f"eagle: --eagle-steps must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
+                               f"--eagle-decay in (0, 1] and --draft-vocab >= 1; got {self.eagle_steps}, "
+                               f"{self.eagle_decay}, {self.draft_vocab}")
         self.loss_weights()
+
+    @property
+    def eagle(self) -> bool:
+        return self.objective == "eagle"
+
+    @property
+    def frozen(self) -> str | None:
+        """The checkpoint whose weights stay frozen (MTP heads' trunk, EAGLE's target), if any."""
+        return self.frozen_trunk or self.target
 
     @property
     def mtp(self) -> bool:
@@ -123,6 +148,12 @@ def with_frozen_trunk(cfg: TrainConfig) -> TrainConfig:
     """The config with the frozen trunk's model config and tokenizer (which the heads must share)."""
     return adopt_checkpoint(cfg, Path(cfg.frozen_trunk), "the heads must use the trunk's tokenizer",
                             "the frozen trunk's tokenizer")
+
+
+def with_eagle_target(cfg: TrainConfig) -> TrainConfig:
+    """The config with the EAGLE target's model config and tokenizer (the head drafts its token ids)."""
+    return adopt_checkpoint(cfg, Path(cfg.target), "the EAGLE head must use the target's tokenizer",
+                            "the target's tokenizer")
 
 
 def with_init_from(cfg: TrainConfig) -> TrainConfig:
@@ -174,10 +205,12 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, heads: MTPHeads | None, tokens: np.ndarray, seq_len: int, max_windows: int,
-             teacher=None) -> list[float]:
+def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_len: int, max_windows: int,
+             teacher=None, eagle_steps: int = 0) -> list[float]:
     """Mean validation losses over evenly spread windows: [next-token, head 1, .., head depth], or
-    with a teacher [KL(teacher || model), greedy agreement, next-token] (objectives.distill_metrics)."""
+    with a teacher [KL(teacher || model), greedy agreement, next-token] (objectives.distill_metrics),
+    or for an EAGLE head [KL per step.., alpha per position..] (objectives.eagle_metrics; the alphas
+    pooled over all windows)."""
     was_training = model.training
     model.eval()
     losses = []
@@ -185,9 +218,17 @@ def evaluate(model, heads: MTPHeads | None, tokens: np.ndarray, seq_len: int, ma
         if teacher is not None:
             losses.append(distill_metrics(model, teacher, b))
             continue
+        if isinstance(heads, EagleHead):
+            losses.append(eagle_metrics(model, heads, b, eagle_steps))
+            continue
         parts = [next_token_loss(model, b)] if heads is None else mtp_losses(model, heads, b, train_trunk=False)
         losses.append([part.item() for part in parts])
     model.train(was_training)
+    if isinstance(heads, EagleHead):  # alphas from the pooled counts, not a mean of per-batch ratios
+        kls, alphas, reached = (np.array([row[i * eagle_steps:(i + 1) * eagle_steps] for row in losses])
+                                for i in range(3))
+        pooled = (alphas * reached).sum(0) / np.maximum(reached.sum(0), 1)
+        return [float(x) for x in (*kls.mean(0), *pooled)]
     return [float(x) for x in np.mean(losses, axis=0)]
 
 
@@ -314,7 +355,10 @@ def _identity(config: dict, trunk_sha256: str | None, teacher_sha256: str | None
             "mtp_depth": config.get("mtp_depth") if objective.startswith("mtp") else None,
             "frozen trunk": trunk_sha256, "teacher": teacher_sha256, "initial weights": init_sha256,
             "distillation temperature and top-k": (config.get("distill_temperature"), config.get("distill_top_k"))
-            if objective == "distill" else None}
+            if objective == "distill" else None,
+            "EAGLE layers and draft vocabulary": (None if config.get("eagle_layers") is None else
+                                                  list(config["eagle_layers"]), config.get("draft_vocab"))
+            if objective == "eagle" else None}
 
 
 def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
@@ -327,8 +371,8 @@ def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
 
 def _build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
     torch.manual_seed(cfg.seed)
-    if cfg.frozen_trunk:
-        model = load_model(cfg.frozen_trunk, dtype=torch.float32).requires_grad_(False)
+    if cfg.frozen:
+        model = load_model(cfg.frozen, dtype=torch.float32).requires_grad_(False)
     else:
         model = LlamaForCausalLM(cfg.model)
         init_weights(model)
@@ -339,7 +383,23 @@ def _build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
     if cfg.mtp:
         heads = build_heads(cfg.objective, cfg.model, cfg.mtp_depth)
         init_weights(heads)
-    return model.train(not cfg.frozen_trunk), heads
+    return model.train(not cfg.frozen), heads
+
+
+def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.ndarray) -> EagleHead:
+    """A fresh EAGLE head for the frozen target over the draft_vocab ids most frequent in the
+    training tokens, from the seed (the caller's generator state is given back)."""
+    counts = torch.from_numpy(np.bincount(train_tokens, minlength=cfg.model.vocab_size))
+    if cfg.draft_vocab > cfg.model.vocab_size:
+        raise SpecdecError(f"a draft vocabulary of {cfg.draft_vocab} tokens is larger than the target's "
+                           f"{cfg.model.vocab_size}: choose --draft-vocab <= {cfg.model.vocab_size}")
+    ids = counts.topk(cfg.draft_vocab).indices.sort().values
+    layers = cfg.eagle_layers if cfg.eagle_layers is not None else default_layer_ids(cfg.model.num_hidden_layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        head = initial_head(target, layers, ids)
+    head.token_counts = counts  # saved with it: a smaller draft vocabulary can be chosen at drafting time
+    return head
 
 
 def load_teacher(path: str) -> LlamaForCausalLM:
@@ -353,12 +413,14 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     run, recorded in the exported metadata."""
     if cfg.frozen_trunk:
         cfg = with_frozen_trunk(cfg)
+    if cfg.target:
+        cfg = with_eagle_target(cfg)
     if cfg.init_from:
         cfg = with_init_from(cfg)
     if cfg.teacher is not None:
         cfg = with_teacher(cfg)
     cfg.validate()
-    run = Run(cfg, sha256(Path(cfg.frozen_trunk) / WEIGHTS) if cfg.frozen_trunk else None,
+    run = Run(cfg, sha256(Path(cfg.frozen) / WEIGHTS) if cfg.frozen else None,
               sha256(Path(cfg.teacher) / WEIGHTS) if cfg.teacher else None,
               sha256(Path(cfg.init_from) / WEIGHTS) if cfg.init_from else None)
     distributed = run.world > 1
@@ -373,8 +435,10 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     train_tokens, valid_tokens = run.tokens("train"), run.tokens("valid")
 
     model, heads = build(cfg)
+    if cfg.eagle:
+        heads = build_eagle(cfg, model, train_tokens)
     teacher = load_teacher(cfg.teacher) if cfg.teacher else None
-    train_trunk = not cfg.frozen_trunk
+    train_trunk = not cfg.frozen
     params = [*(model.parameters() if train_trunk else ()), *(heads.parameters() if heads is not None else ())]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=False)
     step, history, elapsed = run.load_state(model, heads, opt)
@@ -388,6 +452,9 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         # the starting point's validation figures: the "before" of the distillation
         _record(history, "valid", 0, evaluate(model, None, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher),
                 None, distill=True)
+    if cfg.eagle and step == 0 and run.rank == 0:  # the untrained head: the "before" of its curves
+        _record(history, "valid", 0, evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows,
+                                              eagle_steps=cfg.eagle_steps), heads)
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
     while step < last:
         t0 = time.time()
@@ -403,6 +470,8 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
                 loss = distill_loss(model, teacher, mb, cfg.distill_temperature, cfg.distill_top_k)
                 (loss * scale).backward()
                 losses = [loss.item()]
+            elif cfg.eagle:
+                losses = eagle_backward(model, heads, mb, cfg.eagle_steps, cfg.eagle_decay, scale)
             elif heads is None:
                 loss = next_token_loss(model, mb)
                 (loss * scale).backward()
@@ -423,12 +492,14 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
         if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
             _record(history, "valid", step,
-                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher), heads,
-                    distill=teacher is not None)
+                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher, cfg.eagle_steps),
+                    heads, distill=teacher is not None)
         bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}",
                         val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
                         **({"agree": f"{history['valid_agreement'][-1][1]:.3f}"} if history.get("valid_agreement")
                            else {}),
+                        **({"alpha": "/".join(f"{x:.2f}" for x in history["valid_alpha"][-1][1])}
+                           if history.get("valid_alpha") else {}),
                         **({"heads": "/".join(f"{x:.2f}" for x in history["train_heads"][-1][1])} if heads else {}),
                         tok_s=f"{tok_s:.0f}", gnorm=f"{float(gnorm):.2f}")
         bar.update(1)
@@ -443,7 +514,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         dist.destroy_process_group()
     if step < cfg.steps:
         return None
-    return run.out / ("heads" if cfg.frozen_trunk else "model")
+    return run.out / ("heads" if cfg.frozen else "model")
 
 
 def _record(history: dict, split: str, step: int, losses: list[float], heads, distill: bool = False) -> None:
@@ -461,6 +532,12 @@ def _record(history: dict, split: str, step: int, losses: list[float], heads, di
     if heads is None:
         history[split].append([step, losses[0]])
         return
+    if isinstance(heads, EagleHead) and split == "valid":  # [KL per step.., alpha per position..]
+        steps = len(losses) // 2
+        history[split].append([step, float(np.mean(losses[:steps]))])
+        history.setdefault(f"{split}_heads", []).append([step, losses[:steps]])
+        history.setdefault(f"{split}_alpha", []).append([step, losses[steps:]])
+        return
     headline = losses[0] if not math.isnan(losses[0]) else float(np.mean(losses[1:]))
     history[split].append([step, headline])
     history.setdefault(f"{split}_heads", []).append([step, losses[1:]])
@@ -468,6 +545,9 @@ def _record(history: dict, split: str, step: int, losses: list[float], heads, di
 
 def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: dict, seconds: float,
            teacher=None, command: list[str] | None = None) -> None:
+    if isinstance(heads, EagleHead):
+        export_eagle(run, model, heads, history, seconds, command)
+        return
     cfg = run.cfg
     prov = json.loads((run.work / "prepared.json").read_text())
     test = run.tokens("test")
@@ -527,6 +607,74 @@ def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: d
         return
     plot_history(history, run.out / "loss.png", title=title,
                  train_label="train, mean of the heads" if cfg.frozen_trunk else "train, next token")
+
+
+def export_eagle(run: Run, target: LlamaForCausalLM, head: EagleHead, history: dict, seconds: float,
+                 command: list[str] | None) -> None:
+    """The head folder (eagle.py) with its recipe, validation and test figures and the
+    speculators-style description, and loss.png."""
+    cfg = run.cfg
+    prov = json.loads((run.work / "prepared.json").read_text())
+    test = run.tokens("test")
+    steps = cfg.eagle_steps
+    # the repository's files named from its root (models/target), never as this machine's paths
+    recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key))) for key in ("target", "tokenizer", "out")}}
+    figures = (evaluate(target, head, test, cfg.seq_len, cfg.test_windows, eagle_steps=steps)
+               if len(test) > cfg.seq_len else None)
+    meta = {
+        "recipe": recipe,
+        "recipe_command": " ".join(command) if command else None,
+        "target": recipe["target"],
+        "speculators": speculators_metadata(head, recipe["target"], steps),
+        "objective": (f"KL(target || head) over the {head.draft_vocab_size}-token draft vocabulary, unrolled "
+                      f"{steps} draft steps on its own outputs (training-time test), step j weighted "
+                      f"{cfg.eagle_decay}^j"),
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "training_seconds": round(seconds, 1),
+        "final_valid_step_kl": history["valid_heads"][-1][1] if history.get("valid_heads") else None,
+        "final_valid_alpha_per_position": history["valid_alpha"][-1][1] if history.get("valid_alpha") else None,
+        "test_step_kl": figures[:steps] if figures else None,
+        "test_alpha_per_position": figures[steps:] if figures else None,
+        "test_tokens_evaluated": min(cfg.test_windows, len(test) // cfg.seq_len) * cfg.seq_len if figures else 0,
+        "alpha_note": ("greedy acceptance of draft i given drafts 1..i-1 accepted, over held-out windows whose "
+                       "tokens are the target's greedy choices along the drafted path"),
+        "corpus": {"sources": prov["sources"], "sha256": prov["sha256"], "tokens": prov["tokens"]},
+        "history": history,
+    }
+    save_eagle(head, run.out / "heads", run.trunk_sha256, meta=meta)
+    params = sum(p.numel() for p in head.parameters())
+    plot_eagle_history(history, run.out / "loss.png",
+                       f"{run.out.name}: {params / 1e6:.1f}M EAGLE head on a frozen {Path(cfg.target).name}")
+
+
+def plot_eagle_history(history: dict, path: Path, title: str) -> None:
+    """Training KL (mean of the unrolled steps), validation KL per step and alpha per position."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if history["train"]:
+        s, l = zip(*history["train"])
+        ax.plot(s, l, alpha=0.5, label="train KL, mean of the steps")
+    if history.get("valid_heads"):
+        s, per_step = zip(*history["valid_heads"])
+        for j, l in enumerate(zip(*per_step)):
+            ax.plot(s, l, marker=".", linestyle="--", label=f"validation KL, draft {j + 1}")
+    ax.set(xlabel="step", ylabel="KL(target || head) (nats per token)", title=title)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if history.get("valid_alpha"):
+        right = ax.twinx()
+        s, per_position = zip(*history["valid_alpha"])
+        for j, a in enumerate(zip(*per_position)):
+            right.plot(s, a, marker="s", markersize=3, label=f"validation greedy α_{j + 1}")
+        right.set(ylabel="α_i (greedy acceptance)", ylim=(0, 1))
+        more_handles, more_labels = right.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="center right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _distill_figures(history: dict, step: int) -> dict | None:

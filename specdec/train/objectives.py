@@ -35,6 +35,12 @@ even the bucket let the full KL grow, so the default is the whole vocabulary; RE
 token exactly when argmax(draft) == argmax(target), so that agreement rate is reported beside
 the KL.
 
+EAGLE (eagle.py): the head reads the frozen target's features and is unrolled for `steps` draft
+steps on its own outputs with the attention drafting uses (the training-time test); step j's loss
+is KL(target || head) against the target's distribution over the draft vocabulary at the position
+it drafts, weighted decay^j. Validation reports each step's KL and the greedy acceptance alpha_i
+of the draft it would make there.
+
 This module knows nothing about data, optimisers, checkpoints or distribution over processes.
 """
 from __future__ import annotations
@@ -44,10 +50,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..eagle import EagleHead
 from ..errors import SpecdecError
 from ..heads import MTPHeads, teacher_forced
 
-OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill")
+OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -194,3 +201,72 @@ def distill_metrics(model, teacher, batch: torch.Tensor) -> list[float]:
     kl = distill_kl(student_logits, TeacherTargets(F.log_softmax(teacher_logits, dim=-1)))
     agreement = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()
     return [kl.item(), agreement.item(), cross_entropy(student_logits, batch[:, 1:]).item()]
+
+
+# --- EAGLE: the training-time test -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class EagleTargets:
+    """What the frozen target gives one batch (B, S+1), computed once without gradients."""
+    features: torch.Tensor     # (B, S, nC) outputs of the head's layers at positions 0..S-1
+    log_probs: torch.Tensor    # (B, S, N) the target's next-token log-probabilities over the draft
+                               # vocabulary, renormalised there (temperature 1)
+    argmax: torch.Tensor       # (B, S) the target's greedy token (full vocabulary)
+    ahead: torch.Tensor        # (B, S + steps - 1) x_1..x_S, then padding: what the unrolled steps read
+
+
+@torch.no_grad()
+def eagle_targets(target, head: EagleHead, batch: torch.Tensor, steps: int) -> EagleTargets:
+    out = target(batch[:, :-1], output_layers=head.layer_ids)
+    features = torch.cat([out.layers[i] for i in head.layer_ids], -1)
+    log_probs = F.log_softmax(out.logits.float()[..., head.draft_ids], -1)
+    return EagleTargets(features, log_probs, out.logits.argmax(-1), F.pad(batch[:, 1:], (0, steps - 1)))
+
+
+def eagle_step_losses(target, head: EagleHead, targets: EagleTargets, steps: int):
+    """Yields (j, KL_j, logits_j) for draft steps j = 0..steps-1 of the unrolled head (eagle.py):
+    KL(target || head) over the draft vocabulary, per position, averaged over the S-1-j base
+    positions whose target distribution (at position t+1+j) lies inside the window."""
+    S = targets.features.shape[1]
+    for j, h in head.unroll(targets.features, targets.ahead, target.model.embed_tokens, steps):
+        n = S - 1 - j
+        logits = head.logits(h[:, :n])                                   # (B, n, N)
+        wanted = targets.log_probs[:, 1 + j:1 + j + n]                   # (B, n, N)
+        kl = (wanted.exp() * (wanted - F.log_softmax(logits.float(), -1))).sum(-1).mean()
+        yield j, kl, logits
+
+
+def eagle_backward(target, head: EagleHead, batch: torch.Tensor, steps: int, decay: float,
+                   scale: float) -> list[float | None]:
+    """Accumulate the gradient of scale * sum_j decay^j KL_j into the head; return [None (no
+    next-token loss: the target is frozen), KL_0, .., KL_{steps-1}]."""
+    if batch.shape[1] - 2 < steps:
+        raise SpecdecError(f"a window of {batch.shape[1]} tokens is too short to unroll {steps} EAGLE steps: "
+                           "raise seq_len or lower --eagle-steps")
+    targets = eagle_targets(target, head, batch, steps)
+    losses = [kl for _, kl, _ in eagle_step_losses(target, head, targets, steps)]
+    (sum(decay ** j * kl for j, kl in enumerate(losses)) * scale).backward()
+    return [None, *(kl.item() for kl in losses)]
+
+
+@torch.no_grad()
+def eagle_metrics(target, head: EagleHead, batch: torch.Tensor, steps: int) -> list[float]:
+    """[KL_0..KL_{steps-1}, then greedy acceptance alpha_1..alpha_steps, then the counts they come
+    from: reached_1..reached_steps]. alpha_i is exact for greedy drafting from these contexts:
+    draft i counts where drafts 1..i-1 were accepted AND the window's tokens that the unrolled
+    steps read equal the target's greedy tokens (so the head saw what drafting would feed it);
+    it is accepted where its argmax is the target's."""
+    targets = eagle_targets(target, head, batch, steps)
+    S = targets.features.shape[1]
+    reached = torch.ones(batch.shape[0], S - 1, dtype=torch.bool)        # (B, S-1) bases still drafting
+    kls, alphas, counts = [], [], []
+    for j, kl, logits in eagle_step_losses(target, head, targets, steps):
+        n = S - 1 - j
+        greedy = targets.argmax[:, 1 + j:1 + j + n]                      # (B, n) the target's token
+        accepted = reached[:, :n] & (head.draft_ids[logits.argmax(-1)] == greedy)
+        kls.append(kl.item())
+        counts.append(int(reached[:, :n].sum()))
+        alphas.append(int(accepted.sum()) / max(counts[-1], 1))
+        # step j+1 at base t reads x_{t+2+j}: drafting feeds the accepted draft, i.e. the greedy token
+        reached = accepted[:, :n - 1] & (batch[:, 2 + j:1 + j + n] == greedy[:, :n - 1])
+    return [*kls, *alphas, *counts]

@@ -1,0 +1,281 @@
+"""The EAGLE-3 draft head: one definition, used by training (train/objectives.py, the training-time
+test) and by drafting (proposers/eagle.py), and its checkpoint folder.
+
+The head drafts from the target's own features (Li et al., EAGLE-3, 2025). Write f_t for the outputs
+of the target's decoder layers `layer_ids` (low, middle, high) at position t, concatenated, and
+x_0..x_T for the sequence. At position t the head reads
+
+    u_t = proj([RMSNorm(Emb(x_{t+1})); RMSNorm(g_t)]),   g_t = fc(f_t)  (the fused target features)
+
+runs one decoder layer (the target's shape, `model.DecoderLayer`) over u, and its output h_t, through
+its own RMSNorm and an unembedding over a draft vocabulary (the N target ids most frequent in the
+training tokens, `draft_ids`, N recorded), predicts x_{t+2}. The embedding is the target's (shared,
+frozen). To draft further it feeds itself: the next position reads the token it just drafted and its
+own output h in place of g, so it drafts any k, one decoder-layer step per token.
+
+Attention. Drafting from position T-1 (the last one with target features), draft step j (0-based) at
+position T-1+j attends to the head's entries for positions 0..T-1, computed from target features,
+and to its own earlier draft steps T..T-1+j. Training reproduces exactly this ("training-time test",
+`unroll`): step j at base position t reads the step-(j-1) output at t, sits at position t+j, and
+attends to the step-0 entries at positions <= t and to the entries of steps 1..j at base t (the
+diagonal), so that what the head computes while drafting k tokens is what it was trained on.
+
+Weight layout. EAGLE-3's reference layer feeds the 2C-wide [embedding; hidden] into a q/k/v
+projection of 2C inputs; here a 2C -> C projection (`proj`) feeds a standard decoder layer, so that
+the layer runs as one call of the CPU kernels (model.py) like the target's own layers. The metadata
+uses the `speculators` EAGLE-3 vocabulary (`speculators_metadata`); the weights would need that
+projection folded in for a `speculators` export.
+
+A head folder holds heads.safetensors and heads.json (kind "eagle3", the target's config and the
+sha256 of its model.safetensors, the layer ids, the draft vocabulary size, training settings). It
+has no config.json, so it can never be loaded as a model, and `load_eagle` refuses it for any other
+target.
+
+This module knows nothing about losses, optimisers, caches beyond one window, or verification.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .atomic import atomic_dir
+from .checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
+from .errors import SpecdecError
+from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary, compute_dtype,
+                    inverse_frequencies, rotary)
+
+KIND = "eagle3"
+HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"  # the file names every heads folder uses
+TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors: the training tokens' counts, where saved
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high: the outputs of layers min(1, L/3), L/2 and L-1 (0-based; the last one
+    is the output of the final layer, before the target's norm): 1, 3, 5 of 6 layers."""
+    return tuple(sorted({min(1, num_layers // 3), num_layers // 2, num_layers - 1}))
+
+
+def check_layer_ids(layer_ids, num_layers: int) -> tuple[int, ...]:
+    layer_ids = tuple(int(i) for i in layer_ids)
+    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+        raise SpecdecError(f"EAGLE layer ids {list(layer_ids)} must be distinct decoder layers of the target, "
+                           f"which has {num_layers} (ids 0..{num_layers - 1}): e.g. "
+                           f"{' '.join(map(str, default_layer_ids(num_layers)))}")
+    return layer_ids
+
+
+class EagleHead(nn.Module):
+    kind = KIND
+
+    def __init__(self, config: LlamaConfig, layer_ids, draft_ids: torch.Tensor):
+        """config: the target's; layer_ids: which of its decoder layers' outputs the head reads;
+        draft_ids (N,): the sorted target ids of the draft vocabulary."""
+        super().__init__()
+        V, C = config.vocab_size, config.hidden_size
+        if draft_ids.numel() > V:
+            raise SpecdecError(f"a draft vocabulary of {draft_ids.numel()} tokens is larger than the target's "
+                               f"{V}: choose --draft-vocab <= {V}")
+        if draft_ids.numel() < 1 or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= V:
+            raise SpecdecError(f"draft vocabulary ids must lie in the target's vocabulary 0..{V - 1}")
+        self.config, self.layer_ids = config, check_layer_ids(layer_ids, config.num_hidden_layers)
+        self.fc = Linear(len(self.layer_ids) * C, C, bias=False)
+        self.embed_norm = RMSNorm(C, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(C, config.rms_norm_eps)
+        self.proj = Linear(2 * C, C, bias=False)
+        self.layer = DecoderLayer(config)
+        self.norm = RMSNorm(C, config.rms_norm_eps)
+        self.lm_head = Linear(C, draft_ids.numel(), bias=False)
+        self.register_buffer("draft_ids", draft_ids.to(torch.long).clone())  # (N,) draft id -> target id
+        # how often each token id occurred in the training tokens (None: not recorded); a proposer may
+        # draft over the most frequent of draft_ids only (proposers/eagle.py, draft_vocab)
+        self.token_counts: torch.Tensor | None = None
+        # derived from the config, not a weight (as in the target)
+        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.draft_ids.numel()
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """(B, T, len(layer_ids) * C) target features -> (B, T, C) g."""
+        return self.fc(features)
+
+    def layer_input(self, embedded: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) embedding of the next token and (B, T, C) g or the head's own output -> (B, T, C) u."""
+        return self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(prev)], -1))
+
+    def forward(self, embedded: torch.Tensor, prev: torch.Tensor, window: Window) -> torch.Tensor:
+        """One drafting call over a window of positions with the head's KV cache (layer 0): (B, T, C) h."""
+        return self.layer(self.layer_input(embedded, prev), 0, window)
+
+    def logits(self, h: torch.Tensor, unembedding: nn.Module | None = None) -> torch.Tensor:
+        """(..., C) head output -> (..., N) logits over the draft vocabulary (or over the rows of it
+        that `unembedding` holds: a smaller draft vocabulary at drafting time)."""
+        return (self.lm_head if unembedding is None else unembedding)(self.norm(h))
+
+    def window(self, positions: torch.Tensor | None, cache=None, width: int | None = None) -> Window:
+        """The window of one drafting call: positions (B, T), or None for each row's cache length +
+        0..width-1; the caller advances or rolls back the cache."""
+        # the compute dtype (model.compute_dtype) read off its own norm: no search through the modules per draft
+        window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, width=width)
+        if cache is not None:
+            cache.check_room(window.width)
+        return window
+
+    def unroll(self, features: torch.Tensor, ahead: torch.Tensor, embedding: nn.Embedding, steps: int):
+        """The training-time test: yields (j, h_j) for draft steps j = 0..steps-1 over S base positions.
+
+        features (B, S, nC): target features f_t at positions 0..S-1; ahead (B, S + steps - 1): the
+        tokens x_1.. (ahead[:, t + j] = x_{t+1+j} is what step j at base t reads: the token its
+        previous step drafted, when that draft was accepted). h_j (B, S, C) at base t predicts
+        x_{t+2+j}. Step j attends as drafting does (module docstring): step-0 keys at positions <= t,
+        then the keys of steps 1..j at base t; step j sits at position t + j.
+        """
+        B, S, _ = features.shape
+        layer, attn = self.layer, self.layer.self_attn
+        H, Hkv, D = attn.n_heads, attn.n_kv, attn.head_dim
+        base = torch.arange(S, device=features.device)
+        causal = base[None, :] <= base[:, None]                              # (S, S) key s visible from t
+        prev, keys, values = self.fuse(features), [], []
+        for j in range(steps):
+            x = self.layer_input(embedding(ahead[:, j:j + S]), prev)        # (B, S, C)
+            qkv = attn.qkv_proj(layer.input_layernorm(x)).view(B, S, H + 2 * Hkv, D)
+            cos, sin = rotary((base + j)[None].expand(B, S), self.inv_freq, x.dtype)
+            qk = apply_rotary(qkv[:, :, :H + Hkv], cos, sin)
+            q = qk[:, :, :H].transpose(1, 2)                                   # (B, H, S, D)
+            keys.append(qk[:, :, H:].transpose(1, 2).repeat_interleave(H // Hkv, 1))     # (B, H, S, D)
+            values.append(qkv[:, :, H + Hkv:].transpose(1, 2).repeat_interleave(H // Hkv, 1))
+            scores = (q @ keys[0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))  # (B, H, S, S)
+            diagonal = [(q * k).sum(-1, keepdim=True) for k in keys[1:]]      # (B, H, S, 1) each
+            weights = torch.softmax(torch.cat([scores, *diagonal], -1) / math.sqrt(D), -1)
+            y = weights[..., :S] @ values[0]                                    # (B, H, S, D)
+            for i, v in enumerate(values[1:]):
+                y = y + weights[..., S + i:S + i + 1] * v
+            x = x + attn.o_proj(y.transpose(1, 2).reshape(B, S, H * D))
+            h = x + layer.mlp(layer.post_attention_layernorm(x))
+            yield j, h
+            prev = h
+
+
+def initial_head(target, layer_ids, draft_ids: torch.Tensor) -> EagleHead:
+    """A fresh head for `target` (fp32): the unembedding starts as the target's lm_head rows of the
+    draft vocabulary and the output norm as the target's, the rest at random (the caller seeds)."""
+    head = EagleHead(target.config, layer_ids, draft_ids)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids].float())
+        head.norm.weight.copy_(target.model.norm.weight.float())
+    return head
+
+
+def speculators_metadata(head: EagleHead, verifier: str, num_speculative_tokens: int) -> dict:
+    """The head described in the `speculators` EAGLE-3 vocabulary (an export renames these keys).
+    Their aux layer ids index transformers' hidden_states (0 = the embedding), so ours shift by one."""
+    cfg = head.config.to_dict()
+    return {
+        "speculators_model_type": KIND,
+        "architectures": ["Eagle3Speculator"],
+        "draft_vocab_size": head.draft_vocab_size,
+        "target_hidden_size": head.config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.layer_ids],
+        "norm_before_residual": False,
+        "transformer_layer_config": {**cfg, "model_type": "llama", "num_hidden_layers": 1},
+        "speculators_config": {
+            "algorithm": KIND,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+
+
+# --- checkpoint ---------------------------------------------------------------------------
+
+def save_eagle(head: EagleHead, path: str | Path, target_sha256: str, meta: dict | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the head folder atomically; matrices and norms in `dtype`, the draft ids as int64."""
+    path = Path(path)
+    info = {**(meta or {}), "kind": KIND, "target_sha256": target_sha256, "target_config": head.config.to_dict(),
+            "layer_ids": list(head.layer_ids), "draft_vocab_size": head.draft_vocab_size,
+            "dtype": str(dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in head.parameters())}
+    state = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in head.state_dict().items()}
+    if head.token_counts is not None:
+        state[TOKEN_COUNTS] = head.token_counts.to(torch.int64).contiguous()
+        info[TOKEN_COUNTS] = (f"in {HEADS_WEIGHTS}: occurrences of each token id in the "
+                              f"{int(head.token_counts.sum())} training tokens")
+    with atomic_dir(path) as tmp:
+        save_file(state, tmp / HEADS_WEIGHTS, metadata={"format": "pt", "kind": KIND})
+        (tmp / HEADS_META).write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def read_eagle_meta(path: str | Path) -> dict:
+    path = Path(path)
+    meta_file = path / HEADS_META
+    if not meta_file.exists():
+        if (path / CONFIG).exists():
+            raise SpecdecError(f"{path} is a model checkpoint ({CONFIG}, {WEIGHTS}), not an EAGLE head: pass it "
+                               "as a target or draft model, and an EAGLE head folder with --heads")
+        raise SpecdecError(f"{path} is not an EAGLE head folder (no {HEADS_META}); train one with `specdec train "
+                           "--objective eagle --target TARGET` (or --preset target-eagle)")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{meta_file} is not valid JSON ({e}); the head folder is corrupt") from None
+    if meta.get("kind") != KIND:
+        raise SpecdecError(f"{path} holds heads of kind {meta.get('kind')!r}, not an EAGLE head ({KIND}); load it "
+                           "with the proposer made for that kind (MTP heads: --draft mtp)")
+    return meta
+
+
+def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
+    """Load the head in `path` for the target checkpoint folder `target`; refuse a head trained for
+    any other target (compared by the sha256 of its model.safetensors)."""
+    path, target = Path(path), Path(target)
+    meta = read_eagle_meta(path)
+    if not (target / WEIGHTS).exists():
+        raise SpecdecError(f"{target} has no {WEIGHTS}: pass the target's checkpoint folder")
+    actual = sha256(target / WEIGHTS)
+    if actual != meta["target_sha256"]:
+        raise SpecdecError(f"the EAGLE head in {path} belongs to the target with model.safetensors sha256 "
+                           f"{meta['target_sha256'][:16]}..., but {target} has {actual[:16]}...: train a head "
+                           "for this target (specdec train --objective eagle --target ...), or pass the target "
+                           "it was trained for")
+    try:
+        state = load_file(path / HEADS_WEIGHTS)
+    except FileNotFoundError:
+        raise SpecdecError(f"{path} has no {HEADS_WEIGHTS}") from None
+    except (SafetensorError, OSError) as e:
+        raise SpecdecError(f"{path / HEADS_WEIGHTS} is corrupt or truncated ({e}); retrain the head") from None
+    counts = state.pop(TOKEN_COUNTS, None)
+    head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"])
+    head.token_counts = counts
+    try:
+        head.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise SpecdecError(f"{path / HEADS_WEIGHTS} does not match {HEADS_META} ({str(e)[:300]})") from None
+    head.to(dtype or torch.float32)
+    keep_bf16_matrices(head, DTYPES.get(meta.get("dtype")))
+    return head.eval()
+
+
+def check_head_fits(head: EagleHead, target) -> None:
+    """A head fits a target only with the config it was built for; the checkpoint hash is checked
+    by load_eagle."""
+    if head.config != target.config:
+        diff = {k: (v, getattr(target.config, k)) for k, v in head.config.to_dict().items()
+                if getattr(target.config, k) != v}
+        raise SpecdecError(f"this EAGLE head was built for another target (config differs: {diff})")
+    if compute_dtype(head) != compute_dtype(target):
+        raise SpecdecError(f"the EAGLE head computes in {compute_dtype(head)} but the target in "
+                           f"{compute_dtype(target)}: load both in one dtype (load_eagle(..., dtype=...))")
+

@@ -1,0 +1,161 @@
+"""An EAGLE-3 head as the draft (eagle.py): it drafts from the target's features, which the engine
+hands over because the proposer declares them (`features`: the head's layer ids).
+
+Alignment. The sequence is x_0..x_T (x_T the newest token, not yet in the target's cache), so the
+target's features are known at positions 0..T-1, and f_{T-1} is the one that predicted x_T. The
+head's KV cache holds its entries for the positions it has read with target features; the
+positions since ("pending": features f_t and tokens x_{t+1}, at least the newest) are fed at the
+next proposal, whose last output drafts d_1 = x_{T+1}. Each further draft is one head step on its
+own output and the token it just drafted (d_j at position T-1+j), written into the cache after the
+committed entries. After verification those draft entries are dropped (the cache is rolled back to
+the committed part): the accepted positions come back with the target's own features and are fed
+at the next proposal, as in EAGLE. So it drafts any k, one decoder-layer step per draft.
+
+Drafts are drawn from the head's distribution after the same sampling transform as the target
+(sampling.probabilities) over its draft vocabulary (base.draw), and those distributions are
+returned as draft_probs, so rejection sampling stays lossless; greedy drafts its argmax. With
+`draft_vocab=M` the head drafts over only the M of its ids most frequent in its training tokens
+(those rows of its unembedding): a cheaper unembedding, still lossless (the draft's probability
+is 0 elsewhere), acceptance tells what it loses.
+
+Works at any batch size, with specdec's LlamaForCausalLM as the target (the head shares its
+embedding and reads its decoder layers' outputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..decode import pad_right
+from ..eagle import EagleHead, check_head_fits
+from ..errors import SpecdecError
+from ..kv_cache import KVCache
+from ..lm import next_positions
+from ..model import LlamaForCausalLM, frozen_linear
+from ..sampling import SamplingConfig
+from .base import DraftVocabulary, Outcome, Proposal, draw, per_row, with_alternatives
+from .mtp import _gather_rows, _ragged_concat_index
+
+
+@dataclass
+class EagleState:
+    samplings: list[SamplingConfig]  # per row
+    cache: KVCache          # the head's: lengths (B,) = entries read with target features (during a
+                            # proposal, plus its drafts)
+    committed: list[int]    # (B,) those entries, kept on the host
+    features: torch.Tensor  # (B, W, nC) pending target features, right-padded
+    ahead: torch.Tensor     # (B, W) the token after each pending position
+    lengths: list[int]      # (B,) pending positions per row
+    fed: bool = False       # did the last proposal feed the pending positions into the cache?
+
+
+class EagleProposer:
+    """Static trees (widths > 1): the chain it drafts, with the next-best tokens of each step beside
+    it (base.with_alternatives)."""
+    name = "eagle"
+    trees = True
+    max_depth = None  # its own output feeds the next step: any depth
+
+    def __init__(self, head: EagleHead, target: LlamaForCausalLM, draft_vocab: int | None = None):
+        if not isinstance(target, LlamaForCausalLM):
+            raise SpecdecError(f"an EAGLE head drafts from specdec's own LlamaForCausalLM target, not "
+                               f"{type(target).__name__}")
+        check_head_fits(head, target)
+        self.head, self.target = head, target
+        self.features = head.layer_ids  # declared once: the engine hands these layers' outputs over
+        self.vocab_size = target.config.vocab_size
+        self.context = target.config.max_position_embeddings
+        ids = DraftVocabulary.ids_for(
+            draft_vocab, head.draft_vocab_size, None if head.token_counts is None else head.token_counts[head.draft_ids],
+            "this EAGLE head was saved without its training token counts, so no smaller draft vocabulary can be "
+            "chosen: draft over its own, or retrain it with this version of specdec")
+        self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
+                      DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """(N,) the token ids drafted over."""
+        return self.vocab.ids
+
+    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> EagleState:
+        """prompt_hidden (B, P-1, nC): the declared features over each prompt but its last token."""
+        if k < 1:
+            raise SpecdecError(f"an EAGLE head drafts k >= 1 tokens per step, got k={k}: use k >= 1 (k = 0 is "
+                               "plain decoding: leave out the draft)")
+        cfg = self.target.config
+        # the longest row's entries stay below max_len; drafts and padded windows add < 2 (k + 1)
+        cache = KVCache(1, capacity or len(prompts), cfg.num_key_value_heads, cfg.head_dim, max_len + 2 * (k + 1),
+                        dtype=prompt_hidden.dtype, device=prompt_hidden.device)
+        cache.regroup([])
+        state = EagleState([], cache, [], prompt_hidden[:0], torch.zeros(0, 0, dtype=torch.long), [])
+        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
+        return state
+
+    def join(self, state: EagleState, prompts, prompt_hidden, samplings) -> None:
+        """New rows: their prompts' features are pending (read with their first proposal)."""
+        if not prompts:
+            return
+        ahead, lengths = pad_right([p[1:] for p in prompts])  # (n, P-1), (n,)
+        state.cache.regroup(list(range(len(state.committed))), empty=len(prompts))
+        state.samplings += samplings
+        state.committed += [0] * len(prompts)
+        state.features = _cat_rows(state.features, prompt_hidden.to(state.features.dtype))
+        state.ahead = _cat_rows(state.ahead, ahead)
+        state.lengths += lengths.tolist()
+
+    def leave(self, state: EagleState, keep: list[int]) -> None:
+        state.cache.regroup(keep)
+        index = torch.tensor(keep, dtype=torch.long)
+        state.features, state.ahead = state.features[index], state.ahead[index]
+        state.samplings, state.committed, state.lengths = ([rows[b] for b in keep] for rows in (
+            state.samplings, state.committed, state.lengths))
+
+    def propose(self, state: EagleState, limits, widths, generator) -> Proposal:
+        B, m, W = limits.shape[0], int(limits.max()), state.features.shape[1]
+        state.fed = False
+        if m == 0 or W == 0:
+            return Proposal.empty(B)
+        head, embed = self.head, self.target.model.embed_tokens
+        positions = next_positions(state.cache, W, self.context, longest=max(state.committed))
+        h = head(embed(state.ahead), head.fuse(state.features), head.window(positions, state.cache, W))  # (B, W, C)
+        last = torch.tensor(state.lengths).clamp(min=1)[:, None, None] - 1                            # (B, 1, 1)
+        prev = h.gather(1, last.expand(B, 1, h.shape[2]))                                              # (B, 1, C)
+        state.committed = [n + w for n, w in zip(state.committed, state.lengths)]
+        state.cache.rollback(state.committed)
+        state.fed = True
+        tokens, probs, scores = [], [], []
+        for j in range(m):
+            logits = head.logits(prev[:, 0], self.vocab.unembedding)  # (B, N)
+            p, token = draw(logits, state.samplings, generator, self.vocab, self.vocab_size)
+            tokens.append(token)
+            probs.append(p)
+            scores.append(logits)
+            if j + 1 < m:  # d_{j+1} at position T+j, its own output as the feature
+                positions = next_positions(state.cache, 1, self.context, longest=max(state.committed) + j)
+                prev = head(embed(token[:, None]), prev, head.window(positions, state.cache, 1))
+                state.cache.advance(1)
+        # a one-token prompt has no features yet: no drafts
+        lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
+        probs = None if probs[0] is None else torch.stack(probs, 1)
+        return with_alternatives(Proposal(torch.stack(tokens, 1), lengths, probs), scores, widths, self.vocab,
+                                 self.vocab_size)
+
+    def observe(self, state: EagleState, outcome: Outcome) -> None:
+        """outcome.hidden (B, m+1, nC): the declared features over [last, drafts]; the first counts[b]
+        predicted the emitted tokens, which become pending (after the unfed ones, if any)."""
+        state.cache.rollback(state.committed)  # drop the draft entries
+        drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
+        counts = outcome.counts.tolist()
+        index, state.lengths = _ragged_concat_index(state.features.shape[1], outcome.tokens.shape[1],
+                                                    state.lengths, drop, counts)
+        state.features = _gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
+        state.ahead = _gather_rows(torch.cat([state.ahead, outcome.tokens], 1), index)
+        state.fed = False  # consumed: a plain stretch's outcome follows no proposal
+
+
+def _cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows of a (B, W, ...) then rows of b (n, W', ...), right-padded with zeros to the wider."""
+    width = max(a.shape[1], b.shape[1])
+    pad = [(x.shape[0], width - x.shape[1], *x.shape[2:]) for x in (a, b)]
+    return torch.cat([torch.cat([x, x.new_zeros(p)], 1) for x, p in zip((a, b), pad)], 0)
