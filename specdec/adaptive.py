@@ -26,9 +26,9 @@ rows start from what the earlier ones taught.
 The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
 steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
 level drafted, cycling through the shapes; each probe that does not change the verdict doubles the
-next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. A
-proposer whose drafts cost almost nothing (below CHEAP × t(1) per step: n-gram lookup) is probed
-after every plain step instead, since its matches come in bursts. While drafting pays, every
+next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. When
+a one-level probe is predicted to cost less than CHEAP of the throughput (n-gram lookup under greedy
+decoding), it comes after every plain step instead, since such matches come in bursts. While drafting pays, every
 PROBE_EVERY steps one level deeper than the best is drafted instead, so the estimates of levels
 not chosen stay fresh, and a drafting choice holds for HOLD steps between weighings. `summary()` says what was chosen and why: each option's mean predicted
 speedup over plain decoding.
@@ -56,8 +56,8 @@ PROBE_EVERY = 16
 HOLD = 4
 MAX_STRETCH = 256
 REMEMBERED_WEIGHT = 2.0               # pseudo-steps a remembered q counts for in a new row
-REMEMBERED_STRETCH = MAX_STRETCH     # the longest stretch a new run starts with
-CHEAP = 0.1                           # draft seconds per step below this share of t(1): probing is free
+REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
+CHEAP = 0.1                           # a probe predicted to cost less than this share of throughput is free
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -198,10 +198,9 @@ class Adaptive:
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
         steps = 1
-        # a proposer that costs next to nothing (n-gram lookup) is probed every other step: its
-        # matches come in bursts, and a probe costs little more than the plain step it replaces
-        t1 = self.curves(self.accepted.shape[1]).seconds[1]  # a plain step's forward
-        stretch = 1 if self.draft_estimates()[1:].max() < CHEAP * t1 else self.stretch
+        # a probe predicted to cost less than CHEAP of the throughput (n-gram lookup, greedy) comes
+        # after every plain step: such matches come in bursts
+        stretch = 1 if rates[:, 1].max() >= (1 - CHEAP) * rates[0, 0] else self.stretch
         if d == 0 and self.plain_run < stretch:
             steps = stretch - self.plain_run
         elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best

@@ -202,7 +202,7 @@ def cmd_bench(args) -> None:
         for c in args.clients:
             inputs.integer("--clients values", c, low=1)
         method = (args.methods or ["draft-model"])[0]
-        args.draft, args.draft_vocab, args.ngram_max, args.ngram_min = method, None, None, None
+        args.draft, args.draft_vocab, args.ngram_max, args.ngram_min, args.dynamic_tree = method, None, None, None, False
         target = load(args.model, dtype=torch_dtype(args.dtype))
         proposer = make_proposer(args, target)
         k = args.ks[0] if args.ks else default_k(proposer)

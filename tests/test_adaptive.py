@@ -52,8 +52,8 @@ def test_rejected_drafts_and_a_steep_curve_choose_plain_decoding():
     assert controller.summary()["predicted_speedup"]["chain:1"] < 1
 
 
-def test_a_proposer_that_costs_nothing_is_probed_after_every_plain_step():
-    controller = run_controller(STEEP, accept=False, steps=60, level=1e-6)
+def test_a_probe_that_costs_next_to_nothing_comes_after_every_plain_step():
+    controller = run_controller(FLAT, accept=False, steps=60, level=1e-6)
     assert controller.choose()[2] == 1  # plain for one step at a time
     assert controller.choices["plain"] < 40
 
