@@ -92,7 +92,7 @@ _LOADED: dict[Path, VerifyCurve] = {}  # curves read from disk in this process
 
 def machine() -> dict:
     """What a stored curve's times depend on besides the model."""
-    return {"cpu": _cpu_model(), "isa": kernels.isa() or "pytorch",
+    return {"cpu": cpu_model(), "isa": kernels.isa() or "pytorch",
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
@@ -122,11 +122,11 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return platform.processor() or "unknown"

@@ -54,11 +54,6 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
-def is_chain_prefix(path: list[int]) -> bool:
-    """Whether the path is 0, 1, .., n-1: its entries already follow each other in the window."""
-    return all(node == i for i, node in enumerate(path))
-
-
 def on_chain(path: list[int], chain: list[int]) -> int:
     """How many leading nodes of the accepted path are the proposer's main chain (its node indices
     `chain`, one per depth): the drafts a proposer that fed its chain onward may keep."""

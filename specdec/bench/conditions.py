@@ -11,20 +11,11 @@ from pathlib import Path
 import torch
 
 from .. import kernels
+from ..calibration import cpu_model
 from ..checkpoint import WEIGHTS, sha256
 from ..model import compute_dtype
 
 UNKNOWN = "unknown"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or UNKNOWN
 
 
 def git_sha() -> str:
