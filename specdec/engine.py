@@ -140,6 +140,10 @@ class Engine:
         limits = draft_limits([r.row.budget for r in self.requests], depth)
         proposal = proposer.propose(state, limits, shape, self.generator()).trimmed()   # propose
         t_proposed = clock()
+        if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
+            self.plain_left = 1
+            self.plain_step()
+            return
         drafts = proposal.tokens.tolist()                             # (B, m)
         window = torch.tensor([[token] + row for token, row in zip(self.last, drafts)])  # (B, 1+m)
         if proposal.parents is None:                                  # a chain: causal, default positions
