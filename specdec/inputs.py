@@ -115,7 +115,7 @@ def draft_length(k, proposer, widths=None) -> None:
     integer("k (draft tokens per step)", k, low=0)
     if proposer is None and k > 0:
         raise SpecdecError(f"k={k} draft tokens per step needs a proposer: pass proposer=build_proposer(...) "
-                           "(command line: --draft draft-model|ngram|mtp|eagle), or leave k out for plain decoding")
+                           "(command line: --draft draft-model|ngram|mtp|suffix|eagle), or leave k out for plain decoding")
 
 
 def draft_options(draft: str, given: dict[str, object]) -> None:
