@@ -15,9 +15,10 @@ What specdec trains maps onto these as follows:
       specdec (eagle.py):          u = P [n_e; n_g]                        (P: 2C -> C)
                                    q,k,v = W_qkv RMSNorm(u);  h = u + Attn(q,k,v); ...
   The RMSNorm between P and W_qkv divides by the rms of u at each position, so P does not fold
-  into W_qkv, and the residual stream is u, not g. No weights make one compute the other; the
-  export refuses rather than write a head that would load and draft badly (tests/test_export.py
-  loads the nearest fold with speculators: logits up to ~10 away, argmax agreement near 0).
+  into W_qkv, and the residual stream is u, not g: for a trained head no weights of theirs compute
+  it. The export refuses rather than write a head that would load and draft badly
+  (tests/test_export.py loads the nearest fold with speculators: logits up to ~10 away, argmax
+  agreement near 0).
 - MTP heads: speculators' MTP format is one module (`num_nextn_predict_layers` must be 1) built on
   Qwen3-family layers, whose q/k per-head RMSNorms a Llama layer lacks, over the verifier's full
   vocabulary; specdec's heads are several Llama-layer modules (sequential, DeepSeek-V3 style) or
