@@ -330,6 +330,14 @@ def cmd_simulate(args) -> None:
               f"less than over fewer; {cause}", file=sys.stderr)
 
 
+def cmd_export(args) -> None:
+    from .export import export, serve_command
+
+    record = export(args.path, args.out, args.format, args.verifier)
+    print(f"exported {args.path} ({record['kind']}) to {args.out} for verifier "
+          f"{record['verifier']['name_or_path']}; serve it with:\n  {serve_command(record)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -519,6 +527,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--expert-fraction", type=float, default=0.6,
                    help="share of a 1-token forward's weight bytes that are expert weights (MoE estimate)")
     s.set_defaults(func=cmd_simulate)
+
+    x = sub.add_parser("export", help="write a draft in a serving engine's format (vLLM: speculators)",
+                       description="Export a draft model for vLLM's speculative decoding. EAGLE and MTP heads "
+                                   "have no exact speculators form and are refused with the reason.")
+    x.add_argument("path", help="the draft's folder (a draft model checkpoint)")
+    x.add_argument("out", help="a new (or empty) folder to write")
+    x.add_argument("--format", choices=["speculators"], default="speculators", help="the output format")
+    x.add_argument("--verifier", help="the target it drafts for: checkpoint folder or hub name "
+                                      "(default: the teacher its specdec.json names)")
+    x.set_defaults(func=cmd_export)
     for command in sub.choices.values():
         command.formatter_class = ShownDefaults
     return p

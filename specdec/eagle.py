@@ -23,8 +23,9 @@ diagonal), so that what the head computes while drafting k tokens is what it was
 Weight layout. EAGLE-3's reference layer feeds the 2C-wide [embedding; hidden] into a q/k/v
 projection of 2C inputs; here a 2C -> C projection (`proj`) feeds a standard decoder layer, so that
 the layer runs as one call of the CPU kernels (model.py) like the target's own layers. The metadata
-uses the `speculators` EAGLE-3 vocabulary (`speculators_metadata`); the weights would need that
-projection folded in for a `speculators` export.
+uses the `speculators` EAGLE-3 vocabulary (`speculators_metadata`), but the weights have no exact
+form in that layout: the layer's input RMSNorm sits between `proj` and q/k/v, so `proj` does not
+fold into them, and the residual is u, not g (export.py says how the two differ).
 
 A head folder holds heads.safetensors and heads.json (kind "eagle3", the target's config and the
 sha256 of its model.safetensors, the layer ids, the draft vocabulary size, training settings). It

@@ -1,0 +1,148 @@
+"""Hand a specdec draft to a GPU serving engine: `specdec export --format speculators PATH OUT`.
+
+vLLM reads speculative drafts in the layouts of the `speculators` package (0.9: EAGLE-3 and its
+parallel variant, MTP, DFlash and its variants), and an independent draft model as a plain
+transformers checkpoint (`"method": "draft_model"`; speculators has no format of its own for it).
+What specdec trains maps onto these as follows:
+
+- A draft model (config.json + model.safetensors, transformers' Llama layout and names) is already
+  what vLLM reads: the export copies the checkpoint byte for byte and adds `specdec_export.json`,
+  naming the verifier (name or path, architecture) and the speculative config that serves it.
+- An EAGLE head has no exact speculators form. Both forms start from the same fused features
+  g = fc(f) and the same [RMSNorm(Emb(x)); RMSNorm(g)], then differ:
+      speculators / vLLM EAGLE-3:  q,k,v = W_qkv [n_e; n_g]                (W_qkv reads 2C)
+                                   h = g + Attn(q,k,v); h = h + MLP(RMSNorm(h))
+      specdec (eagle.py):          u = P [n_e; n_g]                        (P: 2C -> C)
+                                   q,k,v = W_qkv RMSNorm(u);  h = u + Attn(q,k,v); ...
+  The RMSNorm between P and W_qkv divides by the rms of u at each position, so P does not fold
+  into W_qkv, and the residual stream is u, not g: for a trained head no weights of theirs compute
+  it. The export refuses rather than write a head that would load and draft badly
+  (tests/test_export.py loads the nearest fold with speculators: logits up to ~10 away, argmax
+  agreement near 0).
+- MTP heads: speculators' MTP format is one module (`num_nextn_predict_layers` must be 1) built on
+  Qwen3-family layers, whose q/k per-head RMSNorms a Llama layer lacks, over the verifier's full
+  vocabulary; specdec's heads are several Llama-layer modules (sequential, DeepSeek-V3 style) or
+  independent layers over the trunk's state (parallel). Neither maps exactly; the export refuses.
+
+The output folder is written atomically (atomic.py) and never over a non-empty folder.
+
+This module knows nothing about drafting, training or how vLLM runs the draft.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .atomic import atomic_dir
+from .checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model, read_config, read_meta, sha256
+from .eagle import HEADS_META
+from .errors import SpecdecError
+
+FORMATS = ("speculators",)
+RECORD = "specdec_export.json"  # beside the exported checkpoint: where it came from, which verifier, how to serve
+NUM_SPECULATIVE_TOKENS = 3      # the k written into the serving config; the shipped draft's best k is 2-3
+
+
+def export(path: str | Path, out: str | Path, fmt: str = "speculators", verifier: str | None = None) -> dict:
+    """Export the draft in `path` to the folder `out` in format `fmt`; returns the record written
+    beside it. `verifier`: the target the draft serves (a checkpoint folder or a hub name); by
+    default the one the draft was distilled from, when its specdec.json names it."""
+    path, out = Path(path), Path(out)
+    if fmt not in FORMATS:
+        raise SpecdecError(f"unknown export format {fmt!r}: the formats are {', '.join(FORMATS)}")
+    if not path.is_dir():
+        raise SpecdecError(f"no folder at {path}: pass a draft model's checkpoint folder (e.g. models/draft)")
+    check_out(out, path)
+    kind = folder_kind(path)
+    if kind == "eagle3":
+        raise SpecdecError(
+            f"{path} is an EAGLE head, which has no exact form in speculators' EAGLE-3 layout (the one vLLM "
+            "reads): there the layer feeds [RMSNorm(embedding); RMSNorm(g)] (2C wide) straight into q/k/v and "
+            "adds the attention output to g; specdec's head projects it to C first and its layer normalises "
+            "that projection (input RMSNorm) before q/k/v and adds the attention output to the projection. "
+            "A norm between the projection and q/k/v cannot be folded away, so no weights reproduce the head. "
+            "Export the draft model instead (specdec export --format speculators models/draft OUT), or train "
+            "an EAGLE-3 head in that layout with speculators' own trainer")
+    if kind.startswith("mtp"):
+        raise SpecdecError(
+            f"{path} holds MTP heads ({kind}), which no speculators format admits: its MTP format is one "
+            "module of Qwen3-family layers (per-head q/k norms that these Llama layers lack) over the "
+            "verifier's full vocabulary, and specdec's are several modules of Llama layers. The formats "
+            "`specdec export` writes: a draft model (specdec export --format speculators models/draft OUT)")
+    return export_draft_model(path, out, verifier)
+
+
+def folder_kind(path: Path) -> str:
+    """'draft-model', 'eagle3' or the kind of MTP heads in `path`; an error for anything else."""
+    if (path / HEADS_META).exists():
+        try:
+            return str(json.loads((path / HEADS_META).read_text()).get("kind"))
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{path / HEADS_META} is not valid JSON ({e}); the heads folder is corrupt") from None
+    if (path / CONFIG).exists() and (path / WEIGHTS).exists():
+        return "draft-model"
+    raise SpecdecError(f"{path} is neither a model checkpoint ({CONFIG} + {WEIGHTS}) nor a heads folder "
+                       f"({HEADS_META}): pass a draft model folder such as models/draft")
+
+
+def check_out(out: Path, source: Path) -> None:
+    if out.resolve() == source.resolve():
+        raise SpecdecError(f"the output folder {out} is the draft's own folder: choose a new folder")
+    if out.exists() and not out.is_dir():
+        raise SpecdecError(f"{out} is a file: choose a new folder for the export")
+    if out.is_dir() and any(out.iterdir()):
+        raise SpecdecError(f"{out} exists and is not empty: choose a new folder, or delete it first")
+
+
+def verifier_record(verifier: str | None, draft: Path, draft_config: dict) -> dict:
+    """The verifier as speculators names it (`name_or_path`, `architectures`). A local checkpoint
+    folder is read and must share the draft's vocabulary (vLLM's draft_model method requires it)."""
+    if verifier is None:
+        verifier = read_meta(draft).get("recipe", {}).get("teacher")
+    if verifier is None:
+        raise SpecdecError(f"{draft} does not record the target it drafts for: pass --verifier with the "
+                           "target's checkpoint folder or its hub name")
+    folder = Path(verifier)
+    if not folder.is_dir():  # a hub name: nothing to read here; specdec's models are Llama
+        return {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"],
+                "architectures_source": "assumed (not a local folder): specdec trains drafts for Llama targets"}
+    target = read_config(folder)
+    if target.get("vocab_size") != draft_config.get("vocab_size"):
+        raise SpecdecError(f"the draft's vocabulary has {draft_config.get('vocab_size')} ids but the verifier "
+                           f"{folder}'s has {target.get('vocab_size')}: vLLM drafts only with a draft that shares "
+                           "the target's tokenizer; pass the target this draft was trained for")
+    if (folder / TOKENIZER).exists() and (draft / TOKENIZER).exists() and \
+            sha256(folder / TOKENIZER) != sha256(draft / TOKENIZER):
+        raise SpecdecError(f"{draft / TOKENIZER} differs from {folder / TOKENIZER}: the draft must use the "
+                           "target's tokenizer; pass the target this draft was trained for")
+    return {"name_or_path": str(folder), "architectures": target.get("architectures", ["LlamaForCausalLM"])}
+
+
+def export_draft_model(path: Path, out: Path, verifier: str | None) -> dict:
+    config = read_config(path)
+    load_model(path)  # refuses a config that does not match its weights, before anything is written
+    record = {
+        "format": "speculators",
+        "kind": "draft-model",
+        "note": "speculators has no format for an independent draft model; vLLM reads this transformers "
+                "checkpoint directly with the speculative method draft_model",
+        "source": str(path),
+        "source_sha256": sha256(path / WEIGHTS),
+        "draft_architectures": config.get("architectures"),
+        "verifier": verifier_record(verifier, path, config),
+    }
+    record["vllm_speculative_config"] = {"method": "draft_model", "model": str(out),
+                                         "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    with atomic_dir(out) as tmp:
+        for name in (CONFIG, WEIGHTS, TOKENIZER):
+            if (path / name).exists():
+                shutil.copyfile(path / name, tmp / name)
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def serve_command(record: dict) -> str:
+    """The vLLM command line that serves the verifier with the exported draft."""
+    config = json.dumps(record["vllm_speculative_config"])
+    return f"vllm serve {record['verifier']['name_or_path']} --speculative-config '{config}'"
