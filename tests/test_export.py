@@ -93,10 +93,12 @@ SPECULATORS_IMPORTS = ["torch==2.13.0", "transformers>=5.0,<=5.19.0", "loguru>=0
 
 
 @pytest.fixture(scope="session")
-def speculators_python(pytestconfig) -> Path:
+def speculators_python(pytestconfig, tmp_path_factory) -> Path:
     """A Python with `speculators` installed, made once and kept in pytest's cache (about 70 s the
-    first time, from PyPI; skipped with the reason where PyPI cannot be reached)."""
-    venv = pytestconfig.cache.mkdir("speculators-0.9.0-venv")
+    first time, from PyPI; skipped with the reason where PyPI cannot be reached); in a temporary
+    folder where the cache is turned off (-p no:cacheprovider)."""
+    cache = getattr(pytestconfig, "cache", None)
+    venv = cache.mkdir("speculators-0.9.0-venv") if cache else tmp_path_factory.mktemp("speculators-venv")
     python = venv / "bin" / "python"
     if not (venv / "ready").exists():
         steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
