@@ -36,24 +36,18 @@ This module knows nothing about losses, optimisers, caches beyond one window, or
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .atomic import atomic_dir
-from .checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
 from .errors import SpecdecError
+from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
 from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary, compute_dtype,
                     inverse_frequencies, rotary)
 
 KIND = "eagle3"
-HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"  # the file names every heads folder uses
-TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors: the training tokens' counts, where saved
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -203,70 +197,30 @@ def speculators_metadata(head: EagleHead, verifier: str, num_speculative_tokens:
 def save_eagle(head: EagleHead, path: str | Path, target_sha256: str, meta: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the head folder atomically; matrices and norms in `dtype`, the draft ids as int64."""
-    path = Path(path)
     info = {**(meta or {}), "kind": KIND, "target_sha256": target_sha256, "target_config": head.config.to_dict(),
             "layer_ids": list(head.layer_ids), "draft_vocab_size": head.draft_vocab_size,
             "dtype": str(dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in head.parameters())}
-    state = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
-             for k, v in head.state_dict().items()}
-    if head.token_counts is not None:
-        state[TOKEN_COUNTS] = head.token_counts.to(torch.int64).contiguous()
-        info[TOKEN_COUNTS] = (f"in {HEADS_WEIGHTS}: occurrences of each token id in the "
-                              f"{int(head.token_counts.sum())} training tokens")
-    with atomic_dir(path) as tmp:
-        save_file(state, tmp / HEADS_WEIGHTS, metadata={"format": "pt", "kind": KIND})
-        (tmp / HEADS_META).write_text(json.dumps(info, indent=2) + "\n")
-    return path
+    return write_head_folder(head, path, info, dtype)
 
 
 def read_eagle_meta(path: str | Path) -> dict:
-    path = Path(path)
-    meta_file = path / HEADS_META
-    if not meta_file.exists():
-        if (path / CONFIG).exists():
-            raise SpecdecError(f"{path} is a model checkpoint ({CONFIG}, {WEIGHTS}), not an EAGLE head: pass it "
-                               "as a target or draft model, and an EAGLE head folder with --heads")
-        raise SpecdecError(f"{path} is not an EAGLE head folder (no {HEADS_META}); train one with `specdec train "
-                           "--objective eagle --target TARGET` (or --preset target-eagle)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecdecError(f"{meta_file} is not valid JSON ({e}); the head folder is corrupt") from None
-    if meta.get("kind") != KIND:
-        raise SpecdecError(f"{path} holds heads of kind {meta.get('kind')!r}, not an EAGLE head ({KIND}); load it "
-                           "with the proposer made for that kind (MTP heads: --draft mtp)")
-    return meta
+    return read_head_meta(
+        path, (KIND,), "not an EAGLE head: pass it as a target or draft model, and an EAGLE head folder with "
+        "--heads", "is not an EAGLE head folder", "train one with `specdec train --objective eagle --target "
+        "TARGET` (or --preset target-eagle)", "the head folder is corrupt",
+        f"not an EAGLE head ({KIND}); load it with the proposer made for that kind (MTP heads: --draft mtp)")
 
 
 def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
     """Load the head in `path` for the target checkpoint folder `target`; refuse a head trained for
     any other target (compared by the sha256 of its model.safetensors)."""
-    path, target = Path(path), Path(target)
+    path = Path(path)
     meta = read_eagle_meta(path)
-    if not (target / WEIGHTS).exists():
-        raise SpecdecError(f"{target} has no {WEIGHTS}: pass the target's checkpoint folder")
-    actual = sha256(target / WEIGHTS)
-    if actual != meta["target_sha256"]:
-        raise SpecdecError(f"the EAGLE head in {path} belongs to the target with model.safetensors sha256 "
-                           f"{meta['target_sha256'][:16]}..., but {target} has {actual[:16]}...: train a head "
-                           "for this target (specdec train --objective eagle --target ...), or pass the target "
-                           "it was trained for")
-    try:
-        state = load_file(path / HEADS_WEIGHTS)
-    except FileNotFoundError:
-        raise SpecdecError(f"{path} has no {HEADS_WEIGHTS}") from None
-    except (SafetensorError, OSError) as e:
-        raise SpecdecError(f"{path / HEADS_WEIGHTS} is corrupt or truncated ({e}); retrain the head") from None
-    counts = state.pop(TOKEN_COUNTS, None)
+    state = read_head_state(path, target, meta, "the EAGLE head in {path} belongs", "train a head for this target "
+                            "(specdec train --objective eagle --target ...), or pass the target it was trained "
+                            "for", "retrain the head")
     head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"])
-    head.token_counts = counts
-    try:
-        head.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise SpecdecError(f"{path / HEADS_WEIGHTS} does not match {HEADS_META} ({str(e)[:300]})") from None
-    head.to(dtype or torch.float32)
-    keep_bf16_matrices(head, DTYPES.get(meta.get("dtype")))
-    return head.eval()
+    return loaded_head(head, state, path, meta, dtype)
 
 
 def check_head_fits(head: EagleHead, target) -> None:

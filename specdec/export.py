@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .atomic import atomic_dir
 from .checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model, read_config, read_meta, sha256
-from .eagle import HEADS_META
+from .heads import HEADS_META
 from .errors import SpecdecError
 
 FORMATS = ("speculators",)

@@ -172,67 +172,101 @@ def teacher_forced(heads: MTPHeads, trunk, hidden: torch.Tensor, tokens: torch.T
 def save_heads(heads: MTPHeads, path: str | Path, target_sha256: str, meta: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the heads folder atomically. target_sha256: sha256 of the target's model.safetensors."""
-    path = Path(path)
     info = {**(meta or {}), "kind": heads.kind, "depth": heads.depth, "target_sha256": target_sha256,
             "target_config": heads.config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
             "parameters": sum(p.numel() for p in heads.parameters())}
-    state = {k: v.detach().to(dtype).contiguous() for k, v in heads.state_dict().items()}
-    if heads.token_counts is not None:
-        state[TOKEN_COUNTS] = heads.token_counts.to(torch.int64).contiguous()
-        info[TOKEN_COUNTS] = (f"in {HEADS_WEIGHTS}: occurrences of each token id in the "
-                              f"{int(heads.token_counts.sum())} training tokens")
-    with atomic_dir(path) as tmp:
-        save_file(state, tmp / HEADS_WEIGHTS, metadata={"format": "pt", "kind": heads.kind})
-        (tmp / HEADS_META).write_text(json.dumps(info, indent=2) + "\n")
-    return path
+    return write_head_folder(heads, path, info, dtype)
 
 
 def read_heads_meta(path: str | Path) -> dict:
-    path = Path(path)
-    meta_file = path / HEADS_META
-    if not meta_file.exists():
-        if (path / CONFIG).exists():
-            raise SpecdecError(f"{path} is a model checkpoint ({CONFIG}, {WEIGHTS}), not MTP heads: pass it "
-                               "as a target or draft model")
-        raise SpecdecError(f"{path} is not an MTP heads folder (no {HEADS_META}); train heads with `specdec "
-                           "train --objective mtp-sequential --frozen-trunk TARGET`")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecdecError(f"{meta_file} is not valid JSON ({e}); the heads folder is corrupt") from None
-    if meta.get("kind") not in HEAD_KINDS:
-        raise SpecdecError(f"{path} holds heads of kind {meta.get('kind')!r}, not MTP heads "
-                           f"({', '.join(HEAD_KINDS)}); load it with the proposer made for that kind")
-    return meta
+    return read_head_meta(
+        path, HEAD_KINDS, "not MTP heads: pass it as a target or draft model",
+        "is not an MTP heads folder", "train heads with `specdec train --objective mtp-sequential --frozen-trunk "
+        "TARGET`", "the heads folder is corrupt",
+        f"not MTP heads ({', '.join(HEAD_KINDS)}); load it with the proposer made for that kind")
 
 
 def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None = None) -> MTPHeads:
     """Load the heads in `path` for the target checkpoint folder `target`; refuse heads trained
     for any other target (compared by the sha256 of its model.safetensors)."""
-    path, target = Path(path), Path(target)
+    path = Path(path)
     meta = read_heads_meta(path)
+    state = read_head_state(path, target, meta, "the MTP heads in {path} belong", "train heads for this target, or "
+                            "pass the target they were trained for", "retrain the heads")
+    heads = build_heads(meta["kind"], LlamaConfig.from_dict(meta["target_config"]), meta["depth"])
+    return loaded_head(heads, state, path, meta, dtype)
+
+
+# --- the folder of a drafter trained on a target: MTP heads here, an EAGLE head (eagle.py) ---
+
+def write_head_folder(head: nn.Module, path: str | Path, info: dict, dtype: torch.dtype) -> Path:
+    """Write a head folder atomically: its floating tensors in `dtype` (others as they are), its
+    training token counts (if any) as int64, and `info` (which names its "kind") as HEADS_META."""
+    path = Path(path)
+    state = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in head.state_dict().items()}
+    if head.token_counts is not None:
+        state[TOKEN_COUNTS] = head.token_counts.to(torch.int64).contiguous()
+        info[TOKEN_COUNTS] = (f"in {HEADS_WEIGHTS}: occurrences of each token id in the "
+                              f"{int(head.token_counts.sum())} training tokens")
+    with atomic_dir(path) as tmp:
+        save_file(state, tmp / HEADS_WEIGHTS, metadata={"format": "pt", "kind": info["kind"]})
+        (tmp / HEADS_META).write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def read_head_meta(path: str | Path, kinds, not_heads: str, not_folder: str, train: str, corrupt: str,
+                   other_kind: str) -> dict:
+    """HEADS_META of a head folder whose kind is one of `kinds`, or a SpecdecError built from the
+    caller's words: a model checkpoint passed instead (`not_heads`), no head folder (`not_folder`,
+    `train`), unreadable JSON (`corrupt`), a head of another kind (`other_kind`)."""
+    path = Path(path)
+    meta_file = path / HEADS_META
+    if not meta_file.exists():
+        if (path / CONFIG).exists():
+            raise SpecdecError(f"{path} is a model checkpoint ({CONFIG}, {WEIGHTS}), {not_heads}")
+        raise SpecdecError(f"{path} {not_folder} (no {HEADS_META}); {train}")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{meta_file} is not valid JSON ({e}); {corrupt}") from None
+    if meta.get("kind") not in kinds:
+        raise SpecdecError(f"{path} holds heads of kind {meta.get('kind')!r}, {other_kind}")
+    return meta
+
+
+def read_head_state(path: Path, target: str | Path, meta: dict, belongs: str, train: str,
+                    retrain: str) -> dict[str, torch.Tensor]:
+    """The tensors of the head folder `path` (its token counts included), after checking that it
+    was trained for the checkpoint folder `target` (the sha256 of its model.safetensors);
+    `belongs` (formatted with path), `train` and `retrain` word the errors."""
+    target = Path(target)
     if not (target / WEIGHTS).exists():
         raise SpecdecError(f"{target} has no {WEIGHTS}: pass the target's checkpoint folder")
     actual = sha256(target / WEIGHTS)
     if actual != meta["target_sha256"]:
-        raise SpecdecError(f"the MTP heads in {path} belong to the target with model.safetensors sha256 "
-                           f"{meta['target_sha256'][:16]}..., but {target} has {actual[:16]}...: train "
-                           "heads for this target, or pass the target they were trained for")
-    heads = build_heads(meta["kind"], LlamaConfig.from_dict(meta["target_config"]), meta["depth"])
+        raise SpecdecError(f"{belongs.format(path=path)} to the target with model.safetensors sha256 "
+                           f"{meta['target_sha256'][:16]}..., but {target} has {actual[:16]}...: {train}")
     try:
-        state = load_file(path / HEADS_WEIGHTS)
+        return load_file(path / HEADS_WEIGHTS)
     except FileNotFoundError:
         raise SpecdecError(f"{path} has no {HEADS_WEIGHTS}") from None
     except (SafetensorError, OSError) as e:
-        raise SpecdecError(f"{path / HEADS_WEIGHTS} is corrupt or truncated ({e}); retrain the heads") from None
-    heads.token_counts = state.pop(TOKEN_COUNTS, None)
+        raise SpecdecError(f"{path / HEADS_WEIGHTS} is corrupt or truncated ({e}); {retrain}") from None
+
+
+def loaded_head(head: nn.Module, state: dict[str, torch.Tensor], path: Path, meta: dict,
+                dtype: torch.dtype | None):
+    """`head` with `state` (read_head_state) loaded, in `dtype` (default fp32) with its matrices kept
+    in bf16 where the folder stored them so, ready for inference."""
+    head.token_counts = state.pop(TOKEN_COUNTS, None)
     try:
-        heads.load_state_dict(state, strict=True)
+        head.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise SpecdecError(f"{path / HEADS_WEIGHTS} does not match {HEADS_META} ({str(e)[:300]})") from None
-    heads.to(dtype or torch.float32)
-    keep_bf16_matrices(heads, DTYPES.get(meta.get("dtype")))
-    return heads.eval()
+    head.to(dtype or torch.float32)
+    keep_bf16_matrices(head, DTYPES.get(meta.get("dtype")))
+    return head.eval()
 
 
 def check_heads_fit(heads: MTPHeads, trunk) -> None:
