@@ -48,10 +48,7 @@ def cmd_generate(args) -> None:
     prompt = inputs.prompts(args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval))[0]
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
-    inputs.draft_options(args.draft, {"-k": args.k, "--tree": args.tree,
-                                      "--dynamic-tree": args.dynamic_tree or None, "--draft-model": args.draft_model, "--heads": args.heads,
-                                      "--draft-vocab": args.draft_vocab, "--ngram-max": args.ngram_max,
-                                      "--ngram-min": args.ngram_min})
+    inputs.draft_options(args.draft, draft_options_given(args))
     target = load(args.model, dtype=torch_dtype(args.dtype))
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
@@ -81,10 +78,7 @@ def cmd_serve(args) -> None:
     from .serve.app import create_app
     from .serve.service import Service
 
-    inputs.draft_options(args.draft, {"-k": args.k, "--tree": args.tree,
-                                      "--dynamic-tree": args.dynamic_tree or None, "--draft-model": args.draft_model,
-                                      "--heads": args.heads, "--draft-vocab": args.draft_vocab,
-                                      "--ngram-max": args.ngram_max, "--ngram-min": args.ngram_min})
+    inputs.draft_options(args.draft, draft_options_given(args))
     inputs.integer("--max-batch", args.max_batch, low=1)
     inputs.integer("--max-queue", args.max_queue, low=1)
     inputs.integer("--port", args.port, low=1, high=65535)
@@ -158,6 +152,40 @@ def make_proposer(args, target):
                               draft_vocab=args.draft_vocab)
     sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
     return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
+
+
+def add_draft_arguments(p: argparse.ArgumentParser) -> None:
+    """The proposer and its options, the same for `generate` and `serve`."""
+    p.add_argument("--draft", choices=["none", *DRAFTS], default="none",
+                   help="speculative decoding with this proposer (default: plain decoding; mtp: the "
+                        "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features; "
+                        "suffix: suffix-tree lookup over the prompt and earlier outputs)")
+    p.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
+    p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle "
+                                   "(default: the shipped target's)")
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="--draft mtp, eagle or draft-model: draft over the N token ids most frequent in the "
+                        "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
+                        "an EAGLE head's own draft vocabulary)")
+    p.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
+                                            "from the measured acceptance and this machine's costs, 0 (plain "
+                                            "decoding) included (default: auto)")
+    p.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
+                   help="draft a tree of at most Wd tokens at depth d (e.g. 3,2,2: 3 candidates for the next "
+                        "token, 2 after the best, ...); with -k auto (the default), the tree tried beside chains; "
+                        "with -k N (N = its depth), always this tree")
+    p.add_argument("--dynamic-tree", action="store_true",
+                   help="--draft draft-model with --tree: grow the tree by the draft's confidence (EAGLE-2: the "
+                        "best-scored candidates of all nodes at each depth) instead of beside its chain")
+    p.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
+    p.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
+
+
+def draft_options_given(args) -> dict[str, object]:
+    """The draft options set on the command line, by flag (for inputs.draft_options)."""
+    return {"-k": args.k, "--tree": args.tree, "--dynamic-tree": args.dynamic_tree or None,
+            "--draft-model": args.draft_model, "--heads": args.heads, "--draft-vocab": args.draft_vocab,
+            "--ngram-max": args.ngram_max, "--ngram-min": args.ngram_min}
 
 
 def draft_k(text: str) -> int | str:
@@ -406,29 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--draft", choices=["none", *DRAFTS], default="none",
-                   help="speculative decoding with this proposer (default: plain decoding; mtp: the "
-                        "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features; "
-                        "suffix: suffix-tree lookup over the prompt and earlier outputs)")
-    g.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
-    g.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle "
-                                   "(default: the shipped target's)")
-    g.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="--draft mtp, eagle or draft-model: draft over the N token ids most frequent in the "
-                        "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
-                        "an EAGLE head's own draft vocabulary)")
-    g.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
-                                            "from the measured acceptance and this machine's costs, 0 (plain "
-                                            "decoding) included (default: auto)")
-    g.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
-                   help="draft a tree of at most Wd tokens at depth d (e.g. 3,2,2: 3 candidates for the next "
-                        "token, 2 after the best, ...); with -k auto (the default), the tree tried beside chains; "
-                        "with -k N (N = its depth), always this tree")
-    g.add_argument("--dynamic-tree", action="store_true",
-                   help="--draft draft-model with --tree: grow the tree by the draft's confidence (EAGLE-2: the "
-                        "best-scored candidates of all nodes at each depth) instead of beside its chain")
-    g.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
-    g.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
+    add_draft_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("calibrate", help="measure the target's verify-cost curve on this machine for -k auto",
@@ -450,18 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=8000, help="TCP port")
     v.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
-    v.add_argument("--draft", choices=["none", *DRAFTS], default="none",
-                   help="speculative decoding with this proposer (default: plain decoding)")
-    v.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
-    v.add_argument("--heads", help="MTP heads folder for --draft mtp (default: the shipped target's heads)")
-    v.add_argument("--draft-vocab", type=int, metavar="N", help="draft over the N most frequent token ids")
-    v.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step from "
-                                            "the measured acceptance and this machine's costs (default: auto)")
-    v.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
-                   help="draft trees of at most Wd tokens at depth d (see specdec generate --help)")
-    v.add_argument("--dynamic-tree", action="store_true", help="--draft draft-model: dynamic trees (EAGLE-2)")
-    v.add_argument("--ngram-max", type=int, help="--draft ngram: longest n-gram matched (default: 3)")
-    v.add_argument("--ngram-min", type=int, help="--draft ngram: shortest n-gram matched (default: 1)")
+    add_draft_arguments(v)
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a row; more are refused with 429")
