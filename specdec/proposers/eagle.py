@@ -35,7 +35,7 @@ from ..lm import next_positions
 from ..model import LlamaForCausalLM, frozen_linear
 from ..sampling import SamplingConfig
 from .base import DraftVocabulary, Outcome, Proposal, draw, per_row, with_alternatives
-from .mtp import _gather_rows, _ragged_concat_index
+from .mtp import _gather_rows, _ragged_concat_index, _stack_rows
 
 
 @dataclass
@@ -100,8 +100,8 @@ class EagleProposer:
         state.cache.regroup(list(range(len(state.committed))), empty=len(prompts))
         state.samplings += samplings
         state.committed += [0] * len(prompts)
-        state.features = _cat_rows(state.features, prompt_hidden.to(state.features.dtype))
-        state.ahead = _cat_rows(state.ahead, ahead)
+        state.features = _stack_rows(state.features, prompt_hidden.to(state.features.dtype))
+        state.ahead = _stack_rows(state.ahead, ahead)
         state.lengths += lengths.tolist()
 
     def leave(self, state: EagleState, keep: list[int]) -> None:
@@ -152,10 +152,3 @@ class EagleProposer:
         state.features = _gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
         state.ahead = _gather_rows(torch.cat([state.ahead, outcome.tokens], 1), index)
         state.fed = False  # consumed: a plain stretch's outcome follows no proposal
-
-
-def _cat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Rows of a (B, W, ...) then rows of b (n, W', ...), right-padded with zeros to the wider."""
-    width = max(a.shape[1], b.shape[1])
-    pad = [(x.shape[0], width - x.shape[1], *x.shape[2:]) for x in (a, b)]
-    return torch.cat([torch.cat([x, x.new_zeros(p)], 1) for x, p in zip((a, b), pad)], 0)
