@@ -42,7 +42,7 @@ import torch
 from ..errors import SpecdecError
 from ..model import frozen_linear
 from ..sampling import SamplingConfig, argmax, row_probabilities, sample
-from ..tree import caterpillar_layout
+from ..tree import caterpillar_layout, chain_parents
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Proposal:
         A tree whose real nodes all form chains 0, 1, .. is a chain."""
         m = int(self.lengths.max()) if self.lengths.numel() else 0
         parents = self.parents
-        if parents is not None and bool((parents[:, :m] == torch.arange(-1, m - 1)).all()):
+        if parents is not None and bool((parents[:, :m] == chain_parents(1, m)).all()):
             parents = None
         if m == self.tokens.shape[1] and parents is self.parents:
             return self
