@@ -38,7 +38,9 @@ from .errors import SpecdecError
 from .healing import back_off, first_tokens
 from .heads import MTPHeads, load_heads
 from .lm import causal_lm
-from .model import LlamaForCausalLM, compute_dtype
+from .device import backend, default_dtype
+from .device import resolve as resolve_device
+from .model import LlamaForCausalLM, compute_dtype, device_of
 from .proposers import Proposer
 from .proposers.mtp import MTPProposer
 from .sampling import SamplingConfig
@@ -69,24 +71,32 @@ class Result:
     stats: dict = field(default_factory=dict)
 
 
-def load(path: str | Path | None = None, dtype: torch.dtype | None = None) -> Loaded:
+def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+         ) -> Loaded:
+    """A checkpoint folder (default: the shipped target) with its tokenizer, on `device` ("cpu", the
+    default, or "cuda"), computing in `dtype` (default: float32 on the CPU, bfloat16 on CUDA). The
+    backend goes with the device and is fixed here (device.backend)."""
     t0 = time.perf_counter()
+    device = resolve_device(device)
+    dtype = dtype or default_dtype(device)
     path = Path(path) if path is not None else DEFAULT_TARGET
     if path == DEFAULT_TARGET and not path.exists():
         raise SpecdecError(f"the shipped target is missing at {path}: run from a full clone of specdec "
                            "or pass a checkpoint folder")
-    model = load_model(path, dtype=dtype)
+    model = load_model(path, dtype=dtype, device=device)
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                            f"{model.config.vocab_size}; they do not belong together")
-    kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
+    if device.type == "cpu":
+        kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
     return Loaded(model, tokenizer, path, time.perf_counter() - t0, load_token_counts(path))
 
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     """A separate draft model for `target`: it must use the very same tokenizer."""
-    draft = load(path if path is not None else DEFAULT_DRAFT, dtype=compute_dtype(target.model))
+    draft = load(path if path is not None else DEFAULT_DRAFT, dtype=compute_dtype(target.model),
+                 device=device_of(target.model))
     if draft.tokenizer.tok.get_vocab() != target.tokenizer.tok.get_vocab():
         raise SpecdecError(f"the draft model {draft.path} uses another tokenizer than the target {target.path}; "
                            "a draft must share the target's tokenizer (train it with --tokenizer "
@@ -101,7 +111,7 @@ def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
     if path == DEFAULT_HEADS and not path.exists():
         raise SpecdecError(f"the shipped MTP heads are missing at {path}: run from a full clone of specdec "
                            "or pass a heads folder")
-    return load_heads(path, target.path, dtype=compute_dtype(target.model))
+    return load_heads(path, target.path, dtype=compute_dtype(target.model), device=device_of(target.model))
 
 
 def load_eagle_head(target: Loaded, path: str | Path | None = None) -> EagleHead:
@@ -111,7 +121,7 @@ def load_eagle_head(target: Loaded, path: str | Path | None = None) -> EagleHead
     if path == DEFAULT_EAGLE and not path.exists():
         raise SpecdecError(f"the shipped EAGLE head is missing at {path}: run from a full clone of specdec "
                            "or pass a head folder")
-    return load_eagle(path, target.path, dtype=compute_dtype(target.model))
+    return load_eagle(path, target.path, dtype=compute_dtype(target.model), device=device_of(target.model))
 
 
 def default_k(proposer: Proposer | None, widths: tuple[int, ...] | None = None) -> int | str:
@@ -166,7 +176,7 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
     ids = [[EOS_ID] + h.ids for h in healed]
     check_context(target, [row + [0] * bool(h.text) for row, h in zip(ids, healed)], max_new_tokens)
     model = causal_lm(target.model, role="target")
-    generator = sampling.generator()
+    generator = sampling.generator(device_of(target.model))
     t0 = time.perf_counter()
     healing = [i for i, h in enumerate(healed) if h.text] if max_new_tokens > 0 else []
     if healing:
@@ -200,6 +210,8 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
         "load_seconds": target.load_seconds,
         "threads": torch.get_num_threads(),
         "dtype": model_dtype(target.model),
+        "device": str(device_of(target.model)),
+        "backend": backend(target.model),
     }
     return Result([r.text() for r in rows], [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
 

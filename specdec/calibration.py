@@ -25,7 +25,8 @@ import torch
 
 from . import kernels
 from .costmodel import VerifyCurve
-from .lm import causal_lm
+from .device import backend, synchronize
+from .lm import causal_lm, lm_device, module_of
 
 CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
 
@@ -40,15 +41,17 @@ def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, 
     lm = causal_lm(model, role="target")
     vocab = lm.config.vocab_size
     context_tokens = min(context_tokens, lm.config.max_position_embeddings - max(tokens_per_row))
-    g = torch.Generator().manual_seed(0)
+    g, device = torch.Generator().manual_seed(0), lm_device(lm)
     cache = lm.new_cache(batch_size, context_tokens + max(tokens_per_row))
-    lm(torch.randint(0, vocab, (batch_size, context_tokens), generator=g), cache=cache)
-    windows = {n: torch.randint(0, vocab, (batch_size, n), generator=g) for n in tokens_per_row}
+    lm(torch.randint(0, vocab, (batch_size, context_tokens), generator=g).to(device), cache=cache)
+    windows = {n: torch.randint(0, vocab, (batch_size, n), generator=g).to(device) for n in tokens_per_row}
     times = {n: [] for n in tokens_per_row}
     for r in range(repeats + 1):  # the first round warms up and is not kept
         for n, window in windows.items():
+            synchronize(device)
             t0 = time.perf_counter()
             lm(window, cache=cache)
+            synchronize(device)  # the device's work done, not only queued
             elapsed = time.perf_counter() - t0
             cache.rollback(context_tokens)
             if r:
@@ -63,7 +66,7 @@ def curve_points(max_tokens: int) -> list[int]:
 
 
 def cached_verify_curve(model, batch_size: int, max_tokens: int, remeasure: bool = False,
-                        repeats: int = 5) -> tuple[VerifyCurve, bool]:
+                        repeats: int = 5, points: list[int] | None = None) -> tuple[VerifyCurve, bool]:
     """The curve t(n), n = 1..max_tokens, at `batch_size` rows: from the disk cache when this model
     was measured on this machine before, else measured now and stored. Returns it and whether it
     was measured now (also when the stored one stops short of max_tokens)."""
@@ -76,7 +79,7 @@ def cached_verify_curve(model, batch_size: int, max_tokens: int, remeasure: bool
             return _LOADED[path], False
     # the fastest of the repeats, made non-decreasing in n (more tokens never cost less): a stored
     # curve outlives the moment it was measured in, so a busy moment must not bend it
-    fastest = measure_verify_curve(model, curve_points(max_tokens), batch_size, repeats=repeats, reduce=min)
+    fastest = measure_verify_curve(model, points or curve_points(max_tokens), batch_size, repeats=repeats, reduce=min)
     points = sorted(fastest.seconds)
     curve = VerifyCurve({n: min(fastest.seconds[m] for m in points if m >= n) for n in points}, batch_size)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +101,7 @@ def machine() -> dict:
 
 def _key(model, batch_size: int) -> str:
     lm = causal_lm(model, role="target")
-    text = json.dumps([_model_identity(lm), batch_size, machine()], sort_keys=True, default=str)
+    text = json.dumps([_model_identity(lm), batch_size, machine(), backend(module_of(lm))], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

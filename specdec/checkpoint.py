@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from . import kernels
 from .atomic import atomic_dir, recover
 from .errors import SpecdecError
-from .model import LlamaConfig, LlamaForCausalLM, compute_dtype, store_matrices_bf16
+from .model import LlamaConfig, LlamaForCausalLM, compute_dtype, place, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,10 +78,11 @@ def read_config(path: str | Path) -> dict:
         raise SpecdecError(f"{path / CONFIG} is not valid JSON ({e}); the checkpoint is corrupt, re-save or retrain it") from None
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> LlamaForCausalLM:
-    """Load a checkpoint folder to compute in `dtype` (default float32). A bf16 checkpoint
-    computed in fp32 keeps its matrices in bf16 where the CPU kernels run (exact: bf16 -> fp32
-    loses nothing); elsewhere they are converted to fp32."""
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+               ) -> LlamaForCausalLM:
+    """Load a checkpoint folder onto `device` to compute in `dtype` (default float32). A bf16
+    checkpoint computed in fp32 on the CPU keeps its matrices in bf16 where the CPU kernels run
+    (exact: bf16 -> fp32 loses nothing); elsewhere they are converted to fp32."""
     path = Path(path)
     raw = read_config(path)
     if raw.get("model_type") != "llama":
@@ -93,7 +94,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
     except (KeyError, TypeError, ValueError) as e:
         raise SpecdecError(f"{path / CONFIG} is missing or has invalid fields ({e})") from None
     try:
-        state = load_file(path / WEIGHTS, device=device)
+        state = load_file(path / WEIGHTS, device=str(device))
     except FileNotFoundError:
         raise SpecdecError(f"{path} has no {WEIGHTS} (only safetensors weights are loaded, never pickle)") from None
     except (SafetensorError, OSError) as e:
@@ -111,6 +112,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
                            f"{extra}, wrong shapes {wrong}); the config and weights come from different models")
     dtype = dtype or torch.float32
     model.load_hf_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    place(model, device)
     keep_bf16_matrices(model, DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32))
     return model.eval()
 
@@ -118,8 +120,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str =
 def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> None:
     """A model or head computing in fp32 from weights stored in bf16 keeps its matrices in bf16
     where the CPU kernels run (exact: bf16 -> fp32 loses nothing); elsewhere they stay fp32."""
-    if (stored == torch.bfloat16 and compute_dtype(module) == torch.float32 and kernels.can_store_bf16()
-            and all(p.device.type == "cpu" for p in module.parameters())):
+    if (stored == torch.bfloat16 and compute_dtype(module) == torch.float32
+            and all(p.device.type == "cpu" for p in module.parameters()) and kernels.can_store_bf16()):
         store_matrices_bf16(module)
 
 

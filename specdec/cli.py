@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def cmd_train(args) -> None:
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
                  "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k",
-                 "target", "eagle_steps", "eagle_decay", "draft_vocab"):
+                 "target", "eagle_steps", "eagle_decay", "draft_vocab", "device"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
@@ -49,7 +50,7 @@ def cmd_generate(args) -> None:
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
     inputs.draft_options(args.draft, draft_options_given(args))
-    target = load(args.model, dtype=torch_dtype(args.dtype))
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
     k = args.k if args.k is not None else default_k(proposer)
@@ -85,7 +86,7 @@ def cmd_serve(args) -> None:
     if args.threads is not None:
         import torch
         torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
-    target = load(args.model, dtype=torch_dtype(args.dtype))
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
     k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
@@ -210,13 +211,23 @@ def tree_widths(text: str) -> tuple[int, ...]:
 
 DRAFTS = ("draft-model", "ngram", "mtp", "suffix", "eagle")
 DTYPES = ("float32", "bfloat16")
-DTYPE_HELP = ("arithmetic dtype of target and drafts (default float32: bf16-stored matrices stay bf16 "
-              "and are read by specdec's CPU kernels, exactly upcast)")
+DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
+              "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
+DEVICES = ("cpu", "cuda")
+DEVICE_HELP = ("where the models run: cpu (specdec's CPU kernels) or cuda (PyTorch's operators: SDPA, matmuls in "
+               "the dtype); cuda:N picks a GPU")
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str | None):
     import torch
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return None if name is None else {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def device_name(text: str) -> str:
+    """--device's value: cpu, cuda or cuda:N (whether it can run is checked at load, with the reason)."""
+    if text not in DEVICES and not re.fullmatch(r"cuda:\d+", text):
+        raise argparse.ArgumentTypeError(f"--device takes cpu, cuda or cuda:N, not {text!r}")
+    return text
 
 
 def cmd_bench(args) -> None:
@@ -231,10 +242,11 @@ def cmd_bench(args) -> None:
             inputs.integer("--clients values", c, low=1)
         method = (args.methods or ["draft-model"])[0]
         args.draft, args.draft_vocab, args.ngram_max, args.ngram_min, args.dynamic_tree = method, None, None, None, False
-        target = load(args.model, dtype=torch_dtype(args.dtype))
+        target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         proposer = make_proposer(args, target)
         k = args.ks[0] if args.ks else default_k(proposer)
-        serve_args = ["--dtype", args.dtype, "--draft", method, "-k", str(k)]
+        serve_args = ["--device", args.device, "--draft", method, "-k", str(k)]
+        serve_args += ["--dtype", args.dtype] if args.dtype else []
         serve_args += ["--threads", str(args.server_threads)] if args.server_threads else []
         serve_args += ["--draft-model", args.draft_model] if args.draft_model and method == "draft-model" else []
         serve_args += ["--heads", args.heads] if args.heads and method == "mtp" else []
@@ -247,6 +259,9 @@ def cmd_bench(args) -> None:
     if args.mode == "plain":
         from .bench.plain import bench_plain, format_plain
 
+        if args.device != "cpu":
+            raise SpecdecError("`specdec bench plain` compares CPU engines (specdec's kernels, transformers, "
+                               "llama.cpp) and the memory bandwidth; on a GPU run `specdec bench --device cuda`")
         result = bench_plain(args.model, n_prompts=args.prompts or 10, repeats=args.repeats or 5,
                              max_new_tokens=args.max_new_tokens or 128, dtype=torch_dtype(args.dtype),
                              llama_cpp=not args.no_llamacpp)
@@ -259,7 +274,7 @@ def cmd_bench(args) -> None:
     from .bench.runner import run_bench
 
     result = run_bench(bench_plan(args), args.model, args.draft_model, args.heads, torch_dtype(args.dtype),
-                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle)
+                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle, device=args.device)
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
 
@@ -291,12 +306,42 @@ def cmd_calibrate(args) -> None:
     from .api import load
     from .calibration import cached_verify_curve, machine
 
-    target = load(args.model, dtype=torch_dtype(args.dtype))
+    from .bench.conditions import hardware, shown_path
+    from .device import backend
+
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    curves = {}
     for batch in args.batch_sizes:
-        curve, _ = cached_verify_curve(target.model, batch, args.max_tokens, remeasure=True)
-        row = "  ".join(f"t({n})={1000 * s:.2f}" for n, s in sorted(curve.seconds.items()))
+        curve, _ = cached_verify_curve(target.model, batch, args.max_tokens, remeasure=True,
+                                       points=list(range(1, args.max_tokens + 1)))
+        curves[batch] = curve.seconds
+        row = "  ".join(f"t({n})={1000 * s:.3f}" for n, s in sorted(curve.seconds.items()))
         print(f"batch {batch}: {row} ms")
-    print(f"stored for -k auto on this machine: {json.dumps(machine())}")
+    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {backend(target.model)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "schema": "specdec-verify-curve/1", "target": shown_path(target.path), "backend": backend(target.model),
+            "hardware": hardware(target.model.lm_head.weight.device), "machine": machine(),
+            "note": "seconds of one target forward over n new tokens per row, the fastest of 5 repeats, "
+                    "made non-decreasing in n", "seconds": curves}, indent=1))
+        print(f"written to {args.out} (specdec simulate --verify-curve {args.out} predicts from it)")
+
+
+def stored_curve(path: str, batch_size: int):
+    """The verify curve at `batch_size` from a `specdec calibrate --out` file, and where it came from."""
+    from .costmodel import VerifyCurve
+
+    try:
+        stored = json.loads(Path(path).read_text())
+        curves = {int(b): {int(n): float(s) for n, s in seconds.items()} for b, seconds in stored["seconds"].items()}
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise SpecdecError(f"{path} is not a verify-curve file of `specdec calibrate --out` ({type(e).__name__}: {e})")
+    if batch_size not in curves:
+        raise SpecdecError(f"{path} holds curves at batch sizes {sorted(curves)}, not {batch_size}: pick one of them "
+                           "with --batch-size, or calibrate that batch size")
+    device = stored.get("hardware", {}).get("device_used", "unknown")
+    return VerifyCurve(curves[batch_size], batch_size), (f"the verify curve in {path} (target {stored.get('target')}, "
+                                                          f"{stored.get('backend')}, measured on {device})")
 
 
 def cmd_simulate(args) -> None:
@@ -308,23 +353,31 @@ def cmd_simulate(args) -> None:
 
     inputs.simulate(args.alpha, args.alpha_per_position, args.ks, args.draft_cost, args.batch_size, args.verify_ms,
                     args.verify_tokens, args.moe_experts, args.moe_top_k, args.expert_fraction)
-    if args.verify_ms is not None:
+    if args.verify_curve is not None:
+        if args.verify_ms is not None:
+            raise SpecdecError("give the verify curve once: --verify-curve FILE or --verify-ms values")
+        curve, source = stored_curve(args.verify_curve, args.batch_size)
+        needed = 1 + (len(args.alpha_per_position) if args.alpha_per_position else max(args.ks))
+        if max(curve.seconds) < needed:
+            raise SpecdecError(f"{args.verify_curve} reaches {max(curve.seconds)} tokens per row at batch "
+                               f"{args.batch_size}, but k + 1 = {needed} are needed: calibrate with a larger "
+                               "--max-tokens")
+    elif args.verify_ms is not None:
         tokens = args.verify_tokens or list(range(1, len(args.verify_ms) + 1))
         curve = VerifyCurve({n: ms / 1000 for n, ms in zip(tokens, args.verify_ms)})
         source = "the verify curve given on the command line (target and hardware: unknown)"
     else:
         from .api import load
         from .bench.conditions import hardware
-        from .model import compute_dtype
         from .calibration import measure_verify_curve
+        from .device import backend
 
-        target = load(args.model, dtype=torch_dtype(args.dtype))
+        target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
         curve = measure_verify_curve(target.model, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
-        source = (f"the verify curve of target {target.path.name} "
-                  f"({str(compute_dtype(target.model)).removeprefix('torch.')}) measured now on "
-                  f"{h['cpu']}, {h['threads']} threads")
+        source = (f"the verify curve of target {target.path.name} measured now with {backend(target.model)}"
+                  + (f", on {h['cpu']}, {h['threads']} threads" if args.device == "cpu" else ""))
     if args.moe_experts is not None:
         curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)
         source += (f", as an MoE target ({args.moe_experts} experts, top-{args.moe_top_k}, expert bytes "
@@ -334,11 +387,12 @@ def cmd_simulate(args) -> None:
     print("| k | E (tokens per step) | t_verify(B(k+1)) / t_verify(B) | draft / t_verify(B) | predicted speedup | "
           "S_limit (free draft) | break-even α |")
     print("|---|---|---|---|---|---|---|")
-    t1 = curve.at(args.batch_size)
+    rows = args.batch_size if curve.batch_size == 1 else 1  # a batch-1 curve costs B rows as B x n tokens of one
+    t1 = curve.at(rows)
     for k, alphas in cases:
         draft = args.draft_cost * k * t1
         E = expected_tokens(alphas)
-        ratio = curve.at(args.batch_size * (k + 1)) / t1
+        ratio = curve.at(rows * (k + 1)) / t1
         even = break_even_alpha(k, ratio + draft / t1)
         print(f"| {k} | {E:.2f} | {ratio:.2f} | {draft / t1:.2f} | "
               f"{predicted_speedup(alphas, draft, curve, batch_size=args.batch_size):.2f}x | "
@@ -383,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="optimizer steps in all (default: the preset's)")
     t.add_argument("--batch-size", type=int, help="sequences per optimizer step, over all processes "
                                                    "(default: the preset's)")
+    t.add_argument("--device", type=device_name, default="cpu",
+                   help="cpu or cuda (under torchrun on CUDA each process takes its LOCAL_RANK's GPU, NCCL)")
     t.add_argument("--micro-batch", type=int, help="sequences per forward/backward (gradient accumulation; "
                                                     "default: the preset's)")
     t.add_argument("--seq-len", type=int, help="tokens per training window (default: the preset's)")
@@ -426,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="text to continue")
     g.add_argument("--humaneval", type=int, metavar="INDEX", help="use HumanEval prompt INDEX (0..163)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
-    g.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    g.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
     g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this "
@@ -442,10 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "each batch size, and store it where -k auto reads it (it measures once by "
                                    "itself on first use; run this on a quiet machine after a change).")
     c.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
-    c.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    c.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    c.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     c.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16], help="batch sizes (default 1 4 16)")
-    c.add_argument("--max-tokens", type=int, default=14, help="tokens per row measured up to (default 14: "
-                                                              "the widest window of -k auto)")
+    c.add_argument("--max-tokens", type=int, default=14, help="tokens per row measured, every n up to this "
+                                                              "(default 14: the widest window of -k auto)")
+    c.add_argument("--out", help="also write the curves to this JSON file, with their conditions (for "
+                                 "`specdec simulate --verify-curve`: a prediction for that hardware)")
     c.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
@@ -455,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=8000, help="TCP port")
-    v.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    v.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    v.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     add_draft_arguments(v)
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
@@ -483,7 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
-    b.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    b.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    b.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp suffix eagle)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
@@ -515,8 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the verify curve: ms of a target forward over --verify-tokens tokens (default: measure "
                         "the target now)")
     s.add_argument("--verify-tokens", nargs="+", type=int, help="tokens of each --verify-ms point (default 1, 2, ...)")
+    s.add_argument("--verify-curve", metavar="FILE", help="the verify curve of `specdec calibrate --out FILE` "
+                                                          "(measured on other hardware, a GPU say), at --batch-size")
     s.add_argument("--model", help="target to measure the curve on (default: the shipped target)")
-    s.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+    s.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    s.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     s.add_argument("--moe-experts", type=int, help="estimate an MoE target with this many experts per layer")
     s.add_argument("--moe-top-k", type=int, default=2, help="experts per token (MoE estimate)")
     s.add_argument("--expert-fraction", type=float, default=0.6,

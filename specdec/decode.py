@@ -23,18 +23,19 @@ class Timing:
     decode_seconds: float = 0.0
 
 
-def pad_right(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(p) for p in prompts])
-    width = int(lengths.max())
-    tokens = torch.tensor([p + [pad] * (width - len(p)) for p in prompts], dtype=torch.long)
-    return tokens.view(len(prompts), width), lengths  # (B, T), (B,)
+def pad_right(prompts: list[list[int]], pad: int = 0, device: torch.device | str = "cpu"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts right-padded (B, T) and their lengths (B,), on `device` (one copy from the host)."""
+    width = max(map(len, prompts))
+    both = torch.tensor([[len(p)] + p + [pad] * (width - len(p)) for p in prompts], dtype=torch.long).to(device)
+    return both[:, 1:], both[:, 0]  # (B, T), (B,)
 
 
 def prefill(model: LlamaForCausalLM, cache, prompts: list[list[int]]) -> torch.Tensor:
     """Write every prompt into the cache; return the last prompt position's logits (B, V)."""
-    tokens, lengths = pad_right(prompts)
+    tokens, lengths = pad_right(prompts, device=cache.lengths.device)
     out = model(tokens, cache=cache, logits_index=(lengths - 1)[:, None])
-    cache.rollback(lengths)
+    cache.rollback([len(p) for p in prompts])
     return out.logits[:, 0]
 
 

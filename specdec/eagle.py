@@ -211,7 +211,8 @@ def read_eagle_meta(path: str | Path) -> dict:
         f"not an EAGLE head ({KIND}); load it with the proposer made for that kind (MTP heads: --draft mtp)")
 
 
-def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None) -> EagleHead:
+def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> EagleHead:
     """Load the head in `path` for the target checkpoint folder `target`; refuse a head trained for
     any other target (compared by the sha256 of its model.safetensors)."""
     path = Path(path)
@@ -220,7 +221,7 @@ def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None =
                             "(specdec train --objective eagle --target ...), or pass the target it was trained "
                             "for", "retrain the head")
     head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"])
-    return loaded_head(head, state, path, meta, dtype)
+    return loaded_head(head, state, path, meta, dtype, device)
 
 
 def check_head_fits(head: EagleHead, target) -> None:

@@ -16,6 +16,10 @@ Depth 0 is plain decoding, lean one-token steps (`Engine.plain_step`); a stretch
 the proposer once, at its end. k = "auto" chooses each step's depth (0 included) and shape
 from what pays (adaptive.py); the controller is told what each step accepted and cost.
 
+Everything the engine creates lives on the target's device. The host keeps the bookkeeping (each
+row's tokens, cache length and budget) and reads the device once per step where it can: what the
+target accepted, with the drafts, in one copy (syncs.py counts these points).
+
 Between steps (`Engine.regroup`) finished or cancelled rows leave and waiting requests join: the
 joining prompts are prefilled, and the target's cache, the proposer's state and the controller
 regroup their rows; caches are allocated once, for `capacity` rows. `speculative_generate` is the
@@ -36,7 +40,8 @@ import torch
 
 from .adaptive import Adaptive
 from .errors import SpecdecError
-from .lm import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_joining
+from .lm import (causal_lm, context_length, declared_features, layer_request, lm_device, next_positions, no_features,
+                 prefill_joining)
 from .metrics import SpecMetrics
 from .model import LlamaForCausalLM
 from .proposers.base import Outcome, Proposal, Proposer
@@ -90,16 +95,18 @@ class Engine:
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
+        self.device = lm_device(self.target)
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
         self.cache = self.target.new_cache(capacity, max_len + nodes)  # + room for padded windows
         self.cache.regroup([])
-        no_hidden = torch.zeros(0, 0, self.target.config.hidden_size * max(len(self.features), 1))
-        self.state = proposer.start([], no_hidden, [], max_len, k, capacity=capacity, nodes=nodes)
+        self.state = proposer.start([], no_features(self.target, 0, self.features), [], max_len, k, capacity=capacity,
+                                    nodes=nodes)
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
         self.cached: list[int] = []        # (B,) the target cache's lengths
+        self.next_window: torch.Tensor | None = None  # (B, 1) `last` on the device, where a plain step left it
         self.waiting: deque[Request] = deque()
         self.plain_left = 0  # steps left in the current stretch of plain decoding (inf: k = 0)
         self.plain = PlainStretch([])
@@ -137,17 +144,18 @@ class Engine:
                 self.plain_step()
             return
         t_chosen = clock()
-        limits = draft_limits([r.row.budget for r in self.requests], depth)
+        limit = draft_limits([r.row.budget for r in self.requests], depth)
+        limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
+        self.next_window = None
         proposal = proposer.propose(state, limits, shape, self.generator()).trimmed()   # propose
         t_proposed = clock()
         if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
             self.plain_left = 1
             self.plain_step()
             return
-        drafts = proposal.tokens.tolist()                             # (B, m)
-        window = torch.tensor([[token] + row for token, row in zip(self.last, drafts)])  # (B, 1+m)
+        window = torch.cat([last[:, None], proposal.tokens], 1)      # (B, 1+m): [last, drafts]
         if proposal.parents is None:                                  # a chain: causal, default positions
-            positions, tree = next_positions(cache, window.shape[1], self.context, longest=max(self.cached)), None
+            positions, tree = next_positions(cache, window.shape[1], self.context), None
         else:
             positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
         t_window = clock()
@@ -155,10 +163,14 @@ class Engine:
                           **layer_request(self.features))
         t_forward = clock()
         verdict = self.verify(proposal, out.logits)                   # accept: logits (B, 1+m, V)
+        # what the host needs of the step, read from the device at once: (B, 3 + m)
+        read = torch.cat([verdict.accepted[:, None], verdict.next_token[:, None], proposal.lengths[:, None],
+                          proposal.tokens], 1).tolist()
+        accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
+        drafts = [row[3:] for row in read]                            # (B, m)
         t_accepted = clock()
-        accepted = verdict.accepted.tolist()
         paths = verdict.paths or [range(n) for n in accepted]
-        runs, counts = commit([r.row for r in self.requests], drafts, paths, verdict.next_token.tolist())
+        runs, counts = commit([r.row for r in self.requests], drafts, paths, next_tokens)
         # keep the window entries that predicted an emitted token: the root, then the accepted path
         if verdict.paths is not None:
             cache.compact(self.cached, verdict.paths)
@@ -169,18 +181,17 @@ class Engine:
         t_committed = clock()
         hidden = declared_features(out, self.features)                # (B, 1+m, ...) what the proposer reads
         if verdict.paths is not None:                                 # along the accepted path
-            hidden = hidden.gather(1, path_columns(verdict.paths, window.shape[1])[..., None].expand_as(hidden))
-        proposer.observe(state, Outcome(verdict.accepted, torch.tensor(runs), torch.tensor(counts), hidden,
-                                        verdict.paths))
+            hidden = hidden.gather(1, path_columns(verdict.paths, window.shape[1], self.device)[..., None]
+                                   .expand_as(hidden))
+        proposer.observe(state, Outcome(accepted, runs, counts, hidden, verdict.paths))
         t_observed = clock()
-        lengths = proposal.lengths.tolist()
         metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
                             else levels_reached(proposal.parents, lengths, verdict.paths))
         metrics.record_phases(t_start, t_proposed, t_window, t_forward, t_accepted, t_committed, t_observed, clock())
         metrics.first_token_seconds = metrics.first_token_seconds or t_committed - self.started
         stream(self.requests, runs, counts, lengths, accepted)
         if self.adaptive:
-            self.adaptive.observe(limits.tolist(), accepted, window.shape[1], t_proposed - t_chosen + t_observed
+            self.adaptive.observe(limit, accepted, window.shape[1], t_proposed - t_chosen + t_observed
                                   - t_committed, clock() - t_start, t_forward - t_window)
 
     def plain_step(self) -> None:
@@ -190,12 +201,16 @@ class Engine:
         and hears nothing."""
         B, clock, metrics = len(self.requests), time.perf_counter, self.metrics
         t_start = clock()
-        out = self.target(torch.tensor(self.last)[:, None], cache=self.cache,
-                          positions=next_positions(self.cache, 1, self.context, longest=max(self.cached)),
+        window = self.next_window
+        if window is None:
+            window = torch.tensor(self.last, device=self.device)[:, None]
+        out = self.target(window, cache=self.cache, positions=next_positions(self.cache, 1, self.context),
                           **layer_request(self.features))
         t_forward = clock()
-        tokens = self.pick(out.logits[:, -1]).tolist()  # (B,)
+        picked = self.pick(out.logits[:, -1])  # (B,)
+        tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
+        self.next_window = picked[:, None] if all(counts) else None
         self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
         self.cached = [c + n for c, n in zip(self.cached, counts)]
         if not all(counts):
@@ -229,10 +244,8 @@ class Engine:
             return
         t_start = time.perf_counter()
         width = max(map(len, plain.tokens))
-        self.proposer.observe(self.state, Outcome(torch.zeros(B, dtype=torch.long),
-                                                  torch.tensor([t + [0] * (width - len(t)) for t in plain.tokens]),
-                                                  torch.tensor(list(map(len, plain.tokens))),
-                                                  torch.cat(plain.hidden, 1)))
+        self.proposer.observe(self.state, Outcome([0] * B, [t + [0] * (width - len(t)) for t in plain.tokens],
+                                                  list(map(len, plain.tokens)), torch.cat(plain.hidden, 1)))
         observe = time.perf_counter() - t_start
         self.metrics.observe_seconds += observe
         self.adaptive.observe_plain(plain.steps, plain.seconds + observe, plain.forward_seconds)
@@ -240,6 +253,8 @@ class Engine:
     def regroup(self) -> None:
         """Finished and cancelled rows leave; waiting requests join while there is room."""
         keep = [b for b, r in enumerate(self.requests) if not r.finished]
+        if len(keep) < len(self.requests) or self.waiting:
+            self.next_window = None
         if self.adaptive and (len(keep) < len(self.requests) or self.waiting):
             self.end_plain()  # the proposer's rows must be up to date before they regroup
         if len(keep) < len(self.requests):
@@ -280,7 +295,7 @@ class Engine:
         sampled = [b for b, r in enumerate(self.requests) if not r.sampling.greedy]
         if sampled:
             generator = self.generator()
-            s = torch.tensor(sampled)
+            s = torch.tensor(sampled, device=self.device)
             tokens[s] = sample(row_probabilities(logits[s], [self.requests[b].sampling for b in sampled]),
                                generator.select(sampled) if isinstance(generator, RowGenerators) else generator)
         return tokens
@@ -309,10 +324,10 @@ class Engine:
             return by_greedy(slice(None))
         if not greedy:
             return by_sampling(slice(None), generator)
-        g, s = torch.tensor(greedy), torch.tensor(sampled)
+        g, s = (torch.tensor(rows, device=self.device) for rows in (greedy, sampled))
         verdicts = by_greedy(g), by_sampling(s, generator.select(sampled) if isinstance(generator, RowGenerators)
                                              else generator)
-        accepted, next_token = (torch.empty(len(self.requests), dtype=torch.long) for _ in range(2))
+        accepted, next_token = (torch.empty(len(self.requests), dtype=torch.long, device=self.device) for _ in range(2))
         paths = None if proposal.parents is None else [None] * len(self.requests)
         for rows, verdict in zip((greedy, sampled), verdicts):
             accepted[rows], next_token[rows] = verdict.accepted, verdict.next_token
@@ -370,11 +385,11 @@ def stream(requests: list[Request], runs: list[list[int]], counts: list[int], le
             request.on_tokens(request, run[:n], min(took, n))
 
 
-def draft_limits(budgets: list[int], k: int) -> torch.Tensor:
+def draft_limits(budgets: list[int], k: int) -> list[int]:
     """Drafts each row may propose (B,): a step emits accepted + 1 tokens, so at most budget - 1.
     The context needs no separate clip: check_prompt ensured that prompt + max_new_tokens fits,
     and the budget bounds every row's sequence."""
-    return torch.tensor([min(max(budget - 1, 0), k) for budget in budgets])
+    return [min(max(budget - 1, 0), k) for budget in budgets]
 
 
 def commit(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]

@@ -36,7 +36,7 @@ from .atomic import atomic_dir
 from .checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
 from .errors import SpecdecError
 from .kv_cache import KVCache
-from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, inverse_frequencies
+from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, inverse_frequencies, place
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
@@ -186,7 +186,8 @@ def read_heads_meta(path: str | Path) -> dict:
         f"not MTP heads ({', '.join(HEAD_KINDS)}); load it with the proposer made for that kind")
 
 
-def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None = None) -> MTPHeads:
+def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> MTPHeads:
     """Load the heads in `path` for the target checkpoint folder `target`; refuse heads trained
     for any other target (compared by the sha256 of its model.safetensors)."""
     path = Path(path)
@@ -194,7 +195,7 @@ def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None =
     state = read_head_state(path, target, meta, "the MTP heads in {path} belong", "train heads for this target, or "
                             "pass the target they were trained for", "retrain the heads")
     heads = build_heads(meta["kind"], LlamaConfig.from_dict(meta["target_config"]), meta["depth"])
-    return loaded_head(heads, state, path, meta, dtype)
+    return loaded_head(heads, state, path, meta, dtype, device)
 
 
 # --- the folder of a drafter trained on a target: MTP heads here, an EAGLE head (eagle.py) ---
@@ -256,15 +257,15 @@ def read_head_state(path: Path, target: str | Path, meta: dict, belongs: str, tr
 
 
 def loaded_head(head: nn.Module, state: dict[str, torch.Tensor], path: Path, meta: dict,
-                dtype: torch.dtype | None):
-    """`head` with `state` (read_head_state) loaded, in `dtype` (default fp32) with its matrices kept
-    in bf16 where the folder stored them so, ready for inference."""
+                dtype: torch.dtype | None, device: str | torch.device = "cpu"):
+    """`head` with `state` (read_head_state) loaded onto `device`, in `dtype` (default fp32) with its
+    matrices kept in bf16 where the folder stored them so and the CPU kernels run, ready for inference."""
     head.token_counts = state.pop(TOKEN_COUNTS, None)
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as e:
         raise SpecdecError(f"{path / HEADS_WEIGHTS} does not match {HEADS_META} ({str(e)[:300]})") from None
-    head.to(dtype or torch.float32)
+    place(head.to(dtype or torch.float32), device)
     keep_bf16_matrices(head, DTYPES.get(meta.get("dtype")))
     return head.eval()
 

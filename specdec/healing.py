@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode import pad_right
-from .lm import causal_lm
+from .lm import causal_lm, lm_device
 from .sampling import SamplingConfig, pick
 from .tokenizer import Tokenizer
 
@@ -60,7 +60,8 @@ def first_tokens(model, tokenizer: Tokenizer, prompts: list[list[int]], texts: l
     """The first generated token of each prompt (its ids already backed off), restricted to the
     tokens that start with its backed-off text: one target forward over all of them."""
     model = causal_lm(model, role="target")
-    tokens, lengths = pad_right(prompts)                                          # (B, T), (B,)
+    device = lm_device(model)
+    tokens, lengths = pad_right(prompts, device=device)                           # (B, T), (B,)
     logits = model(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]      # (B, V)
-    masks = torch.stack([allowed(tokenizer, t, logits.shape[-1]) for t in texts])  # (B, V)
+    masks = torch.stack([allowed(tokenizer, t, logits.shape[-1]) for t in texts]).to(device)  # (B, V)
     return pick(logits.masked_fill(~masks, float("-inf")), sampling, generator).tolist()

@@ -18,7 +18,8 @@ class HFCache:
     def __init__(self, model: PreTrainedModel):
         self.config = model.config
         self.inner = DynamicCache(config=model.config)
-        self.lengths = torch.zeros(1, dtype=torch.long)  # (1,)
+        self.lengths = torch.zeros(1, dtype=torch.long, device=model.device)  # (1,)
+        self.held = [0]  # the same on the host
 
     def regroup(self, keep: list[int], joining=None, empty: int = 0) -> None:
         """Batch size 1 only: keep the row, or start an empty one (see KVCache.regroup)."""
@@ -27,19 +28,26 @@ class HFCache:
                                "(use specdec's LlamaForCausalLM to batch requests)")
         if not keep:
             self.inner = DynamicCache(config=self.config)
-            self.lengths = torch.zeros(empty, dtype=torch.long)
+            self.lengths = torch.zeros(empty, dtype=torch.long, device=self.lengths.device)
+            self.held = [0] * empty
+
+    @property
+    def longest(self) -> int:
+        return max(self.held, default=0)
 
     def advance(self, num_new: int) -> None:
         self.lengths += num_new
+        self.held = [n + num_new for n in self.held]
 
-    def rollback(self, lengths: torch.Tensor | int) -> None:
+    def rollback(self, lengths: torch.Tensor | list[int] | int) -> None:
         length = int(torch.as_tensor(lengths).max())
-        held = int(self.lengths[0])
+        held = self.held[0]
         if length > held:
             raise SpecdecError(f"cannot roll a transformers cache forward ({held} -> {length} positions)")
         if length < held:
             self.inner.crop(length - held)  # transformers: a negative count removes that many
         self.lengths.fill_(length)
+        self.held = [length]
 
 
 class HFCausalLM:
@@ -67,7 +75,7 @@ class HFCausalLM:
         T = tokens.shape[1]
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
-            positions = start + torch.arange(T)[None]
+            positions = start + torch.arange(T, device=tokens.device)[None]
         out = self.model(input_ids=tokens, position_ids=positions,
                          cache=cache.inner if cache is not None else None, use_cache=cache is not None,
                          output_hidden_states=True)

@@ -6,6 +6,10 @@ kernels read them whole; `k[layer]` and `v[layer]` are views). Row b holds
 lengths[b] .. lengths[b] + T - 1 and advances the length. Rolling back is moving the length
 pointer: stale entries past it are masked out and later overwritten, nothing is copied.
 
+The lengths live on the cache's device (`lengths`, read by attention) and, as the same numbers, on
+the host (`held`): every length the host needs (room checks, the span attention reads, whether
+rows are equally long) is read from `held`, so a forward never waits on the device for them.
+
 Serving regroups the rows between steps (`regroup`): rows that finished leave, new ones join.
 The kernels read a layer's rows as one contiguous (B, H_kv, S, D) block, so the batch is kept
 compact: the committed entries of the rows that stay (and of the joining rows, prefilled in a
@@ -39,42 +43,42 @@ class KVCache:
         self.spare: torch.Tensor | None = None  # the second buffer, allocated by the first regroup that copies
         self.joining: KVCache | None = None      # where joining rows are prefilled (`staging`)
         self.max_len = max_len
-        self._view(self.buffer, torch.zeros(batch_size, dtype=torch.long, device=device))
+        self._view(self.buffer, [0] * batch_size)
 
-    def _view(self, buffer: torch.Tensor, lengths: torch.Tensor) -> None:
+    def _view(self, buffer: torch.Tensor, held: list[int]) -> None:
         """len(lengths) rows, laid out compactly at the start of `buffer`."""
         L, H, S, D = self.layout
-        B = lengths.shape[0]
+        B = len(held)
         keys_values = buffer[:, :B * L * H * S * D].view(2, L, B, H, S, D)
         self.keys, self.values = keys_values[0], keys_values[1]   # (L, B, H_kv, S, D) each
         self.k = [self.keys[i] for i in range(L)]  # views (not unbind: writable under autograd)
         self.v = [self.values[i] for i in range(L)]
-        self.lengths = lengths  # (B,)
+        self.lengths = torch.tensor(held, dtype=torch.long, device=buffer.device)  # (B,)
+        self.held = list(held)  # (B,) the same lengths on the host
         self.buffer = buffer
 
     def regroup(self, keep: list[int], joining: "KVCache | None" = None, empty: int = 0) -> None:
         """Make the rows: rows `keep` of this cache (in that order), then every row of `joining`,
         then `empty` rows of length 0. Only committed entries are copied, once, into the spare
         buffer (allocated on first use, then reused): O(rows x longest length), no allocation."""
-        joined = [] if joining is None else joining.lengths.tolist()
+        joined = [] if joining is None else joining.held
         rows = len(keep) + len(joined) + empty
         if rows > self.capacity:
             raise SpecdecError(f"the cache holds at most {self.capacity} rows, {rows} were asked for: "
                                "allocate it with more rows (the server's --max-batch)")
-        lengths = torch.cat([self.lengths[keep], torch.tensor(joined, dtype=torch.long, device=self.lengths.device),
-                             self.lengths.new_zeros(empty)])
+        held = [self.held[b] for b in keep] + joined + [0] * empty
         if not keep and not joined:  # nothing to copy: the rows start empty in the current buffer
-            self._view(self.buffer, lengths)
+            self._view(self.buffer, held)
             return
         if self.spare is None:
             self.spare = torch.zeros_like(self.buffer)  # zeros: attention reads masked slots too (0 x NaN = NaN)
         old_keys, old_values, buffer = self.keys, self.values, self.spare
         self.spare = self.buffer
-        self._view(buffer, lengths)
-        used = int(lengths.max())
+        self._view(buffer, held)
+        used = max(held)
         n = len(keep)
         if n:
-            index = torch.tensor(keep, device=lengths.device)
+            index = torch.tensor(keep, device=buffer.device)
             self.keys[:, :n, :, :used] = old_keys[:, index, :, :used]
             self.values[:, :n, :, :used] = old_values[:, index, :, :used]
         if joined:
@@ -94,9 +98,14 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def check_room(self, num_new: int, longest: int | None = None) -> None:
+    @property
+    def longest(self) -> int:
+        """The committed length of the longest row (0 without rows)."""
+        return max(self.held, default=0)
+
+    def check_room(self, num_new: int) -> None:
         """Raise unless every row has room for `num_new` more entries."""
-        needed = (int(self.lengths.max()) if longest is None else longest) + num_new
+        needed = self.longest + num_new
         if needed > self.max_len:
             raise SpecdecError(
                 f"KV cache overflow: {needed} positions needed but the cache holds {self.max_len}. "
@@ -104,8 +113,8 @@ class KVCache:
 
     def slots(self, num_new: int) -> Slots:
         """Where the next `num_new` tokens of each row go."""
-        shortest, longest = (int(n) for n in self.lengths.aminmax())
-        self.check_room(num_new, longest)
+        shortest, longest = min(self.held), max(self.held)
+        self.check_room(num_new)
         rows = torch.arange(self.batch_size, device=self.lengths.device)[:, None]
         index = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)
         return Slots(rows, index, shortest if shortest == longest else None)
@@ -125,6 +134,7 @@ class KVCache:
 
     def advance(self, num_new: int) -> None:
         self.lengths += num_new
+        self.held = [n + num_new for n in self.held]
 
     def compact(self, starts: list[int], paths: list[list[int]]) -> None:
         """Keep a verified tree's accepted path: row b's window began at slot starts[b] (the root),
@@ -140,10 +150,13 @@ class KVCache:
                 for store in (self.keys, self.values):
                     store[:, b, :, dst] = store[:, b, :, src]
 
-    def rollback(self, lengths: torch.Tensor | list[int] | int) -> None:
-        """Set every row's committed length (O(1): entries past it become invisible)."""
-        if isinstance(lengths, list) and self.lengths.device.type == "cpu":  # one copy, no intermediate tensor
-            self.lengths.numpy()[:] = lengths
+    def rollback(self, lengths: list[int] | int) -> None:
+        """Set every row's committed length (O(1): entries past it become invisible), given on the
+        host: a list (one per row) or one int for every row."""
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.tolist()  # a read from the device: callers keep their lengths on the host
+        held = [lengths] * len(self.held) if isinstance(lengths, int) else [int(n) for n in lengths]
+        if held == self.held:
             return
-        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
-        self.lengths.copy_(lengths.expand_as(self.lengths))
+        self.held = held
+        self.lengths.copy_(torch.tensor(held, dtype=torch.long), non_blocking=True)

@@ -2,7 +2,8 @@
 
 The interface is the one of specdec's own `LlamaForCausalLM`: `config.vocab_size`,
 `config.max_position_embeddings`, `new_cache(batch, max_len)` returning a cache with per-row
-`lengths` (B,) and `rollback(lengths)`, and `model(tokens, positions=, cache=, logits_index=)`
+`lengths` (B,) on the model's device, the same on the host as `held` (list) with `longest`, and
+`rollback(lengths)`, and `model(tokens, positions=, cache=, logits_index=)`
 returning `.logits` and `.hidden` (final hidden states). transformers causal LMs are admitted
 through `hf_adapter.HFCausalLM`; anything else is refused with a clear error.
 
@@ -16,7 +17,7 @@ import torch
 
 from .decode import pad_right
 from .errors import SpecdecError
-from .model import LlamaForCausalLM
+from .model import LlamaForCausalLM, compute_dtype
 
 
 def causal_lm(model, role: str = "model"):
@@ -39,6 +40,28 @@ def causal_lm(model, role: str = "model"):
         "LlamaForCausalLM or a transformers decoder-only *ForCausalLM / *LMHeadModel")
 
 
+def module_of(model) -> torch.nn.Module:
+    """The torch module behind a causal LM (`causal_lm`): the model itself, or the transformers model
+    an adapter wraps; its parameters tell the device."""
+    return model if isinstance(model, LlamaForCausalLM) else getattr(model, "model", model)
+
+
+def lm_device(model) -> torch.device:
+    """The device a causal LM (`causal_lm`) computes on."""
+    return next(module_of(model).parameters()).device
+
+
+def lm_dtype(model) -> torch.dtype:
+    """The dtype a causal LM's activations (its hidden states) have."""
+    return compute_dtype(model) if isinstance(model, LlamaForCausalLM) else next(module_of(model).parameters()).dtype
+
+
+def no_features(model, rows: int, features: tuple[int, ...]) -> torch.Tensor:
+    """(rows, 0, ...) features (`declared_features`) of no tokens, on the model's device and in its dtype."""
+    return torch.zeros(rows, 0, model.config.hidden_size * max(len(features), 1), dtype=lm_dtype(model),
+                       device=lm_device(model))
+
+
 def context_length(model) -> int:
     length = getattr(model.config, "max_position_embeddings", None)
     if length is None:
@@ -47,16 +70,15 @@ def context_length(model) -> int:
     return int(length)
 
 
-def next_positions(cache, width: int, context: int, longest: int | None = None) -> torch.Tensor | None:
+def next_positions(cache, width: int, context: int) -> torch.Tensor | None:
     """Positions (B, width) of the next `width` tokens of each row, or None where they are the
     model's default (each row's cache length + 0..width-1: no row reaches the context's end).
-    longest: the longest row's cache length where the caller keeps it on the host (else read).
 
     In a batch, rows that draft fewer tokens than the widest row are padded, and that padding may
     run past the model's context near the end of a row; its positions are clamped to stay valid
     (outputs at padding are never read, and its cache entries lie past the row's length).
     """
-    if (int(cache.lengths.max()) if longest is None else longest) + width <= context:
+    if cache.longest + width <= context:
         return None
     steps = torch.arange(width, device=cache.lengths.device)[None]
     return (cache.lengths[:, None] + steps).clamp(max=context - 1)
@@ -65,11 +87,11 @@ def next_positions(cache, width: int, context: int, longest: int | None = None) 
 def prefill_all_but_last(model, cache, prompts: list[list[int]], features: tuple[int, ...] = ()) -> torch.Tensor:
     """Write every prompt except its last token into the cache (the last one opens the first
     window); return the features there (`declared_features`), right-padded."""
-    heads, lengths = pad_right([p[:-1] for p in prompts])  # (B, P-1), (B,)
+    heads, lengths = pad_right([p[:-1] for p in prompts], device=cache.lengths.device)  # (B, P-1), (B,)
     if heads.shape[1] == 0:
-        return torch.zeros(len(prompts), 0, model.config.hidden_size * max(len(features), 1))
+        return no_features(model, len(prompts), features)
     out = model(heads, cache=cache, logits_index=lengths.clamp(min=1)[:, None] - 1, **layer_request(features))
-    cache.rollback(lengths)
+    cache.rollback([len(p) - 1 for p in prompts])
     return declared_features(out, features)
 
 

@@ -116,6 +116,21 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
     return next(m.weight.dtype for m in module.modules() if isinstance(m, RMSNorm))
 
 
+def place(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module` (a model or head) moved to `device` with what it derives from its config and keeps
+    outside its state (inv_freq, which stays fp32 whatever dtype the module computes in)."""
+    module.to(device)
+    for m in module.modules():
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+            m.inv_freq = m.inv_freq.to(device)
+    return module
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """The device a model or head lives on (that of its first parameter)."""
+    return next(module.parameters()).device
+
+
 def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     # explicit device: also correct when the model is built under a meta-device context
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
@@ -123,7 +138,7 @@ def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos, sin of shape (B, T, 1, D) for integer positions (B, T)."""
-    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # (B, T, D/2)
+    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -149,8 +164,9 @@ class Window:
     def positions(self) -> torch.Tensor:
         if self.given_positions is not None:
             return self.given_positions
-        start = self.cache.lengths[:, None] if self.cache is not None else torch.zeros(1, 1, dtype=torch.long)
-        return start + torch.arange(self.width, device=start.device)[None]
+        if self.cache is None:
+            return torch.arange(self.width, device=self.inv_freq.device)[None]
+        return self.cache.lengths[:, None] + torch.arange(self.width, device=self.inv_freq.device)[None]
 
     def first(self, T: int) -> "Window":
         """The window of the first T tokens (training only: no cache)."""
@@ -172,7 +188,7 @@ class Window:
 
     @cached_property
     def span(self) -> int:
-        return int(self.cache.lengths.max()) + self.width
+        return self.cache.longest + self.width
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
@@ -311,7 +327,7 @@ class LlamaForCausalLM(nn.Module):
         lm_head (a draft vocabulary's rows of it, say).
         """
         B, T = tokens.shape
-        longest = int(cache.lengths.max()) if cache is not None else 0  # committed entries of the longest row
+        longest = cache.longest if cache is not None else 0  # committed entries of the longest row
         last = longest + T - 1 if positions is None else int(positions.max())
         if last >= self.config.max_position_embeddings:
             raise ValueError(f"position {last} is beyond the model's context of "
@@ -319,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T)
         if self.stack is not None and cache is not None and not torch.is_grad_enabled():
-            cache.check_room(T, longest)
+            cache.check_room(T)
             keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
             x, *kept = self.stack.forward(x, cache.keys, cache.values, 0, *window.kernel_args(), keep)
             layers = dict(zip(keep, kept))

@@ -36,9 +36,10 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator:
-        """A private generator (torch's global one is never touched): seeded, or from OS entropy."""
-        g = torch.Generator()
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A private generator on `device` (torch's global one is never touched): seeded, or from OS
+        entropy. The same seed draws other numbers on another device."""
+        g = torch.Generator(device)
         if self.seed is None:
             g.seed()
         else:

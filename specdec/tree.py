@@ -23,9 +23,9 @@ import torch
 from .errors import SpecdecError
 
 
-def chain_parents(batch_size: int, m: int) -> torch.Tensor:
+def chain_parents(batch_size: int, m: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(B, m) the parents of a chain of m drafts: -1, 0, 1, .., m-2."""
-    return (torch.arange(m) - 1).expand(batch_size, m).clone()
+    return (torch.arange(m, device=device) - 1).expand(batch_size, m).clone()
 
 
 def check_parents(parents: list[list[int]], lengths: list[int]) -> None:
@@ -83,7 +83,7 @@ def window_layout(parents: torch.Tensor, lengths: list[int], cache_lengths: list
     B, m = parents.shape
     rows = parents.tolist()
     check_parents(rows, lengths)
-    mask = torch.zeros(B, 1 + m, 1 + m, dtype=torch.bool)
+    mask = torch.zeros(B, 1 + m, 1 + m, dtype=torch.bool)  # built on the host, moved once
     mask[:, :, 0] = True                                  # everyone sees the root
     positions = []
     for b, (row, n, start) in enumerate(zip(rows, lengths, cache_lengths)):
@@ -96,7 +96,7 @@ def window_layout(parents: torch.Tensor, lengths: list[int], cache_lengths: list
         for i, p in enumerate(row):
             mask[b, 1 + i] = mask[b, 1 + p]  # the parent's ancestors (root: column 0) ...
             mask[b, 1 + i, 1 + i] = True     # ... and itself
-    return torch.tensor(positions), mask
+    return torch.tensor(positions, device=parents.device), mask.to(parents.device)
 
 
 def levels_reached(parents: torch.Tensor, lengths: list[int], paths: list[list[int]]) -> list[int]:
@@ -109,7 +109,8 @@ def levels_reached(parents: torch.Tensor, lengths: list[int], paths: list[list[i
     return reached
 
 
-def path_columns(paths: list[list[int]], width: int) -> torch.Tensor:
+def path_columns(paths: list[list[int]], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(B, width) window columns of the root and each row's accepted path first (then column 0 as
     filler): gathers what the target computed at the committed tokens, in sequence order."""
-    return torch.tensor([[0] + [1 + i for i in path] + [0] * (width - 1 - len(path)) for path in paths])
+    return torch.tensor([[0] + [1 + i for i in path] + [0] * (width - 1 - len(path)) for path in paths],
+                        device=device)

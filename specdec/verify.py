@@ -66,12 +66,20 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     (default m); parents (B, m) the tree (tree.py), None for a chain. A draft is accepted while it
     is the target's argmax after its accepted parent.
 
-    Only an argmax over the vocabulary; the walk runs over at most m ids per row on the host,
-    which costs less than the dozen tiny tensor operations it would take."""
+    Only an argmax over the vocabulary; on the CPU the walk runs over at most m ids per row on the
+    host, which costs less than the dozen tiny tensor operations it would take; on a GPU a chain is
+    judged by those operations instead, without waiting for the device."""
+    device = draft_tokens.device
+    if parents is None and device.type != "cpu":
+        target = target_logits.argmax(-1)                                                   # (B, m+1)
+        m = draft_tokens.shape[1]
+        lengths = _draft_lengths(draft_tokens, draft_lengths)
+        ok = (draft_tokens == target[:, :m]) & (torch.arange(m, device=device)[None] < lengths[:, None])
+        accepted = _prefix_length(ok)
+        return Verdict(accepted, target.gather(1, accepted[:, None])[:, 0])
     target_tokens = argmax(target_logits).tolist()  # (B, m+1)
     lengths = _draft_lengths(draft_tokens, draft_lengths).tolist()
     drafts = draft_tokens.tolist()
-    device = draft_tokens.device
     if parents is None:
         accepted, next_token = [], []
         for row, target, n_drafts in zip(drafts, target_tokens, lengths):
@@ -159,7 +167,7 @@ def tree_rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
     rule = residual if residual_rule is None else residual_rule
     B, m = draft_tokens.shape
     lengths = _draft_lengths(draft_tokens, draft_lengths).tolist()
-    u = uniform(B, m, generator).tolist()  # one per node: each is tried at most once
+    u = uniform(B, m, generator, device=draft_tokens.device).tolist()  # one per node: each is tried at most once
     tokens, rows_parents = draft_tokens.tolist(), parents.tolist()
     paths, last_probs = [], []
     for b in range(B):

@@ -147,7 +147,7 @@ class Recorder:
 
     def observe(self, state, outcome):
         for b, seq in enumerate(self.sequences):
-            seq.extend(outcome.tokens[b, :outcome.counts[b]].tolist())
+            seq.extend(outcome.tokens[b][:outcome.counts[b]])
         self.inner.observe(state, outcome)
 
 

@@ -47,7 +47,7 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
         assert proposal.tokens[b, :int(proposal.lengths[b])].tolist() == case[4]
     tokens = torch.tensor([[9, 9, 9]] * len(cases))
     counts = torch.arange(len(cases)) % 3
-    ngram.observe(state, Outcome(counts, tokens, counts, torch.zeros(len(cases), 3, 1)))
+    ngram.observe(state, Outcome(counts.tolist(), tokens.tolist(), counts.tolist(), torch.zeros(len(cases), 3, 1)))
     for b, h in enumerate(histories):
         assert state.rows[b].tokens == h + [9] * int(counts[b])
 

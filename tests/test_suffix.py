@@ -96,7 +96,7 @@ def test_observe_extends_the_rows_tries_by_what_each_row_committed():
     counts = torch.tensor([3, 2, 0])
     proposer = build_proposer("suffix", factor=4, shared_nodes=0)
     state = start(proposer, histories)
-    proposer.observe(state, Outcome(counts, committed, counts, torch.zeros(3, 4, 1)))
+    proposer.observe(state, Outcome(counts.tolist(), committed.tolist(), counts.tolist(), torch.zeros(3, 4, 1)))
     proposal = proposer.propose(state, torch.tensor([4, 4, 4]), CHAIN, None)
     for b, (history, tokens, n) in enumerate(zip(histories, committed.tolist(), counts.tolist())):
         assert drafted(proposal, b) == propose_one(history + tokens[:n], {"factor": 4, "shared_nodes": 0}, 4,
@@ -109,8 +109,7 @@ def generate_by_hand(proposer, prompt, tokens):
     """A generation that commits `tokens` one step at a time."""
     state = start(proposer, [prompt])
     for token in tokens:
-        proposer.observe(state, Outcome(torch.tensor([0]), torch.tensor([[token]]), torch.tensor([1]),
-                                        torch.zeros(1, 1, 1)))
+        proposer.observe(state, Outcome([0], [[token]], [1], torch.zeros(1, 1, 1)))
     return state
 
 

@@ -13,6 +13,7 @@ import torch
 from .. import kernels
 from ..calibration import cpu_model
 from ..checkpoint import WEIGHTS, sha256
+from ..device import backend
 from ..model import compute_dtype
 
 UNKNOWN = "unknown"
@@ -47,7 +48,7 @@ def cpu_features() -> list[str] | str:
 
 
 def accelerator() -> str:
-    """The accelerators torch can see (the benchmark itself runs on the CPU), or "none" with the
+    """The accelerators torch can see (whether the run uses one: "device_used"), or "none" with the
     reason; "unknown" if torch cannot be asked."""
     try:
         found = [f"cuda {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
@@ -60,10 +61,17 @@ def accelerator() -> str:
     return ", ".join(found) if found else "none (torch sees no CUDA, MPS or XPU device)"
 
 
-def hardware() -> dict:
+def hardware(device: torch.device | str = "cpu") -> dict:
+    """The machine, and the device the run computes on (its GPU's name and memory on CUDA)."""
+    device = torch.device(device)
+    used = str(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        used = (f"cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
+                f"{props.major}.{props.minor}, {props.multi_processor_count} SMs, CUDA {torch.version.cuda}")
     return {"cpu": cpu_model(), "cores": os.cpu_count() or UNKNOWN, "threads": torch.get_num_threads(),
             "cpu_features": cpu_features(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "accelerator": accelerator(), "device_used": "cpu"}
+            "accelerator": accelerator(), "device_used": used}
 
 
 def software() -> dict:
@@ -94,7 +102,7 @@ def model_info(model, path: Path) -> dict:
             "matrix_parameters": matrix_parameters(model),
             "dtype": str(compute_dtype(model)).removeprefix("torch."),
             "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
-            "kernels": f"specdec CPU kernels ({kernels.isa()})" if kernels.compiled() else "PyTorch operators",
+            "backend": backend(model),
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
 
 

@@ -19,18 +19,18 @@ PEER_DTYPE = torch.bfloat16
 
 
 class Peers:
-    def __init__(self, target_path: Path, draft_path: Path, dtype: torch.dtype):
+    def __init__(self, target_path: Path, draft_path: Path, dtype: torch.dtype, device: torch.device):
         import transformers
 
-        self.version, self.dtype = transformers.__version__, dtype
-        self.target = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
-        self.draft = transformers.AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
+        self.version, self.dtype, self.device = transformers.__version__, dtype, device
+        load = transformers.AutoModelForCausalLM.from_pretrained
+        self.target, self.draft = (load(path, dtype=dtype).to(device).eval() for path in (target_path, draft_path))
         for model in (self.target, self.draft):
             model.generation_config.eos_token_id = None   # exactly max_new_tokens, as specdec's runs
             model.generation_config.pad_token_id = 0
 
     def info(self) -> dict:
-        impl = f"transformers {self.version} ({str(self.dtype).removeprefix('torch.')})"
+        impl = f"transformers {self.version} ({str(self.dtype).removeprefix('torch.')}, {self.device})"
         return {"hf-generate": {"name": "hf-generate", "implementation": f"{impl} generate, KV cache"},
                 "hf-assisted": {"name": "hf-assisted", "implementation": f"{impl} assisted generation",
                                 "assistant": "the draft model of this run", "num_assistant_tokens_schedule": "constant"},
@@ -47,8 +47,8 @@ class Peers:
             kw.update(assistant_model=self.draft, num_assistant_tokens=k, num_assistant_tokens_schedule="constant")
         elif method == "hf-prompt-lookup":
             kw.update(prompt_lookup_num_tokens=k)
-        ids = torch.tensor(batch)
+        ids = torch.tensor(batch, device=self.device)
         # transformers samples from torch's global generator: seed it, and give the caller's state back
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(sampling.seed or 0)
             return [self.target.generate(ids, **kw)[0, ids.shape[1]:].tolist()]

@@ -71,6 +71,7 @@ def curve_lines(result: dict, cell: dict) -> list[str]:
     ran at against the measured FMA peak, and one token's weight bytes against the measured read
     bandwidth."""
     curve, roof = cell["verify_curve"], result["conditions"].get("roofline", {})
+    roof = roof if isinstance(roof, dict) else {}  # not measured: the models ran on a GPU
     params = result["conditions"]["target"].get("matrix_parameters")
     B, t1 = curve["batch_size"], curve["seconds"][0]
     lines = [f"Verify-cost curve: one target forward over n new tokens per row at batch {B}"
@@ -118,13 +119,31 @@ def step_breakdown_lines(result: dict) -> list[str]:
     return lines + [""]
 
 
+def host_sync_lines(result: dict) -> list[str]:
+    """Host syncs per step (specdec/syncs.py) of every configuration, per cell: the points where the host
+    waits for the device (reads) or hands it Python data (writes); on a GPU each one stalls the host."""
+    lines = ["## Host syncs per step", "",
+             f"Counted over one untimed generation of each cell's first batch, prefill included, divided by its "
+             f"steps (specdec/syncs.py), on {result['conditions']['hardware']['device_used']}: reads of device values "
+             "into Python + tensors made from Python data. Plain decoding: one step per token.", "",
+             "| cell | method | reads | writes | total |", "|---|---|---|---|---|"]
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            syncs = r.get("host_syncs_per_step")
+            if syncs:
+                where = f"{cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']}"
+                lines.append(f"| {where} | {r['label']} | {syncs['reads']:.1f} | {syncs['writes']:.1f} | "
+                             f"{syncs['total']:.1f} |")
+    return lines + [""]
+
+
 def conditions_text(result: dict) -> str:
     c = result["conditions"]
     t, h, s = c["target"], c["hardware"], c["software"]
     draft = c["draft"]
     heads = c["mtp_heads"]
     parts = [f"target `{t['path']}` ({t['parameters'] / 1e6:.1f}M parameters, {t['dtype']}, sha256 "
-             f"{t['checkpoint_sha256'][:12]})"]
+             f"{t['checkpoint_sha256'][:12]}) on {t['backend']}"]
     if isinstance(draft, dict):
         parts.append(f"draft model `{draft['path']}` ({draft['parameters'] / 1e6:.1f}M, {draft['dtype']})")
     if isinstance(heads, dict):
@@ -286,6 +305,7 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     for cell in result["cells"]:
         lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), "", *curve_lines(result, cell), ""]
     lines += step_breakdown_lines(result)
+    lines += host_sync_lines(result)
     adaptive = adaptive_lines(result)
     if adaptive:
         lines += ["## Adaptive speculation (-k auto)", "",

@@ -26,6 +26,8 @@ Output JSON (schema "specdec-bench/1"):
             cell's median prompt plus half its new tokens; implausible points: noise.py),
         noisy (bool: a result's noise or an implausible verify curve)
         results[]: method, k, label, acceptance {rule, lossless}, lossless_method (bool: that rule is lossless),
+            host_syncs_per_step {reads, writes, total} (syncs.py: one untimed generation of the cell's first batch,
+                prefill included, over its steps; plain decoding: one step per token; null for the peers),
             noise [reasons] (empty: the figures are not noisy, see noise.py),
             tokens_per_s {median, min, max, n}, speedup {median, min, max, n} (vs plain, same repeat),
             acceptance_rate (α), acceptance_per_position (α_i), mean_acceptance_length (τ),
@@ -65,10 +67,13 @@ from ..decode import plain_generate
 from ..engine import speculative_generate
 from ..errors import SpecdecError
 from ..adaptive import AUTO_TREE, merge_summaries
+from ..device import backend
 from ..metrics import SpecMetrics
+from ..model import device_of
 from ..proposers import build_proposer
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
+from ..syncs import count_host_syncs
 from ..verify import greedy_accept, rejection_sample
 from .conditions import UNKNOWN, hardware, model_info, roofline, shown_path, software, spread
 from .noise import implausible_verify_points, result_noise
@@ -186,6 +191,7 @@ class Config:
     tokens_per_s: list[float] = field(default_factory=list)
     metrics: list[SpecMetrics] = field(default_factory=list)  # per repeat, summed over batches
     outputs: list[list[int]] = field(default_factory=list)     # the last repeat's tokens per prompt
+    host_syncs: dict | None = None  # per step of a counted, untimed generation (syncs.py); None: a peer
 
     @property
     def label(self) -> str:
@@ -205,9 +211,11 @@ class Bench:
     """The loaded models and proposers, shared by every cell of a run."""
 
     def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
-                 dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None):
+                 dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None,
+                 device: str | torch.device | None = None):
         self.plan = plan
-        self.target = load(target_path, dtype=dtype)
+        self.target = load(target_path, dtype=dtype, device=device)
+        self.device = device_of(self.target.model)
         self.proposers, self.method_info = {}, {"plain": {"name": "plain autoregressive decoding"}}
         self.draft = self.heads = None
         if "draft-model" in plan.methods or any(c.peer_k for c in plan.cells):
@@ -249,7 +257,8 @@ class Bench:
                                                             head.draft_vocab_size),
                                          "parameters": sum(p.numel() for p in head.parameters()),
                                          **training_budget(heads_meta(eagle_path or DEFAULT_EAGLE))}
-        self.peers = Peers(self.target.path, self.draft.path, peer_dtype) if any(c.peer_k for c in plan.cells) else None
+        self.peers = (Peers(self.target.path, self.draft.path, peer_dtype, self.device)
+                      if any(c.peer_k for c in plan.cells) else None)
         if self.peers is not None:
             self.method_info.update(self.peers.info())
 
@@ -274,7 +283,7 @@ class Bench:
 
     def decode(self, cfg: Config, batch: list[list[int]], sampling: SamplingConfig,
                rule: StopRule) -> tuple[list[list[int]], SpecMetrics | None]:
-        generator = sampling.generator()
+        generator = sampling.generator(self.device)
         if cfg.method == "plain":
             rows, _ = plain_generate(self.target.model, batch, rule, sampling, generator)
             return [r.tokens for r in rows], None
@@ -288,12 +297,13 @@ class Bench:
 
 def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
               dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None,
-              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None) -> dict:
-    """Run the plan; `command` (the argv that asked for it) is recorded with the result."""
+              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None, device: str | torch.device | None = None) -> dict:
+    """Run the plan on `device` (default the CPU); `command` (the argv that asked for it) is recorded
+    with the result."""
     started = time.perf_counter()
     check_plan(plan)
     with torch.inference_mode():
-        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path)
+        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, device)
         cells = [(cell, bench.configs(cell)) for cell in plan.cells]
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {
@@ -301,7 +311,10 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
             "draft": model_info(bench.draft.model, bench.draft.path) if bench.draft else "not used",
             "mtp_heads": bench.method_info.get("mtp", "not used"),
             "eagle_head": bench.method_info.get("eagle", "not used"),
-            "hardware": hardware(), "roofline": roofline(measured_read_bandwidth() / 1e9),
+            "hardware": hardware(bench.device), "backend": backend(bench.target.model),
+            # the CPU's roofs (its kernels' FMA peak, its memory bandwidth) where the models run on it
+            "roofline": roofline(measured_read_bandwidth() / 1e9) if bench.device.type == "cpu" else "not measured: "
+                        "the models run on the GPU (see hardware.device_used)",
             "software": software(), "repeats": plan.repeats,
             "baseline": "specdec plain decoding of the same target weights and dtype, same prompts, batch "
                         "and sampling settings, same run (repeats interleaved)",
@@ -311,7 +324,7 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
         moe = None
         if plan.moe is not None:
             bar_note(progress, "MoE vs dense verify cost")
-            moe = moe_vs_dense(plan.moe, [1, 2, 3, 4, 5, 8, 16])
+            moe = moe_vs_dense(plan.moe, [1, 2, 3, 4, 5, 8, 16], device=bench.device)
     return {"schema": SCHEMA, "command": command or UNKNOWN,
             "plan": dataclasses.asdict(plan), "seconds": time.perf_counter() - started,
             "conditions": run_conditions, "cells": out_cells, "moe": moe, "batch_effect": batch_effect(out_cells)}
@@ -343,9 +356,14 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
     batches = [prompts[i:i + cell.batch_size] for i in range(0, len(prompts), cell.batch_size)]
     sampling = SamplingConfig(cell.temperature, seed=plan.seed)
     rule = StopRule(plan.max_new_tokens)  # EOS ignored: every configuration emits exactly max_new_tokens
-    for cfg in configs:  # warm-up, not timed
+    for cfg in configs:  # warm-up, not timed; then the host syncs of one generation are counted, not timed
         bar.set_description(f"warm-up: {cell.label}, {cfg.label}")
         bench.decode(cfg, batches[0], sampling, rule)
+        if cfg.method not in PEERS:
+            bench.forget(cfg)
+            with count_host_syncs() as syncs:
+                _, m = bench.decode(cfg, batches[0], sampling, rule)
+            cfg.host_syncs = syncs.per(m.steps if m is not None else plan.max_new_tokens)
     for _ in range(plan.repeats):
         for cfg in configs:
             bar.set_description(f"{cell.label}, {cfg.label}")
@@ -390,7 +408,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
         results.append({
             "method": cfg.method, "k": cfg.k, "widths": list(cfg.widths) if cfg.widths else None,
             "tree": ("dynamic" if cfg.dynamic else "static") if cfg.widths else None,
-            "label": cfg.label, "acceptance": rule,
+            "label": cfg.label, "acceptance": rule, "host_syncs_per_step": cfg.host_syncs,
             "adaptive": cfg.metrics[-1].adaptive if cfg.metrics else None,
             "lossless_method": rule["lossless"],
             "tokens_per_s": spread(cfg.tokens_per_s), "speedup": speedup, **prediction,

@@ -63,16 +63,16 @@ def parameter_counts(moe, spec: MoESpec) -> dict:
 
 
 def moe_vs_dense(spec: MoESpec, tokens_per_row: list[int], repeats: int = 7,
-                 dtype: torch.dtype = torch.float32) -> dict:
-    """Verify-cost curves of the MoE and the dense model of the same active size, and the
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Verify-cost curves of the MoE and the dense model of the same active size on `device`, and the
     bandwidth-bound estimate of the MoE's t(n)/t(1) from the distinct experts n tokens touch."""
-    moe, dense = build_moe_and_dense(spec, dtype)
+    moe, dense = (model.to(device) for model in build_moe_and_dense(spec, dtype))
     counts = parameter_counts(moe, spec)
     moe_curve = measure_verify_curve(moe, tokens_per_row, repeats=repeats)
     dense_curve = measure_verify_curve(dense, tokens_per_row, repeats=repeats)
     f = counts["expert_fraction_of_bytes_read"]
     return {
-        "spec": asdict(spec), "dtype": str(dtype).removeprefix("torch."),
+        "spec": asdict(spec), "dtype": str(dtype).removeprefix("torch."), "device": str(device),
         "experts_implementation": getattr(moe.config, "_experts_implementation", None) or "unknown",
         "moe_parameters": counts,
         "dense_parameters": sum(p.numel() for p in dense.parameters()),

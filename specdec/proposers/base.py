@@ -34,6 +34,7 @@ This module knows nothing about particular proposers, verification or stopping.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,8 +56,21 @@ class Proposal:
     parents: torch.Tensor | None = None  # (B, m) long, each node's parent (-1: the root), tree.py; None: a chain
 
     @classmethod
-    def empty(cls, batch_size: int) -> "Proposal":
-        return cls(torch.zeros(batch_size, 0, dtype=torch.long), torch.zeros(batch_size, dtype=torch.long), None)
+    def empty(cls, batch_size: int, device: torch.device | str = "cpu") -> "Proposal":
+        return cls(torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+                   torch.zeros(batch_size, dtype=torch.long, device=device), None)
+
+    @classmethod
+    def from_rows(cls, tokens: list[list[int]], parents: list[list[int]] | None, device: torch.device | str
+                  ) -> "Proposal":
+        """Deterministic drafts listed per row on the host (a tree's nodes with their parents; None:
+        chains), padded and moved to `device` in one copy."""
+        n = max(map(len, tokens), default=0)
+        rows = [[len(t)] + t + [0] * (n - len(t)) for t in tokens]
+        if parents is not None:
+            rows = [row + p + [-1] * (n - len(p)) for row, p in zip(rows, parents)]
+        both = torch.tensor(rows, dtype=torch.long).view(len(tokens), -1).to(device)
+        return cls(both[:, 1:1 + n], both[:, 0], None, None if parents is None else both[:, 1 + n:])
 
     def trimmed(self) -> "Proposal":
         """Without the trailing columns no row uses (a proposer may pad its drafts to the limit, as
@@ -64,7 +78,7 @@ class Proposal:
         A tree whose real nodes all form chains 0, 1, .. is a chain."""
         m = int(self.lengths.max()) if self.lengths.numel() else 0
         parents = self.parents
-        if parents is not None and bool((parents[:, :m] == chain_parents(1, m)).all()):
+        if parents is not None and bool((parents[:, :m] == chain_parents(1, m, parents.device)).all()):
             parents = None
         if m == self.tokens.shape[1] and parents is self.parents:
             return self
@@ -74,12 +88,14 @@ class Proposal:
 
 @dataclass
 class Outcome:
-    """What one verification step committed, per row."""
-    accepted: torch.Tensor  # (B,) drafts of the proposal the target accepted
-    tokens: torch.Tensor    # (B, m+1) the accepted drafts, then the recovered or bonus token
-    counts: torch.Tensor    # (B,) tokens of `tokens` emitted: accepted + 1, fewer where the row
-                            # finished inside the run, 0 for rows finished before the step
-    hidden: torch.Tensor    # (B, m+1, C) target features over [last, accepted path] (final hidden states, or
+    """What one verification step committed, per row: the numbers on the host, where the engine
+    read them once (a proposer that needs the tokens on the device copies them once), the target's
+    features on its device."""
+    accepted: list[int]       # (B,) drafts of the proposal the target accepted
+    tokens: list[list[int]]   # (B, m+1) the accepted drafts, then the recovered or bonus token, zero-padded
+    counts: list[int]         # (B,) tokens of `tokens` emitted: accepted + 1, fewer where the row
+                              # finished inside the run, 0 for rows finished before the step
+    hidden: torch.Tensor      # (B, m+1, C) target features over [last, accepted path] (final hidden states, or
                             # the declared layers' outputs concatenated: (B, m+1, len(features) * C)); the
                             # first counts[b] are now in the target's cache, hidden[b, i] predicted tokens[b, i]
     paths: list[list[int]] | None = None  # per row, the accepted nodes of a tree proposal; None: a chain
@@ -132,6 +148,7 @@ class DraftVocabulary:
     acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V)."""
 
     def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
+        ids = ids.to(lm_head_weight.device)
         self.ids = ids                                              # (N,) sorted target ids
         self.unembedding = frozen_linear(lm_head_weight[ids])       # (N, C) rows of the lm_head
 
@@ -153,7 +170,7 @@ class DraftVocabulary:
             raise SpecdecError(f"draft_vocab must be >= 1 token, got {size}")
         if token_counts is None:
             raise SpecdecError(no_counts)
-        return token_counts.topk(size).indices.sort().values
+        return token_counts.cpu().topk(size).indices.sort().values  # counts are kept on the host
 
 
 def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tuple[int, ...],
@@ -168,7 +185,8 @@ def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tu
     if all(w == 1 for w in widths):
         return proposal
     parents, chain = caterpillar_layout(widths)
-    tokens = torch.zeros(B, len(parents), dtype=torch.long)
+    device = proposal.tokens.device
+    tokens = torch.zeros(B, len(parents), dtype=torch.long, device=device)
     tokens[:, chain] = proposal.tokens
     for d, width in enumerate(widths):
         if width > 1:
@@ -177,15 +195,16 @@ def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tu
             others = [[t for t in row if t != drafted][:width - 1] for row, drafted in
                       zip(best.tolist(), proposal.tokens[:, d].tolist())]
             for j in range(width - 1):  # a vocabulary smaller than the width leaves the last ones 0
-                tokens[:, chain[d] + 1 + j] = torch.tensor([row[j] if j < len(row) else 0 for row in others])
+                tokens[:, chain[d] + 1 + j] = torch.tensor([row[j] if j < len(row) else 0 for row in others],
+                                                           device=device)
     probs = None
     if proposal.draft_probs is not None:
-        probs = torch.zeros(B, len(parents), vocab_size, dtype=proposal.draft_probs.dtype)
+        probs = torch.zeros(B, len(parents), vocab_size, dtype=proposal.draft_probs.dtype, device=device)
         probs.scatter_(2, tokens[..., None], 1.0)
         probs[:, chain] = proposal.draft_probs
-    starts = [0] + list(torch.tensor(widths).cumsum(0).tolist())
-    lengths = torch.tensor([starts[n] for n in proposal.lengths.tolist()])
-    return Proposal(tokens, lengths, probs, torch.tensor(parents).expand(B, -1).clone())
+    starts = [0, *itertools.accumulate(widths)]
+    lengths = torch.tensor([starts[n] for n in proposal.lengths.tolist()], device=device)
+    return Proposal(tokens, lengths, probs, torch.tensor(parents, device=device).expand(B, -1).clone())
 
 
 def grow_tree(root_logits: torch.Tensor, children_logits, widths: tuple[int, ...], limits: list[int],
@@ -197,9 +216,9 @@ def grow_tree(root_logits: torch.Tensor, children_logits, widths: tuple[int, ...
     children_logits(tokens (B, n), parents (B, n), frontier (B, f)) returns the draft logits
     (B, f, N) after the frontier nodes (node indices into tokens; padding nodes hang off the root).
     The nodes are deterministic drafts (draft_probs None, one-hot for rejection sampling)."""
-    B, depth = root_logits.shape[0], max(limits, default=0)
+    B, depth, device = root_logits.shape[0], max(limits, default=0), root_logits.device
     if depth == 0:
-        return Proposal.empty(B)
+        return Proposal.empty(B, device)
     tokens = [[] for _ in range(B)]
     parents = [[] for _ in range(B)]
     scores = [[] for _ in range(B)]
@@ -226,12 +245,10 @@ def grow_tree(root_logits: torch.Tensor, children_logits, widths: tuple[int, ...
         if d + 1 < depth:
             n, f = max(map(len, tokens)), max(map(len, frontier))
             logp = torch.log_softmax(children_logits(
-                torch.tensor([t + [0] * (n - len(t)) for t in tokens]),
-                torch.tensor([p + [-1] * (n - len(p)) for p in parents]),
-                torch.tensor([fr + [0] * (f - len(fr)) for fr in frontier])).float(), -1)  # (B, f, N)
-    n = max(map(len, tokens))
-    return Proposal(torch.tensor([t + [0] * (n - len(t)) for t in tokens]), torch.tensor(list(map(len, tokens))),
-                    None, torch.tensor([p + [-1] * (n - len(p)) for p in parents]))
+                torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=device),
+                torch.tensor([p + [-1] * (n - len(p)) for p in parents], device=device),
+                torch.tensor([fr + [0] * (f - len(fr)) for fr in frontier], device=device)).float(), -1)  # (B, f, N)
+    return Proposal.from_rows(tokens, parents, device)
 
 
 def draw(logits: torch.Tensor, samplings: list[SamplingConfig], generator, vocab: DraftVocabulary | None,

@@ -109,18 +109,20 @@ class DraftModelProposer:
         B, m = len(limit), max(limit)
         state.fed_drafts, state.chain = 0, None
         if m == 0:
-            return Proposal.empty(B)
+            return Proposal.empty(B, limits.device)
         # feed the pending tokens; rows that draft nothing keep theirs pending
         lengths = [len(p) for p in state.pending]
         width = max(lengths)
-        window = torch.tensor([p + [0] * (width - len(p)) for p in state.pending])  # (B, W)
-        last = torch.tensor([[max(n - 1, 0)] for n in lengths]) if width > 1 else None  # (B, 1)
+        # the window (B, W) and, where it is wider than 1, each row's last position (B, 1): one copy
+        both = torch.tensor([p + [0] * (width - len(p)) + [max(n - 1, 0)] for p, n in zip(state.pending, lengths)],
+                            device=limits.device)
+        window, last = both[:, :width], (both[:, width:] if width > 1 else None)
         logits = self.forward(window, state.cache, last)
         for b in range(B):
             if limit[b]:
                 state.committed[b] += lengths[b]
                 state.pending[b] = []
-        state.cache.rollback(torch.tensor(state.committed))
+        state.cache.rollback(state.committed)
         if self.tree == "dynamic" and max(widths[:m]) > 1:
             return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab)
         tokens, probs, scores = [], [], []
@@ -148,16 +150,16 @@ class DraftModelProposer:
         extra = {} if self.vocab is None else {"unembedding": self.vocab.unembedding}
         out = self.model(tokens, positions=positions[:, 1:], cache=state.cache, attention_mask=mask[:, 1:, 1:],
                          logits_index=frontier, **extra)
-        state.cache.rollback(torch.tensor(state.committed))
+        state.cache.rollback(state.committed)
         return out.logits
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
         # accepted drafts already in the cache stay; the rest of the committed tokens become pending
-        chained = outcome.accepted.tolist() if state.chain is None else [
+        chained = outcome.accepted if state.chain is None else [
             on_chain(path, state.chain) for path in outcome.paths]  # accepted drafts of the fed chain
-        for b, (tokens, n, emitted) in enumerate(zip(outcome.tokens.tolist(), chained, outcome.counts.tolist())):
+        for b, (tokens, n, emitted) in enumerate(zip(outcome.tokens, chained, outcome.counts)):
             kept = min(n, state.fed_drafts, emitted)
             state.committed[b] += kept
             state.pending[b] += tokens[kept:emitted]
-        state.cache.rollback(torch.tensor(state.committed))
+        state.cache.rollback(state.committed)
         state.fed_drafts, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal

@@ -66,12 +66,14 @@ class EagleProposer:
         self.features = head.layer_ids  # declared once: the engine hands these layers' outputs over
         self.vocab_size = target.config.vocab_size
         self.context = target.config.max_position_embeddings
+        counts = None if head.token_counts is None else head.token_counts[head.draft_ids.cpu()]  # of its own ids
         ids = DraftVocabulary.ids_for(
-            draft_vocab, head.draft_vocab_size, None if head.token_counts is None else head.token_counts[head.draft_ids],
+            draft_vocab, head.draft_vocab_size, counts,
             "this EAGLE head was saved without its training token counts, so no smaller draft vocabulary can be "
             "chosen: draft over its own, or retrain it with this version of specdec")
         self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
-                      DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
+                      DraftVocabulary.trained(head.draft_ids[ids.to(head.draft_ids.device)],
+                                              frozen_linear(head.lm_head.weight[ids.to(head.draft_ids.device)])))
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -88,7 +90,8 @@ class EagleProposer:
         cache = KVCache(1, capacity or len(prompts), cfg.num_key_value_heads, cfg.head_dim, max_len + 2 * (k + 1),
                         dtype=prompt_hidden.dtype, device=prompt_hidden.device)
         cache.regroup([])
-        state = EagleState([], cache, [], prompt_hidden[:0], torch.zeros(0, 0, dtype=torch.long), [])
+        state = EagleState([], cache, [], prompt_hidden[:0], torch.zeros(0, 0, dtype=torch.long,
+                                                                         device=prompt_hidden.device), [])
         self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
         return state
 
@@ -96,30 +99,31 @@ class EagleProposer:
         """New rows: their prompts' features are pending (read with their first proposal)."""
         if not prompts:
             return
-        ahead, lengths = pad_right([p[1:] for p in prompts])  # (n, P-1), (n,)
+        ahead, _ = pad_right([p[1:] for p in prompts], device=state.ahead.device)  # (n, P-1)
         state.cache.regroup(list(range(len(state.committed))), empty=len(prompts))
         state.samplings += samplings
         state.committed += [0] * len(prompts)
         state.features = _stack_rows(state.features, prompt_hidden.to(state.features.dtype))
         state.ahead = _stack_rows(state.ahead, ahead)
-        state.lengths += lengths.tolist()
+        state.lengths += [len(p) - 1 for p in prompts]
 
     def leave(self, state: EagleState, keep: list[int]) -> None:
         state.cache.regroup(keep)
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=state.ahead.device)
         state.features, state.ahead = state.features[index], state.ahead[index]
         state.samplings, state.committed, state.lengths = ([rows[b] for b in keep] for rows in (
             state.samplings, state.committed, state.lengths))
 
     def propose(self, state: EagleState, limits, widths, generator) -> Proposal:
-        B, m, W = limits.shape[0], int(limits.max()), state.features.shape[1]
+        limit = limits.tolist()
+        B, m, W, device = len(limit), max(limit), state.features.shape[1], limits.device
         state.fed = False
         if m == 0 or W == 0:
-            return Proposal.empty(B)
+            return Proposal.empty(B, device)
         head, embed = self.head, self.target.model.embed_tokens
-        positions = next_positions(state.cache, W, self.context, longest=max(state.committed))
+        positions = next_positions(state.cache, W, self.context)
         h = head(embed(state.ahead), head.fuse(state.features), head.window(positions, state.cache, W))  # (B, W, C)
-        last = torch.tensor(state.lengths).clamp(min=1)[:, None, None] - 1                            # (B, 1, 1)
+        last = torch.tensor([max(n, 1) - 1 for n in state.lengths], device=device)[:, None, None]      # (B, 1, 1)
         prev = h.gather(1, last.expand(B, 1, h.shape[2]))                                              # (B, 1, C)
         state.committed = [n + w for n, w in zip(state.committed, state.lengths)]
         state.cache.rollback(state.committed)
@@ -132,11 +136,11 @@ class EagleProposer:
             probs.append(p)
             scores.append(logits)
             if j + 1 < m:  # d_{j+1} at position T+j, its own output as the feature
-                positions = next_positions(state.cache, 1, self.context, longest=max(state.committed) + j)
+                positions = next_positions(state.cache, 1, self.context)
                 prev = head(embed(token[:, None]), prev, head.window(positions, state.cache, 1))
                 state.cache.advance(1)
         # a one-token prompt has no features yet: no drafts
-        lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
+        lengths = torch.tensor([lim if n > 0 else 0 for lim, n in zip(limit, state.lengths)], device=device)
         probs = None if probs[0] is None else torch.stack(probs, 1)
         return with_alternatives(Proposal(torch.stack(tokens, 1), lengths, probs), scores, widths, self.vocab,
                                  self.vocab_size)
@@ -146,9 +150,9 @@ class EagleProposer:
         predicted the emitted tokens, which become pending (after the unfed ones, if any)."""
         state.cache.rollback(state.committed)  # drop the draft entries
         drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
-        counts = outcome.counts.tolist()
-        index, state.lengths = _ragged_concat_index(state.features.shape[1], outcome.tokens.shape[1],
-                                                    state.lengths, drop, counts)
+        tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
+        index, state.lengths = _ragged_concat_index(state.features.shape[1], tokens.shape[1],
+                                                    state.lengths, drop, outcome.counts, tokens.device)
         state.features = _gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
-        state.ahead = _gather_rows(torch.cat([state.ahead, outcome.tokens], 1), index)
+        state.ahead = _gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.fed = False  # consumed: a plain stretch's outcome follows no proposal

@@ -103,38 +103,40 @@ class MTPProposer:
                         dtype=dtype, device=prompt_hidden.device)
         cache.regroup([])
         state = MTPState([], k, cache, [], prompt_hidden.new_zeros(0, 0, cfg.hidden_size, dtype=dtype),
-                         torch.zeros(0, 0, dtype=torch.long), [])
+                         torch.zeros(0, 0, dtype=torch.long, device=prompt_hidden.device), [])
         self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
         return state
 
     def join(self, state: MTPState, prompts, prompt_hidden, samplings) -> None:
         if not prompts:
             return
-        ahead, lengths = pad_right([p[1:] for p in prompts])  # (n, P-1), (n,)
+        ahead, _ = pad_right([p[1:] for p in prompts], device=state.ahead.device)  # (n, P-1)
         state.cache.regroup(list(range(len(state.first))), empty=len(prompts))
         state.hidden = _stack_rows(state.hidden, prompt_hidden.to(state.hidden.dtype))
         state.ahead = _stack_rows(state.ahead, ahead)
         state.samplings += samplings
         state.first += [0] * len(prompts)
-        state.lengths += lengths.tolist()
+        state.lengths += [len(p) - 1 for p in prompts]
 
     def leave(self, state: MTPState, keep: list[int]) -> None:
         state.cache.regroup(keep)
         width = max((state.lengths[b] for b in keep), default=0)
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=state.ahead.device)
         state.hidden, state.ahead = state.hidden[index, :width], state.ahead[index, :width]
         state.samplings, state.first, state.lengths = ([rows[b] for b in keep] for rows in (
             state.samplings, state.first, state.lengths))
 
     def propose(self, state: MTPState, limits, widths, generator) -> Proposal:
-        B, m, W = limits.shape[0], int(limits.max()), state.hidden.shape[1]
+        limit = limits.tolist()
+        B, m, W, device = len(limit), max(limit), state.hidden.shape[1], limits.device
         state.written, state.chain = 0, None
         if m == 0 or W == 0:
-            return Proposal.empty(B)
+            return Proposal.empty(B, device)
         heads, trunk, k = self.heads, self.target, state.k
-        positions = next_positions(state.cache, W, self.context, longest=max(state.first))
+        positions = next_positions(state.cache, W, self.context)
         ctx = heads.context(positions, state.hidden.dtype, state.cache, W)
-        columns = torch.tensor([[max(n - 1, 0), n] for n in state.lengths])  # (B, 2): window's last, then next
+        # (B, 2): the window's last column, then the next
+        columns = torch.tensor([[max(n - 1, 0), n] for n in state.lengths], device=device)
         last = columns[:, :1, None].expand(B, 1, state.hidden.shape[2])      # (B, 1, C)
         ahead = torch.cat([state.ahead, state.ahead.new_zeros(B, k)], 1)  # (B, W+k): then drafts at lengths+j
         prev, tokens, probs, scores = state.hidden, [], [], []
@@ -151,7 +153,7 @@ class MTPProposer:
         state.cache.advance(W)
         state.written = W
         # a one-token prompt has no hidden state yet: no drafts
-        lengths = torch.tensor([limit if n > 0 else 0 for limit, n in zip(limits.tolist(), state.lengths)])
+        lengths = torch.tensor([lim if n > 0 else 0 for lim, n in zip(limit, state.lengths)], device=device)
         probs = None if probs[0] is None else torch.stack(probs, 1)[:, :m]
         proposal = with_alternatives(Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs), scores, widths,
                                      self.vocab, self.vocab_size)
@@ -162,7 +164,7 @@ class MTPProposer:
     def observe(self, state: MTPState, outcome: Outcome) -> None:
         lookahead = state.k if self.heads.reads_ahead else 0
         keep_to, drop = [], []
-        counts = outcome.counts.tolist()
+        counts = outcome.counts
         # entries read the chain's drafts: past a node off the chain, they read tokens not committed
         valid = counts if state.chain is None else [min(c, on_chain(path, state.chain) + 1)
                                                     for c, path in zip(counts, outcome.paths)]
@@ -174,22 +176,23 @@ class MTPProposer:
             drop.append(keep_to[-1] - first)
         state.cache.rollback(keep_to)
         state.first = keep_to
-        index, state.lengths = _ragged_concat_index(state.hidden.shape[1], outcome.tokens.shape[1], state.lengths,
-                                                    drop, outcome.counts.tolist())
+        tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
+        index, state.lengths = _ragged_concat_index(state.hidden.shape[1], tokens.shape[1], state.lengths,
+                                                    drop, counts, tokens.device)
         state.hidden = _gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
-        state.ahead = _gather_rows(torch.cat([state.ahead, outcome.tokens], 1), index)
+        state.ahead = _gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.written, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal
 
 
 def _ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
-                         new_len: list[int]) -> tuple[torch.Tensor, list[int]]:
+                         new_len: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Columns of cat([old, new], 1) that give row b old[b, drop[b]:old_len[b]] then
     new[b, :new_len[b]], left-aligned and right-padded (padding: any column): (B, W'), lengths."""
     total = [n - d + m for n, d, m in zip(old_len, drop, new_len)]
     width, last = max(total), old_width + new_width - 1
     index = [[min(d + c if c < n - d else old_width + c - (n - d), last) for c in range(width)]
              for n, d in zip(old_len, drop)]
-    return torch.tensor(index).view(len(total), width), total
+    return torch.tensor(index, device=device).view(len(total), width), total
 
 
 def _stack_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from ..errors import SpecdecError
 from .base import Outcome, Proposal, per_row
@@ -122,21 +121,16 @@ class NgramProposer:
         state.rows = [state.rows[b] for b in keep]
 
     def propose(self, state: NgramState, limits, widths, generator) -> Proposal:
-        B, m = limits.shape[0], int(limits.max())
+        limit = limits.tolist()
+        m = max(limit)
         if m == 0:
-            return Proposal.empty(B)
+            return Proposal.empty(len(limit), limits.device)
         branches = max(widths[:m])
         if branches == 1:
-            drafts = [row.continuation(limit) for row, limit in zip(state.rows, limits.tolist())]
-            tokens = torch.tensor([d + [0] * (m - len(d)) for d in drafts], dtype=torch.long)  # (B, m)
-            return Proposal(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long), None)
-        trees = [trie(row.continuations(limit, branches), tuple(widths[:limit]))
-                 for row, limit in zip(state.rows, limits.tolist())]
-        n = max(len(t) for t, _ in trees)
-        tokens = torch.tensor([t + [0] * (n - len(t)) for t, _ in trees], dtype=torch.long)  # (B, n)
-        parents = torch.tensor([p + [-1] * (n - len(p)) for _, p in trees], dtype=torch.long)
-        return Proposal(tokens, torch.tensor([len(t) for t, _ in trees], dtype=torch.long), None, parents)
+            return Proposal.from_rows([row.continuation(n) for row, n in zip(state.rows, limit)], None, limits.device)
+        trees = [trie(row.continuations(n, branches), tuple(widths[:n])) for row, n in zip(state.rows, limit)]
+        return Proposal.from_rows([t for t, _ in trees], [p for _, p in trees], limits.device)
 
     def observe(self, state: NgramState, outcome: Outcome) -> None:
-        for row, tokens, count in zip(state.rows, outcome.tokens.tolist(), outcome.counts.tolist()):
+        for row, tokens, count in zip(state.rows, outcome.tokens, outcome.counts):
             row.extend(tokens[:count])

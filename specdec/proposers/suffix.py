@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-import torch
 
 from ..errors import SpecdecError
 from .base import Outcome, Proposal, per_row
@@ -227,23 +226,18 @@ class SuffixProposer:
         return best[0], best[1]
 
     def propose(self, state: SuffixState, limits, widths, generator) -> Proposal:
-        B, m = limits.shape[0], int(limits.max())
+        limit = limits.tolist()
+        m = max(limit)
         if m == 0:
-            return Proposal.empty(B)
+            return Proposal.empty(len(limit), limits.device)
         widths = tuple(widths[:m])
-        trees = [self.draft(row, limit, widths) if limit else ([], [])
-                 for row, limit in zip(state.rows, limits.tolist())]
-        n = max(len(t) for t, _ in trees)
-        tokens = torch.tensor([t + [0] * (n - len(t)) for t, _ in trees], dtype=torch.long)  # (B, n)
-        lengths = torch.tensor([len(t) for t, _ in trees], dtype=torch.long)                 # (B,)
-        if max(widths) == 1:
-            return Proposal(tokens, lengths, None)
-        parents = torch.tensor([p + [-1] * (n - len(p)) for _, p in trees], dtype=torch.long)  # (B, n)
-        return Proposal(tokens, lengths, None, parents)
+        trees = [self.draft(row, n, widths) if n else ([], []) for row, n in zip(state.rows, limit)]
+        return Proposal.from_rows([t for t, _ in trees], None if max(widths) == 1 else [p for _, p in trees],
+                                  limits.device)
 
     def observe(self, state: SuffixState, outcome: Outcome) -> None:
         shared, match = self.shared, self.max_match
-        for row, tokens, count in zip(state.rows, outcome.tokens.tolist(), outcome.counts.tolist()):
+        for row, tokens, count in zip(state.rows, outcome.tokens, outcome.counts):
             if self.shared_nodes and count:
                 self.shared_places(row)
             for token in tokens[:count]:

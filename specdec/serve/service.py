@@ -189,7 +189,7 @@ class Service:
     def _admit(self, job: Job) -> None:
         """Heal the prompt when needed (its first token, emitted at once), then queue the request."""
         p = job.params
-        generator = p.sampling.generator()
+        generator = p.sampling.generator(self.engine.device)
         tokenizer = self.target.tokenizer
         skip = len(job.healed)
         rule = StopRule(p.max_tokens, EOS_ID, p.stop, lambda tokens: tokenizer.decode(tokens)[skip:])

@@ -1,5 +1,5 @@
 """`specdec train`: AdamW with warmup + cosine decay, gradient clipping, periodic validation,
-atomic checkpoints with exact resume, single process or torchrun (gloo on CPU).
+atomic checkpoints with exact resume, single process or torchrun (gloo on CPU, NCCL on CUDA: --device cuda).
 
 Objectives (objectives.py): "next-token", or next-token + multi-token prediction with MTP heads
 ("mtp-parallel", "mtp-sequential", heads.py), either pretrained jointly from scratch or, with
@@ -46,7 +46,8 @@ from ..checkpoint import TOKENIZER, WEIGHTS, load_model, read_config, save_model
 from ..errors import SpecdecError
 from ..eagle import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
 from ..heads import MTPHeads, build_heads, save_heads
-from ..model import LlamaConfig, LlamaForCausalLM
+from ..device import resolve as resolve_device
+from ..model import LlamaConfig, LlamaForCausalLM, device_of, place
 from ..tokenizer import Tokenizer
 from .corpus import Corpus
 from .data import eval_batches, preparation_key, tokenize, window_batch
@@ -63,6 +64,7 @@ class TrainConfig:
     seq_len: int = 512
     batch_size: int = 8                 # global sequences per optimizer step
     micro_batch: int = 8                # sequences per forward/backward on one process
+    device: str = "cpu"                 # cpu or cuda (under torchrun: each process its LOCAL_RANK's GPU)
     steps: int = 600
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
@@ -215,6 +217,7 @@ def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_
     model.eval()
     losses = []
     for b in eval_batches(tokens, seq_len, max_windows):
+        b = b.to(device_of(model))
         if teacher is not None:
             losses.append(distill_metrics(model, teacher, b))
             continue
@@ -424,8 +427,12 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
               sha256(Path(cfg.teacher) / WEIGHTS) if cfg.teacher else None,
               sha256(Path(cfg.init_from) / WEIGHTS) if cfg.init_from else None)
     distributed = run.world > 1
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and distributed:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     if distributed:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if run.rank == 0:
         run.prepare()
     if distributed:
@@ -437,7 +444,10 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     model, heads = build(cfg)
     if cfg.eagle:
         heads = build_eagle(cfg, model, train_tokens)
-    teacher = load_teacher(cfg.teacher) if cfg.teacher else None
+    place(model, device)
+    if heads is not None:
+        place(heads, device)
+    teacher = place(load_teacher(cfg.teacher), device) if cfg.teacher else None
     train_trunk = not cfg.frozen
     params = [*(model.parameters() if train_trunk else ()), *(heads.parameters() if heads is not None else ())]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=False)
@@ -463,7 +473,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         batch = window_batch(train_tokens, cfg.seed, step, cfg.batch_size, cfg.seq_len)
         batch = batch[run.rank * per_rank:(run.rank + 1) * per_rank]
         loss_sums = None
-        for mb in batch.split(cfg.micro_batch):
+        for mb in batch.to(device).split(cfg.micro_batch):
             # each process contributes its share of the global mean; gradients are averaged over processes
             scale = mb.shape[0] * run.world / cfg.batch_size
             if teacher is not None:
@@ -487,7 +497,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        train_losses = [_mean_over_ranks(x / per_rank, distributed) for x in loss_sums]
+        train_losses = [_mean_over_ranks(x / per_rank, distributed, device) for x in loss_sums]
         _record(history, "train", step, train_losses, heads)
         tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
         if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
@@ -755,9 +765,9 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
         g.copy_(part.view_as(g))
 
 
-def _mean_over_ranks(x: float, distributed: bool) -> float:
+def _mean_over_ranks(x: float, distributed: bool, device: torch.device) -> float:
     if not distributed:
         return x
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=device)  # where the process group's backend reduces
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()

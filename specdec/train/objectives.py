@@ -258,7 +258,7 @@ def eagle_metrics(target, head: EagleHead, batch: torch.Tensor, steps: int) -> l
     it is accepted where its argmax is the target's."""
     targets = eagle_targets(target, head, batch, steps)
     S = targets.features.shape[1]
-    reached = torch.ones(batch.shape[0], S - 1, dtype=torch.bool)        # (B, S-1) bases still drafting
+    reached = torch.ones(batch.shape[0], S - 1, dtype=torch.bool, device=batch.device)  # (B, S-1) bases still drafting
     kls, alphas, counts = [], [], []
     for j, kl, logits in eagle_step_losses(target, head, targets, steps):
         n = S - 1 - j

@@ -1,0 +1,52 @@
+"""The device a run computes on, chosen once when its models are loaded, and the backend that goes
+with it: specdec's CPU kernels (kernels/, where they run) or PyTorch's operators (SDPA attention,
+matmuls in the compute dtype: bf16 on CUDA by default). Everything the engine, the proposers, the
+sampler and the metrics create lives on the model's device (`model.device_of`)."""
+from __future__ import annotations
+
+import torch
+
+from .errors import SpecdecError
+
+DEVICES = ("cpu", "cuda")
+
+
+def resolve(name: str | torch.device | None) -> torch.device:
+    """"cpu", "cuda" or "cuda:N" as a torch.device, refused with what to do where it cannot run."""
+    device = torch.device(name or "cpu")
+    if device.type not in DEVICES:
+        raise SpecdecError(f"device {str(device)!r} is not supported: use one of {', '.join(DEVICES)} (or cuda:N)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecdecError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU here (a CPU-only build, "
+                               "no driver, or no GPU); run with --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SpecdecError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                               f"numbered 0..{torch.cuda.device_count() - 1}")
+    return device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The compute dtype when none is asked for: fp32 on the CPU (the kernels compute in fp32 from
+    bf16-stored matrices: exact), bf16 on CUDA (its tensor cores' matmuls)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the work queued on `device` is done (a no-op on the CPU): before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def backend(model) -> str:
+    """The operators a loaded model runs on, as the conditions name them."""
+    from . import kernels
+    from .model import LlamaForCausalLM, compute_dtype, device_of
+    dtype = str(compute_dtype(model) if isinstance(model, LlamaForCausalLM) else
+                next(model.parameters()).dtype).removeprefix("torch.")
+    device = device_of(model)
+    if getattr(model, "stack", None) is not None:
+        return f"specdec CPU kernels ({kernels.isa()}), {dtype} arithmetic on bf16-stored matrices"
+    if device.type == "cuda":
+        return f"PyTorch operators on {torch.cuda.get_device_name(device)} (SDPA attention, {dtype} matmuls)"
+    return f"PyTorch operators on the CPU (SDPA attention, {dtype} matmuls)"
