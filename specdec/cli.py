@@ -20,7 +20,7 @@ def cmd_train(args) -> None:
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
                  "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k",
-                 "target", "eagle_steps", "eagle_decay", "draft_vocab", "device"):
+                 "target", "eagle_steps", "eagle_decay", "draft_vocab", "device", "eagle_layout"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
@@ -425,10 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
-    t.add_argument("--preset", choices=["target", "draft", "draft-distill", "target-mtp", "target-eagle", "tiny"],
+    from .presets import PRESETS
+    t.add_argument("--preset", choices=list(PRESETS),
                    default="target",
                    help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
-                        "target-eagle: the shipped EAGLE head of the shipped target; "
+                        "target-eagle: the shipped EAGLE head of the shipped target; target-eagle3: the same "
+                        "in EAGLE-3's reference layout (models/eagle3, exportable to vLLM); "
                         "draft-distill: the shipped draft distilled from the shipped target")
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
     t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
@@ -453,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or eagle: an EAGLE-3 draft head for the frozen --target")
     t.add_argument("--target", metavar="MODEL", help="eagle: the frozen target checkpoint the head drafts for "
                                                      "(its tokenizer is used)")
+    t.add_argument("--eagle-layout", choices=["specdec", "eagle3"],
+                   help="eagle: the head's layout: specdec (its layer is one CPU-kernel call; default) or eagle3 "
+                        "(EAGLE-3's reference layer, exportable to vLLM with `specdec export --format speculators`)")
     t.add_argument("--eagle-layers", nargs="+", type=int, metavar="ID",
                    help="eagle: the target decoder layers (0-based) whose outputs the head reads "
                         "(default: low, middle, high)")
@@ -589,13 +594,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
 
     x = sub.add_parser("export", help="write a draft in a serving engine's format (vLLM: speculators)",
-                       description="Export a draft model for vLLM's speculative decoding. EAGLE and MTP heads "
-                                   "have no exact speculators form and are refused with the reason.")
-    x.add_argument("path", help="the draft's folder (a draft model checkpoint)")
+                       description="Export a draft for vLLM's speculative decoding: a draft model, or an EAGLE head "
+                                   "trained in the eagle3 layout (--eagle-layout eagle3). MTP heads and EAGLE heads in "
+                                   "specdec's own layout have no exact speculators form and are refused with the "
+                                   "reason.")
+    x.add_argument("path", help="the draft's folder (a draft model checkpoint or an EAGLE head folder)")
     x.add_argument("out", help="a new (or empty) folder to write")
     x.add_argument("--format", choices=["speculators"], default="speculators", help="the output format")
-    x.add_argument("--verifier", help="the target it drafts for: checkpoint folder or hub name "
-                                      "(default: the teacher its specdec.json names)")
+    x.add_argument("--verifier", help="the target it drafts for: checkpoint folder or hub name (an EAGLE head: "
+                                      "the folder; default: the teacher or target its metadata names)")
     x.set_defaults(func=cmd_export)
     for command in sub.choices.values():
         command.formatter_class = ShownDefaults

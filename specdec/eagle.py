@@ -20,12 +20,17 @@ and to its own earlier draft steps T..T-1+j. Training reproduces exactly this ("
 attends to the step-0 entries at positions <= t and to the entries of steps 1..j at base t (the
 diagonal), so that what the head computes while drafting k tokens is what it was trained on.
 
-Weight layout. EAGLE-3's reference layer feeds the 2C-wide [embedding; hidden] into a q/k/v
-projection of 2C inputs; here a 2C -> C projection (`proj`) feeds a standard decoder layer, so that
-the layer runs as one call of the CPU kernels (model.py) like the target's own layers. The metadata
-uses the `speculators` EAGLE-3 vocabulary (`speculators_metadata`), but the weights have no exact
-form in that layout: the layer's input RMSNorm sits between `proj` and q/k/v, so `proj` does not
-fold into them, and the residual is u, not g (export.py says how the two differ).
+Weight layout (`layout`, fixed when the head is built and recorded in its folder):
+- "specdec": a 2C -> C projection (`proj`) feeds a standard decoder layer, so that the layer runs as
+  one call of the CPU kernels (model.py) like the target's own layers. These weights have no exact
+  form in the layout serving engines read: the layer's input RMSNorm sits between `proj` and q/k/v,
+  so `proj` does not fold into them, and the residual is u, not g (export.py).
+- "eagle3": EAGLE-3's reference layer, as the `speculators` package and vLLM run it: the 2C-wide
+  x = [RMSNorm(Emb(x_{t+1})); RMSNorm(g_t)] goes straight into a q/k/v projection of 2C inputs, the
+  attention output is added to g_t (or to the head's own previous output), then the MLP as in any
+  decoder layer (`Eagle3Layer`). Exported with `specdec export --format speculators`. It runs on
+  PyTorch's operators (no fused kernel call), so a draft step costs more on the CPU.
+The metadata uses the `speculators` EAGLE-3 vocabulary (`speculators_metadata`) in both.
 
 A head folder holds heads.safetensors and heads.json (kind "eagle3", the target's config and the
 sha256 of its model.safetensors, the layer ids, the draft vocabulary size, training settings). It
@@ -42,12 +47,33 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checkpoint import hf_config
 from .errors import SpecdecError
 from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
-from .model import (DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary, compute_dtype,
-                    inverse_frequencies, rotary)
+from .model import (MLP, Attention, DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary,
+                    compute_dtype, inverse_frequencies, rotary)
 
 KIND = "eagle3"
+LAYOUTS = ("specdec", "eagle3")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose EAGLE-3 format the metadata and the export follow
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over the 2C-wide [RMSNorm(embedding); RMSNorm(g)] whose
+    output is added to g (not to its input), then the MLP with its own RMSNorm; the names are those of
+    transformers' decoder layer, so the export renames nothing but the fused q/k/v and gate/up."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.self_attn.qkv_proj = Linear(2 * config.hidden_size, self.self_attn.qkv_proj.out_features, bias=False)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, window: Window) -> torch.Tensor:
+        """x (B, T, 2C) the normalised [embedding; g]; residual (B, T, C) g -> (B, T, C) h."""
+        h = residual + self.self_attn(x, 0, window)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -68,10 +94,13 @@ def check_layer_ids(layer_ids, num_layers: int) -> tuple[int, ...]:
 class EagleHead(nn.Module):
     kind = KIND
 
-    def __init__(self, config: LlamaConfig, layer_ids, draft_ids: torch.Tensor):
+    def __init__(self, config: LlamaConfig, layer_ids, draft_ids: torch.Tensor, layout: str = "specdec"):
         """config: the target's; layer_ids: which of its decoder layers' outputs the head reads;
-        draft_ids (N,): the sorted target ids of the draft vocabulary."""
+        draft_ids (N,): the sorted target ids of the draft vocabulary; layout: LAYOUTS (module docstring)."""
         super().__init__()
+        if layout not in LAYOUTS:
+            raise SpecdecError(f"unknown EAGLE head layout {layout!r}: the layouts are {', '.join(LAYOUTS)}")
+        self.layout = layout
         V, C = config.vocab_size, config.hidden_size
         if draft_ids.numel() > V:
             raise SpecdecError(f"a draft vocabulary of {draft_ids.numel()} tokens is larger than the target's "
@@ -82,8 +111,11 @@ class EagleHead(nn.Module):
         self.fc = Linear(len(self.layer_ids) * C, C, bias=False)
         self.embed_norm = RMSNorm(C, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(C, config.rms_norm_eps)
-        self.proj = Linear(2 * C, C, bias=False)
-        self.layer = DecoderLayer(config)
+        if layout == "eagle3":
+            self.layer = Eagle3Layer(config)
+        else:
+            self.proj = Linear(2 * C, C, bias=False)
+            self.layer = DecoderLayer(config)
         self.norm = RMSNorm(C, config.rms_norm_eps)
         self.lm_head = Linear(C, draft_ids.numel(), bias=False)
         self.register_buffer("draft_ids", draft_ids.to(torch.long).clone())  # (N,) draft id -> target id
@@ -101,13 +133,22 @@ class EagleHead(nn.Module):
         """(B, T, len(layer_ids) * C) target features -> (B, T, C) g."""
         return self.fc(features)
 
-    def layer_input(self, embedded: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) embedding of the next token and (B, T, C) g or the head's own output -> (B, T, C) u."""
-        return self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(prev)], -1))
+    def layer_input(self, embedded: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, C) embedding of the next token and (B, T, C) g or the head's own output -> what q/k/v
+        read and what the attention output is added to: (RMSNorm(u), u) with u = proj([..]) in the
+        specdec layout, ([RMSNorm(Emb); RMSNorm(g)], g) in the eagle3 layout."""
+        x = torch.cat([self.embed_norm(embedded), self.hidden_norm(prev)], -1)
+        if self.layout == "eagle3":
+            return x, prev
+        u = self.proj(x)
+        return self.layer.input_layernorm(u), u
 
     def forward(self, embedded: torch.Tensor, prev: torch.Tensor, window: Window) -> torch.Tensor:
         """One drafting call over a window of positions with the head's KV cache (layer 0): (B, T, C) h."""
-        return self.layer(self.layer_input(embedded, prev), 0, window)
+        x = torch.cat([self.embed_norm(embedded), self.hidden_norm(prev)], -1)
+        if self.layout == "eagle3":
+            return self.layer(x, prev, window)
+        return self.layer(self.proj(x), 0, window)  # one kernel call where the CPU kernels run
 
     def logits(self, h: torch.Tensor, unembedding: nn.Module | None = None) -> torch.Tensor:
         """(..., C) head output -> (..., N) logits over the draft vocabulary (or over the rows of it
@@ -139,8 +180,8 @@ class EagleHead(nn.Module):
         causal = base[None, :] <= base[:, None]                              # (S, S) key s visible from t
         prev, keys, values = self.fuse(features), [], []
         for j in range(steps):
-            x = self.layer_input(embedding(ahead[:, j:j + S]), prev)        # (B, S, C)
-            qkv = attn.qkv_proj(layer.input_layernorm(x)).view(B, S, H + 2 * Hkv, D)
+            x, residual = self.layer_input(embedding(ahead[:, j:j + S]), prev)  # what q/k/v read; (B, S, C)
+            qkv = attn.qkv_proj(x).view(B, S, H + 2 * Hkv, D)
             cos, sin = rotary((base + j)[None].expand(B, S), self.inv_freq, x.dtype)
             qk = apply_rotary(qkv[:, :, :H + Hkv], cos, sin)
             q = qk[:, :, :H].transpose(1, 2)                                   # (B, H, S, D)
@@ -152,16 +193,16 @@ class EagleHead(nn.Module):
             y = weights[..., :S] @ values[0]                                    # (B, H, S, D)
             for i, v in enumerate(values[1:]):
                 y = y + weights[..., S + i:S + i + 1] * v
-            x = x + attn.o_proj(y.transpose(1, 2).reshape(B, S, H * D))
+            x = residual + attn.o_proj(y.transpose(1, 2).reshape(B, S, H * D))
             h = x + layer.mlp(layer.post_attention_layernorm(x))
             yield j, h
             prev = h
 
 
-def initial_head(target, layer_ids, draft_ids: torch.Tensor) -> EagleHead:
-    """A fresh head for `target` (fp32): the unembedding starts as the target's lm_head rows of the
-    draft vocabulary and the output norm as the target's, the rest at random (the caller seeds)."""
-    head = EagleHead(target.config, layer_ids, draft_ids)
+def initial_head(target, layer_ids, draft_ids: torch.Tensor, layout: str = "specdec") -> EagleHead:
+    """A fresh head for `target` (fp32) in `layout`: the unembedding starts as the target's lm_head rows
+    of the draft vocabulary and the output norm as the target's, the rest at random (the caller seeds)."""
+    head = EagleHead(target.config, layer_ids, draft_ids, layout)
     for name, p in head.named_parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
@@ -172,20 +213,25 @@ def initial_head(target, layer_ids, draft_ids: torch.Tensor) -> EagleHead:
 
 
 def speculators_metadata(head: EagleHead, verifier: str, num_speculative_tokens: int) -> dict:
-    """The head described in the `speculators` EAGLE-3 vocabulary (an export renames these keys).
-    Their aux layer ids index transformers' hidden_states (0 = the embedding), so ours shift by one."""
-    cfg = head.config.to_dict()
+    """The head described as the `speculators` package's EAGLE-3 config.json (version 0.9): what an
+    export of an eagle3-layout head writes, recorded with every head. Their aux layer ids index
+    transformers' hidden_states (0 = the embedding), so ours shift by one; the extra norms of their
+    variants are off (the reference layer)."""
+    layer = {k: v for k, v in hf_config(head.config, torch.bfloat16).items() if k not in ("architectures", "dtype")}
     return {
         "speculators_model_type": KIND,
+        "speculators_version": SPECULATORS_VERSION,
         "architectures": ["Eagle3Speculator"],
         "draft_vocab_size": head.draft_vocab_size,
         "target_hidden_size": head.config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in head.layer_ids],
-        "norm_before_residual": False,
-        "transformer_layer_config": {**cfg, "model_type": "llama", "num_hidden_layers": 1},
+        "embed_requires_grad": False, "fc_norm": False, "norm_before_fc": False, "norm_before_residual": False,
+        "norm_output": False,
+        "transformer_layer_config": {**layer, "num_hidden_layers": 1},
         "speculators_config": {
             "algorithm": KIND,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
         },
@@ -198,7 +244,7 @@ def save_eagle(head: EagleHead, path: str | Path, target_sha256: str, meta: dict
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the head folder atomically; matrices and norms in `dtype`, the draft ids as int64."""
     info = {**(meta or {}), "kind": KIND, "target_sha256": target_sha256, "target_config": head.config.to_dict(),
-            "layer_ids": list(head.layer_ids), "draft_vocab_size": head.draft_vocab_size,
+            "layer_ids": list(head.layer_ids), "draft_vocab_size": head.draft_vocab_size, "layout": head.layout,
             "dtype": str(dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in head.parameters())}
     return write_head_folder(head, path, info, dtype)
 
@@ -220,7 +266,8 @@ def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None =
     state = read_head_state(path, target, meta, "the EAGLE head in {path} belongs", "train a head for this target "
                             "(specdec train --objective eagle --target ...), or pass the target it was trained "
                             "for", "retrain the head")
-    head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"])
+    head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"],
+                     meta.get("layout", "specdec"))  # folders from before layouts: specdec's
     return loaded_head(head, state, path, meta, dtype, device)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from specdec.checkpoint import load_model, save_model, sha256
 from specdec.decode import plain_generate
-from specdec.eagle import EagleHead, initial_head, load_eagle, save_eagle
+from specdec.eagle import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
 from specdec.engine import speculative_generate
 from specdec.errors import SpecdecError
 from specdec.heads import load_heads
@@ -34,7 +34,8 @@ STEPS = 4  # draft steps unrolled in training
 
 
 @functools.cache
-def distilled(target=TARGET, layer_ids=(0, 1), draft_vocab: int | None = None, steps: int = 80) -> EagleHead:
+def distilled(target=TARGET, layer_ids=(0, 1), draft_vocab: int | None = None, steps: int = 80,
+              layout: str = "specdec") -> EagleHead:
     """A head trained briefly on the frozen target's own continuations (greedy and sampled), so
     that it agrees with the target often but not always: acceptance and rejection both happen."""
     g = torch.Generator().manual_seed(0)
@@ -49,7 +50,7 @@ def distilled(target=TARGET, layer_ids=(0, 1), draft_vocab: int | None = None, s
         draft_vocab).indices.sort().values
     torch.manual_seed(1)
     frozen = copy.deepcopy(target).requires_grad_(False)
-    head = initial_head(frozen, layer_ids, ids)
+    head = initial_head(frozen, layer_ids, ids, layout)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
     with torch.enable_grad():  # also when first asked for under no_grad
         for _ in range(steps):
@@ -66,12 +67,13 @@ def proposer(target=TARGET, **kw):
 
 # ---- one head for training and drafting ----
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @torch.no_grad()
-def test_drafting_with_the_cache_computes_what_the_training_time_test_unrolls():
+def test_drafting_with_the_cache_computes_what_the_training_time_test_unrolls(layout):
     """From every base position T-1 of a window: the cached forward over positions 0..T-1 with the
     target's features, then k-1 single steps on the head's own outputs (as the proposer drafts)
-    give the unrolled step outputs at base T-1, to float32 rounding."""
-    head, target = distilled(), TARGET
+    give the unrolled step outputs at base T-1, to float32 rounding; in both weight layouts."""
+    head, target = distilled(layout=layout), TARGET
     B, S = 2, 14
     x = torch.randint(0, 64, (B, S + STEPS), generator=torch.Generator().manual_seed(3))
     out = target(x[:, :S], output_layers=head.layer_ids)
@@ -123,12 +125,13 @@ def test_the_engine_hands_over_the_declared_layers_from_the_verify_forward():
 
 # ---- greedy: token-identical ----
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", range(1, 9))
-def test_greedy_output_equals_reference(k, batch):
+def test_greedy_output_equals_reference(k, batch, layout):
     groups = [PROMPTS] if batch == 4 else [[p] for p in PROMPTS]
     for group in groups:
-        rows, metrics = speculative_generate(TARGET, proposer(), group, RULE, GREEDY, k)
+        rows, metrics = speculative_generate(TARGET, proposer(layout=layout), group, RULE, GREEDY, k)
         for prompt, row in zip(group, rows):
             assert_matches_reference(prompt, row.tokens)
         assert metrics.emitted == sum(len(r.tokens) for r in rows)
@@ -249,17 +252,19 @@ def test_validation_alpha_is_the_greedy_acceptance_of_drafting():
 
 # ---- checkpoint and bad input ----
 
-def test_save_load_round_trip_and_refusals(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_load_round_trip_and_refusals(tmp_path, layout):
     target_dir, other_dir = tmp_path / "target", tmp_path / "other"
     save_model(TARGET, target_dir, dtype=torch.float32)
     save_model(tiny_llama(7), other_dir, dtype=torch.float32)
-    head = distilled()
+    head = distilled(layout=layout)
     folder = save_eagle(head, tmp_path / "eagle", sha256(target_dir / "model.safetensors"),
                         meta={"speculators": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}, dtype=torch.float32)
     loaded = load_eagle(folder, target_dir)
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
     meta = json.loads((folder / "heads.json").read_text())
     assert meta["kind"] == "eagle3" and meta["layer_ids"] == [0, 1] and meta["draft_vocab_size"] == 64
+    assert meta["layout"] == layout and loaded.layout == layout
     with pytest.raises(SpecdecError, match="belongs to the target with .* train a head for this target"):
         load_eagle(folder, other_dir)
     with pytest.raises(SpecdecError, match="holds draft heads .* `--draft eagle --heads PATH`"):

@@ -65,15 +65,23 @@ def test_bad_eagle_settings_raise_specdec_error(tmp_path, target):
         train(tiny_cfg(tmp_path / "d", **dict(EAGLE, target=str(target), eagle_layers=(0, 2))))
     with pytest.raises(SpecdecError, match="--eagle-steps must be in"):
         train(tiny_cfg(tmp_path / "e", **dict(EAGLE, target=str(target), eagle_steps=0)))
+    with pytest.raises(SpecdecError, match="unknown EAGLE head layout 'eagle2'"):
+        train(tiny_cfg(tmp_path / "f", **dict(EAGLE, target=str(target), eagle_layout="eagle2")))
+    assert train(tiny_cfg(tmp_path / "g", **dict(EAGLE, target=str(target), eagle_layout="eagle3"), stop_after=1)) is None
+    with pytest.raises(SpecdecError, match="saved with another EAGLE layers, draft vocabulary and layout"):
+        train(tiny_cfg(tmp_path / "g", **dict(EAGLE, target=str(target))))
 
 
-def test_cli_trains_a_head_and_drafts_with_it(capsys, tmp_path, target):
-    """`specdec train --objective eagle --target` then `specdec generate --draft eagle --heads`: the
-    same tokens as plain decoding; k = 0 and the head folder as a model are refused."""
+@pytest.mark.parametrize("layout", ["specdec", "eagle3"])
+def test_cli_trains_a_head_and_drafts_with_it(capsys, tmp_path, target, layout):
+    """`specdec train --objective eagle --target --eagle-layout` then `specdec generate --draft eagle
+    --heads`: the same tokens as plain decoding; k = 0 and the head folder as a model are refused; the
+    eagle3 layout exports for vLLM, specdec's is refused with the reason."""
     from .test_cli import run_cli
     code, _, err = run_cli(capsys, "train", "--preset", "tiny", "--corpus", JSON_PKG, "--out", str(tmp_path / "h"),
                            "--objective", "eagle", "--target", str(target), "--draft-vocab", "128",
-                           "--eagle-steps", "2", "--steps", "4", "--eval-every", "4", "--save-every", "4")
+                           "--eagle-steps", "2", "--steps", "4", "--eval-every", "4", "--save-every", "4",
+                           "--eagle-layout", layout)
     assert code == 0, err
     heads = tmp_path / "h" / "heads"
     base = ["generate", "--model", str(target), "--prompt", "def f(x):", "--max-new-tokens", "16", "--json"]
@@ -89,3 +97,11 @@ def test_cli_trains_a_head_and_drafts_with_it(capsys, tmp_path, target):
     assert code == 2 and "`--draft eagle --heads PATH`" in err
     code, _, err = run_cli(capsys, *base, "--draft", "eagle", "--heads", str(target))
     assert code == 2 and "is a model checkpoint" in err
+    code, out, err = run_cli(capsys, "export", str(heads), str(tmp_path / "vllm"), "--verifier", str(target))
+    if layout == "eagle3":
+        assert code == 0, err
+        config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+        assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 128
+        assert '"method": "eagle3"' in out
+    else:
+        assert code == 2 and "--eagle-layout eagle3" in err and not (tmp_path / "vllm").exists()

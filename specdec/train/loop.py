@@ -94,6 +94,7 @@ class TrainConfig:
     eagle_steps: int = 4                # eagle: draft steps unrolled in training (the training-time test)
     eagle_decay: float = 0.8            # eagle: step j's loss weight is decay^j
     draft_vocab: int = 4096             # eagle: the N most frequent training token ids the head drafts over
+    eagle_layout: str = "specdec"       # eagle: the head's weight layout (eagle.LAYOUTS; eagle3: exportable to vLLM)
 
     def validate(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batch <= 0 or self.seq_len <= 1:
@@ -359,8 +360,9 @@ def _identity(config: dict, trunk_sha256: str | None, teacher_sha256: str | None
             "frozen trunk": trunk_sha256, "teacher": teacher_sha256, "initial weights": init_sha256,
             "distillation temperature and top-k": (config.get("distill_temperature"), config.get("distill_top_k"))
             if objective == "distill" else None,
-            "EAGLE layers and draft vocabulary": (None if config.get("eagle_layers") is None else
-                                                  list(config["eagle_layers"]), config.get("draft_vocab"))
+            "EAGLE layers, draft vocabulary and layout": (None if config.get("eagle_layers") is None else
+                                                          list(config["eagle_layers"]), config.get("draft_vocab"),
+                                                          config.get("eagle_layout", "specdec"))
             if objective == "eagle" else None}
 
 
@@ -400,7 +402,7 @@ def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.nda
     layers = cfg.eagle_layers if cfg.eagle_layers is not None else default_layer_ids(cfg.model.num_hidden_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        head = initial_head(target, layers, ids)
+        head = initial_head(target, layers, ids, cfg.eagle_layout)
     head.token_counts = counts  # saved with it: a smaller draft vocabulary can be chosen at drafting time
     return head
 
