@@ -8,11 +8,17 @@ What specdec trains maps onto these as follows:
 - A draft model (config.json + model.safetensors, transformers' Llama layout and names) is already
   what vLLM reads: the export copies the checkpoint byte for byte and adds `specdec_export.json`,
   naming the verifier (name or path, architecture) and the speculative config that serves it.
-- An EAGLE head has no exact speculators form. Both forms start from the same fused features
-  g = fc(f) and the same [RMSNorm(Emb(x)); RMSNorm(g)], then differ:
+- An EAGLE head in the eagle3 layout (`specdec train --objective eagle --eagle-layout eagle3`) is
+  speculators' EAGLE-3 layer weight for weight: the export writes its config.json (speculators
+  0.9's Eagle3SpeculatorConfig, the verifier named) and model.safetensors under speculators' names
+  (the fused q/k/v and gate/up split, the embedding norm as the layer's input_layernorm, the
+  verifier's embedding table, d2t/t2d for the draft vocabulary). tests/test_export.py loads it with
+  speculators itself and compares logits.
+- An EAGLE head in specdec's own layout has no exact speculators form. Both start from the same
+  fused features g = fc(f) and the same [RMSNorm(Emb(x)); RMSNorm(g)], then differ:
       speculators / vLLM EAGLE-3:  q,k,v = W_qkv [n_e; n_g]                (W_qkv reads 2C)
                                    h = g + Attn(q,k,v); h = h + MLP(RMSNorm(h))
-      specdec (eagle.py):          u = P [n_e; n_g]                        (P: 2C -> C)
+      specdec layout (eagle.py):   u = P [n_e; n_g]                        (P: 2C -> C)
                                    q,k,v = W_qkv RMSNorm(u);  h = u + Attn(q,k,v); ...
   The RMSNorm between P and W_qkv divides by the rms of u at each position, so P does not fold
   into W_qkv, and the residual stream is u, not g: for a trained head no weights of theirs compute
@@ -34,10 +40,14 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from .atomic import atomic_dir
-from .checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model, read_config, read_meta, sha256
-from .heads import HEADS_META
+from .checkpoint import CONFIG, DTYPES, TOKENIZER, WEIGHTS, load_model, read_config, read_meta, sha256
+from .eagle import SPECULATORS_VERSION, load_eagle, read_eagle_meta, speculators_metadata
 from .errors import SpecdecError
+from .heads import HEADS_META, HEADS_WEIGHTS
 
 FORMATS = ("speculators",)
 RECORD = "specdec_export.json"  # beside the exported checkpoint: where it came from, which verifier, how to serve
@@ -56,14 +66,7 @@ def export(path: str | Path, out: str | Path, fmt: str = "speculators", verifier
     check_out(out, path)
     kind = folder_kind(path)
     if kind == "eagle3":
-        raise SpecdecError(
-            f"{path} is an EAGLE head, which has no exact form in speculators' EAGLE-3 layout (the one vLLM "
-            "reads): there the layer feeds [RMSNorm(embedding); RMSNorm(g)] (2C wide) straight into q/k/v and "
-            "adds the attention output to g; specdec's head projects it to C first and its layer normalises "
-            "that projection (input RMSNorm) before q/k/v and adds the attention output to the projection. "
-            "A norm between the projection and q/k/v cannot be folded away, so no weights reproduce the head. "
-            "Export the draft model instead (specdec export --format speculators models/draft OUT), or train "
-            "an EAGLE-3 head in that layout with speculators' own trainer")
+        return export_eagle3(path, out, verifier)
     if kind.startswith("mtp"):
         raise SpecdecError(
             f"{path} holds MTP heads ({kind}), which no speculators format admits: its MTP format is one "
@@ -140,6 +143,70 @@ def export_draft_model(path: Path, out: Path, verifier: str | None) -> dict:
                 shutil.copyfile(path / name, tmp / name)
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def export_eagle3(path: Path, out: Path, verifier: str | None) -> dict:
+    """An eagle3-layout EAGLE head as speculators' EAGLE-3 checkpoint (module docstring)."""
+    meta = read_eagle_meta(path)
+    if meta.get("layout", "specdec") != "eagle3":
+        raise SpecdecError(
+            f"{path} is an EAGLE head in specdec's own layout, which has no exact form in speculators' EAGLE-3 "
+            "layout (the one vLLM reads): there the layer feeds [RMSNorm(embedding); RMSNorm(g)] (2C wide) "
+            "straight into q/k/v and adds the attention output to g; this head projects it to C first and its "
+            "layer normalises that projection (input RMSNorm) before q/k/v and adds the attention output to the "
+            "projection. A norm between the projection and q/k/v cannot be folded away, so no weights reproduce "
+            "the head. Train one in EAGLE-3's layout (specdec train --preset target-eagle3, or --eagle-layout "
+            "eagle3) and export that, or export the draft model (specdec export --format speculators models/draft OUT)")
+    verifier = verifier or meta.get("target")
+    if verifier is None or not Path(verifier).is_dir():
+        raise SpecdecError(f"exporting an EAGLE head needs its target's checkpoint folder (its embedding table is "
+                           f"part of speculators' checkpoint): pass --verifier with the folder the head was trained "
+                           f"for{'' if verifier is None else f' ({verifier} is not a folder here)'}")
+    folder = Path(verifier)
+    head = load_eagle(path, folder, dtype=torch.float32)  # refuses a head trained for another target
+    embedding = load_file(folder / WEIGHTS)["model.embed_tokens.weight"]
+    dtype = DTYPES.get(meta.get("dtype"), torch.bfloat16)
+    record = {
+        "format": "speculators",
+        "kind": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "source": str(path),
+        "source_sha256": sha256(path / HEADS_WEIGHTS),
+        "verifier": verifier_record(str(folder), folder, read_config(folder)),
+        "vllm_speculative_config": {"method": "eagle3", "model": str(out),
+                                    "num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+    }
+    config = speculators_metadata(head, record["verifier"]["name_or_path"], NUM_SPECULATIVE_TOKENS)
+    with atomic_dir(out) as tmp:
+        save_file({k: v.contiguous() for k, v in speculators_weights(head, embedding, dtype).items()}, tmp / WEIGHTS,
+                  metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if (folder / TOKENIZER).exists():
+            shutil.copyfile(folder / TOKENIZER, tmp / TOKENIZER)
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def speculators_weights(head, embedding: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """An eagle3-layout head's tensors under speculators' EAGLE-3 names, floating ones in `dtype`: the
+    fused q/k/v and gate/up split, the embedding's norm as the layer's input_layernorm, the verifier's
+    embedding, d2t (draft id -> target id - draft id) and t2d (target id -> in the draft vocabulary)."""
+    sd, cfg = head.state_dict(), head.config
+    q, k, v = sd["layer.self_attn.qkv_proj.weight"].split([cfg.num_attention_heads * cfg.head_dim,
+                                                           cfg.num_key_value_heads * cfg.head_dim,
+                                                           cfg.num_key_value_heads * cfg.head_dim])
+    gate, up = sd["layer.mlp.gate_up_proj.weight"].chunk(2)
+    layer = {"input_layernorm": sd["embed_norm.weight"], "hidden_norm": sd["hidden_norm.weight"],
+             "self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
+             "self_attn.o_proj": sd["layer.self_attn.o_proj.weight"],
+             "post_attention_layernorm": sd["layer.post_attention_layernorm.weight"],
+             "mlp.gate_proj": gate, "mlp.up_proj": up, "mlp.down_proj": sd["layer.mlp.down_proj.weight"]}
+    floating = {"fc.weight": sd["fc.weight"], "norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"],
+                "embed_tokens.weight": embedding, **{f"layers.0.{k}.weight": w for k, w in layer.items()}}
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[head.draft_ids] = True
+    return {**{k: w.to(dtype) for k, w in floating.items()},
+            "d2t": head.draft_ids - torch.arange(head.draft_vocab_size), "t2d": t2d}
 
 
 def serve_command(record: dict) -> str:

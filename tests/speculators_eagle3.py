@@ -68,7 +68,8 @@ def eagle3_step0(w: dict, features: torch.Tensor, ids: torch.Tensor, tl) -> torc
 
 
 def main(folder: Path, verifier: str) -> None:
-    write_config(folder, verifier)
+    if not (folder / "config.json").exists():  # an export writes its own; a folded head gets one here
+        write_config(folder, verifier)
     config = Eagle3SpeculatorConfig.from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "eager"  # its flex attention needs torch.compile
     model = Eagle3DraftModel.from_pretrained(folder, config=config).float().eval()

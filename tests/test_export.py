@@ -166,3 +166,60 @@ def test_speculators_eagle3_cannot_reproduce_the_head_so_it_is_refused(tmp_path,
         print(f"step {j}: speculators' layer rewritten vs loaded {control:.1e}; specdec's head vs its nearest "
               f"fold in speculators: max abs logit diff {diff:.2f}, argmax agreement {agree:.2f}")
         assert diff > 1.0 and agree < 0.5
+
+
+def tiny_eagle3_head(tmp_path):
+    """A tiny target saved as a checkpoint and an eagle3-layout head distilled on it, saved for it."""
+    from specdec.checkpoint import save_model
+    from specdec.eagle import save_eagle
+
+    from .test_eagle import TARGET, distilled
+    target_dir = tmp_path / "target"
+    save_model(TARGET, target_dir, dtype=torch.float32)
+    head = distilled(layout="eagle3")
+    return TARGET, target_dir, head, save_eagle(head, tmp_path / "head", sha256(target_dir / "model.safetensors"),
+                                                dtype=torch.float32)
+
+
+@pytest.mark.speculators
+@pytest.mark.parametrize("which", ["tiny", "shipped"])
+def test_an_eagle3_layout_head_exports_and_speculators_computes_its_logits(tmp_path, speculators_python, which):
+    """A head trained in the eagle3 layout (a tiny one, and the shipped models/eagle3), exported by
+    `specdec export`: speculators 0.9 loads the folder as written (config.json, model.safetensors)
+    with its own Eagle3DraftModel and computes the head's logits over 3 training-time-test steps,
+    within 1e-4 in float32."""
+    if which == "tiny":
+        target, target_dir, head, head_dir = tiny_eagle3_head(tmp_path)
+    else:
+        target_dir, head_dir = MODELS / "target", MODELS / "eagle3"
+        target, head = load_model(target_dir, dtype=torch.float32), load_eagle(head_dir, target_dir, dtype=torch.float32)
+    out = tmp_path / "export"
+    assert main(["export", "--format", "speculators", str(head_dir), str(out), "--verifier", str(target_dir)]) == 0
+    record = json.loads((out / "specdec_export.json").read_text())
+    assert record["kind"] == "eagle3" and record["vllm_speculative_config"]["method"] == "eagle3"
+    S, steps = 24, 3
+    x = torch.randint(3, target.config.vocab_size, (1, S + steps), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        o = target(x[:, :S], output_layers=head.layer_ids)
+        features = torch.cat([o.layers[i] for i in head.layer_ids], -1)
+        ours = [head.logits(h) for _, h in head.unroll(features, x[:, 1:S + steps], target.model.embed_tokens, steps)]
+    save_file({"features": features, "input_ids": x[:, 1:S + 1].contiguous()}, out / "inputs.safetensors")
+    done = subprocess.run([str(speculators_python), str(Path(__file__).with_name("speculators_eagle3.py")), str(out),
+                           str(target_dir)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"aux_layer_ids": [i + 1 for i in head.layer_ids],
+                                                                "steps": steps}
+    theirs = load_file(out / "speculators_logits.safetensors")
+    for j in range(steps):   # step j's last j positions read speculators' padding, not tokens: left out
+        diff = (ours[j][:, :S - j] - theirs[f"step{j}"][:, :S - j]).abs().max().item()
+        print(f"{which} step {j}: specdec's eagle3-layout head vs speculators' Eagle3DraftModel: max abs logit "
+              f"diff {diff:.1e}")
+        assert diff <= 1e-4, (j, diff)
+
+
+def test_a_specdec_layout_head_is_refused_and_an_eagle3_one_needs_its_target(tmp_path, capsys):
+    head_dir = tiny_eagle3_head(tmp_path)[3]
+    assert main(["export", str(head_dir), str(tmp_path / "out")]) == 2
+    assert "needs its target's checkpoint folder" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert main(["export", str(MODELS / "eagle"), str(tmp_path / "out")]) == 2
+    assert "--eagle-layout eagle3" in capsys.readouterr().err and not (tmp_path / "out").exists()
