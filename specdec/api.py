@@ -42,7 +42,6 @@ from .device import backend, default_dtype
 from .device import resolve as resolve_device
 from .model import LlamaForCausalLM, compute_dtype, device_of
 from .proposers import Proposer
-from .proposers.mtp import MTPProposer
 from .sampling import SamplingConfig
 from .stopping import Row, StopRule
 from .tokenizer import EOS_ID, Tokenizer

@@ -4,12 +4,11 @@ it is cheap), probes deeper options, says what it chose and why; the engine with
 lossless (greedy token for token, sampling in distribution)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from specdec import adaptive, calibration
-from specdec.adaptive import MAX_STRETCH, PROBE_EVERY, Adaptive
+from specdec.adaptive import MAX_STRETCH, Adaptive
 from specdec.costmodel import VerifyCurve
 from specdec.engine import speculative_generate
 from specdec.proposers import build_proposer

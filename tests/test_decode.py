@@ -10,7 +10,7 @@ from specdec.sampling import SamplingConfig, probabilities
 from specdec.stopping import StopRule
 from specdec.tokenizer import Tokenizer
 
-from .conftest import TINY, tiny_model
+from .conftest import tiny_model
 
 PROMPTS = [[5, 17, 42], [200, 3, 3, 3, 9, 81, 7, 7, 100, 2], [1], [300, 301, 302, 303, 304, 305]]
 

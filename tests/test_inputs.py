@@ -10,7 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec import inputs
 from specdec.api import generate, load
 from specdec.cli import build_parser, main
 from specdec.errors import SpecdecError

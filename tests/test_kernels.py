@@ -4,7 +4,6 @@ call. Through the model this makes speculative greedy decoding equal plain decod
 token, with no near-tie allowance at all."""
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
