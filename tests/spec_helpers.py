@@ -5,7 +5,12 @@ import copy
 
 import torch
 
+from specdec.decode import plain_generate
+from specdec.lm import lm_device
 from specdec.model import LlamaConfig, LlamaForCausalLM
+from specdec.reference import reference_generate
+from specdec.sampling import SamplingConfig
+from specdec.stopping import StopRule
 from specdec.train.loop import init_weights
 
 # float32: a k-token forward may differ from a 1-token forward in the last bits, so a greedy
@@ -35,6 +40,19 @@ def noisy_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCaus
     return draft
 
 
+def own_continuations(target) -> tuple[torch.Tensor, torch.Generator]:
+    """Training data for a draft head of `target`: 48 random 3-token prompts continued by the target
+    itself, greedily and at temperature 1, 29 tokens each: (96, 32), and the generator it drew from
+    (seeded 0; the caller keeps drawing from it)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, target.config.vocab_size, (48, 3), generator=g).tolist()
+    data = []
+    for temperature in (0.0, 1.0):
+        rows, _ = plain_generate(target, prompts, StopRule(29), SamplingConfig(temperature), g)
+        data += [p + r.tokens for p, r in zip(prompts, rows)]
+    return torch.tensor(data), g
+
+
 @torch.no_grad()
 def greedy_divergence(target, prompt: list[int], got: list[int], expected: list[int]) -> float | None:
     """None when `got` equals `expected`; else the target's top-2 logit gap at the first position
@@ -42,6 +60,15 @@ def greedy_divergence(target, prompt: list[int], got: list[int], expected: list[
     if got == expected:
         return None
     j = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-    logits = target(torch.tensor([prompt + expected[:j]])).logits[0, -1]
+    logits = target(torch.tensor([prompt + expected[:j]], device=lm_device(target))).logits[0, -1]
     top2 = logits.float().topk(2).values
     return float(top2[0] - top2[1])
+
+
+def assert_greedy_rows_equal_reference(target, prompts: list[list[int]], rows, rule: StopRule) -> None:
+    """Each row's tokens equal the reference decoder's greedy output for its prompt, or diverge where
+    the target's top-2 logits are closer than NEAR_TIE."""
+    for prompt, row in zip(prompts, rows):
+        expected = reference_generate(target, prompt, rule, SamplingConfig()).tokens
+        gap = greedy_divergence(target, prompt, row.tokens, expected)
+        assert gap is None or gap < NEAR_TIE, (prompt, row.tokens, expected)

@@ -22,12 +22,11 @@ from specdec.heads import load_heads
 from specdec.kv_cache import KVCache
 from specdec.proposers import base, build_proposer
 from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
 from specdec.stopping import StopRule
 from specdec.train.objectives import eagle_backward, eagle_metrics
 
 from . import test_engine_sampling as sampling_test
-from .spec_helpers import tiny_llama
+from .spec_helpers import own_continuations, tiny_llama
 from .test_engine import GREEDY, PROMPTS, RULE, TARGET, assert_matches_reference
 
 STEPS = 4  # draft steps unrolled in training
@@ -38,14 +37,8 @@ def distilled(target=TARGET, layer_ids=(0, 1), draft_vocab: int | None = None, s
               layout: str = "specdec") -> EagleHead:
     """A head trained briefly on the frozen target's own continuations (greedy and sampled), so
     that it agrees with the target often but not always: acceptance and rejection both happen."""
-    g = torch.Generator().manual_seed(0)
+    data, g = own_continuations(target)  # (96, 32)
     V = target.config.vocab_size
-    prompts = torch.randint(0, V, (48, 3), generator=g).tolist()
-    data = []
-    for temperature in (0.0, 1.0):
-        rows, _ = plain_generate(target, prompts, StopRule(29), SamplingConfig(temperature), g)
-        data += [p + r.tokens for p, r in zip(prompts, rows)]
-    data = torch.tensor(data)  # (96, 32)
     ids = torch.arange(V) if draft_vocab is None else torch.bincount(data.flatten(), minlength=V).topk(
         draft_vocab).indices.sort().values
     torch.manual_seed(1)

@@ -11,7 +11,6 @@ import functools
 import pytest
 import torch
 
-from specdec.decode import plain_generate
 from specdec.engine import speculative_generate
 from specdec.errors import SpecdecError
 from specdec.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
@@ -23,7 +22,7 @@ from specdec.train.loop import init_weights
 from specdec.train.objectives import mtp_backward
 
 from . import test_engine_sampling as sampling_test
-from .spec_helpers import tiny_llama
+from .spec_helpers import own_continuations, tiny_llama
 from .test_engine import GREEDY, PROMPTS, RULE, TARGET, assert_matches_reference, reference
 
 DEPTH = 3
@@ -33,14 +32,8 @@ DEPTH = 3
 def distilled(kind: str, target=TARGET, depth: int = DEPTH, steps: int = 60) -> MTPHeads:
     """Heads trained briefly on the frozen target's own continuations (greedy and sampled), so
     that they agree with it often but not always: both acceptance and rejection get exercised."""
-    g = torch.Generator().manual_seed(0)
+    data, g = own_continuations(target)  # (96, 32)
     V = target.config.vocab_size
-    prompts = torch.randint(0, V, (48, 3), generator=g).tolist()
-    data = []
-    for temperature in (0.0, 1.0):
-        rows, _ = plain_generate(target, prompts, StopRule(29), SamplingConfig(temperature), g)
-        data += [p + r.tokens for p, r in zip(prompts, rows)]
-    data = torch.tensor(data)  # (96, 32)
     torch.manual_seed(1)
     heads = build_heads(kind, target.config, depth)
     init_weights(heads)

@@ -16,7 +16,7 @@ from specdec.sampling import SamplingConfig
 from specdec.stopping import StopRule
 
 from . import test_tree
-from .spec_helpers import NEAR_TIE, greedy_divergence, tiny_llama
+from .spec_helpers import NEAR_TIE, assert_greedy_rows_equal_reference, greedy_divergence, tiny_llama
 from .test_engine_sampling import PROMPT, SETTINGS, distribution_test, exact_joint, passes
 
 CHAIN = (1, 1, 1, 1)
@@ -209,10 +209,7 @@ def test_greedy_speculation_equals_plain_decoding(widths, batch):
     prompts, rule = PROMPTS[:batch], StopRule(max_new_tokens=24)
     rows, metrics = speculative_generate(target, build_proposer("suffix", factor=2), prompts, rule,
                                          SamplingConfig(), len(widths), widths=widths)
-    for prompt, row in zip(prompts, rows):
-        expected = reference_generate(target, prompt, rule, SamplingConfig()).tokens
-        gap = greedy_divergence(target, prompt, row.tokens, expected)
-        assert gap is None or gap < NEAR_TIE, (prompt, row.tokens, expected)
+    assert_greedy_rows_equal_reference(target, prompts, rows, rule)
     assert metrics.accepted > 0
 
 
