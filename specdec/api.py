@@ -37,7 +37,7 @@ from .engine import speculative_generate
 from .errors import SpecdecError
 from .healing import back_off, first_tokens
 from .heads import MTPHeads, load_heads
-from .lm import causal_lm
+from .lm import causal_lm, lm_dtype
 from .device import backend, default_dtype
 from .device import resolve as resolve_device
 from .model import LlamaForCausalLM, compute_dtype, device_of
@@ -151,10 +151,7 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> l
 
 def model_dtype(model) -> str:
     """The dtype a model computes in: specdec's own (its norms), or a transformers model's weights."""
-    if isinstance(model, LlamaForCausalLM):
-        return str(compute_dtype(model)).removeprefix("torch.")
-    inner = getattr(model, "model", model)  # hf_adapter.HFCausalLM wraps the transformers model
-    return str(next(inner.parameters()).dtype).removeprefix("torch.")
+    return str(lm_dtype(model)).removeprefix("torch.")
 
 
 def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,

@@ -26,7 +26,7 @@ import torch
 from . import kernels
 from .costmodel import VerifyCurve
 from .device import backend, synchronize
-from .lm import causal_lm, lm_device, module_of
+from .lm import causal_lm, lm_device
 
 CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
 
@@ -101,7 +101,7 @@ def machine() -> dict:
 
 def _key(model, batch_size: int) -> str:
     lm = causal_lm(model, role="target")
-    text = json.dumps([_model_identity(lm), batch_size, machine(), backend(module_of(lm))], sort_keys=True, default=str)
+    text = json.dumps([_model_identity(lm), batch_size, machine(), backend(lm)], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -39,12 +39,10 @@ def synchronize(device: torch.device) -> None:
 
 
 def backend(model) -> str:
-    """The operators a loaded model runs on, as the conditions name them."""
+    """The operators a loaded causal LM (lm.causal_lm) runs on, as the conditions name them."""
     from . import kernels
-    from .model import LlamaForCausalLM, compute_dtype, device_of
-    dtype = str(compute_dtype(model) if isinstance(model, LlamaForCausalLM) else
-                next(model.parameters()).dtype).removeprefix("torch.")
-    device = device_of(model)
+    from .lm import lm_device, lm_dtype
+    dtype, device = str(lm_dtype(model)).removeprefix("torch."), lm_device(model)
     if getattr(model, "stack", None) is not None:
         return f"specdec CPU kernels ({kernels.isa()}), {dtype} arithmetic on bf16-stored matrices"
     if device.type == "cuda":
