@@ -101,7 +101,7 @@ def machine() -> dict:
 
 def _key(model, batch_size: int) -> str:
     lm = causal_lm(model, role="target")
-    text = json.dumps([_model_identity(lm), batch_size, machine(), backend(lm)], sort_keys=True, default=str)
+    text = json.dumps([_model_identity(lm), batch_size, machine()], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -109,14 +109,14 @@ _IDENTITIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _model_identity(lm) -> list:
-    """The config and a fingerprint of the weights (a sum over the unembedding), computed once per
-    model object: a generation asks for it every time."""
+    """The config, a fingerprint of the weights (a sum over the unembedding) and the backend, computed
+    once per model object: a generation asks for it every time."""
     inner = getattr(lm, "model", lm)
     if inner not in _IDENTITIES:
         weights = lm.lm_head.weight if hasattr(lm, "lm_head") else next(lm.parameters())
         fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
         config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
-        _IDENTITIES[inner] = [config, fingerprint]
+        _IDENTITIES[inner] = [config, fingerprint, backend(lm)]
     return _IDENTITIES[inner]
 
 

@@ -148,7 +148,6 @@ class DraftVocabulary:
     acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V)."""
 
     def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
-        ids = ids.to(lm_head_weight.device)
         self.ids = ids                                              # (N,) sorted target ids
         self.unembedding = frozen_linear(lm_head_weight[ids])       # (N, C) rows of the lm_head
 
@@ -160,17 +159,17 @@ class DraftVocabulary:
         return vocab
 
     @staticmethod
-    def ids_for(size: int | None, vocab_size: int, token_counts: torch.Tensor | None,
-                no_counts: str) -> torch.Tensor | None:
-        """The `size` most frequent ids (sorted), or None for the full vocabulary (size None or
-        >= vocab_size); `no_counts` is the error when the counts were not saved."""
+    def ids_for(size: int | None, vocab_size: int, token_counts: torch.Tensor | None, no_counts: str,
+                device: torch.device) -> torch.Tensor | None:
+        """The `size` most frequent ids (sorted) on `device` (the drafter's), or None for the full
+        vocabulary (size None or >= vocab_size); `no_counts` is the error when the counts were not saved."""
         if size is None or size >= vocab_size:
             return None
         if size < 1:
             raise SpecdecError(f"draft_vocab must be >= 1 token, got {size}")
         if token_counts is None:
             raise SpecdecError(no_counts)
-        return token_counts.cpu().topk(size).indices.sort().values  # counts are kept on the host
+        return token_counts.cpu().topk(size).indices.sort().values.to(device)  # counts are kept on the host
 
 
 def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tuple[int, ...],

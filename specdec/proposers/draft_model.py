@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecdecError
-from ..lm import causal_lm, context_length, next_positions
+from ..lm import causal_lm, context_length, lm_device, next_positions
 from ..model import LlamaForCausalLM
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain, window_layout
@@ -58,7 +58,8 @@ class DraftModelProposer:
         ids = DraftVocabulary.ids_for(
             draft_vocab, self.vocab_size, token_counts,
             "this draft model was saved without the token counts of its training data, so no draft "
-            "vocabulary can be chosen: draft over the full vocabulary, or add them (checkpoint.save_token_counts)")
+            "vocabulary can be chosen: draft over the full vocabulary, or add them (checkpoint.save_token_counts)",
+            lm_device(self.model))
         if ids is not None and not isinstance(self.model, LlamaForCausalLM):
             raise SpecdecError("a draft vocabulary needs specdec's own LlamaForCausalLM as the draft model")
         self.vocab = None if ids is None else DraftVocabulary(ids, self.model.lm_head.weight)

@@ -70,10 +70,9 @@ class EagleProposer:
         ids = DraftVocabulary.ids_for(
             draft_vocab, head.draft_vocab_size, counts,
             "this EAGLE head was saved without its training token counts, so no smaller draft vocabulary can be "
-            "chosen: draft over its own, or retrain it with this version of specdec")
+            "chosen: draft over its own, or retrain it with this version of specdec", head.draft_ids.device)
         self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
-                      DraftVocabulary.trained(head.draft_ids[ids.to(head.draft_ids.device)],
-                                              frozen_linear(head.lm_head.weight[ids.to(head.draft_ids.device)])))
+                      DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
 
     @property
     def draft_ids(self) -> torch.Tensor:
