@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import inputs, kernels
-from .checkpoint import load_model, load_token_counts
+from .checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
 from .decode import plain_generate
 from .eagle import EagleHead, load_eagle
 from .engine import speculative_generate
@@ -42,6 +42,7 @@ from .device import backend, default_dtype
 from .device import resolve as resolve_device
 from .model import LlamaForCausalLM, compute_dtype, device_of
 from .proposers import Proposer
+from .proposers.parallel import ParallelDraftProposer
 from .sampling import SamplingConfig
 from .stopping import Row, StopRule
 from .tokenizer import EOS_ID, Tokenizer
@@ -51,6 +52,7 @@ DEFAULT_TARGET = MODELS / "target"
 DEFAULT_DRAFT = MODELS / "draft"
 DEFAULT_HEADS = MODELS / "target-mtp"
 DEFAULT_EAGLE = MODELS / "eagle"
+DEFAULT_PARALLEL = MODELS / "parallel-draft"
 
 
 @dataclass
@@ -101,6 +103,30 @@ def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
                            "a draft must share the target's tokenizer (train it with --tokenizer "
                            f"{target.path}/tokenizer.json)")
     return draft
+
+
+def load_parallel_draft(target: Loaded, path: str | Path | None = None, draft_vocab: int | None = None
+                        ) -> ParallelDraftProposer:
+    """The parallel draft for `target` (default: the shipped one, models/parallel-draft) as its
+    proposer (proposers/parallel.py). Its metadata is checked before any weight is read: a model
+    without a mask token, or trained for another target (the sha256 of its model.safetensors),
+    is refused."""
+    path = Path(path) if path is not None else DEFAULT_PARALLEL
+    if path == DEFAULT_PARALLEL and not path.exists():
+        raise SpecdecError(f"the shipped parallel draft is missing at {path}: run from a full clone of specdec "
+                           "or pass a model folder with --draft-model")
+    info = read_meta(path)
+    parallel = info.get("parallel") if info.get("kind") == PARALLEL_KIND else None
+    if not isinstance(parallel, dict) or not {"mask_token_id", "block", "target_sha256"} <= parallel.keys():
+        raise SpecdecError(f"{path} is not a parallel draft (its {META} names no mask token, block and target): "
+                           "a plain draft model drafts with --draft draft-model; train a parallel one with "
+                           "`specdec train --objective parallel --init-from DRAFT --teacher TARGET`")
+    if parallel["target_sha256"] != sha256(target.path / WEIGHTS):
+        raise SpecdecError(f"the parallel draft {path} was trained for another target (model.safetensors sha256 "
+                           f"{parallel['target_sha256'][:12]}..., not {target.path}'s): train one for this target")
+    draft = load_draft_model(target, path)
+    return ParallelDraftProposer(draft.model, parallel["mask_token_id"], parallel["block"], draft_vocab,
+                                 draft.token_counts)
 
 
 def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:

@@ -24,6 +24,7 @@ from .errors import SpecdecError
 from .model import LlamaConfig, LlamaForCausalLM, compute_dtype, place, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
+PARALLEL_KIND = "parallel-draft"  # specdec.json "kind" of a parallel draft model (proposers/parallel.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

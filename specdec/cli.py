@@ -20,7 +20,8 @@ def cmd_train(args) -> None:
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
                  "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k",
-                 "target", "eagle_steps", "eagle_decay", "draft_vocab", "device", "eagle_layout"):
+                 "target", "eagle_steps", "eagle_decay", "draft_vocab", "device", "eagle_layout", "parallel_block",
+                 "parallel_anchors"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
@@ -134,7 +135,7 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 
 def make_proposer(args, target):
-    from .api import load_draft_model, load_eagle_head, load_mtp_heads
+    from .api import load_draft_model, load_eagle_head, load_mtp_heads, load_parallel_draft
     from .proposers import build_proposer
 
     if args.draft == "none":
@@ -143,6 +144,8 @@ def make_proposer(args, target):
         draft = load_draft_model(target, args.draft_model)
         return build_proposer("draft-model", model=draft.model, draft_vocab=args.draft_vocab,
                               token_counts=draft.token_counts, tree="dynamic" if args.dynamic_tree else "static")
+    if args.draft == "parallel":
+        return load_parallel_draft(target, args.draft_model, args.draft_vocab)
     if args.draft == "mtp":
         return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
@@ -160,12 +163,14 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", choices=["none", *DRAFTS], default="none",
                    help="speculative decoding with this proposer (default: plain decoding; mtp: the "
                         "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features; "
-                        "suffix: suffix-tree lookup over the prompt and earlier outputs)")
-    p.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
+                        "suffix: suffix-tree lookup over the prompt and earlier outputs; parallel: a draft model "
+                        "that drafts a whole block in one forward)")
+    p.add_argument("--draft-model", help="draft model folder for --draft draft-model or parallel (default: the "
+                                         "shipped draft, models/draft or models/parallel-draft)")
     p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle "
                                    "(default: the shipped target's)")
     p.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="--draft mtp, eagle or draft-model: draft over the N token ids most frequent in the "
+                   help="--draft mtp, eagle, draft-model or parallel: draft over the N token ids most frequent in the "
                         "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
                         "an EAGLE head's own draft vocabulary)")
     p.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
@@ -209,7 +214,7 @@ def tree_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
-DRAFTS = ("draft-model", "ngram", "mtp", "suffix", "eagle")
+DRAFTS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle")
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
               "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
@@ -431,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
                         "target-eagle: the shipped EAGLE head of the shipped target; target-eagle3: the same "
                         "in EAGLE-3's reference layout (models/eagle3, exportable to vLLM); "
-                        "draft-distill: the shipped draft distilled from the shipped target")
+                        "draft-distill: the shipped draft distilled from the shipped target; parallel-draft: the "
+                        "shipped parallel draft (models/parallel-draft), adapted from the shipped draft")
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
     t.add_argument("--corpus", nargs="+", help="text/.jsonl files or folders (default: the standard library)")
     t.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
@@ -449,10 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
     t.add_argument("--save-every", type=int, help="save the resume state every N steps (default: the preset's)")
     t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
-    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle"],
+    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle",
+                                           "parallel"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
                         "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher, "
-                        "or eagle: an EAGLE-3 draft head for the frozen --target")
+                        "or eagle: an EAGLE-3 draft head for the frozen --target, or parallel: a draft model "
+                        "with a mask token that drafts a block of k tokens in one forward (PARD), distilled "
+                        "from --teacher at every block slot")
     t.add_argument("--target", metavar="MODEL", help="eagle: the frozen target checkpoint the head drafts for "
                                                      "(its tokenizer is used)")
     t.add_argument("--eagle-layout", choices=["specdec", "eagle3"],
@@ -469,6 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(its tokenizer is used)")
     t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
                                                         "(default: fresh weights)")
+    t.add_argument("--parallel-block", type=int, metavar="K",
+                   help="parallel: drafts per draft forward, the block slots trained (default 8)")
+    t.add_argument("--parallel-anchors", type=int, metavar="N",
+                   help="parallel: random anchors (blocks of K-1 mask slots) per training window (default 32)")
     t.add_argument("--distill-temperature", type=float, help="distill: KL at this temperature (default 1)")
     t.add_argument("--distill-top-k", type=int, help="distill: the teacher's top-k tokens only, renormalised "
                                                      "(default: the whole vocabulary)")

@@ -31,6 +31,12 @@ PRESETS = {
     "draft-distill": dict(model=DRAFT_MODEL, teacher="models/target", objective="distill",
                           seq_len=512, batch_size=8, micro_batch=4, steps=250, lr=1e-3,
                           warmup=20, eval_every=50, eval_windows=32, test_windows=64, save_every=10),
+    # the shipped parallel draft (proposers/parallel.py): the shipped draft with a mask token of its own, adapted to
+    # draft a block of 8 tokens in one forward, distilled from the shipped target at every block slot (PARD)
+    "parallel-draft": dict(init_from="models/draft", teacher="models/target", objective="parallel",
+                           parallel_block=8, parallel_anchors=32, seq_len=256, batch_size=8, micro_batch=8,
+                           steps=300, lr=1e-3, warmup=20, eval_every=50, eval_windows=24, test_windows=48,
+                           save_every=10),
     # MTP heads for the shipped target: 3 sequential modules (DeepSeek-V3) trained on its frozen weights
     # (embedding and lm_head included) and its tokenizer; about 25 minutes on 2 CPU cores
     "target-mtp": dict(frozen_trunk="models/target", objective="mtp-sequential", mtp_depth=3, seq_len=512,

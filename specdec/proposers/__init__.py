@@ -10,10 +10,11 @@ from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer
+from .parallel import ParallelDraftProposer
 from .suffix import SuffixProposer
 
 PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer, MTPProposer, SuffixProposer,
-                                       EagleProposer)}
+                                       EagleProposer, ParallelDraftProposer)}
 
 
 def build_proposer(name: str, **kwargs) -> Proposer:

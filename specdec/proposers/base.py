@@ -264,3 +264,33 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], generator, vocab
     if vocab is None:
         return p, token
     return p.new_zeros(p.shape[0], vocab_size).index_copy_(1, vocab.ids, p), vocab.ids[token]
+
+
+def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[SamplingConfig], generator,
+                vocab: DraftVocabulary | None, vocab_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """Draft `steps` tokens one after another: d_1 is drawn (`draw`) from logits (B, N), and
+    advance(j, d_{j+1}) returns the logits (B, N) draft j+2 is drawn from. Returns the drafts
+    (B, steps), the distributions they were drawn from (B, steps, V) or None (all rows greedy), and
+    each step's logits (the scores of base.with_alternatives)."""
+    tokens, probs, scores = [], [], []
+    for j in range(steps):
+        p, token = draw(logits, samplings, generator, vocab, vocab_size)  # (B, V) or None, (B,)
+        tokens.append(token)
+        probs.append(p)
+        scores.append(logits)
+        if j + 1 < steps:
+            logits = advance(j, token)
+    return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1), scores
+
+
+def draw_block(logits: torch.Tensor, samplings: list[SamplingConfig], generator, vocab: DraftVocabulary | None,
+               vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A parallel drafter's block: logits (B, m, N) of m slots from one forward -> the drafts (B, m),
+    each drawn from its own slot's distribution without seeing the others (`draw`), and those
+    distributions (B, m, V), or None when every row is greedy (one argmax over the whole block)."""
+    if all(cfg.greedy for cfg in samplings):
+        token = argmax(logits)
+        return token if vocab is None else vocab.ids[token], None
+    drawn = [draw(slot, samplings, generator, vocab, vocab_size) for slot in logits.unbind(1)]
+    return torch.stack([token for _, token in drawn], 1), torch.stack([p for p, _ in drawn], 1)

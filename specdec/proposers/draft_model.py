@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecdecError
+from ..kv_cache import KVCache
 from ..lm import causal_lm, context_length, lm_device, next_positions
 from ..model import LlamaForCausalLM
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain, window_layout
-from .base import DraftVocabulary, Outcome, Proposal, draw, grow_tree, per_row, with_alternatives
+from .base import DraftVocabulary, Outcome, Proposal, draft_chain, grow_tree, per_row, with_alternatives
 
 
 @dataclass
@@ -74,13 +75,16 @@ class DraftModelProposer:
             raise SpecdecError(f"the draft model's context ({self.context} tokens) is shorter than the "
                                f"{max_len - 1} positions this generation needs: shorten the prompt or "
                                "max_new_tokens, or use a draft model with a longer context")
-        # room for padding: a row may be written up to k + 1 slots past its longest sequence, a
-        # dynamic tree's nodes after its committed tokens
-        cache = self.model.new_cache(capacity or len(prompts), max_len + max(k, nodes or 0) + 1)
+        cache = self.new_cache(capacity or len(prompts), max_len, k, nodes)
         cache.regroup([])
         state = DraftState(cache, [], [], [])
         self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
         return state
+
+    def new_cache(self, rows: int, max_len: int, k: int, nodes: int | None) -> KVCache:
+        # room for padding: a row may be written up to k + 1 slots past its longest sequence, a
+        # dynamic tree's nodes after its committed tokens
+        return self.model.new_cache(rows, max_len + max(k, nodes or 0) + 1)
 
     def join(self, state: DraftState, prompts, prompt_hidden, samplings) -> None:
         """New rows start empty, their whole prompt pending: the draft reads it with its first
@@ -126,18 +130,11 @@ class DraftModelProposer:
         state.cache.rollback(state.committed)
         if self.tree == "dynamic" and max(widths[:m]) > 1:
             return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab)
-        tokens, probs, scores = [], [], []
-        for i in range(m):
-            p, token = draw(logits, state.samplings, generator, self.vocab, self.vocab_size)  # (B, V), (B,)
-            tokens.append(token)
-            probs.append(p)
-            scores.append(logits)
-            if i + 1 < m:
-                logits = self.forward(token[:, None], state.cache)
+        tokens, probs, scores = draft_chain(logits, m, lambda j, token: self.forward(token[:, None], state.cache),
+                                            state.samplings, generator, self.vocab, self.vocab_size)
         state.fed_drafts = m - 1
-        probs = None if probs[0] is None else torch.stack(probs, 1)
-        proposal = with_alternatives(Proposal(torch.stack(tokens, 1), limits.clone(), probs), scores, widths,
-                                     self.vocab, self.vocab_size)
+        proposal = with_alternatives(Proposal(tokens, limits.clone(), probs), scores, widths, self.vocab,
+                                     self.vocab_size)
         if proposal.parents is not None:
             state.chain = caterpillar_layout(tuple(widths[:m]))[1]
         return proposal

@@ -34,7 +34,7 @@ from ..kv_cache import KVCache
 from ..lm import next_positions
 from ..model import LlamaForCausalLM, frozen_linear
 from ..sampling import SamplingConfig
-from .base import DraftVocabulary, Outcome, Proposal, draw, per_row, with_alternatives
+from .base import DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
 from .mtp import _gather_rows, _ragged_concat_index, _stack_rows
 
 
@@ -127,22 +127,18 @@ class EagleProposer:
         state.committed = [n + w for n, w in zip(state.committed, state.lengths)]
         state.cache.rollback(state.committed)
         state.fed = True
-        tokens, probs, scores = [], [], []
-        for j in range(m):
-            logits = head.logits(prev[:, 0], self.vocab.unembedding)  # (B, N)
-            p, token = draw(logits, state.samplings, generator, self.vocab, self.vocab_size)
-            tokens.append(token)
-            probs.append(p)
-            scores.append(logits)
-            if j + 1 < m:  # d_{j+1} at position T+j, its own output as the feature
-                positions = next_positions(state.cache, 1, self.context)
-                prev = head(embed(token[:, None]), prev, head.window(positions, state.cache, 1))
-                state.cache.advance(1)
+        def advance(j, token):  # d_{j+2} from position T+j: the draft just made, its own output as the feature
+            nonlocal prev
+            positions = next_positions(state.cache, 1, self.context)
+            prev = head(embed(token[:, None]), prev, head.window(positions, state.cache, 1))
+            state.cache.advance(1)
+            return head.logits(prev[:, 0], self.vocab.unembedding)
+
+        tokens, probs, scores = draft_chain(head.logits(prev[:, 0], self.vocab.unembedding), m, advance,
+                                            state.samplings, generator, self.vocab, self.vocab_size)
         # a one-token prompt has no features yet: no drafts
         lengths = torch.tensor([lim if n > 0 else 0 for lim, n in zip(limit, state.lengths)], device=device)
-        probs = None if probs[0] is None else torch.stack(probs, 1)
-        return with_alternatives(Proposal(torch.stack(tokens, 1), lengths, probs), scores, widths, self.vocab,
-                                 self.vocab_size)
+        return with_alternatives(Proposal(tokens, lengths, probs), scores, widths, self.vocab, self.vocab_size)
 
     def observe(self, state: EagleState, outcome: Outcome) -> None:
         """outcome.hidden (B, m+1, nC): the declared features over [last, drafts]; the first counts[b]

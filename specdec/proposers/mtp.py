@@ -43,7 +43,7 @@ from ..lm import next_positions
 from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain
-from .base import DraftVocabulary, Outcome, Proposal, draw, per_row, with_alternatives
+from .base import DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
 
 
 @dataclass
@@ -140,24 +140,27 @@ class MTPProposer:
         columns = torch.tensor([[max(n - 1, 0), n] for n in state.lengths], device=device)
         last = columns[:, :1, None].expand(B, 1, state.hidden.shape[2])      # (B, 1, C)
         ahead = torch.cat([state.ahead, state.ahead.new_zeros(B, k)], 1)  # (B, W+k): then drafts at lengths+j
-        prev, tokens, probs, scores = state.hidden, [], [], []
-        for j in range(k):  # every head writes the window, even beyond m: they share the cache lengths
+        out = None
+
+        def head_logits(j, prev):  # head j over the window; its logits (B, N) after the window's last column
+            nonlocal out
             out = heads.forward_head(j, trunk, prev, ahead[:, j:j + W], ctx)  # (B, W, C)
-            normed = heads.normed(j, trunk, out.gather(1, last))[:, 0]  # (B, C)
-            logits = self.unembedding(normed)
-            p, token = draw(logits, state.samplings, generator, self.vocab, self.vocab_size)
+            return self.unembedding(heads.normed(j, trunk, out.gather(1, last))[:, 0])
+
+        def advance(j, token):  # head j+1 reads the draft head j just made
             ahead.scatter_(1, columns[:, 1:] + j, token[:, None])
-            tokens.append(token)
-            probs.append(p)
-            scores.append(logits)
-            prev = heads.next_prev(state.hidden, out)
+            return head_logits(j + 1, heads.next_prev(state.hidden, out))
+
+        # every head writes the window, even beyond m: they share the cache lengths
+        tokens, probs, scores = draft_chain(head_logits(0, state.hidden), k, advance, state.samplings, generator,
+                                            self.vocab, self.vocab_size)
         state.cache.advance(W)
         state.written = W
         # a one-token prompt has no hidden state yet: no drafts
         lengths = torch.tensor([lim if n > 0 else 0 for lim, n in zip(limit, state.lengths)], device=device)
-        probs = None if probs[0] is None else torch.stack(probs, 1)[:, :m]
-        proposal = with_alternatives(Proposal(torch.stack(tokens, 1)[:, :m], lengths, probs), scores, widths,
-                                     self.vocab, self.vocab_size)
+        probs = None if probs is None else probs[:, :m]
+        proposal = with_alternatives(Proposal(tokens[:, :m], lengths, probs), scores, widths, self.vocab,
+                                     self.vocab_size)
         if proposal.parents is not None:
             state.chain = caterpillar_layout(tuple(widths[:m]))[1]
         return proposal

@@ -42,17 +42,19 @@ from tqdm import tqdm
 
 from ..atomic import atomic_dir, recover
 from ..bench.conditions import shown_path
-from ..checkpoint import TOKENIZER, WEIGHTS, load_model, read_config, save_model, sha256
+from ..checkpoint import (PARALLEL_KIND, TOKENIZER, WEIGHTS, load_model, read_config, save_model, save_token_counts,
+                          sha256)
 from ..errors import SpecdecError
 from ..eagle import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
 from ..heads import MTPHeads, build_heads, save_heads
 from ..device import resolve as resolve_device
 from ..model import LlamaConfig, LlamaForCausalLM, device_of, place
 from ..tokenizer import Tokenizer
+from .anchors import BlockLayout, block_layout, random_anchors
 from .corpus import Corpus
 from .data import eval_batches, preparation_key, tokenize, window_batch
 from .objectives import (OBJECTIVES, LossWeights, distill_loss, distill_metrics, eagle_backward, eagle_metrics,
-                         mtp_backward, mtp_losses, next_token_loss)
+                         mtp_backward, mtp_losses, next_token_loss, parallel_backward, parallel_metrics)
 
 
 @dataclass
@@ -95,6 +97,8 @@ class TrainConfig:
     eagle_decay: float = 0.8            # eagle: step j's loss weight is decay^j
     draft_vocab: int = 4096             # eagle: the N most frequent training token ids the head drafts over
     eagle_layout: str = "specdec"       # eagle: the head's weight layout (eagle.LAYOUTS; eagle3: exportable to vLLM)
+    parallel_block: int = 8             # parallel: k, the drafts of one draft forward (block slots)
+    parallel_anchors: int = 32          # parallel: random anchors (blocks of k-1 mask slots) per training window
 
     def validate(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batch <= 0 or self.seq_len <= 1:
@@ -107,9 +111,13 @@ class TrainConfig:
         if self.frozen_trunk and not self.mtp:
             raise SpecdecError("a frozen trunk only makes sense with MTP heads to train: set the objective "
                                "to mtp-parallel or mtp-sequential")
-        if (self.objective == "distill") != (self.teacher is not None):
+        if (self.objective in ("distill", "parallel")) != (self.teacher is not None):
             raise SpecdecError("distillation needs a teacher and a teacher needs distillation: give both "
-                               "--objective distill and --teacher MODEL")
+                               "--objective distill (or parallel) and --teacher MODEL")
+        if self.parallel and not (2 <= self.parallel_block <= self.seq_len - 1 and self.parallel_anchors >= 1):
+            raise SpecdecError(f"parallel: --parallel-block must be in 2..{self.seq_len - 1} (seq_len "
+                               f"{self.seq_len}) and --parallel-anchors >= 1; got {self.parallel_block}, "
+                               f"{self.parallel_anchors}")
         if self.distill_temperature <= 0 or (self.distill_top_k is not None and self.distill_top_k < 1):
             raise SpecdecError(f"distill temperature must be > 0 and top-k >= 1, got {self.distill_temperature} "
                                f"and {self.distill_top_k}")
@@ -132,6 +140,15 @@ class TrainConfig:
     @property
     def eagle(self) -> bool:
         return self.objective == "eagle"
+
+    @property
+    def parallel(self) -> bool:
+        return self.objective == "parallel"
+
+    @property
+    def text_vocab(self) -> int:
+        """The tokenizer's vocabulary: the model's, less a parallel draft's mask token."""
+        return self.model.vocab_size - self.parallel
 
     @property
     def frozen(self) -> str | None:
@@ -187,6 +204,8 @@ def with_teacher(cfg: TrainConfig) -> TrainConfig:
         raise SpecdecError(f"the teacher {teacher} does not exist; give the target checkpoint folder to "
                            "distil from, e.g. --teacher models/target")
     vocab = LlamaConfig.from_dict(read_config(teacher)).vocab_size
+    if cfg.parallel and cfg.model.vocab_size == vocab:  # the mask token: one id past the teacher's vocabulary
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab + 1))
     tokenizer = teacher / TOKENIZER
     if not tokenizer.exists():
         raise SpecdecError(f"the teacher {teacher} has no {TOKENIZER}; the draft must use the teacher's tokenizer")
@@ -194,9 +213,10 @@ def with_teacher(cfg: TrainConfig) -> TrainConfig:
         what = f"--init-from {cfg.init_from}" if cfg.init_from else f"--tokenizer {cfg.tokenizer}"
         raise SpecdecError(f"{what} uses another tokenizer than the teacher {teacher}; a draft distilled from "
                            "a target must share its tokenizer (start from scratch or from a draft of that target)")
-    if cfg.model.vocab_size != vocab:
+    if cfg.model.vocab_size != vocab + cfg.parallel:
         raise SpecdecError(f"the student has a vocabulary of {cfg.model.vocab_size} tokens but the teacher "
-                           f"{teacher} has {vocab}; they must agree (set --vocab-size {vocab})")
+                           f"{teacher} has {vocab}; they must agree (set --vocab-size {vocab})"
+                           + (", a parallel draft adding its mask token" if cfg.parallel else ""))
     return dataclasses.replace(cfg, tokenizer=str(tokenizer))
 
 
@@ -209,16 +229,22 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 @torch.no_grad()
 def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_len: int, max_windows: int,
-             teacher=None, eagle_steps: int = 0) -> list[float]:
+             teacher=None, eagle_steps: int = 0, block: int = 0) -> list[float]:
     """Mean validation losses over evenly spread windows: [next-token, head 1, .., head depth], or
     with a teacher [KL(teacher || model), greedy agreement, next-token] (objectives.distill_metrics),
     or for an EAGLE head [KL per step.., alpha per position..] (objectives.eagle_metrics; the alphas
-    pooled over all windows)."""
+    pooled over all windows), or for a parallel draft of `block` slots the same per block slot
+    (objectives.parallel_metrics)."""
     was_training = model.training
     model.eval()
     losses = []
+    steps = block or eagle_steps
     for b in eval_batches(tokens, seq_len, max_windows):
         b = b.to(device_of(model))
+        if block:
+            losses.append(parallel_metrics(model, teacher, b, evaluation_layout(seq_len, block, b.device),
+                                           model.config.vocab_size - 1))
+            continue
         if teacher is not None:
             losses.append(distill_metrics(model, teacher, b))
             continue
@@ -228,9 +254,8 @@ def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_
         parts = [next_token_loss(model, b)] if heads is None else mtp_losses(model, heads, b, train_trunk=False)
         losses.append([part.item() for part in parts])
     model.train(was_training)
-    if isinstance(heads, EagleHead):  # alphas from the pooled counts, not a mean of per-batch ratios
-        kls, alphas, reached = (np.array([row[i * eagle_steps:(i + 1) * eagle_steps] for row in losses])
-                                for i in range(3))
+    if isinstance(heads, EagleHead) or block:  # alphas from the pooled counts, not a mean of per-batch ratios
+        kls, alphas, reached = (np.array([row[i * steps:(i + 1) * steps] for row in losses]) for i in range(3))
         pooled = (alphas * reached).sum(0) / np.maximum(reached.sum(0), 1)
         return [float(x) for x in (*kls.mean(0), *pooled)]
     return [float(x) for x in np.mean(losses, axis=0)]
@@ -252,7 +277,7 @@ class Run:
 
     # --- preparation (rank 0 only; the others wait) -------------------------------------
     def prepare(self) -> None:
-        key = preparation_key(self.cfg.corpus, self.cfg.model.vocab_size, self.cfg.tokenizer, self.cfg.seq_len)
+        key = preparation_key(self.cfg.corpus, self.cfg.text_vocab, self.cfg.tokenizer, self.cfg.seq_len)
         if not self.prepared_for(key):
             self._prepare(key)
 
@@ -279,9 +304,9 @@ class Run:
             tok = Tokenizer.load(self.cfg.tokenizer)
         else:
             tok = Tokenizer.train((d.text for d in corpus.splits["train"]), self.cfg.model.vocab_size)
-        if tok.vocab_size != self.cfg.model.vocab_size:
+        if tok.vocab_size != self.cfg.text_vocab:
             raise SpecdecError(f"the tokenizer has {tok.vocab_size} tokens but the model expects "
-                               f"{self.cfg.model.vocab_size}; set --vocab-size {tok.vocab_size}")
+                               f"{self.cfg.text_vocab}; set --vocab-size {tok.vocab_size}")
         tok.save(self.work / "tokenizer.json")
         arrays = {split: tokenize(docs, tok) if docs else np.zeros(0, np.int32)
                   for split, docs in corpus.splits.items()}
@@ -363,7 +388,9 @@ def _identity(config: dict, trunk_sha256: str | None, teacher_sha256: str | None
             "EAGLE layers, draft vocabulary and layout": (None if config.get("eagle_layers") is None else
                                                           list(config["eagle_layers"]), config.get("draft_vocab"),
                                                           config.get("eagle_layout", "specdec"))
-            if objective == "eagle" else None}
+            if objective == "eagle" else None,
+            "parallel block and anchors": (config.get("parallel_block"), config.get("parallel_anchors"))
+            if objective == "parallel" else None}
 
 
 def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
@@ -383,12 +410,36 @@ def _build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
         init_weights(model)
         if cfg.init_from:
             state = load_file(Path(cfg.init_from) / WEIGHTS)
-            model.load_hf_state_dict({k: v.float() for k, v in state.items()})
+            model.load_hf_state_dict(with_vocabulary({k: v.float() for k, v in state.items()}, cfg.model.vocab_size))
     heads = None
     if cfg.mtp:
         heads = build_heads(cfg.objective, cfg.model, cfg.mtp_depth)
         init_weights(heads)
     return model.train(not cfg.frozen), heads
+
+
+def with_vocabulary(state: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
+    """Weights of a model with one token fewer than `vocab` given the new one (a parallel draft's
+    mask token, started from a plain draft model): its embedding and unembedding rows are the
+    mean of the others'. Weights of the right size come back as they are."""
+    grown = dict(state)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in grown and grown[name].shape[0] == vocab - 1:
+            grown[name] = torch.cat([grown[name], grown[name].mean(0, keepdim=True)])
+    return grown
+
+
+def parallel_layout(cfg: TrainConfig, step: int, micro: int, device) -> BlockLayout:
+    """The training layout of micro-batch `micro` of `step`: its random anchors follow from the seed
+    and the step alone, so a resumed run draws the same ones."""
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1_009 + micro)
+    anchors = random_anchors(cfg.seq_len, cfg.parallel_block, cfg.parallel_anchors, generator, device)
+    return block_layout(cfg.seq_len, anchors, cfg.parallel_block)
+
+
+def evaluation_layout(seq_len: int, k: int, device) -> BlockLayout:
+    """Anchors every k positions of a validation window: the same blocks in every evaluation."""
+    return block_layout(seq_len, torch.arange(0, seq_len - k + 1, k, device=device), k)
 
 
 def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.ndarray) -> EagleHead:
@@ -460,10 +511,11 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     bar = tqdm(total=cfg.steps, initial=step, disable=run.rank != 0, desc="train", unit="step",
                dynamic_ncols=True)
     t_start = time.time() - elapsed
+    block = cfg.parallel_block if cfg.parallel else 0
     if teacher is not None and step == 0 and run.rank == 0:
         # the starting point's validation figures: the "before" of the distillation
-        _record(history, "valid", 0, evaluate(model, None, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher),
-                None, distill=True)
+        _record(history, "valid", 0, evaluate(model, None, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher,
+                                              block=block), None, distill=not block, block=block)
     if cfg.eagle and step == 0 and run.rank == 0:  # the untrained head: the "before" of its curves
         _record(history, "valid", 0, evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows,
                                               eagle_steps=cfg.eagle_steps), heads)
@@ -475,10 +527,13 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         batch = window_batch(train_tokens, cfg.seed, step, cfg.batch_size, cfg.seq_len)
         batch = batch[run.rank * per_rank:(run.rank + 1) * per_rank]
         loss_sums = None
-        for mb in batch.to(device).split(cfg.micro_batch):
+        for micro, mb in enumerate(batch.to(device).split(cfg.micro_batch)):
             # each process contributes its share of the global mean; gradients are averaged over processes
             scale = mb.shape[0] * run.world / cfg.batch_size
-            if teacher is not None:
+            if block:
+                layout = parallel_layout(cfg, step, run.rank * 1_000 + micro, device)
+                losses = parallel_backward(model, teacher, mb, layout, cfg.model.vocab_size - 1, scale)
+            elif teacher is not None:
                 loss = distill_loss(model, teacher, mb, cfg.distill_temperature, cfg.distill_top_k)
                 (loss * scale).backward()
                 losses = [loss.item()]
@@ -500,12 +555,12 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         opt.zero_grad(set_to_none=True)
         step += 1
         train_losses = [_mean_over_ranks(x / per_rank, distributed, device) for x in loss_sums]
-        _record(history, "train", step, train_losses, heads)
+        _record(history, "train", step, train_losses, heads, block=block)
         tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
         if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
             _record(history, "valid", step,
-                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher, cfg.eagle_steps),
-                    heads, distill=teacher is not None)
+                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher, cfg.eagle_steps,
+                             block), heads, distill=teacher is not None and not block, block=block)
         bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}",
                         val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
                         **({"agree": f"{history['valid_agreement'][-1][1]:.3f}"} if history.get("valid_agreement")
@@ -529,22 +584,28 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     return run.out / ("heads" if cfg.frozen else "model")
 
 
-def _record(history: dict, split: str, step: int, losses: list[float], heads, distill: bool = False) -> None:
+def _record(history: dict, split: str, step: int, losses: list[float], heads, distill: bool = False,
+            block: int = 0) -> None:
     """history[split]: [step, headline loss]: the next-token loss, or the mean of the heads' losses
     where it was not computed (a frozen trunk in training); history[split + "_heads"]: [step,
     [loss of head 1..depth]]. Distillation: the headline is KL(target || draft); validation also
     records [step, greedy agreement] and [step, next-token loss] under split + "_agreement" and
-    split + "_next_token"."""
+    split + "_next_token". A parallel draft of `block` slots: the headline is the mean of the slots' KL,
+    split + "_heads" the KL per slot and (validation) split + "_alpha" the acceptance per slot."""
     if distill and split == "valid":
         kl, agreement, next_token = losses
         history[split].append([step, kl])
         history.setdefault(f"{split}_agreement", []).append([step, agreement])
         history.setdefault(f"{split}_next_token", []).append([step, next_token])
         return
-    if heads is None:
+    if block and split == "train":
+        history[split].append([step, float(np.mean(losses))])
+        history.setdefault(f"{split}_heads", []).append([step, losses])
+        return
+    if heads is None and not block:
         history[split].append([step, losses[0]])
         return
-    if isinstance(heads, EagleHead) and split == "valid":  # [KL per step.., alpha per position..]
+    if (isinstance(heads, EagleHead) or block) and split == "valid":  # [KL per step.., alpha per position..]
         steps = len(losses) // 2
         history[split].append([step, float(np.mean(losses[:steps]))])
         history.setdefault(f"{split}_heads", []).append([step, losses[:steps]])
@@ -559,6 +620,9 @@ def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: d
            teacher=None, command: list[str] | None = None) -> None:
     if isinstance(heads, EagleHead):
         export_eagle(run, model, heads, history, seconds, command)
+        return
+    if run.cfg.parallel:
+        export_parallel(run, model, teacher, history, seconds, command)
         return
     cfg = run.cfg
     prov = json.loads((run.work / "prepared.json").read_text())
@@ -621,6 +685,51 @@ def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: d
                  train_label="train, mean of the heads" if cfg.frozen_trunk else "train, next token")
 
 
+def export_parallel(run: Run, model: LlamaForCausalLM, teacher, history: dict, seconds: float,
+                    command: list[str] | None) -> None:
+    """The parallel draft's model folder (a transformers checkpoint with one token more, its mask
+    token) with the metadata proposers/parallel.py checks (mask id, block, the target's hash), its
+    recipe and held-out figures, the training tokens' counts and loss.png."""
+    cfg = run.cfg
+    prov = json.loads((run.work / "prepared.json").read_text())
+    test = run.tokens("test")
+    k = cfg.parallel_block
+    recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key))) for key in ("teacher", "tokenizer", "out")
+                                if getattr(cfg, key)}}
+    figures = (evaluate(model, None, test, cfg.seq_len, cfg.test_windows, teacher, block=k)
+               if len(test) > cfg.seq_len else None)
+    before = history["valid_alpha"][0][1] if history.get("valid_alpha") else None
+    meta = {
+        "kind": PARALLEL_KIND,
+        "parallel": {"mask_token_id": cfg.model.vocab_size - 1, "block": k, "target": recipe["teacher"],
+                     "target_sha256": run.teacher_sha256},
+        "recipe": recipe,
+        "recipe_command": " ".join(command) if command else None,
+        "objective": (f"KL(target || draft) at each of the {k} block slots of one forward over [prefix, mask x "
+                      f"{k - 1}], {cfg.parallel_anchors} random anchors per window, the slots weighted alike"),
+        "init_from": shown_path(Path(cfg.init_from)) if cfg.init_from else None, "init_from_sha256": run.init_sha256,
+        "parameters": model.num_parameters(),
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "training_seconds": round(seconds, 1),
+        "valid_alpha_per_slot_before": before,
+        "final_valid_slot_kl": history["valid_heads"][-1][1] if history.get("valid_heads") else None,
+        "final_valid_alpha_per_slot": history["valid_alpha"][-1][1] if history.get("valid_alpha") else None,
+        "test_slot_kl": figures[:k] if figures else None,
+        "test_alpha_per_slot": figures[k:] if figures else None,
+        "test_tokens_evaluated": min(cfg.test_windows, len(test) // cfg.seq_len) * cfg.seq_len if figures else 0,
+        "alpha_note": ("greedy acceptance of block slot i given slots 1..i-1 accepted, over held-out windows whose "
+                       "tokens are the target's greedy choices along the drafted path"),
+        "corpus": {"sources": prov["sources"], "sha256": prov["sha256"], "tokens": prov["tokens"]},
+        "history": history,
+    }
+    save_model(model, run.out / "model", tokenizer_file=run.work / "tokenizer.json", meta=meta)
+    save_token_counts(run.out / "model", torch.from_numpy(np.bincount(run.tokens("train"),
+                                                                       minlength=cfg.text_vocab)))
+    plot_eagle_history(history, run.out / "loss.png",
+                       f"{run.out.name}: {model.num_parameters() / 1e6:.1f}M parallel draft, block of {k}, "
+                       f"distilled from {Path(cfg.teacher).name}", what="slot")
+
+
 def export_eagle(run: Run, target: LlamaForCausalLM, head: EagleHead, history: dict, seconds: float,
                  command: list[str] | None) -> None:
     """The head folder (eagle.py) with its recipe, validation and test figures and the
@@ -659,15 +768,16 @@ def export_eagle(run: Run, target: LlamaForCausalLM, head: EagleHead, history: d
                        f"{run.out.name}: {params / 1e6:.1f}M EAGLE head on a frozen {Path(cfg.target).name}")
 
 
-def plot_eagle_history(history: dict, path: Path, title: str) -> None:
-    """Training KL (mean of the unrolled steps), validation KL per step and alpha per position."""
+def plot_eagle_history(history: dict, path: Path, title: str, what: str = "step") -> None:
+    """Training KL (mean of the unrolled steps, or of a parallel draft's block slots: `what`),
+    validation KL per step and alpha per position."""
     fig, ax = _figure((7, 4.5))
-    _curve(ax, history["train"], alpha=0.5, label="train KL, mean of the steps")
+    _curve(ax, history["train"], alpha=0.5, label=f"train KL, mean of the {what}s")
     if history.get("valid_heads"):
         s, per_step = zip(*history["valid_heads"])
         for j, l in enumerate(zip(*per_step)):
             ax.plot(s, l, marker=".", linestyle="--", label=f"validation KL, draft {j + 1}")
-    ax.set(xlabel="step", ylabel="KL(target || head) (nats per token)", title=title)
+    ax.set(xlabel="step", ylabel="KL(target || draft) (nats per token)", title=title)
     right = None
     if history.get("valid_alpha"):
         right = ax.twinx()

@@ -41,6 +41,13 @@ is KL(target || head) against the target's distribution over the draft vocabular
 it drafts, weighted decay^j. Validation reports each step's KL and the greedy acceptance alpha_i
 of the draft it would make there.
 
+Parallel drafting (train/anchors.py): a draft model with a mask token of its own reads the window
+followed by k-1 mask slots per random anchor in one forward; block slot i of anchor a is trained
+by KL(target || draft) against the target's distribution at position a + i given the true
+prefix, every slot weighted alike, so that one draft forward over [sequence, mask x (k-1)]
+drafts k tokens. Validation reports each slot's KL and the greedy acceptance alpha_i of the blocks
+it would draft there.
+
 This module knows nothing about data, optimisers, checkpoints or distribution over processes.
 """
 from __future__ import annotations
@@ -53,8 +60,9 @@ import torch.nn.functional as F
 from ..eagle import EagleHead
 from ..errors import SpecdecError
 from ..heads import MTPHeads, teacher_forced
+from .anchors import BlockLayout, block_acceptance
 
-OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle")
+OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "parallel")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -270,3 +278,56 @@ def eagle_metrics(target, head: EagleHead, batch: torch.Tensor, steps: int) -> l
         # step j+1 at base t reads x_{t+2+j}: drafting feeds the accepted draft, i.e. the greedy token
         reached = accepted[:, :n - 1] & (batch[:, 2 + j:1 + j + n] == greedy[:, :n - 1])
     return [*kls, *alphas, *counts]
+
+
+# --- Parallel drafting: a block of k drafts from one forward (train/anchors.py) --------------
+
+def parallel_logits(model, tokens: torch.Tensor, layout: BlockLayout, mask_id: int, vocab: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens (B, S) -> the draft's logits over the first `vocab` ids (its mask id excluded) at every
+    window position (B, S, V) — block slot 0 of every anchor there — and at the mask slots (B, A, k-1, V),
+    from one forward over the window followed by every anchor's mask slots."""
+    B, S = tokens.shape
+    A, k = layout.slots.shape
+    inputs = torch.cat([tokens, tokens.new_full((B, A * (k - 1)), mask_id)], 1)      # (B, L)
+    out = model(inputs, positions=layout.positions.expand(B, -1),
+                attention_mask=layout.visible.expand(B, -1, -1))
+    logits = out.logits[..., :vocab]                                                  # (B, L, V)
+    return logits[:, :S], logits[:, S:].view(B, A, k - 1, vocab)
+
+
+def parallel_losses(model, teacher, batch: torch.Tensor, layout: BlockLayout, mask_id: int) -> list[torch.Tensor]:
+    """[KL_0, .., KL_{k-1}]: KL(target || draft) at block slot i, averaged over its positions (slot 0:
+    every window position; slot j: mask j of every anchor), against the target's distribution at the
+    position the slot drafts, given the true prefix."""
+    tokens = batch[:, :-1]
+    targets = teacher_targets(teacher, tokens)                                        # (B, S, V)
+    window, masks = parallel_logits(model, tokens, layout, mask_id, targets.log_probs.shape[-1])
+    losses = [distill_kl(window, targets)]
+    for j in range(1, layout.slots.shape[1]):
+        wanted = TeacherTargets(targets.log_probs[:, layout.labels[:, j]])           # (B, A, V)
+        losses.append(distill_kl(masks[:, :, j - 1], wanted))
+    return losses
+
+
+def parallel_backward(model, teacher, batch: torch.Tensor, layout: BlockLayout, mask_id: int,
+                      scale: float) -> list[float]:
+    """Accumulate the gradient of scale * mean_i KL_i into the draft; return [KL_0, .., KL_{k-1}]."""
+    losses = parallel_losses(model, teacher, batch, layout, mask_id)
+    (sum(losses) / len(losses) * scale).backward()
+    return [kl.item() for kl in losses]
+
+
+@torch.no_grad()
+def parallel_metrics(model, teacher, batch: torch.Tensor, layout: BlockLayout, mask_id: int) -> list[float]:
+    """[KL_0..KL_{k-1}, then greedy acceptance alpha_1..alpha_k of the drafted blocks, then the counts
+    they come from] (anchors.block_acceptance: exact for greedy drafting from these contexts)."""
+    tokens = batch[:, :-1]
+    targets = teacher_targets(teacher, tokens)
+    window, masks = parallel_logits(model, tokens, layout, mask_id, targets.log_probs.shape[-1])
+    kls = [distill_kl(window, targets).item()]
+    for j in range(1, layout.slots.shape[1]):
+        kls.append(distill_kl(masks[:, :, j - 1], TeacherTargets(targets.log_probs[:, layout.labels[:, j]])).item())
+    drafts = torch.cat([window[:, layout.slots[:, 0]].argmax(-1)[..., None], masks.argmax(-1)], 2)  # (B, A, k)
+    accepted, reached = block_acceptance(drafts, targets.log_probs.argmax(-1), batch, layout)
+    return [*kls, *(accepted / reached.clamp(min=1)).tolist(), *reached.tolist()]
