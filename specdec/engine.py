@@ -129,70 +129,94 @@ class Engine:
         self.regroup()
         if not self.requests:
             return
-        proposer, state, cache, metrics, clock = self.proposer, self.state, self.cache, self.metrics, time.perf_counter
-        t_start = clock()
-        if not self.plain_left:
-            depth, shape, stretch = self.adaptive.choose() if self.adaptive else (self.k, self.widths, None)
-            if depth == 0:
-                self.plain_left = stretch or math.inf
+        clock = Clock()
+        depth, shape = self.choose()
         if self.plain_left:
-            self.plain_step()
-            # rows nobody streams from, and nobody waiting: the stretch goes on without returning
-            # to the caller for every token (a closed batch: speculative_generate)
-            while self.plain_left and not self.waiting and not any(
-                    r.on_tokens is not None or r.finished for r in self.requests):
-                self.plain_step()
+            self.plain_stretch()
             return
-        t_chosen = clock()
+        clock.mark("chosen")
         limit = draft_limits([r.row.budget for r in self.requests], depth)
         limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
         self.next_window = None
-        proposal = proposer.propose(state, limits, shape, self.generator()).trimmed()   # propose
-        t_proposed = clock()
+        proposal = self.proposer.propose(self.state, limits, shape, self.generator()).trimmed()  # propose
+        clock.mark("proposed")
         if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
             self.plain_left = 1
             self.plain_step()
             return
-        window = torch.cat([last[:, None], proposal.tokens], 1)      # (B, 1+m): [last, drafts]
-        if proposal.parents is None:                                  # a chain: causal, default positions
-            positions, tree = next_positions(cache, window.shape[1], self.context), None
-        else:
-            positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
-        t_window = clock()
-        out = self.target(window, positions=positions, cache=cache, attention_mask=tree,
-                          **layer_request(self.features))
-        t_forward = clock()
-        verdict = self.verify(proposal, out.logits)                   # accept: logits (B, 1+m, V)
+        window = torch.cat([last[:, None], proposal.tokens], 1)                 # (B, 1+m): [last, drafts]
+        out = self.verify_forward(window, proposal, clock)                       # verify
+        verdict = self.verify(proposal, out.logits)                              # accept: logits (B, 1+m, V)
         # what the host needs of the step, read from the device at once: (B, 3 + m)
         read = torch.cat([verdict.accepted[:, None], verdict.next_token[:, None], proposal.lengths[:, None],
                           proposal.tokens], 1).tolist()
         accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
-        drafts = [row[3:] for row in read]                            # (B, m)
-        t_accepted = clock()
-        paths = verdict.paths or [range(n) for n in accepted]
-        runs, counts = commit([r.row for r in self.requests], drafts, paths, next_tokens)
-        # keep the window entries that predicted an emitted token: the root, then the accepted path
-        if verdict.paths is not None:
-            cache.compact(self.cached, verdict.paths)
-        self.cached = [n + c for n, c in zip(self.cached, counts)]
-        cache.rollback(self.cached)
-        # the newest emitted token opens the next window
-        self.last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, self.last)]
-        t_committed = clock()
-        hidden = declared_features(out, self.features)                # (B, 1+m, ...) what the proposer reads
-        if verdict.paths is not None:                                 # along the accepted path
-            hidden = hidden.gather(1, path_columns(verdict.paths, window.shape[1], self.device)[..., None]
-                                   .expand_as(hidden))
-        proposer.observe(state, Outcome(accepted, runs, counts, hidden, verdict.paths))
-        t_observed = clock()
-        metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
-                            else levels_reached(proposal.parents, lengths, verdict.paths))
-        metrics.record_phases(t_start, t_proposed, t_window, t_forward, t_accepted, t_committed, t_observed, clock())
-        metrics.first_token_seconds = metrics.first_token_seconds or t_committed - self.started
+        clock.mark("accepted")
+        runs, counts = self.commit([row[3:] for row in read], accepted, verdict, next_tokens)  # commit
+        clock.mark("committed")
+        self.proposer.observe(self.state, Outcome(accepted, runs, counts, self.features_along(out, verdict),
+                                                  verdict.paths))
+        clock.mark("observed")
+        self.metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
+                                 else levels_reached(proposal.parents, lengths, verdict.paths))
+        self.metrics.record_phases(clock)
+        self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
         stream(self.requests, runs, counts, lengths, accepted)
         if self.adaptive:
-            self.adaptive.observe(limit, accepted, window.shape[1], t_proposed - t_chosen + t_observed
-                                  - t_committed, clock() - t_start, t_forward - t_window)
+            self.adaptive.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward)
+
+    def choose(self) -> tuple[int, tuple[int, ...]]:
+        """This step's depth and shape (k="auto": the controller's choice; a depth of 0 starts a
+        stretch of plain steps)."""
+        if self.plain_left:
+            return 0, ()
+        depth, shape, stretch = self.adaptive.choose() if self.adaptive else (self.k, self.widths, None)
+        if depth == 0:
+            self.plain_left = stretch or math.inf
+        return depth, shape
+
+    def plain_stretch(self) -> None:
+        """Plain steps: one, or, when nobody streams from the rows and nobody waits (a closed batch:
+        speculative_generate), the whole stretch without returning to the caller for every token."""
+        self.plain_step()
+        while self.plain_left and not self.waiting and not any(
+                r.on_tokens is not None or r.finished for r in self.requests):
+            self.plain_step()
+
+    def verify_forward(self, window: torch.Tensor, proposal: Proposal, clock: "Clock"):
+        """The target's forward over [last, drafts] (B, 1+m): a chain at the default positions, a tree
+        with positions by depth and its attention mask; the declared layers come back with it."""
+        if proposal.parents is None:
+            positions, tree = next_positions(self.cache, window.shape[1], self.context), None
+        else:
+            positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
+        clock.mark("window")
+        out = self.target(window, positions=positions, cache=self.cache, attention_mask=tree,
+                          **layer_request(self.features))
+        clock.mark("forward")
+        return out
+
+    def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int]
+               ) -> tuple[list[list[int]], list[int]]:
+        """Emit each row's run (module commit), keep the target cache's entries of what was emitted
+        (a tree's accepted path moved to follow the root) and open the next window with the newest
+        token. Returns the runs and the counts emitted."""
+        paths = verdict.paths or [range(n) for n in accepted]
+        runs, counts = commit([r.row for r in self.requests], drafts, paths, next_tokens)
+        if verdict.paths is not None:  # keep the window entries that predicted an emitted token
+            self.cache.compact(self.cached, verdict.paths)
+        self.cached = [n + c for n, c in zip(self.cached, counts)]
+        self.cache.rollback(self.cached)
+        self.last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, self.last)]
+        return runs, counts
+
+    def features_along(self, out, verdict: Verdict) -> torch.Tensor:
+        """The declared features (B, 1+m, ...) of the verify forward, along a tree's accepted path."""
+        hidden = declared_features(out, self.features)
+        if verdict.paths is None:
+            return hidden
+        return hidden.gather(1, path_columns(verdict.paths, hidden.shape[1], self.device)[..., None]
+                             .expand_as(hidden))
 
     def plain_step(self) -> None:
         """One step of plain decoding, one token per row, as lean as decoding without a proposer.
@@ -335,6 +359,34 @@ class Engine:
                 for b, path in zip(rows, verdict.paths):
                     paths[b] = path
         return Verdict(accepted, next_token, paths)
+
+
+class Clock:
+    """The clock readings of one step, by the name of the phase just ended ("chosen", "proposed",
+    "window", "forward", "accepted", "committed", "observed"); the step's start is "start"."""
+
+    def __init__(self):
+        self.readings = {"start": time.perf_counter()}
+
+    def mark(self, phase: str) -> None:
+        self.readings[phase] = time.perf_counter()
+
+    def __getitem__(self, phase: str) -> float:
+        return self.readings[phase]
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.readings["start"]
+
+    @property
+    def forward(self) -> float:
+        return self.readings["forward"] - self.readings["window"]
+
+    @property
+    def drafting(self) -> float:
+        """The proposer's seconds: proposing and observing."""
+        r = self.readings
+        return r["proposed"] - r["chosen"] + r["observed"] - r["committed"]
 
 
 @dataclass

@@ -97,16 +97,17 @@ class SpecMetrics:
                 self.reached_per_position[i] += 1
                 self.accepted_per_position[i] += i < n
 
-    def record_phases(self, start: float, proposed: float, window: float, forward: float, accepted: float,
-                      committed: float, observed: float, end: float) -> None:
-        """Clock readings around the phases of one step (window: the verify window assembled, just
-        before the target's forward, a gap left to other_seconds; end: after record_step)."""
-        self.propose_seconds += proposed - start
-        self.forward_seconds += forward - window
-        self.acceptance_seconds += accepted - forward
-        self.commit_seconds += committed - accepted
-        self.observe_seconds += observed - committed
-        self.metrics_seconds += end - observed
+    def record_phases(self, clock) -> None:
+        """The phases of one step from its clock readings (engine.Clock; "window": the verify window
+        assembled, just before the target's forward, a gap left to other_seconds); the metrics' own
+        time runs from "observed" to now."""
+        r = clock.readings
+        self.propose_seconds += r["proposed"] - r["start"]
+        self.forward_seconds += r["forward"] - r["window"]
+        self.acceptance_seconds += r["accepted"] - r["forward"]
+        self.commit_seconds += r["committed"] - r["accepted"]
+        self.observe_seconds += r["observed"] - r["committed"]
+        self.metrics_seconds += time.perf_counter() - r["observed"]
 
     def __add__(self, other: "SpecMetrics") -> "SpecMetrics":
         """The counters of two runs with the same k added up (e.g. the batches of one benchmark
