@@ -124,7 +124,7 @@ class SequentialHeads(MTPHeads):
         self.output_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
 
     def head_input(self, j, trunk, prev, ahead):
-        embedded = trunk.model.embed_tokens(ahead)  # (B, T, C)
+        embedded = trunk.model.embed(ahead)  # (B, T, C)
         return self.projections[j](torch.cat([self.hidden_norms[j](prev), self.embed_norms[j](embedded)], -1))
 
     def normed(self, j, trunk, out):

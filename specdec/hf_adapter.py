@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .errors import SpecdecError
-from .model import ModelOutput
+from .model import Abilities, ModelOutput
 
 
 class HFCache:
@@ -51,6 +51,8 @@ class HFCache:
 
 
 class HFCausalLM:
+    abilities = Abilities(trees=False, layers=False, draft_vocab=False, batch=False)
+
     def __init__(self, model: PreTrainedModel):
         if model.training:
             raise SpecdecError(f"{type(model).__name__} is in training mode (dropout would make its "
