@@ -39,9 +39,14 @@ def causal_lm(model, role: str = "model"):
         "LlamaForCausalLM or a transformers decoder-only *ForCausalLM / *LMHeadModel")
 
 
-def abilities(model, role: str = "model") -> Abilities:
-    """What a causal LM (or a model `causal_lm` admits) can do."""
-    return causal_lm(model, role).abilities
+NO_ABILITIES = Abilities(trees=False, layers=False, draft_vocab=False, batch=False)
+
+
+def abilities(model) -> Abilities:
+    """What a model can do as specdec's causal LM: its own `abilities`, none for anything else (a
+    transformers model not yet wrapped by `causal_lm` offers only what the adapter gives it)."""
+    found = getattr(model, "abilities", None)
+    return found if isinstance(found, Abilities) else NO_ABILITIES
 
 
 def module_of(model) -> torch.nn.Module:

@@ -6,6 +6,7 @@ plain decoding. A head_dim the kernels cannot run falls back to PyTorch and says
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 
 import pytest
@@ -162,3 +163,48 @@ def test_a_head_dim_the_kernels_cannot_run_falls_back_to_pytorch_and_says_so(tmp
     ids = tokens(2, 30)
     with torch.no_grad():
         assert (cached_logits(model, ids) - hf(ids).logits).abs().max().item() <= TOL
+
+
+@torch.no_grad()
+def test_a_token_gets_the_same_bits_alone_in_any_window_and_on_either_instruction_set(family):
+    """What makes greedy speculative decoding exact, for each family's features in the kernels
+    (biases, q/k norms, partial rotary, yarn's factor, gelu, norm offset)."""
+    name, _, model, _ = family
+    if model.stack is None:
+        pytest.skip("no CPU kernels here")
+    prompt, new = tokens(2, 12, seed=6), tokens(2, 12, seed=7)
+    before = kernels.isa()
+    isas = ["avx2"] + (["avx512"] if before == "avx512" else [])
+    try:
+        for isa in isas:
+            kernels.compiled().set_isa(isa)
+            single = model.new_cache(1, 32)
+            model(prompt[:1], cache=single)
+            alone = torch.cat([model(new[:1, t:t + 1], cache=single).logits for t in range(12)], 1)
+            if isa == "avx2":
+                reference = alone
+            assert torch.equal(alone, reference), (name, isa)
+            for T in (2, 5, 9, 12):
+                cache = model.new_cache(2, 32)
+                model(prompt, cache=cache)
+                assert torch.equal(model(new[:, :T], cache=cache).logits[0], reference[0, :T]), (name, isa, T)
+    finally:
+        kernels.compiled().set_isa(before)
+
+
+def test_the_api_runs_a_foreign_checkpoint_under_its_own_prompt_rules(tmp_path):
+    """api.load + generate on a Llama-3-style folder (its BOS first, EOS a list in
+    generation_config.json): the tokens transformers' generate gives from its tokenizer's ids."""
+    from specdec.api import generate, load
+
+    from .test_tokenizer import foreign_checkpoint_tokenizer
+    hf = hf_model("llama3", vocab_size=300, bos_token_id=0, eos_token_id=[1, 2])
+    save(hf, tmp_path, torch.bfloat16)
+    hf_tok = foreign_checkpoint_tokenizer(tmp_path, True, json.loads((tmp_path / "config.json").read_text()),
+                                          {"eos_token_id": [1, 2]})
+    prompt = "def wrap(text):"
+    ids = torch.tensor([hf_tok(prompt).input_ids])
+    hf.generation_config.eos_token_id = [1, 2]
+    expected = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    result = generate(load(tmp_path), prompt, max_new_tokens=24)
+    assert result.tokens[0] == expected

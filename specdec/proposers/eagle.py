@@ -58,7 +58,7 @@ class EagleProposer:
     max_depth = None  # its own output feeds the next step: any depth
 
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, draft_vocab: int | None = None):
-        if not abilities(target, "target").layers:
+        if not abilities(target).layers:
             raise SpecdecError(f"an EAGLE head drafts from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
         check_head_fits(head, target)

@@ -67,7 +67,7 @@ class MTPProposer:
     features = ()  # the target's final hidden states
 
     def __init__(self, heads: MTPHeads, target: LlamaForCausalLM, draft_vocab: int | None = None):
-        if not abilities(target, "target").layers:
+        if not abilities(target).layers:
             raise SpecdecError(f"MTP heads draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
         check_heads_fit(heads, target)
