@@ -65,9 +65,10 @@ class Arch:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
-    eos_token_id: int | tuple[int, ...] | None = 2
+    # plain JSON values (a list, a dict), so that a config survives a JSON round trip unchanged
+    eos_token_id: int | list[int] | None = field(default=2, hash=False)
     family: str = "llama"
-    rope_scaling: tuple[tuple[str, object], ...] = ()  # sorted (key, value) of a scaled RoPE, rope_type included
+    rope_scaling: dict = field(default_factory=dict, hash=False)  # a scaled RoPE's parameters, rope_type included
     partial_rotary_factor: float = 1.0   # the fraction of each head's dims that rotate (the first ones)
     qkv_bias: bool = False               # biases on q, k and v
     o_bias: bool = False                 # a bias on the attention's output projection
@@ -101,7 +102,7 @@ class Arch:
 
     @property
     def rope(self) -> dict:
-        return dict(self.rope_scaling)
+        return self.rope_scaling
 
     @property
     def attention_factor(self) -> float:
@@ -144,7 +145,6 @@ class Arch:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("source")
-        d["rope_scaling"] = dict(self.rope_scaling)
         return d
 
     @classmethod
@@ -154,11 +154,7 @@ class Arch:
         if "model_type" in d:
             return resolve(d)
         known = {f.name for f in fields(cls)} - {"source"}
-        kw = {k: v for k, v in d.items() if k in known}
-        kw["rope_scaling"] = tuple(sorted((kw.get("rope_scaling") or {}).items()))
-        if isinstance(kw.get("eos_token_id"), list):
-            kw["eos_token_id"] = tuple(kw["eos_token_id"])
-        return cls(**kw)
+        return cls(**{k: v for k, v in d.items() if k in known})
 
     def hf_config(self, dtype: torch.dtype) -> dict:
         """The config.json a checkpoint of this architecture is saved with: the one it was read
@@ -247,7 +243,7 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
     eos = d.get("eos_token_id")
     arch = Arch(**sizes, max_position_embeddings=context, rope_theta=theta,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma")),
-                bos_token_id=d.get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+                bos_token_id=d.get("bos_token_id"), eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else eos,
                 family=family, rope_scaling=scaling, partial_rotary_factor=partial,
                 qkv_bias=family == "qwen2" or (attention_bias and family in ("llama", "qwen3", "gemma")),
                 o_bias=attention_bias and family in ("llama", "qwen3", "gemma"),
@@ -262,8 +258,8 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
     return arch
 
 
-def rope_settings(d: dict, where: str) -> tuple[float, tuple, float]:
-    """(theta, the scaling as sorted pairs or (), the partial rotary factor) from either layout:
+def rope_settings(d: dict, where: str) -> tuple[float, dict, float]:
+    """(theta, the scaling's parameters or {}, the partial rotary factor) from either layout:
     transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
     rope = dict(d.get("rope_parameters") or {})
     if d.get("rope_scaling"):
@@ -279,11 +275,11 @@ def rope_settings(d: dict, where: str) -> tuple[float, tuple, float]:
             kind, f"specdec implements the rope types {', '.join(ROPE_TYPES)}")
         refuse(where, "rope_scaling", {"rope_type": kind, **rope}, why)
     if kind == "default":
-        return theta, (), partial
+        return theta, {}, partial
     if kind == "dynamic":
         # transformers' dynamic NTK keeps the default frequencies for sequences within
         # max_position_embeddings, the longest specdec runs: exactly default RoPE here
-        return theta, (), partial
+        return theta, {}, partial
     needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                 "original_max_position_embeddings"),
               "yarn": ("original_max_position_embeddings",)}[kind]
@@ -294,7 +290,7 @@ def rope_settings(d: dict, where: str) -> tuple[float, tuple, float]:
             refuse(where, "rope_scaling", {"rope_type": kind, **rope}, f"{kind} scaling needs {key!r}")
     for key in sorted(set(rope) - allowed):
         refuse(where, f"rope_scaling.{key}", rope[key], f"{kind} scaling in specdec does not implement it")
-    return theta, tuple(sorted({"rope_type": kind, **rope}.items())), partial
+    return theta, {"rope_type": kind, **rope}, partial
 
 
 def sliding_window(d: dict, family: str, layers: int) -> int | None:
