@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .device import backend
 from .errors import SpecdecError
 from .model import Abilities, ModelOutput
 
@@ -60,14 +61,14 @@ class HFCache:
 
 
 class HFCausalLM:
-    abilities = Abilities(trees=False, layers=False, draft_vocab=False, batch=True)
-
     def __init__(self, model: PreTrainedModel):
         if model.training:
             raise SpecdecError(f"{type(model).__name__} is in training mode (dropout would make its "
                                "output random): call model.eval() first")
         self.model = model
         self.config = model.config
+        self.abilities = Abilities(trees=False, layers=False, draft_vocab=False, batch=True,
+                                   backend=f"transformers {type(model).__name__}: {backend(self)}")
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> HFCache:
         return HFCache(self.model.config, batch_size, self.model.device)

@@ -39,7 +39,7 @@ def causal_lm(model, role: str = "model"):
         "LlamaForCausalLM or a transformers decoder-only *ForCausalLM / *LMHeadModel")
 
 
-NO_ABILITIES = Abilities(trees=False, layers=False, draft_vocab=False, batch=False)
+NO_ABILITIES = Abilities(trees=False, layers=False, draft_vocab=False, batch=False, backend="none")
 
 
 def abilities(model) -> Abilities:

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import kernels
 from .arch import Arch
+from .device import backend
 from .kv_cache import KVCache
 
 
@@ -37,6 +38,7 @@ class Abilities(NamedTuple):
     layers: bool       # returns chosen decoder layers' outputs, and carries specdec's heads (MTP, EAGLE)
     draft_vocab: bool  # unembeds a subset of its vocabulary (a draft vocabulary)
     batch: bool        # more than one row per cache
+    backend: str       # the operators it runs on, as the conditions name them (device.backend)
 
 
 class RMSNorm(nn.Module):
@@ -324,7 +326,9 @@ class LlamaForCausalLM(nn.Module):
         # derived from the config, not a weight: kept out of the state dict and in fp32
         self.inv_freq = cfg.inv_freq()
 
-    abilities = Abilities(trees=True, layers=True, draft_vocab=True, batch=True)
+    @property
+    def abilities(self) -> Abilities:
+        return Abilities(trees=True, layers=True, draft_vocab=True, batch=True, backend=backend(self))
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         cfg = self.config
