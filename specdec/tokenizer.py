@@ -55,7 +55,8 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
-        """tokenizer.json of a checkpoint folder (with the folder's prompt rules), or a file."""
+        """tokenizer.json of a checkpoint folder, or the file itself, with the rules of the folder
+        it is in (specdec's own, or a foreign checkpoint's: see the module docstring)."""
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         try:
@@ -63,9 +64,10 @@ class Tokenizer:
         except Exception as e:  # the Rust library raises a bare Exception for every failure
             raise SpecdecError(f"cannot load tokenizer {file} ({e}); a checkpoint folder must hold the "
                                "tokenizer.json it was trained with") from None
-        if not path.is_dir() or is_specdecs(tok, path):
+        folder = file.parent
+        if is_specdecs(tok, folder):
             return cls(tok)
-        return cls(tok, *prompt_rules(tok, path))
+        return cls(tok, *prompt_rules(tok, folder))
 
     def save(self, path: str | Path) -> None:
         self.tok.save(str(path))
