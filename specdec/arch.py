@@ -23,7 +23,7 @@ from .errors import SpecdecError
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 # Families specdec knows and refuses, with the reason (the kernels and the PyTorch path lack what they compute).
 REFUSED_FAMILIES = {
@@ -108,11 +108,14 @@ class Arch:
     def attention_factor(self) -> float:
         """The factor on cos and sin (yarn's attention temperature; 1 elsewhere)."""
         rope = self.rope
-        if rope.get("rope_type") != "yarn":
+        if rope.get("rope_type") not in ("yarn", "longrope"):
             return 1.0
         if rope.get("attention_factor") is not None:
             return float(rope["attention_factor"])
         factor = rope["factor"]
+        if rope["rope_type"] == "longrope":
+            original = rope["original_max_position_embeddings"]
+            return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
         def mscale(scale, m=1.0):
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -140,6 +143,8 @@ class Arch:
             return torch.where(medium, smoothed, scaled)
         if kind == "yarn":
             return _yarn_inv_freq(rope, dim, base, self.max_position_embeddings)
+        if kind == "longrope":  # within original_max_position_embeddings (the context here): the short factors
+            return 1.0 / (torch.tensor(rope["short_factor"], dtype=torch.float32, device="cpu") * base ** exponents)
         return inv_freq  # default; dynamic equals it within max_position_embeddings (see from_dict)
 
     def to_dict(self) -> dict:
@@ -236,9 +241,12 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
         activation = "gelu_pytorch_tanh"
     if activation not in ACTIVATIONS:
         refuse(where, "hidden_act", activation, f"specdec's activations are {', '.join(sorted(ACTIVATIONS))}")
-    theta, scaling, partial = rope_settings(d, where)
+    theta, scaling, partial = rope_settings(d, where, family)
     window = sliding_window(d, family, sizes["num_hidden_layers"])
     context = max_position if window is None else min(max_position, window)
+    if scaling.get("rope_type") == "longrope":
+        scaling = longrope(scaling, max_position, int(sizes["head_dim"] * partial) // 2, where)
+        context = min(context, scaling["original_max_position_embeddings"])
     attention_bias = bool(d.get("attention_bias", False))
     eos = d.get("eos_token_id")
     arch = Arch(**sizes, max_position_embeddings=context, rope_theta=theta,
@@ -258,7 +266,7 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
     return arch
 
 
-def rope_settings(d: dict, where: str) -> tuple[float, dict, float]:
+def rope_settings(d: dict, where: str, family: str) -> tuple[float, dict, float]:
     """(theta, the scaling's parameters or {}, the partial rotary factor) from either layout:
     transformers 5's `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
     rope = dict(d.get("rope_parameters") or {})
@@ -268,12 +276,13 @@ def rope_settings(d: dict, where: str) -> tuple[float, dict, float]:
     partial = float(rope.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
     kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
     rope.pop("type", None)
+    if family == "phi3" and kind in ("su", "yarn"):  # transformers reads Phi-3's older names as longrope
+        kind = "longrope"
     if kind not in ROPE_TYPES:
-        why = {"longrope": "its frequencies switch between short and long factors with the sequence length "
-                           "(Phi-3 128k); not implemented",
-               "su": "Phi-3's longrope under its old name; not implemented"}.get(
-            kind, f"specdec implements the rope types {', '.join(ROPE_TYPES)}")
-        refuse(where, "rope_scaling", {"rope_type": kind, **rope}, why)
+        refuse(where, "rope_scaling", {"rope_type": kind, **rope}, f"specdec implements the rope types {', '.join(ROPE_TYPES)}")
+    if kind == "longrope":
+        if rope.get("original_max_position_embeddings") is None and d.get("original_max_position_embeddings"):
+            rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]
     if kind == "default":
         return theta, {}, partial
     if kind == "dynamic":
@@ -282,15 +291,27 @@ def rope_settings(d: dict, where: str) -> tuple[float, dict, float]:
         return theta, {}, partial
     needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                 "original_max_position_embeddings"),
-              "yarn": ("original_max_position_embeddings",)}[kind]
+              "yarn": ("original_max_position_embeddings",),
+              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}[kind]
     allowed = set(needed) | {"factor"} | ({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-                                          "truncate"} if kind == "yarn" else set())
+                                          "truncate"} if kind == "yarn" else set()) | (
+        {"attention_factor"} if kind == "longrope" else set())
     for key in needed:
         if rope.get(key) is None:
             refuse(where, "rope_scaling", {"rope_type": kind, **rope}, f"{kind} scaling needs {key!r}")
     for key in sorted(set(rope) - allowed):
         refuse(where, f"rope_scaling.{key}", rope[key], f"{kind} scaling in specdec does not implement it")
     return theta, {"rope_type": kind, **rope}, partial
+
+
+def longrope(rope: dict, max_position: int, half: int, where: str) -> dict:
+    """Phi-3's longrope, honoured within original_max_position_embeddings, where transformers uses
+    the short factors (the long ones only beyond it, which specdec refuses to run: the context is
+    cut there); its attention factor comes from the config's full max_position_embeddings."""
+    if len(rope["short_factor"]) != half:
+        refuse(where, "rope_scaling.short_factor", f"{len(rope['short_factor'])} values",
+               f"longrope needs one per rotated frequency ({half})")
+    return {**rope, "factor": rope.get("factor") or max_position / rope["original_max_position_embeddings"]}
 
 
 def sliding_window(d: dict, family: str, layers: int) -> int | None:

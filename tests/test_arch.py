@@ -21,6 +21,8 @@ ROPES = [
     {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 16,
      "mscale": 0.7, "mscale_all_dim": 0.5},
     {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+     "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5, 3.0, 4.0], "long_factor": [2.0] * 8},
 ]
 
 
@@ -32,6 +34,14 @@ def test_scaled_rotary_frequencies_and_factor_equal_transformers(rope):
     assert torch.allclose(arch.inv_freq(), expected, rtol=1e-6, atol=0) and arch.attention_factor == pytest.approx(factor)
 
 
+def test_longrope_runs_within_its_original_context_where_it_uses_the_short_factors():
+    arch = Arch.from_dict({**BASE, "model_type": "phi3", "original_max_position_embeddings": 64,
+                           "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    assert arch.max_position_embeddings == 64 and arch.rope["rope_type"] == "longrope"
+    assert arch.attention_factor == pytest.approx((1 + torch.log(torch.tensor(4.0)).item() / torch.log(
+        torch.tensor(64.0)).item()) ** 0.5)  # from the config's 256 positions over the original 64
+
+
 def test_the_old_layout_of_rope_keys_reads_as_the_new():
     old = Arch.from_dict({**BASE, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new = Arch.from_dict({**BASE, "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}})
@@ -39,9 +49,10 @@ def test_the_old_layout_of_rope_keys_reads_as_the_new():
 
 
 REFUSED = [  # (config changes, the name the refusal must say)
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [2.0]}},
-     "longrope"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [2.0],
+                          "original_max_position_embeddings": 64}}, "short_factor"),
     ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "su"),
+    ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "proportional"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "low_freq_factor"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta_fast": 3}}, "beta_fast"),
     ({"pretraining_tp": 2}, "pretraining_tp"),

@@ -45,6 +45,9 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=96)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5, pad_token_id=0)),
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, max_position_embeddings=256, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64, "partial_rotary_factor": 1.0,
+        "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0], "long_factor": [8.0] * 8})),
 }
 
 
