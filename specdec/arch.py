@@ -14,7 +14,7 @@ This module knows nothing about weights, devices or decoding.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -167,7 +167,8 @@ class Arch:
         dtype_name = str(dtype).removeprefix("torch.")
         if self.source is not None:
             return {**{k: v for k, v in self.source.items() if k != "torch_dtype"}, "dtype": dtype_name}
-        if self.family != "llama" or self.rope_scaling or self.qkv_bias or self.qk_norm:
+        plain = Arch()
+        if any(getattr(self, k) != getattr(plain, k) for k in FEATURES):
             raise SpecdecError(f"an architecture of family {self.family} built without its config.json cannot be "
                                "saved as a transformers checkpoint; load it from its folder instead")
         d = {k: v for k, v in self.to_dict().items() if k in LLAMA_KEYS}
@@ -177,11 +178,9 @@ class Arch:
                  rope_theta=self.rope_theta, dtype=dtype_name, use_cache=True)
         return d
 
-    def with_(self, **changes) -> "Arch":
-        """A copy with some fields changed (the source config no longer describes it)."""
-        return replace(self, source=None, **changes)
 
-
+FEATURES = ("family", "rope_scaling", "partial_rotary_factor", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+            "norm_offset", "scale_embeddings", "activation", "fused_checkpoint", "sliding_window")
 LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
               "bos_token_id", "eos_token_id")

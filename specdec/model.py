@@ -1,7 +1,9 @@
-"""A Llama-architecture causal LM (RMSNorm, rotary positions, SwiGLU, grouped-query attention).
+"""A Llama-style causal LM (RMSNorm, rotary positions, gated MLP, grouped-query attention) with the
+variations of the families in arch.py (biases, q/k norms, partial and scaled rotary, Gemma's norm
+offset, embedding scale and GELU), all described by one `Arch`.
 
-Parameter names and numerics follow transformers' `LlamaForCausalLM`, so a checkpoint is
-interchangeable with it (see checkpoint.py). One forward serves training (no cache, causal),
+Parameter names and numerics follow transformers' `LlamaForCausalLM` (and the family's own model
+for the variations), so a checkpoint is interchangeable with it (see checkpoint.py). One forward serves training (no cache, causal),
 prefill and decoding (KV cache, a length per row), and verification of draft tokens or trees
 (explicit positions and an explicit attention mask among the new tokens).
 

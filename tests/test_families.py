@@ -211,3 +211,10 @@ def test_the_api_runs_a_foreign_checkpoint_under_its_own_prompt_rules(tmp_path):
     expected = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
     result = generate(load(tmp_path), prompt, max_new_tokens=24)
     assert result.tokens[0] == expected
+
+
+def test_generation_ends_at_any_of_several_eos_ids():
+    from specdec.stopping import Row
+    for eos in (7, 5):
+        row = Row(StopRule(10, (5, 7)))
+        assert not row.append(3) and row.append(eos) and row.finish_reason == "eos" and row.tokens == [3, eos]
