@@ -278,7 +278,8 @@ def rope_settings(d: dict, where: str, family: str) -> tuple[float, dict, float]
     if family == "phi3" and kind in ("su", "yarn"):  # transformers reads Phi-3's older names as longrope
         kind = "longrope"
     if kind not in ROPE_TYPES:
-        refuse(where, "rope_scaling", {"rope_type": kind, **rope}, f"specdec implements the rope types {', '.join(ROPE_TYPES)}")
+        refuse(where, "rope_scaling", {"rope_type": kind, **rope},
+               f"specdec implements the rope types {', '.join(ROPE_TYPES)}")
     if kind == "longrope":
         if rope.get("original_max_position_embeddings") is None and d.get("original_max_position_embeddings"):
             rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]

@@ -3,9 +3,10 @@ variations of the families in arch.py (biases, q/k norms, partial and scaled rot
 offset, embedding scale and GELU), all described by one `Arch`.
 
 Parameter names and numerics follow transformers' `LlamaForCausalLM` (and the family's own model
-for the variations), so a checkpoint is interchangeable with it (see checkpoint.py). One forward serves training (no cache, causal),
-prefill and decoding (KV cache, a length per row), and verification of draft tokens or trees
-(explicit positions and an explicit attention mask among the new tokens).
+for the variations), so a checkpoint is interchangeable with it (see checkpoint.py). One forward
+serves training (no cache, causal), prefill and decoding (KV cache, a length per row), and
+verification of draft tokens or trees (explicit positions and an explicit attention mask among the
+new tokens).
 
 This module knows nothing about decoding strategies, sampling or files.
 """
