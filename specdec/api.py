@@ -12,7 +12,9 @@
     eagle = build_proposer("eagle", head=load_eagle_head(target), target=target.model)  # the shipped head
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=eagle, k=4)
 
-Prompts are preceded by the document separator <|endoftext|>, as every training document was. A
+Prompts follow the checkpoint's rules (tokenizer.py): specdec's own models see the document
+separator <|endoftext|> first, as every training document was; another checkpoint its BOS where
+its tokenizer config adds it, and generation ends at any of its EOS ids. A
 prompt ending in whitespace is token-healed (healing.py): its last token is backed off and the
 first generated token must extend the prompt's text, so the completion of a prompt P is always
 P + result.texts[i]; the first of result.tokens[i] then also covers P's trailing whitespace.
@@ -170,7 +172,7 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> l
     """Benchmark prompts as fixed token sequences: <|endoftext|> and the prompt without its
     trailing whitespace (a benchmark decodes given token ids; `generate` heals instead)."""
     prompts = inputs.prompts(prompts)
-    ids = [[EOS_ID] + target.tokenizer.encode(p.rstrip()) for p in prompts]
+    ids = [target.tokenizer.prefix + target.tokenizer.encode(p.rstrip()) for p in prompts]
     check_context(target, ids, max_new_tokens)
     return ids
 
@@ -195,7 +197,7 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     decode = target.tokenizer.decode
     healed = [back_off(target.tokenizer, p) for p in prompts]
-    ids = [[EOS_ID] + h.ids for h in healed]
+    ids = [target.tokenizer.prefix + h.ids for h in healed]
     check_context(target, [row + [0] * bool(h.text) for row, h in zip(ids, healed)], max_new_tokens)
     model = causal_lm(target.model, role="target")
     generator = sampling.generator(device_of(target.model))
@@ -208,7 +210,8 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
             ids[i] = ids[i] + [token]
     healing_seconds = time.perf_counter() - t0
     # when every row is healed its first token is already chosen; otherwise the healed rows are cut below
-    rule = StopRule(max_new_tokens - (len(healing) == len(prompts)), EOS_ID, stop, decode)
+    eos = target.tokenizer.eos_ids
+    rule = StopRule(max_new_tokens - (len(healing) == len(prompts)), eos, stop, decode)
     if proposer is None:
         rows, timing = plain_generate(model, ids, rule, sampling, generator)
         spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
@@ -219,12 +222,12 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
     if healing:
         spec["time_to_first_token"] = healing_seconds
         for i in healing:
-            rows[i] = healed_row(ids[i][-1], rows[i].tokens, len(healed[i].text), max_new_tokens, stop, decode)
+            rows[i] = healed_row(ids[i][-1], rows[i].tokens, len(healed[i].text), max_new_tokens, stop, decode, eos)
     new_tokens = sum(len(r.tokens) for r in rows)
     stats = {
         **spec,
         "batch_size": len(prompts),
-        "prompt_tokens": [1 + len(h.ids) + bool(h.text) for h in healed],  # <|endoftext|> and the whole prompt
+        "prompt_tokens": [len(target.tokenizer.prefix) + len(h.ids) + bool(h.text) for h in healed],  # prefix, whole prompt
         "healed_prompts": len(healing),
         "new_tokens": new_tokens,
         "seconds": seconds,
@@ -239,11 +242,11 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
 
 
 def healed_row(first: int, rest: list[int], healed_chars: int, max_new_tokens: int, stop: tuple[str, ...],
-               decode) -> Row:
+               decode, eos: tuple[int, ...] = (EOS_ID,)) -> Row:
     """A healed row's output under the caller's stop rule: the first token and the ones decoded
     after it, replayed through `Row.append` on the text after the prompt (a stop string may
     begin inside the first token), so EOS, stop strings and max_new_tokens cut exactly."""
-    row = Row(StopRule(max_new_tokens, EOS_ID, stop, lambda tokens: decode(tokens)[healed_chars:]))
+    row = Row(StopRule(max_new_tokens, eos, stop, lambda tokens: decode(tokens)[healed_chars:]))
     for token in [first, *rest]:
         if row.append(token):
             break

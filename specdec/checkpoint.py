@@ -1,8 +1,9 @@
-"""Checkpoints in the layout of transformers' `LlamaForCausalLM`.
+"""Checkpoints in the layout of transformers' causal LMs (`LlamaForCausalLM` and the families of arch.py).
 
-A checkpoint is a folder: config.json (transformers' keys), model.safetensors (the weights,
-never pickle), tokenizer.json, and specdec.json (provenance: recipe, corpus files and hash,
-training summary). Folders are saved through atomic.atomic_dir, so a killed save never leaves a
+A checkpoint is a folder: config.json (transformers' keys, read strictly: arch.py),
+model.safetensors or shards named by model.safetensors.index.json (the weights, never pickle),
+tokenizer.json, and for specdec's own models specdec.json (provenance: recipe, corpus files and
+hash, training summary). Folders are saved through atomic.atomic_dir, so a killed save never leaves a
 half-written checkpoint, and `read_config` finishes an interrupted one first (atomic.recover).
 
 This module knows nothing about training or decoding.
@@ -21,21 +22,18 @@ from safetensors.torch import load_file, save_file
 from . import kernels
 from .atomic import atomic_dir, recover
 from .errors import SpecdecError
-from .model import LlamaConfig, LlamaForCausalLM, compute_dtype, place, store_matrices_bf16
+from .arch import Arch
+from .model import LlamaForCausalLM, compute_dtype, place, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
 PARALLEL_KIND = "parallel-draft"  # specdec.json "kind" of a parallel draft model (proposers/parallel.py)
+INDEX = "model.safetensors.index.json"  # sharded weights: which file holds each tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
-    d = cfg.to_dict()
-    rope_theta = d.pop("rope_theta")
-    d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-             attention_bias=False, mlp_bias=False, attention_dropout=0.0,
-             rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-             rope_theta=rope_theta, dtype=str(dtype).removeprefix("torch."), use_cache=True)
-    return d
+def hf_config(cfg: Arch, dtype: torch.dtype) -> dict:
+    """The config.json of a model of architecture `cfg` saved in `dtype` (Arch.hf_config)."""
+    return cfg.hf_config(dtype)
 
 
 def save_model(model: LlamaForCausalLM, path: str | Path, tokenizer_file: str | Path | None = None,
@@ -79,42 +77,65 @@ def read_config(path: str | Path) -> dict:
         raise SpecdecError(f"{path / CONFIG} is not valid JSON ({e}); the checkpoint is corrupt, re-save or retrain it") from None
 
 
+def read_arch(path: str | Path) -> Arch:
+    """The architecture of the checkpoint folder at `path`, read strictly (arch.resolve): a key
+    specdec does not implement is refused by name, never dropped."""
+    path = Path(path)
+    raw = read_config(path)
+    try:
+        return Arch.from_dict({"model_type": None, **raw})
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecdecError(f"{path / CONFIG} is missing or has invalid fields ({e})") from None
+
+
+def read_weights(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path`: model.safetensors, or the shards its
+    model.safetensors.index.json names."""
+    index = path / INDEX
+    if not (path / WEIGHTS).exists() and index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise SpecdecError(f"{index} is not a valid safetensors index ({e}); re-download or re-save it") from None
+    else:
+        files = [WEIGHTS]
+    state = {}
+    for name in files:
+        try:
+            state.update(load_file(path / name, device=str(device)))
+        except FileNotFoundError:
+            what = f"the shard {name} named by {INDEX}" if name != WEIGHTS else WEIGHTS
+            raise SpecdecError(f"{path} has no {what} (only safetensors weights are loaded, never pickle)") from None
+        except (SafetensorError, OSError) as e:
+            raise SpecdecError(f"{path / name} is corrupt or truncated ({e}); re-download, re-save or retrain it") from None
+    return state
+
+
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
                ) -> LlamaForCausalLM:
     """Load a checkpoint folder onto `device` to compute in `dtype` (default float32). A bf16
     checkpoint computed in fp32 on the CPU keeps its matrices in bf16 where the CPU kernels run
     (exact: bf16 -> fp32 loses nothing); elsewhere they are converted to fp32."""
     path = Path(path)
-    raw = read_config(path)
-    if raw.get("model_type") != "llama":
-        raise SpecdecError(f"{path} holds a model of type {raw.get('model_type')!r}; specdec's own "
-                           "model loads Llama checkpoints only (use a transformers model through the "
-                           "adapter for other architectures)")
-    try:
-        cfg = LlamaConfig.from_dict(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        raise SpecdecError(f"{path / CONFIG} is missing or has invalid fields ({e})") from None
-    try:
-        state = load_file(path / WEIGHTS, device=str(device))
-    except FileNotFoundError:
-        raise SpecdecError(f"{path} has no {WEIGHTS} (only safetensors weights are loaded, never pickle)") from None
-    except (SafetensorError, OSError) as e:
-        raise SpecdecError(f"{path / WEIGHTS} is corrupt or truncated ({e}); re-download, re-save or retrain it") from None
+    cfg = read_arch(path)
+    state = read_weights(path, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {k: tuple(v.shape) for k, v in model.hf_state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
+    if cfg.tie_word_embeddings:
+        got.pop("lm_head.weight", None)  # a tied checkpoint may store the head it shares
     if expected != got:
         missing = sorted(set(expected) - set(got))[:3]
         extra = sorted(set(got) - set(expected))[:3]
         wrong = [f"{k}: config says {expected[k]}, weights have {got[k]}"
                  for k in expected if k in got and expected[k] != got[k]][:3]
-        raise SpecdecError(f"{path}: {CONFIG} does not match {WEIGHTS} (missing {missing}, unexpected "
+        raise SpecdecError(f"{path}: {CONFIG} does not match its weights (missing {missing}, unexpected "
                            f"{extra}, wrong shapes {wrong}); the config and weights come from different models")
     dtype = dtype or torch.float32
-    model.load_hf_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    model.load_hf_state_dict({k: state[k].to(dtype) for k in expected}, assign=True)
     place(model, device)
-    keep_bf16_matrices(model, DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32))
+    keep_bf16_matrices(model, DTYPES.get(cfg.source.get("dtype") or cfg.source.get("torch_dtype"), torch.float32))
     return model.eval()
 
 

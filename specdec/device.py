@@ -45,6 +45,9 @@ def backend(model) -> str:
     dtype, device = str(lm_dtype(model)).removeprefix("torch."), lm_device(model)
     if getattr(model, "stack", None) is not None:
         return f"specdec CPU kernels ({kernels.isa()}), {dtype} arithmetic on bf16-stored matrices"
+    if getattr(model, "unstacked", None) is not None:  # the kernels run its matrices, not its layers
+        return (f"PyTorch operators on the CPU for the decoder layers ({model.unstacked}), specdec CPU kernels "
+                f"({kernels.isa()}) for its matrices, {dtype} arithmetic on bf16-stored matrices")
     if device.type == "cuda":
         return f"PyTorch operators on {torch.cuda.get_device_name(device)} (SDPA attention, {dtype} matmuls)"
     return f"PyTorch operators on the CPU (SDPA attention, {dtype} matmuls)"

@@ -51,7 +51,7 @@ from .checkpoint import hf_config
 from .errors import SpecdecError
 from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
 from .model import (MLP, Attention, DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary,
-                    compute_dtype, inverse_frequencies, rotary)
+                    compute_dtype, rotary)
 
 KIND = "eagle3"
 LAYOUTS = ("specdec", "eagle3")
@@ -123,7 +123,7 @@ class EagleHead(nn.Module):
         # draft over the most frequent of draft_ids only (proposers/eagle.py, draft_vocab)
         self.token_counts: torch.Tensor | None = None
         # derived from the config, not a weight (as in the target)
-        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+        self.inv_freq = config.inv_freq()
 
     @property
     def draft_vocab_size(self) -> int:
@@ -159,7 +159,8 @@ class EagleHead(nn.Module):
         """The window of one drafting call: positions (B, T), or None for each row's cache length +
         0..width-1; the caller advances or rolls back the cache."""
         # the compute dtype (model.compute_dtype) read off its own norm: no search through the modules per draft
-        window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, width=width)
+        window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, width=width,
+                        rotary_factor=self.config.attention_factor)
         if cache is not None:
             cache.check_room(window.width)
         return window
@@ -182,7 +183,7 @@ class EagleHead(nn.Module):
         for j in range(steps):
             x, residual = self.layer_input(embedding(ahead[:, j:j + S]), prev)  # what q/k/v read; (B, S, C)
             qkv = attn.qkv_proj(x).view(B, S, H + 2 * Hkv, D)
-            cos, sin = rotary((base + j)[None].expand(B, S), self.inv_freq, x.dtype)
+            cos, sin = rotary((base + j)[None].expand(B, S), self.inv_freq, x.dtype, self.config.attention_factor)
             qk = apply_rotary(qkv[:, :, :H + Hkv], cos, sin)
             q = qk[:, :, :H].transpose(1, 2)                                   # (B, H, S, D)
             keys.append(qk[:, :, H:].transpose(1, 2).repeat_interleave(H // Hkv, 1))     # (B, H, S, D)

@@ -43,7 +43,6 @@ from .errors import SpecdecError
 from .lm import (causal_lm, context_length, declared_features, layer_request, lm_device, next_positions, no_features,
                  prefill_joining)
 from .metrics import SpecMetrics
-from .model import LlamaForCausalLM
 from .proposers.base import Outcome, Proposal, Proposer
 from .sampling import RowGenerators, SamplingConfig, argmax, row_probabilities, sample
 from .stopping import Row, StopRule
@@ -471,7 +470,7 @@ def check_setup(target, proposer: Proposer, k: int, widths: tuple[int, ...] | No
     widths = (1,) * k if widths is None else tuple(widths)
     if len(widths) != k or any(w < 1 for w in widths):
         raise SpecdecError(f"a draft tree needs one width >= 1 per depth (k={k} depths), got {widths}")
-    if max(widths, default=1) > 1 and not isinstance(target, LlamaForCausalLM):
+    if max(widths, default=1) > 1 and not target.abilities.trees:
         raise SpecdecError("draft trees need specdec's own LlamaForCausalLM as the target (its forward takes a "
                            "tree attention mask); use chains (widths of 1) with this target")
     vocab = target.config.vocab_size

@@ -36,7 +36,7 @@ from .atomic import atomic_dir
 from .checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
 from .errors import SpecdecError
 from .kv_cache import KVCache
-from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, inverse_frequencies, place
+from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, place
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
@@ -58,7 +58,7 @@ class MTPHeads(nn.Module):
         self.token_counts: torch.Tensor | None = None
         self.blocks = nn.ModuleList(DecoderLayer(config) for _ in range(depth))
         # derived from the config, not a weight (as in the trunk)
-        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+        self.inv_freq = config.inv_freq()
 
     def context(self, positions: torch.Tensor | None, dtype: torch.dtype, cache: KVCache | None = None,
                 width: int | None = None) -> Window:
@@ -66,7 +66,7 @@ class MTPHeads(nn.Module):
         cache length + 0..width-1. With a cache (layer j: head j), the T new entries go after each
         row's length (the caller advances the cache once all heads have written); without,
         attention is causal over the input (training)."""
-        window = Window(positions, self.inv_freq, dtype, cache, width=width)
+        window = Window(positions, self.inv_freq, dtype, cache, width=width, rotary_factor=self.config.attention_factor)
         if cache is not None:
             cache.check_room(window.width)
         return window
@@ -124,7 +124,7 @@ class SequentialHeads(MTPHeads):
         self.output_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
 
     def head_input(self, j, trunk, prev, ahead):
-        embedded = trunk.model.embed_tokens(ahead)  # (B, T, C)
+        embedded = trunk.model.embed(ahead)  # (B, T, C)
         return self.projections[j](torch.cat([self.hidden_norms[j](prev), self.embed_norms[j](embedded)], -1))
 
     def normed(self, j, trunk, out):

@@ -1,35 +1,44 @@
 """A transformers causal LM (LlamaForCausalLM, GPT2LMHeadModel, ...) behind specdec's model
-interface (see lm.py), so it can serve as target or draft model.
+interface (see lm.py), so it can serve as target or draft model, at any batch size.
 
-The cache is transformers' `DynamicCache`; rollback crops it. A DynamicCache holds one length
-for all rows, so these models run at batch size 1 (a chain of drafts per step). Correctness
-first: this adapter exists to show the engine is not tied to specdec's model, not for speed.
+Each row has its own transformers `DynamicCache`, since one holds a single length for all its
+rows while a batch's rows commit different numbers of tokens; rollback crops a row's cache. With a
+cache, the rows run one after another (a forward per row, at the row's own positions). Correctness
+first: this adapter exists so that any decoder-only transformers model (GPT-2 included) works with
+the engine; the families of arch.py run batched in specdec's own model instead, much faster.
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .device import backend
 from .errors import SpecdecError
-from .model import ModelOutput
+from .model import Abilities, ModelOutput
 
 
 class HFCache:
-    def __init__(self, model: PreTrainedModel):
-        self.config = model.config
-        self.inner = DynamicCache(config=model.config)
-        self.lengths = torch.zeros(1, dtype=torch.long, device=model.device)  # (1,)
-        self.held = [0]  # the same on the host
+    """Per-row transformers caches with the interface of kv_cache.KVCache (lengths, held,
+    longest, advance, rollback, regroup, staging); no trees (no compact)."""
 
-    def regroup(self, keep: list[int], joining=None, empty: int = 0) -> None:
-        """Batch size 1 only: keep the row, or start an empty one (see KVCache.regroup)."""
-        if len(keep) + empty > 1 or joining is not None:
-            raise SpecdecError("transformers models run at batch size 1 here: one request at a time "
-                               "(use specdec's LlamaForCausalLM to batch requests)")
-        if not keep:
-            self.inner = DynamicCache(config=self.config)
-            self.lengths = torch.zeros(empty, dtype=torch.long, device=self.lengths.device)
-            self.held = [0] * empty
+    def __init__(self, config, rows: int, device: torch.device):
+        self.config, self.device = config, device
+        self.rows = [DynamicCache(config=config) for _ in range(rows)]
+        self.held = [0] * rows  # committed tokens per row, on the host
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # (B,) the same on the device
+
+    def _set(self, rows: list, held: list[int]) -> None:
+        self.rows, self.held = rows, list(held)
+        self.lengths = torch.tensor(held, dtype=torch.long, device=self.device)
+
+    def regroup(self, keep: list[int], joining: "HFCache | None" = None, empty: int = 0) -> None:
+        """Rows `keep` (in that order), then every row of `joining`, then `empty` new rows."""
+        rows = [self.rows[b] for b in keep] + (joining.rows if joining is not None else [])
+        held = [self.held[b] for b in keep] + (joining.held if joining is not None else [])
+        self._set(rows + [DynamicCache(config=self.config) for _ in range(empty)], held + [0] * empty)
+
+    def staging(self, rows: int) -> "HFCache":
+        return HFCache(self.config, rows, self.device)
 
     @property
     def longest(self) -> int:
@@ -40,14 +49,15 @@ class HFCache:
         self.held = [n + num_new for n in self.held]
 
     def rollback(self, lengths: torch.Tensor | list[int] | int) -> None:
-        length = int(torch.as_tensor(lengths).max())
-        held = self.held[0]
-        if length > held:
-            raise SpecdecError(f"cannot roll a transformers cache forward ({held} -> {length} positions)")
-        if length < held:
-            self.inner.crop(length - held)  # transformers: a negative count removes that many
-        self.lengths.fill_(length)
-        self.held = [length]
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.tolist()
+        held = [lengths] * len(self.held) if isinstance(lengths, int) else [int(n) for n in lengths]
+        for row, old, new in zip(self.rows, self.held, held):
+            if new > old:
+                raise SpecdecError(f"cannot roll a transformers cache forward ({old} -> {new} positions)")
+            if new < old:
+                row.crop(new - old)  # transformers: a negative count removes that many
+        self._set(self.rows, held)
 
 
 class HFCausalLM:
@@ -57,12 +67,11 @@ class HFCausalLM:
                                "output random): call model.eval() first")
         self.model = model
         self.config = model.config
+        self.abilities = Abilities(trees=False, layers=False, draft_vocab=False, batch=True,
+                                   backend=f"transformers {type(model).__name__}: {backend(self)}")
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> HFCache:
-        if batch_size != 1:
-            raise SpecdecError(f"transformers models run at batch size 1 here (got {batch_size}); "
-                               "use specdec's LlamaForCausalLM for batched decoding")
-        return HFCache(self.model)
+        return HFCache(self.model.config, batch_size, self.model.device)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                  cache: HFCache | None = None, attention_mask: torch.Tensor | None = None,
@@ -76,12 +85,15 @@ class HFCausalLM:
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
             positions = start + torch.arange(T, device=tokens.device)[None]
-        out = self.model(input_ids=tokens, position_ids=positions,
-                         cache=cache.inner if cache is not None else None, use_cache=cache is not None,
-                         output_hidden_states=True)
-        if cache is not None:
+        if cache is None:
+            out = self.model(input_ids=tokens, position_ids=positions, use_cache=False, output_hidden_states=True)
+            logits, hidden = out.logits, out.hidden_states[-1]
+        else:  # one forward per row, into the row's own cache
+            outs = [self.model(input_ids=tokens[b:b + 1], position_ids=positions[b:b + 1], cache=row, use_cache=True,
+                               output_hidden_states=True) for b, row in enumerate(cache.rows)]
+            logits = torch.cat([o.logits for o in outs])                # (B, T, V)
+            hidden = torch.cat([o.hidden_states[-1] for o in outs])     # (B, T, C)
             cache.advance(T)
-        logits = out.logits
         if logits_index is not None:
             logits = logits.gather(1, logits_index[..., None].expand(-1, -1, logits.shape[-1]))
-        return ModelOutput(logits, out.hidden_states[-1], {})
+        return ModelOutput(logits, hidden, {})

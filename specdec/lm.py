@@ -1,6 +1,7 @@
 """What the engine and the proposers need from a causal LM, and how a model is admitted as one.
 
-The interface is the one of specdec's own `LlamaForCausalLM`: `config.vocab_size`,
+The interface is the one of specdec's own `LlamaForCausalLM`: `abilities` (model.Abilities: trees,
+layer outputs, draft vocabularies, batching, fixed when the model is loaded or wrapped), `config.vocab_size`,
 `config.max_position_embeddings`, `new_cache(batch, max_len)` returning a cache with per-row
 `lengths` (B,) on the model's device, the same on the host as `held` (list) with `longest`, and
 `rollback(lengths)`, and `model(tokens, positions=, cache=, logits_index=)`
@@ -17,7 +18,7 @@ import torch
 
 from .decode import pad_right
 from .errors import SpecdecError
-from .model import LlamaForCausalLM, compute_dtype
+from .model import Abilities, LlamaForCausalLM, compute_dtype
 
 
 def causal_lm(model, role: str = "model"):
@@ -25,19 +26,27 @@ def causal_lm(model, role: str = "model"):
 
     `role` ("target", "draft model") only names the model in the error message.
     """
-    if isinstance(model, LlamaForCausalLM):
+    if isinstance(getattr(model, "abilities", None), Abilities):  # admitted already
         return model
     transformers = sys.modules.get("transformers")  # a transformers model implies it is imported
     if transformers is not None:
         from .hf_adapter import HFCausalLM
-        if isinstance(model, HFCausalLM):
-            return model
         if (isinstance(model, transformers.PreTrainedModel) and model.can_generate()
                 and not model.config.is_encoder_decoder):
             return HFCausalLM(model)
     raise SpecdecError(
         f"the {role} ({type(model).__name__}) is not a causal language model: pass specdec's "
         "LlamaForCausalLM or a transformers decoder-only *ForCausalLM / *LMHeadModel")
+
+
+NO_ABILITIES = Abilities(trees=False, layers=False, draft_vocab=False, batch=False, backend="none")
+
+
+def abilities(model) -> Abilities:
+    """What a model can do as specdec's causal LM: its own `abilities`, none for anything else (a
+    transformers model not yet wrapped by `causal_lm` offers only what the adapter gives it)."""
+    found = getattr(model, "abilities", None)
+    return found if isinstance(found, Abilities) else NO_ABILITIES
 
 
 def module_of(model) -> torch.nn.Module:

@@ -1,15 +1,18 @@
-"""A Llama-architecture causal LM (RMSNorm, rotary positions, SwiGLU, grouped-query attention).
+"""A Llama-style causal LM (RMSNorm, rotary positions, gated MLP, grouped-query attention) with the
+variations of the families in arch.py (biases, q/k norms, partial and scaled rotary, Gemma's norm
+offset, embedding scale and GELU), all described by one `Arch`.
 
-Parameter names and numerics follow transformers' `LlamaForCausalLM`, so a checkpoint is
-interchangeable with it (see checkpoint.py). One forward serves training (no cache, causal),
-prefill and decoding (KV cache, a length per row), and verification of draft tokens or trees
-(explicit positions and an explicit attention mask among the new tokens).
+Parameter names and numerics follow transformers' `LlamaForCausalLM` (and the family's own model
+for the variations), so a checkpoint is interchangeable with it (see checkpoint.py). One forward
+serves training (no cache, causal), prefill and decoding (KV cache, a length per row), and
+verification of draft tokens or trees (explicit positions and an explicit attention mask among the
+new tokens).
 
 This module knows nothing about decoding strategies, sampling or files.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import warnings
 from functools import cached_property
 from typing import NamedTuple
 
@@ -18,43 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .arch import Arch
+from .device import backend
 from .kv_cache import KVCache
 
 
-@dataclass
-class LlamaConfig:
-    vocab_size: int = 8192
-    hidden_size: int = 512
-    intermediate_size: int = 1408
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 2
-    head_dim: int = 64
-    max_position_embeddings: int = 1024
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    bos_token_id: int = 1
-    eos_token_id: int = 2
-
-    def __post_init__(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LlamaConfig":
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        if "rope_theta" not in kw and isinstance(d.get("rope_parameters"), dict):
-            kw["rope_theta"] = d["rope_parameters"].get("rope_theta", cls.rope_theta)
-        if "head_dim" not in kw or kw["head_dim"] is None:
-            kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
-        if "num_key_value_heads" not in kw or kw["num_key_value_heads"] is None:
-            kw["num_key_value_heads"] = d["num_attention_heads"]
-        return cls(**kw)
+LlamaConfig = Arch  # specdec's own models: an Arch of family "llama" (its defaults)
 
 
 class ModelOutput(NamedTuple):
@@ -63,14 +35,30 @@ class ModelOutput(NamedTuple):
     layers: dict[int, torch.Tensor]  # layer index -> (B, T, C) output of that decoder layer
 
 
+class Abilities(NamedTuple):
+    """What a causal LM admitted by lm.causal_lm can do, fixed when it is loaded or wrapped."""
+    trees: bool        # verifies draft trees (an attention mask among the new tokens)
+    layers: bool       # returns chosen decoder layers' outputs, and carries specdec's heads (MTP, EAGLE)
+    draft_vocab: bool  # unembeds a subset of its vocabulary (a draft vocabulary)
+    batch: bool        # more than one row per cache
+    backend: str       # the operators it runs on, as the conditions name them (device.backend)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) times (offset + weight): offset 0 (Llama), 1 (Gemma, whose weights start at 0)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
+        self.eps, self.offset = eps, offset
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """(dim,) what the normalised x is multiplied by."""
+        return self.weight if self.offset == 0 else self.offset + self.weight
 
     def forward(self, x):
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.scale, self.eps)
 
 
 class Linear(nn.Linear):
@@ -79,7 +67,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def forward(self, x):
-        return kernels.linear(x, self.weight, self.packed)
+        return kernels.linear(x, self.weight, self.packed, self.bias)
 
 
 def frozen_linear(weight: torch.Tensor) -> Linear:
@@ -103,10 +91,13 @@ def store_matrices_bf16(module: nn.Module) -> nn.Module:
                 m.packed = kernels.pack(m.weight)
     if kernels.can_store_bf16() and compute_dtype(module) == torch.float32:
         for m in module.modules():
-            if isinstance(m, DecoderLayer):
-                m.stack = kernels.stack([m], m.config)
-            elif isinstance(m, LlamaForCausalLM):
-                m.stack = kernels.stack(m.model.layers, m.config)
+            if isinstance(m, (DecoderLayer, LlamaForCausalLM)):
+                m.unstacked = kernels.cannot_stack(m.config)
+                if m.unstacked is not None:
+                    warnings.warn(f"specdec: {m.unstacked}; its decoder layers run on PyTorch operators (the same "
+                                  "arithmetic, slower)", stacklevel=2)
+                else:
+                    m.stack = kernels.stack(m.model.layers if isinstance(m, LlamaForCausalLM) else [m], m.config)
     return module
 
 
@@ -136,14 +127,21 @@ def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
 
 
-def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape (B, T, 1, D) for integer positions (B, T)."""
-    freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0):
+    """cos, sin of shape (B, T, 1, R) for integer positions (B, T), R = 2 len(inv_freq), times
+    `factor` (yarn's attention factor; 1 elsewhere)."""
+    freqs = positions[..., None].float() * inv_freq  # (B, T, R/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+    if factor != 1.0:
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x, cos, sin):
+    """x (..., D) rotated in its first R = cos.shape[-1] dims (all of them but for partial rotary)."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :R], cos, sin), x[..., R:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -155,9 +153,12 @@ class Window:
     path's rotary tables, cache slots and additive mask are computed on first use."""
 
     def __init__(self, positions: torch.Tensor | None, inv_freq: torch.Tensor, dtype: torch.dtype,
-                 cache: KVCache | None = None, tree: torch.Tensor | None = None, width: int | None = None):
-        """positions None: each row's cache length (0 without a cache) + 0..width-1."""
+                 cache: KVCache | None = None, tree: torch.Tensor | None = None, width: int | None = None,
+                 rotary_factor: float = 1.0):
+        """positions None: each row's cache length (0 without a cache) + 0..width-1; rotary_factor:
+        on cos and sin (Arch.attention_factor)."""
         self.given_positions, self.inv_freq, self.dtype, self.cache, self.tree = positions, inv_freq, dtype, cache, tree
+        self.rotary_factor = rotary_factor
         self.width = positions.shape[1] if positions is not None else width
 
     @cached_property
@@ -170,7 +171,7 @@ class Window:
 
     def first(self, T: int) -> "Window":
         """The window of the first T tokens (training only: no cache)."""
-        return Window(self.positions[:, :T], self.inv_freq, self.dtype)
+        return Window(self.positions[:, :T], self.inv_freq, self.dtype, rotary_factor=self.rotary_factor)
 
     def kernel_args(self) -> tuple:
         """What a kernels.Stack forward reads after (x, k_cache, v_cache, layer0)."""
@@ -180,7 +181,7 @@ class Window:
 
     @cached_property
     def rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary(self.positions, self.inv_freq, self.dtype)
+        return rotary(self.positions, self.inv_freq, self.dtype, self.rotary_factor)
 
     @cached_property
     def slots(self):
@@ -207,18 +208,26 @@ _EMPTY_POSITIONS = torch.empty(0, dtype=torch.long)
 
 class Attention(nn.Module):
     """q, k and v come from one fused projection (one matmul instead of three per token); the
-    checkpoint stores them as transformers' separate q_proj / k_proj / v_proj (see hf_state_dict)."""
+    checkpoint stores them as transformers' separate q_proj / k_proj / v_proj (see hf_state_dict),
+    or fused (Phi-3). Qwen3 normalises each head's q and k (q_norm, k_norm) before rotation."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=False)
-        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, layer: int, window: Window):
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk = apply_rotary(qkv[:, :, :self.n_heads + self.n_kv], *window.rotary)  # q and k rotated together
+        qk = qkv[:, :, :self.n_heads + self.n_kv]
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :, :self.n_heads]), self.k_norm(qk[:, :, self.n_heads:])), dim=2)
+        qk = apply_rotary(qk, *window.rotary)  # q and k rotated together
         q, k, v = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], qkv[:, :, self.n_heads + self.n_kv:]
         if window.cache is not None:  # the cached keys and values with the new ones: (B, Hkv, S, D)
             k, v = window.cache.write(layer, window.slots, k, v, window.span)
@@ -231,27 +240,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one projection (stored separately in checkpoints)."""
+    """A gated MLP, act(gate) * up (SwiGLU; GeGLU with tanh-approximated GELU for Gemma), gate
+    and up fused into one projection (stored separately in checkpoints, but for Phi-3)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
     stack = None  # the layer as one kernel call (store_matrices_bf16), used with a cache
+    unstacked = None  # why the kernels cannot run it as one call, where they could have (kernels.cannot_stack)
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
         self.config = cfg
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg)
 
     def forward(self, x, layer: int, window: Window):
@@ -266,11 +278,19 @@ class DecoderLayer(nn.Module):
 class Trunk(nn.Module):
     """Named like transformers' `LlamaModel` (`model.layers.0...`)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.embedding_scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T, C): the embeddings, scaled where the architecture scales them (Gemma)."""
+        x = self.embed_tokens(tokens)
+        if self.embedding_scale is None:
+            return x
+        return x * torch.tensor(self.embedding_scale, dtype=x.dtype)
 
 
 def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch.Tensor | None,
@@ -297,8 +317,9 @@ def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch
 
 class LlamaForCausalLM(nn.Module):
     stack = None  # the decoder layers as one kernel call (store_matrices_bf16), used with a cache
+    unstacked = None  # why the kernels cannot run them as one call, where they could have (kernels.cannot_stack)
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
         self.config = cfg
         self.model = Trunk(cfg)
@@ -306,7 +327,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # derived from the config, not a weight: kept out of the state dict and in fp32
-        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta)
+        self.inv_freq = cfg.inv_freq()
+
+    @property
+    def abilities(self) -> Abilities:
+        return Abilities(trees=True, layers=True, draft_vocab=True, batch=True, backend=backend(self))
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         cfg = self.config
@@ -332,8 +357,8 @@ class LlamaForCausalLM(nn.Module):
         if last >= self.config.max_position_embeddings:
             raise ValueError(f"position {last} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
-        x = self.model.embed_tokens(tokens)  # (B, T, C)
-        window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T)
+        x = self.model.embed(tokens)  # (B, T, C)
+        window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T, self.config.attention_factor)
         if self.stack is not None and cache is not None and not torch.is_grad_enabled():
             cache.check_room(T)
             keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
@@ -354,17 +379,20 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(head(picked), hidden, layers)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under transformers' `LlamaForCausalLM` names (fused projections split)."""
+        """The weights under transformers' names for the architecture: q/k/v and gate/up split
+        (kept fused where the checkpoint fuses them: Phi-3), a tied lm_head left out."""
         cfg, out = self.config, {}
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         for name, value in self.state_dict().items():
-            if name.endswith("self_attn.qkv_proj.weight"):
-                stem = name.removesuffix("qkv_proj.weight")
+            stem, _, kind = name.rpartition(".")  # kind: weight or bias
+            if cfg.fused_checkpoint:
+                out[name] = value
+            elif stem.endswith("self_attn.qkv_proj"):
                 for part, w in zip(("q", "k", "v"), value.split([q, kv, kv])):
-                    out[f"{stem}{part}_proj.weight"] = w
-            elif name.endswith("mlp.gate_up_proj.weight"):
-                stem = name.removesuffix("gate_up_proj.weight")
-                out[f"{stem}gate_proj.weight"], out[f"{stem}up_proj.weight"] = value.chunk(2)
+                    out[f"{stem.removesuffix('qkv_proj')}{part}_proj.{kind}"] = w
+            elif stem.endswith("mlp.gate_up_proj"):
+                base = stem.removesuffix("gate_up_proj")
+                out[f"{base}gate_proj.{kind}"], out[f"{base}up_proj.{kind}"] = value.chunk(2)
             else:
                 out[name] = value
         if cfg.tie_word_embeddings:
@@ -377,16 +405,19 @@ class LlamaForCausalLM(nn.Module):
         parameters are copied into, so an optimizer holding them stays valid."""
         fused = {}
         for name, value in state.items():
-            if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")):
+            stem, _, kind = name.rpartition(".")
+            if self.config.fused_checkpoint or stem.endswith(("self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")):
+                if self.config.fused_checkpoint:
+                    fused[name] = value
                 continue
-            if name.endswith("self_attn.q_proj.weight"):
-                stem = name.removesuffix("q_proj.weight")
-                value = torch.cat([value, state[stem + "k_proj.weight"], state[stem + "v_proj.weight"]])
-                name = stem + "qkv_proj.weight"
-            elif name.endswith("mlp.gate_proj.weight"):
-                stem = name.removesuffix("gate_proj.weight")
-                value = torch.cat([value, state[stem + "up_proj.weight"]])
-                name = stem + "gate_up_proj.weight"
+            if stem.endswith("self_attn.q_proj"):
+                base = stem.removesuffix("q_proj")
+                value = torch.cat([value, state[f"{base}k_proj.{kind}"], state[f"{base}v_proj.{kind}"]])
+                name = f"{base}qkv_proj.{kind}"
+            elif stem.endswith("mlp.gate_proj"):
+                base = stem.removesuffix("gate_proj")
+                value = torch.cat([value, state[f"{base}up_proj.{kind}"]])
+                name = f"{base}gate_up_proj.{kind}"
             fused[name] = value
         if self.config.tie_word_embeddings:
             fused["lm_head.weight"] = fused["model.embed_tokens.weight"]

@@ -20,7 +20,7 @@ from .errors import SpecdecError
 @dataclass(frozen=True)
 class StopRule:
     max_new_tokens: int
-    eos_id: int | None = None
+    eos_id: int | tuple[int, ...] | None = None  # one id, or several (Llama-3 ends at any of its EOS ids)
     stop_strings: tuple[str, ...] = ()
     decode: Callable[[list[int]], str] | None = None  # needed for stop strings
 
@@ -31,6 +31,8 @@ class StopRule:
             raise SpecdecError("stop strings must be non-empty")
         if self.stop_strings and self.decode is None:
             raise SpecdecError("stop strings need a tokenizer to decode the generated text")
+        eos = self.eos_id
+        object.__setattr__(self, "eos_ids", frozenset(() if eos is None else (eos,) if isinstance(eos, int) else eos))
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Row:
         if self.done:
             raise RuntimeError("append to a finished row")
         self.tokens.append(token)
-        if token == self.rule.eos_id:
+        if token in self.rule.eos_ids:
             self.finish_reason = "eos"
         elif self.rule.stop_strings and self._find_stop():
             self.finish_reason = "stop"

@@ -1,10 +1,18 @@
-"""Byte-level BPE tokenizer (the `tokenizers` library), stored as tokenizer.json.
+"""A checkpoint's tokenizer (the `tokenizers` library, tokenizer.json) and its prompt rules.
 
-Byte-level means every UTF-8 string encodes and decodes back to itself exactly; no text is
-normalised. Special tokens: <|pad|> = 0, <|bos|> = 1, <|endoftext|> = 2 (the EOS).
+specdec's own tokenizers are byte-level BPE: every UTF-8 string encodes and decodes back to
+itself exactly; no text is normalised. Special tokens: <|pad|> = 0, <|bos|> = 1, <|endoftext|> = 2
+(the EOS). Every training document ended with <|endoftext|>, so a prompt to specdec's own models
+starts with it.
+
+Another checkpoint's prompts follow its own rules, as transformers applies them: the BOS from
+tokenizer_config.json (`bos_token`) or config.json, put first where `add_bos_token` says so (or,
+without that key, where tokenizer.json's post-processor adds it); generation ends at any EOS of
+generation_config.json (a list for Llama-3), else config.json's, else tokenizer_config.json's.
 """
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable
@@ -28,9 +36,11 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 class Tokenizer:
-    def __init__(self, tok: _HFTokenizer):
+    def __init__(self, tok: _HFTokenizer, prefix: tuple[int, ...] = (EOS_ID,), eos_ids: tuple[int, ...] = (EOS_ID,)):
+        """prefix: the ids every prompt starts with; eos_ids: the ids that end a generation."""
         self.tok = tok
-        self.eos_id = EOS_ID
+        self.prefix, self.eos_ids = list(prefix), tuple(eos_ids)
+        self.eos_id = eos_ids[0] if eos_ids else None
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -45,13 +55,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
+        """tokenizer.json of a checkpoint folder, or the file itself, with the rules of the folder
+        it is in (specdec's own, or a foreign checkpoint's: see the module docstring)."""
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         try:
-            return cls(_HFTokenizer.from_file(str(file)))
+            tok = _HFTokenizer.from_file(str(file))
         except Exception as e:  # the Rust library raises a bare Exception for every failure
             raise SpecdecError(f"cannot load tokenizer {file} ({e}); a checkpoint folder must hold the "
                                "tokenizer.json it was trained with") from None
+        folder = file.parent
+        if is_specdecs(tok, folder):
+            return cls(tok)
+        return cls(tok, *prompt_rules(tok, folder))
 
     def save(self, path: str | Path) -> None:
         self.tok.save(str(path))
@@ -68,14 +84,69 @@ class Tokenizer:
 
     @cached_property
     def token_bytes(self) -> list[bytes | None]:
-        """The bytes each token id stands for (None: a special token, which stands for no text)."""
+        """The bytes each token id stands for (None: a special token, which stands for no text);
+        a token not written in the byte-level alphabet (a SentencePiece-style vocabulary) by its
+        decoded text."""
         alphabet = byte_level_alphabet()
         special = {t.content for t in self.tok.get_added_tokens_decoder().values()}
         table: list[bytes | None] = [None] * self.vocab_size
         for token, i in self.tok.get_vocab().items():
-            if token not in special:
+            if token in special:
+                continue
+            if all(c in alphabet for c in token):
                 table[i] = bytes(alphabet[c] for c in token)
+            else:
+                table[i] = self.tok.decode([i], skip_special_tokens=False).encode("utf-8")
         return table
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
+
+
+TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "config.json", "generation_config.json"
+
+
+def is_specdecs(tok: _HFTokenizer, folder: Path) -> bool:
+    """A tokenizer trained by specdec: its special tokens at their ids, no transformers tokenizer_config."""
+    return (not (folder / TOKENIZER_CONFIG).exists()
+            and [tok.token_to_id(t) for t in SPECIAL] == [PAD_ID, BOS_ID, EOS_ID])
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{path} is not valid JSON ({e}); re-download or re-save the checkpoint") from None
+
+
+def _token_id(tok: _HFTokenizer, token, where: Path) -> int | None:
+    """The id of a special token given as text (or transformers' {"content": text})."""
+    if token is None:
+        return None
+    text = token.get("content") if isinstance(token, dict) else token
+    i = tok.token_to_id(text)
+    if i is None:
+        raise SpecdecError(f"{where} names the special token {text!r}, which tokenizer.json does not have")
+    return i
+
+
+def _ids(value) -> tuple[int, ...]:
+    return () if value is None else (value,) if isinstance(value, int) else tuple(value)
+
+
+def prompt_rules(tok: _HFTokenizer, folder: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefix, eos_ids) of a transformers checkpoint folder (see the module docstring)."""
+    tcfg, cfg, gen = (_json(folder / name) for name in (TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG))
+    bos = _token_id(tok, tcfg.get("bos_token"), folder / TOKENIZER_CONFIG)
+    if bos is None:
+        bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
+    if "add_bos_token" in tcfg:
+        prefix = (bos,) if tcfg["add_bos_token"] and bos is not None else ()
+    else:  # what tokenizer.json's post-processor puts before a text, as transformers encodes it
+        bare, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a", add_special_tokens=True).ids
+        starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
+        prefix = tuple(full[:starts[0]]) if starts else ()
+    eos = _ids(gen.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
+    if not eos:
+        eos = _ids(_token_id(tok, tcfg.get("eos_token"), folder / TOKENIZER_CONFIG))
+    return prefix, eos

@@ -117,12 +117,13 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, LANES, K).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T for nn.Linear's weight layout; with w's panels `packed` (from `pack`), fp32 x with
-    bf16 w is computed by the kernels, in fp32."""
+def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T [+ bias] for nn.Linear's weight layout; with w's panels `packed` (from `pack`), fp32 x
+    with bf16 w is computed by the kernels, in fp32."""
     if packed is not None and x.dtype == torch.float32 and _inference(x):
-        return compiled().linear(x, packed, w.shape[0], _EMPTY)
-    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+        return compiled().linear(x, packed, w.shape[0], _EMPTY, _EMPTY if bias is None else bias.detach())
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,17 +132,43 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], w, eps)
 
 
-def stack(layers, config):
-    """The decoder layers (model.DecoderLayer, matrices packed) as one kernel call: a `Stack`
-    whose forward(x, k_cache, v_cache, layer0, lengths, positions, inv_freq, tree, keep) runs
-    them over a window of new tokens (cpu.cpp)."""
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # cpu.cpp's Shape.activation
+
+
+def cannot_stack(arch) -> str | None:
+    """Why the kernels cannot run decoder layers of this architecture (model.Arch) as one call,
+    or None where they can. Each attention row is reduced in 16-lane blocks of a head."""
+    if arch.head_dim % LANES:
+        return (f"the CPU kernels' attention needs head_dim to be a multiple of {LANES}; this model's is "
+                f"{arch.head_dim}")
+    return None
+
+
+def stack(layers, arch):
+    """The decoder layers (model.DecoderLayer, matrices packed) of architecture `arch` (model.Arch)
+    as one kernel call: a `Stack` whose forward(x, k_cache, v_cache, layer0, lengths, positions,
+    inv_freq, tree, keep) runs them over a window of new tokens (cpu.cpp). Norm weights are passed
+    with the architecture's offset added (Gemma's 1 + w, as it computes them)."""
+    def norm(m):
+        return m.scale.detach().float().contiguous()
+
+    def bias(linear):
+        return _EMPTY if linear.bias is None else linear.bias.detach().float().contiguous()
     weights = []
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
-        weights += [layer.input_layernorm.weight.detach(), a.qkv_proj.packed, a.o_proj.packed,
-                    layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, mlp.down_proj.packed]
-    return compiled().Stack(weights, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                            config.head_dim, config.intermediate_size, config.rms_norm_eps)
+        weights.append({
+            "norm1": norm(layer.input_layernorm), "qkv": a.qkv_proj.packed, "qkv_bias": bias(a.qkv_proj),
+            "o": a.o_proj.packed, "o_bias": bias(a.o_proj), "norm2": norm(layer.post_attention_layernorm),
+            "gate_up": mlp.gate_up_proj.packed, "gate_up_bias": bias(mlp.gate_up_proj),
+            "down": mlp.down_proj.packed, "down_bias": bias(mlp.down_proj),
+            "q_norm": norm(a.q_norm) if arch.qk_norm else _EMPTY, "k_norm": norm(a.k_norm) if arch.qk_norm else _EMPTY})
+    shape = compiled().Shape()
+    shape.C, shape.H, shape.Hkv, shape.D, shape.F = (arch.hidden_size, arch.num_attention_heads,
+                                                     arch.num_key_value_heads, arch.head_dim, arch.intermediate_size)
+    shape.R, shape.eps, shape.rotary_factor = arch.rotary_dim, arch.rms_norm_eps, arch.attention_factor
+    shape.activation = ACTIVATIONS[arch.activation]
+    return compiled().Stack(weights, shape)
 
 
 def can_store_bf16() -> bool:

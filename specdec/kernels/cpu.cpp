@@ -26,22 +26,34 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
-// What the decoder layers read and write, shared by both instruction sets.
+// What the decoder layers read and write, shared by both instruction sets. Biases and q/k norms
+// are null where the architecture has none.
 struct LayerWeights {
-  const float* norm1;
-  const uint16_t* qkv;   // packed (E = (H + 2 Hkv) D outputs)
-  const uint16_t* o;     // packed (C outputs from H D)
-  const float* norm2;
+  const float* norm1;       // (C,) the input norm's scale (its offset added: Gemma's 1 + w)
+  const uint16_t* qkv;      // packed (E = (H + 2 Hkv) D outputs)
+  const float* qkv_bias;    // (E,)
+  const uint16_t* o;        // packed (C outputs from H D)
+  const float* o_bias;      // (C,)
+  const float* norm2;       // (C,)
   const uint16_t* gate_up;  // packed (2F outputs: F gate, then F up)
-  const uint16_t* down;  // packed (C outputs from F)
+  const float* gate_up_bias;  // (2F,)
+  const uint16_t* down;     // packed (C outputs from F)
+  const float* down_bias;   // (C,)
+  const float* q_norm;      // (D,) per-head RMSNorm of queries before rotation (Qwen3)
+  const float* k_norm;      // (D,) of keys
 };
 
+// The architecture's arithmetic (model.Arch, filled in by kernels.stack).
 struct Shape {
-  int64_t C, H, Hkv, D, F;
-  float eps;
+  int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0;
+  int64_t R = 0;              // rotated dims of each head (its first ones; D but for partial rotary)
+  float eps = 0;
+  float rotary_factor = 1.f;  // on cos and sin (yarn's attention factor)
+  int64_t activation = 0;     // of the gate: 0 silu, 1 gelu (tanh approximation)
 };
 
 struct Window {  // the new tokens of one forward and where their keys and values go
@@ -49,7 +61,7 @@ struct Window {  // the new tokens of one forward and where their keys and value
   const int64_t* lengths;    // (B,) committed cache entries per row: new token t goes to slot lengths[b] + t
   const int64_t* positions;  // (B, T) rotary positions; null: lengths[b] + t
   const bool* tree;          // (B, T, T) which new tokens each new token sees (itself included); null: causal
-  const float* inv_freq;     // (D/2,)
+  const float* inv_freq;     // (R/2,)
 };
 
 struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each
@@ -201,7 +213,7 @@ namespace {
 struct Ops {
   const char* name;
   void (*matmul_panels)(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t,
-                        const float*, int64_t, int64_t);
+                        const float*, const float*, int64_t, int64_t);
   void (*rms_norm_row)(const float*, const float*, float, int64_t, float*);
   float (*fma_loop)(int64_t);
   double fma_loop_flops;  // per repetition of fma_loop
@@ -254,8 +266,9 @@ void set_isa(const std::string& name) {
   }
 }
 
-// y = x (..., K) @ W^T for a packed W with N outputs [+ add, same shape as y], fp32.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, const torch::Tensor& add) {
+// y = x (..., K) @ W^T for a packed W with N outputs [+ bias (N,)] [+ add, same shape as y], fp32.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, const torch::Tensor& add,
+                     const torch::Tensor& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear: x must be float32");
   const auto xs = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = xs.size(0), K = xs.size(1);
@@ -266,6 +279,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, 
   const bool adding = add.numel() > 0;
   const auto as = adding ? add.reshape({M, N}).contiguous() : add;
   TORCH_CHECK(!adding || as.scalar_type() == torch::kFloat32, "linear: add must be float32");
+  const bool biased = bias.numel() > 0;
+  TORCH_CHECK(!biased || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() && bias.numel() == N),
+              "linear: bias must be (N,) contiguous float32");
   const float* X = xs.data_ptr<float>();
   const float* A = adding ? as.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
@@ -275,7 +291,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, 
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    g_ops->matmul_panels(X, M, K, W, K, N, Y, N, A, P * tid / n, P * (tid + 1) / n);
+    g_ops->matmul_panels(X, M, K, W, K, N, Y, N, A, biased ? bias.data_ptr<float>() : nullptr, P * tid / n,
+                         P * (tid + 1) / n);
   }
   return y.view(shape);
 }
@@ -325,25 +342,45 @@ struct Stack {
   Shape shape;
   int64_t layer_bytes = 0;  // packed matrix bytes of one layer
 
-  // weights: per layer input norm (C), packed qkv, packed o, post-attention norm (C), packed
-  // gate_up, packed down.
-  Stack(std::vector<torch::Tensor> weights, int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F, double eps)
-      : owned(std::move(weights)), shape{C, H, Hkv, D, F, static_cast<float>(eps)} {
-    TORCH_CHECK(owned.size() % 6 == 0 && !owned.empty(), "Stack: 6 tensors per layer");
-    TORCH_CHECK(D % 16 == 0 && H % Hkv == 0, "Stack: head_dim must be a multiple of 16");
-    const int64_t E = (H + 2 * Hkv) * D;
-    for (size_t i = 0; i < owned.size(); i += 6) {
-      for (int j : {0, 3})
-        TORCH_CHECK(owned[i + j].scalar_type() == torch::kFloat32 && owned[i + j].is_contiguous() &&
-                    owned[i + j].numel() == C, "Stack: norms must be contiguous float32 of size C");
-      check_packed(owned[i + 1], C, E, "Stack qkv");
-      check_packed(owned[i + 2], H * D, C, "Stack o");
-      check_packed(owned[i + 4], C, 2 * F, "Stack gate_up");
-      check_packed(owned[i + 5], F, C, "Stack down");
-      layer_bytes = 2 * (owned[i + 1].numel() + owned[i + 2].numel() + owned[i + 4].numel() + owned[i + 5].numel());
-      layers.push_back({owned[i].data_ptr<float>(), bf16_data(owned[i + 1]), bf16_data(owned[i + 2]),
-                        owned[i + 3].data_ptr<float>(), bf16_data(owned[i + 4]), bf16_data(owned[i + 5])});
+  // layers: per layer its tensors by name (kernels.stack): norm1, qkv, qkv_bias, o, o_bias, norm2,
+  // gate_up, gate_up_bias, down, down_bias, q_norm, k_norm; a bias or q/k norm may be empty (none).
+  Stack(const std::vector<std::map<std::string, torch::Tensor>>& weights, const Shape& shape_) : shape(shape_) {
+    const auto& s = shape;
+    TORCH_CHECK(!weights.empty(), "Stack: no layers");
+    TORCH_CHECK(s.D % 16 == 0 && s.H % s.Hkv == 0, "Stack: head_dim must be a multiple of 16 (kernels.cannot_stack)");
+    TORCH_CHECK(s.R > 0 && s.R % 2 == 0 && s.R <= s.D, "Stack: rotated dims R must be even and at most head_dim");
+    TORCH_CHECK(s.activation == 0 || s.activation == 1, "Stack: activation must be 0 (silu) or 1 (gelu_tanh)");
+    const int64_t E = (s.H + 2 * s.Hkv) * s.D;
+    auto floats = [&](const std::map<std::string, torch::Tensor>& layer, const char* name, int64_t n,
+                      bool optional) -> const float* {
+      const auto it = layer.find(name);
+      TORCH_CHECK(it != layer.end(), "Stack: a layer has no '", name, "'");
+      const auto& t = it->second;
+      if (optional && t.numel() == 0) return nullptr;
+      TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n, "Stack: ", name,
+                  " must be contiguous float32 of size ", n);
+      owned.push_back(t);
+      return t.data_ptr<float>();
+    };
+    auto packed = [&](const std::map<std::string, torch::Tensor>& layer, const char* name, int64_t K,
+                      int64_t N) -> const uint16_t* {
+      const auto it = layer.find(name);
+      TORCH_CHECK(it != layer.end(), "Stack: a layer has no '", name, "'");
+      check_packed(it->second, K, N, name);
+      owned.push_back(it->second);
+      return bf16_data(it->second);
+    };
+    for (const auto& layer : weights) {
+      LayerWeights L{floats(layer, "norm1", s.C, false), packed(layer, "qkv", s.C, E), floats(layer, "qkv_bias", E, true),
+                     packed(layer, "o", s.H * s.D, s.C), floats(layer, "o_bias", s.C, true),
+                     floats(layer, "norm2", s.C, false), packed(layer, "gate_up", s.C, 2 * s.F),
+                     floats(layer, "gate_up_bias", 2 * s.F, true), packed(layer, "down", s.F, s.C),
+                     floats(layer, "down_bias", s.C, true), floats(layer, "q_norm", s.D, true),
+                     floats(layer, "k_norm", s.D, true)};
+      TORCH_CHECK((L.q_norm == nullptr) == (L.k_norm == nullptr), "Stack: q_norm and k_norm come together");
+      layers.push_back(L);
     }
+    layer_bytes = 2 * (E * s.C + s.C * s.H * s.D + 2 * s.F * s.C + s.C * s.F);
   }
 
   // x (B, T, C) the layer input; k_cache, v_cache (L', B, Hkv, S, D) with this stack's layers at
@@ -367,8 +404,8 @@ struct Stack {
     const bool given = positions.numel() > 0;
     TORCH_CHECK(!given || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == M),
                 "Stack: positions must be (B, T) int64, or empty for each row's length + 0..T-1");
-    TORCH_CHECK(inv_freq.scalar_type() == torch::kFloat32 && inv_freq.is_contiguous() && inv_freq.numel() == s.D / 2,
-                "Stack: inv_freq must be (D/2,) float32");
+    TORCH_CHECK(inv_freq.scalar_type() == torch::kFloat32 && inv_freq.is_contiguous() && inv_freq.numel() == s.R / 2,
+                "Stack: inv_freq must be (R/2,) float32");
     const bool treed = tree.numel() > 0;
     TORCH_CHECK(!treed || (tree.scalar_type() == torch::kBool && tree.is_contiguous() && tree.numel() == B * T * T),
                 "Stack: tree must be (B, T, T) bool");
@@ -383,7 +420,7 @@ struct Stack {
     const auto opts = x.options();
     const int64_t E = (s.H + 2 * s.Hkv) * s.D;
     auto h = torch::empty({M, s.C}, opts), qkv = torch::empty({M, E}, opts), y = torch::empty({M, s.H * s.D}, opts);
-    auto gu = torch::empty({M, 2 * s.F}, opts), act = torch::empty({M, s.F}, opts), rope = torch::empty({M, s.D}, opts);
+    auto gu = torch::empty({M, 2 * s.F}, opts), act = torch::empty({M, s.F}, opts), rope = torch::empty({M, s.R}, opts);
     const int nt = threads(layer_bytes, M);
     const int64_t ps = (S + 15) / 16 * 16 + T;
     auto p = torch::empty({nt, ps}, opts);
@@ -410,10 +447,21 @@ struct Stack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set the kernels run on: avx512 or avx2");
   m.def("set_isa", &set_isa, "run on avx512 or avx2 (same results; for tests and measurements)");
-  m.def("linear", &linear, "x (..., K) fp32 times a packed bf16 matrix with N outputs, transposed [+ add]");
+  m.def("linear", &linear, "x (..., K) fp32 times a packed bf16 matrix with N outputs, transposed [+ bias] [+ add]");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
   m.def("fma_peak", &fma_peak, "measured fp32 FMA GFLOP/s with N threads (the compute roof)");
+  pybind11::class_<Shape>(m, "Shape")
+      .def(pybind11::init<>())
+      .def_readwrite("C", &Shape::C)
+      .def_readwrite("H", &Shape::H)
+      .def_readwrite("Hkv", &Shape::Hkv)
+      .def_readwrite("D", &Shape::D)
+      .def_readwrite("F", &Shape::F)
+      .def_readwrite("R", &Shape::R)
+      .def_readwrite("eps", &Shape::eps)
+      .def_readwrite("rotary_factor", &Shape::rotary_factor)
+      .def_readwrite("activation", &Shape::activation);
   pybind11::class_<Stack>(m, "Stack")
-      .def(pybind11::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<const std::vector<std::map<std::string, torch::Tensor>>&, const Shape&>())
       .def("forward", &Stack::forward, "the decoder layers over a window of new tokens, with a KV cache");
 }

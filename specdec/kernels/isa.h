@@ -30,13 +30,22 @@ inline V exp_nonpositive(V x) {
   return V::and_mask(V::mul(y, V::pow2i(n)), keep_mask);
 }
 
-// silu(g) * u for 16 lanes: g * sigmoid(g), sigmoid from e = exp(-|g|) without overflow.
-inline V silu_mul(V g, V u) {
+// sigmoid(s) for 16 lanes, from e = exp(-|s|) without overflow.
+inline V sigmoid(V s) {
   const V one = V::bcast(1.f);
-  const V e = exp_nonpositive(V::neg_abs(g));
+  const V e = exp_nonpositive(V::neg_abs(s));
   const V positive = V::div(one, V::add(one, e));
   const V negative = V::div(e, V::add(one, e));
-  return V::mul(V::mul(g, V::lt_zero_select(g, negative, positive)), u);
+  return V::lt_zero_select(s, negative, positive);
+}
+
+// silu(g) * u for 16 lanes: g * sigmoid(g).
+inline V silu_mul(V g, V u) { return V::mul(V::mul(g, sigmoid(g)), u); }
+
+// gelu_tanh(g) * u for 16 lanes: 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3).
+inline V gelu_tanh_mul(V g, V u) {
+  const V two_z = V::mul(g, V::fma(V::mul(g, g), V::bcast(1.5957691216057308f * 0.044715f), V::bcast(1.5957691216057308f)));
+  return V::mul(V::mul(g, sigmoid(two_z)), u);
 }
 
 // Calls f(lane-block start, V) over n floats at p in blocks of 16; the last partial block is
@@ -86,7 +95,7 @@ constexpr int kPrefetch = 48;  // cache lines ahead in each panel stream
 // each weight load serves R rows and each row load serves NB panels.
 template <int R, int NB>
 inline void tile(const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0, int64_t r0,
-                 float* Y, int64_t ldy, int64_t N, const float* add) {
+                 float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
   V acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
@@ -109,6 +118,11 @@ inline void tile(const float* X, int64_t ldx, const uint16_t* W, int64_t K, int6
       const int n = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
       float* y = Y + (r0 + r) * ldy + n0;
       V v = acc[r][j];
+      if (bias) {  // the projection's bias: (x W^T)[m][n] + bias[n], after the whole sum
+        alignas(64) float buf[kLanes] = {};
+        std::memcpy(buf, bias + n0, n * sizeof(float));
+        v = V::add(v, V::load(buf));
+      }
       if (add) {  // residual: add[m][n] + (x W^T)[m][n], after the whole sum
         alignas(64) float buf[kLanes] = {};
         std::memcpy(buf, add + (r0 + r) * ldy + n0, n * sizeof(float));
@@ -127,22 +141,23 @@ constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;
 
 template <int R, int NB>
 inline void tile_dispatch_nb(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
-                             int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add) {
+                             int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
   if constexpr (NB >= 1) {
-    if (nb == NB) return tile<R, NB>(X, ldx, W, K, p0, r0, Y, ldy, N, add);
-    return tile_dispatch_nb<R, NB - 1>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add);
+    if (nb == NB) return tile<R, NB>(X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
+    return tile_dispatch_nb<R, NB - 1>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
   }
 }
 
 template <int R>
 inline void tile_rows(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
-                      int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add) {
-  tile_dispatch_nb<R, panels_for(R)>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add);
+                      int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
+  tile_dispatch_nb<R, panels_for(R)>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
 }
 
-// Y (M, N) = X (M, K) W^T [+ add], for the panels [q0, q1) of the packed W: the share of one thread.
+// Y (M, N) = X (M, K) W^T [+ bias (N,)] [+ add], for the panels [q0, q1) of the packed W: the share
+// of one thread. bias and add may be null.
 inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t* W, int64_t K, int64_t N,
-                          float* Y, int64_t ldy, const float* add, int64_t q0, int64_t q1) {
+                          float* Y, int64_t ldy, const float* add, const float* bias, int64_t q0, int64_t q1) {
   // rows in blocks of nearly equal size (8 = 4 + 4, not 6 + 2), panels per tile as many as the
   // registers hold for the largest block; the row blocks of a tile reuse its panels from cache
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, rows = (M + blocks - 1) / blocks;
@@ -152,14 +167,14 @@ inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
       const int R = static_cast<int>(std::min<int64_t>(rows, M - r0));
       switch (R) {
-        case 1: tile_rows<1>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        case 2: tile_rows<2>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        case 3: tile_rows<3>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        case 4: tile_rows<4>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        case 5: tile_rows<5>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        case 6: tile_rows<6>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        case 7: tile_rows<7>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
-        default: tile_rows<8>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add); break;
+        case 1: tile_rows<1>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 2: tile_rows<2>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 3: tile_rows<3>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 4: tile_rows<4>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 5: tile_rows<5>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 6: tile_rows<6>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 7: tile_rows<7>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        default: tile_rows<8>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
       }
     }
   }
@@ -240,13 +255,13 @@ inline void share(int64_t n, int tid, int nt, int64_t& q0, int64_t& q1) {
 
 // Runs `layers` over x (B*T, C) in place, inside an OpenMP parallel region (every thread calls
 // it; the steps are separated by barriers). kept[l], if not null, receives x after layer l.
-// Scratch: h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, D) cos then sin
-// halves, p (threads, p_stride) with p_stride >= S rounded up to 16, plus T.
+// Scratch: h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, R) cos then sin
+// halves (R: the rotated dims of a head, its first ones), p (threads, p_stride) with p_stride >= S rounded up to 16, plus T.
 inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, const Window& w,
                            const Cache* caches, float* x, float* const* kept, float* h, float* qkv, float* y,
                            float* gu, float* act, float* rope, float* p_all, int64_t p_stride) {
   const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-  const int64_t M = w.B * w.T, C = s.C, D = s.D, half = D / 2, G = s.H / s.Hkv;
+  const int64_t M = w.B * w.T, C = s.C, D = s.D, half = s.R / 2, G = s.H / s.Hkv;
   const int64_t E = (s.H + 2 * s.Hkv) * D, HD = s.H * D, F2 = 2 * s.F;
   float* p = p_all + tid * p_stride;
   int* visible = reinterpret_cast<int*>(p + p_stride - w.T);  // new tokens a query sees (<= T ints)
@@ -256,8 +271,8 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
     for (int64_t i = 0; i < half; ++i) {
       const int64_t position = w.positions ? w.positions[m] : w.lengths[m / w.T] + m % w.T;
       const float a = static_cast<float>(position) * w.inv_freq[i];
-      rope[m * D + i] = std::cos(a);
-      rope[m * D + half + i] = std::sin(a);
+      rope[m * s.R + i] = std::cos(a) * s.rotary_factor;
+      rope[m * s.R + half + i] = std::sin(a) * s.rotary_factor;
     }
   for (int l = 0; l < nl; ++l) {
     const LayerWeights& L = layers[l];
@@ -265,14 +280,15 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * C, L.norm1, s.eps, C, h + m * C);
     share((E + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(h, M, C, L.qkv, C, E, qkv, E, nullptr, q0, q1);
+    matmul_panels(h, M, C, L.qkv, C, E, qkv, E, nullptr, L.qkv_bias, q0, q1);
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {  // rotary positions on queries and keys; keys and values to the cache
+    for (int64_t m = 0; m < M; ++m) {  // [q/k norms,] rotary positions on queries and keys; keys and values to the cache
       const int64_t b = m / w.T, t = m % w.T, slot = w.lengths[b] + t;
-      const float *c = rope + m * D, *sn = rope + m * D + half;
+      const float *c = rope + m * s.R, *sn = rope + m * s.R + half;
       for (int64_t hd = 0; hd < s.H + s.Hkv; ++hd) {
         float* v = qkv + m * E + hd * D;
+        if (L.q_norm) rms_norm_row(v, hd < s.H ? L.q_norm : L.k_norm, s.eps, D, v);  // in place: x read before y written
         for (int64_t i = 0; i < half; ++i) {
           const float lo = v[i], hi = v[i + half];
           v[i] = lo * c[i] - hi * sn[i];
@@ -301,12 +317,12 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
                  p, y + m * HD + head * D);
     }
     share((C + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(y, M, HD, L.o, HD, C, x, C, x, q0, q1);  // x += y W_o^T
+    matmul_panels(y, M, HD, L.o, HD, C, x, C, x, L.o_bias, q0, q1);  // x += y W_o^T [+ b_o]
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * C, L.norm2, s.eps, C, h + m * C);
     share((F2 + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(h, M, C, L.gate_up, C, F2, gu, F2, nullptr, q0, q1);
+    matmul_panels(h, M, C, L.gate_up, C, F2, gu, F2, nullptr, L.gate_up_bias, q0, q1);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
@@ -314,11 +330,11 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
       blocks16(g, s.F, [&](int64_t c, V gv, int n) {
         alignas(64) float ub[kLanes] = {};
         std::memcpy(ub, g + s.F + c, n * sizeof(float));
-        store_part(act + m * s.F + c, silu_mul(gv, V::load(ub)), n);
+        store_part(act + m * s.F + c, s.activation == 0 ? silu_mul(gv, V::load(ub)) : gelu_tanh_mul(gv, V::load(ub)), n);
       });
     }
     share((C + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(act, M, s.F, L.down, s.F, C, x, C, x, q0, q1);  // x += act W_down^T
+    matmul_panels(act, M, s.F, L.down, s.F, C, x, C, x, L.down_bias, q0, q1);  // x += act W_down^T [+ b_down]
 #pragma omp barrier
     if (kept[l]) {
 #pragma omp for schedule(static)

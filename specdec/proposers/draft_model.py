@@ -19,7 +19,6 @@ import torch
 from ..errors import SpecdecError
 from ..kv_cache import KVCache
 from ..lm import causal_lm, context_length, lm_device, next_positions
-from ..model import LlamaForCausalLM
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain, window_layout
 from .base import DraftVocabulary, Outcome, Proposal, draft_chain, grow_tree, per_row, with_alternatives
@@ -61,7 +60,7 @@ class DraftModelProposer:
             "this draft model was saved without the token counts of its training data, so no draft "
             "vocabulary can be chosen: draft over the full vocabulary, or add them (checkpoint.save_token_counts)",
             lm_device(self.model))
-        if ids is not None and not isinstance(self.model, LlamaForCausalLM):
+        if ids is not None and not self.model.abilities.draft_vocab:
             raise SpecdecError("a draft vocabulary needs specdec's own LlamaForCausalLM as the draft model")
         self.vocab = None if ids is None else DraftVocabulary(ids, self.model.lm_head.weight)
 

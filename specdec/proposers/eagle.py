@@ -31,7 +31,7 @@ from ..decode import pad_right
 from ..eagle import EagleHead, check_head_fits
 from ..errors import SpecdecError
 from ..kv_cache import KVCache
-from ..lm import next_positions
+from ..lm import abilities, next_positions
 from ..model import LlamaForCausalLM, frozen_linear
 from ..sampling import SamplingConfig
 from .base import DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
@@ -58,7 +58,7 @@ class EagleProposer:
     max_depth = None  # its own output feeds the next step: any depth
 
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, draft_vocab: int | None = None):
-        if not isinstance(target, LlamaForCausalLM):
+        if not abilities(target).layers:
             raise SpecdecError(f"an EAGLE head drafts from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
         check_head_fits(head, target)

@@ -39,7 +39,7 @@ from ..decode import pad_right
 from ..errors import SpecdecError
 from ..heads import MTPHeads, check_heads_fit
 from ..kv_cache import KVCache
-from ..lm import next_positions
+from ..lm import abilities, next_positions
 from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain
@@ -67,7 +67,7 @@ class MTPProposer:
     features = ()  # the target's final hidden states
 
     def __init__(self, heads: MTPHeads, target: LlamaForCausalLM, draft_vocab: int | None = None):
-        if not isinstance(target, LlamaForCausalLM):
+        if not abilities(target).layers:
             raise SpecdecError(f"MTP heads draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
         check_heads_fit(heads, target)

@@ -22,9 +22,11 @@ def preparation_key(sources: list[str] | None, vocab_size: int, tokenizer: str |
 
 
 def tokenize(docs: list[Document], tokenizer: Tokenizer) -> np.ndarray:
-    """Concatenate documents, each followed by EOS, into one int32 token array."""
+    """Concatenate documents, each followed by the tokenizer's EOS (specdec's <|endoftext|>, or a
+    foreign checkpoint's first EOS id), into one int32 token array."""
     ids = tokenizer.encode_batch([d.text for d in docs])
-    return np.fromiter((t for doc in ids for t in (*doc, EOS_ID)), dtype=np.int32)
+    eos = EOS_ID if tokenizer.eos_id is None else tokenizer.eos_id
+    return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.int32)
 
 
 def window_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
