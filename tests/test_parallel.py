@@ -275,3 +275,38 @@ def test_a_plain_draft_grows_its_mask_token_row():
     assert grown["model.embed_tokens.weight"].shape == (65, 32)
     torch.testing.assert_close(grown["model.embed_tokens.weight"][-1], smaller["model.embed_tokens.weight"].mean(0))
     assert with_vocabulary(state, 65)["model.embed_tokens.weight"] is state["model.embed_tokens.weight"]
+
+
+@pytest.mark.skipif(not __import__("specdec.kernels", fromlist=["x"]).can_store_bf16(),
+                    reason="the CPU kernels are not available here")
+@torch.inference_mode()
+def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
+    """A parallel draft with bf16-stored matrices (its layers one Stack): the one-call step gives the
+    same drafts, and for sampled rows and trees the same logits bit for bit, as the separate calls."""
+    from specdec.model import store_matrices_bf16
+    cfg = TARGET.config
+    torch.manual_seed(4)
+    draft = LlamaForCausalLM(LlamaConfig(vocab_size=cfg.vocab_size + 1, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, max_position_embeddings=cfg.max_position_embeddings,
+                                         tie_word_embeddings=True))
+    from specdec.train.loop import init_weights
+    init_weights(draft, std=0.3)
+    store_matrices_bf16(draft.eval())
+    native = build_proposer("parallel", model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
+    separate = build_proposer("parallel", model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
+    separate.native = False
+    assert native.native
+    prompts = [[5, 9, 2], [1, 2, 3, 1, 2, 3, 1], [7]]
+    from specdec.sampling import SamplingConfig
+    for sampling, widths in ((GREEDY, (1,) * 6), (SamplingConfig(temperature=1.0), (1,) * 6), (GREEDY, (3, 2, 1, 1, 1, 1))):
+        proposals = []
+        for p in (native, separate):
+            state = p.start(prompts, None, [sampling] * 3, 40, 6)
+            proposals.append(p.propose(state, torch.tensor([6, 3, 6]), widths, torch.Generator().manual_seed(0)))
+            assert state.cache.lengths.tolist() == [3, 7, 1]
+        a, b = proposals
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+        assert (a.draft_probs is None) == (b.draft_probs is None)
+        if a.draft_probs is not None:
+            assert torch.equal(a.draft_probs, b.draft_probs)

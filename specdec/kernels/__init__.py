@@ -174,3 +174,24 @@ def stack(layers, arch):
 def can_store_bf16() -> bool:
     """Whether fp32 arithmetic on bf16-stored matrices runs at kernel speed here."""
     return compiled() is not None
+
+
+def draft_block(model, ids: torch.Tensor, cache, positions: torch.Tensor | None, columns: torch.Tensor,
+                unembedding, vocab_ids: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's step as ONE kernel call (cpu.cpp's draft_block): the forward of `model` (a
+    LlamaForCausalLM whose layers run as one Stack, no embedding scale) over ids (B, W) with its
+    cache, the final norm and the unembedding (a packed Linear over the ids vocab_ids (N,)) at
+    columns (B, m), each slot's argmax as target ids (B, m); with `logits` also the logits (B, m, N).
+    The cache advances by W, as after model(ids, cache=cache)."""
+    cache.check_room(ids.shape[1])
+    norm = model.model.norm
+    out = compiled().draft_block(model.stack, model.model.embed_tokens.weight.detach(), ids.contiguous(), cache.keys,
+                                 cache.values, cache.lengths,
+                                 _EMPTY_LONG if positions is None else positions.contiguous(), model.inv_freq,
+                                 columns.contiguous(), norm.scale.detach().float().contiguous(), norm.eps,
+                                 unembedding.packed, vocab_ids, logits)
+    cache.advance(ids.shape[1])
+    return out[0], out[1] if logits else None
+
+
+_EMPTY_LONG = torch.empty(0, dtype=torch.long)

@@ -444,6 +444,73 @@ struct Stack {
   }
 };
 
+// A drafter's whole step in one call (proposers/parallel.py): the embedding rows of `ids` (B, W),
+// the decoder layers over them (Stack::forward, the cache gaining their entries), the final RMSNorm
+// at `columns` (B, m) and the unembedding over a draft vocabulary `unembed` (packed, N rows whose
+// target ids are `vocab_ids` (N,)), then each slot's argmax, the first on ties as numpy's.
+// Returns [the argmax as target ids (B, m) int64, and where `logits` is asked, the logits (B, m, N)].
+// Every number is the one the separate calls (embedding, Stack, rms_norm, linear) compute.
+std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table, const torch::Tensor& ids,
+                                       const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                       const torch::Tensor& lengths, const torch::Tensor& positions,
+                                       const torch::Tensor& inv_freq, const torch::Tensor& columns,
+                                       const torch::Tensor& norm, double eps, const torch::Tensor& unembed,
+                                       const torch::Tensor& vocab_ids, bool logits) {
+  const int64_t C = stack.shape.C;
+  TORCH_CHECK(table.scalar_type() == torch::kFloat32 && table.is_contiguous() && table.dim() == 2 && table.size(1) == C,
+              "draft_block: the embedding must be (V, C) contiguous float32");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2, "draft_block: ids must be (B, W) int64");
+  TORCH_CHECK(columns.scalar_type() == torch::kInt64 && columns.is_contiguous() && columns.dim() == 2 &&
+              columns.size(0) == ids.size(0), "draft_block: columns must be (B, m) int64");
+  TORCH_CHECK(norm.scalar_type() == torch::kFloat32 && norm.is_contiguous() && norm.numel() == C,
+              "draft_block: the final norm must be (C,) float32");
+  TORCH_CHECK(vocab_ids.scalar_type() == torch::kInt64 && vocab_ids.is_contiguous() && vocab_ids.dim() == 1,
+              "draft_block: vocab_ids must be (N,) int64");
+  const int64_t B = ids.size(0), W = ids.size(1), m = columns.size(1), V = table.size(0), N = vocab_ids.numel();
+  check_packed(unembed, C, N, "draft_block unembedding");
+  auto x = torch::empty({B, W, C}, table.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* T = table.data_ptr<float>();
+  float* X = x.data_ptr<float>();
+  for (int64_t i = 0; i < B * W; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < V, "draft_block: token id ", id[i], " outside the embedding (", V, " rows)");
+    std::memcpy(X + i * C, T + id[i] * C, C * sizeof(float));
+  }
+  const auto out = stack.forward(x, k_cache, v_cache, 0, lengths, positions, inv_freq, torch::empty({0}, ids.options().dtype(torch::kBool)), {})[0];
+  const int64_t* col = columns.data_ptr<int64_t>();
+  auto h = torch::empty({B * m, C}, table.options());
+  const float* O = out.data_ptr<float>();
+  float* Hn = h.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t c = col[b * m + j];
+      TORCH_CHECK(c >= 0 && c < W, "draft_block: column ", c, " outside the window of ", W);
+      g_ops->rms_norm_row(O + (b * W + c) * C, norm.data_ptr<float>(), static_cast<float>(eps), C, Hn + (b * m + j) * C);
+    }
+  auto y = torch::empty({B * m, N}, table.options());
+  const int64_t P = (N + 15) / 16;
+  const int nt = static_cast<int>(std::min<int64_t>(threads(unembed.numel() * 2, B * m), P));
+  float* Y = y.data_ptr<float>();
+  const uint16_t* U = bf16_data(unembed);
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    g_ops->matmul_panels(Hn, B * m, C, U, C, N, Y, N, nullptr, nullptr, P * tid / n, P * (tid + 1) / n);
+  }
+  auto tokens = torch::empty({B, m}, ids.options());
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* vid = vocab_ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B * m; ++r) {
+    const float* row = Y + r * N;
+    int64_t best = 0;
+    for (int64_t n = 1; n < N; ++n)
+      if (row[n] > row[best]) best = n;
+    tok[r] = vid[best];
+  }
+  if (!logits) return {tokens};
+  return {tokens, y.view({B, m, N})};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set the kernels run on: avx512 or avx2");
   m.def("set_isa", &set_isa, "run on avx512 or avx2 (same results; for tests and measurements)");
@@ -464,4 +531,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Stack>(m, "Stack")
       .def(pybind11::init<const std::vector<std::map<std::string, torch::Tensor>>&, const Shape&>())
       .def("forward", &Stack::forward, "the decoder layers over a window of new tokens, with a KV cache");
+  m.def("draft_block", &draft_block, "a drafter's step in one call: embedding, the Stack, the final norm at the "
+        "block's columns, the draft-vocabulary unembedding and each slot's argmax");
 }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import kernels
 from ..errors import SpecdecError
 from ..kv_cache import KVCache
 from ..lm import next_positions
@@ -57,6 +58,9 @@ class ParallelDraftProposer(DraftModelProposer):
         if ids is None:  # every target id: the unembedding without the mask token's row
             ids = torch.arange(self.vocab_size, device=model.lm_head.weight.device)
         self.vocab = DraftVocabulary(ids, model.lm_head.weight)
+        # decided once: the step as one kernel call where the layers run as one and the unembedding is packed
+        self.native = (model.stack is not None and self.vocab.unembedding.packed is not None
+                       and model.model.embedding_scale is None)
 
     def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> DraftState:
         if k > self.max_depth:
@@ -80,17 +84,26 @@ class ParallelDraftProposer(DraftModelProposer):
         both = torch.tensor([p + [self.mask] * (m - 1) + [0] * (width - n - m + 1) + list(range(n - 1, n + m - 1))
                              for p, n in zip(state.pending, lengths)], device=limits.device)
         window, columns = both[:, :width], both[:, width:]                  # (B, W), (B, m)
-        out = self.model(window, positions=next_positions(state.cache, width, self.context), cache=state.cache,
-                         logits_index=columns, unembedding=self.vocab.unembedding)
-        logits = out.logits                                                 # (B, m, N)
+        positions = next_positions(state.cache, width, self.context)
+        greedy = all(cfg.greedy for cfg in state.samplings)
+        tree = max(widths[:m], default=1) > 1
+        if self.native:  # the whole step in one kernel call
+            tokens, logits = kernels.draft_block(self.model, window, state.cache, positions, columns,
+                                                 self.vocab.unembedding, self.vocab.ids, not greedy or tree)
+        else:
+            logits = self.model(window, positions=positions, cache=state.cache, logits_index=columns,
+                                unembedding=self.vocab.unembedding).logits   # (B, m, N)
         for b in range(B):
             if limit[b]:
                 state.committed[b] += lengths[b]
                 state.pending[b] = []
         state.cache.rollback(state.committed)                               # the masks' entries dropped
-        tokens, probs = draw_block(logits, state.samplings, generator, self.vocab, self.vocab_size)
-        return with_alternatives(Proposal(tokens, limits.clone(), probs), list(logits.unbind(1)), widths,
-                                 self.vocab, self.vocab_size)
+        if not (self.native and greedy):
+            tokens, probs = draw_block(logits, state.samplings, generator, self.vocab, self.vocab_size)
+        else:
+            probs = None
+        scores = list(logits.unbind(1)) if tree else None
+        return with_alternatives(Proposal(tokens, limits.clone(), probs), scores, widths, self.vocab, self.vocab_size)
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
         # no draft was written into the cache: every committed token is pending

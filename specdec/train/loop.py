@@ -694,8 +694,8 @@ def export_parallel(run: Run, model: LlamaForCausalLM, teacher, history: dict, s
     prov = json.loads((run.work / "prepared.json").read_text())
     test = run.tokens("test")
     k = cfg.parallel_block
-    recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key))) for key in ("teacher", "tokenizer", "out")
-                                if getattr(cfg, key)}}
+    recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key)))
+                                for key in ("teacher", "tokenizer", "out", "init_from") if getattr(cfg, key)}}
     figures = (evaluate(model, None, test, cfg.seq_len, cfg.test_windows, teacher, block=k)
                if len(test) > cfg.seq_len else None)
     before = history["valid_alpha"][0][1] if history.get("valid_alpha") else None
