@@ -1,11 +1,14 @@
 """The documentation site builds with `mkdocs build --strict`, offline, and the strict build is a
 real check: it fails on a broken link and on a page left out of the navigation (mkdocs.yml's
 `validation` settings), and the CLI reference it generates lists every command and flag of the
-parser it is generated from (docs/hooks/cli_reference.py)."""
+parser it is generated from (docs/hooks/cli_reference.py); and every `specdec` command line the README
+and the docs show parses with that parser."""
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,3 +80,33 @@ def test_the_strict_build_fails_on_a_broken_link_or_an_orphan_page(fault, tmp_pa
     done = build(root, tmp_path / "site")
     assert done.returncode != 0
     assert ("no-such-page.md" if fault == "broken link" else "orphan.md") in done.stdout + done.stderr
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Every `specdec ...` line of the ```sh blocks of README.md and docs/ (and torchrun's
+    `-m specdec.cli ...`), as (where, argv); lines with a [--flag] synopsis are left out."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```sh\n(.*?)```", path.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line.split(" #")[0])
+                if "[" in line or not words:
+                    continue
+                if words[0] == "specdec":
+                    found.append((f"{path.relative_to(ROOT)}: {line.strip()}", words[1:]))
+                elif "specdec.cli" in words:
+                    found.append((f"{path.relative_to(ROOT)}: {line.strip()}", words[words.index("specdec.cli") + 1:]))
+    return found
+
+
+def test_every_documented_command_line_parses(capsys):
+    commands = documented_commands()
+    assert len(commands) > 40
+    parser = build_parser()
+    wrong = []
+    for where, argv in commands:
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            wrong.append(f"{where}\n    {capsys.readouterr().err.strip().splitlines()[-1]}")
+    assert not wrong, "\n".join(wrong)
