@@ -257,6 +257,7 @@ def cmd_bench(args) -> None:
         serve_args += ["--heads", args.heads] if args.heads and method == "mtp" else []
         result = bench_serve(target, method, serve_args, proposer, k, args.clients, args.prompts or 32,
                              args.max_new_tokens or 64, args.repeats or 3)
+        result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
         print(format_serve(result))
         if args.out:
             write(result, args.out)
@@ -270,6 +271,7 @@ def cmd_bench(args) -> None:
         result = bench_plain(args.model, n_prompts=args.prompts or 10, repeats=args.repeats or 5,
                              max_new_tokens=args.max_new_tokens or 128, dtype=torch_dtype(args.dtype),
                              llama_cpp=not args.no_llamacpp)
+        result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
         print(format_plain(result))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The cost model of speculative decoding (DESIGN.md section 4): what speedup to expect from the
+"""The cost model of speculative decoding (docs/design.md, "The cost model"): what speedup to expect from the
 acceptance, the draft's cost and the target's measured verify-cost curve, and why MoE targets and
 large batches erase the gain.
 

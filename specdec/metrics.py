@@ -1,8 +1,8 @@
 """Counters of a speculative run and the metrics derived from them, each defined once here.
 
-Counters (DESIGN.md section 3), per run:
+Counters (docs/design.md, "Metrics and conditions"), per run:
 
-- steps: target verification forward passes (DESIGN's step: the unit wall time is paid in).
+- steps: target verification forward passes (docs/design.md's step: the unit wall time is paid in).
 - row_steps: verifications of one row; a step over B active rows adds B (at batch 1, row_steps =
   steps). Counting per row keeps τ a per-sequence figure, so plain decoding has τ = 1 at any
   batch size.

@@ -1,6 +1,6 @@
 """Verification of draft tokens against the target: pure tensor functions, no models, no state.
 
-Vocabulary (DESIGN.md section 1). A row proposes draft tokens d_1..d_L (L = its draft length, at
+Vocabulary (docs/design.md, "Vocabulary"). A row proposes draft tokens d_1..d_L (L = its draft length, at
 most k; shorter rows are right-padded to k). The target scored the window [last, d_1..d_k] in one
 forward pass, so position i of `target_logits` / `target_probs` (B, k+1, V) is its distribution of
 the token that follows d_i (position 0: the token after `last`).

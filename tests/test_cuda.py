@@ -36,7 +36,8 @@ from .test_engine import PROMPTS, TARGET
 CUDA = torch.cuda.is_available()
 NO_GPU = "no CUDA GPU here (torch.cuda.is_available() is False): the CUDA cases run where one is"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=NO_GPU))]
-# the stated tolerance of DESIGN's near-tie rule per compute dtype: fp32 rounding (as tests/spec_helpers),
+# the stated tolerance of the near-tie rule (docs/design.md, "The lossless contract") per compute dtype:
+# fp32 rounding (as tests/spec_helpers),
 # and for bf16 activations about two units in the last place of a logit of magnitude ~8
 NEAR_TIE = {torch.float32: FP32_NEAR_TIE, torch.bfloat16: 0.125}
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""The conditions every measured figure carries (DESIGN.md section 3). What cannot be determined
+"""The conditions every measured figure carries (docs/design.md, "Metrics and conditions"). What cannot be determined
 is written "unknown", never guessed."""
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ on a CPU without native bf16). specdec and llama.cpp report prompt evaluation an
 so their decode-only tokens/s are compared too; transformers' figure includes its prefill.
 Also the memory bandwidth reached: the weight bytes one decoding step reads (every matrix except
 the embedding table, of which a step reads one row) times tokens/s, as a fraction of the 47 GB/s
-of DESIGN.md's build machine and of the read bandwidth measured on this machine now.
+of the build machine (docs/design.md, "Machines: measure on the one you have") and of the read
+bandwidth measured on this machine now.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from . import llamacpp
 from .conditions import hardware, model_info, shown_path, software, spread
 from .workloads import humaneval_prompts
 
-MACHINE_READ_BANDWIDTH = 47e9  # bytes/s, measured on the build machine (DESIGN.md section 8)
+MACHINE_READ_BANDWIDTH = 47e9  # bytes/s, the build machine's (docs/design.md, "Machines: measure on the one you have")
 
 
 def measured_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:

@@ -295,7 +295,8 @@ def console_report(result: dict, out_dir: Path) -> str:
 def markdown_report(result: dict, plots: list[str]) -> str:
     """report.md; `plots`: the PNG files written (a plot with nothing to show is not)."""
     cmd = " ".join(result["command"]) if isinstance(result["command"], list) else result["command"]
-    lines = ["# specdec bench", "", f"`{cmd}` — {result['seconds'] / 60:.1f} min.", "", conditions_text(result), "",
+    lines = ["# specdec bench", "", f"`{cmd}` — {result['seconds'] / 60:.1f} min.", "", reproduce_line(result), "",
+             conditions_text(result), "",
              "Speedup = tokens/s of the method / tokens/s of specdec's plain decoding in the same repeat "
              "(median and range over repeats). α = accepted / proposed drafts, τ = tokens emitted per step "
              "including the recovered or bonus token (specdec/metrics.py). *predicted*: the cost model "
@@ -304,36 +305,36 @@ def markdown_report(result: dict, plots: list[str]) -> str:
              "speedup is over whole generations).", ""]
     for cell in result["cells"]:
         lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), "", *curve_lines(result, cell), ""]
-    lines += step_breakdown_lines(result)
-    lines += host_sync_lines(result)
+    lines += marked("step-breakdown", step_breakdown_lines(result))
+    lines += marked("host-syncs", host_sync_lines(result))
     adaptive = adaptive_lines(result)
     if adaptive:
-        lines += ["## Adaptive speculation (-k auto)", "",
+        lines += ["## Adaptive speculation (-k auto)", "", *marked("adaptive", [
                   "Each method with `-k auto` (specdec/adaptive.py) against the best fixed k or tree of the same "
                   "cell, measured in the same repeats; *chosen*: the options it drafted, in steps "
-                  "(plain: plain decoding).", "", *adaptive, ""]
+                  "(plain: plain decoding).", "", *adaptive, ""], heading=0)]
     trees = tree_lines(result)
     if trees:
-        lines += ["## Trees vs chains at equal verified tokens (batch 1)", "",
+        lines += ["## Trees vs chains at equal verified tokens (batch 1)", "", *marked("trees", [
                   "A tree of N nodes against the chain of k = N drafts (both verify up to 1 + N tokens per step). "
                   "*flat curve*: the cost model with t(n) = t(1) (hardware where a forward of a few tokens costs "
                   "what one does): τ × t(1) / (t(1) + draft + other seconds per step, as measured here).", "",
-                  *trees, ""]
-    lines += ["## Cost model: predicted vs measured", "",
-              "| cell | method | α_1..α_k | c | draft / verify / other ms per step | predicted | measured | error | "
-              "S_limit | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  *trees, ""], heading=0)]
+    costs = ["| cell | method | α_1..α_k | c | draft / verify / other ms per step | predicted | measured | error | "
+             "S_limit | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
     for cell in result["cells"]:
         for r in cell["results"]:
             if r["predicted_speedup"] is None:
                 continue
             ms = " / ".join(f"{1000 * r['seconds_per_step'][p]:.1f}" for p in ("draft", "verify", "other"))
             alphas = " ".join(num(a) for a in r["acceptance_per_position"])
-            lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
+            costs.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
                          f"{r['label']} | {alphas} | {num(r['draft_cost_ratio'])} | {ms} | "
                          f"{r['predicted_speedup']:.2f}x | {r['speedup']['median']:.2f}x{' NOISY' if r['noise'] else ''} | "
                          f"{100 * r['prediction_error']:+.0f}% | {r['speedup_limit']:.2f} | {r['efficiency']:.2f} |")
-    lines += ["", *(f"- {line}" for line in summary_lines(result)), ""]
-    lines += drafter_comparison_lines(result)
+    lines += ["## Cost model: predicted vs measured", "",
+              *marked("cost-model", [*costs, "", *(f"- {line}" for line in summary_lines(result)), ""], heading=0)]
+    lines += marked("drafters", drafter_comparison_lines(result))
     moe = result["moe"]
     if moe:
         p = moe["moe_parameters"]
@@ -353,6 +354,23 @@ def markdown_report(result: dict, plots: list[str]) -> str:
         lines.append("")
     lines += ["## Plots", ""] + [f"![{PLOTS[name][0]}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
+
+
+def reproduce_line(result: dict) -> str:
+    """The command and the commit a report came from, so that it can be rerun."""
+    cmd = " ".join(result["command"]) if isinstance(result["command"], list) else result["command"]
+    sha = result["conditions"]["software"]["git"]
+    dirty = " plus changes not yet committed when it ran (git: +dirty)" if sha.endswith("+dirty") else ""
+    return f"Reproduce: `{cmd}` at specdec commit `{sha.removesuffix('+dirty')}`{dirty}."
+
+
+def marked(name: str, lines: list[str], heading: int = 2) -> list[str]:
+    """`lines` with snippet markers around them after their first `heading` lines (a section's title),
+    so the docs can include the section from the report (pymdownx.snippets: "report.md:name")."""
+    if not lines:
+        return lines
+    return [*lines[:heading], f"<!-- --8<-- [start:{name}] -->", "", *lines[heading:], "",
+            f"<!-- --8<-- [end:{name}] -->", ""]
 
 
 def write_report(result: dict, out_dir: str | Path) -> Path:

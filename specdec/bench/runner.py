@@ -426,7 +426,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
             "results": results}
 
 
-LOSSLESS_RULES = (greedy_accept, rejection_sample)  # verify.py: the rules DESIGN section 2 proves lossless
+LOSSLESS_RULES = (greedy_accept, rejection_sample)  # verify.py: the rules of docs/design.md's "The lossless contract"
 
 
 def acceptance_rule(method: str, temperature: float) -> dict:

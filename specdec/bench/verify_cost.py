@@ -1,7 +1,7 @@
 """Measured verify-cost curves: the seconds of one target forward over n new tokens per row after
 a cached context, the curve the cost model (costmodel.py) needs; and the same curve for a small
 mixture-of-experts target against a dense model of the same active size, next to the
-expert-activation estimate of DESIGN.md section 4.
+expert-activation estimate of docs/design.md, "The cost model".
 
 The MoE and dense models are built from transformers configs with random weights (untrained is
 fine: only their cost curves matter) and run through the same code path (hf_adapter).
