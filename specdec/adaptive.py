@@ -57,7 +57,7 @@ HOLD = 4
 MAX_STRETCH = 256
 REMEMBERED_WEIGHT = 2.0               # pseudo-steps a remembered q counts for in a new row
 REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
-CHEAP = 0.1                           # a probe predicted to cost less than this share of throughput is free
+CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()

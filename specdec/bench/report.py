@@ -162,7 +162,7 @@ def conditions_text(result: dict) -> str:
     return "conditions: " + "; ".join(parts)
 
 
-LEARNED_DRAFTERS = ("draft-model", "mtp", "eagle")
+LEARNED_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle")
 
 
 def drafter_comparison_lines(result: dict) -> list[str]:
@@ -190,7 +190,7 @@ def drafter_comparison_lines(result: dict) -> list[str]:
                      "speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
         for method, r in best.items():
             info = r["conditions"]["method"]
-            params = info["draft"]["parameters"] if method == "draft-model" else info["parameters"]
+            params = info["draft"]["parameters"] if "draft" in info else info["parameters"]
             tokens, seconds = info.get("training_tokens"), info.get("training_seconds")
             budget = (f"{tokens / 1e6:.2f}M | {seconds / 60:.0f} min"
                       if isinstance(tokens, int) and isinstance(seconds, (int, float)) else "unknown | unknown")

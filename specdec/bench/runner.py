@@ -59,9 +59,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..api import (DEFAULT_EAGLE, DEFAULT_HEADS, encode_prompts, load, load_draft_model, load_eagle_head,
-                   load_mtp_heads)
-from ..checkpoint import read_meta
+from ..api import (DEFAULT_EAGLE, DEFAULT_HEADS, DEFAULT_PARALLEL, encode_prompts, load, load_draft_model,
+                   load_eagle_head, load_mtp_heads, load_parallel_draft)
+from ..checkpoint import TOKEN_COUNTS, read_meta
 from ..costmodel import predicted_speedup, speedup_limit
 from ..decode import plain_generate
 from ..engine import speculative_generate
@@ -84,7 +84,7 @@ from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
-SPEC_METHODS = ("draft-model", "ngram", "mtp", "suffix", "eagle")
+SPEC_METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle")
 NGRAM = {"max_n": 3, "min_n": 1}
 # MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
@@ -212,7 +212,7 @@ class Bench:
 
     def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
                  dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, parallel_path=None):
         self.plan = plan
         self.target = load(target_path, dtype=dtype, device=device)
         self.device = device_of(self.target.model)
@@ -228,6 +228,14 @@ class Bench:
             self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path),
                                                "draft_vocab": draft_vocab or "full",
                                                **training_budget(read_meta(self.draft.path))}
+        if "parallel" in plan.methods:
+            path = Path(parallel_path or DEFAULT_PARALLEL)
+            draft_vocab = DRAFT_VOCAB if (path / TOKEN_COUNTS).exists() else None
+            parallel = load_parallel_draft(self.target, path, draft_vocab)
+            self.proposers["parallel"] = parallel
+            self.method_info["parallel"] = {"name": "parallel", "draft": model_info(parallel.model, path),
+                                            "draft_vocab": draft_vocab or "full", "block": parallel.max_depth,
+                                            "native_step": parallel.native, **training_budget(read_meta(path))}
         if "ngram" in plan.methods:
             self.proposers["ngram"] = build_proposer("ngram", **NGRAM)
             self.method_info["ngram"] = {"name": "ngram", **NGRAM}
@@ -297,13 +305,14 @@ class Bench:
 
 def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
               dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None,
-              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None, device: str | torch.device | None = None) -> dict:
+              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None, device: str | torch.device | None = None,
+              parallel_path=None) -> dict:
     """Run the plan on `device` (default the CPU); `command` (the argv that asked for it) is recorded
     with the result."""
     started = time.perf_counter()
     check_plan(plan)
     with torch.inference_mode():
-        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, device)
+        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, device, parallel_path)
         cells = [(cell, bench.configs(cell)) for cell in plan.cells]
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {

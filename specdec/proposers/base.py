@@ -46,6 +46,12 @@ from ..sampling import SamplingConfig, argmax, row_probabilities, sample
 from ..tree import caterpillar_layout, chain_parents
 
 
+# The most committed positions a proposer catches up on at one proposal (the older ones of a longer
+# stretch of plain steps are never read: its context has a hole there, still lossless, since the
+# target decides every token), so that a probe after a stretch costs what a drafting step costs.
+CATCH_UP = 32
+
+
 @dataclass
 class Proposal:
     tokens: torch.Tensor               # (B, m) long draft tokens; row b's first lengths[b] are real

@@ -21,7 +21,7 @@ from ..kv_cache import KVCache
 from ..lm import causal_lm, context_length, lm_device, next_positions
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain, window_layout
-from .base import DraftVocabulary, Outcome, Proposal, draft_chain, grow_tree, per_row, with_alternatives
+from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draft_chain, grow_tree, per_row, with_alternatives
 
 
 @dataclass
@@ -157,6 +157,6 @@ class DraftModelProposer:
         for b, (tokens, n, emitted) in enumerate(zip(outcome.tokens, chained, outcome.counts)):
             kept = min(n, state.fed_drafts, emitted)
             state.committed[b] += kept
-            state.pending[b] += tokens[kept:emitted]
+            state.pending[b] = (state.pending[b] + tokens[kept:emitted])[-CATCH_UP:]
         state.cache.rollback(state.committed)
         state.fed_drafts, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal

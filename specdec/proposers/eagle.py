@@ -34,7 +34,7 @@ from ..kv_cache import KVCache
 from ..lm import abilities, next_positions
 from ..model import LlamaForCausalLM, frozen_linear
 from ..sampling import SamplingConfig
-from .base import DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
+from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
 from .mtp import _gather_rows, _ragged_concat_index, _stack_rows
 
 
@@ -147,7 +147,7 @@ class EagleProposer:
         drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
         tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
         index, state.lengths = _ragged_concat_index(state.features.shape[1], tokens.shape[1],
-                                                    state.lengths, drop, outcome.counts, tokens.device)
+                                                    state.lengths, drop, outcome.counts, tokens.device, CATCH_UP)
         state.features = _gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
         state.ahead = _gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.fed = False  # consumed: a plain stretch's outcome follows no proposal

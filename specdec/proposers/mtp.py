@@ -43,7 +43,7 @@ from ..lm import abilities, next_positions
 from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
 from ..sampling import SamplingConfig
 from ..tree import caterpillar_layout, on_chain
-from .base import DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
+from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
 
 
 @dataclass
@@ -182,16 +182,20 @@ class MTPProposer:
         state.first = keep_to
         tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
         index, state.lengths = _ragged_concat_index(state.hidden.shape[1], tokens.shape[1], state.lengths,
-                                                    drop, counts, tokens.device)
+                                                    drop, counts, tokens.device, CATCH_UP)
         state.hidden = _gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
         state.ahead = _gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.written, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal
 
 
 def _ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
-                         new_len: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+                         new_len: list[int], device: torch.device, cap: int | None = None
+                         ) -> tuple[torch.Tensor, list[int]]:
     """Columns of cat([old, new], 1) that give row b old[b, drop[b]:old_len[b]] then
-    new[b, :new_len[b]], left-aligned and right-padded (padding: any column): (B, W'), lengths."""
+    new[b, :new_len[b]] — of those, the last `cap` at most (base.CATCH_UP) — left-aligned and
+    right-padded (padding: any column): (B, W'), lengths."""
+    if cap is not None:  # drop more of the oldest where a row would hold more than cap
+        drop = [max(d, n + m - cap) for n, d, m in zip(old_len, drop, new_len)]
     total = [n - d + m for n, d, m in zip(old_len, drop, new_len)]
     width, last = max(total), old_width + new_width - 1
     index = [[min(d + c if c < n - d else old_width + c - (n - d), last) for c in range(width)]

@@ -28,7 +28,7 @@ from ..errors import SpecdecError
 from ..kv_cache import KVCache
 from ..lm import next_positions
 from ..model import LlamaForCausalLM
-from .base import DraftVocabulary, Outcome, Proposal, draw_block, with_alternatives
+from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draw_block, with_alternatives
 from .draft_model import DraftModelProposer, DraftState
 
 
@@ -106,6 +106,6 @@ class ParallelDraftProposer(DraftModelProposer):
         return with_alternatives(Proposal(tokens, limits.clone(), probs), scores, widths, self.vocab, self.vocab_size)
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
-        # no draft was written into the cache: every committed token is pending
-        for pending, tokens, emitted in zip(state.pending, outcome.tokens, outcome.counts):
-            pending += tokens[:emitted]
+        # no draft was written into the cache: every committed token is pending (the last CATCH_UP)
+        state.pending = [(pending + tokens[:emitted])[-CATCH_UP:]
+                         for pending, tokens, emitted in zip(state.pending, outcome.tokens, outcome.counts)]
