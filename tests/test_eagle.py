@@ -279,3 +279,33 @@ def test_bad_input_is_refused_with_the_fix():
         build_proposer("eagle", head=distilled(), target=torch.nn.Linear(4, 4))
     with pytest.raises(SpecdecError, match="k >= 1 tokens per step, got k=0"):
         speculative_generate(TARGET, proposer(), PROMPTS, RULE, GREEDY, 0)
+
+
+@pytest.mark.skipif(not __import__("specdec.kernels", fromlist=["x"]).can_store_bf16(),
+                    reason="the CPU kernels are not available here")
+@torch.inference_mode()
+def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
+    """The shipped head (bf16-stored, its layer one Stack): one kernel call per level gives the drafts,
+    and for sampled rows the draft probabilities, bit for bit, of the separate calls."""
+    from specdec.api import encode_prompts, load, load_eagle_head
+    from specdec.lm import prefill_joining
+    from specdec.sampling import SamplingConfig
+    target = load()
+    native = build_proposer("eagle", head=load_eagle_head(target), target=target.model, draft_vocab=1024)
+    separate = build_proposer("eagle", head=native.head, target=target.model, draft_vocab=1024)
+    separate.native = False
+    assert native.native
+    prompts = encode_prompts(target, ["def add(a, b):\n", "import os\nfor path in"], 8)
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        proposals = []
+        for p in (native, separate):
+            cache = target.model.new_cache(2, 80)
+            cache.regroup([])
+            hidden = prefill_joining(target.model, cache, prompts, p.features)
+            state = p.start(prompts, hidden, [sampling] * 2, 80, 5)
+            proposals.append(p.propose(state, torch.tensor([5, 3]), (1,) * 5, torch.Generator().manual_seed(0)))
+        a, b = proposals
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+        assert (a.draft_probs is None) == (b.draft_probs is None) == sampling.greedy
+        if a.draft_probs is not None:
+            assert torch.equal(a.draft_probs, b.draft_probs)

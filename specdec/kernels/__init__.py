@@ -176,22 +176,30 @@ def can_store_bf16() -> bool:
     return compiled() is not None
 
 
-def draft_block(model, ids: torch.Tensor, cache, positions: torch.Tensor | None, columns: torch.Tensor,
-                unembedding, vocab_ids: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A drafter's step as ONE kernel call (cpu.cpp's draft_block): the forward of `model` (a
-    LlamaForCausalLM whose layers run as one Stack, no embedding scale) over ids (B, W) with its
-    cache, the final norm and the unembedding (a packed Linear over the ids vocab_ids (N,)) at
-    columns (B, m), each slot's argmax as target ids (B, m); with `logits` also the logits (B, m, N).
-    The cache advances by W, as after model(ids, cache=cache)."""
+def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, cache, positions: torch.Tensor | None,
+                inv_freq: torch.Tensor, columns: torch.Tensor, norm, unembedding, vocab_ids: torch.Tensor,
+                logits: bool, fuse=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A drafter's step as ONE kernel call (cpu.cpp's draft_block): the rows of `embedding` (V, C) for
+    ids (B, W) — with `fuse` = (prev (B, W, C), embed_norm, prev_norm, proj): an EAGLE head's input
+    proj([RMSNorm(emb); RMSNorm(prev)]) — through the decoder layers `stack` with its cache, then
+    RMSNorm `norm` and the unembedding (a packed Linear over the ids vocab_ids (N,)) at columns
+    (B, m). Returns each slot's argmax as target ids (B, m), the logits (B, m, N) when `logits` is
+    asked (else None), and the layers' output at the columns (B, m, C). The cache advances by W."""
     cache.check_room(ids.shape[1])
-    norm = model.model.norm
-    out = compiled().draft_block(model.stack, model.model.embed_tokens.weight.detach(), ids.contiguous(), cache.keys,
-                                 cache.values, cache.lengths,
-                                 _EMPTY_LONG if positions is None else positions.contiguous(), model.inv_freq,
-                                 columns.contiguous(), norm.scale.detach().float().contiguous(), norm.eps,
-                                 unembedding.packed, vocab_ids, logits)
+    prev, embed_norm, prev_norm, proj = (_EMPTY, _EMPTY, _EMPTY, _EMPTY_BF16) if fuse is None else (
+        fuse[0].contiguous(), _scale(fuse[1]), _scale(fuse[2]), fuse[3].packed)
+    tokens, out, picked = compiled().draft_block(
+        stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, cache.keys, cache.values,
+        cache.lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq, columns.contiguous(),
+        _scale(norm), norm.eps, unembedding.packed, vocab_ids, logits)
     cache.advance(ids.shape[1])
-    return out[0], out[1] if logits else None
+    return tokens, out if logits else None, picked
+
+
+def _scale(norm) -> torch.Tensor:
+    """What an RMSNorm module multiplies by, as the kernels read it."""
+    return norm.scale.detach().float().contiguous()
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)
+_EMPTY_BF16 = torch.empty(0, 1, 16, dtype=torch.bfloat16)

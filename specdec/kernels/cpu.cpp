@@ -444,13 +444,17 @@ struct Stack {
   }
 };
 
-// A drafter's whole step in one call (proposers/parallel.py): the embedding rows of `ids` (B, W),
-// the decoder layers over them (Stack::forward, the cache gaining their entries), the final RMSNorm
-// at `columns` (B, m) and the unembedding over a draft vocabulary `unembed` (packed, N rows whose
-// target ids are `vocab_ids` (N,)), then each slot's argmax, the first on ties as numpy's.
-// Returns [the argmax as target ids (B, m) int64, and where `logits` is asked, the logits (B, m, N)].
-// Every number is the one the separate calls (embedding, Stack, rms_norm, linear) compute.
+// A drafter's whole step in one call (proposers/parallel.py, proposers/eagle.py): the embedding
+// rows of `ids` (B, W) — for an EAGLE head fused with its previous output `prev` (B, W, C) as
+// proj([RMSNorm(emb); RMSNorm(prev)]) — the decoder layers over them (Stack::forward, the cache
+// gaining their entries), the final RMSNorm at `columns` (B, m) and the unembedding over a draft
+// vocabulary `unembed` (packed, N rows whose target ids are `vocab_ids` (N,)), then each slot's
+// argmax, the first on ties as numpy's. Returns [the argmax as target ids (B, m) int64, the logits
+// (B, m, N) where `logits` is asked (else empty), the layers' output at the columns (B, m, C)].
+// Every number is the one the separate calls (embedding, rms_norm, linear, Stack) compute.
 std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table, const torch::Tensor& ids,
+                                       const torch::Tensor& prev, const torch::Tensor& embed_norm,
+                                       const torch::Tensor& prev_norm, const torch::Tensor& proj,
                                        const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                        const torch::Tensor& lengths, const torch::Tensor& positions,
                                        const torch::Tensor& inv_freq, const torch::Tensor& columns,
@@ -462,30 +466,59 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2, "draft_block: ids must be (B, W) int64");
   TORCH_CHECK(columns.scalar_type() == torch::kInt64 && columns.is_contiguous() && columns.dim() == 2 &&
               columns.size(0) == ids.size(0), "draft_block: columns must be (B, m) int64");
-  TORCH_CHECK(norm.scalar_type() == torch::kFloat32 && norm.is_contiguous() && norm.numel() == C,
-              "draft_block: the final norm must be (C,) float32");
+  for (const auto* w : {&norm, &embed_norm, &prev_norm})
+    TORCH_CHECK(w->numel() == 0 || (w->scalar_type() == torch::kFloat32 && w->is_contiguous() && w->numel() == C),
+                "draft_block: norms must be (C,) float32");
+  TORCH_CHECK(norm.numel() == C, "draft_block: the final norm is needed");
   TORCH_CHECK(vocab_ids.scalar_type() == torch::kInt64 && vocab_ids.is_contiguous() && vocab_ids.dim() == 1,
               "draft_block: vocab_ids must be (N,) int64");
   const int64_t B = ids.size(0), W = ids.size(1), m = columns.size(1), V = table.size(0), N = vocab_ids.numel();
+  const int64_t M = B * W;
   check_packed(unembed, C, N, "draft_block unembedding");
-  auto x = torch::empty({B, W, C}, table.options());
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const float* T = table.data_ptr<float>();
-  float* X = x.data_ptr<float>();
-  for (int64_t i = 0; i < B * W; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < V, "draft_block: token id ", id[i], " outside the embedding (", V, " rows)");
-    std::memcpy(X + i * C, T + id[i] * C, C * sizeof(float));
+  const bool fused = prev.numel() > 0;
+  if (fused) {
+    TORCH_CHECK(prev.scalar_type() == torch::kFloat32 && prev.is_contiguous() && prev.numel() == M * C,
+                "draft_block: prev must be (B, W, C) contiguous float32");
+    TORCH_CHECK(embed_norm.numel() == C && prev_norm.numel() == C, "draft_block: prev needs both input norms");
+    check_packed(proj, 2 * C, C, "draft_block input projection");
   }
-  const auto out = stack.forward(x, k_cache, v_cache, 0, lengths, positions, inv_freq, torch::empty({0}, ids.options().dtype(torch::kBool)), {})[0];
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < V, "draft_block: token id ", id[i], " outside the embedding (", V, " rows)");
+  const float* T = table.data_ptr<float>();
+  auto x = torch::empty({B, W, C}, table.options());
+  float* X = x.data_ptr<float>();
+  if (!fused) {
+    for (int64_t i = 0; i < M; ++i) std::memcpy(X + i * C, T + id[i] * C, C * sizeof(float));
+  } else {  // [RMSNorm(emb); RMSNorm(prev)] (M, 2C), then the projection to C
+    auto both = torch::empty({M, 2 * C}, table.options());
+    float* Z = both.data_ptr<float>();
+    const float* Pv = prev.data_ptr<float>();
+    for (int64_t i = 0; i < M; ++i) {
+      g_ops->rms_norm_row(T + id[i] * C, embed_norm.data_ptr<float>(), static_cast<float>(eps), C, Z + i * 2 * C);
+      g_ops->rms_norm_row(Pv + i * C, prev_norm.data_ptr<float>(), static_cast<float>(eps), C, Z + i * 2 * C + C);
+    }
+    const int64_t P = (C + 15) / 16;
+    const int nt = static_cast<int>(std::min<int64_t>(threads(proj.numel() * 2, M), P));
+    const uint16_t* Wp = bf16_data(proj);
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+      g_ops->matmul_panels(Z, M, 2 * C, Wp, 2 * C, C, X, C, nullptr, nullptr, P * tid / n, P * (tid + 1) / n);
+    }
+  }
+  const auto out = stack.forward(x, k_cache, v_cache, 0, lengths, positions, inv_freq,
+                                 torch::empty({0}, ids.options().dtype(torch::kBool)), {})[0];
   const int64_t* col = columns.data_ptr<int64_t>();
-  auto h = torch::empty({B * m, C}, table.options());
+  auto picked = torch::empty({B, m, C}, table.options()), h = torch::empty({B * m, C}, table.options());
   const float* O = out.data_ptr<float>();
-  float* Hn = h.data_ptr<float>();
+  float *Pk = picked.data_ptr<float>(), *Hn = h.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < m; ++j) {
-      const int64_t c = col[b * m + j];
+      const int64_t c = col[b * m + j], r = b * m + j;
       TORCH_CHECK(c >= 0 && c < W, "draft_block: column ", c, " outside the window of ", W);
-      g_ops->rms_norm_row(O + (b * W + c) * C, norm.data_ptr<float>(), static_cast<float>(eps), C, Hn + (b * m + j) * C);
+      std::memcpy(Pk + r * C, O + (b * W + c) * C, C * sizeof(float));
+      g_ops->rms_norm_row(Pk + r * C, norm.data_ptr<float>(), static_cast<float>(eps), C, Hn + r * C);
     }
   auto y = torch::empty({B * m, N}, table.options());
   const int64_t P = (N + 15) / 16;
@@ -507,8 +540,7 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
       if (row[n] > row[best]) best = n;
     tok[r] = vid[best];
   }
-  if (!logits) return {tokens};
-  return {tokens, y.view({B, m, N})};
+  return {tokens, logits ? y.view({B, m, N}) : torch::empty({0}, table.options()), picked};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

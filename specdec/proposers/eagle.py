@@ -29,6 +29,7 @@ import torch
 
 from ..decode import pad_right
 from ..eagle import EagleHead, check_head_fits
+from .. import kernels
 from ..errors import SpecdecError
 from ..kv_cache import KVCache
 from ..lm import abilities, next_positions
@@ -73,6 +74,18 @@ class EagleProposer:
             "chosen: draft over its own, or retrain it with this version of specdec", head.draft_ids.device)
         self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
                       DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
+        # decided once: each step as one kernel call where the head's layer runs as one and its matrices are packed
+        self.native = (head.layout == "specdec" and getattr(head.layer, "stack", None) is not None
+                       and head.proj.packed is not None and self.vocab.unembedding.packed is not None
+                       and target.model.embedding_scale is None)
+
+    def native_step(self, ahead, prev, cache, positions, columns):
+        """The head's step as ONE kernel call (kernels.draft_block): ahead (B, W) tokens, prev (B, W, C)
+        g or its own output -> (argmax, logits (B, m, N), output (B, m, C)) at columns (B, m)."""
+        head = self.head
+        return kernels.draft_block(head.layer.stack, self.target.model.embed_tokens.weight, ahead, cache, positions,
+                                   head.inv_freq, columns, head.norm, self.vocab.unembedding, self.vocab.ids, True,
+                                   fuse=(prev, head.embed_norm, head.hidden_norm, head.proj))
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -121,21 +134,30 @@ class EagleProposer:
             return Proposal.empty(B, device)
         head, embed = self.head, self.target.model.embed_tokens
         positions = next_positions(state.cache, W, self.context)
-        h = head(embed(state.ahead), head.fuse(state.features), head.window(positions, state.cache, W))  # (B, W, C)
-        last = torch.tensor([max(n, 1) - 1 for n in state.lengths], device=device)[:, None, None]      # (B, 1, 1)
-        prev = h.gather(1, last.expand(B, 1, h.shape[2]))                                              # (B, 1, C)
+        last = torch.tensor([max(n, 1) - 1 for n in state.lengths], device=device)[:, None]  # (B, 1)
+        if self.native:  # the head over the pending positions, its norm and unembedding at the last: one call
+            _, logits, prev = self.native_step(state.ahead, head.fuse(state.features), state.cache, positions, last)
+        else:
+            h = head(embed(state.ahead), head.fuse(state.features), head.window(positions, state.cache, W))  # (B, W, C)
+            prev = h.gather(1, last[..., None].expand(B, 1, h.shape[2]))                                    # (B, 1, C)
+            logits = head.logits(prev[:, 0], self.vocab.unembedding)
         state.committed = [n + w for n, w in zip(state.committed, state.lengths)]
         state.cache.rollback(state.committed)
         state.fed = True
+        first = torch.zeros(B, 1, dtype=torch.long, device=device)
+
         def advance(j, token):  # d_{j+2} from position T+j: the draft just made, its own output as the feature
             nonlocal prev
             positions = next_positions(state.cache, 1, self.context)
+            if self.native:
+                _, logits, prev = self.native_step(token[:, None], prev, state.cache, positions, first)
+                return logits[:, 0]
             prev = head(embed(token[:, None]), prev, head.window(positions, state.cache, 1))
             state.cache.advance(1)
             return head.logits(prev[:, 0], self.vocab.unembedding)
 
-        tokens, probs, scores = draft_chain(head.logits(prev[:, 0], self.vocab.unembedding), m, advance,
-                                            state.samplings, generator, self.vocab, self.vocab_size)
+        tokens, probs, scores = draft_chain(logits.reshape(B, -1), m, advance, state.samplings, generator,
+                                            self.vocab, self.vocab_size)
         # a one-token prompt has no features yet: no drafts
         lengths = torch.tensor([lim if n > 0 else 0 for lim, n in zip(limit, state.lengths)], device=device)
         return with_alternatives(Proposal(tokens, lengths, probs), scores, widths, self.vocab, self.vocab_size)

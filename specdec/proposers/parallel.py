@@ -88,8 +88,10 @@ class ParallelDraftProposer(DraftModelProposer):
         greedy = all(cfg.greedy for cfg in state.samplings)
         tree = max(widths[:m], default=1) > 1
         if self.native:  # the whole step in one kernel call
-            tokens, logits = kernels.draft_block(self.model, window, state.cache, positions, columns,
-                                                 self.vocab.unembedding, self.vocab.ids, not greedy or tree)
+            model = self.model
+            tokens, logits, _ = kernels.draft_block(model.stack, model.model.embed_tokens.weight, window, state.cache,
+                                                    positions, model.inv_freq, columns, model.model.norm,
+                                                    self.vocab.unembedding, self.vocab.ids, not greedy or tree)
         else:
             logits = self.model(window, positions=positions, cache=state.cache, logits_index=columns,
                                 unembedding=self.vocab.unembedding).logits   # (B, m, N)
