@@ -5,7 +5,8 @@ Objectives (objectives.py): "next-token", or next-token + multi-token prediction
 ("mtp-parallel", "mtp-sequential", heads.py), either pretrained jointly from scratch or, with
 `frozen_trunk`, added to an existing checkpoint whose weights (embedding and lm_head included)
 stay frozen while only the heads train. "eagle": an EAGLE-3 draft head (eagle.py) learns from the
-frozen `target` checkpoint's features and distributions with the training-time test. "distill": a draft model learns the frozen `teacher`
+frozen `target` checkpoint's features and distributions with the training-time test. "block": a
+block head (block.py) learns the same way to draft a whole block per forward, on random anchors. "distill": a draft model learns the frozen `teacher`
 (target) checkpoint's next-token distribution (KL(target || draft), objectives.py), on the
 teacher's tokenizer, from scratch or from `init_from` (an existing checkpoint's weights).
 
@@ -16,7 +17,8 @@ A run lives in one output folder:
   model/                                   the exported checkpoint (bf16, transformers layout), unless
                                            the trunk is frozen
   heads/                                   the exported MTP heads (heads.py), for the model in model/
-                                           or for the frozen trunk; or the EAGLE head (eagle.py)
+                                           or for the frozen trunk; or the EAGLE head (eagle.py),
+                                           or the block head (block.py)
   loss.png                                 training and validation loss curves
 Batches are a pure function of (seed, step), so an interrupted run resumes to the same result.
 Under torchrun each process takes its share of the global batch and the gradients are averaged
@@ -44,6 +46,7 @@ from ..atomic import atomic_dir, recover
 from ..bench.conditions import shown_path
 from ..checkpoint import TOKENIZER, WEIGHTS, load_model, read_config, save_model, sha256
 from ..errors import SpecdecError
+from ..block import BlockHead, initial_head as initial_block_head, save_block
 from ..eagle import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
 from ..heads import MTPHeads, build_heads, save_heads
 from ..device import resolve as resolve_device
@@ -51,8 +54,8 @@ from ..model import LlamaConfig, LlamaForCausalLM, device_of, place
 from ..tokenizer import Tokenizer
 from .corpus import Corpus
 from .data import eval_batches, preparation_key, tokenize, window_batch
-from .objectives import (OBJECTIVES, LossWeights, distill_loss, distill_metrics, eagle_backward, eagle_metrics,
-                         mtp_backward, mtp_losses, next_token_loss)
+from .objectives import (OBJECTIVES, LossWeights, block_backward, block_metrics, distill_loss, distill_metrics,
+                         eagle_backward, eagle_metrics, mtp_backward, mtp_losses, next_token_loss)
 
 
 @dataclass
@@ -95,6 +98,10 @@ class TrainConfig:
     eagle_decay: float = 0.8            # eagle: step j's loss weight is decay^j
     draft_vocab: int = 4096             # eagle: the N most frequent training token ids the head drafts over
     eagle_layout: str = "specdec"       # eagle: the head's weight layout (eagle.LAYOUTS; eagle3: exportable to vLLM)
+    block_size: int = 8                 # block: drafts per forward the head is trained for (k)
+    block_anchors: int = 32             # block: random anchors (blocks of mask slots) per training window
+    block_attention: str = "bidirectional"  # block: attention among a block's masks (or causal)
+    block_layers: int = 1               # block: decoder layers of the head
 
     def validate(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batch <= 0 or self.seq_len <= 1:
@@ -119,9 +126,15 @@ class TrainConfig:
         if self.mtp and not 1 <= self.mtp_depth < self.seq_len - 1:
             raise SpecdecError(f"mtp_depth must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
                                f"got {self.mtp_depth}")
-        if (self.objective == "eagle") != (self.target is not None):
-            raise SpecdecError("an EAGLE head needs its target and a target needs the eagle objective: give both "
-                               "--objective eagle and --target MODEL")
+        if (self.objective in ("eagle", "block")) != (self.target is not None):
+            raise SpecdecError("an EAGLE or block head needs its target and a target needs the eagle or block "
+                               "objective: give both --objective eagle|block and --target MODEL")
+        if self.block and not (1 <= self.block_size <= self.seq_len - 2 and self.block_anchors >= 1
+                               and self.block_layers >= 1 and self.block_attention in BLOCK_ATTENTION):
+            raise SpecdecError(f"block: --block-size must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
+                               f"--block-anchors and --block-layers >= 1, --block-attention one of "
+                               f"{', '.join(BLOCK_ATTENTION)}; got {self.block_size}, {self.block_anchors}, "
+                               f"{self.block_layers}, {self.block_attention}")
         if self.eagle and not (1 <= self.eagle_steps <= self.seq_len - 2 and 0 < self.eagle_decay <= 1
                                and self.draft_vocab >= 1):
             raise SpecdecError(f"eagle: --eagle-steps must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
@@ -132,6 +145,15 @@ class TrainConfig:
     @property
     def eagle(self) -> bool:
         return self.objective == "eagle"
+
+    @property
+    def block(self) -> bool:
+        return self.objective == "block"
+
+    @property
+    def head_steps(self) -> int:
+        """Drafts per position an EAGLE or block head is validated on (its unrolled steps, its block)."""
+        return self.block_size if self.block else self.eagle_steps
 
     @property
     def frozen(self) -> str | None:
@@ -145,6 +167,9 @@ class TrainConfig:
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.mtp_depth, self.mtp_lambda, self.mtp_lambda_late, self.mtp_lambda_switch,
                            self.mtp_beta)
+
+
+BLOCK_ATTENTION = ("bidirectional", "causal")
 
 
 def with_frozen_trunk(cfg: TrainConfig) -> TrainConfig:
@@ -207,16 +232,21 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+BLOCK_EVAL_ANCHORS = 32  # blocks per validation window (the same anchors at every validation)
+
+
 @torch.no_grad()
-def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_len: int, max_windows: int,
-             teacher=None, eagle_steps: int = 0) -> list[float]:
+def evaluate(model, heads: MTPHeads | EagleHead | BlockHead | None, tokens: np.ndarray, seq_len: int,
+             max_windows: int, teacher=None, eagle_steps: int = 0) -> list[float]:
     """Mean validation losses over evenly spread windows: [next-token, head 1, .., head depth], or
     with a teacher [KL(teacher || model), greedy agreement, next-token] (objectives.distill_metrics),
     or for an EAGLE head [KL per step.., alpha per position..] (objectives.eagle_metrics; the alphas
-    pooled over all windows)."""
+    pooled over all windows), or for a block head the same per block slot (objectives.block_metrics,
+    eagle_steps = its block size)."""
     was_training = model.training
     model.eval()
     losses = []
+    anchors = torch.Generator().manual_seed(0)
     for b in eval_batches(tokens, seq_len, max_windows):
         b = b.to(device_of(model))
         if teacher is not None:
@@ -225,10 +255,13 @@ def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_
         if isinstance(heads, EagleHead):
             losses.append(eagle_metrics(model, heads, b, eagle_steps))
             continue
+        if isinstance(heads, BlockHead):
+            losses.append(block_metrics(model, heads, b, BLOCK_EVAL_ANCHORS, anchors))
+            continue
         parts = [next_token_loss(model, b)] if heads is None else mtp_losses(model, heads, b, train_trunk=False)
         losses.append([part.item() for part in parts])
     model.train(was_training)
-    if isinstance(heads, EagleHead):  # alphas from the pooled counts, not a mean of per-batch ratios
+    if isinstance(heads, (EagleHead, BlockHead)):  # alphas from the pooled counts, not a mean of per-batch ratios
         kls, alphas, reached = (np.array([row[i * eagle_steps:(i + 1) * eagle_steps] for row in losses])
                                 for i in range(3))
         pooled = (alphas * reached).sum(0) / np.maximum(reached.sum(0), 1)
@@ -363,7 +396,11 @@ def _identity(config: dict, trunk_sha256: str | None, teacher_sha256: str | None
             "EAGLE layers, draft vocabulary and layout": (None if config.get("eagle_layers") is None else
                                                           list(config["eagle_layers"]), config.get("draft_vocab"),
                                                           config.get("eagle_layout", "specdec"))
-            if objective == "eagle" else None}
+            if objective == "eagle" else None,
+            "block head layers, draft vocabulary, block size, attention and depth": (
+                None if config.get("eagle_layers") is None else list(config["eagle_layers"]), config.get("draft_vocab"),
+                config.get("block_size"), config.get("block_attention"), config.get("block_layers"))
+            if objective == "block" else None}
 
 
 def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
@@ -391,9 +428,10 @@ def _build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
     return model.train(not cfg.frozen), heads
 
 
-def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.ndarray) -> EagleHead:
-    """A fresh EAGLE head for the frozen target over the draft_vocab ids most frequent in the
-    training tokens, from the seed (the caller's generator state is given back)."""
+def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.ndarray) -> EagleHead | BlockHead:
+    """A fresh EAGLE head (or block head, for the block objective) for the frozen target over the
+    draft_vocab ids most frequent in the training tokens, from the seed (the caller's generator
+    state is given back)."""
     counts = torch.from_numpy(np.bincount(train_tokens, minlength=cfg.model.vocab_size))
     if cfg.draft_vocab > cfg.model.vocab_size:
         raise SpecdecError(f"a draft vocabulary of {cfg.draft_vocab} tokens is larger than the target's "
@@ -402,7 +440,9 @@ def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.nda
     layers = cfg.eagle_layers if cfg.eagle_layers is not None else default_layer_ids(cfg.model.num_hidden_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        head = initial_head(target, layers, ids, cfg.eagle_layout)
+        head = (initial_block_head(target, layers, ids, cfg.block_size, cfg.block_layers,
+                                   cfg.block_attention == "causal") if cfg.block else
+                initial_head(target, layers, ids, cfg.eagle_layout))
     head.token_counts = counts  # saved with it: a smaller draft vocabulary can be chosen at drafting time
     return head
 
@@ -444,7 +484,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     train_tokens, valid_tokens = run.tokens("train"), run.tokens("valid")
 
     model, heads = build(cfg)
-    if cfg.eagle:
+    if cfg.eagle or cfg.block:
         heads = build_eagle(cfg, model, train_tokens)
     place(model, device)
     if heads is not None:
@@ -464,9 +504,9 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         # the starting point's validation figures: the "before" of the distillation
         _record(history, "valid", 0, evaluate(model, None, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher),
                 None, distill=True)
-    if cfg.eagle and step == 0 and run.rank == 0:  # the untrained head: the "before" of its curves
+    if (cfg.eagle or cfg.block) and step == 0 and run.rank == 0:  # the untrained head: the "before" of its curves
         _record(history, "valid", 0, evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows,
-                                              eagle_steps=cfg.eagle_steps), heads)
+                                              eagle_steps=cfg.head_steps), heads)
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
     while step < last:
         t0 = time.time()
@@ -475,7 +515,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         batch = window_batch(train_tokens, cfg.seed, step, cfg.batch_size, cfg.seq_len)
         batch = batch[run.rank * per_rank:(run.rank + 1) * per_rank]
         loss_sums = None
-        for mb in batch.to(device).split(cfg.micro_batch):
+        for i, mb in enumerate(batch.to(device).split(cfg.micro_batch)):
             # each process contributes its share of the global mean; gradients are averaged over processes
             scale = mb.shape[0] * run.world / cfg.batch_size
             if teacher is not None:
@@ -484,6 +524,9 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
                 losses = [loss.item()]
             elif cfg.eagle:
                 losses = eagle_backward(model, heads, mb, cfg.eagle_steps, cfg.eagle_decay, scale)
+            elif cfg.block:  # the anchors, like the batches, a pure function of (seed, step, rank, micro-batch)
+                anchors = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + step) * 1009 + run.rank) * 1009 + i)
+                losses = block_backward(model, heads, mb, cfg.block_anchors, scale, anchors)
             elif heads is None:
                 loss = next_token_loss(model, mb)
                 (loss * scale).backward()
@@ -504,7 +547,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
         if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
             _record(history, "valid", step,
-                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher, cfg.eagle_steps),
+                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher, cfg.head_steps),
                     heads, distill=teacher is not None)
         bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}",
                         val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
@@ -544,7 +587,7 @@ def _record(history: dict, split: str, step: int, losses: list[float], heads, di
     if heads is None:
         history[split].append([step, losses[0]])
         return
-    if isinstance(heads, EagleHead) and split == "valid":  # [KL per step.., alpha per position..]
+    if isinstance(heads, (EagleHead, BlockHead)) and split == "valid":  # [KL per step.., alpha per position..]
         steps = len(losses) // 2
         history[split].append([step, float(np.mean(losses[:steps]))])
         history.setdefault(f"{split}_heads", []).append([step, losses[:steps]])
@@ -559,6 +602,9 @@ def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: d
            teacher=None, command: list[str] | None = None) -> None:
     if isinstance(heads, EagleHead):
         export_eagle(run, model, heads, history, seconds, command)
+        return
+    if isinstance(heads, BlockHead):
+        export_block(run, model, heads, history, seconds, command)
         return
     cfg = run.cfg
     prov = json.loads((run.work / "prepared.json").read_text())
@@ -657,6 +703,42 @@ def export_eagle(run: Run, target: LlamaForCausalLM, head: EagleHead, history: d
     params = sum(p.numel() for p in head.parameters())
     plot_eagle_history(history, run.out / "loss.png",
                        f"{run.out.name}: {params / 1e6:.1f}M EAGLE head on a frozen {Path(cfg.target).name}")
+
+
+def export_block(run: Run, target: LlamaForCausalLM, head: BlockHead, history: dict, seconds: float,
+                 command: list[str] | None) -> None:
+    """The block head folder (block.py) with its recipe, validation and test figures, and loss.png."""
+    cfg = run.cfg
+    prov = json.loads((run.work / "prepared.json").read_text())
+    test = run.tokens("test")
+    k = head.block
+    recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key))) for key in ("target", "tokenizer", "out")}}
+    figures = (evaluate(target, head, test, cfg.seq_len, cfg.test_windows, eagle_steps=k)
+               if len(test) > cfg.seq_len else None)
+    meta = {
+        "recipe": recipe,
+        "recipe_command": " ".join(command) if command else None,
+        "target": recipe["target"],
+        "objective": (f"KL(target || head) over the {head.draft_vocab_size}-token draft vocabulary at each of the {k} "
+                      f"block slots ({head.attention} attention among the masks), {cfg.block_anchors} random anchors "
+                      "per window, slot 0 at every window position"),
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "training_seconds": round(seconds, 1),
+        "final_valid_slot_kl": history["valid_heads"][-1][1] if history.get("valid_heads") else None,
+        "final_valid_alpha_per_slot": history["valid_alpha"][-1][1] if history.get("valid_alpha") else None,
+        "test_slot_kl": figures[:k] if figures else None,
+        "test_alpha_per_slot": figures[k:] if figures else None,
+        "test_tokens_evaluated": min(cfg.test_windows, len(test) // cfg.seq_len) * cfg.seq_len if figures else 0,
+        "alpha_note": (f"greedy acceptance of block slot i given slots 1..i-1 accepted, over {BLOCK_EVAL_ANCHORS} "
+                       "random anchors per held-out window whose tokens are the target's greedy choices along the "
+                       "drafted path (train/anchors.block_acceptance)"),
+        "corpus": {"sources": prov["sources"], "sha256": prov["sha256"], "tokens": prov["tokens"]},
+        "history": history,
+    }
+    save_block(head, run.out / "heads", run.trunk_sha256, meta=meta)
+    params = sum(p.numel() for p in head.parameters())
+    plot_eagle_history(history, run.out / "loss.png", f"{run.out.name}: {params / 1e6:.1f}M block head "
+                       f"({head.attention}, k={k}) on a frozen {Path(cfg.target).name}")
 
 
 def plot_eagle_history(history: dict, path: Path, title: str) -> None:
