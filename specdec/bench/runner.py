@@ -59,8 +59,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..api import (DEFAULT_EAGLE, DEFAULT_HEADS, encode_prompts, load, load_draft_model, load_eagle_head,
-                   load_mtp_heads)
+from ..api import (DEFAULT_BLOCK, DEFAULT_EAGLE, DEFAULT_HEADS, encode_prompts, load, load_block_head,
+                   load_draft_model, load_eagle_head, load_mtp_heads)
 from ..checkpoint import read_meta
 from ..costmodel import predicted_speedup, speedup_limit
 from ..decode import plain_generate
@@ -84,7 +84,7 @@ from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
-SPEC_METHODS = ("draft-model", "ngram", "mtp", "suffix", "eagle")
+SPEC_METHODS = ("draft-model", "ngram", "mtp", "suffix", "eagle", "block")
 NGRAM = {"max_n": 3, "min_n": 1}
 # MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
@@ -257,6 +257,14 @@ class Bench:
                                                             head.draft_vocab_size),
                                          "parameters": sum(p.numel() for p in head.parameters()),
                                          **training_budget(heads_meta(eagle_path or DEFAULT_EAGLE))}
+        if "block" in plan.methods:  # the shipped block head, over its own draft vocabulary
+            head = load_block_head(self.target)
+            self.proposers["block"] = build_proposer("block", head=head, target=self.target.model)
+            self.method_info["block"] = {"name": "block", "path": shown_path(DEFAULT_BLOCK), "head_kind": head.kind,
+                                         "layer_ids": list(head.layer_ids), "block": head.block,
+                                         "attention": head.attention, "draft_vocab": head.draft_vocab_size,
+                                         "parameters": sum(p.numel() for p in head.parameters()),
+                                         **training_budget(heads_meta(DEFAULT_BLOCK))}
         self.peers = (Peers(self.target.path, self.draft.path, peer_dtype, self.device)
                       if any(c.peer_k for c in plan.cells) else None)
         if self.peers is not None:
@@ -265,7 +273,7 @@ class Bench:
     def configs(self, cell: Cell) -> list[Config]:
         configs = [Config("plain")]
         for method in self.plan.methods:
-            depth = self.heads.depth if method == "mtp" else None
+            depth = self.proposers[method].max_depth  # MTP heads and a block head draft a bounded block
             configs += [Config(method, k) for k in cell.ks if depth is None or k <= depth]
             configs += [Config(method, len(w), w) for w in cell.trees if depth is None or len(w) <= depth]
             configs += [Config(method, len(w), w, dynamic=True) for w in cell.trees if method == "draft-model"]
@@ -311,6 +319,7 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
             "draft": model_info(bench.draft.model, bench.draft.path) if bench.draft else "not used",
             "mtp_heads": bench.method_info.get("mtp", "not used"),
             "eagle_head": bench.method_info.get("eagle", "not used"),
+            "block_head": bench.method_info.get("block", "not used"),
             "hardware": hardware(bench.device), "backend": backend(bench.target.model),
             # the CPU's roofs (its kernels' FMA peak, its memory bandwidth) where the models run on it
             "roofline": roofline(measured_read_bandwidth() / 1e9) if bench.device.type == "cpu" else "not measured: "
