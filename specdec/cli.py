@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--block-anchors", type=int, metavar="N",
                    help="block: random anchors (blocks of mask slots) per training window (default 32)")
     t.add_argument("--block-attention", choices=["bidirectional", "causal"],
-                   help="block: attention among a block's mask queries (default bidirectional)")
+                   help="block: attention among a block's mask queries (default causal)")
     t.add_argument("--block-layers", type=int, metavar="N", help="block: decoder layers of the head (default 1)")
     t.add_argument("--eagle-layout", choices=["specdec", "eagle3"],
                    help="eagle: the head's layout: specdec (its layer is one CPU-kernel call; default) or eagle3 "

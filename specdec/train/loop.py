@@ -100,7 +100,7 @@ class TrainConfig:
     eagle_layout: str = "specdec"       # eagle: the head's weight layout (eagle.LAYOUTS; eagle3: exportable to vLLM)
     block_size: int = 8                 # block: drafts per forward the head is trained for (k)
     block_anchors: int = 32             # block: random anchors (blocks of mask slots) per training window
-    block_attention: str = "bidirectional"  # block: attention among a block's masks (or causal)
+    block_attention: str = "causal"     # block: attention among a block's masks (or bidirectional)
     block_layers: int = 1               # block: decoder layers of the head
 
     def validate(self):
