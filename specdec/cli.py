@@ -279,7 +279,8 @@ def cmd_bench(args) -> None:
     from .bench.runner import run_bench
 
     result = run_bench(bench_plan(args), args.model, args.draft_model, args.heads, torch_dtype(args.dtype),
-                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle, device=args.device)
+                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle, device=args.device,
+                       block_path=args.block)
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
 
@@ -564,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
+    b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
     b.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     b.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     b.add_argument("--methods", nargs="+",

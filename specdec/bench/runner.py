@@ -212,7 +212,7 @@ class Bench:
 
     def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
                  dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None,
-                 device: str | torch.device | None = None):
+                 block_path=None, device: str | torch.device | None = None):
         self.plan = plan
         self.target = load(target_path, dtype=dtype, device=device)
         self.device = device_of(self.target.model)
@@ -257,14 +257,15 @@ class Bench:
                                                             head.draft_vocab_size),
                                          "parameters": sum(p.numel() for p in head.parameters()),
                                          **training_budget(heads_meta(eagle_path or DEFAULT_EAGLE))}
-        if "block" in plan.methods:  # the shipped block head, over its own draft vocabulary
-            head = load_block_head(self.target)
+        if "block" in plan.methods:  # over its own draft vocabulary
+            head = load_block_head(self.target, block_path)
             self.proposers["block"] = build_proposer("block", head=head, target=self.target.model)
-            self.method_info["block"] = {"name": "block", "path": shown_path(DEFAULT_BLOCK), "head_kind": head.kind,
+            self.method_info["block"] = {"name": "block", "path": shown_path(block_path or DEFAULT_BLOCK),
+                                         "head_kind": head.kind,
                                          "layer_ids": list(head.layer_ids), "block": head.block,
                                          "attention": head.attention, "draft_vocab": head.draft_vocab_size,
                                          "parameters": sum(p.numel() for p in head.parameters()),
-                                         **training_budget(heads_meta(DEFAULT_BLOCK))}
+                                         **training_budget(heads_meta(block_path or DEFAULT_BLOCK))}
         self.peers = (Peers(self.target.path, self.draft.path, peer_dtype, self.device)
                       if any(c.peer_k for c in plan.cells) else None)
         if self.peers is not None:
@@ -305,13 +306,14 @@ class Bench:
 
 def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
               dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None,
-              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None, device: str | torch.device | None = None) -> dict:
+              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None, device: str | torch.device | None = None,
+              block_path=None) -> dict:
     """Run the plan on `device` (default the CPU); `command` (the argv that asked for it) is recorded
     with the result."""
     started = time.perf_counter()
     check_plan(plan)
     with torch.inference_mode():
-        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, device)
+        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, block_path, device)
         cells = [(cell, bench.configs(cell)) for cell in plan.cells]
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {
