@@ -128,7 +128,7 @@ class TrainConfig:
                                f"got {self.mtp_depth}")
         if (self.objective in ("eagle", "block")) != (self.target is not None):
             raise SpecdecError("an EAGLE or block head needs its target and a target needs the eagle or block "
-                               "objective: give both --objective eagle|block and --target MODEL")
+                               "objective: give both --objective block or --objective eagle and --target MODEL")
         if self.block and not (1 <= self.block_size <= self.seq_len - 2 and self.block_anchors >= 1
                                and self.block_layers >= 1 and self.block_attention in BLOCK_ATTENTION):
             raise SpecdecError(f"block: --block-size must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
