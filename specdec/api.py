@@ -11,6 +11,8 @@
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=mtp)      # k = one per head
     eagle = build_proposer("eagle", head=load_eagle_head(target), target=target.model)  # the shipped head
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=eagle, k=4)
+    block = build_proposer("block", head=load_block_head(target), target=target.model)  # k drafts, one forward
+    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=block, k=4)
 
 Prompts follow the checkpoint's rules (tokenizer.py): specdec's own models see the document
 separator <|endoftext|> first, as every training document was; another checkpoint its BOS where
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from . import inputs, kernels
+from .block import BlockHead, load_block
 from .checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
 from .decode import plain_generate
 from .eagle import EagleHead, load_eagle
@@ -55,6 +58,7 @@ DEFAULT_DRAFT = MODELS / "draft"
 DEFAULT_HEADS = MODELS / "target-mtp"
 DEFAULT_EAGLE = MODELS / "eagle"
 DEFAULT_PARALLEL = MODELS / "parallel-draft"
+DEFAULT_BLOCK = MODELS / "block-head"
 
 
 @dataclass
@@ -149,6 +153,16 @@ def load_eagle_head(target: Loaded, path: str | Path | None = None) -> EagleHead
         raise SpecdecError(f"the shipped EAGLE head is missing at {path}: run from a full clone of specdec "
                            "or pass a head folder")
     return load_eagle(path, target.path, dtype=compute_dtype(target.model), device=device_of(target.model))
+
+
+def load_block_head(target: Loaded, path: str | Path | None = None) -> BlockHead:
+    """A block head for `target` (default: the shipped head of the shipped target), in the target's
+    dtype; a head trained for another target is refused (checkpoint hash, see block.load_block)."""
+    path = Path(path) if path is not None else DEFAULT_BLOCK
+    if path == DEFAULT_BLOCK and not path.exists():
+        raise SpecdecError(f"the shipped block head is missing at {path}: run from a full clone of specdec "
+                           "or pass a head folder")
+    return load_block(path, target.path, dtype=compute_dtype(target.model), device=device_of(target.model))
 
 
 def default_k(proposer: Proposer | None, widths: tuple[int, ...] | None = None) -> int | str:

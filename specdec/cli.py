@@ -21,7 +21,7 @@ def cmd_train(args) -> None:
                  "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
                  "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k",
                  "target", "eagle_steps", "eagle_decay", "draft_vocab", "device", "eagle_layout", "parallel_block",
-                 "parallel_anchors"):
+                 "parallel_anchors", "block_size", "block_anchors", "block_attention", "block_layers"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
@@ -135,7 +135,7 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 
 def make_proposer(args, target):
-    from .api import load_draft_model, load_eagle_head, load_mtp_heads, load_parallel_draft
+    from .api import load_block_head, load_draft_model, load_eagle_head, load_mtp_heads, load_parallel_draft
     from .proposers import build_proposer
 
     if args.draft == "none":
@@ -154,6 +154,9 @@ def make_proposer(args, target):
     if args.draft == "eagle":
         return build_proposer("eagle", head=load_eagle_head(target, args.heads), target=target.model,
                               draft_vocab=args.draft_vocab)
+    if args.draft == "block":
+        return build_proposer("block", head=load_block_head(target, args.heads), target=target.model,
+                              draft_vocab=args.draft_vocab)
     sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
     return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
 
@@ -163,14 +166,15 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", choices=["none", *DRAFTS], default="none",
                    help="speculative decoding with this proposer (default: plain decoding; mtp: the "
                         "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features; "
+                        "block: a block head drafting all k tokens in one forward from the target's features; "
                         "suffix: suffix-tree lookup over the prompt and earlier outputs; parallel: a draft model "
                         "that drafts a whole block in one forward)")
     p.add_argument("--draft-model", help="draft model folder for --draft draft-model or parallel (default: the "
                                          "shipped draft, models/draft or models/parallel-draft)")
-    p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle "
-                                   "(default: the shipped target's)")
+    p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle, "
+                                   "block head folder for --draft block (default: the shipped target's)")
     p.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="--draft mtp, eagle, draft-model or parallel: draft over the N token ids most frequent in the "
+                   help="--draft mtp, eagle, block, draft-model or parallel: draft over the N token ids most frequent in the "
                         "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
                         "an EAGLE head's own draft vocabulary)")
     p.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
@@ -214,7 +218,7 @@ def tree_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
-DRAFTS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle")
+DRAFTS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
               "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
@@ -281,7 +285,8 @@ def cmd_bench(args) -> None:
     from .bench.runner import run_bench
 
     result = run_bench(bench_plan(args), args.model, args.draft_model, args.heads, torch_dtype(args.dtype),
-                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle, device=args.device)
+                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle, device=args.device,
+                       block_path=args.block)
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
 
@@ -437,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default="target",
                    help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
                         "target-eagle: the shipped EAGLE head of the shipped target; target-eagle3: the same "
-                        "in EAGLE-3's reference layout (models/eagle3, exportable to vLLM); "
+                        "in EAGLE-3's reference layout (models/eagle3, exportable to vLLM); target-block: the "
+                        "shipped block head (models/block-head); "
                         "draft-distill: the shipped draft distilled from the shipped target; parallel-draft: the "
                         "shipped parallel draft (models/parallel-draft), adapted from the shipped draft")
     t.add_argument("--out", required=True, help="run folder (resumed if it already holds a run)")
@@ -457,25 +463,33 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
     t.add_argument("--save-every", type=int, help="save the resume state every N steps (default: the preset's)")
     t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
-    t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle",
-                                           "parallel"],
+    t.add_argument("--objective",
+                   choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
                         "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher, "
-                        "or eagle: an EAGLE-3 draft head for the frozen --target, or parallel: a draft model "
+                        "or eagle: an EAGLE-3 draft head for the frozen --target, or block: a block head "
+                        "drafting k tokens per forward for the frozen --target, or parallel: a draft model "
                         "with a mask token that drafts a block of k tokens in one forward (PARD), distilled "
                         "from --teacher at every block slot")
-    t.add_argument("--target", metavar="MODEL", help="eagle: the frozen target checkpoint the head drafts for "
-                                                     "(its tokenizer is used)")
+    t.add_argument("--target", metavar="MODEL", help="eagle, block: the frozen target checkpoint the head drafts "
+                                                     "for (its tokenizer is used)")
+    t.add_argument("--block-size", type=int, metavar="K",
+                   help="block: the most drafts per forward the head is trained for (default 8)")
+    t.add_argument("--block-anchors", type=int, metavar="N",
+                   help="block: random anchors (blocks of mask slots) per training window (default 32)")
+    t.add_argument("--block-attention", choices=["bidirectional", "causal"],
+                   help="block: attention among a block's mask queries (default causal)")
+    t.add_argument("--block-layers", type=int, metavar="N", help="block: decoder layers of the head (default 1)")
     t.add_argument("--eagle-layout", choices=["specdec", "eagle3"],
                    help="eagle: the head's layout: specdec (its layer is one CPU-kernel call; default) or eagle3 "
                         "(EAGLE-3's reference layer, exportable to vLLM with `specdec export --format speculators`)")
     t.add_argument("--eagle-layers", nargs="+", type=int, metavar="ID",
-                   help="eagle: the target decoder layers (0-based) whose outputs the head reads "
+                   help="eagle, block: the target decoder layers (0-based) whose outputs the head reads "
                         "(default: low, middle, high)")
     t.add_argument("--eagle-steps", type=int, help="eagle: draft steps unrolled in training (default 4)")
     t.add_argument("--eagle-decay", type=float, help="eagle: step j's loss weight is decay^j (default 0.8)")
     t.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="eagle: the head drafts over the N most frequent training token ids (default 4096)")
+                   help="eagle, block: the head drafts over the N most frequent training token ids (default 4096)")
     t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target checkpoint to learn from "
                                                       "(its tokenizer is used)")
     t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
@@ -564,9 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
+    b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
     b.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     b.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
-    b.add_argument("--methods", nargs="+", help="speculative methods (default: draft-model ngram mtp suffix eagle)")
+    b.add_argument("--methods", nargs="+",
+                   help="speculative methods (default: draft-model ngram mtp suffix eagle block)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
     b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")

@@ -8,6 +8,8 @@ What specdec trains maps onto these as follows:
 - A draft model (config.json + model.safetensors, transformers' Llama layout and names) is already
   what vLLM reads: the export copies the checkpoint byte for byte and adds `specdec_export.json`,
   naming the verifier (name or path, architecture) and the speculative config that serves it.
+- A block head (block.py) is refused: DFlash's drafter reads the target's features in every draft
+  layer's keys and values, a block head once as context positions; no DFlash weights compute it.
 - An EAGLE head in the eagle3 layout (`specdec train --objective eagle --eagle-layout eagle3`) is
   speculators' EAGLE-3 layer weight for weight: the export writes its config.json (speculators
   0.9's Eagle3SpeculatorConfig, the verifier named) and model.safetensors under speculators' names
@@ -67,6 +69,13 @@ def export(path: str | Path, out: str | Path, fmt: str = "speculators", verifier
     kind = folder_kind(path)
     if kind == "eagle3":
         return export_eagle3(path, out, verifier)
+    if kind == "block":
+        raise SpecdecError(
+            f"{path} holds a block head, which no speculators format holds: DFlash's drafter (speculators' and "
+            "vLLM's `dflash`) is another model, its draft layers reading the target's features in their keys and "
+            "values, where a block head reads them once, as context positions in its own cache (block.py), so "
+            "no DFlash weights compute it. The formats `specdec export` writes: a draft model (specdec export "
+            "--format speculators models/draft OUT) and an eagle3-layout EAGLE head (models/eagle3)")
     if kind.startswith("mtp"):
         raise SpecdecError(
             f"{path} holds MTP heads ({kind}), which no speculators format admits: its MTP format is one "

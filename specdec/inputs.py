@@ -115,16 +115,16 @@ def draft_length(k, proposer, widths=None) -> None:
     integer("k (draft tokens per step)", k, low=0)
     if proposer is None and k > 0:
         raise SpecdecError(f"k={k} draft tokens per step needs a proposer: pass proposer=build_proposer(...) "
-                           "(command line: --draft draft-model|parallel|ngram|mtp|suffix|eagle), or leave k out for plain decoding")
+                           "(command line: --draft draft-model|parallel|ngram|mtp|suffix|eagle|block), or leave k out for plain decoding")
 
 
 def draft_options(draft: str, given: dict[str, object]) -> None:
     """Command-line draft options: each belongs to one --draft choice; `given` maps the option
     names set on the command line (e.g. "--heads") to their values."""
-    every = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle")
+    every = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
     owners = {"-k": every, "--tree": every, "--dynamic-tree": ("draft-model",),
-              "--draft-model": ("draft-model", "parallel"), "--heads": ("mtp", "eagle"),
-              "--draft-vocab": ("mtp", "draft-model", "parallel", "eagle"), "--ngram-max": ("ngram",),
+              "--draft-model": ("draft-model", "parallel"), "--heads": ("mtp", "eagle", "block"),
+              "--draft-vocab": ("mtp", "draft-model", "parallel", "eagle", "block"), "--ngram-max": ("ngram",),
               "--ngram-min": ("ngram",)}
     for option, value in given.items():
         if value is not None and draft not in owners[option]:

@@ -51,6 +51,14 @@ PRESETS = {
     "target-eagle3": dict(target="models/target", objective="eagle", draft_vocab=4096, eagle_steps=5,
                           eagle_layout="eagle3", seq_len=256, batch_size=8, micro_batch=8, steps=500, lr=2e-3,
                           warmup=20, eval_every=50, eval_windows=24, test_windows=48, save_every=10),
+    # the shipped block head (block.py) of the shipped target: layers 1, 3, 5, a 4096-token draft vocabulary,
+    # one decoder layer, blocks of 8 drafts (7 mask queries, causal among themselves: as accepted as bidirectional
+    # ones at equal budget and cheaper, docs/block-head.md) at 32 random anchors per window; about 56 minutes
+    # on a shared 2-core CPU
+    "target-block": dict(target="models/target", objective="block", draft_vocab=4096, block_size=8,
+                         block_anchors=32, block_attention="causal", block_layers=1, seq_len=256,
+                         batch_size=8, micro_batch=8, steps=260, lr=2e-3, warmup=20, eval_every=65,
+                         eval_windows=24, test_windows=48, save_every=10),
     # a few seconds: for tests and for trying the machinery
     "tiny": dict(model=LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -17,6 +17,7 @@ from specdec.bench.verify_cost import MoESpec
 from specdec.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, sha256
 from specdec.cli import main
 from specdec.errors import SpecdecError
+from specdec.block import initial_head as initial_block_head, save_block
 from specdec.eagle import initial_head, save_eagle
 from specdec.heads import build_heads, save_heads
 from specdec.train.loop import init_weights
@@ -50,6 +51,8 @@ def models(tmp_path_factory, tokenizer_file):
     save_model(parallel, root / "parallel", tokenizer_file=tokenizer_file, dtype=torch.float32, meta={
         "kind": PARALLEL_KIND, "tokens_seen": 1000, "training_seconds": 60.0,
         "parallel": {"mask_token_id": CFG.vocab_size, "block": 8, "target_sha256": sha256(root / "target" / WEIGHTS)}})
+    block = initial_block_head(tiny_model(0, CFG), (0, 1), torch.arange(0, CFG.vocab_size, 2), 2, causal=True)
+    save_block(block, root / "block", sha256(root / "target" / WEIGHTS), dtype=torch.float32)
     return root
 
 
@@ -57,24 +60,25 @@ def models(tmp_path_factory, tokenizer_file):
 def result(models):
     # the peers in fp32 too: tiny random models have no rounding ties then, so every check is exact
     return run_bench(PLAN, models / "target", models / "draft", models / "heads", progress=False,
-                     peer_dtype=torch.float32, eagle_path=models / "eagle", parallel_path=models / "parallel")
+                     peer_dtype=torch.float32, eagle_path=models / "eagle", block_path=models / "block",
+                     parallel_path=models / "parallel")
 
 
 def test_every_configuration_runs_with_its_conditions(result):
     assert result["schema"] == SCHEMA
     assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
     labels = [r["label"] for r in result["cells"][0]["results"]]
-    assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle")
+    assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
                                  for c in ("k=1", "k=2", "tree=2", *(["dynamic=2"] * (m == "draft-model")),
                                            "k=auto")),
                       "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
     auto = next(r for r in result["cells"][0]["results"] if r["label"] == "ngram k=auto")
     assert sum(auto["adaptive"]["choices"].values()) == auto["counters"]["steps"]
-    # MTP heads of depth 2 run only at k <= 2; peers only at batch 1 and where the cell asks
+    # MTP heads of depth 2 and a block head of 2 run only at k <= 2; peers only at batch 1 and where the cell asks
     assert [r["label"] for r in result["cells"][2]["results"]] == ["plain", "draft-model k=1", "draft-model k=3",
                                                                    "parallel k=1", "parallel k=3", "ngram k=1",
                                                                    "ngram k=3", "mtp k=1", "suffix k=1", "suffix k=3",
-                                                                   "eagle k=1", "eagle k=3"]
+                                                                   "eagle k=1", "eagle k=3", "block k=1"]
     assert not any(r["method"].startswith("hf-") for r in result["cells"][3]["results"])
     for cell in result["cells"]:
         for r in cell["results"]:
@@ -114,7 +118,7 @@ def test_a_mismatch_is_listed_and_printed():
 def test_acceptance_and_cost_model_fields(result):
     for cell in result["cells"]:
         for r in cell["results"]:
-            speculative = r["method"] in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle")
+            speculative = r["method"] in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
             assert (r["predicted_speedup"] is not None) == speculative
             if speculative:
                 depth = r["counters"]["k"]  # "auto": the deepest option
@@ -129,7 +133,7 @@ def test_acceptance_and_cost_model_fields(result):
         assert curve["batch_size"] == cell["batch_size"] and 1 in curve["tokens"]
         assert len(curve["seconds"]) == len(curve["tokens"]) and min(curve["seconds"]) > 0
     effect = {(b["method"], b["k"]): b for b in result["batch_effect"]}
-    assert set(effect) == {(m, k) for m in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle") for k in (1, 2)}
+    assert set(effect) == {(m, k) for m in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block") for k in (1, 2)}
     assert all(list(b["speedup_by_batch"]) == [1, 2] for b in effect.values())
 
 
@@ -159,8 +163,8 @@ def test_report_files_and_printed_table(result, tmp_path):
     # the learned drafters side by side (tiny models saved without training metadata: budget unknown, but
     # the parallel draft's, saved with a budget)
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| humaneval | ")]
-    assert [row[1] for row in rows] == ["draft-model", "parallel", "mtp", "eagle"]
-    assert [row[3] for row in rows] == ["unknown", "0.00M", "unknown", "unknown"]
+    assert [row[1] for row in rows] == ["draft-model", "parallel", "mtp", "eagle", "block"]
+    assert [row[3] for row in rows] == ["unknown", "0.00M", "unknown", "unknown", "unknown"]
 
 
 def test_printed_mismatch(result):
@@ -202,7 +206,7 @@ def test_conditions_are_measured_not_constants(result):
         for r in cell["results"]:
             assert r["lossless_method"] == r["acceptance"]["lossless"]
             sampled = cell["sampling"]["temperature"] > 0
-            if r["method"] in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle"):
+            if r["method"] in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block"):
                 assert r["acceptance"]["rule"].endswith("rejection_sample" if sampled else "greedy_accept")
 
 

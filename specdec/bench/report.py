@@ -162,7 +162,7 @@ def conditions_text(result: dict) -> str:
     return "conditions: " + "; ".join(parts)
 
 
-LEARNED_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle")
+LEARNED_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block")
 
 
 def drafter_comparison_lines(result: dict) -> list[str]:

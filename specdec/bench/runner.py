@@ -59,8 +59,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..api import (DEFAULT_EAGLE, DEFAULT_HEADS, DEFAULT_PARALLEL, encode_prompts, load, load_draft_model,
-                   load_eagle_head, load_mtp_heads, load_parallel_draft)
+from ..api import (DEFAULT_BLOCK, DEFAULT_EAGLE, DEFAULT_HEADS, DEFAULT_PARALLEL, encode_prompts, load,
+                   load_block_head, load_draft_model, load_eagle_head, load_mtp_heads, load_parallel_draft)
 from ..checkpoint import TOKEN_COUNTS, read_meta
 from ..costmodel import predicted_speedup, speedup_limit
 from ..decode import plain_generate
@@ -84,7 +84,7 @@ from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
-SPEC_METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle")
+SPEC_METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
 NGRAM = {"max_n": 3, "min_n": 1}
 # MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
@@ -212,7 +212,7 @@ class Bench:
 
     def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
                  dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None,
-                 device: str | torch.device | None = None, parallel_path=None):
+                 block_path=None, device: str | torch.device | None = None, parallel_path=None):
         self.plan = plan
         self.target = load(target_path, dtype=dtype, device=device)
         self.device = device_of(self.target.model)
@@ -265,6 +265,15 @@ class Bench:
                                                             head.draft_vocab_size),
                                          "parameters": sum(p.numel() for p in head.parameters()),
                                          **training_budget(heads_meta(eagle_path or DEFAULT_EAGLE))}
+        if "block" in plan.methods:  # over its own draft vocabulary
+            head = load_block_head(self.target, block_path)
+            self.proposers["block"] = build_proposer("block", head=head, target=self.target.model)
+            self.method_info["block"] = {"name": "block", "path": shown_path(block_path or DEFAULT_BLOCK),
+                                         "head_kind": head.kind,
+                                         "layer_ids": list(head.layer_ids), "block": head.block,
+                                         "attention": head.attention, "draft_vocab": head.draft_vocab_size,
+                                         "parameters": sum(p.numel() for p in head.parameters()),
+                                         **training_budget(heads_meta(block_path or DEFAULT_BLOCK))}
         self.peers = (Peers(self.target.path, self.draft.path, peer_dtype, self.device)
                       if any(c.peer_k for c in plan.cells) else None)
         if self.peers is not None:
@@ -273,7 +282,7 @@ class Bench:
     def configs(self, cell: Cell) -> list[Config]:
         configs = [Config("plain")]
         for method in self.plan.methods:
-            depth = self.heads.depth if method == "mtp" else None
+            depth = self.proposers[method].max_depth  # MTP heads and a block head draft a bounded block
             configs += [Config(method, k) for k in cell.ks if depth is None or k <= depth]
             configs += [Config(method, len(w), w) for w in cell.trees if depth is None or len(w) <= depth]
             configs += [Config(method, len(w), w, dynamic=True) for w in cell.trees if method == "draft-model"]
@@ -306,13 +315,14 @@ class Bench:
 def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
               dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None,
               peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None, device: str | torch.device | None = None,
-              parallel_path=None) -> dict:
+              block_path=None, parallel_path=None) -> dict:
     """Run the plan on `device` (default the CPU); `command` (the argv that asked for it) is recorded
     with the result."""
     started = time.perf_counter()
     check_plan(plan)
     with torch.inference_mode():
-        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, device, parallel_path)
+        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, block_path, device,
+                      parallel_path)
         cells = [(cell, bench.configs(cell)) for cell in plan.cells]
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {
@@ -320,6 +330,7 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
             "draft": model_info(bench.draft.model, bench.draft.path) if bench.draft else "not used",
             "mtp_heads": bench.method_info.get("mtp", "not used"),
             "eagle_head": bench.method_info.get("eagle", "not used"),
+            "block_head": bench.method_info.get("block", "not used"),
             "hardware": hardware(bench.device), "backend": backend(bench.target.model),
             # the CPU's roofs (its kernels' FMA peak, its memory bandwidth) where the models run on it
             "roofline": roofline(measured_read_bandwidth() / 1e9) if bench.device.type == "cpu" else "not measured: "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..errors import SpecdecError
 from .base import Outcome, Proposal, Proposer
+from .block import BlockProposer
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
 from .mtp import MTPProposer
@@ -14,13 +15,14 @@ from .parallel import ParallelDraftProposer
 from .suffix import SuffixProposer
 
 PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer, MTPProposer, SuffixProposer,
-                                       EagleProposer, ParallelDraftProposer)}
+                                       EagleProposer, ParallelDraftProposer, BlockProposer)}
 
 
 def build_proposer(name: str, **kwargs) -> Proposer:
     """build_proposer("draft-model", model=...), build_proposer("ngram", max_n=3, min_n=1) or
     build_proposer("mtp", heads=heads.load_heads(...), target=...) or
-    build_proposer("eagle", head=eagle.load_eagle(...), target=...)."""
+    build_proposer("eagle", head=eagle.load_eagle(...), target=...) or
+    build_proposer("block", head=block.load_block(...), target=...)."""
     if name not in PROPOSERS:
         raise SpecdecError(f"unknown proposer {name!r}; known: {', '.join(sorted(PROPOSERS))}")
     return PROPOSERS[name](**kwargs)

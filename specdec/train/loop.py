@@ -5,7 +5,8 @@ Objectives (objectives.py): "next-token", or next-token + multi-token prediction
 ("mtp-parallel", "mtp-sequential", heads.py), either pretrained jointly from scratch or, with
 `frozen_trunk`, added to an existing checkpoint whose weights (embedding and lm_head included)
 stay frozen while only the heads train. "eagle": an EAGLE-3 draft head (eagle.py) learns from the
-frozen `target` checkpoint's features and distributions with the training-time test. "distill": a draft model learns the frozen `teacher`
+frozen `target` checkpoint's features and distributions with the training-time test. "block": a
+block head (block.py) learns the same way to draft a whole block per forward, on random anchors. "distill": a draft model learns the frozen `teacher`
 (target) checkpoint's next-token distribution (KL(target || draft), objectives.py), on the
 teacher's tokenizer, from scratch or from `init_from` (an existing checkpoint's weights).
 
@@ -16,7 +17,8 @@ A run lives in one output folder:
   model/                                   the exported checkpoint (bf16, transformers layout), unless
                                            the trunk is frozen
   heads/                                   the exported MTP heads (heads.py), for the model in model/
-                                           or for the frozen trunk; or the EAGLE head (eagle.py)
+                                           or for the frozen trunk; or the EAGLE head (eagle.py),
+                                           or the block head (block.py)
   loss.png                                 training and validation loss curves
 Batches are a pure function of (seed, step), so an interrupted run resumes to the same result.
 Under torchrun each process takes its share of the global batch and the gradients are averaged
@@ -45,6 +47,7 @@ from ..bench.conditions import shown_path
 from ..checkpoint import (PARALLEL_KIND, TOKENIZER, WEIGHTS, load_model, read_config, save_model, save_token_counts,
                           sha256)
 from ..errors import SpecdecError
+from ..block import BlockHead, initial_head as initial_block_head, save_block
 from ..eagle import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
 from ..heads import MTPHeads, build_heads, save_heads
 from ..device import resolve as resolve_device
@@ -53,8 +56,9 @@ from ..tokenizer import Tokenizer
 from .anchors import BlockLayout, block_layout, random_anchors
 from .corpus import Corpus
 from .data import eval_batches, preparation_key, tokenize, window_batch
-from .objectives import (OBJECTIVES, LossWeights, distill_loss, distill_metrics, eagle_backward, eagle_metrics,
-                         mtp_backward, mtp_losses, next_token_loss, parallel_backward, parallel_metrics)
+from .objectives import (OBJECTIVES, LossWeights, block_backward, block_metrics, distill_loss, distill_metrics,
+                         eagle_backward, eagle_metrics, mtp_backward, mtp_losses, next_token_loss, parallel_backward,
+                         parallel_metrics)
 
 
 @dataclass
@@ -99,6 +103,10 @@ class TrainConfig:
     eagle_layout: str = "specdec"       # eagle: the head's weight layout (eagle.LAYOUTS; eagle3: exportable to vLLM)
     parallel_block: int = 8             # parallel: k, the drafts of one draft forward (block slots)
     parallel_anchors: int = 32          # parallel: random anchors (blocks of k-1 mask slots) per training window
+    block_size: int = 8                 # block: drafts per forward the head is trained for (k)
+    block_anchors: int = 32             # block: random anchors (blocks of mask slots) per training window
+    block_attention: str = "causal"     # block: attention among a block's masks (or bidirectional)
+    block_layers: int = 1               # block: decoder layers of the head
 
     def validate(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.micro_batch <= 0 or self.seq_len <= 1:
@@ -127,9 +135,15 @@ class TrainConfig:
         if self.mtp and not 1 <= self.mtp_depth < self.seq_len - 1:
             raise SpecdecError(f"mtp_depth must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
                                f"got {self.mtp_depth}")
-        if (self.objective == "eagle") != (self.target is not None):
-            raise SpecdecError("an EAGLE head needs its target and a target needs the eagle objective: give both "
-                               "--objective eagle and --target MODEL")
+        if (self.objective in ("eagle", "block")) != (self.target is not None):
+            raise SpecdecError("an EAGLE or block head needs its target and a target needs the eagle or block "
+                               "objective: give both --objective block or --objective eagle and --target MODEL")
+        if self.block and not (1 <= self.block_size <= self.seq_len - 2 and self.block_anchors >= 1
+                               and self.block_layers >= 1 and self.block_attention in BLOCK_ATTENTION):
+            raise SpecdecError(f"block: --block-size must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
+                               f"--block-anchors and --block-layers >= 1, --block-attention one of "
+                               f"{', '.join(BLOCK_ATTENTION)}; got {self.block_size}, {self.block_anchors}, "
+                               f"{self.block_layers}, {self.block_attention}")
         if self.eagle and not (1 <= self.eagle_steps <= self.seq_len - 2 and 0 < self.eagle_decay <= 1
                                and self.draft_vocab >= 1):
             raise SpecdecError(f"eagle: --eagle-steps must be in 1..{self.seq_len - 2} (seq_len {self.seq_len}), "
@@ -151,6 +165,15 @@ class TrainConfig:
         return self.model.vocab_size - self.parallel
 
     @property
+    def block(self) -> bool:
+        return self.objective == "block"
+
+    @property
+    def head_steps(self) -> int:
+        """Drafts per position an EAGLE or block head is validated on (its unrolled steps, its block)."""
+        return self.block_size if self.block else self.eagle_steps
+
+    @property
     def frozen(self) -> str | None:
         """The checkpoint whose weights stay frozen (MTP heads' trunk, EAGLE's target), if any."""
         return self.frozen_trunk or self.target
@@ -162,6 +185,9 @@ class TrainConfig:
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.mtp_depth, self.mtp_lambda, self.mtp_lambda_late, self.mtp_lambda_switch,
                            self.mtp_beta)
+
+
+BLOCK_ATTENTION = ("bidirectional", "causal")
 
 
 def with_frozen_trunk(cfg: TrainConfig) -> TrainConfig:
@@ -227,22 +253,27 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+BLOCK_EVAL_ANCHORS = 32  # blocks per validation window (the same anchors at every validation)
+
+
 @torch.no_grad()
-def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_len: int, max_windows: int,
-             teacher=None, eagle_steps: int = 0, block: int = 0) -> list[float]:
+def evaluate(model, heads: MTPHeads | EagleHead | BlockHead | None, tokens: np.ndarray, seq_len: int,
+             max_windows: int, teacher=None, eagle_steps: int = 0, parallel_k: int = 0) -> list[float]:
     """Mean validation losses over evenly spread windows: [next-token, head 1, .., head depth], or
     with a teacher [KL(teacher || model), greedy agreement, next-token] (objectives.distill_metrics),
     or for an EAGLE head [KL per step.., alpha per position..] (objectives.eagle_metrics; the alphas
-    pooled over all windows), or for a parallel draft of `block` slots the same per block slot
+    pooled over all windows), or for a block head the same per block slot (objectives.block_metrics,
+    eagle_steps = its block size), or for a parallel draft of `parallel_k` slots the same per slot
     (objectives.parallel_metrics)."""
     was_training = model.training
     model.eval()
     losses = []
-    steps = block or eagle_steps
+    steps = parallel_k or eagle_steps
+    anchors = torch.Generator().manual_seed(0)
     for b in eval_batches(tokens, seq_len, max_windows):
         b = b.to(device_of(model))
-        if block:
-            losses.append(parallel_metrics(model, teacher, b, evaluation_layout(seq_len, block, b.device),
+        if parallel_k:
+            losses.append(parallel_metrics(model, teacher, b, evaluation_layout(seq_len, parallel_k, b.device),
                                            model.config.vocab_size - 1))
             continue
         if teacher is not None:
@@ -251,10 +282,13 @@ def evaluate(model, heads: MTPHeads | EagleHead | None, tokens: np.ndarray, seq_
         if isinstance(heads, EagleHead):
             losses.append(eagle_metrics(model, heads, b, eagle_steps))
             continue
+        if isinstance(heads, BlockHead):
+            losses.append(block_metrics(model, heads, b, BLOCK_EVAL_ANCHORS, anchors))
+            continue
         parts = [next_token_loss(model, b)] if heads is None else mtp_losses(model, heads, b, train_trunk=False)
         losses.append([part.item() for part in parts])
     model.train(was_training)
-    if isinstance(heads, EagleHead) or block:  # alphas from the pooled counts, not a mean of per-batch ratios
+    if isinstance(heads, (EagleHead, BlockHead)) or parallel_k:  # alphas pooled over counts, not a mean of ratios
         kls, alphas, reached = (np.array([row[i * steps:(i + 1) * steps] for row in losses]) for i in range(3))
         pooled = (alphas * reached).sum(0) / np.maximum(reached.sum(0), 1)
         return [float(x) for x in (*kls.mean(0), *pooled)]
@@ -390,7 +424,11 @@ def _identity(config: dict, trunk_sha256: str | None, teacher_sha256: str | None
                                                           config.get("eagle_layout", "specdec"))
             if objective == "eagle" else None,
             "parallel block and anchors": (config.get("parallel_block"), config.get("parallel_anchors"))
-            if objective == "parallel" else None}
+            if objective == "parallel" else None,
+            "block head layers, draft vocabulary, block size, attention and depth": (
+                None if config.get("eagle_layers") is None else list(config["eagle_layers"]), config.get("draft_vocab"),
+                config.get("block_size"), config.get("block_attention"), config.get("block_layers"))
+            if objective == "block" else None}
 
 
 def build(cfg: TrainConfig) -> tuple[LlamaForCausalLM, MTPHeads | None]:
@@ -442,9 +480,10 @@ def evaluation_layout(seq_len: int, k: int, device) -> BlockLayout:
     return block_layout(seq_len, torch.arange(0, seq_len - k + 1, k, device=device), k)
 
 
-def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.ndarray) -> EagleHead:
-    """A fresh EAGLE head for the frozen target over the draft_vocab ids most frequent in the
-    training tokens, from the seed (the caller's generator state is given back)."""
+def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.ndarray) -> EagleHead | BlockHead:
+    """A fresh EAGLE head (or block head, for the block objective) for the frozen target over the
+    draft_vocab ids most frequent in the training tokens, from the seed (the caller's generator
+    state is given back)."""
     counts = torch.from_numpy(np.bincount(train_tokens, minlength=cfg.model.vocab_size))
     if cfg.draft_vocab > cfg.model.vocab_size:
         raise SpecdecError(f"a draft vocabulary of {cfg.draft_vocab} tokens is larger than the target's "
@@ -453,7 +492,9 @@ def build_eagle(cfg: TrainConfig, target: LlamaForCausalLM, train_tokens: np.nda
     layers = cfg.eagle_layers if cfg.eagle_layers is not None else default_layer_ids(cfg.model.num_hidden_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        head = initial_head(target, layers, ids, cfg.eagle_layout)
+        head = (initial_block_head(target, layers, ids, cfg.block_size, cfg.block_layers,
+                                   cfg.block_attention == "causal") if cfg.block else
+                initial_head(target, layers, ids, cfg.eagle_layout))
     head.token_counts = counts  # saved with it: a smaller draft vocabulary can be chosen at drafting time
     return head
 
@@ -495,7 +536,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     train_tokens, valid_tokens = run.tokens("train"), run.tokens("valid")
 
     model, heads = build(cfg)
-    if cfg.eagle:
+    if cfg.eagle or cfg.block:
         heads = build_eagle(cfg, model, train_tokens)
     place(model, device)
     if heads is not None:
@@ -511,14 +552,15 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     bar = tqdm(total=cfg.steps, initial=step, disable=run.rank != 0, desc="train", unit="step",
                dynamic_ncols=True)
     t_start = time.time() - elapsed
-    block = cfg.parallel_block if cfg.parallel else 0
+    parallel_k = cfg.parallel_block if cfg.parallel else 0
     if teacher is not None and step == 0 and run.rank == 0:
         # the starting point's validation figures: the "before" of the distillation
         _record(history, "valid", 0, evaluate(model, None, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher,
-                                              block=block), None, distill=not block, block=block)
-    if cfg.eagle and step == 0 and run.rank == 0:  # the untrained head: the "before" of its curves
+                                              parallel_k=parallel_k), None, distill=not parallel_k,
+                parallel_k=parallel_k)
+    if (cfg.eagle or cfg.block) and step == 0 and run.rank == 0:  # the untrained head: the "before" of its curves
         _record(history, "valid", 0, evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows,
-                                              eagle_steps=cfg.eagle_steps), heads)
+                                              eagle_steps=cfg.head_steps), heads)
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
     while step < last:
         t0 = time.time()
@@ -527,11 +569,11 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         batch = window_batch(train_tokens, cfg.seed, step, cfg.batch_size, cfg.seq_len)
         batch = batch[run.rank * per_rank:(run.rank + 1) * per_rank]
         loss_sums = None
-        for micro, mb in enumerate(batch.to(device).split(cfg.micro_batch)):
+        for i, mb in enumerate(batch.to(device).split(cfg.micro_batch)):
             # each process contributes its share of the global mean; gradients are averaged over processes
             scale = mb.shape[0] * run.world / cfg.batch_size
-            if block:
-                layout = parallel_layout(cfg, step, run.rank * 1_000 + micro, device)
+            if parallel_k:
+                layout = parallel_layout(cfg, step, run.rank * 1_000 + i, device)
                 losses = parallel_backward(model, teacher, mb, layout, cfg.model.vocab_size - 1, scale)
             elif teacher is not None:
                 loss = distill_loss(model, teacher, mb, cfg.distill_temperature, cfg.distill_top_k)
@@ -539,6 +581,9 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
                 losses = [loss.item()]
             elif cfg.eagle:
                 losses = eagle_backward(model, heads, mb, cfg.eagle_steps, cfg.eagle_decay, scale)
+            elif cfg.block:  # the anchors, like the batches, a pure function of (seed, step, rank, micro-batch)
+                anchors = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + step) * 1009 + run.rank) * 1009 + i)
+                losses = block_backward(model, heads, mb, cfg.block_anchors, scale, anchors)
             elif heads is None:
                 loss = next_token_loss(model, mb)
                 (loss * scale).backward()
@@ -555,12 +600,12 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         opt.zero_grad(set_to_none=True)
         step += 1
         train_losses = [_mean_over_ranks(x / per_rank, distributed, device) for x in loss_sums]
-        _record(history, "train", step, train_losses, heads, block=block)
+        _record(history, "train", step, train_losses, heads, parallel_k=parallel_k)
         tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
         if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
             _record(history, "valid", step,
-                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher, cfg.eagle_steps,
-                             block), heads, distill=teacher is not None and not block, block=block)
+                    evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows, teacher, cfg.head_steps,
+                             parallel_k), heads, distill=teacher is not None and not parallel_k, parallel_k=parallel_k)
         bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}",
                         val=f"{history['valid'][-1][1]:.3f}" if history["valid"] else "-",
                         **({"agree": f"{history['valid_agreement'][-1][1]:.3f}"} if history.get("valid_agreement")
@@ -585,12 +630,12 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
 
 
 def _record(history: dict, split: str, step: int, losses: list[float], heads, distill: bool = False,
-            block: int = 0) -> None:
+            parallel_k: int = 0) -> None:
     """history[split]: [step, headline loss]: the next-token loss, or the mean of the heads' losses
     where it was not computed (a frozen trunk in training); history[split + "_heads"]: [step,
     [loss of head 1..depth]]. Distillation: the headline is KL(target || draft); validation also
     records [step, greedy agreement] and [step, next-token loss] under split + "_agreement" and
-    split + "_next_token". A parallel draft of `block` slots: the headline is the mean of the slots' KL,
+    split + "_next_token". A parallel draft of `parallel_k` slots: the headline is the mean of the slots' KL,
     split + "_heads" the KL per slot and (validation) split + "_alpha" the acceptance per slot."""
     if distill and split == "valid":
         kl, agreement, next_token = losses
@@ -598,14 +643,14 @@ def _record(history: dict, split: str, step: int, losses: list[float], heads, di
         history.setdefault(f"{split}_agreement", []).append([step, agreement])
         history.setdefault(f"{split}_next_token", []).append([step, next_token])
         return
-    if block and split == "train":
+    if parallel_k and split == "train":
         history[split].append([step, float(np.mean(losses))])
         history.setdefault(f"{split}_heads", []).append([step, losses])
         return
-    if heads is None and not block:
+    if heads is None and not parallel_k:
         history[split].append([step, losses[0]])
         return
-    if (isinstance(heads, EagleHead) or block) and split == "valid":  # [KL per step.., alpha per position..]
+    if (isinstance(heads, (EagleHead, BlockHead)) or parallel_k) and split == "valid":  # [KL per step.., alpha..]
         steps = len(losses) // 2
         history[split].append([step, float(np.mean(losses[:steps]))])
         history.setdefault(f"{split}_heads", []).append([step, losses[:steps]])
@@ -623,6 +668,9 @@ def export(run: Run, model: LlamaForCausalLM, heads: MTPHeads | None, history: d
         return
     if run.cfg.parallel:
         export_parallel(run, model, teacher, history, seconds, command)
+        return
+    if isinstance(heads, BlockHead):
+        export_block(run, model, heads, history, seconds, command)
         return
     cfg = run.cfg
     prov = json.loads((run.work / "prepared.json").read_text())
@@ -696,7 +744,7 @@ def export_parallel(run: Run, model: LlamaForCausalLM, teacher, history: dict, s
     k = cfg.parallel_block
     recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key)))
                                 for key in ("teacher", "tokenizer", "out", "init_from") if getattr(cfg, key)}}
-    figures = (evaluate(model, None, test, cfg.seq_len, cfg.test_windows, teacher, block=k)
+    figures = (evaluate(model, None, test, cfg.seq_len, cfg.test_windows, teacher, parallel_k=k)
                if len(test) > cfg.seq_len else None)
     before = history["valid_alpha"][0][1] if history.get("valid_alpha") else None
     meta = {
@@ -766,6 +814,42 @@ def export_eagle(run: Run, target: LlamaForCausalLM, head: EagleHead, history: d
     params = sum(p.numel() for p in head.parameters())
     plot_eagle_history(history, run.out / "loss.png",
                        f"{run.out.name}: {params / 1e6:.1f}M EAGLE head on a frozen {Path(cfg.target).name}")
+
+
+def export_block(run: Run, target: LlamaForCausalLM, head: BlockHead, history: dict, seconds: float,
+                 command: list[str] | None) -> None:
+    """The block head folder (block.py) with its recipe, validation and test figures, and loss.png."""
+    cfg = run.cfg
+    prov = json.loads((run.work / "prepared.json").read_text())
+    test = run.tokens("test")
+    k = head.block
+    recipe = {**asdict(cfg), **{key: shown_path(Path(getattr(cfg, key))) for key in ("target", "tokenizer", "out")}}
+    figures = (evaluate(target, head, test, cfg.seq_len, cfg.test_windows, eagle_steps=k)
+               if len(test) > cfg.seq_len else None)
+    meta = {
+        "recipe": recipe,
+        "recipe_command": " ".join(command) if command else None,
+        "target": recipe["target"],
+        "objective": (f"KL(target || head) over the {head.draft_vocab_size}-token draft vocabulary at each of the {k} "
+                      f"block slots ({head.attention} attention among the masks), {cfg.block_anchors} random anchors "
+                      "per window, slot 0 at every window position"),
+        "tokens_seen": cfg.steps * cfg.batch_size * cfg.seq_len,
+        "training_seconds": round(seconds, 1),
+        "final_valid_slot_kl": history["valid_heads"][-1][1] if history.get("valid_heads") else None,
+        "final_valid_alpha_per_slot": history["valid_alpha"][-1][1] if history.get("valid_alpha") else None,
+        "test_slot_kl": figures[:k] if figures else None,
+        "test_alpha_per_slot": figures[k:] if figures else None,
+        "test_tokens_evaluated": min(cfg.test_windows, len(test) // cfg.seq_len) * cfg.seq_len if figures else 0,
+        "alpha_note": (f"greedy acceptance of block slot i given slots 1..i-1 accepted, over {BLOCK_EVAL_ANCHORS} "
+                       "random anchors per held-out window whose tokens are the target's greedy choices along the "
+                       "drafted path (train/anchors.block_acceptance)"),
+        "corpus": {"sources": prov["sources"], "sha256": prov["sha256"], "tokens": prov["tokens"]},
+        "history": history,
+    }
+    save_block(head, run.out / "heads", run.trunk_sha256, meta=meta)
+    params = sum(p.numel() for p in head.parameters())
+    plot_eagle_history(history, run.out / "loss.png", f"{run.out.name}: {params / 1e6:.1f}M block head "
+                       f"({head.attention}, k={k}) on a frozen {Path(cfg.target).name}")
 
 
 def plot_eagle_history(history: dict, path: Path, title: str, what: str = "step") -> None:

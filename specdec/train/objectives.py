@@ -48,6 +48,9 @@ prefix, every slot weighted alike, so that one draft forward over [sequence, mas
 drafts k tokens. Validation reports each slot's KL and the greedy acceptance alpha_i of the blocks
 it would draft there.
 
+Block (block.py): the head drafts a whole block in one forward; trained on random anchors with the
+attention drafting uses (anchors.py), KL(target || head) at every block slot (section below).
+
 This module knows nothing about data, optimisers, checkpoints or distribution over processes.
 """
 from __future__ import annotations
@@ -57,12 +60,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..block import BlockHead
 from ..eagle import EagleHead
 from ..errors import SpecdecError
 from ..heads import MTPHeads, teacher_forced
-from .anchors import BlockLayout, block_acceptance
+from .anchors import BlockLayout, block_acceptance, block_layout, random_anchors
 
-OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "parallel")
+OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -278,6 +282,67 @@ def eagle_metrics(target, head: EagleHead, batch: torch.Tensor, steps: int) -> l
         # step j+1 at base t reads x_{t+2+j}: drafting feeds the accepted draft, i.e. the greedy token
         reached = accepted[:, :n - 1] & (batch[:, 2 + j:1 + j + n] == greedy[:, :n - 1])
     return [*kls, *alphas, *counts]
+
+
+# --- block head: one forward drafts a block ---------------------------------------------------
+#
+# The block head (block.py) reads the frozen target's features at a window's S context positions
+# (the entry at t reads f_t and x_{t+1}, and its output predicts x_{t+2}) and, after them, a block of
+# k-1 mask slots per random anchor (anchors.py) with the attention drafting uses. Block slot i of
+# anchor a predicts x_{a+2+i}: its label is the target's distribution at position a+1+i, i.e.
+# anchors.py's label shifted by one (the head's context entry at a already reads x_{a+1}). The loss
+# is KL(target || head) over the draft vocabulary at every slot: slot 0 at every window position
+# (the window's outputs give it for free), slots 1..k-1 at the anchors; their sum is minimised.
+
+def block_layout_for(head: BlockHead, window: int, anchors: int, generator: torch.Generator | None,
+                     device: torch.device) -> BlockLayout:
+    """A layout of `window` context positions and `anchors` random blocks of the head's size whose
+    labels (shifted by one) stay inside the window."""
+    picked = random_anchors(window - 1, head.block, anchors, generator, device)
+    return block_layout(window, picked, head.block, causal=head.causal)
+
+
+def block_slot_losses(target, head: BlockHead, targets: EagleTargets, layout: BlockLayout):
+    """[KL_0, .., KL_{k-1}] (tensors) and the slots' logits (B, A, k, N) of one training forward."""
+    S = targets.features.shape[1]
+    h = head.training_outputs(targets.features, targets.ahead, target.model.embed_tokens, layout.positions,
+                              layout.visible)                                   # (B, L, C)
+    window = head.logits(h[:, :S - 1])                                          # (B, S-1, N) slot 0 everywhere
+    slots = head.logits(h[:, layout.slots])                                     # (B, A, k, N)
+    wanted = targets.log_probs[:, layout.labels + 1]                            # (B, A, k, N)
+    kl = (wanted.exp() * (wanted - F.log_softmax(slots.float(), -1))).sum(-1).mean((0, 1))  # (k,)
+    first = targets.log_probs[:, 1:]                                            # (B, S-1, N)
+    kl0 = (first.exp() * (first - F.log_softmax(window.float(), -1))).sum(-1).mean()
+    return [kl0, *kl[1:]], slots
+
+
+def block_backward(target, head: BlockHead, batch: torch.Tensor, anchors: int, scale: float,
+                   generator: torch.Generator | None) -> list[float | None]:
+    """Accumulate the gradient of scale * sum_i KL_i into the head; return [None (the target is
+    frozen: no next-token loss), KL_0, .., KL_{k-1}]."""
+    if batch.shape[1] - 2 < head.block:
+        raise SpecdecError(f"a window of {batch.shape[1]} tokens is too short for blocks of {head.block}: "
+                           "raise seq_len or lower --block-size")
+    targets = eagle_targets(target, head, batch, 1)
+    losses, _ = block_slot_losses(target, head, targets, block_layout_for(head, batch.shape[1] - 1, anchors,
+                                                                          generator, batch.device))
+    (sum(losses) * scale).backward()
+    return [None, *(kl.item() for kl in losses)]
+
+
+@torch.no_grad()
+def block_metrics(target, head: BlockHead, batch: torch.Tensor, anchors: int,
+                  generator: torch.Generator | None) -> list[float]:
+    """[KL_0..KL_{k-1}, then greedy acceptance alpha_1..alpha_k per block slot, then the counts they
+    come from: reached_1..reached_k] (anchors.block_acceptance: slot i counts where slots < i were
+    accepted along the target's greedy path)."""
+    targets = eagle_targets(target, head, batch, 1)
+    layout = block_layout_for(head, batch.shape[1] - 1, anchors, generator, batch.device)
+    losses, logits = block_slot_losses(target, head, targets, layout)
+    drafts = head.draft_ids[logits.argmax(-1)]                                  # (B, A, k) target ids
+    accepted, reached = block_acceptance(drafts, targets.argmax[:, 1:], batch[:, 1:], layout)
+    alphas = accepted.double() / reached.clamp(min=1)
+    return [*(kl.item() for kl in losses), *alphas.tolist(), *reached.tolist()]
 
 
 # --- Parallel drafting: a block of k drafts from one forward (train/anchors.py) --------------
