@@ -50,6 +50,7 @@ def cmd_generate(args) -> None:
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
     inputs.draft_options(args.draft, draft_options_given(args))
+    set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
@@ -83,9 +84,7 @@ def cmd_serve(args) -> None:
     inputs.integer("--max-batch", args.max_batch, low=1)
     inputs.integer("--max-queue", args.max_queue, low=1)
     inputs.integer("--port", args.port, low=1, high=65535)
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
+    set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
@@ -120,6 +119,20 @@ def cmd_serve(args) -> None:
                            "choose another --port or --host")
 
 
+def set_threads(threads: int | None) -> None:
+    """--threads N: the kernels (and torch) on N threads; absent: auto (kernels.set_threads)."""
+    from . import inputs, kernels
+    kernels.set_threads(None if threads is None else inputs.integer("--threads", threads, low=1))
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+
+
+THREADS_HELP = ("threads of the model's kernels (default: auto, torch's threads, fewer while other processes hold "
+                "cores, sampled every 0.2 s)")
+
+
 def footer(s: dict, k: int | str, temperature: float) -> str:
     """The one-line summary of a generation; a figure that does not exist (α with k = 0, where
     the JSON says null) is written n/a."""
@@ -130,7 +143,9 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
         f"mean acceptance length {fmt(s['mean_acceptance_length'])} over {s['steps']} steps")
     return (f"{s['new_tokens']} tokens in {s['seconds']:.2f} s ({fmt(s['tokens_per_s'], '.1f')} tokens/s, time to "
             f"first token {fmt(s['time_to_first_token'], '.0f', 1000)} ms; loading {fmt(s['load_seconds'], '.1f')} s, "
-            f"not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, {s['threads']} threads")
+            f"not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, {s['threads']} threads"
+            + (f" ({policy['mode']}, other processes used {policy['other_processes_cores']} cores)"
+               if (policy := s.get("thread_policy")) and policy["mode"] == "auto" else ""))
 
 
 def make_proposer(args, target):
@@ -234,6 +249,7 @@ def cmd_bench(args) -> None:
     from . import inputs
 
     inputs.bench(args.prompts, args.repeats, args.max_new_tokens, args.ks, args.temperatures, args.batch_sizes)
+    set_threads(args.threads)
     if args.mode == "serve":
         from .api import default_k, load
         from .bench.serve import bench_serve, format_serve, write
@@ -309,6 +325,7 @@ def cmd_calibrate(args) -> None:
     from .bench.conditions import hardware, shown_path
     from .device import backend
 
+    set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     curves = {}
     for batch in args.batch_sizes:
@@ -372,6 +389,7 @@ def cmd_simulate(args) -> None:
         from .calibration import measure_verify_curve
         from .device import backend
 
+        set_threads(args.threads)
         target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
         curve = measure_verify_curve(target.model, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
@@ -497,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_draft_arguments(g)
+    add_threads_argument(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("calibrate", help="measure the target's verify-cost curve on this machine for -k auto",
@@ -511,6 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "(default 14: the widest window of -k auto)")
     c.add_argument("--out", help="also write the curves to this JSON file, with their conditions (for "
                                  "`specdec simulate --verify-curve`: a prediction for that hardware)")
+    add_threads_argument(c)
     c.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
@@ -526,8 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a row; more are refused with 429")
-    v.add_argument("--threads", type=int, help="threads of the model's kernels (default: torch's, one per core); the "
-                                               "HTTP side needs some CPU too")
+    v.add_argument("--threads", type=int, help=THREADS_HELP + "; the HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds a shutdown waits for running requests before cancelling them")
     v.set_defaults(func=cmd_serve)
@@ -567,6 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-moe", action="store_true", help="skip the MoE vs dense verify-cost check")
     b.add_argument("--no-llamacpp", action="store_true",
                    help="plain: skip llama.cpp (run when llama-cpp-python is installed: pip install -e '.[llamacpp]')")
+    add_threads_argument(b)
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("simulate", help="predict speculative decoding's speedup with the cost model",
@@ -591,6 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--moe-top-k", type=int, default=2, help="experts per token (MoE estimate)")
     s.add_argument("--expert-fraction", type=float, default=0.6,
                    help="share of a 1-token forward's weight bytes that are expert weights (MoE estimate)")
+    add_threads_argument(s)
     s.set_defaults(func=cmd_simulate)
 
     x = sub.add_parser("export", help="write a draft in a serving engine's format (vLLM: speculators)",
