@@ -430,6 +430,34 @@ def cmd_simulate(args) -> None:
               f"less than over fewer; {cause}", file=sys.stderr)
 
 
+def cmd_check(args) -> None:
+    from . import inputs
+    from .api import encode_prompts, load
+    from .bench.workloads import humaneval_prompts
+    from .check import WRONG_VERIFIERS, check
+    from .sampling import SamplingConfig
+
+    inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    inputs.draft_options(args.draft, draft_options_given(args))
+    if args.draft == "none":
+        raise SpecdecError("specdec check needs a draft: --draft draft-model --draft-model PATH (or ngram, mtp, "
+                           "eagle, suffix)")
+    set_threads(args.threads)
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    proposer = make_proposer(args, target)
+    inputs.draft_length(args.k, proposer, args.tree)
+    prompts = encode_prompts(target, args.prompt or humaneval_prompts(args.prompts), args.max_new_tokens)
+    verify = {"sampled_verify": WRONG_VERIFIERS[args.wrong_verifier]} if args.wrong_verifier else {}
+    result = check(target.model, proposer, prompts, SamplingConfig(args.temperature, args.top_k, args.top_p),
+                   k=args.k if args.k is not None else 3, sequences=args.sequences,
+                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed or 0,
+                   widths=args.tree, **verify)
+    if args.wrong_verifier:
+        result.conditions["verifier"] = f"{args.wrong_verifier} (deliberately wrong: FAIL is the expected verdict)"
+    print(json.dumps({"passed": result.passed, "sampled": result.sampled, "greedy": result.greedy,
+                      "conditions": result.conditions}) if args.json else result.verdict())
+
+
 def cmd_export(args) -> None:
     from .export import export, serve_command
 
@@ -613,6 +641,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of a 1-token forward's weight bytes that are expert weights (MoE estimate)")
     add_threads_argument(s)
     s.set_defaults(func=cmd_simulate)
+
+    ch = sub.add_parser("check", help="test that speculative decoding of your target and draft is lossless",
+                        description="Samples continuations by speculative decoding and tests each token's randomized "
+                                    "probability-integral transform under the target's own processed distribution "
+                                    "(one target forward per sequence) for i.i.d. uniformity (Kolmogorov-Smirnov, "
+                                    "level 0.01); and greedy output against plain decoding. Prints the verdict, the "
+                                    "p-value, the test's power and the conditions.")
+    ch.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    ch.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    ch.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_draft_arguments(ch)
+    ch.add_argument("--prompt", action="append", help="a prompt (repeat for more; default: HumanEval's first --prompts)")
+    ch.add_argument("--prompts", type=int, default=8, help="HumanEval prompts used without --prompt")
+    ch.add_argument("--sequences", type=int, default=128, help="continuations sampled (taken from the prompts in turn)")
+    ch.add_argument("--max-new-tokens", type=int, default=32, help="tokens per continuation (EOS does not stop it)")
+    ch.add_argument("--batch-size", type=int, default=16, help="continuations decoded together")
+    ch.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
+    ch.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
+    ch.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1, all)")
+    ch.add_argument("--seed", type=int, help="seed of the sampling and of the PIT (default 0)")
+    ch.add_argument("--wrong-verifier", choices=["accept-always"],
+                    help="run the check with a deliberately wrong verifier, to see it fail on your pair")
+    ch.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_argument(ch)
+    ch.set_defaults(func=cmd_check)
 
     x = sub.add_parser("export", help="write a draft in a serving engine's format (vLLM: speculators)",
                        description="Export a draft for vLLM's speculative decoding: a draft model, or an EAGLE head "
