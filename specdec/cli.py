@@ -278,9 +278,13 @@ def cmd_bench(args) -> None:
         if args.device != "cpu":
             raise SpecdecError("`specdec bench plain` compares CPU engines (specdec's kernels, transformers, "
                                "llama.cpp) and the memory bandwidth; on a GPU run `specdec bench --device cuda`")
-        result = bench_plain(args.model, n_prompts=args.prompts or 10, repeats=args.repeats or 5,
-                             max_new_tokens=args.max_new_tokens or 128, dtype=torch_dtype(args.dtype),
-                             llama_cpp=not args.no_llamacpp)
+        if args.size and args.model:
+            raise SpecdecError("give --model or --size, not both")
+        sized = args.size is not None  # smaller defaults: a ~1B model decodes ~20 tokens/s here
+        result = bench_plain(args.model, n_prompts=args.prompts or (2 if sized else 10),
+                             repeats=args.repeats or (3 if sized else 5),
+                             max_new_tokens=args.max_new_tokens or (32 if sized else 128), dtype=torch_dtype(args.dtype),
+                             llama_cpp=not args.no_llamacpp, size=args.size)
         print(format_plain(result))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -612,6 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (overrides the plan)")
     b.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and prompt lookup")
     b.add_argument("--no-moe", action="store_true", help="skip the MoE vs dense verify-cost check")
+    b.add_argument("--size", metavar="NAME",
+                   help="plain: 0.2b or 1b (bench/sizes.py), a Llama-shaped model of this size with random weights, built once into "
+                        "~/.cache/specdec/sizes (instead of --model); adds the verify curve and the cost model's "
+                        "predictions for each draft design at that size")
     b.add_argument("--no-llamacpp", action="store_true",
                    help="plain: skip llama.cpp (run when llama-cpp-python is installed: pip install -e '.[llamacpp]')")
     add_threads_argument(b)

@@ -15,6 +15,7 @@ This module knows nothing about timing (plain.py measures).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -101,7 +102,10 @@ def build(name: str, cache: Path | None = None) -> Path:
     """The checkpoint folder of size `name`, built once into the cache (a minute or two at ~1B)."""
     if name not in SIZES:
         raise SpecdecError(f"unknown size {name!r}: choose one of {', '.join(SIZES)}")
-    size = SIZES[name]
+    return build_config(name, SIZES[name], cache)
+
+
+def build_config(name: str, size: Size, cache: Path | None = None) -> Path:
     path = (cache or cache_root()) / f"{name}-v{BUILDER_VERSION}"
     if (path / WEIGHTS).exists():
         return path
@@ -117,3 +121,25 @@ def build(name: str, cache: Path | None = None) -> Path:
             {"size": name, "like": size.like, "parameters": parameters(size.config), "weights": "random, "
              "normal(0, 0.02) from seed 0, norms 1, bf16", "builder_version": BUILDER_VERSION}, indent=2) + "\n")
     return path
+
+
+SHIPPED_DRAFT = Path(__file__).resolve().parents[2] / "models" / "draft" / CONFIG
+EAGLE_DRAFT_VOCAB = 4096  # the shipped EAGLE heads' draft vocabulary (train --draft-vocab default)
+
+
+def draft_designs(name: str) -> dict[str, Size]:
+    """What one drafted token of each shipped draft design costs at size `name`, as a model whose
+    1-token forward does that work: the shipped draft model's depth and width with the target's
+    vocabulary (its unembedding), an MTP head (one decoder layer of the target's shape and the
+    target's unembedding), an EAGLE head (one such layer and a 4096-token draft vocabulary; its
+    3C -> C feature projection is left out: a lower bound)."""
+    target = SIZES[name].config
+    shipped = LlamaConfig.from_dict(json.loads(SHIPPED_DRAFT.read_text()))
+    draft = dataclasses.replace(shipped, vocab_size=target.vocab_size, tie_word_embeddings=True,
+                                max_position_embeddings=target.max_position_embeddings)
+    one_layer = dataclasses.replace(target, num_hidden_layers=1)
+    return {"draft-model": Size(draft, f"the shipped draft's shape ({shipped.num_hidden_layers} layers, "
+                                       f"{shipped.hidden_size} wide) with the {target.vocab_size}-token vocabulary"),
+            "mtp": Size(one_layer, "one decoder layer of the target's shape and its unembedding"),
+            "eagle": Size(dataclasses.replace(one_layer, vocab_size=EAGLE_DRAFT_VOCAB, tie_word_embeddings=False),
+                          f"one decoder layer of the target's shape and a {EAGLE_DRAFT_VOCAB}-token unembedding")}
