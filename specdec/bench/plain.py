@@ -312,6 +312,6 @@ def size_lines(r: dict) -> list[str]:
                      + f" (t(1) = {1000 * r['verify_curve']['seconds'][1]:.1f} ms)")
     for name, p in (r["draft_predictions"] or {}).items():
         lines.append(f"predicted {name} k={p['k']}: {p['predicted_speedup']:.2f}x (draft {1000 * p['draft_seconds_per_token']:.2f} "
-                     f"ms per token = {p['draft_cost_ratio']:.2f} x t(1), {p['draft_model']}; acceptance "
+                     f"ms per token = {p['draft_cost_ratio']:.3f} x t(1), {p['draft_model']}; acceptance "
                      f"{p['assumed_acceptance_per_position']} assumed from the shipped pair)")
     return lines
