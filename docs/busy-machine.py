@@ -2,7 +2,9 @@
 is decoding the same model, and beside busy loops (one per core), for specdec's default thread
 policy (auto: the cores other processes leave free, bounded spinning) and for the old behaviour
 (a fixed thread per core, libgomp's default spinning). Every case is a fresh process; the
-competitors are started by this script. Run it on an otherwise quiet machine:
+competitors are started by this script, each in its own session as another user's command would be
+(Linux's autogroup scheduling shares the CPU between sessions first). Run it on an otherwise quiet
+machine:
 
     python docs/busy-machine.py [--size 0.2b] [--seconds 4] [--policy auto|old|both]
 
@@ -50,12 +52,15 @@ def case(path: str, env: dict, competitor: str, seconds: float) -> dict:
     environ = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
     others = []
     if competitor == "specdec":  # a second specdec process decoding, under the same policy, started first
-        others.append(subprocess.Popen(run + [str(seconds + 20)], env=environ, stdout=subprocess.DEVNULL))
+        others.append(subprocess.Popen(run + [str(seconds + 20)], env=environ, stdout=subprocess.DEVNULL,
+                                       start_new_session=True))
         time.sleep(6)  # loaded and decoding
     elif competitor == "busy loops":
-        others += [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 1)]
+        others += [subprocess.Popen(["sh", "-c", "while :; do :; done"], start_new_session=True)
+                   for _ in range(os.cpu_count() or 1)]
     try:
-        out = subprocess.run(run + [str(seconds)], env=environ, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(run + [str(seconds)], env=environ, capture_output=True, text=True, check=True,
+                             start_new_session=True).stdout
     finally:
         for p in others:
             p.kill()
