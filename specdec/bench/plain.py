@@ -219,6 +219,8 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
         "bandwidth_fraction": bytes_per_token * ours_s["median"] / MACHINE_READ_BANDWIDTH,
         "measured_read_bandwidth_GBps": measured / 1e9,
         "bandwidth_fraction_of_measured": bytes_per_token * ours_s["median"] / measured,
+        "decode_bandwidth_GBps": bytes_per_token * decode_speeds["specdec"]["median"] / 1e9,
+        "decode_bandwidth_fraction_of_measured": bytes_per_token * decode_speeds["specdec"]["median"] / measured,
         "identical_outputs": identical,
         "verify_curve": curve,
         "draft_predictions": predictions,
@@ -288,7 +290,8 @@ def format_plain(r: dict) -> str:
         f"memory bandwidth {r['bandwidth_GBps']:.1f} GB/s ({r['weight_bytes_per_token'] / 1e6:.1f} MB of weights "
         f"per token) = {100 * r['bandwidth_fraction']:.0f}% of {c['hardware']['read_bandwidth_assumed_GBps']:.0f} "
         f"GB/s, {100 * r['bandwidth_fraction_of_measured']:.0f}% of the {r['measured_read_bandwidth_GBps']:.1f} "
-        f"GB/s measured on this machine now; identical outputs {r['identical_outputs']}",
+        f"GB/s measured on this machine now (prefill + decode); decoding alone {r['decode_bandwidth_GBps']:.1f} GB/s = "
+        f"{100 * r['decode_bandwidth_fraction_of_measured']:.0f}% of it; identical outputs {r['identical_outputs']}",
         *size_lines(r),
         f"conditions: target {c['target']['name']} ({c['target']['parameters'] / 1e6:.1f}M params, "
         f"{c['target']['dtype']}, sha256 {c['target']['checkpoint_sha256'][:12]}), HumanEval "
