@@ -51,6 +51,7 @@ def cmd_generate(args) -> None:
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
     inputs.draft_options(args.draft, draft_options_given(args))
+    set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
@@ -84,9 +85,7 @@ def cmd_serve(args) -> None:
     inputs.integer("--max-batch", args.max_batch, low=1)
     inputs.integer("--max-queue", args.max_queue, low=1)
     inputs.integer("--port", args.port, low=1, high=65535)
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
+    set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
@@ -121,6 +120,20 @@ def cmd_serve(args) -> None:
                            "choose another --port or --host")
 
 
+def set_threads(threads: int | None) -> None:
+    """--threads N: the kernels (and torch) on N threads; absent: auto (kernels.set_threads)."""
+    from . import inputs, kernels
+    kernels.set_threads(None if threads is None else inputs.integer("--threads", threads, low=1))
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help=THREADS_HELP)
+
+
+THREADS_HELP = ("threads of the model's kernels (default: auto, torch's threads, fewer while other processes hold "
+                "cores, sampled every 0.2 s)")
+
+
 def footer(s: dict, k: int | str, temperature: float) -> str:
     """The one-line summary of a generation; a figure that does not exist (α with k = 0, where
     the JSON says null) is written n/a."""
@@ -131,7 +144,9 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
         f"mean acceptance length {fmt(s['mean_acceptance_length'])} over {s['steps']} steps")
     return (f"{s['new_tokens']} tokens in {s['seconds']:.2f} s ({fmt(s['tokens_per_s'], '.1f')} tokens/s, time to "
             f"first token {fmt(s['time_to_first_token'], '.0f', 1000)} ms; loading {fmt(s['load_seconds'], '.1f')} s, "
-            f"not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, {s['threads']} threads")
+            f"not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, {s['threads']} threads"
+            + (f" ({policy['mode']}, other processes used {policy['other_processes_cores']} cores)"
+               if (policy := s.get("thread_policy")) and policy["mode"] == "auto" else ""))
 
 
 def make_proposer(args, target):
@@ -243,6 +258,7 @@ def cmd_bench(args) -> None:
     from . import inputs
 
     inputs.bench(args.prompts, args.repeats, args.max_new_tokens, args.ks, args.temperatures, args.batch_sizes)
+    set_threads(args.threads)
     if args.mode == "serve":
         from .api import default_k, load
         from .bench.serve import bench_serve, format_serve, write
@@ -272,9 +288,13 @@ def cmd_bench(args) -> None:
         if args.device != "cpu":
             raise SpecdecError("`specdec bench plain` compares CPU engines (specdec's kernels, transformers, "
                                "llama.cpp) and the memory bandwidth; on a GPU run `specdec bench --device cuda`")
-        result = bench_plain(args.model, n_prompts=args.prompts or 10, repeats=args.repeats or 5,
-                             max_new_tokens=args.max_new_tokens or 128, dtype=torch_dtype(args.dtype),
-                             llama_cpp=not args.no_llamacpp)
+        if args.size and args.model:
+            raise SpecdecError("give --model or --size, not both")
+        sized = args.size is not None  # smaller defaults: a ~1B model decodes ~20 tokens/s here
+        result = bench_plain(args.model, n_prompts=args.prompts or (2 if sized else 10),
+                             repeats=args.repeats or (3 if sized else 5),
+                             max_new_tokens=args.max_new_tokens or (32 if sized else 128), dtype=torch_dtype(args.dtype),
+                             llama_cpp=not args.no_llamacpp, size=args.size)
         result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
         print(format_plain(result))
         if args.out:
@@ -321,6 +341,7 @@ def cmd_calibrate(args) -> None:
     from .bench.conditions import hardware, shown_path
     from .device import backend
 
+    set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     curves = {}
     for batch in args.batch_sizes:
@@ -384,6 +405,7 @@ def cmd_simulate(args) -> None:
         from .calibration import measure_verify_curve
         from .device import backend
 
+        set_threads(args.threads)
         target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
         curve = measure_verify_curve(target.model, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
@@ -422,6 +444,34 @@ def cmd_simulate(args) -> None:
         print(f"warning: noisy verify curve, the predictions above are not trustworthy: t(n) against the dearest "
               f"smaller n (for a spike: against the dearest larger n) is {points}, but a forward over more tokens cannot cost much "
               f"less than over fewer; {cause}", file=sys.stderr)
+
+
+def cmd_check(args) -> None:
+    from . import inputs
+    from .api import encode_prompts, load
+    from .bench.workloads import humaneval_prompts
+    from .check import WRONG_VERIFIERS, check
+    from .sampling import SamplingConfig
+
+    inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    inputs.draft_options(args.draft, draft_options_given(args))
+    if args.draft == "none":
+        raise SpecdecError("specdec check needs a draft: --draft draft-model --draft-model PATH (or ngram, mtp, "
+                           "eagle, suffix)")
+    set_threads(args.threads)
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    proposer = make_proposer(args, target)
+    inputs.draft_length(args.k, proposer, args.tree)
+    prompts = encode_prompts(target, args.prompt or humaneval_prompts(args.prompts), args.max_new_tokens)
+    verify = {"sampled_verify": WRONG_VERIFIERS[args.wrong_verifier]} if args.wrong_verifier else {}
+    result = check(target.model, proposer, prompts, SamplingConfig(args.temperature, args.top_k, args.top_p),
+                   k=args.k if args.k is not None else 3, sequences=args.sequences,
+                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed or 0,
+                   widths=args.tree, **verify)
+    if args.wrong_verifier:
+        result.conditions["verifier"] = f"{args.wrong_verifier} (deliberately wrong: FAIL is the expected verdict)"
+    print(json.dumps({"passed": result.passed, "sampled": result.sampled, "greedy": result.greedy,
+                      "conditions": result.conditions}) if args.json else result.verdict())
 
 
 def cmd_export(args) -> None:
@@ -526,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_draft_arguments(g)
+    add_threads_argument(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("calibrate", help="measure the target's verify-cost curve on this machine for -k auto",
@@ -540,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "(default 14: the widest window of -k auto)")
     c.add_argument("--out", help="also write the curves to this JSON file, with their conditions (for "
                                  "`specdec simulate --verify-curve`: a prediction for that hardware)")
+    add_threads_argument(c)
     c.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
@@ -555,8 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a row; more are refused with 429")
-    v.add_argument("--threads", type=int, help="threads of the model's kernels (default: torch's, one per core); the "
-                                               "HTTP side needs some CPU too")
+    v.add_argument("--threads", type=int, help=THREADS_HELP + "; the HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds a shutdown waits for running requests before cancelling them")
     v.set_defaults(func=cmd_serve)
@@ -596,8 +647,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (overrides the plan)")
     b.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and prompt lookup")
     b.add_argument("--no-moe", action="store_true", help="skip the MoE vs dense verify-cost check")
+    b.add_argument("--size", metavar="NAME",
+                   help="plain: 0.2b or 1b (bench/sizes.py), a Llama-shaped model of this size with random weights, built once into "
+                        "~/.cache/specdec/sizes (instead of --model); adds the verify curve and the cost model's "
+                        "predictions for each draft design at that size")
     b.add_argument("--no-llamacpp", action="store_true",
                    help="plain: skip llama.cpp (run when llama-cpp-python is installed: pip install -e '.[llamacpp]')")
+    add_threads_argument(b)
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("simulate", help="predict speculative decoding's speedup with the cost model",
@@ -622,7 +678,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--moe-top-k", type=int, default=2, help="experts per token (MoE estimate)")
     s.add_argument("--expert-fraction", type=float, default=0.6,
                    help="share of a 1-token forward's weight bytes that are expert weights (MoE estimate)")
+    add_threads_argument(s)
     s.set_defaults(func=cmd_simulate)
+
+    ch = sub.add_parser("check", help="test that speculative decoding of your target and draft is lossless",
+                        description="Samples continuations by speculative decoding and tests each token's randomized "
+                                    "probability-integral transform under the target's own processed distribution "
+                                    "(one target forward per sequence) for i.i.d. uniformity (Kolmogorov-Smirnov, "
+                                    "level 0.01); and greedy output against plain decoding. Prints the verdict, the "
+                                    "p-value, the test's power and the conditions.")
+    ch.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    ch.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    ch.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_draft_arguments(ch)
+    ch.add_argument("--prompt", action="append", help="a prompt (repeat for more; default: HumanEval's first --prompts)")
+    ch.add_argument("--prompts", type=int, default=8, help="HumanEval prompts used without --prompt")
+    ch.add_argument("--sequences", type=int, default=128, help="continuations sampled (taken from the prompts in turn)")
+    ch.add_argument("--max-new-tokens", type=int, default=32, help="tokens per continuation (EOS does not stop it)")
+    ch.add_argument("--batch-size", type=int, default=16, help="continuations decoded together")
+    ch.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
+    ch.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
+    ch.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1, all)")
+    ch.add_argument("--seed", type=int, help="seed of the sampling and of the PIT (default 0)")
+    ch.add_argument("--wrong-verifier", choices=["accept-always"],
+                    help="run the check with a deliberately wrong verifier, to see it fail on your pair")
+    ch.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads_argument(ch)
+    ch.set_defaults(func=cmd_check)
 
     x = sub.add_parser("export", help="write a draft in a serving engine's format (vLLM: speculators)",
                        description="Export a draft for vLLM's speculative decoding: a draft model, or an EAGLE head "

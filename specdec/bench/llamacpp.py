@@ -38,7 +38,8 @@ from ..checkpoint import CONFIG, TOKENIZER, WEIGHTS, sha256
 from ..errors import SpecdecError
 
 CONVERTER_VERSION = 1  # part of the cached file's name: a change of the conversion invalidates the cache
-GGUF_DTYPES = ("bf16", "f32")
+GGUF_DTYPES = ("bf16", "f32", "q8_0")  # q8_0: llama.cpp's own quantization of the bf16 file (needs llama-cpp-python)
+LLAMA_FTYPE_MOSTLY_Q8_0 = 7  # llama_ftype
 INSTALL_HINT = "pip install -e '.[llamacpp]' (builds llama.cpp from source, ~10 min on 2 cores)"
 
 
@@ -121,11 +122,25 @@ def convert(checkpoint: str | Path, dtype: str = "bf16", cache: Path | None = No
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         try:
-            write_gguf(checkpoint, tmp, dtype)
+            if dtype == "q8_0":
+                quantize(convert(checkpoint, "bf16", cache), tmp, LLAMA_FTYPE_MOSTLY_Q8_0)
+            else:
+                write_gguf(checkpoint, tmp, dtype)
             os.replace(tmp, out)  # a reader never sees a half-written file
         finally:
             tmp.unlink(missing_ok=True)
     return out
+
+
+def quantize(source: Path, out: Path, ftype: int) -> None:
+    """llama.cpp's quantization of a GGUF file (llama_model_quantize), on torch's threads."""
+    import llama_cpp as lc
+
+    _silence_llama_cpp(lc)
+    params = lc.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, torch.get_num_threads()
+    if lc.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise SpecdecError(f"llama.cpp could not quantize {source} ({_why()})")
 
 
 def write_gguf(checkpoint: Path, out: Path, dtype: str) -> None:
@@ -196,7 +211,8 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 # How each GGUF file runs as a peer: f32 in specdec's arithmetic (fp32 everywhere; llama.cpp's CPU
 # flash attention rounds through f16, ~1e-3 on the logits, so it is off), bf16 in llama.cpp's
 # defaults (f16 KV cache, flash attention as llama.cpp decides) — its fast setting.
-PEER_SETTINGS = {"f32": {"kv": "f32", "flash_attn": "off"}, "bf16": {"kv": "f16", "flash_attn": "auto"}}
+PEER_SETTINGS = {"f32": {"kv": "f32", "flash_attn": "off"}, "bf16": {"kv": "f16", "flash_attn": "auto"},
+                 "q8_0": {"kv": "f16", "flash_attn": "auto"}}
 LOG_ERROR = 4  # ggml_log_level GGML_LOG_LEVEL_ERROR
 _quiet_log = None  # the C logging callback must outlive every call that may log
 _errors: deque[str] = deque(maxlen=8)  # llama.cpp's latest error lines, for our error messages

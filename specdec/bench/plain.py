@@ -20,12 +20,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .. import kernels
 from ..api import encode_prompts, load
+from ..calibration import measure_verify_curve
+from ..checkpoint import load_model
+from ..costmodel import VerifyCurve, predicted_speedup
 from ..decode import plain_generate
 from ..model import compute_dtype
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
-from . import llamacpp
+from . import llamacpp, sizes
 from .conditions import hardware, model_info, shown_path, software, spread
 from .workloads import humaneval_prompts
 
@@ -56,8 +60,9 @@ class Decoded:
     decode_seconds: float | None = None  # after the prompt and the first token; None: not reported apart
 
 
-def llama_cpp_peers(target, prompts: list[list[int]], enabled: bool) -> tuple[dict, dict]:
-    """llama.cpp models (bf16 and f32 GGUF) on specdec's threads, each checked against specdec's
+def llama_cpp_peers(target, prompts: list[list[int]], enabled: bool, dtypes: tuple[str, ...] = ("bf16", "f32")
+                    ) -> tuple[dict, dict]:
+    """llama.cpp models (GGUF in `dtypes`) on specdec's threads, each checked against specdec's
     logits on the first prompt; or none, with the reason."""
     version = llamacpp.available()
     if not enabled or version is None:
@@ -67,7 +72,7 @@ def llama_cpp_peers(target, prompts: list[list[int]], enabled: bool) -> tuple[di
     threads = torch.get_num_threads()
     reference = target.model(torch.tensor([prompts[0]])).logits[0].float().numpy()  # (T, V)
     models, info = {}, {}
-    for dtype in llamacpp.GGUF_DTYPES:
+    for dtype in dtypes:
         settings = llamacpp.PEER_SETTINGS[dtype]
         model = llamacpp.LlamaCppModel(llamacpp.convert(target.path, dtype), threads,
                                        target.model.config.max_position_embeddings, **settings)
@@ -85,11 +90,57 @@ def llama_cpp_peers(target, prompts: list[list[int]], enabled: bool) -> tuple[di
                     "input": "token ids fed directly (llama.cpp's tokenizer bypassed)"}
 
 
+VERIFY_POINTS = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+@torch.inference_mode()
+def verify_curve(target) -> dict:
+    """t(n) of the target (seconds, the median of 7 interleaved repeats after 128 cached tokens) and t(n)/t(1)."""
+    curve = measure_verify_curve(target.model, VERIFY_POINTS)
+    return {"seconds": curve.seconds, "relative": curve.relative()}
+
+
+@torch.inference_mode()
+def draft_predictions(size: str, curve_seconds: dict[int, float]) -> dict:
+    """The cost model's speedup for each shipped draft design at target size `size`: its drafting
+    seconds measured now on a random model doing one drafted token's work (sizes.draft_designs),
+    k of them per step, the measured verify curve, and the per-position acceptance the design
+    reached on the shipped pair (ASSUMED_ACCEPTANCE: an assumption at another size, stated)."""
+    curve = VerifyCurve(curve_seconds)
+    out = {}
+    for name, design in sizes.draft_designs(size).items():
+        drafter = load_model(sizes.build_config(f"{size}-{name}", design))
+        per_token = measure_verify_curve(drafter, [1]).seconds[1]
+        alphas = ASSUMED_ACCEPTANCE[name]
+        out[name] = {"draft_model": design.like, "draft_seconds_per_token": per_token, "k": len(alphas),
+                     "assumed_acceptance_per_position": alphas, "draft_cost_ratio": per_token / curve.at(1),
+                     "predicted_speedup": predicted_speedup(alphas, per_token * len(alphas), curve)}
+        del drafter
+    alphas = ASSUMED_ACCEPTANCE["ngram"]
+    out["ngram"] = {"draft_model": "none (lookup in the prompt and output; its seconds taken as 0)",
+                    "draft_seconds_per_token": 0.0, "k": len(alphas), "assumed_acceptance_per_position": alphas,
+                    "draft_cost_ratio": 0.0, "predicted_speedup": predicted_speedup(alphas, 0.0, curve)}
+    return out
+
+
+# Per-position acceptance of each design at k = 3 on the shipped pair (22M target), HumanEval,
+# greedy, batch 1, as `specdec bench` measured it (docs/bench/bench.json; EAGLE: not in that run,
+# so the draft model's is assumed). At another target size it is an assumption, not a measurement.
+ASSUMED_ACCEPTANCE = {"draft-model": [0.656, 0.509, 0.503], "ngram": [0.625, 0.883, 0.915],
+                      "mtp": [0.797, 0.575, 0.33], "eagle": [0.656, 0.509, 0.503]}
+
+
 @torch.inference_mode()
 def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repeats: int = 5,
-                max_new_tokens: int = 128, dtype: torch.dtype | None = None, llama_cpp: bool = True) -> dict:
+                max_new_tokens: int = 128, dtype: torch.dtype | None = None, llama_cpp: bool = True,
+                size: str | None = None) -> dict:
+    """size: a named shape of sizes.SIZES built with random weights (instead of target_path),
+    measured also for its verify curve and the cost model's predictions; llama.cpp then runs the
+    bf16 and Q8_0 files (f32 instead of Q8_0 otherwise)."""
     import transformers
 
+    if size is not None:
+        target_path = sizes.build(size)
     target = load(target_path, dtype=dtype)
     same = compute_dtype(target.model)
     peers = {f"transformers.generate {short(d)}": d for d in dict.fromkeys([same, torch.bfloat16])}
@@ -100,7 +151,7 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
         hfs[name].generation_config.pad_token_id = 0
     prompts = encode_prompts(target, humaneval_prompts(n_prompts), max_new_tokens)
     rule, greedy = StopRule(max_new_tokens), SamplingConfig()
-    cpps, cpp_info = llama_cpp_peers(target, prompts, llama_cpp)
+    cpps, cpp_info = llama_cpp_peers(target, prompts, llama_cpp, ("bf16", "q8_0") if size else ("bf16", "f32"))
     load_before = os.getloadavg()[0]  # a busy shared machine slows the peers unevenly: say how busy it was
 
     def ours(ids):
@@ -150,8 +201,10 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
     ours_s, like = speeds["specdec"], f"transformers.generate {short(same)}"
     fastest = max(peers, key=lambda name: speeds[name]["median"])
     bytes_per_token = weight_bytes_per_token(target.model)
-    load_after = os.getloadavg()[0]
     measured = measured_read_bandwidth()
+    curve = verify_curve(target) if size else None
+    predictions = draft_predictions(size, curve["seconds"]) if size else None
+    load_after = os.getloadavg()[0]
     identical = {name: f"{sum(outputs['specdec', i] == outputs[name, i] for i in range(len(prompts)))}/{len(prompts)}"
                  for name in methods if name != "specdec"}
     return {
@@ -167,8 +220,15 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
         "bandwidth_fraction": bytes_per_token * ours_s["median"] / MACHINE_READ_BANDWIDTH,
         "measured_read_bandwidth_GBps": measured / 1e9,
         "bandwidth_fraction_of_measured": bytes_per_token * ours_s["median"] / measured,
+        "decode_bandwidth_GBps": bytes_per_token * decode_speeds["specdec"]["median"] / 1e9,
+        "decode_bandwidth_fraction_of_measured": bytes_per_token * decode_speeds["specdec"]["median"] / measured,
         "identical_outputs": identical,
+        "verify_curve": curve,
+        "draft_predictions": predictions,
+        "threads": kernels.thread_report(),
         "conditions": {
+            "size": None if size is None else {"name": size, "like": sizes.SIZES[size].like,
+                                               "weights": "random (bench/sizes.py), in the user cache"},
             "target": model_info(target.model, target.path),
             "method": "plain autoregressive decoding",
             "workload": {"dataset": "HumanEval", "prompts": len(prompts),
@@ -231,7 +291,9 @@ def format_plain(r: dict) -> str:
         f"memory bandwidth {r['bandwidth_GBps']:.1f} GB/s ({r['weight_bytes_per_token'] / 1e6:.1f} MB of weights "
         f"per token) = {100 * r['bandwidth_fraction']:.0f}% of {c['hardware']['read_bandwidth_assumed_GBps']:.0f} "
         f"GB/s, {100 * r['bandwidth_fraction_of_measured']:.0f}% of the {r['measured_read_bandwidth_GBps']:.1f} "
-        f"GB/s measured on this machine now; identical outputs {r['identical_outputs']}",
+        f"GB/s measured on this machine now (prefill + decode); decoding alone {r['decode_bandwidth_GBps']:.1f} GB/s = "
+        f"{100 * r['decode_bandwidth_fraction_of_measured']:.0f}% of it; identical outputs {r['identical_outputs']}",
+        *size_lines(r),
         f"conditions: target {c['target']['name']} ({c['target']['parameters'] / 1e6:.1f}M params, "
         f"{c['target']['dtype']}, sha256 {c['target']['checkpoint_sha256'][:12]}), HumanEval "
         f"{c['workload']['prompts']} prompts, {c['workload']['max_new_tokens']} new tokens, greedy, batch 1, "
@@ -241,3 +303,19 @@ def format_plain(r: dict) -> str:
         f"torch {c['software']['torch']}, transformers {c['software']['transformers']}, "
         f"llama.cpp {c['software']['llama_cpp']}",
     ])
+
+
+def size_lines(r: dict) -> list[str]:
+    """The verify curve, the cost model's predictions and the thread policy, where measured."""
+    t = r["threads"]
+    lines = [f"threads: {t['threads']} ({t['mode']}; other processes used {t['other_processes_cores']} cores; "
+             f"{t['omp_spin']})"]
+    if r["verify_curve"]:
+        rel = r["verify_curve"]["relative"]
+        lines.append("verify curve t(n)/t(1): " + ", ".join(f"n={n}: {x:.2f}" for n, x in rel.items())
+                     + f" (t(1) = {1000 * r['verify_curve']['seconds'][1]:.1f} ms)")
+    for name, p in (r["draft_predictions"] or {}).items():
+        lines.append(f"predicted {name} k={p['k']}: {p['predicted_speedup']:.2f}x (draft {1000 * p['draft_seconds_per_token']:.2f} "
+                     f"ms per token = {p['draft_cost_ratio']:.3f} x t(1), {p['draft_model']}; acceptance "
+                     f"{p['assumed_acceptance_per_position']} assumed from the shipped pair)")
+    return lines

@@ -9,6 +9,12 @@ arithmetic, so a result never depends on whether they were built beyond fp32 rou
 
 A matrix is packed once, at load (`pack`), into panels the kernels read; a model's decoder layers
 become one `Stack` that runs them in a single call.
+
+Threads (threads.h): by default ("auto") each call runs on the cores other processes leave free,
+measured from /proc every ~0.2 s, at most torch's thread count; `set_threads(N)` fixes N
+(`--threads N`). `thread_report()` says what was done, for the stats. Independently, the OpenMP
+threads' spinning at barriers is bounded (GOMP_SPINCOUNT, set by specdec/__init__.py before torch
+loads libgomp) so that a thread waiting for a late one soon yields its core.
 """
 from __future__ import annotations
 
@@ -27,7 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h")]
+from .. import SPIN_BOUNDED
+from ..errors import SpecdecError
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "threads.h")]
 LANES = 16  # outputs per packed panel
 _EMPTY = torch.empty(0)
 
@@ -169,6 +178,34 @@ def stack(layers, arch):
     shape.R, shape.eps, shape.rotary_factor = arch.rotary_dim, arch.rms_norm_eps, arch.attention_factor
     shape.activation = ACTIVATIONS[arch.activation]
     return compiled().Stack(weights, shape)
+
+
+def set_threads(n: int | None) -> None:
+    """Run the kernels (and torch's own operators) on n threads, or None: auto, up to torch's
+    threads, fewer while other processes hold cores."""
+    if n is not None:
+        if n < 1:
+            raise SpecdecError(f"threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+    if compiled():
+        compiled().set_fixed_threads(n or 0)
+
+
+def thread_report() -> dict:
+    """What the thread policy did: mode (auto or fixed), the threads of the latest calls, the
+    ceiling (torch's threads), the cores other processes used over the latest window, the
+    machine's cores and whether libgomp's spinning is bounded."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    report = {"mode": "pytorch", "threads": torch.get_num_threads(), "ceiling": torch.get_num_threads(),
+              "other_processes_cores": None, "cores": os.cpu_count(),
+              "omp_spin": f"GOMP_SPINCOUNT={spin}" + ("" if SPIN_BOUNDED else " (set after libgomp loaded: no effect)")
+              if spin else "libgomp's default"}
+    if compiled():
+        fixed, chosen, others, cores = compiled().thread_state()
+        report.update(mode="fixed" if fixed else "auto", cores=cores,
+                      threads=fixed or min(chosen or report["ceiling"], report["ceiling"]),
+                      other_processes_cores=None if others < 0 else round(others, 2))
+    return report
 
 
 def can_store_bf16() -> bool:

@@ -30,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "threads.h"
+
 // What the decoder layers read and write, shared by both instruction sets. Biases and q/k norms
 // are null where the architecture has none.
 struct LayerWeights {
@@ -237,9 +239,10 @@ const Ops* g_ops = has_avx512() ? &kAvx512 : &kAvx2;
 
 // Threads for a call that reads `bytes` of weights for `rows` rows: below about a megabyte of
 // weight traffic (a draft model's layer, one token) a second thread costs more in wake-ups and
-// barriers than it saves. Results never depend on it.
+// barriers than it saves; above it, the thread policy's count (threads.h: the cores other
+// processes leave free, or a fixed count). Results never depend on it.
 int threads(int64_t bytes, int64_t rows) {
-  return bytes * rows < (int64_t{1} << 20) ? 1 : std::max(1, at::get_num_threads());
+  return bytes * rows < (int64_t{1} << 20) ? 1 : thread_policy::threads(std::max(1, at::get_num_threads()));
 }
 
 const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -560,6 +563,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("eps", &Shape::eps)
       .def_readwrite("rotary_factor", &Shape::rotary_factor)
       .def_readwrite("activation", &Shape::activation);
+  m.def("set_fixed_threads", [](int64_t n) { thread_policy::g_fixed = static_cast<int>(n); },
+        "run every call on N threads (0: auto, the cores other processes leave free)");
+  m.def("thread_state", [] {
+    return std::make_tuple(thread_policy::g_fixed.load(), thread_policy::g_chosen.load(),
+                           thread_policy::g_others.load(), thread_policy::cores());
+  }, "(fixed threads or 0, threads auto chose last or 0, cores others used over the last window or -1, cores)");
   pybind11::class_<Stack>(m, "Stack")
       .def(pybind11::init<const std::vector<std::map<std::string, torch::Tensor>>&, const Shape&>())
       .def("forward", &Stack::forward, "the decoder layers over a window of new tokens, with a KV cache");

@@ -1,0 +1,66 @@
+"""The kernels' thread policy (kernels/threads.h): auto mode runs on the cores other processes leave
+free, measured from /proc; a fixed count is kept; the result never depends on the count."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from specdec import kernels
+
+
+@pytest.fixture(autouse=True)
+def policy():
+    if kernels.compiled() is None:
+        pytest.skip("the CPU kernels do not run here")
+    before = torch.get_num_threads()
+    yield
+    kernels.set_threads(None)
+    torch.set_num_threads(before)
+
+
+def big_linear():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 1024, generator=g), torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
+    return x, w, kernels.pack(w)
+
+
+def test_auto_mode_gives_way_to_busy_processes():
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: there is nothing to give way")
+    torch.set_num_threads(os.cpu_count())
+    kernels.set_threads(None)
+    x, w, packed = big_linear()
+    loops = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count())]
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.9:  # several 0.2 s windows with every core taken by a loop
+            kernels.linear(x, w, packed)
+            time.sleep(0.01)
+        report = kernels.thread_report()
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+    assert report["mode"] == "auto"
+    assert report["other_processes_cores"] >= 0.5 * min(len(loops), report["cores"]) - 0.25
+    assert report["threads"] < os.cpu_count(), report
+
+
+def test_a_fixed_count_is_kept_and_the_result_does_not_depend_on_it():
+    x, w, packed = big_linear()
+    kernels.set_threads(1)
+    one = kernels.linear(x, w, packed)
+    assert kernels.thread_report()["mode"] == "fixed" and kernels.thread_report()["threads"] == 1
+    kernels.set_threads(2)
+    assert torch.equal(kernels.linear(x, w, packed), one)
+    assert kernels.thread_report()["threads"] == 2 and torch.get_num_threads() == 2
+
+
+def test_a_bad_count_is_refused():
+    from specdec.errors import SpecdecError
+    with pytest.raises(SpecdecError, match="threads must be >= 1"):
+        kernels.set_threads(0)
