@@ -70,6 +70,7 @@ def cmd_generate(args) -> None:
 def cmd_serve(args) -> None:
     import signal
     import threading
+    import time
 
     import uvicorn
 
@@ -77,15 +78,22 @@ def cmd_serve(args) -> None:
     from .api import default_k, load
     from .proposers import build_proposer
     from .serve.app import create_app
+    from .serve.guard import Limits, protocol
     from .serve.service import Service
 
     inputs.draft_options(args.draft, draft_options_given(args))
     inputs.integer("--max-batch", args.max_batch, low=1)
-    inputs.integer("--max-queue", args.max_queue, low=1)
+    inputs.integer("--max-queue", args.max_queue, low=0)
     inputs.integer("--port", args.port, low=1, high=65535)
+    inputs.integer("--max-body-bytes", args.max_body_bytes, low=1024)
+    inputs.integer("--max-connections", args.max_connections, low=1)
+    for name in ("shutdown_timeout", "header_timeout", "body_timeout", "idle_timeout"):
+        inputs.number("--" + name.replace("_", "-"), getattr(args, name), low=0, low_open=name != "shutdown_timeout")
+    api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     if args.threads is not None:
         import torch
         torch.set_num_threads(inputs.integer("--threads", args.threads, low=1))
+    sock = listening_socket(args.host, args.port)  # a port in use fails now, before loading anything
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
@@ -94,30 +102,66 @@ def cmd_serve(args) -> None:
     # plain decoding is the same engine proposing nothing (k = 0)
     service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue,
                       widths=args.tree)
-    server = uvicorn.Server(uvicorn.Config(create_app(service, args.shutdown_timeout), host=args.host,
-                                           port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                    idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
+                    key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))
+    server = uvicorn.Server(uvicorn.Config(create_app(service, limits), log_level="warning", lifespan="off",
+                                           http=protocol(limits), timeout_keep_alive=args.idle_timeout,
+                                           timeout_graceful_shutdown=5))
+    signals = []
 
-    def http() -> None:  # uvicorn on its own thread; the engine keeps the main one (serve/service.py says why)
-        try:
-            server.run()
-        finally:
-            service.close(0)  # returns at once if the lifespan already closed it
-
-    def stop(signum, frame) -> None:  # graceful: no new connections, running requests finish, then exit
-        server.should_exit = True
+    def stop(signum, frame) -> None:
+        """First SIGTERM/SIGINT: stop admission and drain (the engine loop then returns); second: exit now."""
+        signals.append(signum)
+        if len(signals) == 1:
+            print(f"specdec serve: shutting down: no new requests; running ones get up to {args.shutdown_timeout:g} s "
+                  "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+            service.begin_close(args.shutdown_timeout)
+        else:
+            print("specdec serve: exiting at once", file=sys.stderr, flush=True)
+            os._exit(130 if signum == signal.SIGINT else 143)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    thread = threading.Thread(target=http, name="specdec-http")
+    # uvicorn on its own thread; the engine keeps the main one (serve/service.py says why)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specdec-http", daemon=True)
     thread.start()
-    print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
-          f", up to {args.max_batch} requests per batch; http://{args.host}:{args.port}/", file=sys.stderr)
-    service.run()
-    thread.join()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
     if not server.started:
-        raise SpecdecError(f"could not listen on {args.host}:{args.port} (see the message above): "
-                           "choose another --port or --host")
+        raise SpecdecError(f"the HTTP server did not start on {args.host}:{args.port} (see the message above)")
+    print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
+          f", up to {args.max_batch} requests per batch and {args.max_queue} queued" +
+          (", API key required" if api_key else "") + f"; http://{args.host}:{args.port}/", file=sys.stderr,
+          flush=True)
+    try:
+        service.run()
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def listening_socket(host: str, port: int):
+    """A socket bound to host:port and listening, or one line saying why not."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror}; give --host an address of this machine"
+                           ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or --host"
+                           ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def footer(s: dict, k: int | str, temperature: float) -> str:
@@ -514,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
-                       description="POST /v1/completions (OpenAI's format, streaming with SSE), GET /v1/models, "
+                       description="POST /v1/completions and /v1/chat/completions (OpenAI's formats, streaming "
+                                   "with SSE), GET /v1/models, "
                                    "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
                                    "one running batch between steps (continuous batching).")
     v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
@@ -529,7 +574,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=int, help="threads of the model's kernels (default: torch's, one per core); the "
                                                "HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds a shutdown waits for running requests before cancelling them")
+                   help="on SIGTERM or Ctrl-C: seconds running and queued requests may go on (new ones get 503 "
+                        "and /health says closing); then each open request ends with an error; a second Ctrl-C "
+                        "exits at once")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDEC_API_KEY; "
+                                     "none: open)")
+    v.add_argument("--api-key-everywhere", action="store_true",
+                   help="require the key on /health and /metrics too (default: they stay open for probes)")
+    v.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. https://app.example) whose pages may call the server, repeatable; "
+                        "'*' allows every origin (default: none, only the server's own page)")
+    v.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get 413 before being read (default 1 MiB)")
+    v.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a whole request body (408)")
+    v.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's head before it is closed")
+    v.add_argument("--idle-timeout", type=float, default=5.0, help="seconds a kept-alive connection may stay idle")
+    v.add_argument("--max-connections", type=int, default=256,
+                   help="open connections at most; more are closed at once")
     v.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
