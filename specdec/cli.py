@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import re
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -32,9 +34,16 @@ def cmd_train(args) -> None:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
     if args.naive_mtp_order:
         preset["mtp_memory_saving"] = False
-    path = train(TrainConfig(out=args.out, **preset), command=["specdec", *sys.argv[1:]])
+    from .train.loop import stopped_at
+
+    command = ["specdec", *sys.argv[1:]]
+    path = train(TrainConfig(out=args.out, **preset), command=command)
     if path is None:
-        print(f"stopped early with a checkpoint in {args.out}; rerun the same command to resume")
+        step = stopped_at(args.out)
+        latest = Path(args.out) / "latest"
+        print(f"stopped at step {step} of {preset['steps']}, its state saved in {args.out}"
+              + (f"; its weights: specdec generate --model {latest}" if latest.exists() else "")
+              + f"; resume with: {' '.join(shlex.quote(a) for a in command)}")
     elif int(os.environ.get("RANK", 0)) == 0:
         print(f"{'draft heads' if path.name == 'heads' else 'model'} written to {path}")
 
@@ -44,8 +53,11 @@ def cmd_generate(args) -> None:
     from .api import default_k, generate, load
     from .bench.workloads import humaneval_prompt
 
-    if (args.prompt is None) == (args.humaneval is None):
-        raise SpecdecError("give exactly one of --prompt TEXT or --humaneval INDEX")
+    given = [args.prompt is not None, args.prompt_file is not None, args.humaneval is not None]
+    if sum(given) != 1:
+        raise SpecdecError("give exactly one of --prompt TEXT, --prompt-file PATH (- for stdin) or --humaneval INDEX")
+    if args.prompt_file is not None:
+        args.prompt = read_prompt_file(args.prompt_file)
     prompt = inputs.prompts(args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval))[0]
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
@@ -54,17 +66,31 @@ def cmd_generate(args) -> None:
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
     k = args.k if args.k is not None else default_k(proposer)
-    result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-                      proposer=proposer, k=k if proposer is not None else None, widths=args.tree)
+    chat = [{"role": "user", "content": prompt}] if args.chat else None
+    result = generate(target, None if chat else prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      stop=tuple(args.stop), proposer=proposer, k=k if proposer is not None else None,
+                      widths=args.tree, messages=chat)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
         return
     s = result.stats
-    print(prompt + result.texts[0])
+    print(result.texts[0] if chat else prompt + result.texts[0])
     print(f"\n--- {footer(s, k, args.temperature)}; target {target.path}; finish: {result.finish_reasons[0]}",
           file=sys.stderr)
+
+
+def read_prompt_file(path: str) -> str:
+    """The prompt from a UTF-8 file, or standard input for "-"."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise SpecdecError(f"cannot read the prompt file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecdecError(f"the prompt file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
 
 
 def cmd_serve(args) -> None:
@@ -465,7 +491,10 @@ def cmd_export(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    p.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
@@ -492,7 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, help="seed of the initial weights and of the batches (default 0)")
     t.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
     t.add_argument("--save-every", type=int, help="save the resume state every N steps (default: the preset's)")
-    t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
+    t.add_argument("--stop-after", type=int,
+                   help="leave after N more steps of this invocation, counted from where it starts (0 on a new "
+                        "run, the saved step on a resumed one), checkpointed; rerun to resume. Ctrl-C or SIGTERM "
+                        "also stops after the step under way, saving it")
     t.add_argument("--objective", choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
                         "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher, "
@@ -529,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete a prompt with the target")
     g.add_argument("--model", help="checkpoint folder (default: the shipped target)")
     g.add_argument("--prompt", help="text to continue")
+    g.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-': standard input)")
+    g.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message, rendered by the model's chat template; print the reply")
     g.add_argument("--humaneval", type=int, metavar="INDEX", help="use HumanEval prompt INDEX (0..163)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
@@ -683,8 +718,18 @@ class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    terms = []
+
+    def terminated(signum, frame) -> None:  # SIGTERM as Ctrl-C: one line (below), not a traceback
+        terms.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         args.func(args)
+    except KeyboardInterrupt:
+        print(f"specdec: {args.command} stopped by {'SIGTERM' if terms else 'Ctrl-C'}", file=sys.stderr)
+        return 143 if terms else 130
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
@@ -696,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'free some space or write elsewhere' if e.errno in FULL else 'use files and folders you may access'} "
               "(e.g. another --out)", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
