@@ -77,13 +77,15 @@ class InProcess:
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(self.service, limits)),
                                         base_url="http://specdec.test", timeout=60)
 
+    def loop_call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(60)
+
     def post(self, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
         headers = {"Content-Type": "application/json", **(headers or {})}
-        return asyncio.run_coroutine_threadsafe(self.client.post(path, content=content, headers=headers),
-                                                self.loop).result(60)
+        return self.loop_call(self.client.post(path, content=content, headers=headers))
 
     def get(self, path: str, headers: dict | None = None) -> httpx.Response:
-        return asyncio.run_coroutine_threadsafe(self.client.get(path, headers=headers), self.loop).result(60)
+        return self.loop_call(self.client.get(path, headers=headers))
 
     def close(self) -> None:
         self.service.begin_close(0)
