@@ -14,6 +14,7 @@ This module knows nothing about models, sampling or serving.
 """
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -80,3 +81,15 @@ class ChatTemplate:
 def template(folder: str | Path) -> ChatTemplate:
     """The folder's template, read once."""
     return ChatTemplate(folder)
+
+
+def has_template(folder: str | Path) -> bool:
+    """Whether the folder holds a chat template, without loading transformers (seconds)."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").exists() or (folder / "chat_template.json").exists():
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template")) if config.exists() else False
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ..errors import SpecdecError
 from . import requests
 from .guard import Guard, Limits
+from .prometheus import CONTENT_TYPE
 from .requests import APIError, Parsed
 from .service import Closing, Event, Job, NoChat, QueueFull, Service
 
@@ -62,7 +63,7 @@ def create_app(service: Service, limits: Limits = Limits()):
 
     def model_card() -> dict:
         return {"id": service.name, "object": "model", "created": 0, "owned_by": "specdec", "method": service.method,
-                "k": service.k, "context_length": service.context, "chat": service.chat is not None}
+                "k": service.k, "context_length": service.context, "chat": service.chat}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -73,7 +74,7 @@ def create_app(service: Service, limits: Limits = Limits()):
         ok = not (service.closing or service.failure)
         return JSONResponse({"status": "ok" if ok else "closing" if service.closing else "failed",
                              "error": service.failure, "batch_size": len(service.engine.requests),
-                             "queue_length": len(service.intake) + len(service.engine.waiting),
+                             "queue_length": service.queue_length,
                              "jobs": len(service.jobs)},
                             status_code=200 if ok else 503, headers={} if ok else {"Retry-After": RETRY_AFTER})
 
@@ -90,7 +91,7 @@ def create_app(service: Service, limits: Limits = Limits()):
 
     @app.get("/metrics")
     async def metrics():
-        return Response(service.prometheus(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(service.metrics.text(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

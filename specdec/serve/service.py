@@ -36,15 +36,14 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..api import Loaded
-from ..chat import template
+from ..chat import has_template, template
 from ..engine import Engine, Request
 from ..errors import SpecdecError
-from ..metrics import PHASES
 from ..healing import back_off, first_tokens
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
 from ..tokenizer import EOS_ID, Tokenizer
-from .prometheus import Histogram, family, value
+from .prometheus import Metrics
 from .requests import Params
 from .text import TextStream
 
@@ -116,11 +115,7 @@ class Service:
         self.text_tokenizer.tok.encode_special_tokens = True
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
         self.max_prompt_chars = self.context * longest  # a longer prompt cannot fit the context
-        try:
-            self.chat = template(target.path)
-            self.no_chat = None
-        except SpecdecError as e:
-            self.chat, self.no_chat = None, str(e)
+        self.chat = has_template(target.path)  # the template itself is loaded by the first chat request
         self.encoding = threading.BoundedSemaphore(2)  # prompts encoded at once
         self.intake: deque[Job] = deque()  # jobs not yet healed and submitted (this thread reads them)
         self.loop: asyncio.AbstractEventLoop | None = None  # the handlers' loop
@@ -132,9 +127,7 @@ class Service:
         self.stopped = threading.Event()  # the engine loop has returned
         self.requests = {"ok": 0, "cancelled": 0, "rejected": 0, "invalid": 0, "shutdown": 0}
         self.prompt_tokens = 0
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Queueing, prefill and first step of a request.")
-        self.itl = Histogram("specdec_inter_token_seconds", "A request's mean time per token after its first.")
-        self.e2e = Histogram("specdec_request_seconds", "Whole request, from arrival to its last token.")
+        self.metrics = Metrics(self)
 
     # ---- the handler side (asyncio thread) ----
 
@@ -143,8 +136,9 @@ class Service:
         if self.closing or self.failure:
             raise Closing(f"the server is {'shutting down' if self.closing else 'broken: ' + self.failure}; "
                           "retry on another instance")
-        if params.messages is not None and self.chat is None:
-            raise NoChat(self.no_chat)
+        if params.messages is not None and not self.chat:
+            raise NoChat(f"the model {self.name} has no chat template (no \"chat_template\" in its "
+                         "tokenizer_config.json, no chat_template.jinja): send a plain prompt to /v1/completions")
         if len(self.jobs) >= self.capacity + self.max_queue:
             self.requests["rejected"] += 1
             raise QueueFull(f"{self.capacity} requests are running and {self.max_queue} queued, as many as this "
@@ -159,7 +153,7 @@ class Service:
         exceed the context."""
         p = job.params
         if p.messages is not None:
-            ids, healed_text = self.chat.ids(list(p.messages)), ""
+            ids, healed_text = template(self.target.path).ids(list(p.messages)), ""
         else:
             if len(p.prompt) > self.max_prompt_chars:
                 raise SpecdecError(f"the prompt has {len(p.prompt)} characters, more than the model's context of "
@@ -190,11 +184,11 @@ class Service:
         if not job.ended:
             job.cancel()
         self.requests["ok" if ended else "shutdown" if job.ended else "cancelled"] += 1
-        self.e2e.observe(now - job.queued_at)
+        self.metrics.e2e.observe(now - job.queued_at)
         if first_at is not None:
-            self.ttft.observe(first_at - job.queued_at)
+            self.metrics.ttft.observe(first_at - job.queued_at)
             if tokens > 1:
-                self.itl.observe((now - first_at) / (tokens - 1))
+                self.metrics.itl.observe((now - first_at) / (tokens - 1))
 
     # ---- the engine side (the main thread) ----
 
@@ -247,7 +241,7 @@ class Service:
         generator = p.sampling.generator(self.engine.device)
         tokenizer = self.target.tokenizer
         skip = len(job.healed)
-        stop = p.stop + (self.chat.stops if p.messages is not None else ())  # the template's end of turn
+        stop = p.stop + (template(self.target.path).stops if p.messages is not None else ())  # its end of turn
         rule = StopRule(p.max_tokens, EOS_ID, stop, lambda tokens: tokenizer.decode(tokens)[skip:])
         stream = TextStream(tokenizer.decode, stop, skip)
 
@@ -279,41 +273,9 @@ class Service:
             self.deadline = time.monotonic() + timeout
             self.wake.notify()
 
-    # ---- /metrics ----
-
-    def prometheus(self) -> str:
-        m = self.engine.metrics
-        positions = range(1, m.k + 1)
-        lines = [
-            *family("specdec_requests_total", "counter", "Completion requests by outcome.",
-                    [(f'{{outcome="{o}"}}', n) for o, n in self.requests.items()]),
-            *family("specdec_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
-                    [("", self.prompt_tokens)]),
-            *family("specdec_generated_tokens_total", "counter", "Tokens emitted by the engine.", [("", m.emitted)]),
-            *family("specdec_steps_total", "counter", "Target verification forward passes.", [("", m.steps)]),
-            *family("specdec_row_steps_total", "counter", "Verifications of one row.", [("", m.row_steps)]),
-            *family("specdec_proposed_tokens_total", "counter", "Draft tokens proposed.", [("", m.proposed)]),
-            *family("specdec_accepted_tokens_total", "counter", "Draft tokens the target accepted.", [("", m.accepted)]),
-            *family("specdec_accepted_per_position_total", "counter", "Steps where draft i was accepted.",
-                    [(f'{{position="{i}"}}', n) for i, n in zip(positions, m.accepted_per_position)]),
-            *family("specdec_reached_per_position_total", "counter",
-                    "Steps where draft i was proposed and drafts before it accepted.",
-                    [(f'{{position="{i}"}}', n) for i, n in zip(positions, m.reached_per_position)]),
-            *family("specdec_acceptance_rate", "gauge", "α: accepted / proposed since start.",
-                    [("", value(m.acceptance_rate))]),
-            *family("specdec_acceptance_per_position", "gauge", "α_i: accepted_i / reached_i since start.",
-                    [(f'{{position="{i}"}}', value(a)) for i, a in zip(positions, m.acceptance_per_position)]),
-            *family("specdec_mean_acceptance_length", "gauge", "τ: emitted tokens / row steps (with the "
-                    "recovered or bonus token).", [("", value(m.mean_acceptance_length))]),
-            *family("specdec_engine_seconds_total", "counter", "Engine time by phase of the step loop (metrics.py).",
-                    [(f'{{phase="{name.removesuffix("_seconds")}"}}', value(getattr(m, name)))
-                     for name in ("prefill_seconds", *PHASES)]),
-            *family("specdec_queue_length", "gauge", "Requests waiting for a row.",
-                    [("", len(self.intake) + len(self.engine.waiting))]),
-            *family("specdec_batch_size", "gauge", "Rows in the running batch.", [("", len(self.engine.requests))]),
-            *self.ttft.lines(), *self.itl.lines(), *self.e2e.lines(),
-        ]
-        return "\n".join(lines) + "\n"
+    @property
+    def queue_length(self) -> int:
+        return len(self.intake) + len(self.engine.waiting)
 
 
 def _deliver(batch: list[tuple[Job, Event]]) -> None:
