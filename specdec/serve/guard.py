@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
+CLOSE = ((b"connection", b"close"),)
+
+
 @dataclass(frozen=True)
 class Limits:
     max_body: int = 1 << 20            # bytes of a request body
@@ -42,6 +45,8 @@ class Limits:
 
 def error(status: int, message: str, code: str, kind: str = "invalid_request_error",
           headers: tuple = ()) -> tuple[int, list, bytes]:
+    """An OpenAI error response; a refusal before the body is read also closes the connection
+    (`Connection: close`), so the server never reads the rest of a body it refused."""
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
     return status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                     *headers], body
@@ -86,20 +91,22 @@ class Guard:
         if kind != "application/json":
             return await send_response(send, error(
                 415, f"the request body must be JSON with 'Content-Type: application/json', got "
-                     f"{kind[:100] or 'no content type'}", "unsupported_media_type"))
+                     f"{kind[:100] or 'no content type'}", "unsupported_media_type", headers=CLOSE))
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limits.max_body):
             return await send_response(send, error(
                 413, f"the request body has {length[:30]} bytes; this server takes at most {self.limits.max_body} "
-                     "(--max-body-bytes)", "request_too_large"))
+                     "(--max-body-bytes)", "request_too_large", headers=CLOSE))
         try:
             body = await asyncio.wait_for(self.read_body(receive), self.limits.body_timeout)
         except asyncio.TimeoutError:
             return await send_response(send, error(
-                408, f"the request body did not arrive within {self.limits.body_timeout:g} s", "request_timeout"))
+                408, f"the request body did not arrive within {self.limits.body_timeout:g} s", "request_timeout",
+                headers=CLOSE))
         if body is None:
             return await send_response(send, error(
-                413, f"the request body exceeds {self.limits.max_body} bytes (--max-body-bytes)", "request_too_large"))
+                413, f"the request body exceeds {self.limits.max_body} bytes (--max-body-bytes)", "request_too_large",
+                headers=CLOSE))
         if body is False:
             return  # the client went away
         return await self.app(scope, replay(body, receive), send)
