@@ -40,7 +40,8 @@ from .decode import plain_generate
 from .eagle import EagleHead, load_eagle
 from .engine import speculative_generate
 from .errors import SpecdecError
-from .healing import back_off, first_tokens
+from .chat import template
+from .healing import Healed, back_off, first_tokens
 from .heads import MTPHeads, load_heads
 from .lm import causal_lm, lm_dtype
 from .device import backend, default_dtype
@@ -196,22 +197,36 @@ def model_dtype(model) -> str:
     return str(lm_dtype(model)).removeprefix("torch.")
 
 
-def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | str | None = None,
-             widths: tuple[int, ...] | None = None) -> Result:
+             widths: tuple[int, ...] | None = None, messages: list[dict] | None = None) -> Result:
     """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`);
     k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
-    pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains)."""
-    prompts = inputs.prompts(prompts)
+    pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains).
+    messages: a chat ([{"role": "user", "content": ...}, ...]) instead of prompts, rendered by the
+    checkpoint's chat template (chat.py); the reply is texts[0]. With a seed, each prompt's sampled
+    tokens depend only on the seed, the prompt and the target (sampling.py): prompts that share a
+    seed share its noise."""
+    if prompts is None and messages is None:
+        raise SpecdecError("prompts must be a string or a list of strings (or give messages=[...] for a chat)")
+    if prompts is not None and messages is not None:
+        raise SpecdecError("give prompts (text to continue) or messages (a chat), not both")
     inputs.sampling(temperature, top_k, top_p, seed)
     stop = inputs.generation(max_new_tokens, stop)
     inputs.draft_length(k, proposer, widths)
     k = default_k(proposer) if k is None else k
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
     decode = target.tokenizer.decode
-    healed = [back_off(target.tokenizer, p) for p in prompts]
-    ids = [target.tokenizer.prefix + h.ids for h in healed]
+    if messages is not None:
+        chat = template(target.path)
+        healed = [Healed(chat.ids(messages), "")]
+        ids = [list(healed[0].ids)]  # the template decides the whole prompt
+        stop = stop + chat.stops
+    else:
+        healed = [back_off(target.tokenizer, p) for p in inputs.prompts(prompts)]
+        ids = [target.tokenizer.prefix + h.ids for h in healed]
+    prompt_tokens = [len(row) + bool(h.text) for row, h in zip(ids, healed)]  # the whole prompt
     check_context(target, [row + [0] * bool(h.text) for row, h in zip(ids, healed)], max_new_tokens)
     model = causal_lm(target.model, role="target")
     generator = sampling.generator(device_of(target.model))
@@ -225,7 +240,7 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
     healing_seconds = time.perf_counter() - t0
     # when every row is healed its first token is already chosen; otherwise the healed rows are cut below
     eos = target.tokenizer.eos_ids
-    rule = StopRule(max_new_tokens - (len(healing) == len(prompts)), eos, stop, decode)
+    rule = StopRule(max_new_tokens - (len(healing) == len(ids)), eos, stop, decode)
     if proposer is None:
         rows, timing = plain_generate(model, ids, rule, sampling, generator)
         spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
@@ -240,8 +255,8 @@ def generate(target: Loaded, prompts: str | list[str], max_new_tokens: int = 128
     new_tokens = sum(len(r.tokens) for r in rows)
     stats = {
         **spec,
-        "batch_size": len(prompts),
-        "prompt_tokens": [len(target.tokenizer.prefix) + len(h.ids) + bool(h.text) for h in healed],  # prefix, whole prompt
+        "batch_size": len(ids),
+        "prompt_tokens": prompt_tokens,
         "healed_prompts": len(healing),
         "new_tokens": new_tokens,
         "seconds": seconds,

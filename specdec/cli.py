@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import re
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -33,9 +35,16 @@ def cmd_train(args) -> None:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
     if args.naive_mtp_order:
         preset["mtp_memory_saving"] = False
-    path = train(TrainConfig(out=args.out, **preset), command=["specdec", *sys.argv[1:]])
+    from .train.loop import stopped_at
+
+    command = ["specdec", *sys.argv[1:]]
+    path = train(TrainConfig(out=args.out, **preset), command=command)
     if path is None:
-        print(f"stopped early with a checkpoint in {args.out}; rerun the same command to resume")
+        step = stopped_at(args.out)
+        latest = Path(args.out) / "latest"
+        print(f"stopped at step {step} of {preset['steps']}, its state saved in {args.out}"
+              + (f"; its weights: specdec generate --model {latest}" if latest.exists() else "")
+              + f"; resume with: {' '.join(shlex.quote(a) for a in command)}")
     elif int(os.environ.get("RANK", 0)) == 0:
         print(f"{'draft heads' if path.name == 'heads' else 'model'} written to {path}")
 
@@ -45,8 +54,11 @@ def cmd_generate(args) -> None:
     from .api import default_k, generate, load
     from .bench.workloads import humaneval_prompt
 
-    if (args.prompt is None) == (args.humaneval is None):
-        raise SpecdecError("give exactly one of --prompt TEXT or --humaneval INDEX")
+    given = [args.prompt is not None, args.prompt_file is not None, args.humaneval is not None]
+    if sum(given) != 1:
+        raise SpecdecError("give exactly one of --prompt TEXT, --prompt-file PATH (- for stdin) or --humaneval INDEX")
+    if args.prompt_file is not None:
+        args.prompt = read_prompt_file(args.prompt_file)
     prompt = inputs.prompts(args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval))[0]
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
@@ -56,22 +68,37 @@ def cmd_generate(args) -> None:
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
     k = args.k if args.k is not None else default_k(proposer)
-    result = generate(target, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=tuple(args.stop),
-                      proposer=proposer, k=k if proposer is not None else None, widths=args.tree)
+    chat = [{"role": "user", "content": prompt}] if args.chat else None
+    result = generate(target, None if chat else prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      stop=tuple(args.stop), proposer=proposer, k=k if proposer is not None else None,
+                      widths=args.tree, messages=chat)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
         return
     s = result.stats
-    print(prompt + result.texts[0])
+    print(result.texts[0] if chat else prompt + result.texts[0])
     print(f"\n--- {footer(s, k, args.temperature)}; target {target.path}; finish: {result.finish_reasons[0]}",
           file=sys.stderr)
+
+
+def read_prompt_file(path: str) -> str:
+    """The prompt from a UTF-8 file, or standard input for "-"."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise SpecdecError(f"cannot read the prompt file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecdecError(f"the prompt file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
 
 
 def cmd_serve(args) -> None:
     import signal
     import threading
+    import time
 
     import uvicorn
 
@@ -79,13 +106,20 @@ def cmd_serve(args) -> None:
     from .api import default_k, load
     from .proposers import build_proposer
     from .serve.app import create_app
+    from .serve.guard import Limits, protocol
     from .serve.service import Service
 
     inputs.draft_options(args.draft, draft_options_given(args))
     inputs.integer("--max-batch", args.max_batch, low=1)
-    inputs.integer("--max-queue", args.max_queue, low=1)
+    inputs.integer("--max-queue", args.max_queue, low=0)
     inputs.integer("--port", args.port, low=1, high=65535)
+    inputs.integer("--max-body-bytes", args.max_body_bytes, low=1024)
+    inputs.integer("--max-connections", args.max_connections, low=1)
+    for name in ("shutdown_timeout", "header_timeout", "body_timeout", "idle_timeout"):
+        inputs.number("--" + name.replace("_", "-"), getattr(args, name), low=0, low_open=name != "shutdown_timeout")
+    api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     set_threads(args.threads)
+    sock = listening_socket(args.host, args.port)  # a port in use fails now, before loading anything
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
@@ -94,30 +128,66 @@ def cmd_serve(args) -> None:
     # plain decoding is the same engine proposing nothing (k = 0)
     service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue,
                       widths=args.tree)
-    server = uvicorn.Server(uvicorn.Config(create_app(service, args.shutdown_timeout), host=args.host,
-                                           port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                    idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
+                    key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))
+    server = uvicorn.Server(uvicorn.Config(create_app(service, limits), log_level="warning", lifespan="off",
+                                           http=protocol(limits), timeout_keep_alive=args.idle_timeout,
+                                           timeout_graceful_shutdown=5))
+    signals = []
 
-    def http() -> None:  # uvicorn on its own thread; the engine keeps the main one (serve/service.py says why)
-        try:
-            server.run()
-        finally:
-            service.close(0)  # returns at once if the lifespan already closed it
-
-    def stop(signum, frame) -> None:  # graceful: no new connections, running requests finish, then exit
-        server.should_exit = True
+    def stop(signum, frame) -> None:
+        """First SIGTERM/SIGINT: stop admission and drain (the engine loop then returns); second: exit now."""
+        signals.append(signum)
+        if len(signals) == 1:
+            print(f"specdec serve: shutting down: no new requests; running ones get up to {args.shutdown_timeout:g} s "
+                  "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+            service.begin_close(args.shutdown_timeout)
+        else:
+            print("specdec serve: exiting at once", file=sys.stderr, flush=True)
+            os._exit(130 if signum == signal.SIGINT else 143)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    thread = threading.Thread(target=http, name="specdec-http")
+    # uvicorn on its own thread; the engine keeps the main one (serve/service.py says why)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specdec-http", daemon=True)
     thread.start()
-    print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
-          f", up to {args.max_batch} requests per batch; http://{args.host}:{args.port}/", file=sys.stderr)
-    service.run()
-    thread.join()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
     if not server.started:
-        raise SpecdecError(f"could not listen on {args.host}:{args.port} (see the message above): "
-                           "choose another --port or --host")
+        raise SpecdecError(f"the HTTP server did not start on {args.host}:{args.port} (see the message above)")
+    print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
+          f", up to {args.max_batch} requests per batch and {args.max_queue} queued" +
+          (", API key required" if api_key else "") + f"; http://{args.host}:{args.port}/", file=sys.stderr,
+          flush=True)
+    try:
+        service.run()
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def listening_socket(host: str, port: int):
+    """A socket bound to host:port and listening, or one line saying why not."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror}; give --host an address of this machine"
+                           ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or --host"
+                           ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def set_threads(threads: int | None) -> None:
@@ -483,7 +553,10 @@ def cmd_export(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    p.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
@@ -512,7 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, help="seed of the initial weights and of the batches (default 0)")
     t.add_argument("--eval-every", type=int, help="validate every N steps (default: the preset's)")
     t.add_argument("--save-every", type=int, help="save the resume state every N steps (default: the preset's)")
-    t.add_argument("--stop-after", type=int, help="leave after N steps (checkpointed); rerun to resume")
+    t.add_argument("--stop-after", type=int,
+                   help="leave after N more steps of this invocation, counted from where it starts (0 on a new "
+                        "run, the saved step on a resumed one), checkpointed; rerun to resume. Ctrl-C or SIGTERM "
+                        "also stops after the step under way, saving it")
     t.add_argument("--objective",
                    choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
@@ -564,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete a prompt with the target")
     g.add_argument("--model", help="checkpoint folder (default: the shipped target)")
     g.add_argument("--prompt", help="text to continue")
+    g.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-': standard input)")
+    g.add_argument("--chat", action="store_true",
+                   help="the prompt is a user's message, rendered by the model's chat template; print the reply")
     g.add_argument("--humaneval", type=int, metavar="INDEX", help="use HumanEval prompt INDEX (0..163)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
@@ -595,7 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_calibrate)
 
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
-                       description="POST /v1/completions (OpenAI's format, streaming with SSE), GET /v1/models, "
+                       description="POST /v1/completions and /v1/chat/completions (OpenAI's formats, streaming "
+                                   "with SSE), GET /v1/models, "
                                    "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
                                    "one running batch between steps (continuous batching).")
     v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
@@ -609,7 +689,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a row; more are refused with 429")
     v.add_argument("--threads", type=int, help=THREADS_HELP + "; the HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds a shutdown waits for running requests before cancelling them")
+                   help="on SIGTERM or Ctrl-C: seconds running and queued requests may go on (new ones get 503 "
+                        "and /health says closing); then each open request ends with an error; a second Ctrl-C "
+                        "exits at once")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDEC_API_KEY; "
+                                     "none: open)")
+    v.add_argument("--api-key-everywhere", action="store_true",
+                   help="require the key on /health and /metrics too (default: they stay open for probes)")
+    v.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. https://app.example) whose pages may call the server, repeatable; "
+                        "'*' allows every origin (default: none, only the server's own page)")
+    v.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get 413 before being read (default 1 MiB)")
+    v.add_argument("--body-timeout", type=float, default=10.0, help="seconds to receive a whole request body (408)")
+    v.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's head before it is closed")
+    v.add_argument("--idle-timeout", type=float, default=5.0, help="seconds a kept-alive connection may stay idle")
+    v.add_argument("--max-connections", type=int, default=256,
+                   help="open connections at most; more are closed at once")
     v.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
@@ -734,8 +831,18 @@ class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    terms = []
+
+    def terminated(signum, frame) -> None:  # SIGTERM as Ctrl-C: one line (below), not a traceback
+        terms.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         args.func(args)
+    except KeyboardInterrupt:
+        print(f"specdec: {args.command} stopped by {'SIGTERM' if terms else 'Ctrl-C'}", file=sys.stderr)
+        return 143 if terms else 130
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
@@ -747,6 +854,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'free some space or write elsewhere' if e.errno in FULL else 'use files and folders you may access'} "
               "(e.g. another --out)", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

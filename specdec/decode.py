@@ -49,7 +49,8 @@ def plain_generate(model: LlamaForCausalLM, prompts: list[list[int]], rule: Stop
     logits = prefill(model, cache, prompts)
     timing.prefill_seconds = time.perf_counter() - t0
     while True:
-        next_tokens = pick(logits, sampling, generator)  # (B,)
+        positions = [len(p) + len(row.tokens) for p, row in zip(prompts, rows)]  # where a seeded draw's noise is
+        next_tokens = pick(logits, sampling, generator, positions)  # (B,)
         for row, token in zip(rows, next_tokens.tolist()):
             if not row.done:
                 row.append(token)

@@ -44,9 +44,9 @@ from .lm import (causal_lm, context_length, declared_features, layer_request, lm
                  prefill_joining)
 from .metrics import SpecMetrics
 from .proposers.base import Outcome, Proposal, Proposer
-from .sampling import RowGenerators, SamplingConfig, argmax, row_probabilities, sample
+from .sampling import RowGenerators, SamplingConfig, argmax, perturbed, row_probabilities, sample
 from .stopping import Row, StopRule
-from .tree import levels_reached, path_columns, window_layout
+from .tree import depths, levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
 
 
@@ -313,9 +313,15 @@ class Engine:
         return RowGenerators(generators)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits -> (B,) each row's next token under its own sampling settings."""
+        """(B, V) logits -> (B,) each row's next token under its own sampling settings; a seeded
+        row's by Gumbel-max at its next position (sampling.perturbed)."""
         tokens = argmax(logits)
-        sampled = [b for b, r in enumerate(self.requests) if not r.sampling.greedy]
+        seeded = [b for b, r in enumerate(self.requests) if r.sampling.seeded]
+        sampled = [b for b, r in enumerate(self.requests) if not (r.sampling.greedy or r.sampling.seeded)]
+        if seeded:
+            s = torch.tensor(seeded, device=self.device)
+            tokens[s] = argmax(perturbed(logits[s][:, None], [self.requests[b].sampling for b in seeded],
+                                         [[self.cached[b] + 1] for b in seeded]))[:, 0].to(tokens.device)
         if sampled:
             generator = self.generator()
             s = torch.tensor(sampled, device=self.device)
@@ -324,36 +330,53 @@ class Engine:
         return tokens
 
     def verify(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
-        """Greedy rows by greedy acceptance, sampled rows by `sampled_verify` (chains) or
-        `tree_verify` (trees) on their own sampling settings' probabilities (logits (B, 1+m, V));
-        one call for each kind present."""
-        greedy = [b for b, r in enumerate(self.requests) if r.sampling.greedy]
-        sampled = [b for b, r in enumerate(self.requests) if not r.sampling.greedy]
+        """Greedy rows by greedy acceptance; seeded rows by greedy acceptance on their perturbed
+        log-probabilities (sampling.perturbed: the noise of each window column's position); other
+        sampled rows by `sampled_verify` (chains) or `tree_verify` (trees) on their own sampling
+        settings' probabilities (logits (B, 1+m, V)); one call for each kind present."""
+        kinds = {"greedy": [], "seeded": [], "sampled": []}
+        for b, r in enumerate(self.requests):
+            kinds["greedy" if r.sampling.greedy else "seeded" if r.sampling.seeded else "sampled"].append(b)
+        parents = proposal.parents
         generator = self.generator()
 
-        def by_greedy(rows):
-            return greedy_accept(proposal.tokens[rows], logits[rows], proposal.lengths[rows],
-                                 None if proposal.parents is None else proposal.parents[rows])
+        def by_greedy(rows, index, row_logits):
+            return greedy_accept(proposal.tokens[index], row_logits, proposal.lengths[index],
+                                 None if parents is None else parents[index])
 
-        def by_sampling(rows, generator):
-            tokens, lengths = proposal.tokens[rows], proposal.lengths[rows]
-            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[rows]
-            target_probs = row_probabilities(logits[rows], [self.requests[b].sampling for b in sampled])
-            if proposal.parents is None:
-                return self.sampled_verify(tokens, draft_probs, target_probs, generator, lengths)
-            return self.tree_verify(tokens, draft_probs, target_probs, proposal.parents[rows], generator, lengths)
+        def by_seed(rows, index, row_logits):
+            columns = row_logits.shape[1]
+            if parents is None:
+                depth = [list(range(columns))] * len(rows)
+            else:
+                lengths = proposal.lengths[index].tolist()
+                depth = [[0] + depths([p if i < n else -1 for i, p in enumerate(row)])
+                         for row, n in zip(parents[index].tolist(), lengths)]
+            positions = [[self.cached[b] + 1 + d for d in row] for b, row in zip(rows, depth)]
+            noisy = perturbed(row_logits, [self.requests[b].sampling for b in rows], positions)
+            return by_greedy(rows, index, noisy)
 
-        if not sampled:
-            return by_greedy(slice(None))
-        if not greedy:
-            return by_sampling(slice(None), generator)
-        g, s = (torch.tensor(rows, device=self.device) for rows in (greedy, sampled))
-        verdicts = by_greedy(g), by_sampling(s, generator.select(sampled) if isinstance(generator, RowGenerators)
-                                             else generator)
+        def by_sampling(rows, index, row_logits):
+            tokens, lengths = proposal.tokens[index], proposal.lengths[index]
+            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[index]
+            target_probs = row_probabilities(row_logits, [self.requests[b].sampling for b in rows])
+            g = generator.select(rows) if isinstance(generator, RowGenerators) and len(rows) < len(self.requests) \
+                else generator
+            if parents is None:
+                return self.sampled_verify(tokens, draft_probs, target_probs, g, lengths)
+            return self.tree_verify(tokens, draft_probs, target_probs, parents[index], g, lengths)
+
+        rules = {"greedy": by_greedy, "seeded": by_seed, "sampled": by_sampling}
+        present = [(kind, rows) for kind, rows in kinds.items() if rows]
+        if len(present) == 1:
+            kind, rows = present[0]
+            return rules[kind](rows, slice(None), logits)
         accepted, next_token = (torch.empty(len(self.requests), dtype=torch.long, device=self.device) for _ in range(2))
-        paths = None if proposal.parents is None else [None] * len(self.requests)
-        for rows, verdict in zip((greedy, sampled), verdicts):
-            accepted[rows], next_token[rows] = verdict.accepted, verdict.next_token
+        paths = None if parents is None else [None] * len(self.requests)
+        for kind, rows in present:
+            index = torch.tensor(rows, device=self.device)
+            verdict = rules[kind](rows, index, logits[index])
+            accepted[index], next_token[index] = verdict.accepted, verdict.next_token
             if paths is not None:
                 for b, path in zip(rows, verdict.paths):
                     paths[b] = path

@@ -64,4 +64,4 @@ def first_tokens(model, tokenizer: Tokenizer, prompts: list[list[int]], texts: l
     tokens, lengths = pad_right(prompts, device=device)                           # (B, T), (B,)
     logits = model(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]      # (B, V)
     masks = torch.stack([allowed(tokenizer, t, logits.shape[-1]) for t in texts]).to(device)  # (B, V)
-    return pick(logits.masked_fill(~masks, float("-inf")), sampling, generator).tolist()
+    return pick(logits.masked_fill(~masks, float("-inf")), sampling, generator, list(map(len, prompts))).tolist()

@@ -24,15 +24,23 @@ def _is_real(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
 
 
+def shown(value) -> str:
+    """A value for an error message: its repr, cut short (a huge integer as its size)."""
+    if _is_int(value) and abs(value) > 10 ** 40:
+        return f"an integer of {int(value).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def integer(name: str, value, low: int | None = None, high: int | None = None, optional: bool = False):
     """`value` as an int in [low, high] (None allowed when `optional`)."""
     if value is None and optional:
         return None
     if not _is_int(value):
-        raise SpecdecError(f"{name} must be an integer, got {value!r}")
+        raise SpecdecError(f"{name} must be an integer, got {shown(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in {low}..{high}" if low is not None else f"<= {high}"
-        raise SpecdecError(f"{name} must be {bounds}, got {value}")
+        raise SpecdecError(f"{name} must be {bounds}, got {shown(value)}")
     return int(value)
 
 
@@ -41,14 +49,14 @@ def number(name: str, value, low: float | None = None, high: float | None = None
     """`value` as a finite float in [low, high] ((low, high] when `low_open`)."""
     if value is None and optional:
         return None
-    if not _is_real(value) or not math.isfinite(value):
-        raise SpecdecError(f"{name} must be a finite number, got {value!r}")
+    if not _is_real(value) or (_is_int(value) and abs(value) > 10 ** 300) or not math.isfinite(value):
+        raise SpecdecError(f"{name} must be a finite number, got {shown(value)}")
     if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
         if high is None:
             bounds = f"{'>' if low_open else '>='} {low}"
         else:
             bounds = f"in {'(' if low_open else '['}{low}, {high}]"
-        raise SpecdecError(f"{name} must be {bounds}, got {value}")
+        raise SpecdecError(f"{name} must be {bounds}, got {shown(value)}")
     return float(value)
 
 
@@ -68,13 +76,24 @@ def prompts(value) -> list[str]:
             raise SpecdecError(f"prompt {i} must be text (str), got {type(p).__name__}")
         if not p:
             raise SpecdecError(f"prompt {i} is empty; give some text to continue")
-        try:
-            p.encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = p[e.start:e.end].encode("utf-8", "surrogateescape")
-            raise SpecdecError(f"prompt {i} is not valid UTF-8 text (bytes {bad.hex(' ')} at character {e.start}); "
-                               "pass UTF-8 encoded text") from None
+        text(f"prompt {i}", p)
     return list(value)
+
+
+def text(name: str, value: str) -> str:
+    """Text that is valid Unicode: no lone surrogates (a command-line argument with bytes that are
+    not UTF-8 arrives with them; so does JSON's "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start:e.end]
+        if all("\udc80" <= c <= "\udcff" for c in bad):  # undecodable bytes, escaped by Python
+            shown = "bytes " + bad.encode("utf-8", "surrogateescape").hex(" ")
+        else:
+            shown = " ".join(f"U+{ord(c):04X}" for c in bad)
+        raise SpecdecError(f"{name} is not valid UTF-8 text ({shown} at character {e.start}, a lone surrogate); "
+                           "pass UTF-8 encoded text") from None
+    return value
 
 
 def sampling(temperature, top_k, top_p, seed) -> None:
@@ -93,6 +112,7 @@ def generation(max_new_tokens, stop) -> tuple[str, ...]:
     for s in stop:
         if not isinstance(s, str) or not s:
             raise SpecdecError(f"stop strings must be non-empty text, got {s!r}")
+        text("a stop string", s)
     return stop
 
 

@@ -18,7 +18,7 @@ def reference_generate(model, prompt: list[int], rule: StopRule, sampling: Sampl
     seq = list(prompt)
     while not row.done:
         logits = model(torch.tensor([seq])).logits[:, -1]  # (1, V)
-        token = int(pick(logits, sampling, generator))
+        token = int(pick(logits, sampling, generator, [len(seq)]))
         row.append(token)
         seq.append(token)
     return row

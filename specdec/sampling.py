@@ -3,11 +3,18 @@
 Temperature 0 means greedy (argmax). Otherwise logits are divided by the temperature, then top-k
 and top-p (nucleus) keep the most likely tokens, and the result is renormalised. Speculative
 verification applies exactly this transform to target and draft logits before acceptance.
+
+A sampled request with a seed is drawn by Gumbel-max instead of from a random stream: the token
+at sequence position t is argmax(log target_probs + g), g Gumbel noise over the vocabulary fixed
+by (seed, t) alone (`gumbel`, a counter-based hash, the same numbers on every device). That is an
+exact draw from target_probs, and since nothing else is random the tokens depend only on the seed
+and the target, never on the draft, k, the batch or the load (Daliri, Musco, Suresh 2024).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import SpecdecError
@@ -35,6 +42,11 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed: drawn by Gumbel-max with noise fixed by (seed, position)."""
+        return self.seed is not None and not self.greedy
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A private generator on `device` (torch's global one is never touched): seeded, or from OS
@@ -92,10 +104,11 @@ def uniform(rows: int, cols: int, generator, dtype: torch.dtype = torch.float32,
 
 
 def rows_by_config(configs: list[SamplingConfig]) -> dict[SamplingConfig, list[int]]:
-    """The rows of each distinct sampling configuration (usually one or a few)."""
+    """The rows of each distinct transform (temperature, top-k, top-p; the seed plays no part in
+    it), usually one or a few even when every request brings its own seed."""
     groups: dict[SamplingConfig, list[int]] = {}
     for b, cfg in enumerate(configs):
-        groups.setdefault(cfg, []).append(b)
+        groups.setdefault(SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p), []).append(b)
     return groups
 
 
@@ -134,8 +147,62 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) logits -> (B,) next tokens under the sampling settings."""
+def pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
+         positions: list[int] | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens under the sampling settings; a seeded config draws by
+    Gumbel-max at `positions` (B,), the sequence positions of the tokens chosen."""
     if cfg.greedy:
         return argmax(logits)
+    if cfg.seeded and positions is not None:
+        return argmax(perturbed(logits[:, None], [cfg] * len(positions), [[t] for t in positions]))[:, 0]
     return sample(probabilities(logits, cfg), generator)
+
+
+# ---- Gumbel-max with noise fixed by (seed, position) ----
+
+M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """uint64 -> uint64, a bijection that mixes every bit (SplitMix64's finaliser; numpy wraps)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """uint32 -> uint32 in place, a bijection with good avalanche (Wellons' lowbias32)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def noise_keys(seeds: list[int], positions: list[list[int]]) -> np.ndarray:
+    """(R,) seeds, (R, n) positions -> (R, n) uint64: one key per (seed, position)."""
+    s = _splitmix64(np.array(seeds, dtype=np.uint64))[:, None]            # (R, 1)
+    return _splitmix64(s ^ np.array(positions, dtype=np.uint64))           # (R, n)
+
+
+def gumbel(seeds: list[int], positions: list[list[int]], vocab: int) -> torch.Tensor:
+    """(R, n, V) float32 standard Gumbel noise on the CPU, element (r, i, v) a function of
+    (seeds[r], positions[r][i], v) only: two rounds of a 32-bit hash keyed by the (seed, position)
+    key's halves, the top 24 bits as a uniform in (0, 1) (exact in float32), -log(-log(u))."""
+    keys = noise_keys(seeds, positions)[..., None]                          # (R, n, 1)
+    low, high = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), (keys >> np.uint64(32)).astype(np.uint32)
+    x = _mix32(np.arange(vocab, dtype=np.uint32) ^ low)                    # (R, n, V)
+    x ^= high
+    x = _mix32(x)
+    u = ((x >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    return torch.from_numpy(-np.log(-np.log(u)))
+
+
+def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: list[list[int]]) -> torch.Tensor:
+    """(R, n, V) logits of seeded rows -> (R, n, V) log target_probs + Gumbel noise: its argmax at
+    [r, i] is row r's token at sequence position positions[r][i], an exact draw from
+    target_probs. Verification of a seeded row is greedy acceptance on these."""
+    noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1]).to(logits.device)
+    return row_probabilities(logits, configs).log() + noise

@@ -19,12 +19,14 @@ class Server:
     """`specdec serve ARGS` in a subprocess; `url` once /health answers."""
 
     def __init__(self, *args: str, log: Path):
-        self.port = free_port()
+        """ARGS may hold --port; else a free port is chosen."""
+        if "--port" not in args:
+            args = ("--port", str(free_port()), *args)
+        self.port = int(args[args.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(self.port), *args],
-                                     env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *args],
+                                     env=self.environment(), stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -38,16 +40,19 @@ class Server:
         self.stop()
         raise RuntimeError(f"specdec serve did not answer /health within 120 s: {log.read_text()}")
 
+    @staticmethod
+    def environment() -> dict:
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
     def stop(self, timeout: float = 60) -> bool:
-        """SIGTERM (graceful shutdown) and wait; True when it ended cleanly: uvicorn re-raises the
-        signal after its graceful shutdown, so the exit status is that of SIGTERM, and the log
-        holds no traceback."""
+        """SIGTERM (graceful shutdown) and wait; True when it ended cleanly: exit status 0 and no
+        traceback in the log."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.ended_cleanly(timeout)
 
     def ended_cleanly(self, timeout: float = 60) -> bool:
-        return self.proc.wait(timeout) in (0, -signal.SIGTERM) and "Traceback" not in self.log.read_text()
+        return self.proc.wait(timeout) == 0 and "Traceback" not in self.log.read_text()
 
     def metric(self, name: str) -> float:
         """One sample of /metrics, e.g. 'specdec_requests_total{outcome="cancelled"}'."""

@@ -1,7 +1,9 @@
 """`specdec serve` as a real process on 127.0.0.1 with real clients (the official `openai` client and
 httpx): output equal to `specdec generate` (api.generate, what the command runs), streaming, stop
 strings, seeds, 32 concurrent streams with different settings, and faults: bad requests, a
-disconnect mid-stream, a flood beyond the queue, graceful shutdown.
+disconnect mid-stream, a flood beyond the queue (capacity = batch + queue), graceful shutdown (drain,
+then errors for what is left, never a truncated answer), a second Ctrl-C, kill -9 and a restart,
+a port in use.
 
 Models: the tiny checkpoint of conftest.py as target and a noisy copy of it as the draft model (it
 agrees with the target often, not always, so both accepted and rejected drafts occur).
@@ -249,18 +251,19 @@ def test_a_flood_beyond_the_queue_gets_429_and_the_accepted_requests_complete(ti
         async def one(h: httpx.AsyncClient, i: int):
             r = await h.post(server.url + "/v1/completions",
                              json={"prompt": PROMPTS[i % 4], "max_tokens": 60, "temperature": 0})
-            return r.status_code, r.json()
+            return r.status_code, r.json(), r.headers.get("retry-after")
 
         async def flood():
             async with httpx.AsyncClient(timeout=120) as h:
                 return await asyncio.gather(*(one(h, i) for i in range(10)))
 
         results = asyncio.run(flood())
-        codes = [code for code, _ in results]
-        assert codes.count(429) >= 1 and codes.count(200) >= 3, codes
-        for code, body in results:
+        codes = [code for code, _, _ in results]
+        assert codes.count(200) == 3 and codes.count(429) == 7, codes  # room for batch 1 + queue 2, no more
+        for code, body, retry in results:
             if code == 429:
                 assert body["error"]["type"] == "rate_limit_error" and "queued" in body["error"]["message"]
+                assert retry == "1"
             else:
                 assert code == 200 and body["usage"]["completion_tokens"] == 60
         assert server.metric('specdec_requests_total{outcome="rejected"}') == codes.count(429)
@@ -285,6 +288,127 @@ def test_graceful_shutdown_finishes_a_running_stream(tiny_checkpoint, tmp_path):
     assert server.ended_cleanly(), server.log.read_text()
     with pytest.raises(httpx.TransportError):
         httpx.get(server.url + "/health", timeout=2)
+
+
+def read_stream(url: str, body: dict, events: list, timeout: float = 120) -> str:
+    """A stream's outcome: "complete" (a finish_reason, then [DONE]), "error" (an error event, then
+    [DONE]) or "broken" (the connection failed); never a success without its end."""
+    finish, error = None, None
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                return "refused"
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    assert (finish is None) != (error is None)
+                    return "complete" if finish else "error"
+                if line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    error = chunk.get("error") or error
+                    finish = finish or (chunk["choices"][0]["finish_reason"] if chunk.get("choices") else None)
+                    events.append(chunk)
+    except httpx.TransportError:
+        return "broken"
+    return "truncated"  # ended without [DONE] and without a transport error: the bug this guards against
+
+
+def whole_outcome(url: str, body: dict, max_tokens: int) -> str:
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    except httpx.TransportError:
+        return "broken"
+    if r.status_code == 200:
+        got = r.json()
+        done = got["choices"][0]["finish_reason"] == "stop" or got["usage"]["completion_tokens"] == max_tokens
+        return "complete" if done else "truncated"
+    assert r.json()["error"]["message"]
+    return "error"
+
+
+LONG = {"prompt": PROMPTS[0], "max_tokens": 220, "temperature": 1.0, "seed": 1}
+
+
+def test_sigterm_drains_then_ends_what_is_left_with_errors(tiny_checkpoint, tmp_path):
+    server = Server("--model", str(tiny_checkpoint), "--max-batch", "4", "--shutdown-timeout", "0.5",
+                    "--threads", "1", log=tmp_path / "log")
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        events = [[] for _ in range(8)]
+        streams = [pool.submit(read_stream, server.url, {**LONG, "stream": True, "seed": i}, events[i])
+                   for i in range(8)]
+        wholes = [pool.submit(whole_outcome, server.url, {**LONG, "seed": 10 + i}, LONG["max_tokens"])
+                  for i in range(4)]
+        while httpx.get(server.url + "/health").json()["jobs"] < 12:  # all admitted
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        health = httpx.get(server.url + "/health", timeout=5)  # draining: observable, and no admission
+        assert health.status_code == 503 and health.json()["status"] == "closing"
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"] and refused.json()["error"]
+        outcomes = [f.result() for f in streams + wholes]
+    assert set(outcomes) <= {"complete", "error"}, outcomes
+    assert "error" in outcomes  # 12 requests of 220 tokens do not finish in half a second of 4 rows
+    assert server.ended_cleanly(), server.log.read_text()
+    assert "shutting down" in server.log.read_text()
+
+
+def test_a_second_sigint_exits_at_once(tiny_checkpoint, tmp_path):
+    server = Server("--model", str(tiny_checkpoint), "--shutdown-timeout", "600", "--max-batch", "1",
+                    log=tmp_path / "log")
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        events: list = []
+        outcome = pool.submit(read_stream, server.url, {**LONG, "max_tokens": 230, "stream": True}, events)
+        queued = [pool.submit(whole_outcome, server.url, LONG, LONG["max_tokens"]) for _ in range(3)]
+        while not events:
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(10) == 130 and time.monotonic() - started < 5
+        assert outcome.result() in ("complete", "broken") and {q.result() for q in queued} <= {"complete", "broken"}
+    assert "exiting at once" in server.log.read_text() and "Traceback" not in server.log.read_text()
+
+
+def test_kill_9_mid_load_then_restart(tiny_checkpoint, tmp_path):
+    """Every client of a server killed with SIGKILL saw a complete answer or an error, never a
+    truncated success; the restarted server on the same port serves again."""
+    server = Server("--model", str(tiny_checkpoint), "--max-batch", "4", log=tmp_path / "log")
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        events = [[] for _ in range(6)]
+        streams = [pool.submit(read_stream, server.url, {**LONG, "stream": True, "seed": i}, events[i])
+                   for i in range(6)]
+        wholes = [pool.submit(whole_outcome, server.url, {**LONG, "seed": 10 + i}, LONG["max_tokens"])
+                  for i in range(6)]
+        while sum(map(len, events)) < 10:
+            time.sleep(0.01)
+        server.proc.kill()
+        outcomes = [f.result() for f in streams + wholes]
+    assert set(outcomes) <= {"complete", "broken"} and "broken" in outcomes, outcomes
+    server.proc.wait(10)
+    again = Server("--model", str(tiny_checkpoint), "--port", str(server.port), log=tmp_path / "log2")
+    try:
+        assert again.url == server.url
+        assert whole_outcome(again.url, {**LONG, "max_tokens": 20}, 20) == "complete"
+    finally:
+        assert again.stop(), again.log.read_text()
+
+
+def test_a_port_in_use_is_one_line_before_any_banner(tiny_checkpoint, tmp_path):
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--model", str(tiny_checkpoint),
+                               "--port", str(port)], capture_output=True, text=True, timeout=60,
+                              env=Server.environment())
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"specdec: error: cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port or --host"]
 
 
 def test_text_stream_holds_back_what_could_start_a_stop_string():

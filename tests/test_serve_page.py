@@ -58,3 +58,16 @@ def test_the_live_view_streams_and_shows_both_token_kinds(tiny_checkpoint, draft
     finally:
         browser.quit()
         assert server.stop(), server.log.read_text()
+
+
+def test_the_page_wraps_long_lines_and_refuses_a_top_p_of_zero():
+    """Static checks, no browser: the output wraps anywhere (a long line without spaces must not
+    overflow sideways) and the top-p input's minimum is above 0, which the server refuses."""
+    import re
+
+    from specdec.serve.app import PAGE
+
+    html = PAGE.read_text()
+    assert re.search(r"#out \{[^}]*overflow-wrap: anywhere", html)
+    minimum = float(re.search(r'id="top_p"[^>]*min="([0-9.]+)"', html).group(1))
+    assert 0 < minimum <= 0.05

@@ -11,10 +11,19 @@ a forward run from a second thread took 1.5 ms instead of 0.6 ms on 2 cores.
 A job's prompt is encoded as `specdec generate` encodes it (api.py): <|endoftext|> first, and a
 prompt ending in whitespace token-healed (its first token chosen on this thread, one target
 forward, then the rest decoded by the engine), so greedy output over HTTP equals the command's.
+Special-token text in a prompt is text unless the request asks otherwise; chat messages are
+rendered by the checkpoint's chat template (chat.py). Encoding runs on a worker thread, never on
+the handlers' loop or the engine's thread, and is bounded: a prompt longer than the context times
+the longest token is refused without being encoded.
+
+Admission: at most max_batch + max_queue jobs are in the server at once (running, queued or being
+encoded); more get QueueFull (429).
 
 Events reach the handler's asyncio loop through `call_soon_threadsafe`; a handler that goes away
-sets `cancelled`, and the engine drops the row at its next step. `close` lets running and queued
-jobs finish (graceful shutdown) or, after a timeout, cancels them.
+sets `cancelled`, and the engine drops the row at its next step. `begin_close` stops admission;
+running and queued jobs go on until `shutdown_timeout` has passed, then every job still open ends
+with a final event whose finish_reason is "shutdown" (the handler turns it into an error), and
+`run` returns.
 """
 from __future__ import annotations
 
@@ -24,16 +33,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenizers import Tokenizer as HFTokenizer
 
 from ..api import Loaded
+from ..chat import has_template, template
 from ..engine import Engine, Request
 from ..errors import SpecdecError
-from ..metrics import PHASES
 from ..healing import back_off, first_tokens
 from ..sampling import SamplingConfig
 from ..stopping import StopRule
-from ..tokenizer import EOS_ID
-from .prometheus import Histogram, family, value
+from ..tokenizer import EOS_ID, Tokenizer
+from .prometheus import Metrics
+from .requests import Params
 from .text import TextStream
 
 
@@ -45,20 +56,15 @@ class Closing(SpecdecError):
     """The server is shutting down (HTTP 503)."""
 
 
-@dataclass(frozen=True)
-class Params:
-    """A completion request's settings, already validated (app.py)."""
-    prompt: str
-    max_tokens: int
-    sampling: SamplingConfig
-    stop: tuple[str, ...]
+class NoChat(SpecdecError):
+    """The model has no chat template (HTTP 400)."""
 
 
 @dataclass(frozen=True)
 class Event:
     pieces: list[tuple[str, str]]  # (text, "draft" | "target")
     tokens: list[int]              # the step's token ids
-    finish_reason: str | None      # set on the last event: "eos" | "stop" | "length"
+    finish_reason: str | None      # set on the last event: "eos" | "stop" | "length" | "error" | "shutdown"
     steps: int                     # the request's counters after this step
     proposed: int
     accepted: int
@@ -74,11 +80,12 @@ def merged(events: list[Event]) -> Event:
 @dataclass(eq=False)
 class Job:
     params: Params
-    ids: list[int]                 # <|endoftext|> + the prompt's ids (the last backed off when healing)
-    healed: str                    # text the first token must start with ("" = no healing)
+    ids: list[int] = field(default_factory=list)  # <|endoftext|> + the prompt's ids (the last backed off when healing)
+    healed: str = ""               # text the first token must start with ("" = no healing)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
     cancelled: bool = False
+    ended: bool = False            # its final event is sent
     queued_at: float = field(default_factory=time.perf_counter)
 
     def cancel(self) -> None:
@@ -101,65 +108,92 @@ class Service:
         self.name = name or target.path.name
         self.context = target.model.config.max_position_embeddings
         self.engine = Engine(target.model, proposer, k, capacity, self.context, widths=widths)
-        self.max_queue = max_queue
+        self.capacity, self.max_queue = capacity, max_queue
+        self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
+        # prompts are text: special-token text in them is encoded as text (a request may ask otherwise)
+        self.text_tokenizer = Tokenizer(HFTokenizer.from_str(target.tokenizer.tok.to_str()))
+        self.text_tokenizer.tok.encode_special_tokens = True
+        longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
+        self.max_prompt_chars = self.context * longest  # a longer prompt cannot fit the context
+        self.chat = has_template(target.path)  # the template itself is loaded by the first chat request
+        self.encoding = threading.BoundedSemaphore(2)  # prompts encoded at once
         self.intake: deque[Job] = deque()  # jobs not yet healed and submitted (this thread reads them)
         self.loop: asyncio.AbstractEventLoop | None = None  # the handlers' loop
         self.outbox: list[tuple[Job, Event]] = []  # events of the current step, handed over at once
         self.wake = threading.Condition()
         self.closing = False
+        self.deadline = float("inf")  # when a closing server ends the jobs still open (time.monotonic)
         self.failure: str | None = None  # why the engine loop stopped, if it failed
         self.stopped = threading.Event()  # the engine loop has returned
-        self.requests = {"ok": 0, "cancelled": 0, "rejected": 0, "invalid": 0}
+        self.requests = {"ok": 0, "cancelled": 0, "rejected": 0, "invalid": 0, "shutdown": 0}
         self.prompt_tokens = 0
-        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Queueing, prefill and first step of a request.")
-        self.itl = Histogram("specdec_inter_token_seconds", "A request's mean time per token after its first.")
-        self.e2e = Histogram("specdec_request_seconds", "Whole request, from arrival to its last token.")
+        self.metrics = Metrics(self)
 
     # ---- the handler side (asyncio thread) ----
 
-    def encode(self, params: Params) -> tuple[list[int], str]:
-        """The prompt's ids and healed text, refused when prompt + max_tokens exceed the context."""
-        healed = back_off(self.target.tokenizer, params.prompt)
-        ids = [EOS_ID] + healed.ids
-        needed = len(ids) + bool(healed.text) + params.max_tokens
-        if needed > self.context:
-            raise SpecdecError(f"the prompt has {len(ids) + bool(healed.text)} tokens and max_tokens is "
-                               f"{params.max_tokens}: {needed} tokens exceed the model's context of "
-                               f"{self.context}. Shorten the prompt or lower max_tokens")
-        return ids, healed.text
-
-    def submit(self, params: Params) -> Job:
-        ids, healed = self.encode(params)
+    def admit(self, params: Params) -> Job:
+        """A slot for a new job (handlers' loop), or QueueFull / Closing."""
         if self.closing or self.failure:
             raise Closing(f"the server is {'shutting down' if self.closing else 'broken: ' + self.failure}; "
                           "retry on another instance")
-        if len(self.intake) + len(self.engine.waiting) >= self.max_queue:
+        if params.messages is not None and not self.chat:
+            raise NoChat(f"the model {self.name} has no chat template (no \"chat_template\" in its "
+                         "tokenizer_config.json, no chat_template.jinja): send a plain prompt to /v1/completions")
+        if len(self.jobs) >= self.capacity + self.max_queue:
             self.requests["rejected"] += 1
-            raise QueueFull(f"{self.max_queue} requests are already queued; retry later")
+            raise QueueFull(f"{self.capacity} requests are running and {self.max_queue} queued, as many as this "
+                            "server takes (--max-batch, --max-queue); retry later")
         self.loop = asyncio.get_running_loop()
-        job = Job(params, ids, healed)
-        self.prompt_tokens += len(ids) + bool(healed)
+        job = Job(params)
+        self.jobs.add(job)
+        return job
+
+    def encode(self, job: Job) -> None:
+        """The job's prompt ids and healed text (a worker thread), refused when prompt + max_tokens
+        exceed the context."""
+        p = job.params
+        if p.messages is not None:
+            ids, healed_text = template(self.target.path).ids(list(p.messages)), ""
+        else:
+            if len(p.prompt) > self.max_prompt_chars:
+                raise SpecdecError(f"the prompt has {len(p.prompt)} characters, more than the model's context of "
+                                   f"{self.context} tokens can hold. Shorten the prompt")
+            with self.encoding:
+                healed = back_off(self.target.tokenizer if p.special_tokens else self.text_tokenizer, p.prompt)
+            ids, healed_text = [EOS_ID] + healed.ids, healed.text
+        prompt = len(ids) + bool(healed_text)
+        if prompt + p.max_tokens > self.context:
+            raise SpecdecError(f"the prompt has {prompt} tokens and max_tokens is {p.max_tokens}: "
+                               f"{prompt + p.max_tokens} tokens exceed the model's context of {self.context}. "
+                               "Shorten the prompt or lower max_tokens")
+        job.ids, job.healed = ids, healed_text
+
+    def submit(self, job: Job) -> None:
+        """Hand an encoded job to the engine (handlers' loop)."""
+        if self.closing:
+            raise Closing("the server is shutting down; retry on another instance")
+        self.prompt_tokens += len(job.ids) + bool(job.healed)
         with self.wake:
             self.intake.append(job)
             self.wake.notify()
-        return job
 
     def finished(self, job: Job, first_at: float | None, tokens: int, ended: bool) -> None:
         """A handler is done with a job: count it and its latencies."""
         now = time.perf_counter()
-        if not ended:
+        self.jobs.discard(job)
+        if not job.ended:
             job.cancel()
-        self.requests["ok" if ended else "cancelled"] += 1
-        self.e2e.observe(now - job.queued_at)
+        self.requests["ok" if ended else "shutdown" if job.ended else "cancelled"] += 1
+        self.metrics.e2e.observe(now - job.queued_at)
         if first_at is not None:
-            self.ttft.observe(first_at - job.queued_at)
+            self.metrics.ttft.observe(first_at - job.queued_at)
             if tokens > 1:
-                self.itl.observe((now - first_at) / (tokens - 1))
+                self.metrics.itl.observe((now - first_at) / (tokens - 1))
 
     # ---- the engine side (the main thread) ----
 
     def run(self) -> None:
-        """The engine loop, until `close` and every job is done (or cancelled)."""
+        """The engine loop, until `begin_close` and every job is done (or ended at the deadline)."""
         try:
             while True:
                 with self.wake:
@@ -167,6 +201,8 @@ class Service:
                         self.wake.wait(0.5)  # a timeout keeps the thread responsive to signals
                     if self.closing and not (self.intake or self.engine.busy):
                         return
+                if self.closing and time.monotonic() >= self.deadline:
+                    self._end_open_jobs()
                 while self.intake:
                     self._admit(self.intake.popleft())
                 self.engine.step()
@@ -180,6 +216,19 @@ class Service:
         finally:
             self.stopped.set()
 
+    def _end_open_jobs(self) -> None:
+        """The shutdown deadline has passed: every job still open gets its final event now
+        ("shutdown") and leaves the engine at its next step."""
+        self.intake.clear()
+        for request in [*self.engine.requests, *self.engine.waiting]:
+            request.cancelled = True
+        for job in list(self.jobs):
+            if not job.ended:
+                job.ended = True
+                job.cancelled = True
+                self.outbox.append((job, Event([], [], "shutdown", 0, 0, 0)))
+        self._hand_over()
+
     def _hand_over(self) -> None:
         """Deliver the step's events to their handlers: one wake-up of their loop per step."""
         if self.outbox:
@@ -192,13 +241,17 @@ class Service:
         generator = p.sampling.generator(self.engine.device)
         tokenizer = self.target.tokenizer
         skip = len(job.healed)
-        rule = StopRule(p.max_tokens, EOS_ID, p.stop, lambda tokens: tokenizer.decode(tokens)[skip:])
-        stream = TextStream(tokenizer.decode, p.stop, skip)
+        stop = p.stop + (template(self.target.path).stops if p.messages is not None else ())  # its end of turn
+        rule = StopRule(p.max_tokens, EOS_ID, stop, lambda tokens: tokenizer.decode(tokens)[skip:])
+        stream = TextStream(tokenizer.decode, stop, skip)
 
         def on_tokens(request: Request, tokens: list[int], drafted: int) -> None:
+            if job.ended:
+                return
             row = request.row
             final = row.text() if row.done else None
             reason = row.finish_reason or ("error" if self.failure else None)
+            job.ended = reason is not None
             self.outbox.append((job, Event(stream.add(tokens, drafted, final), tokens, reason, request.steps,
                                            request.proposed, request.accepted)))
 
@@ -213,53 +266,16 @@ class Service:
             on_tokens(job.request, [first], 0)
         self.engine.submit(job.request)
 
-    def close(self, timeout: float) -> None:
-        """Finish running and queued jobs within `timeout` seconds, then cancel what is left; return
-        when the engine loop has stopped (any thread but the loop's)."""
+    def begin_close(self, timeout: float) -> None:
+        """Stop admission (any thread); open jobs go on for `timeout` seconds, then end."""
         with self.wake:
             self.closing = True
+            self.deadline = time.monotonic() + timeout
             self.wake.notify()
-        if not self.stopped.wait(timeout):
-            for request in [*self.engine.requests, *self.engine.waiting]:
-                request.cancelled = True
-            self.intake.clear()
-            self.stopped.wait()
 
-    # ---- /metrics ----
-
-    def prometheus(self) -> str:
-        m = self.engine.metrics
-        positions = range(1, m.k + 1)
-        lines = [
-            *family("specdec_requests_total", "counter", "Completion requests by outcome.",
-                    [(f'{{outcome="{o}"}}', n) for o, n in self.requests.items()]),
-            *family("specdec_prompt_tokens_total", "counter", "Prompt tokens of accepted requests.",
-                    [("", self.prompt_tokens)]),
-            *family("specdec_generated_tokens_total", "counter", "Tokens emitted by the engine.", [("", m.emitted)]),
-            *family("specdec_steps_total", "counter", "Target verification forward passes.", [("", m.steps)]),
-            *family("specdec_row_steps_total", "counter", "Verifications of one row.", [("", m.row_steps)]),
-            *family("specdec_proposed_tokens_total", "counter", "Draft tokens proposed.", [("", m.proposed)]),
-            *family("specdec_accepted_tokens_total", "counter", "Draft tokens the target accepted.", [("", m.accepted)]),
-            *family("specdec_accepted_per_position_total", "counter", "Steps where draft i was accepted.",
-                    [(f'{{position="{i}"}}', n) for i, n in zip(positions, m.accepted_per_position)]),
-            *family("specdec_reached_per_position_total", "counter",
-                    "Steps where draft i was proposed and drafts before it accepted.",
-                    [(f'{{position="{i}"}}', n) for i, n in zip(positions, m.reached_per_position)]),
-            *family("specdec_acceptance_rate", "gauge", "α: accepted / proposed since start.",
-                    [("", value(m.acceptance_rate))]),
-            *family("specdec_acceptance_per_position", "gauge", "α_i: accepted_i / reached_i since start.",
-                    [(f'{{position="{i}"}}', value(a)) for i, a in zip(positions, m.acceptance_per_position)]),
-            *family("specdec_mean_acceptance_length", "gauge", "τ: emitted tokens / row steps (with the "
-                    "recovered or bonus token).", [("", value(m.mean_acceptance_length))]),
-            *family("specdec_engine_seconds_total", "counter", "Engine time by phase of the step loop (metrics.py).",
-                    [(f'{{phase="{name.removesuffix("_seconds")}"}}', value(getattr(m, name)))
-                     for name in ("prefill_seconds", *PHASES)]),
-            *family("specdec_queue_length", "gauge", "Requests waiting for a row.",
-                    [("", len(self.intake) + len(self.engine.waiting))]),
-            *family("specdec_batch_size", "gauge", "Rows in the running batch.", [("", len(self.engine.requests))]),
-            *self.ttft.lines(), *self.itl.lines(), *self.e2e.lines(),
-        ]
-        return "\n".join(lines) + "\n"
+    @property
+    def queue_length(self) -> int:
+        return len(self.intake) + len(self.engine.waiting)
 
 
 def _deliver(batch: list[tuple[Job, Event]]) -> None:

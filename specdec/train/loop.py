@@ -31,7 +31,9 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -562,6 +564,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
         _record(history, "valid", 0, evaluate(model, heads, valid_tokens, cfg.seq_len, cfg.eval_windows,
                                               eagle_steps=cfg.head_steps), heads)
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
+    interrupt = Interrupt()  # a signal ends the loop after the step under way, its state saved
     while step < last:
         t0 = time.time()
         for group in opt.param_groups:
@@ -615,11 +618,19 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
                         **({"heads": "/".join(f"{x:.2f}" for x in history["train_heads"][-1][1])} if heads else {}),
                         tok_s=f"{tok_s:.0f}", gnorm=f"{float(gnorm):.2f}")
         bar.update(1)
-        if run.rank == 0 and (step % cfg.save_every == 0 or step == last):
+        if run.rank == 0 and (step % cfg.save_every == 0 or step == last or interrupt.received):
             run.save_state(model, heads, opt, step, history, time.time() - t_start)
         if distributed:
             dist.barrier()
+        if interrupt.received:
+            break
+    interrupt.restore()
     bar.close()
+    if run.rank == 0 and step < cfg.steps and not cfg.frozen:
+        # a run folder always holds a checkpoint `generate --model` loads: the weights of this step
+        save_model(model, run.out / "latest", tokenizer_file=run.work / "tokenizer.json",
+                   meta={"kind": "target-or-draft-model", "partial": {"step": step, "steps": cfg.steps},
+                         "recipe": asdict(cfg)})
     if run.rank == 0 and step == cfg.steps:
         export(run, model, heads, history, time.time() - t_start, teacher, command)
     if distributed:
@@ -627,6 +638,34 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
     if step < cfg.steps:
         return None
     return run.out / ("heads" if cfg.frozen else "model")
+
+
+class Interrupt:
+    """SIGINT or SIGTERM while training: the step under way finishes, the state is saved and the
+    loop leaves (`received`); a second signal leaves at once (KeyboardInterrupt). Installed on
+    creation (only the main thread takes signals; elsewhere this does nothing), `restore` puts
+    the previous handlers back."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def stopped_at(out: str | Path) -> int | None:
+    """The step a stopped run saved (None: no state yet)."""
+    state = Path(out) / "work" / "state" / "state.json"
+    return json.loads(state.read_text())["step"] if state.exists() else None
 
 
 def _record(history: dict, split: str, step: int, losses: list[float], heads, distill: bool = False,

@@ -1,0 +1,140 @@
+"""Seeded sampling by Gumbel-max (sampling.gumbel / perturbed, Engine.verify / Engine.pick): the
+noise is the hash it claims to be, a seeded request's tokens are exactly distributed as the
+target's (the exact-joint test of test_engine_sampling at N = 100,000 seeds, and the same test
+failing for noise that forgets the position), and one seed gives the same tokens whatever drafts
+them: no draft, a draft model or n-gram lookup, k = 1, 4 or auto, a tree, alone or in a batch of 8
+with other requests — the tokens of the reference decoder run with that seed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import sampling
+from specdec.decode import plain_generate
+from specdec.engine import Engine, Request
+from specdec.proposers import build_proposer
+from specdec.reference import reference_generate
+from specdec.sampling import SamplingConfig, gumbel
+from specdec.stopping import StopRule
+
+from .spec_helpers import noisy_copy, tiny_llama
+from .test_engine_sampling import DRAFT, N, PROMPT, SETTINGS, TARGET, V, distribution_test, exact_joint, passes
+
+
+def python_gumbel(seed: int, position: int, v: int) -> float:
+    """The noise of (seed, position, token v), computed with Python integers: the definition."""
+    m64, m32 = (1 << 64) - 1, (1 << 32) - 1
+
+    def splitmix(x):
+        x = (x + 0x9E3779B97F4A7C15) & m64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m64
+        return x ^ (x >> 31)
+
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & m32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & m32
+        return x ^ (x >> 16)
+
+    key = splitmix(splitmix(seed) ^ position)
+    x = mix(mix(v ^ (key & m32)) ^ (key >> 32))
+    u = np.float32((x >> 8) + 0.5) * np.float32(2.0 ** -24)
+    return float(-np.log(-np.log(u)))
+
+
+def test_noise_is_the_hash_of_seed_position_and_token():
+    seeds, positions = [0, 7, 2 ** 63 - 1], [[0, 5], [1023, 3], [2, 2]]
+    noise = gumbel(seeds, positions, 300)  # (3, 2, 300)
+    for r, seed in enumerate(seeds):
+        for i, t in enumerate(positions[r]):
+            for v in (0, 1, 299):
+                assert noise[r, i, v].item() == pytest.approx(python_gumbel(seed, t, v), rel=1e-6)
+    assert torch.equal(noise[2, 0], noise[2, 1])  # same seed and position: same noise
+    big = gumbel(list(range(200)), [[t] for t in range(200)], 5000).flatten().double()
+    # standard Gumbel: mean = Euler's gamma, variance pi^2/6 (1e6 draws: standard errors 1e-3 and 2e-3)
+    assert big.mean().item() == pytest.approx(0.5772, abs=6e-3)
+    assert big.var().item() == pytest.approx(math.pi ** 2 / 6, abs=2e-2)
+
+
+def seeded_counts(setting: str, proposer, k: int) -> tuple[torch.Tensor, object]:
+    """N requests of PROMPT, request i seeded i, through one engine batch: counts of their first
+    three tokens (V^3,)."""
+    rule = StopRule(max_new_tokens=max(3, k + 1))
+    engine = Engine(TARGET, proposer, k, N, len(PROMPT) + rule.max_new_tokens)
+    generator = torch.Generator().manual_seed(1)  # the draft model's draws (the target's are the noise)
+    requests = [Request(PROMPT, rule, replace(SETTINGS[setting], seed=i), generator) for i in range(N)]
+    for request in requests:
+        engine.submit(request)
+    while engine.busy:
+        engine.step()
+    first3 = torch.tensor([r.row.tokens[:3] for r in requests])
+    index = first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2]
+    return torch.bincount(index, minlength=V ** 3).double(), engine.metrics
+
+
+CONFIGS = [("draft-model", "T=1", 3), ("ngram", "T=0.7,top-k=8,top-p=0.9", 1)]
+PROPOSERS = {"draft-model": lambda: build_proposer("draft-model", model=DRAFT), "ngram": lambda: build_proposer("ngram")}
+
+
+@pytest.mark.parametrize("proposer_name,setting,k", CONFIGS)
+def test_seeded_sampling_matches_the_target_distribution(proposer_name, setting, k):
+    counts, metrics = seeded_counts(setting, PROPOSERS[proposer_name](), k)
+    result = distribution_test(counts, exact_joint(SETTINGS[setting]))
+    print(f"\nseeded {proposer_name} {setting} k={k}: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f}) "
+          f"alpha={metrics.acceptance_rate:.3f}")
+    assert passes(result), result
+    assert metrics.accepted > 0.01 * N
+
+
+def test_the_distribution_test_fails_for_noise_that_forgets_the_position(monkeypatch):
+    keys = sampling.noise_keys
+    monkeypatch.setattr(sampling, "noise_keys", lambda seeds, positions: keys(seeds, [[0] * len(p) for p in positions]))
+    counts, _ = seeded_counts("T=1", PROPOSERS["draft-model"](), 3)
+    result = distribution_test(counts, exact_joint(SETTINGS["T=1"]))
+    print(f"\nnoise without position: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
+    assert not passes(result), result
+
+
+# ---- one seed, the same tokens whatever drafts them ----
+
+BIG = tiny_llama(3, vocab=48, layers=2, hidden=32, context=96, std=0.3)
+BIG_DRAFT = noisy_copy(BIG, 0.05, seed=9)
+ALONE = [1, 5, 9, 5, 9]
+OTHERS = [[3, 4], [7, 7, 7, 2], [1, 5, 9], [11, 2, 3, 4, 5], [6], [2, 2, 2], [9, 8, 7, 6]]
+CONFIG = SamplingConfig(temperature=0.9, top_p=0.95, seed=42)
+
+
+def engine_tokens(proposer_name: str | None, k, widths=None, batch: bool = False) -> list[int]:
+    rule = StopRule(max_new_tokens=40)
+    proposer = (None if proposer_name is None else build_proposer("draft-model", model=BIG_DRAFT)
+                if proposer_name == "draft-model" else build_proposer("ngram", max_n=2, min_n=1))
+    engine = Engine(BIG, proposer or build_proposer("ngram"), k, 8, 96, widths=widths)
+    g = torch.Generator().manual_seed(0)
+    mine = Request(ALONE, rule, CONFIG, g)
+    others = [Request(p, StopRule(max_new_tokens=10 + 3 * i), SamplingConfig(1.0, seed=i) if i % 3 else
+                      SamplingConfig(0.7) if i % 2 else SamplingConfig(), g) for i, p in enumerate(OTHERS)]
+    for request in (others[:4] + [mine] + others[4:]) if batch else [mine]:
+        engine.submit(request)
+    while engine.busy:
+        engine.step()
+    return mine.row.tokens
+
+
+def test_one_seed_gives_the_same_tokens_with_any_draft_k_tree_and_batch():
+    want = reference_generate(BIG, ALONE, StopRule(max_new_tokens=40), CONFIG).tokens
+    plain, _ = plain_generate(BIG, [ALONE], StopRule(max_new_tokens=40), CONFIG, torch.Generator().manual_seed(5))
+    assert plain[0].tokens == want
+    runs = {}
+    for proposer_name in ("draft-model", "ngram"):
+        for k, widths in ((0, None), (1, None), (4, None), ("auto", None), (3, (2, 2, 1)), ("auto", (2, 2, 1))):
+            for batch in (False, True):
+                runs[(proposer_name, k, widths, batch)] = engine_tokens(proposer_name, k, widths, batch)
+    wrong = {config: tokens for config, tokens in runs.items() if tokens != want}
+    assert not wrong, (want, wrong)
