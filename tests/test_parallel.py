@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec.api import Loaded, load_parallel_draft
-from specdec.checkpoint import META, PARALLEL_KIND, WEIGHTS, save_model, save_token_counts, sha256
+from specdec.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, save_token_counts, sha256
 from specdec.engine import speculative_generate
 from specdec.errors import SpecdecError
 from specdec.model import LlamaConfig, LlamaForCausalLM

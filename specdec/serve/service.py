@@ -40,7 +40,6 @@ from ..chat import has_template, template
 from ..engine import Engine, Request
 from ..errors import SpecdecError
 from ..healing import back_off, first_tokens
-from ..sampling import SamplingConfig
 from ..stopping import StopRule
 from ..tokenizer import EOS_ID, Tokenizer
 from .prometheus import Metrics
