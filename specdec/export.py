@@ -8,6 +8,8 @@ What specdec trains maps onto these as follows:
 - A draft model (config.json + model.safetensors, transformers' Llama layout and names) is already
   what vLLM reads: the export copies the checkpoint byte for byte and adds `specdec_export.json`,
   naming the verifier (name or path, architecture) and the speculative config that serves it.
+- A parallel draft (proposers/parallel.py) is refused: vLLM's parallel drafting reads the mask token
+  (`pard_token`) as an id of the verifier's vocabulary, and specdec's is one id past it.
 - A block head (block.py) is refused: DFlash's drafter reads the target's features in every draft
   layer's keys and values, a block head once as context positions; no DFlash weights compute it.
 - An EAGLE head in the eagle3 layout (`specdec train --objective eagle --eagle-layout eagle3`) is
@@ -46,7 +48,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_dir
-from .checkpoint import CONFIG, DTYPES, TOKENIZER, WEIGHTS, load_model, read_config, read_meta, sha256
+from .checkpoint import CONFIG, DTYPES, PARALLEL_KIND, TOKENIZER, WEIGHTS, load_model, read_config, read_meta, sha256
 from .eagle import SPECULATORS_VERSION, load_eagle, read_eagle_meta, speculators_metadata
 from .errors import SpecdecError
 from .heads import HEADS_META, HEADS_WEIGHTS
@@ -76,6 +78,15 @@ def export(path: str | Path, out: str | Path, fmt: str = "speculators", verifier
             "values, where a block head reads them once, as context positions in its own cache (block.py), so "
             "no DFlash weights compute it. The formats `specdec export` writes: a draft model (specdec export "
             "--format speculators models/draft OUT) and an eagle3-layout EAGLE head (models/eagle3)")
+    if kind == "parallel":
+        mask = read_meta(path)["parallel"]["mask_token_id"]
+        raise SpecdecError(
+            f"{path} holds a parallel draft, which vLLM's parallel drafting (method draft_model with "
+            "parallel_drafting, the mask token named by `pard_token` in the draft's config.json) would read only "
+            f"with its mask token inside the verifier's vocabulary, as PARD reuses a reserved id; this draft's mask "
+            f"token is an extra id past it ({mask}), so its vocabulary no longer matches the verifier's. Missing: "
+            "a mask token among the verifier's own ids. The formats `specdec export` writes: a draft model "
+            "(specdec export --format speculators models/draft OUT) and an eagle3-layout EAGLE head (models/eagle3)")
     if kind.startswith("mtp"):
         raise SpecdecError(
             f"{path} holds MTP heads ({kind}), which no speculators format admits: its MTP format is one "
@@ -93,7 +104,7 @@ def folder_kind(path: Path) -> str:
         except json.JSONDecodeError as e:
             raise SpecdecError(f"{path / HEADS_META} is not valid JSON ({e}); the heads folder is corrupt") from None
     if (path / CONFIG).exists() and (path / WEIGHTS).exists():
-        return "draft-model"
+        return "parallel" if read_meta(path).get("kind") == PARALLEL_KIND else "draft-model"
     raise SpecdecError(f"{path} is neither a model checkpoint ({CONFIG} + {WEIGHTS}) nor a heads folder "
                        f"({HEADS_META}): pass a draft model folder such as models/draft")
 

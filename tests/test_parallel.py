@@ -310,3 +310,13 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
         assert (a.draft_probs is None) == (b.draft_probs is None)
         if a.draft_probs is not None:
             assert torch.equal(a.draft_probs, b.draft_probs)
+
+
+def test_the_export_refuses_a_parallel_draft_naming_what_vllm_lacks(tmp_path):
+    """vLLM's parallel drafting reads the mask token as an id of the verifier's vocabulary; the shipped
+    parallel draft's is one id past it: refused with the reason, nothing written."""
+    from specdec.api import DEFAULT_PARALLEL
+    from specdec.export import export
+    with pytest.raises(SpecdecError, match="pard_token.*mask token is an extra id past it \\(16384\\)"):
+        export(DEFAULT_PARALLEL, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
