@@ -235,6 +235,14 @@ def test_an_unknown_field_is_refused_by_name(app):
     assert error["code"] == "unknown_parameter"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_field_named_with_a_lone_surrogate_is_refused_with_it_escaped(app, path):
+    """Found by the fuzz: the refusal echoes the field's name, which no UTF-8 body holds as it is."""
+    response = app.post(path, b'{"\\ud800": null}')  # a JSON escape: the key is a lone surrogate
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "\\ud800"
+
+
 def test_special_token_text_in_a_prompt_is_text_unless_asked(app):
     text = app.post("/v1/completions", raw({**GREEDY, "prompt": "a<|endoftext|>b", "max_tokens": 1})).json()
     special = app.post("/v1/completions", raw({**GREEDY, "prompt": "a<|endoftext|>b", "max_tokens": 1,

@@ -41,7 +41,15 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        """OpenAI's error object; the message and param may echo the client's text, lone surrogates
+        included, which no UTF-8 body can hold: they are written as escapes."""
+        return {"error": {"message": utf8(self.message), "type": self.kind, "param": utf8(self.param),
+                          "code": self.code}}
+
+
+def utf8(text: str | None) -> str | None:
+    """text with what UTF-8 cannot encode (lone surrogates) written as backslash escapes."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
