@@ -23,7 +23,7 @@ plus 1.28 standard deviations of the empirical distribution function, at most 0.
 
 Greedy: every prompt is decoded greedily by speculative decoding and by plain decoding; they must
 be equal, except a divergence where the target's top-2 logits are closer than NEAR_TIE (the
-floating-point rule of DESIGN.md's lossless contract), which is reported as such.
+floating-point rule of docs/design.md, "The lossless contract"), which is reported as such.
 
 This module knows nothing about argument parsing; cli.py prints what `check` returns.
 """
