@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine:
-#   make run    the main job: specdec bench --quick on the shipped models (about half a minute)
+#   make run    the main job: specdec bench --quick on the shipped models (about two minutes)
 #   make test   the whole test suite (installs Debian's chromium and chromium-driver for the browser test
 #               when they are missing and we are root)
 # Both build .venv first (torch pinned to the CPU build 2.13.0; any other torch request pulls CUDA).
