@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from ..block import BlockHead, check_head_fits
+from ..block import check_head_fits
 from ..errors import SpecdecError
 from ..kv_cache import KVCache
-from ..model import LlamaForCausalLM, frozen_linear
-from .base import DraftVocabulary, Proposal, draw, per_row, with_alternatives
+from .base import Proposal, draw, per_row, with_alternatives
 from .eagle import EagleProposer, EagleState
 
 
@@ -40,22 +39,11 @@ class BlockProposer(EagleProposer):
     name = "block"
     trees = True
 
-    def __init__(self, head: BlockHead, target: LlamaForCausalLM, draft_vocab: int | None = None):
-        if not isinstance(target, LlamaForCausalLM):
-            raise SpecdecError(f"a block head drafts from specdec's own LlamaForCausalLM target, not "
-                               f"{type(target).__name__}")
-        check_head_fits(head, target)
-        self.head, self.target = head, target
-        self.features = head.layer_ids  # declared once: the engine hands these layers' outputs over
-        self.vocab_size = target.config.vocab_size
-        self.context = target.config.max_position_embeddings
-        counts = None if head.token_counts is None else head.token_counts[head.draft_ids.cpu()]  # of its own ids
-        ids = DraftVocabulary.ids_for(
-            draft_vocab, head.draft_vocab_size, counts,
-            "this block head was saved without its training token counts, so no smaller draft vocabulary can be "
-            "chosen: draft over its own, or retrain it with this version of specdec", head.draft_ids.device)
-        self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
-                      DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
+    drafter = "block head"
+    fits = staticmethod(check_head_fits)
+
+    def runs_natively(self) -> bool:
+        return False  # its step (context positions, then the masks) is not yet one kernel call
 
     @property
     def max_depth(self) -> int:

@@ -58,11 +58,14 @@ class EagleProposer:
     trees = True
     max_depth = None  # its own output feeds the next step: any depth
 
+    drafter = "EAGLE head"                  # what the messages call the head
+    fits = staticmethod(check_head_fits)  # refuses a head built for another target
+
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, draft_vocab: int | None = None):
         if not abilities(target).layers:
-            raise SpecdecError(f"an EAGLE head drafts from specdec's own LlamaForCausalLM target, not "
+            raise SpecdecError(f"an {self.drafter} drafts from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
-        check_head_fits(head, target)
+        self.fits(head, target)
         self.head, self.target = head, target
         self.features = head.layer_ids  # declared once: the engine hands these layers' outputs over
         self.vocab_size = target.config.vocab_size
@@ -70,14 +73,19 @@ class EagleProposer:
         counts = None if head.token_counts is None else head.token_counts[head.draft_ids.cpu()]  # of its own ids
         ids = DraftVocabulary.ids_for(
             draft_vocab, head.draft_vocab_size, counts,
-            "this EAGLE head was saved without its training token counts, so no smaller draft vocabulary can be "
-            "chosen: draft over its own, or retrain it with this version of specdec", head.draft_ids.device)
+            f"this {self.drafter} was saved without its training token counts, so no smaller draft vocabulary can "
+            "be chosen: draft over its own, or retrain it with this version of specdec", head.draft_ids.device)
         self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
                       DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
-        # decided once: each step as one kernel call where the head's layer runs as one and its matrices are packed
-        self.native = (head.layout == "specdec" and getattr(head.layer, "stack", None) is not None
-                       and head.proj.packed is not None and self.vocab.unembedding.packed is not None
-                       and target.model.embedding_scale is None)
+        self.native = self.runs_natively()
+
+    def runs_natively(self) -> bool:
+        """Decided once: each step as one kernel call, where the head's layer runs as one and its
+        matrices are packed."""
+        head = self.head
+        return (head.layout == "specdec" and getattr(head.layer, "stack", None) is not None
+                and head.proj.packed is not None and self.vocab.unembedding.packed is not None
+                and self.target.model.embedding_scale is None)
 
     def native_step(self, ahead, prev, cache, positions, columns):
         """The head's step as ONE kernel call (kernels.draft_block): ahead (B, W) tokens, prev (B, W, C)
