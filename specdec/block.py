@@ -43,11 +43,12 @@ import torch
 from torch import nn
 
 from . import kernels
+from . import eagle
 from .eagle import check_layer_ids
 from .checkpoint import read_config
 from .errors import SpecdecError
 from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
-from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, inverse_frequencies
+from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, inverse_frequencies
 
 KIND = "block"
 
@@ -208,10 +209,4 @@ def check_head_fits(head: BlockHead, target) -> None:
     checkpoint hash is checked by load_block."""
     check_layers(head.layer_ids, getattr(getattr(target, "config", None), "num_hidden_layers", 0),
                  type(target).__name__)
-    if head.config != target.config:
-        diff = {k: (v, getattr(target.config, k)) for k, v in head.config.to_dict().items()
-                if getattr(target.config, k) != v}
-        raise SpecdecError(f"this block head was built for another target (config differs: {diff})")
-    if compute_dtype(head) != compute_dtype(target):
-        raise SpecdecError(f"the block head computes in {compute_dtype(head)} but the target in "
-                           f"{compute_dtype(target)}: load both in one dtype (load_block(..., dtype=...))")
+    eagle.check_head_fits(head, target, "block head", "load_block")

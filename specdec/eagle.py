@@ -272,14 +272,14 @@ def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None =
     return loaded_head(head, state, path, meta, dtype, device)
 
 
-def check_head_fits(head: EagleHead, target) -> None:
-    """A head fits a target only with the config it was built for; the checkpoint hash is checked
-    by load_eagle."""
+def check_head_fits(head, target, what: str = "EAGLE head", loader: str = "load_eagle") -> None:
+    """A head (EAGLE's, or one like it: `what`, loaded by `loader`) fits a target only with the config
+    it was built for; the checkpoint hash is checked by its loader."""
     if head.config != target.config:
         diff = {k: (v, getattr(target.config, k)) for k, v in head.config.to_dict().items()
                 if getattr(target.config, k) != v}
-        raise SpecdecError(f"this EAGLE head was built for another target (config differs: {diff})")
+        raise SpecdecError(f"this {what} was built for another target (config differs: {diff})")
     if compute_dtype(head) != compute_dtype(target):
-        raise SpecdecError(f"the EAGLE head computes in {compute_dtype(head)} but the target in "
-                           f"{compute_dtype(target)}: load both in one dtype (load_eagle(..., dtype=...))")
+        raise SpecdecError(f"the {what} computes in {compute_dtype(head)} but the target in "
+                           f"{compute_dtype(target)}: load both in one dtype ({loader}(..., dtype=...))")
 
