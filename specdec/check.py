@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode import plain_generate
-from .engine import speculative_generate
+from .decoding.decode import plain_generate
+from .decoding.engine import speculative_generate
+from .decoding.sampling import SamplingConfig, probabilities
+from .decoding.stopping import StopRule
+from .decoding.verify import Verdict, rejection_sample
 from .errors import SpecdecError
-from .lm import causal_lm, lm_device
+from .lm.interface import causal_lm, lm_device
 from .proposers import Proposer
-from .sampling import SamplingConfig, probabilities
-from .stopping import StopRule
-from .verify import Verdict, rejection_sample
 
 LEVEL = 0.01               # the test's significance level: a lossless pair fails 1% of checks
 KS_CRITICAL = 1.628        # sqrt(-log(LEVEL / 2) / 2): the asymptotic KS critical value at LEVEL

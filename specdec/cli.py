@@ -15,8 +15,8 @@ from .errors import SpecdecError
 
 
 def cmd_train(args) -> None:
-    from .presets import preset as recipe
     from .train.loop import TrainConfig, train
+    from .train.presets import preset as recipe
 
     preset = recipe(args.preset)
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
@@ -406,10 +406,9 @@ def bench_plan(args):
 
 def cmd_calibrate(args) -> None:
     from .api import load
-    from .calibration import cached_verify_curve, machine
-
     from .bench.conditions import hardware, shown_path
-    from .device import backend
+    from .decoding.calibration import cached_verify_curve, machine
+    from .lm.device import backend
 
     set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
@@ -432,7 +431,7 @@ def cmd_calibrate(args) -> None:
 
 def stored_curve(path: str, batch_size: int):
     """The verify curve at `batch_size` from a `specdec calibrate --out` file, and where it came from."""
-    from .costmodel import VerifyCurve
+    from .decoding.costmodel import VerifyCurve
 
     try:
         stored = json.loads(Path(path).read_text())
@@ -448,11 +447,9 @@ def stored_curve(path: str, batch_size: int):
 
 
 def cmd_simulate(args) -> None:
-    from .costmodel import (VerifyCurve, break_even_alpha, expected_tokens, moe_curve,
-                            predicted_speedup)
-
     from . import inputs
     from .bench.noise import implausible_verify_points
+    from .decoding.costmodel import VerifyCurve, break_even_alpha, expected_tokens, moe_curve, predicted_speedup
 
     inputs.simulate(args.alpha, args.alpha_per_position, args.ks, args.draft_cost, args.batch_size, args.verify_ms,
                     args.verify_tokens, args.moe_experts, args.moe_top_k, args.expert_fraction)
@@ -472,8 +469,8 @@ def cmd_simulate(args) -> None:
     else:
         from .api import load
         from .bench.conditions import hardware
-        from .calibration import measure_verify_curve
-        from .device import backend
+        from .decoding.calibration import measure_verify_curve
+        from .lm.device import backend
 
         set_threads(args.threads)
         target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
@@ -521,7 +518,7 @@ def cmd_check(args) -> None:
     from .api import encode_prompts, load
     from .bench.workloads import humaneval_prompts
     from .check import WRONG_VERIFIERS, check
-    from .sampling import SamplingConfig
+    from .decoding.sampling import SamplingConfig
 
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.draft_options(args.draft, draft_options_given(args))
@@ -560,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
-    from .presets import PRESETS
+    from .train.presets import PRESETS
     t.add_argument("--preset", choices=list(PRESETS),
                    default="target",
                    help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
@@ -847,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk or a folder we may not write, wherever it happens: say so plainly
-        from .atomic import DENIED, FULL
+        from .lm.atomic import DENIED, FULL
         if e.errno not in FULL | DENIED:
             raise
         print(f"specdec: error: {e.strerror}: {e.filename or 'a file'}; "

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
+from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
-from .sampling import SamplingConfig
 
 MAX_SEED = 2 ** 63 - 1
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.checkpoint import save_model
-from specdec.model import LlamaConfig, LlamaForCausalLM
-from specdec.tokenizer import Tokenizer
+from specdec.lm.checkpoint import save_model
+from specdec.lm.model import LlamaConfig, LlamaForCausalLM
+from specdec.lm.tokenizer import Tokenizer
 from specdec.train.loop import init_weights
 
 # tiny models run fastest on one thread, and one thread keeps timings of other jobs undisturbed

@@ -5,12 +5,12 @@ import copy
 
 import torch
 
-from specdec.decode import plain_generate
-from specdec.lm import lm_device
-from specdec.model import LlamaConfig, LlamaForCausalLM
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.lm.interface import lm_device
+from specdec.lm.model import LlamaConfig, LlamaForCausalLM
 from specdec.train.loop import init_weights
 
 # float32: a k-token forward may differ from a 1-token forward in the last bits, so a greedy

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import adaptive, calibration
-from specdec.adaptive import MAX_STRETCH, Adaptive
-from specdec.costmodel import VerifyCurve
-from specdec.engine import speculative_generate
+from specdec.decoding import adaptive, calibration
+from specdec.decoding.adaptive import MAX_STRETCH, Adaptive
+from specdec.decoding.costmodel import VerifyCurve
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
-from .test_engine_sampling import DRAFT, N, PROMPT, SETTINGS, TARGET, distribution_test, exact_joint, passes
+from .test_engine_sampling import DRAFT, PROMPT, SETTINGS, TARGET, N, distribution_test, exact_joint, passes
 from .test_tree import tiny_heads
 
 STEEP = VerifyCurve({n: 1e-3 * n for n in range(1, 20)})   # every token costs a full forward

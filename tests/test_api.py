@@ -11,15 +11,15 @@ import transformers
 
 from specdec import kernels
 from specdec.api import Loaded, generate, healed_row, load
-from specdec.checkpoint import hf_config, sha256
+from specdec.decoding.healing import back_off
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.healing import back_off
-from specdec.heads import build_heads, save_heads
+from specdec.lm.checkpoint import hf_config, sha256
+from specdec.lm.tokenizer import EOS_ID
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
-from specdec.tokenizer import EOS_ID
+from specdec.proposers.heads import build_heads, save_heads
 from specdec.train.loop import init_weights
 
 from .conftest import TINY

@@ -7,8 +7,8 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from specdec.arch import FAMILIES, Arch
 from specdec.errors import SpecdecError
+from specdec.lm.arch import FAMILIES, Arch
 
 BASE = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -1,4 +1,4 @@
-"""Crash-safe saves (specdec/atomic.py): a training run killed at every step of a checkpoint save
+"""Crash-safe saves (specdec/lm/atomic.py): a training run killed at every step of a checkpoint save
 resumes to the bit-identical result of an uninterrupted run; leftovers are cleaned; a full disk
 and a refused permission are clear errors that leave the previous checkpoint intact.
 
@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specdec.atomic import atomic_dir, recover
 from specdec.errors import SpecdecError
-from specdec.presets import PRESETS
+from specdec.lm.atomic import atomic_dir, recover
 from specdec.train import loop
 from specdec.train.loop import TrainConfig, train
+from specdec.train.presets import PRESETS
 
 KILLED = 77
 JSON_PKG = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
@@ -153,7 +153,7 @@ def test_saved_folders_respect_the_umask(tmp_path):
 
 def test_a_full_disk_is_a_clear_error_and_the_previous_copy_survives(tmp_path):
     """A file-size limit (RLIMIT_FSIZE) makes the kernel refuse the write, as a full disk does."""
-    from specdec.checkpoint import load_model, save_model
+    from specdec.lm.checkpoint import load_model, save_model
     from tests.conftest import tiny_model
     save_model(tiny_model(), tmp_path / "m", dtype=torch.float32)
     before = (tmp_path / "m" / "model.safetensors").read_bytes()

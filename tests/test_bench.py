@@ -14,12 +14,13 @@ from specdec.bench.plots import PLOTS
 from specdec.bench.report import JSON_NAME, REPORT_NAME, cell_table, console_report, write_report
 from specdec.bench.runner import SCHEMA, Cell, Config, Plan, check_plan, lossless, run_bench
 from specdec.bench.verify_cost import MoESpec
-from specdec.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, sha256
 from specdec.cli import main
 from specdec.errors import SpecdecError
-from specdec.block import initial_head as initial_block_head, save_block
-from specdec.eagle import initial_head, save_eagle
-from specdec.heads import build_heads, save_heads
+from specdec.lm.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, sha256
+from specdec.proposers.block_head import initial_head as initial_block_head
+from specdec.proposers.block_head import save_block
+from specdec.proposers.eagle_head import initial_head, save_eagle
+from specdec.proposers.heads import build_heads, save_heads
 from specdec.train.loop import init_weights
 
 from .conftest import TINY, tiny_model

@@ -15,16 +15,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from specdec.block import BlockHead, initial_head, load_block, save_block
-from specdec.checkpoint import save_model, sha256
-from specdec.decode import plain_generate
-from specdec.engine import speculative_generate
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.protocol import Outcome
+from specdec.decoding.sampling import row_probabilities
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
+from specdec.lm.checkpoint import save_model, sha256
 from specdec.proposers import build_proposer
-from specdec.proposers.base import Outcome
 from specdec.proposers.block import BlockProposer
-from specdec.sampling import row_probabilities
-from specdec.stopping import StopRule
+from specdec.proposers.block_head import BlockHead, initial_head, load_block, save_block
 from specdec.train.anchors import block_layout
 from specdec.train.objectives import block_backward, block_metrics, eagle_targets
 

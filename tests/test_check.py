@@ -11,9 +11,9 @@ from scipy.stats import kstest
 
 from specdec.check import WRONG_VERIFIERS, check, ks_uniform, randomized_pit
 from specdec.cli import main
+from specdec.decoding.sampling import SamplingConfig
 from specdec.errors import SpecdecError
 from specdec.proposers import build_proposer
-from specdec.sampling import SamplingConfig
 
 from .spec_helpers import noisy_copy, tiny_llama
 
@@ -64,7 +64,7 @@ def test_a_deliberately_wrong_verifier_fails():
 
 def test_the_command_prints_its_verdict_and_refuses_greedy(tmp_path, capsys):
     from specdec.api import DEFAULT_TARGET
-    from specdec.checkpoint import save_model
+    from specdec.lm.checkpoint import save_model
     big = tiny_llama(4, vocab=16384, layers=1, hidden=32, heads=2, kv_heads=1, context=128, std=0.4)
     tokenizer = DEFAULT_TARGET / "tokenizer.json"
     target = save_model(big, tmp_path / "t", tokenizer, dtype=torch.float32)
@@ -79,7 +79,7 @@ def test_the_command_prints_its_verdict_and_refuses_greedy(tmp_path, capsys):
 
 
 def test_a_subtly_wrong_residual_fails_on_the_p_value_alone(monkeypatch):
-    from specdec import verify
+    from specdec.decoding import verify
 
     def residual_without_max(target_probs, draft_probs):  # |target - draft| normalised: wrong
         diff = (target_probs - draft_probs).abs()

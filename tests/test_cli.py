@@ -110,7 +110,7 @@ def test_speculative_generate_prints_the_same_tokens_with_acceptance_stats(capsy
 
 
 def test_draft_with_another_tokenizer_and_negative_k_are_clear_errors(capsys, tmp_path, tiny_checkpoint):
-    from specdec.tokenizer import Tokenizer
+    from specdec.lm.tokenizer import Tokenizer
     other = tmp_path / "other"
     shutil.copytree(tiny_checkpoint, other)
     Tokenizer.train(["completely different text " * 50], 384).save(other / "tokenizer.json")

@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 
 from specdec.cli import main
-from specdec.costmodel import (VerifyCurve, break_even_alpha, expected_tokens, expected_tokens_iid, moe_curve,
-                               moe_distinct_experts, moe_verify_ratio, predicted_speedup, speedup_limit)
+from specdec.decoding.costmodel import (
+    VerifyCurve,
+    break_even_alpha,
+    expected_tokens,
+    expected_tokens_iid,
+    moe_curve,
+    moe_distinct_experts,
+    moe_verify_ratio,
+    predicted_speedup,
+    speedup_limit,
+)
 from specdec.errors import SpecdecError
 
 FLAT = VerifyCurve({1: 0.01, 2: 0.01, 3: 0.01, 5: 0.01, 9: 0.01})      # n tokens cost as much as one
@@ -87,10 +96,10 @@ def test_with_measured_proposal_rates_e_is_the_measured_tau():
     """On a real n-gram run (it drafts only what it finds), 1 + Σ Π p_j α_j telescopes to
     1 + accepted / steps: exactly τ when no stop cuts a run (here only max_new_tokens, which
     the engine's draft limits respect)."""
-    from specdec.engine import speculative_generate
+    from specdec.decoding.engine import speculative_generate
+    from specdec.decoding.sampling import SamplingConfig
+    from specdec.decoding.stopping import StopRule
     from specdec.proposers import build_proposer
-    from specdec.sampling import SamplingConfig
-    from specdec.stopping import StopRule
 
     from .spec_helpers import tiny_llama
     prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6], list(range(7, 19))]

@@ -19,14 +19,14 @@ import warnings
 import pytest
 import torch
 
-from specdec.decode import plain_generate
-from specdec.engine import speculative_generate
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.decoding.syncs import count_host_syncs
 from specdec.errors import SpecdecError
-from specdec.model import place
+from specdec.lm.model import place
 from specdec.proposers import build_proposer
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
-from specdec.syncs import count_host_syncs
 
 from . import test_eagle, test_mtp
 from .spec_helpers import NEAR_TIE as FP32_NEAR_TIE
@@ -113,7 +113,7 @@ def test_sampled_output_keeps_the_exact_joint_distribution(device, monkeypatch):
     the models, the caches and the generator on the device; and a wrong residual is still caught."""
     if device == "cpu":
         pytest.skip("the CPU case is tests/test_engine_sampling.py")
-    from specdec import verify
+    from specdec.decoding import verify
 
     from . import test_engine_sampling as s
     target, draft = on(s.TARGET, device), on(s.DRAFT, device)
@@ -138,7 +138,7 @@ def test_sampled_output_keeps_the_exact_joint_distribution(device, monkeypatch):
 def test_load_generate_and_the_command_line_on_the_device(device, tiny_checkpoint, draft_checkpoint, capsys):
     from specdec.api import generate, load, load_draft_model
     from specdec.cli import main
-    from specdec.model import compute_dtype, device_of
+    from specdec.lm.model import compute_dtype, device_of
     target = load(tiny_checkpoint, device=device)
     assert device_of(target.model).type == device
     assert compute_dtype(target.model) == (torch.bfloat16 if device == "cuda" else torch.float32)
@@ -170,8 +170,9 @@ def test_a_device_that_cannot_run_is_refused_with_what_to_do(tiny_checkpoint, ca
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_training_runs_on_the_device_and_resumes(device, tmp_path, tokenizer_file):
-    from specdec.checkpoint import load_model
+    from specdec.lm.checkpoint import load_model
     from specdec.train.loop import TrainConfig, train
+
     from .conftest import TINY
     cfg = dict(out=str(tmp_path / "run"), model=TINY, tokenizer=str(tokenizer_file), seq_len=32, batch_size=4,
                micro_batch=2, steps=4, eval_every=2, save_every=2, eval_windows=4, device=device)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.decode import plain_generate
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig, probabilities
-from specdec.stopping import StopRule
-from specdec.tokenizer import Tokenizer
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig, probabilities
+from specdec.decoding.stopping import StopRule
+from specdec.lm.tokenizer import Tokenizer
 
 from .conftest import tiny_model
 

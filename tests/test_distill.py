@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.checkpoint import load_model, read_meta, sha256
 from specdec.cli import build_parser
 from specdec.errors import SpecdecError
-from specdec.model import LlamaConfig
-from specdec.presets import PRESETS
+from specdec.lm.checkpoint import load_model, read_meta, sha256
+from specdec.lm.model import LlamaConfig
 from specdec.train.loop import build, train, with_init_from, with_teacher
 from specdec.train.objectives import TeacherTargets, distill_kl, teacher_targets
+from specdec.train.presets import PRESETS
 
 from .conftest import free_port
 from .test_train import JSON_PKG, tiny_cfg

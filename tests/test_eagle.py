@@ -13,16 +13,16 @@ import json
 import pytest
 import torch
 
-from specdec.checkpoint import load_model, save_model, sha256
-from specdec.decode import plain_generate
-from specdec.eagle import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
-from specdec.engine import speculative_generate
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.heads import load_heads
-from specdec.kv_cache import KVCache
+from specdec.lm.checkpoint import load_model, save_model, sha256
+from specdec.lm.kv_cache import KVCache
 from specdec.proposers import base, build_proposer
-from specdec.reference import reference_generate
-from specdec.stopping import StopRule
+from specdec.proposers.eagle_head import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
+from specdec.proposers.heads import load_heads
 from specdec.train.objectives import eagle_backward, eagle_metrics
 
 from . import test_engine_sampling as sampling_test
@@ -288,8 +288,8 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
     """The shipped head (bf16-stored, its layer one Stack): one kernel call per level gives the drafts,
     and for sampled rows the draft probabilities, bit for bit, of the separate calls."""
     from specdec.api import encode_prompts, load, load_eagle_head
-    from specdec.lm import prefill_joining
-    from specdec.sampling import SamplingConfig
+    from specdec.decoding.sampling import SamplingConfig
+    from specdec.lm.interface import prefill_joining
     target = load()
     native = build_proposer("eagle", head=load_eagle_head(target), target=target.model, draft_vocab=1024)
     separate = build_proposer("eagle", head=native.head, target=target.model, draft_vocab=1024)

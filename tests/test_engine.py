@@ -9,13 +9,13 @@ import warnings
 import pytest
 import torch
 
-from specdec.engine import speculative_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.metrics import SpecMetrics
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.metrics import SpecMetrics
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import engine as engine_module
-from specdec.engine import Engine, Request
+from specdec.decoding import engine as engine_module
+from specdec.decoding.engine import Engine, Request
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig, probabilities
+from specdec.decoding.stopping import StopRule
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig, probabilities
-from specdec.stopping import StopRule
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama

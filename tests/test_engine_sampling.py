@@ -22,12 +22,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec import verify
-from specdec.engine import speculative_generate
+from specdec.decoding import verify
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.sampling import SamplingConfig, probabilities
+from specdec.decoding.stopping import StopRule
+from specdec.decoding.verify import Verdict, rejection_sample
 from specdec.proposers import build_proposer
-from specdec.sampling import SamplingConfig, probabilities
-from specdec.stopping import StopRule
-from specdec.verify import Verdict, rejection_sample
 
 from .spec_helpers import noisy_copy, tiny_llama
 

@@ -14,14 +14,14 @@ import torch
 import transformers
 
 from specdec import kernels
-from specdec.checkpoint import load_model
-from specdec.device import backend
-from specdec.engine import speculative_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
+from specdec.lm.checkpoint import load_model
+from specdec.lm.device import backend
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
 
 TOL = 1e-4
 VOCAB = 96
@@ -214,7 +214,7 @@ def test_the_api_runs_a_foreign_checkpoint_under_its_own_prompt_rules(tmp_path):
 
 
 def test_generation_ends_at_any_of_several_eos_ids():
-    from specdec.stopping import Row
+    from specdec.decoding.stopping import Row
     for eos in (7, 5):
         row = Row(StopRule(10, (5, 7)))
         assert not row.append(3) and row.append(eos) and row.finish_reason == "eos" and row.tokens == [3, eos]

@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from specdec.checkpoint import load_model, save_model, sha256
 from specdec.errors import SpecdecError
-from specdec.heads import HEAD_KINDS, build_heads, check_heads_fit, load_heads, save_heads, teacher_forced
-from specdec.model import LlamaConfig
+from specdec.lm.checkpoint import load_model, save_model, sha256
+from specdec.lm.model import LlamaConfig
+from specdec.proposers.heads import HEAD_KINDS, build_heads, check_heads_fit, load_heads, save_heads, teacher_forced
 from specdec.train.loop import init_weights
 from specdec.train.objectives import LossWeights, mtp_backward
 

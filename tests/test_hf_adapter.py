@@ -6,13 +6,13 @@ import pytest
 import torch
 import transformers
 
-from specdec.checkpoint import hf_config
-from specdec.engine import speculative_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
+from specdec.lm.checkpoint import hf_config
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, tiny_llama
 

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec import kernels
-from specdec.checkpoint import load_model, save_model
-from specdec.decode import plain_generate
-from specdec.engine import speculative_generate
-from specdec.model import Linear, compute_dtype, store_matrices_bf16
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.lm.checkpoint import load_model, save_model
+from specdec.lm.model import Linear, compute_dtype, store_matrices_bf16
 from specdec.proposers import build_proposer
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
 
 from .conftest import TINY, tiny_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.kv_cache import KVCache
+from specdec.lm.kv_cache import KVCache
 
 
 def filled(rows: int, lengths: list[int], seed: int, capacity: int = 6) -> KVCache:

@@ -14,12 +14,12 @@ import torch
 from specdec.api import load
 from specdec.bench import llamacpp
 from specdec.bench.plain import bench_plain, format_plain, llama_cpp_peers
-from specdec.checkpoint import save_model, sha256
-from specdec.decode import plain_generate
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.model import apply_rotary, inverse_frequencies, rotary
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
+from specdec.lm.checkpoint import save_model, sha256
+from specdec.lm.model import apply_rotary, inverse_frequencies, rotary
 
 from .conftest import TINY, tiny_model
 

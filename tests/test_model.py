@@ -7,10 +7,10 @@ import pytest
 import torch
 import transformers
 
-from specdec.checkpoint import load_model, save_model
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.lm.checkpoint import load_model, save_model
 
 from .conftest import TINY, tiny_model
 

@@ -11,13 +11,13 @@ import functools
 import pytest
 import torch
 
-from specdec.engine import speculative_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig, probabilities
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
 from specdec.proposers import base, build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig, probabilities
-from specdec.stopping import StopRule
+from specdec.proposers.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
 from specdec.train.loop import init_weights
 from specdec.train.objectives import mtp_backward
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from specdec.api import Loaded, load_parallel_draft
-from specdec.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, save_token_counts, sha256
-from specdec.engine import speculative_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.model import LlamaConfig, LlamaForCausalLM
+from specdec.lm.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, save_token_counts, sha256
+from specdec.lm.model import LlamaConfig, LlamaForCausalLM
+from specdec.lm.tokenizer import Tokenizer
 from specdec.proposers import build_proposer
 from specdec.proposers import parallel as parallel_module
-from specdec.stopping import StopRule
-from specdec.tokenizer import Tokenizer
 from specdec.train.anchors import block_acceptance, block_layout, random_anchors
 from specdec.train.loop import with_vocabulary
 from specdec.train.objectives import parallel_backward, parallel_logits, parallel_metrics
@@ -283,7 +283,7 @@ def test_a_plain_draft_grows_its_mask_token_row():
 def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
     """A parallel draft with bf16-stored matrices (its layers one Stack): the one-call step gives the
     same drafts, and for sampled rows and trees the same logits bit for bit, as the separate calls."""
-    from specdec.model import store_matrices_bf16
+    from specdec.lm.model import store_matrices_bf16
     cfg = TARGET.config
     torch.manual_seed(4)
     draft = LlamaForCausalLM(LlamaConfig(vocab_size=cfg.vocab_size + 1, hidden_size=64, intermediate_size=128,
@@ -298,7 +298,7 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
     separate.native = False
     assert native.native
     prompts = [[5, 9, 2], [1, 2, 3, 1, 2, 3, 1], [7]]
-    from specdec.sampling import SamplingConfig
+    from specdec.decoding.sampling import SamplingConfig
     for sampling, widths in ((GREEDY, (1,) * 6), (SamplingConfig(temperature=1.0), (1,) * 6), (GREEDY, (3, 2, 1, 1, 1, 1))):
         proposals = []
         for p in (native, separate):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.decoding.protocol import Outcome
+from specdec.decoding.sampling import SamplingConfig
 from specdec.proposers import PROPOSERS, build_proposer
-from specdec.proposers.base import Outcome
-from specdec.sampling import SamplingConfig
 
 # history, max_n, min_n, limit, proposal
 NGRAM_CASES = {
@@ -58,9 +58,9 @@ def test_registry_builds_each_proposer_by_name():
 
 
 def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens():
-    from specdec.engine import speculative_generate
-    from specdec.reference import reference_generate
-    from specdec.stopping import StopRule
+    from specdec.decoding.engine import speculative_generate
+    from specdec.decoding.reference import reference_generate
+    from specdec.decoding.stopping import StopRule
 
     from .spec_helpers import noisy_copy, tiny_llama
     target = tiny_llama(0)

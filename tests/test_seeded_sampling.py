@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import sampling
-from specdec.decode import plain_generate
-from specdec.engine import Engine, Request
+from specdec.decoding import sampling
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import Engine, Request
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig, gumbel
+from specdec.decoding.stopping import StopRule
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig, gumbel
-from specdec.stopping import StopRule
 
 from .spec_helpers import noisy_copy, tiny_llama
-from .test_engine_sampling import DRAFT, N, PROMPT, SETTINGS, TARGET, V, distribution_test, exact_joint, passes
+from .test_engine_sampling import DRAFT, PROMPT, SETTINGS, TARGET, N, V, distribution_test, exact_joint, passes
 
 
 def python_gumbel(seed: int, position: int, v: int) -> float:

@@ -13,8 +13,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from specdec import api
-from specdec.chat import ChatTemplate, check_messages
 from specdec.errors import SpecdecError
+from specdec.lm.chat import ChatTemplate, check_messages
 from specdec.serve.guard import Limits
 
 from .test_serve_fuzz import InProcess, error_of

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec import api
+from specdec.proposers import build_proposer
 from specdec.serve.app import create_app
 from specdec.serve.guard import Limits
 from specdec.serve.service import Service
-from specdec.proposers import build_proposer
 
 from .serve_helpers import Server
 

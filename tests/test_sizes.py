@@ -7,7 +7,7 @@ import json
 
 from specdec.api import load
 from specdec.bench import sizes
-from specdec.model import LlamaConfig
+from specdec.lm.model import LlamaConfig
 
 
 def test_a_size_builds_once_into_the_cache_and_loads(tmp_path):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.engine import speculative_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.protocol import Outcome
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.proposers import PROPOSERS, build_proposer
-from specdec.proposers.base import Outcome
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
 
 from . import test_tree
 from .spec_helpers import NEAR_TIE, assert_greedy_rows_equal_reference, greedy_divergence, tiny_llama

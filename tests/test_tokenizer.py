@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.errors import SpecdecError
-from specdec.tokenizer import EOS_ID, Tokenizer
+from specdec.lm.tokenizer import EOS_ID, Tokenizer
 
 
 @pytest.fixture(scope="module")

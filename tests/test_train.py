@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.atomic import atomic_dir
-from specdec.checkpoint import load_model, read_meta
-from specdec.presets import PRESETS
+from specdec.lm.atomic import atomic_dir
+from specdec.lm.checkpoint import load_model, read_meta
 from specdec.train.loop import TrainConfig, lr_at, train
+from specdec.train.presets import PRESETS
 
 from .conftest import free_port
 
@@ -108,7 +108,7 @@ def test_a_changed_corpus_or_vocabulary_is_prepared_again_or_refused(tmp_path, c
 
 
 def test_presets_name_the_shipped_models_from_any_working_directory(tmp_path, monkeypatch):
-    from specdec.presets import PATHS, preset
+    from specdec.train.presets import PATHS, preset
     monkeypatch.chdir(tmp_path)
     for name in PRESETS:
         for key in PATHS:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.checkpoint import sha256
-from specdec.eagle import load_eagle
 from specdec.errors import SpecdecError
+from specdec.lm.checkpoint import sha256
+from specdec.proposers.eagle_head import load_eagle
 from specdec.train.loop import train
 
 from .test_train import JSON_PKG, tiny_cfg

@@ -8,16 +8,16 @@ import dataclasses
 import pytest
 import torch
 
-from specdec.checkpoint import load_model
-from specdec.eagle import load_eagle
-from specdec.engine import speculative_generate
-from specdec.heads import load_heads
-from specdec.presets import PRESETS
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.lm.checkpoint import load_model
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
+from specdec.proposers.eagle_head import load_eagle
+from specdec.proposers.heads import load_heads
 from specdec.train.loop import train
+from specdec.train.presets import PRESETS
 
 from .test_families import hf_model, save
 from .test_tokenizer import foreign_checkpoint_tokenizer

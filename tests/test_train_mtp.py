@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.checkpoint import load_model, read_meta, sha256
-from specdec.decode import plain_generate
-from specdec.engine import speculative_generate
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.reference import reference_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.heads import load_heads
-from specdec.model import LlamaForCausalLM
+from specdec.lm.checkpoint import load_model, read_meta, sha256
+from specdec.lm.model import LlamaForCausalLM
 from specdec.proposers import build_proposer
-from specdec.reference import reference_generate
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
+from specdec.proposers.heads import load_heads
 from specdec.train.loop import build, train, with_frozen_trunk
 
 from .conftest import free_port

@@ -9,18 +9,18 @@ import functools
 import pytest
 import torch
 
-from specdec.engine import speculative_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.decoding.tree import caterpillar_layout, chain_parents, window_layout
+from specdec.decoding.verify import greedy_accept, rejection_sample, tree_rejection_sample
 from specdec.errors import SpecdecError
-from specdec.heads import build_heads
 from specdec.proposers import build_proposer
+from specdec.proposers.heads import build_heads
 from specdec.proposers.ngram import trie
-from specdec.sampling import SamplingConfig
-from specdec.stopping import StopRule
-from specdec.tree import caterpillar_layout, chain_parents, window_layout
-from specdec.verify import greedy_accept, rejection_sample, tree_rejection_sample
 
 from .spec_helpers import assert_greedy_rows_equal_reference, noisy_copy, tiny_llama
-from .test_engine_sampling import DRAFT, N, PROMPT, SETTINGS, TARGET, distribution_test, exact_joint, passes
+from .test_engine_sampling import DRAFT, PROMPT, SETTINGS, TARGET, N, distribution_test, exact_joint, passes
 
 
 def logits_with_argmax(argmax: list[list[int]], vocab: int = 10) -> torch.Tensor:

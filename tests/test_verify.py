@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specdec.verify import Verdict, greedy_accept, rejection_sample, residual
+from specdec.decoding.verify import Verdict, greedy_accept, rejection_sample, residual
 
 V = 10
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from .. import kernels
-from ..calibration import cpu_model
-from ..checkpoint import WEIGHTS, sha256
-from ..device import backend
-from ..model import compute_dtype
+from ..decoding.calibration import cpu_model
+from ..lm.checkpoint import WEIGHTS, sha256
+from ..lm.interface import abilities
+from ..lm.model import compute_dtype
 
 UNKNOWN = "unknown"
 
@@ -92,7 +92,7 @@ def roofline(read_bandwidth_GBps: float) -> dict:
 
 def matrix_parameters(model) -> int:
     """Parameters of the matrices a forward multiplies by (every Linear; not the embedding table)."""
-    from ..model import Linear
+    from ..lm.model import Linear
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
 
 
@@ -102,7 +102,7 @@ def model_info(model, path: Path) -> dict:
             "matrix_parameters": matrix_parameters(model),
             "dtype": str(compute_dtype(model)).removeprefix("torch."),
             "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
-            "backend": backend(model),
+            "backend": abilities(model).backend,
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
 
 

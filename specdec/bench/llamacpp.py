@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..checkpoint import CONFIG, TOKENIZER, WEIGHTS, sha256
 from ..errors import SpecdecError
+from ..lm.checkpoint import CONFIG, TOKENIZER, WEIGHTS, sha256
 
 CONVERTER_VERSION = 1  # part of the cached file's name: a change of the conversion invalidates the cache
 GGUF_DTYPES = ("bf16", "f32", "q8_0")  # q8_0: llama.cpp's own quantization of the bf16 file (needs llama-cpp-python)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
-from ..sampling import SamplingConfig
 
 PEERS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 PEER_DTYPE = torch.bfloat16

@@ -22,13 +22,13 @@ from tqdm import tqdm
 
 from .. import kernels
 from ..api import encode_prompts, load
-from ..calibration import measure_verify_curve
-from ..checkpoint import load_model
-from ..costmodel import VerifyCurve, predicted_speedup
-from ..decode import plain_generate
-from ..model import compute_dtype
-from ..sampling import SamplingConfig
-from ..stopping import StopRule
+from ..decoding.calibration import measure_verify_curve
+from ..decoding.costmodel import VerifyCurve, predicted_speedup
+from ..decoding.decode import plain_generate
+from ..decoding.sampling import SamplingConfig
+from ..decoding.stopping import StopRule
+from ..lm.checkpoint import load_model
+from ..lm.model import compute_dtype
 from . import llamacpp, sizes
 from .conditions import hardware, model_info, shown_path, software, spread
 from .workloads import humaneval_prompts

@@ -120,11 +120,11 @@ def step_breakdown_lines(result: dict) -> list[str]:
 
 
 def host_sync_lines(result: dict) -> list[str]:
-    """Host syncs per step (specdec/syncs.py) of every configuration, per cell: the points where the host
+    """Host syncs per step (specdec/decoding/syncs.py) of every configuration, per cell: the points where the host
     waits for the device (reads) or hands it Python data (writes); on a GPU each one stalls the host."""
     lines = ["## Host syncs per step", "",
              f"Counted over one untimed generation of each cell's first batch, prefill included, divided by its "
-             f"steps (specdec/syncs.py), on {result['conditions']['hardware']['device_used']}: reads of device values "
+             f"steps (specdec/decoding/syncs.py), on {result['conditions']['hardware']['device_used']}: reads of device values "
              "into Python + tensors made from Python data. Plain decoding: one step per token.", "",
              "| cell | method | reads | writes | total |", "|---|---|---|---|---|"]
     for cell in result["cells"]:
@@ -299,8 +299,8 @@ def markdown_report(result: dict, plots: list[str]) -> str:
              conditions_text(result), "",
              "Speedup = tokens/s of the method / tokens/s of specdec's plain decoding in the same repeat "
              "(median and range over repeats). α = accepted / proposed drafts, τ = tokens emitted per step "
-             "including the recovered or bonus token (specdec/metrics.py). *predicted*: the cost model "
-             "(specdec/costmodel.py) from α_i, the measured draft and bookkeeping seconds per step, the "
+             "including the recovered or bonus token (specdec/decoding/metrics.py). *predicted*: the cost model "
+             "(specdec/decoding/costmodel.py) from α_i, the measured draft and bookkeeping seconds per step, the "
              "measured verify-cost curve and the generation's prefill per emitted token (the measured "
              "speedup is over whole generations).", ""]
     for cell in result["cells"]:
@@ -310,7 +310,7 @@ def markdown_report(result: dict, plots: list[str]) -> str:
     adaptive = adaptive_lines(result)
     if adaptive:
         lines += ["## Adaptive speculation (-k auto)", "", *marked("adaptive", [
-                  "Each method with `-k auto` (specdec/adaptive.py) against the best fixed k or tree of the same "
+                  "Each method with `-k auto` (specdec/decoding/adaptive.py) against the best fixed k or tree of the same "
                   "cell, measured in the same repeats; *chosen*: the options it drafted, in steps "
                   "(plain: plain decoding).", "", *adaptive, ""], heading=0)]
     trees = tree_lines(result)

@@ -59,27 +59,38 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..api import (DEFAULT_BLOCK, DEFAULT_EAGLE, DEFAULT_HEADS, DEFAULT_PARALLEL, encode_prompts, load,
-                   load_block_head, load_draft_model, load_eagle_head, load_mtp_heads, load_parallel_draft)
-from ..checkpoint import TOKEN_COUNTS, read_meta
-from ..costmodel import predicted_speedup, speedup_limit
-from ..decode import plain_generate
-from ..engine import speculative_generate
+from ..api import (
+    DEFAULT_BLOCK,
+    DEFAULT_EAGLE,
+    DEFAULT_HEADS,
+    DEFAULT_PARALLEL,
+    encode_prompts,
+    load,
+    load_block_head,
+    load_draft_model,
+    load_eagle_head,
+    load_mtp_heads,
+    load_parallel_draft,
+)
+from ..decoding.adaptive import AUTO_TREE, merge_summaries
+from ..decoding.calibration import measure_verify_curve
+from ..decoding.costmodel import predicted_speedup, speedup_limit
+from ..decoding.decode import plain_generate
+from ..decoding.engine import speculative_generate
+from ..decoding.metrics import SpecMetrics
+from ..decoding.sampling import SamplingConfig
+from ..decoding.stopping import StopRule
+from ..decoding.syncs import count_host_syncs
+from ..decoding.verify import greedy_accept, rejection_sample
 from ..errors import SpecdecError
-from ..adaptive import AUTO_TREE, merge_summaries
-from ..device import backend
-from ..metrics import SpecMetrics
-from ..model import device_of
+from ..lm.checkpoint import TOKEN_COUNTS, read_meta
+from ..lm.interface import abilities
+from ..lm.model import device_of
 from ..proposers import build_proposer
-from ..sampling import SamplingConfig
-from ..stopping import StopRule
-from ..syncs import count_host_syncs
-from ..verify import greedy_accept, rejection_sample
 from .conditions import UNKNOWN, hardware, model_info, roofline, shown_path, software, spread
 from .noise import implausible_verify_points, result_noise
 from .peers import PEER_DTYPE, PEERS, Peers
 from .plain import measured_read_bandwidth
-from ..calibration import measure_verify_curve
 from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
@@ -331,7 +342,7 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
             "mtp_heads": bench.method_info.get("mtp", "not used"),
             "eagle_head": bench.method_info.get("eagle", "not used"),
             "block_head": bench.method_info.get("block", "not used"),
-            "hardware": hardware(bench.device), "backend": backend(bench.target.model),
+            "hardware": hardware(bench.device), "backend": abilities(bench.target.model).backend,
             # the CPU's roofs (its kernels' FMA peak, its memory bandwidth) where the models run on it
             "roofline": roofline(measured_read_bandwidth() / 1e9) if bench.device.type == "cpu" else "not measured: "
                         "the models run on the GPU (see hardware.device_used)",
@@ -458,7 +469,7 @@ def acceptance_rule(method: str, temperature: float) -> dict:
         return {"rule": "transformers' candidate verification (its greedy match or speculative sampling, "
                         "lossless as transformers documents it)", "lossless": True}
     rule = greedy_accept if temperature == 0 else rejection_sample
-    return {"rule": f"specdec.verify.{rule.__name__}", "lossless": rule in LOSSLESS_RULES}
+    return {"rule": f"specdec.decoding.verify.{rule.__name__}", "lossless": rule in LOSSLESS_RULES}
 
 
 def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: float) -> dict:

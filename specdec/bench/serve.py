@@ -28,9 +28,9 @@ import httpx
 import torch
 
 from ..api import Loaded, encode_prompts
-from ..engine import Engine, Request
-from ..stopping import StopRule
-from ..tokenizer import EOS_ID
+from ..decoding.engine import Engine, Request
+from ..decoding.stopping import StopRule
+from ..lm.tokenizer import EOS_ID
 from .conditions import hardware, software
 from .workloads import humaneval_prompts
 

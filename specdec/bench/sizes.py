@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..atomic import atomic_dir
-from ..checkpoint import CONFIG, TOKENIZER, WEIGHTS, hf_config
 from ..errors import SpecdecError
-from ..model import LlamaConfig
+from ..lm.atomic import atomic_dir
+from ..lm.checkpoint import CONFIG, TOKENIZER, WEIGHTS, hf_config
+from ..lm.model import LlamaConfig
 
 BUILDER_VERSION = 1  # part of the folder's name: a change of the recipe builds anew
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "target" / TOKENIZER

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..calibration import measure_verify_curve
-from ..costmodel import moe_distinct_experts, moe_verify_ratio
+from ..decoding.calibration import measure_verify_curve
+from ..decoding.costmodel import moe_distinct_experts, moe_verify_ratio
 
 EXPERTS_IMPLEMENTATION = "eager"
 

@@ -4,8 +4,8 @@ Dispatch happens once, in `build_proposer`; the engine only ever calls the proto
 """
 from __future__ import annotations
 
+from ..decoding.protocol import Outcome, Proposal, Proposer
 from ..errors import SpecdecError
-from .base import Outcome, Proposal, Proposer
 from .block import BlockProposer
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer

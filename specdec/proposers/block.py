@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from ..block import check_head_fits
+from ..decoding.protocol import Proposal
 from ..errors import SpecdecError
-from ..kv_cache import KVCache
-from .base import Proposal, draw, per_row, with_alternatives
+from ..lm.kv_cache import KVCache
+from .base import draw, per_row, with_alternatives
+from .block_head import check_head_fits
 from .eagle import EagleProposer, EagleState
 
 

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.protocol import Outcome, Proposal
+from ..decoding.sampling import SamplingConfig
+from ..decoding.tree import caterpillar_layout, on_chain, window_layout
 from ..errors import SpecdecError
-from ..kv_cache import KVCache
-from ..lm import causal_lm, context_length, lm_device, next_positions
-from ..sampling import SamplingConfig
-from ..tree import caterpillar_layout, on_chain, window_layout
-from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draft_chain, grow_tree, per_row, with_alternatives
+from ..lm.interface import causal_lm, context_length, lm_device, next_positions
+from ..lm.kv_cache import KVCache
+from .base import CATCH_UP, DraftVocabulary, draft_chain, grow_tree, per_row, with_alternatives
 
 
 @dataclass

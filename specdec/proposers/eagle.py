@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode import pad_right
-from ..eagle import EagleHead, check_head_fits
 from .. import kernels
+from ..decoding.protocol import Outcome, Proposal
+from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
-from ..kv_cache import KVCache
-from ..lm import abilities, next_positions
-from ..model import LlamaForCausalLM, frozen_linear
-from ..sampling import SamplingConfig
-from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
+from ..lm.interface import abilities, next_positions, pad_right
+from ..lm.kv_cache import KVCache
+from ..lm.model import LlamaForCausalLM, frozen_linear
+from .base import CATCH_UP, DraftVocabulary, draft_chain, per_row, with_alternatives
+from .eagle_head import EagleHead, check_head_fits
 from .mtp import _gather_rows, _ragged_concat_index, _stack_rows
 
 

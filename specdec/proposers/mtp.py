@@ -35,15 +35,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode import pad_right
+from ..decoding.protocol import Outcome, Proposal
+from ..decoding.sampling import SamplingConfig
+from ..decoding.tree import caterpillar_layout, on_chain
 from ..errors import SpecdecError
-from ..heads import MTPHeads, check_heads_fit
-from ..kv_cache import KVCache
-from ..lm import abilities, next_positions
-from ..model import LlamaForCausalLM, compute_dtype, frozen_linear
-from ..sampling import SamplingConfig
-from ..tree import caterpillar_layout, on_chain
-from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draft_chain, per_row, with_alternatives
+from ..lm.interface import abilities, next_positions, pad_right
+from ..lm.kv_cache import KVCache
+from ..lm.model import LlamaForCausalLM, compute_dtype, frozen_linear
+from .base import CATCH_UP, DraftVocabulary, draft_chain, per_row, with_alternatives
+from .heads import MTPHeads, check_heads_fit
 
 
 @dataclass

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
+from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
-from .base import Outcome, Proposal, per_row
+from .base import per_row
 
 MATCHES = 8  # earlier occurrences remembered per n-gram (trees draw their branches from them)
 

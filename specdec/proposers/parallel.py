@@ -24,11 +24,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
-from ..kv_cache import KVCache
-from ..lm import next_positions
-from ..model import LlamaForCausalLM
-from .base import CATCH_UP, DraftVocabulary, Outcome, Proposal, draw_block, with_alternatives
+from ..lm.interface import next_positions
+from ..lm.kv_cache import KVCache
+from ..lm.model import LlamaForCausalLM
+from .base import CATCH_UP, DraftVocabulary, draw_block, with_alternatives
 from .draft_model import DraftModelProposer, DraftState
 
 

@@ -36,9 +36,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-
+from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
-from .base import Outcome, Proposal, per_row
+from .base import per_row
 
 
 class SuffixTrie:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-
 CLOSE = ((b"connection", b"close"),)
 
 

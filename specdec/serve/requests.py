@@ -16,9 +16,9 @@ import json
 from dataclasses import dataclass
 
 from .. import inputs
-from ..chat import check_messages
+from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
-from ..sampling import SamplingConfig
+from ..lm.chat import check_messages
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 512

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..api import Loaded
-from ..chat import has_template, template
-from ..engine import Engine, Request
+from ..decoding.engine import Engine, Request
+from ..decoding.healing import back_off, first_tokens
+from ..decoding.stopping import StopRule
 from ..errors import SpecdecError
-from ..healing import back_off, first_tokens
-from ..stopping import StopRule
-from ..tokenizer import EOS_ID, Tokenizer
+from ..lm.chat import has_template, template
+from ..lm.tokenizer import EOS_ID, Tokenizer
 from .prometheus import Metrics
 from .requests import Params
 from .text import TextStream

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..checkpoint import sha256
 from ..errors import SpecdecError
-from ..tokenizer import EOS_ID, Tokenizer
+from ..lm.checkpoint import sha256
+from ..lm.tokenizer import EOS_ID, Tokenizer
 from .corpus import Document, fingerprint
 
 

@@ -44,23 +44,44 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..atomic import atomic_dir, recover
 from ..bench.conditions import shown_path
-from ..checkpoint import (PARALLEL_KIND, TOKENIZER, WEIGHTS, load_model, read_config, save_model, save_token_counts,
-                          sha256)
 from ..errors import SpecdecError
-from ..block import BlockHead, initial_head as initial_block_head, save_block
-from ..eagle import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
-from ..heads import MTPHeads, build_heads, save_heads
-from ..device import resolve as resolve_device
-from ..model import LlamaConfig, LlamaForCausalLM, device_of, place
-from ..tokenizer import Tokenizer
+from ..lm.atomic import atomic_dir, recover
+from ..lm.checkpoint import (
+    PARALLEL_KIND,
+    TOKENIZER,
+    WEIGHTS,
+    load_model,
+    read_config,
+    save_model,
+    save_token_counts,
+    sha256,
+)
+from ..lm.device import resolve as resolve_device
+from ..lm.model import LlamaConfig, LlamaForCausalLM, device_of, place
+from ..lm.tokenizer import Tokenizer
+from ..proposers.block_head import BlockHead, save_block
+from ..proposers.block_head import initial_head as initial_block_head
+from ..proposers.eagle_head import EagleHead, default_layer_ids, initial_head, save_eagle, speculators_metadata
+from ..proposers.heads import MTPHeads, build_heads, save_heads
 from .anchors import BlockLayout, block_layout, random_anchors
 from .corpus import Corpus
 from .data import eval_batches, preparation_key, tokenize, window_batch
-from .objectives import (OBJECTIVES, LossWeights, block_backward, block_metrics, distill_loss, distill_metrics,
-                         eagle_backward, eagle_metrics, mtp_backward, mtp_losses, next_token_loss, parallel_backward,
-                         parallel_metrics)
+from .objectives import (
+    OBJECTIVES,
+    LossWeights,
+    block_backward,
+    block_metrics,
+    distill_loss,
+    distill_metrics,
+    eagle_backward,
+    eagle_metrics,
+    mtp_backward,
+    mtp_losses,
+    next_token_loss,
+    parallel_backward,
+    parallel_metrics,
+)
 
 
 @dataclass

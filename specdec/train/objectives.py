@@ -60,10 +60,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..block import BlockHead
-from ..eagle import EagleHead
 from ..errors import SpecdecError
-from ..heads import MTPHeads, teacher_forced
+from ..proposers.block_head import BlockHead
+from ..proposers.eagle_head import EagleHead
+from ..proposers.heads import MTPHeads, teacher_forced
 from .anchors import BlockLayout, block_acceptance, block_layout, random_anchors
 
 OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel")

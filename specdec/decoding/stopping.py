@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Iterable
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 SPECIAL = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}

@@ -32,11 +32,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .atomic import atomic_dir
-from .checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
-from .errors import SpecdecError
-from .kv_cache import KVCache
-from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, place
+from ..errors import SpecdecError
+from ..lm.atomic import atomic_dir
+from ..lm.checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
+from ..lm.kv_cache import KVCache
+from ..lm.model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, place
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import SpecdecError
-
+from ..errors import SpecdecError
 
 MIN_TEMPERATURE = 1e-4  # the smallest temperature for which logits / temperature stays finite in float32
 

@@ -19,10 +19,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import kernels
-from .atomic import atomic_dir, recover
-from .errors import SpecdecError
+from .. import kernels
+from ..errors import SpecdecError
 from .arch import Arch
+from .atomic import atomic_dir, recover
 from .model import LlamaForCausalLM, compute_dtype, place, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"

@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from .. import kernels
 from .arch import Arch
 from .device import backend
 from .kv_cache import KVCache
-
 
 LlamaConfig = Arch  # specdec's own models: an Arch of family "llama" (its defaults)
 
@@ -331,7 +330,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def abilities(self) -> Abilities:
-        return Abilities(trees=True, layers=True, draft_vocab=True, batch=True, backend=backend(self))
+        return Abilities(trees=True, layers=True, draft_vocab=True, batch=True, 
+                         backend=backend(device_of(self), compute_dtype(self),
+                                         self.stack, self.unstacked))
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         cfg = self.config

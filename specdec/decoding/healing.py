@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import pad_right
-from .lm import causal_lm, lm_device
+from ..lm.interface import causal_lm, lm_device, pad_right
+from ..lm.tokenizer import Tokenizer
 from .sampling import SamplingConfig, pick
-from .tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

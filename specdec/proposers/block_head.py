@@ -2,7 +2,7 @@
 forward from the target's features. One definition, used by training (train/objectives.py, block
 section) and by drafting (proposers/block.py), and its checkpoint folder.
 
-Context. As in the EAGLE head (eagle.py), f_t are the outputs of the target's decoder layers
+Context. As in the EAGLE head (eagle_head.py), f_t are the outputs of the target's decoder layers
 `layer_ids` at position t, concatenated, and x_0..x_T the sequence. Context position t enters the
 head's own KV cache as
 
@@ -42,13 +42,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import kernels
-from . import eagle
-from .eagle import check_layer_ids
-from .checkpoint import read_config
-from .errors import SpecdecError
+from .. import kernels
+from ..errors import SpecdecError
+from ..lm.checkpoint import read_config
+from ..lm.model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, inverse_frequencies
+from .eagle_head import check_head_fits as check_eagle_head_fits
+from .eagle_head import check_layer_ids
 from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
-from .model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, inverse_frequencies
 
 KIND = "block"
 
@@ -209,4 +209,4 @@ def check_head_fits(head: BlockHead, target) -> None:
     checkpoint hash is checked by load_block."""
     check_layers(head.layer_ids, getattr(getattr(target, "config", None), "num_hidden_layers", 0),
                  type(target).__name__)
-    eagle.check_head_fits(head, target, "block head", "load_block")
+    check_eagle_head_fits(head, target, "block head", "load_block")

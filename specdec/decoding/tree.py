@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 
 def chain_parents(batch_size: int, m: int, device: torch.device | str = "cpu") -> torch.Tensor:

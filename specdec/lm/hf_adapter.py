@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..errors import SpecdecError
 from .device import backend
-from .errors import SpecdecError
 from .model import Abilities, ModelOutput
 
 
@@ -68,7 +68,8 @@ class HFCausalLM:
         self.model = model
         self.config = model.config
         self.abilities = Abilities(trees=False, layers=False, draft_vocab=False, batch=True,
-                                   backend=f"transformers {type(model).__name__}: {backend(self)}")
+                                   backend=f"transformers {type(model).__name__}: "
+                                           f"{backend(model.device, model.dtype)}")
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> HFCache:
         return HFCache(self.model.config, batch_size, self.model.device)

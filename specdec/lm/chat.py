@@ -18,7 +18,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
+from .. import kernels
+from ..lm.device import synchronize
+from ..lm.interface import abilities, causal_lm, lm_device
 from .costmodel import VerifyCurve
-from .device import backend, synchronize
-from .lm import causal_lm, lm_device
 
 CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
 
@@ -116,7 +116,7 @@ def _model_identity(lm) -> list:
         weights = lm.lm_head.weight if hasattr(lm, "lm_head") else next(lm.parameters())
         fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
         config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
-        _IDENTITIES[inner] = [config, fingerprint, backend(lm)]
+        _IDENTITIES[inner] = [config, fingerprint, abilities(lm).backend]
     return _IDENTITIES[inner]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 DEVICES = ("cpu", "cuda")
 
@@ -38,15 +38,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def backend(model) -> str:
-    """The operators a loaded causal LM (lm.causal_lm) runs on, as the conditions name them."""
-    from . import kernels
-    from .lm import lm_device, lm_dtype
-    dtype, device = str(lm_dtype(model)).removeprefix("torch."), lm_device(model)
-    if getattr(model, "stack", None) is not None:
+def backend(device: torch.device, dtype: torch.dtype, stack=None, unstacked: str | None = None) -> str:
+    """The operators a model runs on, as the conditions name them: from its device, compute dtype and,
+    for specdec's own model, its kernels' Stack (or why its decoder layers are not stacked)."""
+    from .. import kernels
+    dtype = str(dtype).removeprefix("torch.")
+    if stack is not None:
         return f"specdec CPU kernels ({kernels.isa()}), {dtype} arithmetic on bf16-stored matrices"
-    if getattr(model, "unstacked", None) is not None:  # the kernels run its matrices, not its layers
-        return (f"PyTorch operators on the CPU for the decoder layers ({model.unstacked}), specdec CPU kernels "
+    if unstacked is not None:  # the kernels run its matrices, not its layers
+        return (f"PyTorch operators on the CPU for the decoder layers ({unstacked}), specdec CPU kernels "
                 f"({kernels.isa()}) for its matrices, {dtype} arithmetic on bf16-stored matrices")
     if device.type == "cuda":
         return f"PyTorch operators on {torch.cuda.get_device_name(device)} (SDPA attention, {dtype} matmuls)"

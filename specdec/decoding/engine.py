@@ -38,12 +38,20 @@ from typing import Callable
 
 import torch
 
+from ..errors import SpecdecError
+from ..lm.interface import (
+    causal_lm,
+    context_length,
+    declared_features,
+    layer_request,
+    lm_device,
+    next_positions,
+    no_features,
+    prefill_joining,
+)
 from .adaptive import Adaptive
-from .errors import SpecdecError
-from .lm import (causal_lm, context_length, declared_features, layer_request, lm_device, next_positions, no_features,
-                 prefill_joining)
 from .metrics import SpecMetrics
-from .proposers.base import Outcome, Proposal, Proposer
+from .protocol import Outcome, Proposal, Proposer
 from .sampling import RowGenerators, SamplingConfig, argmax, perturbed, row_probabilities, sample
 from .stopping import Row, StopRule
 from .tree import depths, levels_reached, path_columns, window_layout

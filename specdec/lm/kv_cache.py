@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 
 class Slots(NamedTuple):

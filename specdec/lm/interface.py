@@ -16,9 +16,16 @@ import sys
 
 import torch
 
-from .decode import pad_right
-from .errors import SpecdecError
+from ..errors import SpecdecError
 from .model import Abilities, LlamaForCausalLM, compute_dtype
+
+
+def pad_right(prompts: list[list[int]], pad: int = 0, device: torch.device | str = "cpu"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts right-padded (B, T) and their lengths (B,), on `device` (one copy from the host)."""
+    width = max(map(len, prompts))
+    both = torch.tensor([[len(p)] + p + [pad] * (width - len(p)) for p in prompts], dtype=torch.long).to(device)
+    return both[:, 1:], both[:, 0]  # (B, T), (B,)
 
 
 def causal_lm(model, role: str = "model"):

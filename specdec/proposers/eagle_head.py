@@ -47,11 +47,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import hf_config
-from .errors import SpecdecError
+from ..errors import SpecdecError
+from ..lm.checkpoint import hf_config
+from ..lm.model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Linear,
+    LlamaConfig,
+    RMSNorm,
+    Window,
+    apply_rotary,
+    compute_dtype,
+    rotary,
+)
 from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
-from .model import (MLP, Attention, DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary,
-                    compute_dtype, rotary)
 
 KIND = "eagle3"
 LAYOUTS = ("specdec", "eagle3")

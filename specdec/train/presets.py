@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .model import LlamaConfig
+from ..lm.model import LlamaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = ("tokenizer", "frozen_trunk", "init_from", "teacher", "target")  # recipe entries naming files or folders

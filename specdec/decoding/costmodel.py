@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 
 def expected_tokens_iid(alpha: float, k: int) -> float:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from .errors import SpecdecError
+from ..errors import SpecdecError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",

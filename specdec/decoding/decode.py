@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import LlamaForCausalLM
+from ..lm.interface import pad_right
+from ..lm.model import LlamaForCausalLM
 from .sampling import SamplingConfig, pick
 from .stopping import Row, StopRule
 
@@ -21,14 +22,6 @@ from .stopping import Row, StopRule
 class Timing:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-
-
-def pad_right(prompts: list[list[int]], pad: int = 0, device: torch.device | str = "cpu"
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts right-padded (B, T) and their lengths (B,), on `device` (one copy from the host)."""
-    width = max(map(len, prompts))
-    both = torch.tensor([[len(p)] + p + [pad] * (width - len(p)) for p in prompts], dtype=torch.long).to(device)
-    return both[:, 1:], both[:, 0]  # (B, T), (B,)
 
 
 def prefill(model: LlamaForCausalLM, cache, prompts: list[list[int]]) -> torch.Tensor:

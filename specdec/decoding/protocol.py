@@ -1,0 +1,131 @@
+"""The one proposer protocol: every source of draft tokens (draft model, n-gram lookup, and later
+MTP, EAGLE and Medusa heads) implements these methods with these arguments.
+
+A proposer object holds only its configuration and weights. Everything that belongs to one
+generation (a draft KV cache, the token history) lives in the state that `start` returns and the
+engine passes back to every call, so one proposer can serve any number of generations. The state
+is a batch of rows, one per sequence; rows join and leave between steps (continuous batching).
+
+    state = proposer.start(prompts, prompt_hidden, samplings, max_len, k, capacity, nodes)  # after the target's prefill
+    loop:
+        proposer.leave(state, keep)                                        # only rows `keep` stay, in that order
+        proposer.join(state, prompts, prompt_hidden, samplings)            # rows appended after them
+        proposal = proposer.propose(state, limits, widths, generator)     # up to limits[b] levels per row
+        ... the target verifies, rows take their tokens ...
+        proposer.observe(state, outcome)                                   # what was committed; roll back
+
+Each row has its own sampling settings (`samplings[b]`), and `generator` may be one generator or
+one per row (sampling.RowGenerators).
+
+The target's features reach the proposer as arguments (`prompt_hidden` at start, `Outcome.hidden`
+after each step), for heads that draft from them (MTP, EAGLE, Medusa): its final hidden states, or
+the outputs of the decoder layers the proposer declares once in `features` (EAGLE), which the
+target's forward returns at no extra pass. The target's cache always lags one token behind the
+sequence: the newest token ("last") is fed with the next verification window [last, drafts].
+
+A proposal may be a tree (tree.py): each draft names its parent. `widths[d]` caps the drafts at
+depth d + 1 (all ones: a chain); a proposer that can branch says so with `trees = True` and lists
+its main chain first (nodes 0, 1, ..), the alternatives after it; one that cannot ignores widths.
+
+This module knows nothing about particular proposers, verification or stopping.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .sampling import SamplingConfig
+from .tree import chain_parents
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor               # (B, m) long draft tokens; row b's first lengths[b] are real
+    lengths: torch.Tensor              # (B,) long, drafts proposed per row (0..limits[b])
+    draft_probs: torch.Tensor | None   # (B, m, V) distributions the drafts were drawn from (after the
+                                       # sampling transform; a tree's node: given the siblings before it);
+                                       # None: deterministic drafts (one-hot)
+    parents: torch.Tensor | None = None  # (B, m) long, each node's parent (-1: the root), tree.py; None: a chain
+
+    @classmethod
+    def empty(cls, batch_size: int, device: torch.device | str = "cpu") -> "Proposal":
+        return cls(torch.zeros(batch_size, 0, dtype=torch.long, device=device),
+                   torch.zeros(batch_size, dtype=torch.long, device=device), None)
+
+    @classmethod
+    def from_rows(cls, tokens: list[list[int]], parents: list[list[int]] | None, device: torch.device | str
+                  ) -> "Proposal":
+        """Deterministic drafts listed per row on the host (a tree's nodes with their parents; None:
+        chains), padded and moved to `device` in one copy."""
+        n = max(map(len, tokens), default=0)
+        rows = [[len(t)] + t + [0] * (n - len(t)) for t in tokens]
+        if parents is not None:
+            rows = [row + p + [-1] * (n - len(p)) for row, p in zip(rows, parents)]
+        both = torch.tensor(rows, dtype=torch.long).view(len(tokens), -1).to(device)
+        return cls(both[:, 1:1 + n], both[:, 0], None, None if parents is None else both[:, 1 + n:])
+
+    def trimmed(self) -> "Proposal":
+        """Without the trailing columns no row uses (a proposer may pad its drafts to the limit, as
+        n-gram lookup does when it finds less): the target then verifies only 1 + max(lengths).
+        A tree whose real nodes all form chains 0, 1, .. is a chain."""
+        m = int(self.lengths.max()) if self.lengths.numel() else 0
+        parents = self.parents
+        if parents is not None and bool((parents[:, :m] == chain_parents(1, m, parents.device)).all()):
+            parents = None
+        if m == self.tokens.shape[1] and parents is self.parents:
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[:, :m]
+        return Proposal(self.tokens[:, :m], self.lengths, probs, None if parents is None else parents[:, :m])
+
+
+@dataclass
+class Outcome:
+    """What one verification step committed, per row: the numbers on the host, where the engine
+    read them once (a proposer that needs the tokens on the device copies them once), the target's
+    features on its device."""
+    accepted: list[int]       # (B,) drafts of the proposal the target accepted
+    tokens: list[list[int]]   # (B, m+1) the accepted drafts, then the recovered or bonus token, zero-padded
+    counts: list[int]         # (B,) tokens of `tokens` emitted: accepted + 1, fewer where the row
+                              # finished inside the run, 0 for rows finished before the step
+    hidden: torch.Tensor      # (B, m+1, C) target features over [last, accepted path] (final hidden states, or
+                            # the declared layers' outputs concatenated: (B, m+1, len(features) * C)); the
+                            # first counts[b] are now in the target's cache, hidden[b, i] predicted tokens[b, i]
+    paths: list[list[int]] | None = None  # per row, the accepted nodes of a tree proposal; None: a chain
+                                          # (its first accepted[b] nodes)
+
+
+class Proposer(Protocol):
+    name: str
+    vocab_size: int | None  # token ids it can propose; None: any (it copies ids it has seen)
+    trees: bool             # whether it drafts trees when widths allow (else always chains)
+    max_depth: int | None   # the most levels it drafts per step; None: any
+    features: tuple[int, ...]  # target decoder layers whose outputs it reads, concatenated in this order,
+                               # as prompt_hidden and Outcome.hidden; () or absent: the final hidden states
+
+    def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor,
+              sampling: SamplingConfig | list[SamplingConfig], max_len: int, k: int,
+              capacity: int | None = None, nodes: int | None = None) -> Any:
+        """New per-generation state holding `prompts` as its rows (as `join`); prompt_hidden
+        (B, P-1, ...): target features (see `features`) over each prompt without its last token
+        (right-padded). sampling: one setting for every row or one per row. max_len: the longest
+        sequence (prompt + generated) a row may reach; k: the most levels any row will be asked
+        for per step; capacity: the most rows it will hold at once (storage allocated now; default
+        len(prompts)); nodes: the most drafts a proposal may hold, a tree's included (default k)."""
+
+    def join(self, state: Any, prompts: list[list[int]], prompt_hidden: torch.Tensor,
+             samplings: list[SamplingConfig]) -> None:
+        """Append rows for `prompts`. prompt_hidden (n, P-1, C): target final hidden states over
+        each prompt without its last token (right-padded)."""
+
+    def leave(self, state: Any, keep: list[int]) -> None:
+        """Keep only rows `keep`, in that order (finished or cancelled rows leave)."""
+
+    def propose(self, state: Any, limits: torch.Tensor, widths: tuple[int, ...],
+                generator: torch.Generator | None) -> Proposal:
+        """Draft at most limits[b] (B,) levels after each row's sequence (0: draft nothing), at
+        most widths[d] nodes at depth d + 1 (len(widths) >= max(limits); all ones: a chain)."""
+
+    def observe(self, state: Any, outcome: Outcome) -> None:
+        """Learn what the target committed for the last proposal; drop what it rejected."""
