@@ -45,8 +45,46 @@ def python_gumbel(seed: int, position: int, v: int) -> float:
 
     key = splitmix(splitmix(seed) ^ position)
     x = mix(mix(v ^ (key & m32)) ^ (key >> 32))
-    u = np.float32((x >> 8) + 0.5) * np.float32(2.0 ** -24)
+    u = ((x >> 9) + 0.5) / 2 ** 23  # exact in float64 (and in float32)
     return float(-np.log(-np.log(u)))
+
+
+def test_uniforms_stay_inside_the_open_interval_at_the_extreme_hashes():
+    """Every hash at both ends of the uint32 range gives a uniform strictly inside (0, 1), exactly
+    (top 23 bits + 1/2) * 2^-23, so the noise is finite. The earlier 24-bit form rounded
+    (2^24 - 1 + 1/2) * 2^-24 to 1.0 in float32: infinite noise."""
+    extremes = np.array([0, 1, 511, 512, 2 ** 31, 2 ** 32 - 513, 2 ** 32 - 512, 2 ** 32 - 2, 2 ** 32 - 1], dtype=np.uint32)
+    u = sampling.open_uniform(extremes.copy())
+    assert u.dtype == np.float32 and bool(((u > 0) & (u < 1)).all())
+    assert [float(v) for v in u] == [((int(x) >> 9) + 0.5) / 2 ** 23 for x in extremes]
+    assert bool(np.isfinite(-np.log(-np.log(u))).all())
+
+
+# (seed 1, position 265, token 2431) hashes to x with x >> 8 = 2^24 - 1, the value whose 24-bit uniform
+# rounded to 1.0 (found by searching the hash over seeds and positions)
+EXTREME = (1, 265, 2431)
+
+
+def test_the_extreme_hash_gives_finite_noise_and_a_token_outside_top_k_is_never_drawn():
+    seed, position, token = EXTREME
+    noise = gumbel([seed], [[position]], 4096)  # (1, 1, V)
+    assert bool(torch.isfinite(noise).all())
+    logits = torch.randn(1, 1, 4096, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, token] = logits.min() - 1  # far from the top: top_k = 1 gives it probability 0
+    drawn = sampling.perturbed(logits, [SamplingConfig(temperature=1.0, top_k=1, seed=seed)], [[position]])
+    assert int(drawn.argmax(-1)) == int(logits.argmax(-1))
+
+
+def test_seeded_tokens_lie_inside_top_k_and_top_p_over_many_seeds():
+    """4 seeds x 512 positions x 4,096 tokens (8.4M noise values, the extreme hash among them): every
+    seeded token is one the processed distribution allows."""
+    seeds, positions, vocab = list(range(4)), [list(range(512))] * 4, 4096
+    logits = torch.randn(4, 512, vocab, generator=torch.Generator().manual_seed(1))
+    for config in (SamplingConfig(temperature=1.0, top_k=2), SamplingConfig(temperature=0.7, top_p=0.5)):
+        configs = [replace(config, seed=s) for s in seeds]
+        allowed = sampling.row_probabilities(logits, configs) > 0                 # (4, 512, V)
+        tokens = sampling.perturbed(logits, configs, positions).argmax(-1)       # (4, 512)
+        assert bool(allowed.gather(-1, tokens[..., None]).all())
 
 
 def test_noise_is_the_hash_of_seed_position_and_token():

@@ -189,14 +189,20 @@ def noise_keys(seeds: list[int], positions: list[list[int]]) -> np.ndarray:
 def gumbel(seeds: list[int], positions: list[list[int]], vocab: int) -> torch.Tensor:
     """(R, n, V) float32 standard Gumbel noise on the CPU, element (r, i, v) a function of
     (seeds[r], positions[r][i], v) only: two rounds of a 32-bit hash keyed by the (seed, position)
-    key's halves, the top 24 bits as a uniform in (0, 1) (exact in float32), -log(-log(u))."""
+    key's halves, its top 23 bits as a uniform in the open interval (0, 1) (`open_uniform`), -log(-log(u))."""
     keys = noise_keys(seeds, positions)[..., None]                          # (R, n, 1)
     low, high = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), (keys >> np.uint64(32)).astype(np.uint32)
     x = _mix32(np.arange(vocab, dtype=np.uint32) ^ low)                    # (R, n, V)
     x ^= high
     x = _mix32(x)
-    u = ((x >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
-    return torch.from_numpy(-np.log(-np.log(u)))
+    return torch.from_numpy(-np.log(-np.log(open_uniform(x))))
+
+
+def open_uniform(x: np.ndarray) -> np.ndarray:
+    """uint32 hashes -> float32 uniforms (top 23 bits + 1/2) * 2^-23, in [2^-24, 1 - 2^-24]: every
+    value is exact in float32's 24-bit significand, so none rounds to 0 or 1, whose noise would be
+    infinite (with 24 bits, (2^24 - 1 + 1/2) rounds up to 2^24 and u to 1)."""
+    return ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
 
 
 def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: list[list[int]]) -> torch.Tensor:
