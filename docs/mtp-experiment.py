@@ -15,6 +15,7 @@ subprocess running 3 optimizer steps, minus its resident size before the first s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -35,8 +36,10 @@ from specdec.lm.model import LlamaConfig
 from specdec.lm.tokenizer import EOS_ID, Tokenizer
 from specdec.proposers import build_proposer
 from specdec.proposers.heads import load_heads
-from specdec.train.loop import TrainConfig, build, train
-from specdec.train.objectives import mtp_backward, next_token_loss
+from specdec.train.config import TrainConfig
+from specdec.train.loop import build, train
+from specdec.train.losses import mtp_backward, next_token_loss
+from specdec.train.objectives import MTP
 from specdec.train.presets import PRESETS
 
 DOCS = Path(__file__).resolve().parent
@@ -51,10 +54,10 @@ COMMON = dict(model=MODEL, corpus=CORPUS, seq_len=128, batch_size=16, micro_batc
 RUNS = {
     "next-token": {},
     # Gloeckle et al.: the plain sum of the n = depth + 1 cross-entropies
-    "mtp-parallel": dict(objective="mtp-parallel", mtp_depth=DEPTH),
+    "mtp-parallel": dict(objective=MTP(kind="parallel", depth=DEPTH)),
     # DeepSeek-V3: lambda / depth per module, lambda 0.3 then 0.1
-    "mtp-sequential": dict(objective="mtp-sequential", mtp_depth=DEPTH, mtp_lambda=0.3 / DEPTH,
-                           mtp_lambda_late=0.1 / DEPTH, mtp_lambda_switch=0.7),
+    "mtp-sequential": dict(objective=MTP(kind="sequential", depth=DEPTH, lam=0.3 / DEPTH, lam_late=0.1 / DEPTH,
+                                         lam_switch=0.7)),
 }
 PROMPTS, MAX_NEW = 8, 64
 
@@ -125,11 +128,13 @@ def measure(name: str) -> dict:
     """One process: build, then 3 optimizer steps on random windows; time the last two."""
     if name in MEASURE:
         overrides, saving = MEASURE[name]
-        cfg = TrainConfig(out="unused", **{**COMMON, **overrides, "mtp_memory_saving": saving})
+        if "objective" in overrides:
+            overrides = {**overrides, "objective": dataclasses.replace(overrides["objective"], memory_saving=saving)}
+        cfg = TrainConfig(out="unused", **{**COMMON, **overrides})
         train_trunk = True
     else:
-        cfg = TrainConfig(out="unused", **TARGET_SIZE, objective="mtp-sequential", mtp_depth=3,
-                          mtp_memory_saving=MEASURE_TARGET[name])
+        cfg = TrainConfig(out="unused", **TARGET_SIZE,
+                          objective=MTP(kind="sequential", depth=3, memory_saving=MEASURE_TARGET[name]))
         train_trunk = False
     model, heads = build(cfg)
     model.requires_grad_(train_trunk)

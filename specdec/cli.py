@@ -15,28 +15,21 @@ from .errors import SpecdecError
 
 
 def cmd_train(args) -> None:
-    from .train.loop import TrainConfig, train
+    from .train.config import TrainConfig
+    from .train.loop import stopped_at, train
     from .train.presets import preset as recipe
 
     preset = recipe(args.preset)
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
-                 "save_every", "stop_after", "objective", "mtp_depth", "mtp_lambda", "mtp_lambda_late",
-                 "mtp_beta", "frozen_trunk", "teacher", "init_from", "distill_temperature", "distill_top_k",
-                 "target", "eagle_steps", "eagle_decay", "draft_vocab", "device", "eagle_layout", "parallel_block",
-                 "parallel_anchors", "block_size", "block_anchors", "block_attention", "block_layers"):
+                 "save_every", "stop_after", "init_from", "device"):
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
     if args.corpus:
         preset["corpus"] = args.corpus
-    if args.eagle_layers:
-        preset["eagle_layers"] = tuple(args.eagle_layers)
     if args.vocab_size:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
-    if args.naive_mtp_order:
-        preset["mtp_memory_saving"] = False
-    from .train.loop import stopped_at
-
+    preset["objective"] = train_objective(args, preset.get("objective"))
     command = ["specdec", *sys.argv[1:]]
     path = train(TrainConfig(out=args.out, **preset), command=command)
     if path is None:
@@ -47,6 +40,43 @@ def cmd_train(args) -> None:
               + f"; resume with: {' '.join(shlex.quote(a) for a in command)}")
     elif int(os.environ.get("RANK", 0)) == 0:
         print(f"{'draft heads' if path.name == 'heads' else 'model'} written to {path}")
+
+
+MTP_OBJECTIVES = ("mtp-parallel", "mtp-sequential")
+OBJECTIVE_OPTIONS = {  # option of `specdec train` -> the objectives it is a setting of, and that setting's name
+    "mtp_depth": (MTP_OBJECTIVES, "depth"), "mtp_lambda": (MTP_OBJECTIVES, "lam"),
+    "mtp_lambda_late": (MTP_OBJECTIVES, "lam_late"), "mtp_beta": (MTP_OBJECTIVES, "beta"),
+    "frozen_trunk": (MTP_OBJECTIVES, "frozen_trunk"), "teacher": (("distill", "parallel"), "teacher"),
+    "distill_temperature": (("distill",), "temperature"), "distill_top_k": (("distill",), "top_k"),
+    "target": (("eagle", "block"), "target"), "eagle_layers": (("eagle", "block"), "layers"),
+    "draft_vocab": (("eagle", "block"), "draft_vocab"), "eagle_steps": (("eagle",), "steps"),
+    "eagle_decay": (("eagle",), "decay"), "eagle_layout": (("eagle",), "layout"),
+    "parallel_block": (("parallel",), "block"), "parallel_anchors": (("parallel",), "anchors"),
+    "block_size": (("block",), "size"), "block_anchors": (("block",), "anchors"),
+    "block_attention": (("block",), "attention"), "block_layers": (("block",), "num_layers"),
+    "naive_mtp_order": (MTP_OBJECTIVES, "memory_saving"),
+}
+
+
+def train_objective(args, preset):
+    """--objective (default: the preset's) with the settings its options give, the others the
+    preset's (for the preset's own objective) or the defaults; an option of another objective is refused."""
+    from .train.objectives import objective
+
+    name = args.objective or (preset.name if preset is not None else "next-token")
+    given = {**vars(args), "eagle_layers": args.eagle_layers and tuple(args.eagle_layers),
+             "naive_mtp_order": False if args.naive_mtp_order else None}  # the order: memory_saving off
+    settings = {}
+    for option, (names, setting) in OBJECTIVE_OPTIONS.items():
+        if given[option] is None:
+            continue
+        settings[setting] = given[option]
+        if name not in names:
+            raise SpecdecError(f"--{option.replace('_', '-')} is a setting of --objective {' or '.join(names)}, "
+                               f"but this run trains {name}: give that objective, or leave the option out")
+    if preset is not None and preset.name == name:
+        return dataclasses.replace(preset, **settings)
+    return objective(name, **settings)
 
 
 def cmd_generate(args) -> None:

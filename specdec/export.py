@@ -118,11 +118,22 @@ def check_out(out: Path, source: Path) -> None:
         raise SpecdecError(f"{out} exists and is not empty: choose a new folder, or delete it first")
 
 
+def recipe_teacher(recipe: dict) -> str | None:
+    """The teacher a distilled draft's recipe names (in its objective's settings; recipes written
+    before objectives had settings of their own name it at the top), a path inside the repository
+    taken from its root."""
+    objective = recipe.get("objective")
+    teacher = objective.get("teacher") if isinstance(objective, dict) else recipe.get("teacher")
+    if teacher is None or Path(teacher).is_absolute():
+        return teacher
+    return str(Path(__file__).resolve().parent.parent / teacher)
+
+
 def verifier_record(verifier: str | None, draft: Path, draft_config: dict) -> dict:
     """The verifier as speculators names it (`name_or_path`, `architectures`). A local checkpoint
     folder is read and must share the draft's vocabulary (vLLM's draft_model method requires it)."""
     if verifier is None:
-        verifier = read_meta(draft).get("recipe", {}).get("teacher")
+        verifier = recipe_teacher(read_meta(draft).get("recipe", {}))
     if verifier is None:
         raise SpecdecError(f"{draft} does not record the target it drafts for: pass --verifier with the "
                            "target's checkpoint folder or its hub name")

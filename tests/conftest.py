@@ -11,7 +11,7 @@ import torch
 from specdec.lm.checkpoint import save_model
 from specdec.lm.model import LlamaConfig, LlamaForCausalLM
 from specdec.lm.tokenizer import Tokenizer
-from specdec.train.loop import init_weights
+from specdec.train.objectives import init_weights
 
 # tiny models run fastest on one thread, and one thread keeps timings of other jobs undisturbed
 torch.set_num_threads(1)

@@ -20,7 +20,7 @@ from specdec.lm.checkpoint import hf_config, sha256
 from specdec.lm.tokenizer import EOS_ID
 from specdec.proposers import build_proposer
 from specdec.proposers.heads import build_heads, save_heads
-from specdec.train.loop import init_weights
+from specdec.train.objectives import init_weights
 
 from .conftest import TINY
 

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from specdec.errors import SpecdecError
 from specdec.lm.atomic import atomic_dir, recover
 from specdec.train import loop
-from specdec.train.loop import TrainConfig, train
+from specdec.train.config import TrainConfig
+from specdec.train.loop import train
 from specdec.train.presets import PRESETS
 
 KILLED = 77

@@ -21,7 +21,7 @@ from specdec.proposers.block_head import initial_head as initial_block_head
 from specdec.proposers.block_head import save_block
 from specdec.proposers.eagle_head import initial_head, save_eagle
 from specdec.proposers.heads import build_heads, save_heads
-from specdec.train.loop import init_weights
+from specdec.train.objectives import init_weights
 
 from .conftest import TINY, tiny_model
 

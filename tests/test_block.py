@@ -26,7 +26,7 @@ from specdec.proposers import build_proposer
 from specdec.proposers.block import BlockProposer
 from specdec.proposers.block_head import BlockHead, initial_head, load_block, save_block
 from specdec.train.anchors import block_layout
-from specdec.train.objectives import block_backward, block_metrics, eagle_targets
+from specdec.train.losses import block_backward, block_metrics, eagle_targets
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import own_continuations, tiny_llama

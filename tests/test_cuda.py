@@ -171,7 +171,8 @@ def test_a_device_that_cannot_run_is_refused_with_what_to_do(tiny_checkpoint, ca
 @pytest.mark.parametrize("device", DEVICES)
 def test_training_runs_on_the_device_and_resumes(device, tmp_path, tokenizer_file):
     from specdec.lm.checkpoint import load_model
-    from specdec.train.loop import TrainConfig, train
+    from specdec.train.config import TrainConfig
+    from specdec.train.loop import train
 
     from .conftest import TINY
     cfg = dict(out=str(tmp_path / "run"), model=TINY, tokenizer=str(tokenizer_file), seq_len=32, batch_size=4,

@@ -18,8 +18,10 @@ from specdec.cli import build_parser
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, read_meta, sha256
 from specdec.lm.model import LlamaConfig
-from specdec.train.loop import build, train, with_init_from, with_teacher
-from specdec.train.objectives import TeacherTargets, distill_kl, teacher_targets
+from specdec.train.config import with_init_from, with_teacher
+from specdec.train.loop import build, train
+from specdec.train.losses import TeacherTargets, distill_kl, teacher_targets
+from specdec.train.objectives import Distill
 from specdec.train.presets import PRESETS
 
 from .conftest import free_port
@@ -43,8 +45,8 @@ def other_model(tiny_checkpoint):
     return tiny_checkpoint
 
 
-def distill_cfg(out, teacher, **overrides):
-    settings = dict(model=STUDENT, objective="distill", teacher=str(teacher), steps=STEPS, save_every=4,
+def distill_cfg(out, teacher, top_k: int | None = None, **overrides):
+    settings = dict(model=STUDENT, objective=Distill(teacher=str(teacher), top_k=top_k), steps=STEPS, save_every=4,
                     eval_every=6, lr=1e-2)
     settings.update(overrides)
     return tiny_cfg(out, **settings)
@@ -105,7 +107,7 @@ def test_distillation_lowers_the_kl_and_the_export_names_its_teacher_and_recipe(
     assert distilled["valid_before"]["kl"] == valid[0][1] and distilled["valid_after"]["kl"] == valid[-1][1]
     assert distilled["init_from"] is None and distilled["test"] is None  # only the stdlib has a test split
     assert meta["recipe_command"] == "specdec train --objective distill"
-    assert meta["recipe"]["teacher"] == str(teacher)
+    assert meta["recipe"]["objective"]["teacher"] == str(teacher)
     # the draft shares the teacher's tokenizer, and the export is a loadable checkpoint
     assert (out / "tokenizer.json").read_bytes() == (teacher / "tokenizer.json").read_bytes()
     assert (tmp_path / "run" / "loss.png").stat().st_size > 1000
@@ -113,15 +115,15 @@ def test_distillation_lowers_the_kl_and_the_export_names_its_teacher_and_recipe(
 
 
 def test_resume_after_interruption_gives_the_uninterrupted_result(tmp_path, teacher):
-    full = train(distill_cfg(tmp_path / "full", teacher, steps=8, distill_top_k=16))
-    assert train(distill_cfg(tmp_path / "cut", teacher, steps=8, distill_top_k=16, stop_after=5)) is None
-    resumed = train(distill_cfg(tmp_path / "cut", teacher, steps=8, distill_top_k=16))
+    full = train(distill_cfg(tmp_path / "full", teacher, steps=8, top_k=16))
+    assert train(distill_cfg(tmp_path / "cut", teacher, steps=8, top_k=16, stop_after=5)) is None
+    resumed = train(distill_cfg(tmp_path / "cut", teacher, steps=8, top_k=16))
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert read_meta(resumed)["history"] == read_meta(full)["history"]
     # a resumed run must keep its teacher settings
     with pytest.raises(SpecdecError, match="saved with another distillation temperature and top-k"):
-        train(distill_cfg(tmp_path / "cut", teacher, steps=8, distill_top_k=32))
+        train(distill_cfg(tmp_path / "cut", teacher, steps=8, top_k=32))
 
 
 def test_init_from_starts_at_the_checkpoint_and_step_0_measures_it(tmp_path, teacher):
@@ -140,13 +142,14 @@ def test_init_from_starts_at_the_checkpoint_and_step_0_measures_it(tmp_path, tea
     assert read_meta(out)["distilled_from"]["init_from_sha256"] == sha256(start / "model.safetensors")
 
 
-def test_a_teacher_the_student_cannot_learn_from_is_refused(tmp_path, teacher, other_model):
+def test_a_teacher_the_student_cannot_learn_from_is_refused(tmp_path, teacher, other_model, capsys):
     with pytest.raises(SpecdecError, match="teacher .* does not exist"):
         train(distill_cfg(tmp_path / "a", tmp_path / "nowhere"))
     with pytest.raises(SpecdecError, match="needs a teacher"):
-        train(tiny_cfg(tmp_path / "b", model=STUDENT, objective="distill"))
-    with pytest.raises(SpecdecError, match="needs a teacher"):
-        train(tiny_cfg(tmp_path / "c", teacher=str(teacher)))
+        train(tiny_cfg(tmp_path / "b", model=STUDENT, objective=Distill()))
+    from .test_cli import run_cli
+    code, _, err = run_cli(capsys, "train", "--preset", "tiny", "--out", str(tmp_path / "c"), "--teacher", str(teacher))
+    assert code == 2 and "--teacher is a setting of --objective distill or parallel" in err
     # another tokenizer, as the starting checkpoint's or as the one asked for
     with pytest.raises(SpecdecError, match="another tokenizer than the teacher"):
         train(distill_cfg(tmp_path / "d", teacher, init_from=str(other_model)))
@@ -163,14 +166,14 @@ def test_the_cli_selects_distillation_and_the_preset_is_the_shipped_draft_from_t
                                       "--teacher", "t", "--init-from", "d", "--distill-top-k", "8"])
     assert (args.objective, args.teacher, args.init_from, args.distill_top_k) == ("distill", "t", "d", 8)
     preset = PRESETS["draft-distill"]
-    assert (preset["objective"], preset["teacher"], preset.get("init_from")) == ("distill", "models/target", None)
+    assert (preset["objective"], preset.get("init_from")) == (Distill(teacher="models/target"), None)
 
 
 def test_ddp_two_processes_match_one_process(tmp_path, teacher):
     """Distillation under torchrun: each process distils its share of the global batch.
     Tolerance: 2e-3 nats per step over 6 steps (the all-reduce sums in another order)."""
     steps = 6
-    single = train(tiny_cfg(tmp_path / "one", objective="distill", teacher=str(teacher), distill_top_k=16,
+    single = train(tiny_cfg(tmp_path / "one", objective=Distill(teacher=str(teacher), top_k=16),
                             steps=steps))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "specdec.cli", "train", "--preset", "tiny", "--corpus", JSON_PKG, "--steps", str(steps),

@@ -23,7 +23,7 @@ from specdec.lm.kv_cache import KVCache
 from specdec.proposers import base, build_proposer
 from specdec.proposers.eagle_head import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
 from specdec.proposers.heads import load_heads
-from specdec.train.objectives import eagle_backward, eagle_metrics
+from specdec.train.losses import eagle_backward, eagle_metrics
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import own_continuations, tiny_llama

@@ -1,4 +1,4 @@
-"""MTP heads (heads.py) and their losses (train/objectives.py): each head sees only what it may
+"""MTP heads (heads.py) and their losses (train/losses.py): each head sees only what it may
 see, the memory-saving order computes the naive order's gradient, and a heads folder is never
 taken for anything else nor attached to another target."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, save_model, sha256
 from specdec.lm.model import LlamaConfig
 from specdec.proposers.heads import HEAD_KINDS, build_heads, check_heads_fit, load_heads, save_heads, teacher_forced
-from specdec.train.loop import init_weights
-from specdec.train.objectives import LossWeights, mtp_backward
+from specdec.train.losses import LossWeights, mtp_backward
+from specdec.train.objectives import init_weights
 
 from .conftest import TINY, tiny_model
 

@@ -18,8 +18,8 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.proposers import base, build_proposer
 from specdec.proposers.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
-from specdec.train.loop import init_weights
-from specdec.train.objectives import mtp_backward
+from specdec.train.losses import mtp_backward
+from specdec.train.objectives import init_weights
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import own_continuations, tiny_llama

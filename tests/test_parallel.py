@@ -24,8 +24,8 @@ from specdec.lm.tokenizer import Tokenizer
 from specdec.proposers import build_proposer
 from specdec.proposers import parallel as parallel_module
 from specdec.train.anchors import block_acceptance, block_layout, random_anchors
-from specdec.train.loop import with_vocabulary
-from specdec.train.objectives import parallel_backward, parallel_logits, parallel_metrics
+from specdec.train.losses import parallel_backward, parallel_logits, parallel_metrics
+from specdec.train.objectives import with_vocabulary
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import own_continuations, tiny_llama
@@ -290,7 +290,7 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=16, max_position_embeddings=cfg.max_position_embeddings,
                                          tie_word_embeddings=True))
-    from specdec.train.loop import init_weights
+    from specdec.train.objectives import init_weights
     init_weights(draft, std=0.3)
     store_matrices_bf16(draft.eval())
     native = build_proposer("parallel", model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from specdec.lm.atomic import atomic_dir
 from specdec.lm.checkpoint import load_model, read_meta
-from specdec.train.loop import TrainConfig, lr_at, train
+from specdec.train.config import TrainConfig
+from specdec.train.loop import lr_at, train
 from specdec.train.presets import PRESETS
 
 from .conftest import free_port
@@ -108,13 +109,16 @@ def test_a_changed_corpus_or_vocabulary_is_prepared_again_or_refused(tmp_path, c
 
 
 def test_presets_name_the_shipped_models_from_any_working_directory(tmp_path, monkeypatch):
-    from specdec.train.presets import PATHS, preset
+    from specdec.train.presets import OBJECTIVE_PATHS, PATHS, preset
     monkeypatch.chdir(tmp_path)
     for name in PRESETS:
-        for key in PATHS:
-            if key in PRESETS[name]:
-                assert Path(preset(name)[key]).exists(), f"preset {name}: {key} {preset(name)[key]} not found"
-    assert Path(preset("target-mtp")["frozen_trunk"]).is_absolute()
+        recipe = preset(name)
+        paths = {**{key: recipe[key] for key in PATHS if key in recipe},
+                 **{key: getattr(recipe["objective"], key, None) for key in OBJECTIVE_PATHS if "objective" in recipe}}
+        for key, path in paths.items():
+            if path is not None:
+                assert Path(path).exists(), f"preset {name}: {key} {path} not found"
+    assert Path(preset("target-mtp")["objective"].frozen_trunk).is_absolute()
 
 
 def test_building_a_run_gives_the_global_random_state_back():

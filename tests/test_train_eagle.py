@@ -14,11 +14,13 @@ from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import sha256
 from specdec.proposers.eagle_head import load_eagle
 from specdec.train.loop import train
+from specdec.train.objectives import Eagle
 
 from .test_train import JSON_PKG, tiny_cfg
 
 STEPS = 6
-EAGLE = dict(objective="eagle", steps=STEPS, save_every=3, eval_every=3, lr=1e-2, eagle_steps=3, draft_vocab=200)
+EAGLE = dict(steps=STEPS, save_every=3, eval_every=3, lr=1e-2)
+HEAD = dict(steps=3, draft_vocab=200)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def target(tmp_path_factory):
 
 def test_a_head_trains_on_the_frozen_target_resumes_exactly_and_exports(tmp_path, target):
     before = sha256(target / "model.safetensors")
-    settings = dict(EAGLE, target=str(target))
+    settings = dict(EAGLE, objective=Eagle(target=str(target), **HEAD))
     assert train(tiny_cfg(tmp_path / "cut", **settings, stop_after=4)) is None
     heads = train(tiny_cfg(tmp_path / "cut", **settings))
     assert heads == tmp_path / "cut" / "heads" and not (tmp_path / "cut" / "model").exists()
@@ -54,22 +56,28 @@ def test_a_head_trains_on_the_frozen_target_resumes_exactly_and_exports(tmp_path
     assert len(ids) == 200 and torch.equal(ids, ids.sort().values)
 
 
-def test_bad_eagle_settings_raise_specdec_error(tmp_path, target):
+def eagle(target, **settings) -> dict:
+    """The run settings of an EAGLE head for `target`, with these head settings."""
+    return dict(EAGLE, objective=Eagle(target=str(target), **{**HEAD, **settings}))
+
+
+def test_bad_eagle_settings_raise_specdec_error(tmp_path, target, capsys):
     with pytest.raises(SpecdecError, match="needs its target .* --objective eagle and --target MODEL"):
-        train(tiny_cfg(tmp_path / "a", objective="eagle"))
-    with pytest.raises(SpecdecError, match="needs its target"):
-        train(tiny_cfg(tmp_path / "b", target=str(target)))
+        train(tiny_cfg(tmp_path / "a", objective=Eagle()))
+    from .test_cli import run_cli
+    code, _, err = run_cli(capsys, "train", "--preset", "tiny", "--out", str(tmp_path / "b"), "--target", str(target))
+    assert code == 2 and "--target is a setting of --objective eagle or block" in err
     with pytest.raises(SpecdecError, match="larger than the target's 512: choose --draft-vocab <= 512"):
-        train(tiny_cfg(tmp_path / "c", **dict(EAGLE, target=str(target), draft_vocab=1000)))
+        train(tiny_cfg(tmp_path / "c", **eagle(target, draft_vocab=1000)))
     with pytest.raises(SpecdecError, match=r"layer ids \[0, 2\] must be distinct decoder layers"):
-        train(tiny_cfg(tmp_path / "d", **dict(EAGLE, target=str(target), eagle_layers=(0, 2))))
+        train(tiny_cfg(tmp_path / "d", **eagle(target, layers=(0, 2))))
     with pytest.raises(SpecdecError, match="--eagle-steps must be in"):
-        train(tiny_cfg(tmp_path / "e", **dict(EAGLE, target=str(target), eagle_steps=0)))
+        train(tiny_cfg(tmp_path / "e", **eagle(target, steps=0)))
     with pytest.raises(SpecdecError, match="unknown EAGLE head layout 'eagle2'"):
-        train(tiny_cfg(tmp_path / "f", **dict(EAGLE, target=str(target), eagle_layout="eagle2")))
-    assert train(tiny_cfg(tmp_path / "g", **dict(EAGLE, target=str(target), eagle_layout="eagle3"), stop_after=1)) is None
+        train(tiny_cfg(tmp_path / "f", **eagle(target, layout="eagle2")))
+    assert train(tiny_cfg(tmp_path / "g", **eagle(target, layout="eagle3"), stop_after=1)) is None
     with pytest.raises(SpecdecError, match="saved with another EAGLE layers, draft vocabulary and layout"):
-        train(tiny_cfg(tmp_path / "g", **dict(EAGLE, target=str(target))))
+        train(tiny_cfg(tmp_path / "g", **eagle(target)))
 
 
 @pytest.mark.parametrize("layout", ["specdec", "eagle3"])

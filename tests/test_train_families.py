@@ -17,6 +17,7 @@ from specdec.proposers import build_proposer
 from specdec.proposers.eagle_head import load_eagle
 from specdec.proposers.heads import load_heads
 from specdec.train.loop import train
+from specdec.train.objectives import MTP, Distill, Eagle
 from specdec.train.presets import PRESETS
 
 from .test_families import hf_model, save
@@ -46,11 +47,10 @@ def greedy_equals_plain(target_folder, proposer):
 
 
 def test_an_eagle_head_mtp_heads_and_a_distilled_draft_train_for_the_target(tmp_path, target):
-    eagle = train(tiny_cfg(tmp_path / "eagle", objective="eagle", target=str(target), eagle_steps=2, draft_vocab=128,
-                           **FEW))
+    eagle = train(tiny_cfg(tmp_path / "eagle", objective=Eagle(target=str(target), steps=2, draft_vocab=128), **FEW))
     greedy_equals_plain(target, lambda m: build_proposer("eagle", head=load_eagle(eagle, target), target=m))
-    mtp = train(tiny_cfg(tmp_path / "mtp", objective="mtp-parallel", frozen_trunk=str(target), mtp_depth=2, **FEW))
+    mtp = train(tiny_cfg(tmp_path / "mtp", objective=MTP(kind="parallel", depth=2, frozen_trunk=str(target)), **FEW))
     greedy_equals_plain(target, lambda m: build_proposer("mtp", heads=load_heads(mtp, target), target=m))
     student = dataclasses.replace(PRESETS["tiny"]["model"], vocab_size=300, num_hidden_layers=1)
-    draft = train(tiny_cfg(tmp_path / "draft", objective="distill", teacher=str(target), model=student, **FEW))
+    draft = train(tiny_cfg(tmp_path / "draft", objective=Distill(teacher=str(target)), model=student, **FEW))
     greedy_equals_plain(target, lambda m: build_proposer("draft-model", model=load_model(draft)))

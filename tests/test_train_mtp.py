@@ -24,13 +24,16 @@ from specdec.lm.checkpoint import load_model, read_meta, sha256
 from specdec.lm.model import LlamaForCausalLM
 from specdec.proposers import build_proposer
 from specdec.proposers.heads import load_heads
-from specdec.train.loop import build, train, with_frozen_trunk
+from specdec.train.config import with_frozen
+from specdec.train.loop import build, train
+from specdec.train.objectives import MTP as MTPObjective
+from specdec.train.objectives import objective
 
 from .conftest import free_port
 from .test_train import JSON_PKG, tiny_cfg
 
 STEPS = 8
-MTP = dict(objective="mtp-sequential", mtp_depth=2, mtp_lambda=0.5, mtp_lambda_late=0.2, steps=STEPS,
+MTP = dict(objective=MTPObjective(kind="sequential", depth=2, lam=0.5, lam_late=0.2), steps=STEPS,
            save_every=4, eval_every=4)
 
 
@@ -80,8 +83,8 @@ def test_an_mtp_trained_model_decodes_plainly_as_its_trunk(pretrained):
 
 def test_heads_on_a_frozen_trunk_train_alone(tmp_path, pretrained):
     before = sha256(pretrained / "model.safetensors")
-    frozen = dict(objective="mtp-parallel", mtp_depth=2, frozen_trunk=str(pretrained), steps=STEPS, save_every=4,
-                  eval_every=4, lr=1e-2)
+    frozen = dict(objective=MTPObjective(kind="parallel", depth=2, frozen_trunk=str(pretrained)), steps=STEPS,
+                  save_every=4, eval_every=4, lr=1e-2)
     assert train(tiny_cfg(tmp_path / "cut", **frozen, stop_after=3)) is None
     heads_dir = train(tiny_cfg(tmp_path / "cut", **frozen))
     assert heads_dir == tmp_path / "cut" / "heads" and not (tmp_path / "cut" / "model").exists()
@@ -98,20 +101,23 @@ def test_heads_on_a_frozen_trunk_train_alone(tmp_path, pretrained):
     history = meta["history"]
     assert len({loss for _, loss in history["valid"]}) == 1  # the trunk's next-token loss never moves
     assert [s for s, _ in history["valid_heads"]] == [4, 8] and len(meta["final_valid_head_losses"]) == 2
-    _, initial = build(with_frozen_trunk(tiny_cfg(tmp_path / "unused", **frozen)))
+    _, initial = build(with_frozen(tiny_cfg(tmp_path / "unused", **frozen)))
     trained = load_heads(heads_dir, pretrained, dtype=torch.float32)
     assert all(not torch.equal(a, b) for a, b in zip(initial.parameters(), trained.parameters()))
 
 
-def test_bad_mtp_settings_raise_specdec_error(tmp_path, pretrained):
+def test_bad_mtp_settings_raise_specdec_error(tmp_path, pretrained, capsys):
     with pytest.raises(SpecdecError, match="unknown objective"):
-        train(tiny_cfg(tmp_path / "a", objective="medusa"))
-    with pytest.raises(SpecdecError, match="frozen trunk only makes sense with MTP"):
-        train(tiny_cfg(tmp_path / "b", frozen_trunk=str(pretrained)))
+        objective("medusa")
+    from .test_cli import run_cli
+    code, _, err = run_cli(capsys, "train", "--preset", "tiny", "--out", str(tmp_path / "b"), "--frozen-trunk",
+                           str(pretrained))
+    assert code == 2 and "--frozen-trunk is a setting of --objective mtp-parallel or mtp-sequential" in err
     with pytest.raises(SpecdecError, match="mtp_depth must be in"):
-        train(tiny_cfg(tmp_path / "c", objective="mtp-parallel", mtp_depth=0))
+        train(tiny_cfg(tmp_path / "c", objective=MTPObjective(kind="parallel", depth=0)))
     with pytest.raises(SpecdecError, match="not the frozen trunk's tokenizer"):
-        train(tiny_cfg(tmp_path / "d", **MTP, frozen_trunk=str(pretrained),
+        train(tiny_cfg(tmp_path / "d", **{**MTP, "objective": MTPObjective(kind="sequential", depth=2,
+                                                                          frozen_trunk=str(pretrained))},
                        tokenizer=str(pretrained.parent / "work" / "state" / "state.json")))
     train(tiny_cfg(tmp_path / "e", steps=2, stop_after=1))
     with pytest.raises(SpecdecError, match="saved with another objective, mtp_depth"):
@@ -124,6 +130,7 @@ def test_mtp_under_torchrun_matches_one_process(tmp_path):
     single = train(tiny_cfg(tmp_path / "one", **settings))
     script = tmp_path / "run.py"
     script.write_text("import sys\nfrom tests.test_train import tiny_cfg\nfrom specdec.train.loop import train\n"
+                      "from specdec.train.objectives import MTP\n"
                       f"train(tiny_cfg(sys.argv[1], **{settings!r}))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),

@@ -109,13 +109,3 @@ def model_info(model, path: Path) -> dict:
 def spread(values: list[float]) -> dict:
     """Median, min, max and count of repeated measurements (the spread every figure carries)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def shown_path(path: Path) -> str:
-    """A path inside the repository relative to its root (models/target), one in the home folder
-    from ~ (no machine's user paths in a report), others as given."""
-    resolved = Path(path).resolve()
-    for root, prefix in ((Path(__file__).resolve().parents[2], ""), (Path.home().resolve(), "~/")):
-        if resolved.is_relative_to(root):
-            return prefix + resolved.relative_to(root).as_posix()
-    return str(path)

@@ -30,7 +30,8 @@ from ..decoding.stopping import StopRule
 from ..lm.checkpoint import load_model
 from ..lm.model import compute_dtype
 from . import llamacpp, sizes
-from .conditions import hardware, model_info, shown_path, software, spread
+from ..lm.checkpoint import shown_path
+from .conditions import hardware, model_info, software, spread
 from .workloads import humaneval_prompts
 
 MACHINE_READ_BANDWIDTH = 47e9  # bytes/s, the build machine's (docs/design.md, "Machines: measure on the one you have")

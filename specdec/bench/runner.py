@@ -87,7 +87,8 @@ from ..lm.checkpoint import TOKEN_COUNTS, read_meta
 from ..lm.interface import abilities
 from ..lm.model import device_of
 from ..proposers import build_proposer
-from .conditions import UNKNOWN, hardware, model_info, roofline, shown_path, software, spread
+from ..lm.checkpoint import shown_path
+from .conditions import UNKNOWN, hardware, model_info, roofline, software, spread
 from .noise import implausible_verify_points, result_noise
 from .peers import PEER_DTYPE, PEERS, Peers
 from .plain import measured_read_bandwidth

@@ -50,6 +50,16 @@ def save_model(model: LlamaForCausalLM, path: str | Path, tokenizer_file: str | 
     return path
 
 
+def shown_path(path: Path) -> str:
+    """A path inside the repository relative to its root (models/target), one in the home folder
+    from ~ (no machine's user paths in a report), others as given."""
+    resolved = Path(path).resolve()
+    for root, prefix in ((Path(__file__).resolve().parents[2], ""), (Path.home().resolve(), "~/")):
+        if resolved.is_relative_to(root):
+            return prefix + resolved.relative_to(root).as_posix()
+    return str(path)
+
+
 def sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

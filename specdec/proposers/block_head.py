@@ -1,5 +1,5 @@
 """The block head: a DFlash / P-EAGLE style drafter that drafts a whole block of k tokens in ONE
-forward from the target's features. One definition, used by training (train/objectives.py, block
+forward from the target's features. One definition, used by training (train/losses.py, block
 section) and by drafting (proposers/block.py), and its checkpoint folder.
 
 Context. As in the EAGLE head (eagle_head.py), f_t are the outputs of the target's decoder layers

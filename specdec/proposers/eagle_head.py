@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head: one definition, used by training (train/objectives.py, the training-time
+"""The EAGLE-3 draft head: one definition, used by training (train/losses.py, the training-time
 test) and by drafting (proposers/eagle.py), and its checkpoint folder.
 
 The head drafts from the target's own features (Li et al., EAGLE-3, 2025). Write f_t for the outputs

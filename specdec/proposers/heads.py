@@ -1,4 +1,4 @@
-"""Multi-token prediction (MTP) heads: one definition, used by training (objectives.py) and by
+"""Multi-token prediction (MTP) heads: one definition, used by training (train/losses.py) and by
 drafting (proposers/mtp.py), and their checkpoint folder.
 
 Head j (j = 1..depth) reads some input u^j_t at every position t and predicts the token x_{t+1+j};
@@ -151,7 +151,7 @@ def teacher_forced(heads: MTPHeads, trunk, hidden: torch.Tensor, tokens: torch.T
 
     leaf is what the logits and the next head read: `out` itself, or with detach=True a detached
     copy that collects their gradient, so a head's loss can be backpropagated in turn (the
-    memory-saving order in objectives.py); `hidden` is then expected to be such a leaf too."""
+    memory-saving order in train/losses.py); `hidden` is then expected to be such a leaf too."""
     S = hidden.shape[1]
     if S - heads.depth <= 0:
         raise SpecdecError(f"a window of {S + 1} tokens is too short for {heads.depth} MTP heads: "

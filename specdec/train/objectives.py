@@ -1,398 +1,573 @@
-"""Training objectives: next-token prediction (NTP), multi-token prediction (MTP) and
-distillation of a draft model from a frozen target.
+"""What a training run learns: one object per objective, holding its own settings (a small
+dataclass) and answering what the generic loop (loop.py) asks of it: which checkpoints it reads,
+the networks it builds, its loss on a micro-batch, its validation figures and how they enter the
+history, and its export.
 
-A window of tokens (B, S+1) gives the trunk S positions. The trunk's own output ("head 0")
-predicts x_{t+1}; MTP head j (1..depth, heads.py) predicts x_{t+1+j}. The MTP loss is
+    NextToken   "next-token": a model learns the corpus, from scratch or from --init-from
+    MTP         "mtp-parallel", "mtp-sequential": next-token + MTP heads (heads.py), pretrained jointly
+                or, with frozen_trunk, the heads alone on an existing checkpoint whose weights
+                (embedding and lm_head included) stay frozen
+    Distill     "distill": a draft model learns the frozen teacher's next-token distribution
+    Parallel    "parallel": a draft model with a mask token of its own learns to draft a block of k
+                tokens in one forward from the teacher, at every block slot (PARD)
+    Eagle       "eagle": an EAGLE-3 head learns from the frozen target's features and distributions
+                with the training-time test
+    Block       "block": a block head learns the same way to draft a whole block per forward
 
-    loss = w_0 CE_0 + sum_j w_j CE_j,   w_0 = 1 (0 when the trunk is frozen),
-    w_j = lambda(step) * beta^(j-1)
-
-- Gloeckle et al. 2024 (parallel heads): lambda = 1, beta = 1, the plain sum of the n = depth+1
-  cross-entropies.
-- DeepSeek-V3 (sequential modules): lambda / depth per module, lambda 0.3 for the first part of
-  training, then 0.1 (`lambda_late` from `lambda_switch` x steps on).
-
-Two orders of computing the same gradient:
-- naive: every head's logits (B, S, V) stay alive until one backward at the end;
-- memory-saving (Gloeckle et al.): the trunk's hidden state is detached; each head's logits,
-  loss and backward run in turn, their gradient collecting at the detached hidden state (for
-  chained heads, at each module's detached output), and only then is the rest backpropagated
-  through the heads (in reverse) and once through the trunk. At most one (B, S, V) logits tensor
-  is alive at a time.
-
-Distillation (a draft that agrees with its target, rather than with the corpus) minimises the
-forward KL from the target's next-token distribution to the draft's, per position:
-
-    KL(target || draft) = sum_v target_probs[v] (log target_probs[v] - log draft_probs[v])
-
-both taken at temperature T, times T^2 so that the gradient's scale does not depend on T (Hinton
-et al. 2015). With top-k only the target's k most probable tokens are kept apart and the rest of
-the vocabulary is one bucket holding the remaining mass, for the target and for the draft alike:
-the KL of these k+1 outcomes, a lower bound of the full KL that needs (B, S, k+1) target values
-instead of (B, S, V). (Renormalising the k tokens instead teaches the draft to give the rest
-nothing, and the full KL grows while the top tokens agree better. Distilling the shipped draft,
-even the bucket let the full KL grow, so the default is the whole vocabulary; README.) Greedy speculative decoding accepts a draft
-token exactly when argmax(draft) == argmax(target), so that agreement rate is reported beside
-the KL.
-
-EAGLE (eagle.py): the head reads the frozen target's features and is unrolled for `steps` draft
-steps on its own outputs with the attention drafting uses (the training-time test); step j's loss
-is KL(target || head) against the target's distribution over the draft vocabulary at the position
-it drafts, weighted decay^j. Validation reports each step's KL and the greedy acceptance alpha_i
-of the draft it would make there.
-
-Parallel drafting (train/anchors.py): a draft model with a mask token of its own reads the window
-followed by k-1 mask slots per random anchor in one forward; block slot i of anchor a is trained
-by KL(target || draft) against the target's distribution at position a + i given the true
-prefix, every slot weighted alike, so that one draft forward over [sequence, mask x (k-1)]
-drafts k tokens. Validation reports each slot's KL and the greedy acceptance alpha_i of the blocks
-it would draft there.
-
-Block (block.py): the head drafts a whole block in one forward; trained on random anchors with the
-attention drafting uses (anchors.py), KL(target || head) at every block slot (section below).
-
-This module knows nothing about data, optimisers, checkpoints or distribution over processes.
+The losses are pure functions in losses.py. This module knows nothing about optimisers, batches,
+checkpoints of a run's state or distribution over processes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
 
 from ..errors import SpecdecError
-from ..proposers.block_head import BlockHead
-from ..proposers.eagle_head import EagleHead
-from ..proposers.heads import MTPHeads, teacher_forced
-from .anchors import BlockLayout, block_acceptance, block_layout, random_anchors
+from ..lm.checkpoint import PARALLEL_KIND, WEIGHTS, load_model, save_model, save_token_counts, sha256, shown_path
+from ..lm.model import LlamaForCausalLM
+from ..proposers.block_head import initial_head as initial_block_head
+from ..proposers.block_head import save_block
+from ..proposers.eagle_head import default_layer_ids, save_eagle, speculators_metadata
+from ..proposers.eagle_head import initial_head as initial_eagle_head
+from ..proposers.heads import build_heads, save_heads
+from .anchors import BlockLayout, block_layout, random_anchors
+from .losses import (
+    LossWeights,
+    block_backward,
+    block_metrics,
+    distill_loss,
+    distill_metrics,
+    eagle_backward,
+    eagle_metrics,
+    mtp_backward,
+    mtp_losses,
+    next_token_loss,
+    parallel_backward,
+    parallel_metrics,
+)
+from .plots import plot_distill_history, plot_history, plot_per_position
 
-OBJECTIVES = ("next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel")
+BLOCK_EVAL_ANCHORS = 32  # blocks per validation window of a block head (the same anchors at every validation)
+BLOCK_ATTENTION = ("bidirectional", "causal")
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits (B, T, V), targets (B, T) -> mean cross-entropy in nats (computed in fp32)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-def next_token_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    """batch (B, S+1) -> the next-token cross-entropy over its S positions."""
-    return cross_entropy(model(batch[:, :-1]).logits, batch[:, 1:])
+@dataclass
+class Nets:
+    """The networks of a run."""
+    model: LlamaForCausalLM                 # the trained model, or the frozen trunk / target heads read
+    heads: nn.Module | None = None          # MTP heads, an EAGLE head or a block head
+    teacher: LlamaForCausalLM | None = None  # the frozen target a draft learns from
 
 
 @dataclass(frozen=True)
-class LossWeights:
-    """w_j = lambda(step) * beta^(j-1) for MTP head j; lambda switches to lambda_late at
-    round(lambda_switch * steps) when lambda_late is set."""
-    depth: int
-    lam: float = 1.0
-    lam_late: float | None = None
+class Where:
+    """Where a micro-batch stands in a run: its random anchors follow from these alone, so a
+    resumed run, and any number of processes, draw the same ones."""
+    seed: int
+    step: int
+    steps: int
+    rank: int
+    micro: int
+
+
+class Objective:
+    name: ClassVar[str]
+    added_tokens: ClassVar[int] = 0   # token ids the model has beyond its tokenizer's (a mask token)
+    evaluates_start: ClassVar[bool] = False  # validate the untrained starting point: the "before" of its curves
+    frozen: str | None = None   # the checkpoint whose weights stay frozen while heads train on it, if any
+    teacher: str | None = None  # the frozen checkpoint whose distribution the model learns, if any
+
+    def validate(self, cfg) -> None:
+        """Refuse settings that cannot train, with what to do."""
+
+    def identity(self) -> dict:
+        """The settings a resumed run must share with the saved one, by name."""
+        return {}
+
+    def new_heads(self, cfg, model: LlamaForCausalLM, train_tokens: np.ndarray) -> nn.Module | None:
+        """Fresh heads (inside the caller's seeded generator), or None."""
+        return None
+
+    def backward(self, nets: Nets, batch: torch.Tensor, scale: float, cfg, at: Where) -> list[float | None]:
+        """Accumulate the gradient of scale * the loss over batch (B, S+1); return its parts as floats
+        (None: not computed)."""
+        raise NotImplementedError
+
+    def metrics(self, nets: Nets, batch: torch.Tensor, seq_len: int, anchors: torch.Generator) -> list[float]:
+        """Validation figures of one window batch (B, S+1)."""
+        raise NotImplementedError
+
+    def pooled(self, rows: list[list[float]]) -> list[float]:
+        """The figures of all windows: their mean."""
+        return [float(x) for x in np.mean(rows, axis=0)]
+
+    def record(self, history: dict, split: str, step: int, losses: list[float]) -> None:
+        """history[split]: [step, headline loss]; what else the objective records beside it."""
+        history[split].append([step, losses[0]])
+
+    def export(self, run, nets: Nets, history: dict, figures: list[float] | None, meta: dict) -> None:
+        """Write what was trained into run.out with `meta` (recipe, budget, corpus, history) and the
+        objective's own figures (`figures`: the held-out test split's, None without one), and loss.png."""
+        raise NotImplementedError
+
+
+@dataclass
+class NextToken(Objective):
+    name: ClassVar[str] = "next-token"
+
+    def backward(self, nets, batch, scale, cfg, at):
+        loss = next_token_loss(nets.model, batch)
+        (loss * scale).backward()
+        return [loss.item()]
+
+    def metrics(self, nets, batch, seq_len, anchors):
+        return [next_token_loss(nets.model, batch).item()]
+
+    def export(self, run, nets, history, figures, meta):
+        meta = {"kind": "target-or-draft-model", **meta, **model_figures(nets.model, history, figures)}
+        save_model(nets.model, run.out / "model", tokenizer_file=run.work / "tokenizer.json", meta=meta)
+        plot_history(history, run.out / "loss.png", title=f"{run.out.name}: {nets.model.num_parameters() / 1e6:.1f}M "
+                     "parameters", train_label="train, next token")
+
+
+def model_figures(model, history: dict, figures: list[float] | None, valid: str = "valid") -> dict:
+    """A trained model's size and next-token figures: the last validation loss (history[valid]) and the
+    held-out test loss (figures[0]) with its perplexity."""
+    test_loss = figures[0] if figures else None
+    return {"parameters": model.num_parameters(),
+            "final_valid_loss": history[valid][-1][1] if history.get(valid) else None, "test_loss": test_loss,
+            "test_perplexity": math.exp(test_loss) if test_loss is not None else None}
+
+
+@dataclass
+class MTP(Objective):
+    kind: str = "sequential"            # "sequential" (DeepSeek-V3's chained modules) or "parallel" (Gloeckle et al.)
+    depth: int = 1                      # tokens predicted beyond the next one
+    lam: float = 1.0                    # head j's loss weight: lam * beta^(j-1) ...
+    lam_late: float | None = None       # ... lam becomes this from lam_switch x steps on
     lam_switch: float = 0.7
     beta: float = 1.0
+    memory_saving: bool = True          # head-by-head backward (losses.py) instead of one backward
+    frozen_trunk: str | None = None     # a checkpoint folder: train only heads on top of it
+    frozen_tokenizer: ClassVar[tuple[str, str]] = ("the heads must use the trunk's tokenizer",
+                                                   "the frozen trunk's tokenizer")
 
-    def __post_init__(self):
-        if self.lam < 0 or (self.lam_late is not None and self.lam_late < 0) or self.beta < 0:
-            raise SpecdecError("MTP loss weights (lambda, lambda_late, beta) must be >= 0")
-        if not 0 <= self.lam_switch <= 1:
-            raise SpecdecError(f"lambda_switch is a fraction of the steps in [0, 1], got {self.lam_switch}")
+    @property
+    def name(self) -> str:
+        return f"mtp-{self.kind}"
 
-    def at(self, step: int, steps: int) -> list[float]:
-        late = self.lam_late is not None and step >= round(self.lam_switch * steps)
-        lam = self.lam_late if late else self.lam
-        return [lam * self.beta ** j for j in range(self.depth)]
+    @property
+    def frozen(self) -> str | None:
+        return self.frozen_trunk
+
+    def validate(self, cfg) -> None:
+        if self.kind not in ("parallel", "sequential"):
+            raise SpecdecError(f"MTP heads are parallel or sequential, not {self.kind!r}")
+        if not 1 <= self.depth < cfg.seq_len - 1:
+            raise SpecdecError(f"mtp_depth must be in 1..{cfg.seq_len - 2} (seq_len {cfg.seq_len}), got {self.depth}")
+        self.weights()
+
+    def identity(self) -> dict:
+        return {"mtp_depth": self.depth}
+
+    def weights(self) -> LossWeights:
+        return LossWeights(self.depth, self.lam, self.lam_late, self.lam_switch, self.beta)
+
+    def new_heads(self, cfg, model, train_tokens):
+        heads = build_heads(self.name, cfg.model, self.depth)
+        init_weights(heads)
+        return heads
+
+    def backward(self, nets, batch, scale, cfg, at):
+        return mtp_backward(nets.model, nets.heads, batch, self.weights().at(at.step, at.steps), scale,
+                            self.frozen is None, self.memory_saving)
+
+    def metrics(self, nets, batch, seq_len, anchors):
+        return [part.item() for part in mtp_losses(nets.model, nets.heads, batch, train_trunk=False)]
+
+    def record(self, history, split, step, losses):
+        """The headline is the next-token loss, or the mean of the heads' where it was not computed
+        (a frozen trunk in training); split + "_heads": [loss of head 1..depth]."""
+        headline = losses[0] if not math.isnan(losses[0]) else float(np.mean(losses[1:]))
+        history[split].append([step, headline])
+        history.setdefault(f"{split}_heads", []).append([step, losses[1:]])
+
+    def export(self, run, nets, history, figures, meta):
+        """The heads folder (for the trained model, also exported, or for the frozen trunk)."""
+        meta = {"kind": "target-or-draft-model", **meta, **model_figures(nets.model, history, figures)}
+        if self.frozen:
+            target_sha256 = run.trunk_sha256
+        else:
+            save_model(nets.model, run.out / "model", tokenizer_file=run.work / "tokenizer.json",
+                       meta={**meta, "mtp_heads": "../heads (trained jointly; plain decoding does not use them)"})
+            target_sha256 = sha256(run.out / "model" / WEIGHTS)
+        heads = nets.heads
+        heads.token_counts = torch.from_numpy(np.bincount(run.tokens("train"), minlength=run.cfg.model.vocab_size))
+        save_heads(heads, run.out / "heads", target_sha256, meta={
+            **meta, "kind": heads.kind, "trunk": "frozen" if self.frozen else "trained jointly",
+            "target": self.frozen or str(run.out / "model"),
+            "final_valid_head_losses": history["valid_heads"][-1][1] if history.get("valid_heads") else None,
+            "test_head_losses": figures[1:] if figures else None})
+        params = sum(p.numel() for p in heads.parameters())
+        what = "MTP heads on a frozen trunk" if self.frozen else "parameters"
+        plot_history(history, run.out / "loss.png", title=f"{run.out.name}: {params / 1e6:.1f}M {what}",
+                     train_label="train, mean of the heads" if self.frozen else "train, next token")
 
 
-def mtp_losses(trunk, heads: MTPHeads, batch: torch.Tensor, train_trunk: bool) -> list[torch.Tensor]:
-    """Naive forward: [CE_0, CE_1, .., CE_depth] as tensors in one autograd graph (CE_0 outside
-    the graph when the trunk is frozen)."""
-    with torch.set_grad_enabled(train_trunk and torch.is_grad_enabled()):
-        out = trunk(batch[:, :-1])
-    losses = [cross_entropy(out.logits, batch[:, 1:])]
-    for j, _, leaf, targets in teacher_forced(heads, trunk, out.hidden, batch):
-        losses.append(cross_entropy(heads.logits(j, trunk, leaf), targets))
-    return losses
+@dataclass
+class Distill(Objective):
+    teacher: str | None = None          # the frozen target checkpoint whose distribution is learnt
+    temperature: float = 1.0            # KL at this temperature (times T^2)
+    top_k: int | None = None            # the teacher's top-k tokens only, the rest one bucket
+    name: ClassVar[str] = "distill"
+    evaluates_start: ClassVar[bool] = True
 
+    def validate(self, cfg) -> None:
+        if self.teacher is None:
+            raise SpecdecError("distillation needs a teacher: give --objective distill and --teacher MODEL")
+        if self.temperature <= 0 or (self.top_k is not None and self.top_k < 1):
+            raise SpecdecError(f"distill temperature must be > 0 and top-k >= 1, got {self.temperature} "
+                               f"and {self.top_k}")
 
-def mtp_backward(trunk, heads: MTPHeads, batch: torch.Tensor, weights: list[float], scale: float,
-                 train_trunk: bool, memory_saving: bool) -> list[float | None]:
-    """Accumulate the gradient of scale * loss into the parameters (the trunk's only when
-    train_trunk); return the losses [CE_0, CE_1, .., CE_depth] as floats. CE_0 is None where it
-    was not computed: the memory-saving order with a frozen trunk skips the trunk's logits."""
-    if not memory_saving:
-        losses = mtp_losses(trunk, heads, batch, train_trunk)
-        total = sum(w * l for w, l in zip(weights, losses[1:]))
-        if train_trunk:
-            total = total + losses[0]
-        (total * scale).backward()
-        return [l.item() for l in losses]
+    def identity(self) -> dict:
+        return {"distillation temperature and top-k": (self.temperature, self.top_k)}
 
-    with torch.set_grad_enabled(train_trunk):
-        hidden = trunk_hidden(trunk, batch[:, :-1])  # (B, S, C)
-    leaf = hidden.detach().requires_grad_(train_trunk)
-    result: list[float | None] = [None]
-    if train_trunk:
-        loss = cross_entropy(trunk.lm_head(leaf), batch[:, 1:])
+    def backward(self, nets, batch, scale, cfg, at):
+        loss = distill_loss(nets.model, nets.teacher, batch, self.temperature, self.top_k)
         (loss * scale).backward()
-        result[0] = loss.item()
-    pending = []  # chained heads: (output, its detached leaf), backpropagated once all are done
-    for j, out, out_leaf, targets in teacher_forced(heads, trunk, leaf, batch, detach=True):
-        loss = cross_entropy(heads.logits(j, trunk, out_leaf), targets)
-        (loss * (weights[j] * scale)).backward()  # logits freed here; gradient waits at out_leaf
-        result.append(loss.item())
-        pending.append((out, out_leaf))
-        if not heads.chained:
-            out.backward(out_leaf.grad)
-            pending.clear()
-    for out, out_leaf in reversed(pending):  # the next module has added its part to out_leaf.grad
-        out.backward(out_leaf.grad)
-    if train_trunk:
-        hidden.backward(leaf.grad)
-    return result
+        return [loss.item()]
+
+    def metrics(self, nets, batch, seq_len, anchors):
+        return distill_metrics(nets.model, nets.teacher, batch)
+
+    def record(self, history, split, step, losses):
+        """Validation: the headline is KL(target || draft); split + "_agreement" the greedy
+        agreement, split + "_next_token" the next-token loss."""
+        if split != "valid":
+            return super().record(history, split, step, losses)
+        kl, agreement, next_token = losses
+        history[split].append([step, kl])
+        history.setdefault(f"{split}_agreement", []).append([step, agreement])
+        history.setdefault(f"{split}_next_token", []).append([step, next_token])
+
+    def export(self, run, nets, history, figures, meta):
+        """The draft model, with where it was distilled from and its KL, agreement and next-token figures."""
+        distilled = {
+            "teacher": self.teacher, "teacher_sha256": run.teacher_sha256,
+            "objective": "KL(target || draft) per position" + (f", target truncated to its top {self.top_k}"
+                                                                if self.top_k else ""),
+            "temperature": self.temperature, "top_k": self.top_k,
+            "init_from": run.cfg.init_from, "init_from_sha256": run.init_sha256,
+            "valid_before": distill_figures(history, 0),
+            "valid_after": distill_figures(history, history["valid"][-1][0]) if history["valid"] else None,
+            "test": dict(zip(("kl", "greedy_agreement", "next_token_loss"), figures)) if figures else None,
+        }
+        meta = {"kind": "target-or-draft-model", **meta, "distilled_from": distilled,
+                **model_figures(nets.model, history, figures[2:] if figures else None, valid="valid_next_token")}
+        save_model(nets.model, run.out / "model", tokenizer_file=run.work / "tokenizer.json", meta=meta)
+        plot_distill_history(history, run.out / "loss.png", f"{run.out.name}: {nets.model.num_parameters() / 1e6:.1f}M "
+                             f"parameters, distilled from {Path(self.teacher).name}")
 
 
-def trunk_hidden(trunk, tokens: torch.Tensor) -> torch.Tensor:
-    """The trunk's final hidden state (B, S, C) over tokens (B, S), without unembedding every
-    position (the memory-saving order unembeds head by head)."""
-    return trunk(tokens, logits_index=tokens.new_zeros(tokens.shape[0], 1)).hidden
+def distill_figures(history: dict, step: int) -> dict | None:
+    """Validation KL, greedy agreement and next-token loss recorded at `step`, if any."""
+    for (s, kl), (_, agreement), (_, next_token) in zip(history["valid"], history.get("valid_agreement", []),
+                                                         history.get("valid_next_token", [])):
+        if s == step:
+            return {"step": s, "kl": kl, "greedy_agreement": agreement, "next_token_loss": next_token}
+    return None
 
 
-@dataclass(frozen=True)
-class TeacherTargets:
-    """The frozen target's next-token distribution, at the distillation temperature, on a batch's
-    S positions: log-probabilities over the whole vocabulary (indices None), or over its top-k
-    tokens (indices: their token ids) followed by the log of the mass of all other tokens."""
-    log_probs: torch.Tensor              # (B, S, V) or (B, S, k+1), fp32
-    indices: torch.Tensor | None = None  # (B, S, k) token ids, or None for the whole vocabulary
+class PerPosition(Objective):
+    """A drafter validated per draft position: [KL per position.., alpha per position..], the
+    alphas pooled over all windows (accepted over reached counts, not a mean of ratios)."""
+    positions: int
+
+    def pooled(self, rows):
+        steps = self.positions
+        kls, alphas, reached = (np.array([row[i * steps:(i + 1) * steps] for row in rows]) for i in range(3))
+        pooled = (alphas * reached).sum(0) / np.maximum(reached.sum(0), 1)
+        return [float(x) for x in (*kls.mean(0), *pooled)]
+
+    def record(self, history, split, step, losses):
+        """Training: the headline is the mean of the positions' KL (split + "_heads": each); validation
+        also records split + "_alpha", the acceptance per position."""
+        if split == "valid":
+            steps = len(losses) // 2
+            history[split].append([step, float(np.mean(losses[:steps]))])
+            history.setdefault(f"{split}_heads", []).append([step, losses[:steps]])
+            history.setdefault(f"{split}_alpha", []).append([step, losses[steps:]])
+            return
+        history[split].append([step, float(np.mean(losses))])
+        history.setdefault(f"{split}_heads", []).append([step, losses])
+
+    def figures(self, history: dict, figures: list[float] | None, kl: str, alpha: str) -> dict:
+        """The last validation's and the test split's KL and acceptance per position, named
+        final_valid_{kl}_kl, final_valid_alpha_per_{alpha}, test_{kl}_kl, test_alpha_per_{alpha}."""
+        n = self.positions
+        return {f"final_valid_{kl}_kl": history["valid_heads"][-1][1] if history.get("valid_heads") else None,
+                f"final_valid_alpha_per_{alpha}": history["valid_alpha"][-1][1] if history.get("valid_alpha") else None,
+                f"test_{kl}_kl": figures[:n] if figures else None,
+                f"test_alpha_per_{alpha}": figures[n:] if figures else None}
 
 
-@torch.no_grad()
-def teacher_targets(teacher, tokens: torch.Tensor, temperature: float = 1.0,
-                    top_k: int | None = None) -> TeacherTargets:
-    """tokens (B, S) -> the teacher's (target's) distribution at each of the S positions."""
-    logits = teacher(tokens).logits.float() / temperature  # (B, S, V)
-    if top_k is None or top_k >= logits.shape[-1]:
-        return TeacherTargets(F.log_softmax(logits, dim=-1))
-    indices = logits.topk(top_k, dim=-1).indices  # (B, S, k)
-    return TeacherTargets(top_k_and_rest(F.log_softmax(logits, dim=-1), indices), indices)
+@dataclass
+class Parallel(PerPosition):
+    teacher: str | None = None          # the frozen target the draft learns from
+    block: int = 8                      # k, the drafts of one draft forward (block slots)
+    anchors: int = 32                   # random anchors (blocks of k-1 mask slots) per training window
+    name: ClassVar[str] = "parallel"
+    added_tokens: ClassVar[int] = 1     # its mask token
+    evaluates_start: ClassVar[bool] = True
+
+    @property
+    def positions(self) -> int:
+        return self.block
+
+    def validate(self, cfg) -> None:
+        if self.teacher is None:
+            raise SpecdecError("a parallel draft needs a teacher: give --objective parallel and --teacher MODEL")
+        if not (2 <= self.block <= cfg.seq_len - 1 and self.anchors >= 1):
+            raise SpecdecError(f"parallel: --parallel-block must be in 2..{cfg.seq_len - 1} (seq_len "
+                               f"{cfg.seq_len}) and --parallel-anchors >= 1; got {self.block}, {self.anchors}")
+
+    def identity(self) -> dict:
+        return {"parallel block and anchors": (self.block, self.anchors)}
+
+    def layout(self, seq_len: int, at: Where, device) -> BlockLayout:
+        """The training layout of a micro-batch: random anchors, a pure function of where it stands."""
+        generator = torch.Generator().manual_seed(at.seed * 1_000_003 + at.step * 1_009 + at.rank * 1_000 + at.micro)
+        return block_layout(seq_len, random_anchors(seq_len, self.block, self.anchors, generator, device), self.block)
+
+    def backward(self, nets, batch, scale, cfg, at):
+        return parallel_backward(nets.model, nets.teacher, batch, self.layout(cfg.seq_len, at, batch.device),
+                                 nets.model.config.vocab_size - 1, scale)
+
+    def metrics(self, nets, batch, seq_len, anchors):
+        return parallel_metrics(nets.model, nets.teacher, batch, evaluation_layout(seq_len, self.block, batch.device),
+                                nets.model.config.vocab_size - 1)
+
+    def export(self, run, nets, history, figures, meta):
+        """The model folder (a transformers checkpoint with one token more, its mask token) with the
+        metadata proposers/parallel.py checks (mask id, block, the target's hash) and the training
+        tokens' counts."""
+        k, model = self.block, nets.model
+        meta = {"kind": PARALLEL_KIND, **meta,
+                "parallel": {"mask_token_id": run.cfg.model.vocab_size - 1, "block": k,
+                             "target": shown_path(Path(self.teacher)), "target_sha256": run.teacher_sha256},
+                "objective": (f"KL(target || draft) at each of the {k} block slots of one forward over [prefix, "
+                              f"mask x {k - 1}], {self.anchors} random anchors per window, the slots weighted alike"),
+                "init_from": shown_path(Path(run.cfg.init_from)) if run.cfg.init_from else None,
+                "init_from_sha256": run.init_sha256, "parameters": model.num_parameters(),
+                "valid_alpha_per_slot_before": history["valid_alpha"][0][1] if history.get("valid_alpha") else None,
+                **self.figures(history, figures, "slot", "slot"),
+                "alpha_note": ("greedy acceptance of block slot i given slots 1..i-1 accepted, over held-out windows "
+                               "whose tokens are the target's greedy choices along the drafted path")}
+        save_model(model, run.out / "model", tokenizer_file=run.work / "tokenizer.json", meta=meta)
+        save_token_counts(run.out / "model", torch.from_numpy(np.bincount(run.tokens("train"),
+                                                                           minlength=run.cfg.text_vocab)))
+        plot_per_position(history, run.out / "loss.png", f"{run.out.name}: {model.num_parameters() / 1e6:.1f}M "
+                          f"parallel draft, block of {k}, distilled from {Path(self.teacher).name}", what="slot")
 
 
-def top_k_and_rest(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """log_probs (B, S, V), indices (B, S, k) -> (B, S, k+1): the k tokens' log-probabilities and
-    the log of the mass of every other token (log-sum-exp with the k masked out: no 1 - sum)."""
-    rest = log_probs.scatter(-1, indices, float("-inf")).logsumexp(-1, keepdim=True)  # (B, S, 1)
-    return torch.cat([log_probs.gather(-1, indices), rest], dim=-1)
+def evaluation_layout(seq_len: int, k: int, device) -> BlockLayout:
+    """Anchors every k positions of a validation window: the same blocks in every evaluation."""
+    return block_layout(seq_len, torch.arange(0, seq_len - k + 1, k, device=device), k)
 
 
-def distill_kl(student_logits: torch.Tensor, teacher: TeacherTargets, temperature: float = 1.0) -> torch.Tensor:
-    """Mean over positions of T^2 KL(target || draft) at temperature T; student_logits (B, S, V).
-    With a top-k teacher the sum runs over the teacher's k tokens and the bucket of all others."""
-    student_log_probs = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (B, S, V)
-    if teacher.indices is not None:
-        student_log_probs = top_k_and_rest(student_log_probs, teacher.indices)  # (B, S, k+1)
-    target_probs = teacher.log_probs.exp()
-    # a target probability of 0 contributes 0 (x log x -> 0), not 0 * inf
-    kl = torch.where(target_probs > 0, target_probs * (teacher.log_probs - student_log_probs), 0.0).sum(-1)  # (B, S)
-    return kl.mean() * temperature ** 2
+class TargetHead(PerPosition):
+    """A head trained on a frozen target's features (its settings `target` and `layers`) over a draft
+    vocabulary of the `draft_vocab` ids most frequent in the training tokens."""
+    evaluates_start: ClassVar[bool] = True
+    frozen_tokenizer: ClassVar[tuple[str, str]] = ("the EAGLE head must use the target's tokenizer",
+                                                   "the target's tokenizer")
+
+    @property
+    def frozen(self) -> str | None:
+        return self.target
+
+    def validate(self, cfg) -> None:
+        if self.target is None:
+            raise SpecdecError(f"an EAGLE or block head needs its target checkpoint: give both --objective "
+                               f"{self.name} and --target MODEL")
+
+    def new_heads(self, cfg, model, train_tokens):
+        """A fresh head over the draft_vocab ids most frequent in the training tokens, from the seed."""
+        counts = torch.from_numpy(np.bincount(train_tokens, minlength=cfg.model.vocab_size))
+        if self.draft_vocab > cfg.model.vocab_size:
+            raise SpecdecError(f"a draft vocabulary of {self.draft_vocab} tokens is larger than the target's "
+                               f"{cfg.model.vocab_size}: choose --draft-vocab <= {cfg.model.vocab_size}")
+        ids = counts.topk(self.draft_vocab).indices.sort().values
+        layers = self.layers if self.layers is not None else default_layer_ids(cfg.model.num_hidden_layers)
+        torch.manual_seed(cfg.seed)
+        head = self.initial_head(model, layers, ids)
+        head.token_counts = counts  # saved with it: a smaller draft vocabulary can be chosen at drafting time
+        return head
+
+    def export(self, run, nets, history, figures, meta):
+        """The head folder with its target, training objective and figures."""
+        head = nets.heads
+        meta = {**meta, "target": shown_path(Path(self.target)), **self.described(head, figures, history)}
+        self.save(head, run.out / "heads", run.trunk_sha256, meta=meta)
+        params = sum(p.numel() for p in head.parameters())
+        plot_per_position(history, run.out / "loss.png", f"{run.out.name}: {params / 1e6:.1f}M {self.drawn(head)} "
+                          f"on a frozen {Path(self.target).name}")
 
 
-def distill_loss(model, teacher, batch: torch.Tensor, temperature: float = 1.0,
-                 top_k: int | None = None) -> torch.Tensor:
-    """batch (B, S+1) -> the distillation loss of `model` (the draft) against the frozen `teacher`
-    over the S input positions (the batch's last token is never an input, as in next_token_loss)."""
-    tokens = batch[:, :-1]
-    targets = teacher_targets(teacher, tokens, temperature, top_k)
-    return distill_kl(model(tokens).logits, targets, temperature)
+@dataclass
+class Eagle(TargetHead):
+    target: str | None = None           # the frozen target checkpoint the head drafts for
+    layers: tuple[int, ...] | None = None  # the target layers read (None: low, middle, high)
+    steps: int = 4                      # draft steps unrolled in training (the training-time test)
+    decay: float = 0.8                  # step j's loss weight is decay^j
+    draft_vocab: int = 4096             # the N most frequent training token ids the head drafts over
+    layout: str = "specdec"             # the head's weight layout (eagle_head.LAYOUTS; eagle3: exportable to vLLM)
+    name: ClassVar[str] = "eagle"
+
+    @property
+    def positions(self) -> int:
+        return self.steps
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        if not (1 <= self.steps <= cfg.seq_len - 2 and 0 < self.decay <= 1 and self.draft_vocab >= 1):
+            raise SpecdecError(f"eagle: --eagle-steps must be in 1..{cfg.seq_len - 2} (seq_len {cfg.seq_len}), "
+                               f"--eagle-decay in (0, 1] and --draft-vocab >= 1; got {self.steps}, "
+                               f"{self.decay}, {self.draft_vocab}")
+
+    def identity(self) -> dict:
+        return {"EAGLE layers, draft vocabulary and layout": (None if self.layers is None else list(self.layers),
+                                                              self.draft_vocab, self.layout)}
+
+    def initial_head(self, model, layers, ids):
+        return initial_eagle_head(model, layers, ids, self.layout)
+
+    save = staticmethod(save_eagle)
+
+    def described(self, head, figures, history) -> dict:
+        """The speculators-style description, the objective and the figures per draft step."""
+        return {"speculators": speculators_metadata(head, shown_path(Path(self.target)), self.steps),
+                "objective": (f"KL(target || head) over the {head.draft_vocab_size}-token draft vocabulary, unrolled "
+                              f"{self.steps} draft steps on its own outputs (training-time test), step j weighted "
+                              f"{self.decay}^j"),
+                **self.figures(history, figures, "step", "position"),
+                "alpha_note": ("greedy acceptance of draft i given drafts 1..i-1 accepted, over held-out windows whose "
+                               "tokens are the target's greedy choices along the drafted path")}
+
+    def drawn(self, head) -> str:
+        return "EAGLE head"
+
+    def backward(self, nets, batch, scale, cfg, at):
+        return eagle_backward(nets.model, nets.heads, batch, self.steps, self.decay, scale)
+
+    def metrics(self, nets, batch, seq_len, anchors):
+        return eagle_metrics(nets.model, nets.heads, batch, self.steps)
 
 
-@torch.no_grad()
-def distill_metrics(model, teacher, batch: torch.Tensor) -> list[float]:
-    """Validation at temperature 1 over the whole vocabulary: [KL(target || draft), greedy agreement
-    argmax(draft) == argmax(target) as a fraction of positions, the draft's next-token cross-entropy]."""
-    tokens = batch[:, :-1]
-    student_logits = model(tokens).logits.float()  # (B, S, V)
-    teacher_logits = teacher(tokens).logits.float()
-    kl = distill_kl(student_logits, TeacherTargets(F.log_softmax(teacher_logits, dim=-1)))
-    agreement = (student_logits.argmax(-1) == teacher_logits.argmax(-1)).float().mean()
-    return [kl.item(), agreement.item(), cross_entropy(student_logits, batch[:, 1:]).item()]
+@dataclass
+class Block(TargetHead):
+    target: str | None = None           # the frozen target checkpoint the head drafts for
+    layers: tuple[int, ...] | None = None  # the target layers read (None: low, middle, high)
+    size: int = 8                       # drafts per forward the head is trained for (k)
+    anchors: int = 32                   # random anchors (blocks of mask slots) per training window
+    attention: str = "causal"           # attention among a block's masks (or bidirectional)
+    num_layers: int = 1                 # decoder layers of the head
+    draft_vocab: int = 4096             # the N most frequent training token ids the head drafts over
+    name: ClassVar[str] = "block"
+
+    @property
+    def positions(self) -> int:
+        return self.size
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        if not (1 <= self.size <= cfg.seq_len - 2 and self.anchors >= 1 and self.num_layers >= 1
+                and self.attention in BLOCK_ATTENTION):
+            raise SpecdecError(f"block: --block-size must be in 1..{cfg.seq_len - 2} (seq_len {cfg.seq_len}), "
+                               f"--block-anchors and --block-layers >= 1, --block-attention one of "
+                               f"{', '.join(BLOCK_ATTENTION)}; got {self.size}, {self.anchors}, "
+                               f"{self.num_layers}, {self.attention}")
+
+    def identity(self) -> dict:
+        return {"block head layers, draft vocabulary, block size, attention and depth": (
+            None if self.layers is None else list(self.layers), self.draft_vocab, self.size, self.attention,
+            self.num_layers)}
+
+    def initial_head(self, model, layers, ids):
+        return initial_block_head(model, layers, ids, self.size, self.num_layers, self.attention == "causal")
+
+    save = staticmethod(save_block)
+
+    def described(self, head, figures, history) -> dict:
+        """The objective and the figures per block slot."""
+        return {"objective": (f"KL(target || head) over the {head.draft_vocab_size}-token draft vocabulary at each of "
+                              f"the {head.block} block slots ({head.attention} attention among the masks), "
+                              f"{self.anchors} random anchors per window, slot 0 at every window position"),
+                **self.figures(history, figures, "slot", "slot"),
+                "alpha_note": (f"greedy acceptance of block slot i given slots 1..i-1 accepted, over "
+                               f"{BLOCK_EVAL_ANCHORS} random anchors per held-out window whose tokens are the target's "
+                               "greedy choices along the drafted path (train/anchors.block_acceptance)")}
+
+    def drawn(self, head) -> str:
+        return f"block head ({head.attention}, k={head.block})"
+
+    def backward(self, nets, batch, scale, cfg, at):
+        # the anchors, like the batches, a pure function of (seed, step, rank, micro-batch)
+        anchors = torch.Generator().manual_seed(((at.seed * 1_000_003 + at.step) * 1009 + at.rank) * 1009 + at.micro)
+        return block_backward(nets.model, nets.heads, batch, self.anchors, scale, anchors)
+
+    def metrics(self, nets, batch, seq_len, anchors):
+        return block_metrics(nets.model, nets.heads, batch, BLOCK_EVAL_ANCHORS, anchors)
 
 
-# --- EAGLE: the training-time test -----------------------------------------------------------
-
-@dataclass(frozen=True)
-class EagleTargets:
-    """What the frozen target gives one batch (B, S+1), computed once without gradients."""
-    features: torch.Tensor     # (B, S, nC) outputs of the head's layers at positions 0..S-1
-    log_probs: torch.Tensor    # (B, S, N) the target's next-token log-probabilities over the draft
-                               # vocabulary, renormalised there (temperature 1)
-    argmax: torch.Tensor       # (B, S) the target's greedy token (full vocabulary)
-    ahead: torch.Tensor        # (B, S + steps - 1) x_1..x_S, then padding: what the unrolled steps read
+OBJECTIVES = {"next-token": NextToken, "mtp-parallel": lambda **kw: MTP(kind="parallel", **kw),
+              "mtp-sequential": lambda **kw: MTP(kind="sequential", **kw), "distill": Distill, "eagle": Eagle,
+              "block": Block, "parallel": Parallel}
 
 
-@torch.no_grad()
-def eagle_targets(target, head: EagleHead, batch: torch.Tensor, steps: int) -> EagleTargets:
-    out = target(batch[:, :-1], output_layers=head.layer_ids)
-    features = torch.cat([out.layers[i] for i in head.layer_ids], -1)
-    log_probs = F.log_softmax(out.logits.float()[..., head.draft_ids], -1)
-    return EagleTargets(features, log_probs, out.logits.argmax(-1), F.pad(batch[:, 1:], (0, steps - 1)))
+def objective(name: str, **settings) -> Objective:
+    """The objective called `name` with these settings (the others at their defaults)."""
+    if name not in OBJECTIVES:
+        raise SpecdecError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name](**settings)
 
 
-def eagle_step_losses(target, head: EagleHead, targets: EagleTargets, steps: int):
-    """Yields (j, KL_j, logits_j) for draft steps j = 0..steps-1 of the unrolled head (eagle.py):
-    KL(target || head) over the draft vocabulary, per position, averaged over the S-1-j base
-    positions whose target distribution (at position t+1+j) lies inside the window."""
-    S = targets.features.shape[1]
-    for j, h in head.unroll(targets.features, targets.ahead, target.model.embed_tokens, steps):
-        n = S - 1 - j
-        logits = head.logits(h[:, :n])                                   # (B, n, N)
-        wanted = targets.log_probs[:, 1 + j:1 + j + n]                   # (B, n, N)
-        kl = (wanted.exp() * (wanted - F.log_softmax(logits.float(), -1))).sum(-1).mean()
-        yield j, kl, logits
+def trunk(cfg) -> LlamaForCausalLM:
+    """The model a run starts from (inside the caller's seeded generator): the frozen checkpoint in
+    fp32, or fresh weights (those of `init_from` where given)."""
+    if cfg.frozen:
+        return load_model(cfg.frozen, dtype=torch.float32).requires_grad_(False).train(False)
+    model = LlamaForCausalLM(cfg.model)
+    init_weights(model)
+    if cfg.init_from:
+        state = load_file(Path(cfg.init_from) / WEIGHTS)
+        model.load_hf_state_dict(with_vocabulary({k: v.float() for k, v in state.items()}, cfg.model.vocab_size))
+    return model.train()
 
 
-def eagle_backward(target, head: EagleHead, batch: torch.Tensor, steps: int, decay: float,
-                   scale: float) -> list[float | None]:
-    """Accumulate the gradient of scale * sum_j decay^j KL_j into the head; return [None (no
-    next-token loss: the target is frozen), KL_0, .., KL_{steps-1}]."""
-    if batch.shape[1] - 2 < steps:
-        raise SpecdecError(f"a window of {batch.shape[1]} tokens is too short to unroll {steps} EAGLE steps: "
-                           "raise seq_len or lower --eagle-steps")
-    targets = eagle_targets(target, head, batch, steps)
-    losses = [kl for _, kl, _ in eagle_step_losses(target, head, targets, steps)]
-    (sum(decay ** j * kl for j, kl in enumerate(losses)) * scale).backward()
-    return [None, *(kl.item() for kl in losses)]
+def with_vocabulary(state: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
+    """Weights of a model with one token fewer than `vocab` given the new one (a parallel draft's
+    mask token, started from a plain draft model): its embedding and unembedding rows are the
+    mean of the others'. Weights of the right size come back as they are."""
+    grown = dict(state)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in grown and grown[name].shape[0] == vocab - 1:
+            grown[name] = torch.cat([grown[name], grown[name].mean(0, keepdim=True)])
+    return grown
 
 
-@torch.no_grad()
-def eagle_metrics(target, head: EagleHead, batch: torch.Tensor, steps: int) -> list[float]:
-    """[KL_0..KL_{steps-1}, then greedy acceptance alpha_1..alpha_steps, then the counts they come
-    from: reached_1..reached_steps]. alpha_i is exact for greedy drafting from these contexts:
-    draft i counts where drafts 1..i-1 were accepted AND the window's tokens that the unrolled
-    steps read equal the target's greedy tokens (so the head saw what drafting would feed it);
-    it is accepted where its argmax is the target's."""
-    targets = eagle_targets(target, head, batch, steps)
-    S = targets.features.shape[1]
-    reached = torch.ones(batch.shape[0], S - 1, dtype=torch.bool, device=batch.device)  # (B, S-1) bases still drafting
-    kls, alphas, counts = [], [], []
-    for j, kl, logits in eagle_step_losses(target, head, targets, steps):
-        n = S - 1 - j
-        greedy = targets.argmax[:, 1 + j:1 + j + n]                      # (B, n) the target's token
-        accepted = reached[:, :n] & (head.draft_ids[logits.argmax(-1)] == greedy)
-        kls.append(kl.item())
-        counts.append(int(reached[:, :n].sum()))
-        alphas.append(int(accepted.sum()) / max(counts[-1], 1))
-        # step j+1 at base t reads x_{t+2+j}: drafting feeds the accepted draft, i.e. the greedy token
-        reached = accepted[:, :n - 1] & (batch[:, 2 + j:1 + j + n] == greedy[:, :n - 1])
-    return [*kls, *alphas, *counts]
-
-
-# --- block head: one forward drafts a block ---------------------------------------------------
-#
-# The block head (block.py) reads the frozen target's features at a window's S context positions
-# (the entry at t reads f_t and x_{t+1}, and its output predicts x_{t+2}) and, after them, a block of
-# k-1 mask slots per random anchor (anchors.py) with the attention drafting uses. Block slot i of
-# anchor a predicts x_{a+2+i}: its label is the target's distribution at position a+1+i, i.e.
-# anchors.py's label shifted by one (the head's context entry at a already reads x_{a+1}). The loss
-# is KL(target || head) over the draft vocabulary at every slot: slot 0 at every window position
-# (the window's outputs give it for free), slots 1..k-1 at the anchors; their sum is minimised.
-
-def block_layout_for(head: BlockHead, window: int, anchors: int, generator: torch.Generator | None,
-                     device: torch.device) -> BlockLayout:
-    """A layout of `window` context positions and `anchors` random blocks of the head's size whose
-    labels (shifted by one) stay inside the window."""
-    picked = random_anchors(window - 1, head.block, anchors, generator, device)
-    return block_layout(window, picked, head.block, causal=head.causal)
-
-
-def block_slot_losses(target, head: BlockHead, targets: EagleTargets, layout: BlockLayout):
-    """[KL_0, .., KL_{k-1}] (tensors) and the slots' logits (B, A, k, N) of one training forward."""
-    S = targets.features.shape[1]
-    h = head.training_outputs(targets.features, targets.ahead, target.model.embed_tokens, layout.positions,
-                              layout.visible)                                   # (B, L, C)
-    window = head.logits(h[:, :S - 1])                                          # (B, S-1, N) slot 0 everywhere
-    slots = head.logits(h[:, layout.slots])                                     # (B, A, k, N)
-    wanted = targets.log_probs[:, layout.labels + 1]                            # (B, A, k, N)
-    kl = (wanted.exp() * (wanted - F.log_softmax(slots.float(), -1))).sum(-1).mean((0, 1))  # (k,)
-    first = targets.log_probs[:, 1:]                                            # (B, S-1, N)
-    kl0 = (first.exp() * (first - F.log_softmax(window.float(), -1))).sum(-1).mean()
-    return [kl0, *kl[1:]], slots
-
-
-def block_backward(target, head: BlockHead, batch: torch.Tensor, anchors: int, scale: float,
-                   generator: torch.Generator | None) -> list[float | None]:
-    """Accumulate the gradient of scale * sum_i KL_i into the head; return [None (the target is
-    frozen: no next-token loss), KL_0, .., KL_{k-1}]."""
-    if batch.shape[1] - 2 < head.block:
-        raise SpecdecError(f"a window of {batch.shape[1]} tokens is too short for blocks of {head.block}: "
-                           "raise seq_len or lower --block-size")
-    targets = eagle_targets(target, head, batch, 1)
-    losses, _ = block_slot_losses(target, head, targets, block_layout_for(head, batch.shape[1] - 1, anchors,
-                                                                          generator, batch.device))
-    (sum(losses) * scale).backward()
-    return [None, *(kl.item() for kl in losses)]
-
-
-@torch.no_grad()
-def block_metrics(target, head: BlockHead, batch: torch.Tensor, anchors: int,
-                  generator: torch.Generator | None) -> list[float]:
-    """[KL_0..KL_{k-1}, then greedy acceptance alpha_1..alpha_k per block slot, then the counts they
-    come from: reached_1..reached_k] (anchors.block_acceptance: slot i counts where slots < i were
-    accepted along the target's greedy path)."""
-    targets = eagle_targets(target, head, batch, 1)
-    layout = block_layout_for(head, batch.shape[1] - 1, anchors, generator, batch.device)
-    losses, logits = block_slot_losses(target, head, targets, layout)
-    drafts = head.draft_ids[logits.argmax(-1)]                                  # (B, A, k) target ids
-    accepted, reached = block_acceptance(drafts, targets.argmax[:, 1:], batch[:, 1:], layout)
-    alphas = accepted.double() / reached.clamp(min=1)
-    return [*(kl.item() for kl in losses), *alphas.tolist(), *reached.tolist()]
-
-
-# --- Parallel drafting: a block of k drafts from one forward (train/anchors.py) --------------
-
-def parallel_logits(model, tokens: torch.Tensor, layout: BlockLayout, mask_id: int, vocab: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens (B, S) -> the draft's logits over the first `vocab` ids (its mask id excluded) at every
-    window position (B, S, V) — block slot 0 of every anchor there — and at the mask slots (B, A, k-1, V),
-    from one forward over the window followed by every anchor's mask slots."""
-    B, S = tokens.shape
-    A, k = layout.slots.shape
-    inputs = torch.cat([tokens, tokens.new_full((B, A * (k - 1)), mask_id)], 1)      # (B, L)
-    out = model(inputs, positions=layout.positions.expand(B, -1),
-                attention_mask=layout.visible.expand(B, -1, -1))
-    logits = out.logits[..., :vocab]                                                  # (B, L, V)
-    return logits[:, :S], logits[:, S:].view(B, A, k - 1, vocab)
-
-
-def parallel_losses(model, teacher, batch: torch.Tensor, layout: BlockLayout, mask_id: int) -> list[torch.Tensor]:
-    """[KL_0, .., KL_{k-1}]: KL(target || draft) at block slot i, averaged over its positions (slot 0:
-    every window position; slot j: mask j of every anchor), against the target's distribution at the
-    position the slot drafts, given the true prefix."""
-    tokens = batch[:, :-1]
-    targets = teacher_targets(teacher, tokens)                                        # (B, S, V)
-    window, masks = parallel_logits(model, tokens, layout, mask_id, targets.log_probs.shape[-1])
-    losses = [distill_kl(window, targets)]
-    for j in range(1, layout.slots.shape[1]):
-        wanted = TeacherTargets(targets.log_probs[:, layout.labels[:, j]])           # (B, A, V)
-        losses.append(distill_kl(masks[:, :, j - 1], wanted))
-    return losses
-
-
-def parallel_backward(model, teacher, batch: torch.Tensor, layout: BlockLayout, mask_id: int,
-                      scale: float) -> list[float]:
-    """Accumulate the gradient of scale * mean_i KL_i into the draft; return [KL_0, .., KL_{k-1}]."""
-    losses = parallel_losses(model, teacher, batch, layout, mask_id)
-    (sum(losses) / len(losses) * scale).backward()
-    return [kl.item() for kl in losses]
-
-
-@torch.no_grad()
-def parallel_metrics(model, teacher, batch: torch.Tensor, layout: BlockLayout, mask_id: int) -> list[float]:
-    """[KL_0..KL_{k-1}, then greedy acceptance alpha_1..alpha_k of the drafted blocks, then the counts
-    they come from] (anchors.block_acceptance: exact for greedy drafting from these contexts)."""
-    tokens = batch[:, :-1]
-    targets = teacher_targets(teacher, tokens)
-    window, masks = parallel_logits(model, tokens, layout, mask_id, targets.log_probs.shape[-1])
-    kls = [distill_kl(window, targets).item()]
-    for j in range(1, layout.slots.shape[1]):
-        kls.append(distill_kl(masks[:, :, j - 1], TeacherTargets(targets.log_probs[:, layout.labels[:, j]])).item())
-    drafts = torch.cat([window[:, layout.slots[:, 0]].argmax(-1)[..., None], masks.argmax(-1)], 2)  # (B, A, k)
-    accepted, reached = block_acceptance(drafts, targets.log_probs.argmax(-1), batch, layout)
-    return [*kls, *(accepted / reached.clamp(min=1)).tolist(), *reached.tolist()]
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """Fresh matrices from torch's global generator: normal(0, std), the residual projections scaled
+    down by sqrt(2 x layers)."""
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=std)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.data /= math.sqrt(2 * model.config.num_hidden_layers)

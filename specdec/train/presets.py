@@ -5,17 +5,20 @@ so a recipe works from any working directory.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from ..lm.model import LlamaConfig
+from ..lm.arch import Arch
+from .objectives import MTP, Block, Distill, Eagle, Parallel
 
-ROOT = Path(__file__).resolve().parent.parent
-PATHS = ("tokenizer", "frozen_trunk", "init_from", "teacher", "target")  # recipe entries naming files or folders
+ROOT = Path(__file__).resolve().parents[2]
+PATHS = ("tokenizer", "init_from")  # recipe entries naming files or folders
+OBJECTIVE_PATHS = ("frozen_trunk", "teacher", "target")  # objective settings naming folders
 
-TARGET_MODEL = LlamaConfig(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+TARGET_MODEL = Arch(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=64,
                            max_position_embeddings=1024)
-DRAFT_MODEL = LlamaConfig(vocab_size=16384, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+DRAFT_MODEL = Arch(vocab_size=16384, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                           max_position_embeddings=1024, tie_word_embeddings=True)
 
@@ -28,39 +31,39 @@ PRESETS = {
     # the shipped draft: the "draft" recipe's model, distilled from the shipped target (KL(target || draft) over
     # the whole vocabulary); give it --init-from runs/draft/model after `--preset draft --out runs/draft`
     # (without --init-from the draft is distilled from fresh weights); about 25 minutes on a shared 2-core CPU
-    "draft-distill": dict(model=DRAFT_MODEL, teacher="models/target", objective="distill",
+    "draft-distill": dict(model=DRAFT_MODEL, objective=Distill(teacher="models/target"),
                           seq_len=512, batch_size=8, micro_batch=4, steps=250, lr=1e-3,
                           warmup=20, eval_every=50, eval_windows=32, test_windows=64, save_every=10),
     # the shipped parallel draft (proposers/parallel.py): the shipped draft with a mask token of its own, adapted to
     # draft a block of 8 tokens in one forward, distilled from the shipped target at every block slot (PARD)
-    "parallel-draft": dict(init_from="models/draft", teacher="models/target", objective="parallel",
-                           parallel_block=8, parallel_anchors=32, seq_len=256, batch_size=8, micro_batch=8,
+    "parallel-draft": dict(init_from="models/draft", objective=Parallel(teacher="models/target", block=8, anchors=32),
+                           seq_len=256, batch_size=8, micro_batch=8,
                            steps=300, lr=1e-3, warmup=20, eval_every=50, eval_windows=24, test_windows=48,
                            save_every=10),
     # MTP heads for the shipped target: 3 sequential modules (DeepSeek-V3) trained on its frozen weights
     # (embedding and lm_head included) and its tokenizer; about 25 minutes on 2 CPU cores
-    "target-mtp": dict(frozen_trunk="models/target", objective="mtp-sequential", mtp_depth=3, seq_len=512,
+    "target-mtp": dict(objective=MTP(kind="sequential", depth=3, frozen_trunk="models/target"), seq_len=512,
                        batch_size=8, micro_batch=8, steps=130, lr=2e-3, warmup=10, eval_every=26, eval_windows=32,
                        test_windows=48, save_every=10),
     # the shipped EAGLE head (eagle.py) of the shipped target: layers 1, 3, 5, a 4096-token draft vocabulary,
     # 5 draft steps unrolled in training; about 30 minutes on a shared 2-core CPU
-    "target-eagle": dict(target="models/target", objective="eagle", draft_vocab=4096, eagle_steps=5,
+    "target-eagle": dict(objective=Eagle(target="models/target", draft_vocab=4096, steps=5),
                          seq_len=256, batch_size=8, micro_batch=8, steps=500, lr=2e-3, warmup=20, eval_every=50,
                          eval_windows=24, test_windows=48, save_every=10),
     # the same head in EAGLE-3's reference layout (eagle.py), which vLLM serves after `specdec export`
-    "target-eagle3": dict(target="models/target", objective="eagle", draft_vocab=4096, eagle_steps=5,
-                          eagle_layout="eagle3", seq_len=256, batch_size=8, micro_batch=8, steps=500, lr=2e-3,
+    "target-eagle3": dict(objective=Eagle(target="models/target", draft_vocab=4096, steps=5, layout="eagle3"),
+                          seq_len=256, batch_size=8, micro_batch=8, steps=500, lr=2e-3,
                           warmup=20, eval_every=50, eval_windows=24, test_windows=48, save_every=10),
     # the shipped block head (block.py) of the shipped target: layers 1, 3, 5, a 4096-token draft vocabulary,
     # one decoder layer, blocks of 8 drafts (7 mask queries, causal among themselves: as accepted as bidirectional
     # ones at equal budget and cheaper, docs/block-head.md) at 32 random anchors per window; about 56 minutes
     # on a shared 2-core CPU
-    "target-block": dict(target="models/target", objective="block", draft_vocab=4096, block_size=8,
-                         block_anchors=32, block_attention="causal", block_layers=1, seq_len=256,
+    "target-block": dict(objective=Block(target="models/target", draft_vocab=4096, size=8, anchors=32,
+                                             attention="causal", num_layers=1), seq_len=256,
                          batch_size=8, micro_batch=8, steps=260, lr=2e-3, warmup=20, eval_every=65,
                          eval_windows=24, test_windows=48, save_every=10),
     # a few seconds: for tests and for trying the machinery
-    "tiny": dict(model=LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    "tiny": dict(model=Arch(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    max_position_embeddings=256),
                  seq_len=64, batch_size=4, micro_batch=4, steps=20, lr=3e-3, warmup=5, eval_every=10,
@@ -74,4 +77,9 @@ def preset(name: str) -> dict:
     for key in PATHS:
         if key in recipe and not Path(recipe[key]).is_absolute():
             recipe[key] = str(ROOT / recipe[key])
+    if "objective" in recipe:
+        objective = recipe["objective"]
+        paths = {key: str(ROOT / getattr(objective, key)) for key in OBJECTIVE_PATHS
+                 if getattr(objective, key, None) and not Path(getattr(objective, key)).is_absolute()}
+        recipe["objective"] = dataclasses.replace(objective, **paths)
     return recipe
