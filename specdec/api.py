@@ -42,10 +42,10 @@ from .decoding.stopping import Row, StopRule
 from .errors import SpecdecError
 from .lm.chat import template
 from .lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
-from .lm.device import default_dtype
+from .lm.device import default_dtype, placement
 from .lm.device import resolve as resolve_device
-from .lm.interface import abilities, causal_lm, lm_dtype
-from .lm.model import LlamaForCausalLM, compute_dtype, device_of
+from .lm.interface import abilities, causal_lm
+from .lm.model import LlamaForCausalLM
 from .lm.tokenizer import EOS_ID, Tokenizer
 from .proposers import Proposer
 from .proposers.block_head import BlockHead, load_block
@@ -103,8 +103,8 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     """A separate draft model for `target`: it must use the very same tokenizer."""
-    draft = load(path if path is not None else DEFAULT_DRAFT, dtype=compute_dtype(target.model),
-                 device=device_of(target.model))
+    draft = load(path if path is not None else DEFAULT_DRAFT, dtype=placement(target.model).dtype,
+                 device=placement(target.model).device)
     if draft.tokenizer.tok.get_vocab() != target.tokenizer.tok.get_vocab():
         raise SpecdecError(f"the draft model {draft.path} uses another tokenizer than the target {target.path}; "
                            "a draft must share the target's tokenizer (train it with --tokenizer "
@@ -143,7 +143,7 @@ def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
     if path == DEFAULT_HEADS and not path.exists():
         raise SpecdecError(f"the shipped MTP heads are missing at {path}: run from a full clone of specdec "
                            "or pass a heads folder")
-    return load_heads(path, target.path, dtype=compute_dtype(target.model), device=device_of(target.model))
+    return load_heads(path, target.path, dtype=placement(target.model).dtype, device=placement(target.model).device)
 
 
 def load_eagle_head(target: Loaded, path: str | Path | None = None) -> EagleHead:
@@ -153,7 +153,7 @@ def load_eagle_head(target: Loaded, path: str | Path | None = None) -> EagleHead
     if path == DEFAULT_EAGLE and not path.exists():
         raise SpecdecError(f"the shipped EAGLE head is missing at {path}: run from a full clone of specdec "
                            "or pass a head folder")
-    return load_eagle(path, target.path, dtype=compute_dtype(target.model), device=device_of(target.model))
+    return load_eagle(path, target.path, dtype=placement(target.model).dtype, device=placement(target.model).device)
 
 
 def load_block_head(target: Loaded, path: str | Path | None = None) -> BlockHead:
@@ -163,7 +163,7 @@ def load_block_head(target: Loaded, path: str | Path | None = None) -> BlockHead
     if path == DEFAULT_BLOCK and not path.exists():
         raise SpecdecError(f"the shipped block head is missing at {path}: run from a full clone of specdec "
                            "or pass a head folder")
-    return load_block(path, target.path, dtype=compute_dtype(target.model), device=device_of(target.model))
+    return load_block(path, target.path, dtype=placement(target.model).dtype, device=placement(target.model).device)
 
 
 def default_k(proposer: Proposer | None, widths: tuple[int, ...] | None = None) -> int | str:
@@ -190,11 +190,6 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> l
     ids = [target.tokenizer.prefix + target.tokenizer.encode(p.rstrip()) for p in prompts]
     check_context(target, ids, max_new_tokens)
     return ids
-
-
-def model_dtype(model) -> str:
-    """The dtype a model computes in: specdec's own (its norms), or a transformers model's weights."""
-    return str(lm_dtype(model)).removeprefix("torch.")
 
 
 def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tokens: int = 128,
@@ -229,7 +224,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     prompt_tokens = [len(row) + bool(h.text) for row, h in zip(ids, healed)]  # the whole prompt
     check_context(target, [row + [0] * bool(h.text) for row, h in zip(ids, healed)], max_new_tokens)
     model = causal_lm(target.model, role="target")
-    generator = sampling.generator(device_of(target.model))
+    generator = sampling.generator(placement(target.model).device)
     t0 = time.perf_counter()
     healing = [i for i, h in enumerate(healed) if h.text] if max_new_tokens > 0 else []
     if healing:
@@ -264,8 +259,8 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
         "load_seconds": target.load_seconds,
         "threads": (policy := kernels.thread_report())["threads"],
         "thread_policy": policy,
-        "dtype": model_dtype(target.model),
-        "device": str(device_of(target.model)),
+        "dtype": str(placement(target.model).dtype).removeprefix("torch."),
+        "device": str(placement(target.model).device),
         "backend": abilities(target.model).backend,
     }
     return Result([r.text() for r in rows], [r.tokens for r in rows], [r.finish_reason for r in rows], stats)

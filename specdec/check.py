@@ -41,7 +41,8 @@ from .decoding.sampling import SamplingConfig, probabilities
 from .decoding.stopping import StopRule
 from .decoding.verify import Verdict, rejection_sample
 from .errors import SpecdecError
-from .lm.interface import causal_lm, lm_device
+from .lm.device import placement
+from .lm.interface import causal_lm
 from .proposers import Proposer
 
 LEVEL = 0.01               # the test's significance level: a lossless pair fails 1% of checks
@@ -136,7 +137,7 @@ def check(target, proposer: Proposer, prompts: list[list[int]], sampling: Sampli
         raise SpecdecError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
                            f"target's context of {context}: shorten the prompts or lower max_new_tokens")
     t0 = time.perf_counter()
-    device = lm_device(lm)
+    device = placement(lm).device
     rule = StopRule(max_new_tokens)
     generator = torch.Generator(device).manual_seed(seed)
     pit_generator = torch.Generator().manual_seed(seed + 1)
@@ -181,7 +182,7 @@ def greedy_check(lm, proposer: Proposer, prompts: list[list[int]], rule: StopRul
             identical += 1
             continue
         j = next((t for t, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        logits = lm(torch.tensor([prompt + expected[:j]], device=lm_device(lm))).logits[0, -1].float()
+        logits = lm(torch.tensor([prompt + expected[:j]], device=placement(lm).device)).logits[0, -1].float()
         top2 = logits.topk(2).values
         if float(top2[0] - top2[1]) < NEAR_TIE:
             near += 1

@@ -436,9 +436,10 @@ def bench_plan(args):
 
 def cmd_calibrate(args) -> None:
     from .api import load
-    from .bench.conditions import hardware, shown_path
+    from .bench.conditions import hardware
     from .decoding.calibration import cached_verify_curve, machine
-    from .lm.device import backend
+    from .lm.checkpoint import shown_path
+    from .lm.interface import abilities
 
     set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
@@ -449,10 +450,11 @@ def cmd_calibrate(args) -> None:
         curves[batch] = curve.seconds
         row = "  ".join(f"t({n})={1000 * s:.3f}" for n, s in sorted(curve.seconds.items()))
         print(f"batch {batch}: {row} ms")
-    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {backend(target.model)}")
+    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {abilities(target.model).backend}")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "schema": "specdec-verify-curve/1", "target": shown_path(target.path), "backend": backend(target.model),
+            "schema": "specdec-verify-curve/1", "target": shown_path(target.path),
+            "backend": abilities(target.model).backend,
             "hardware": hardware(target.model.lm_head.weight.device), "machine": machine(),
             "note": "seconds of one target forward over n new tokens per row, the fastest of 5 repeats, "
                     "made non-decreasing in n", "seconds": curves}, indent=1))
@@ -500,14 +502,15 @@ def cmd_simulate(args) -> None:
         from .api import load
         from .bench.conditions import hardware
         from .decoding.calibration import measure_verify_curve
-        from .lm.device import backend
+        from .lm.interface import abilities
 
         set_threads(args.threads)
         target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
         curve = measure_verify_curve(target.model, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
-        source = (f"the verify curve of target {target.path.name} measured now with {backend(target.model)}"
+        source = (f"the verify curve of target {target.path.name} measured now with "
+                  f"{abilities(target.model).backend}"
                   + (f", on {h['cpu']}, {h['threads']} threads" if args.device == "cpu" else ""))
     if args.moe_experts is not None:
         curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)

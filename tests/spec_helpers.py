@@ -9,9 +9,9 @@ from specdec.decoding.decode import plain_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.lm.interface import lm_device
+from specdec.lm.device import placement
 from specdec.lm.model import LlamaConfig, LlamaForCausalLM
-from specdec.train.loop import init_weights
+from specdec.train.objectives import init_weights
 
 # float32: a k-token forward may differ from a 1-token forward in the last bits, so a greedy
 # divergence is accepted only where the target's top-2 logits are closer than this.
@@ -60,7 +60,7 @@ def greedy_divergence(target, prompt: list[int], got: list[int], expected: list[
     if got == expected:
         return None
     j = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-    logits = target(torch.tensor([prompt + expected[:j]], device=lm_device(target))).logits[0, -1]
+    logits = target(torch.tensor([prompt + expected[:j]], device=placement(target).device)).logits[0, -1]
     top2 = logits.float().topk(2).values
     return float(top2[0] - top2[1])
 

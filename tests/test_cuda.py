@@ -25,6 +25,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.decoding.syncs import count_host_syncs
 from specdec.errors import SpecdecError
+from specdec.lm.device import placement
 from specdec.lm.model import place
 from specdec.proposers import build_proposer
 
@@ -138,10 +139,10 @@ def test_sampled_output_keeps_the_exact_joint_distribution(device, monkeypatch):
 def test_load_generate_and_the_command_line_on_the_device(device, tiny_checkpoint, draft_checkpoint, capsys):
     from specdec.api import generate, load, load_draft_model
     from specdec.cli import main
-    from specdec.lm.model import compute_dtype, device_of
+    
     target = load(tiny_checkpoint, device=device)
-    assert device_of(target.model).type == device
-    assert compute_dtype(target.model) == (torch.bfloat16 if device == "cuda" else torch.float32)
+    assert placement(target.model).device.type == device
+    assert placement(target.model).dtype == (torch.bfloat16 if device == "cuda" else torch.float32)
     draft = build_proposer("draft-model", model=load_draft_model(target, draft_checkpoint).model)
     plain = generate(target, "def f(x):", max_new_tokens=16)
     spec = generate(target, "def f(x):", max_new_tokens=16, proposer=draft, k=3)

@@ -16,7 +16,8 @@ from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm.checkpoint import load_model, save_model
-from specdec.lm.model import Linear, compute_dtype, store_matrices_bf16
+from specdec.lm.device import placement
+from specdec.lm.model import Linear, store_matrices_bf16
 from specdec.proposers import build_proposer
 
 from .conftest import TINY, tiny_model
@@ -202,7 +203,7 @@ def bf16_checkpoint(tmp_path_factory, tokenizer_file):
 
 def test_a_bf16_checkpoint_computes_in_fp32_on_its_bf16_matrices(bf16_checkpoint):
     model = load_model(bf16_checkpoint)
-    assert compute_dtype(model) == torch.float32
+    assert placement(model).dtype == torch.float32
     assert model.lm_head.weight.dtype == torch.bfloat16 and model.model.norm.weight.dtype == torch.float32
     upcast = load_model(bf16_checkpoint)  # the same weights, every matrix converted to fp32
     with torch.no_grad():

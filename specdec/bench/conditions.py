@@ -12,9 +12,9 @@ import torch
 
 from .. import kernels
 from ..decoding.calibration import cpu_model
-from ..lm.checkpoint import WEIGHTS, sha256
+from ..lm.checkpoint import WEIGHTS, sha256, shown_path
+from ..lm.device import placement
 from ..lm.interface import abilities
-from ..lm.model import compute_dtype
 
 UNKNOWN = "unknown"
 
@@ -100,7 +100,7 @@ def model_info(model, path: Path) -> dict:
     weights = path / WEIGHTS
     return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
             "matrix_parameters": matrix_parameters(model),
-            "dtype": str(compute_dtype(model)).removeprefix("torch."),
+            "dtype": str(placement(model).dtype).removeprefix("torch."),
             "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
             "backend": abilities(model).backend,
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}

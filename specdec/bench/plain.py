@@ -27,10 +27,9 @@ from ..decoding.costmodel import VerifyCurve, predicted_speedup
 from ..decoding.decode import plain_generate
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import StopRule
-from ..lm.checkpoint import load_model
-from ..lm.model import compute_dtype
+from ..lm.checkpoint import load_model, shown_path
+from ..lm.device import placement
 from . import llamacpp, sizes
-from ..lm.checkpoint import shown_path
 from .conditions import hardware, model_info, software, spread
 from .workloads import humaneval_prompts
 
@@ -143,7 +142,7 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
     if size is not None:
         target_path = sizes.build(size)
     target = load(target_path, dtype=dtype)
-    same = compute_dtype(target.model)
+    same = placement(target.model).dtype
     peers = {f"transformers.generate {short(d)}": d for d in dict.fromkeys([same, torch.bfloat16])}
     hfs = {}
     for name, d in peers.items():

@@ -83,11 +83,10 @@ from ..decoding.stopping import StopRule
 from ..decoding.syncs import count_host_syncs
 from ..decoding.verify import greedy_accept, rejection_sample
 from ..errors import SpecdecError
-from ..lm.checkpoint import TOKEN_COUNTS, read_meta
+from ..lm.checkpoint import TOKEN_COUNTS, read_meta, shown_path
+from ..lm.device import placement
 from ..lm.interface import abilities
-from ..lm.model import device_of
 from ..proposers import build_proposer
-from ..lm.checkpoint import shown_path
 from .conditions import UNKNOWN, hardware, model_info, roofline, software, spread
 from .noise import implausible_verify_points, result_noise
 from .peers import PEER_DTYPE, PEERS, Peers
@@ -227,7 +226,7 @@ class Bench:
                  block_path=None, device: str | torch.device | None = None, parallel_path=None):
         self.plan = plan
         self.target = load(target_path, dtype=dtype, device=device)
-        self.device = device_of(self.target.model)
+        self.device = placement(self.target.model).device
         self.proposers, self.method_info = {}, {"plain": {"name": "plain autoregressive decoding"}}
         self.draft = self.heads = None
         if "draft-model" in plan.methods or any(c.peer_k for c in plan.cells):

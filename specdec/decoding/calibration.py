@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from .. import kernels
-from ..lm.device import synchronize
-from ..lm.interface import abilities, causal_lm, lm_device
+from ..lm.device import placement, synchronize
+from ..lm.interface import abilities, causal_lm
 from .costmodel import VerifyCurve
 
 CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
@@ -41,7 +41,7 @@ def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, 
     lm = causal_lm(model, role="target")
     vocab = lm.config.vocab_size
     context_tokens = min(context_tokens, lm.config.max_position_embeddings - max(tokens_per_row))
-    g, device = torch.Generator().manual_seed(0), lm_device(lm)
+    g, device = torch.Generator().manual_seed(0), placement(lm).device
     cache = lm.new_cache(batch_size, context_tokens + max(tokens_per_row))
     lm(torch.randint(0, vocab, (batch_size, context_tokens), generator=g).to(device), cache=cache)
     windows = {n: torch.randint(0, vocab, (batch_size, n), generator=g).to(device) for n in tokens_per_row}

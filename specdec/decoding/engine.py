@@ -39,12 +39,12 @@ from typing import Callable
 import torch
 
 from ..errors import SpecdecError
+from ..lm.device import placement
 from ..lm.interface import (
     causal_lm,
     context_length,
     declared_features,
     layer_request,
-    lm_device,
     next_positions,
     no_features,
     prefill_joining,
@@ -102,7 +102,7 @@ class Engine:
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
-        self.device = lm_device(self.target)
+        self.device = placement(self.target).device
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..lm.interface import causal_lm, lm_device, pad_right
+from ..lm.device import placement
+from ..lm.interface import causal_lm, pad_right
 from ..lm.tokenizer import Tokenizer
 from .sampling import SamplingConfig, pick
 
@@ -59,7 +60,7 @@ def first_tokens(model, tokenizer: Tokenizer, prompts: list[list[int]], texts: l
     """The first generated token of each prompt (its ids already backed off), restricted to the
     tokens that start with its backed-off text: one target forward over all of them."""
     model = causal_lm(model, role="target")
-    device = lm_device(model)
+    device = placement(model).device
     tokens, lengths = pad_right(prompts, device=device)                           # (B, T), (B,)
     logits = model(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]      # (B, V)
     masks = torch.stack([allowed(tokenizer, t, logits.shape[-1]) for t in texts]).to(device)  # (B, V)

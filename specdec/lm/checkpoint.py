@@ -23,7 +23,8 @@ from .. import kernels
 from ..errors import SpecdecError
 from .arch import Arch
 from .atomic import atomic_dir, recover
-from .model import LlamaForCausalLM, compute_dtype, place, store_matrices_bf16
+from .device import placement
+from .model import LlamaForCausalLM, place, store_matrices_bf16
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
 PARALLEL_KIND = "parallel-draft"  # specdec.json "kind" of a parallel draft model (proposers/parallel.py)
@@ -152,7 +153,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
 def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> None:
     """A model or head computing in fp32 from weights stored in bf16 keeps its matrices in bf16
     where the CPU kernels run (exact: bf16 -> fp32 loses nothing); elsewhere they stay fp32."""
-    if (stored == torch.bfloat16 and compute_dtype(module) == torch.float32
+    if (stored == torch.bfloat16 and placement(module).dtype == torch.float32
             and all(p.device.type == "cpu" for p in module.parameters()) and kernels.can_store_bf16()):
         store_matrices_bf16(module)
 

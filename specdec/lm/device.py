@@ -1,14 +1,34 @@
 """The device a run computes on, chosen once when its models are loaded, and the backend that goes
 with it: specdec's CPU kernels (kernels/, where they run) or PyTorch's operators (SDPA attention,
 matmuls in the compute dtype: bf16 on CUDA by default). Everything the engine, the proposers, the
-sampler and the metrics create lives on the model's device (`model.device_of`)."""
+sampler and the metrics create lives on the model's device (`placement`)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..errors import SpecdecError
 
 DEVICES = ("cpu", "cuda")
+
+
+class Placement(NamedTuple):
+    device: torch.device  # where its parameters are, and what it creates goes
+    dtype: torch.dtype    # what it computes in: its activations' and KV cache's dtype
+
+
+def placement(model) -> Placement:
+    """Where a model computes, and in which dtype: specdec's model or a head, a transformers model,
+    or either admitted as a causal LM (interface.causal_lm; an adapter holds its transformers model
+    as `model`). The dtype is that of its vectors (norm weights, biases), which stay in the compute
+    dtype where its matrices are stored in bf16 for fp32 arithmetic (model.store_matrices_bf16);
+    a model without vectors computes in its parameters' dtype."""
+    module = model if isinstance(model, torch.nn.Module) else model.model
+    params = module.parameters()
+    first = next(params)
+    vector = first if first.dim() == 1 else next((p for p in params if p.dim() == 1), first)
+    return Placement(first.device, vector.dtype)
 
 
 def resolve(name: str | torch.device | None) -> torch.device:

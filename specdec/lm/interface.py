@@ -17,7 +17,8 @@ import sys
 import torch
 
 from ..errors import SpecdecError
-from .model import Abilities, LlamaForCausalLM, compute_dtype
+from .device import placement
+from .model import Abilities
 
 
 def pad_right(prompts: list[list[int]], pad: int = 0, device: torch.device | str = "cpu"
@@ -56,26 +57,10 @@ def abilities(model) -> Abilities:
     return found if isinstance(found, Abilities) else NO_ABILITIES
 
 
-def module_of(model) -> torch.nn.Module:
-    """The torch module behind a causal LM (`causal_lm`): the model itself, or the transformers model
-    an adapter wraps; its parameters tell the device."""
-    return model if isinstance(model, LlamaForCausalLM) else getattr(model, "model", model)
-
-
-def lm_device(model) -> torch.device:
-    """The device a causal LM (`causal_lm`) computes on."""
-    return next(module_of(model).parameters()).device
-
-
-def lm_dtype(model) -> torch.dtype:
-    """The dtype a causal LM's activations (its hidden states) have."""
-    return compute_dtype(model) if isinstance(model, LlamaForCausalLM) else next(module_of(model).parameters()).dtype
-
-
 def no_features(model, rows: int, features: tuple[int, ...]) -> torch.Tensor:
     """(rows, 0, ...) features (`declared_features`) of no tokens, on the model's device and in its dtype."""
-    return torch.zeros(rows, 0, model.config.hidden_size * max(len(features), 1), dtype=lm_dtype(model),
-                       device=lm_device(model))
+    return torch.zeros(rows, 0, model.config.hidden_size * max(len(features), 1), dtype=placement(model).dtype,
+                       device=placement(model).device)
 
 
 def context_length(model) -> int:

@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import kernels
 from .arch import Arch
-from .device import backend
+from .device import backend, placement
 from .kv_cache import KVCache
 
 LlamaConfig = Arch  # specdec's own models: an Arch of family "llama" (its defaults)
@@ -88,7 +88,7 @@ def store_matrices_bf16(module: nn.Module) -> nn.Module:
             m.weight = nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
             if kernels.can_store_bf16():
                 m.packed = kernels.pack(m.weight)
-    if kernels.can_store_bf16() and compute_dtype(module) == torch.float32:
+    if kernels.can_store_bf16() and placement(module).dtype == torch.float32:
         for m in module.modules():
             if isinstance(m, (DecoderLayer, LlamaForCausalLM)):
                 m.unstacked = kernels.cannot_stack(m.config)
@@ -100,12 +100,6 @@ def store_matrices_bf16(module: nn.Module) -> nn.Module:
     return module
 
 
-def compute_dtype(module: nn.Module) -> torch.dtype:
-    """The dtype a model or head computes in (activations, KV cache): that of its norms, since
-    its matrices may be stored in bf16 for fp32 arithmetic."""
-    return next(m.weight.dtype for m in module.modules() if isinstance(m, RMSNorm))
-
-
 def place(module: nn.Module, device: torch.device | str) -> nn.Module:
     """`module` (a model or head) moved to `device` with what it derives from its config and keeps
     outside its state (inv_freq, which stays fp32 whatever dtype the module computes in)."""
@@ -114,11 +108,6 @@ def place(module: nn.Module, device: torch.device | str) -> nn.Module:
         if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
             m.inv_freq = m.inv_freq.to(device)
     return module
-
-
-def device_of(module: nn.Module) -> torch.device:
-    """The device a model or head lives on (that of its first parameter)."""
-    return next(module.parameters()).device
 
 
 def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -331,13 +320,13 @@ class LlamaForCausalLM(nn.Module):
     @property
     def abilities(self) -> Abilities:
         return Abilities(trees=True, layers=True, draft_vocab=True, batch=True, 
-                         backend=backend(device_of(self), compute_dtype(self),
+                         backend=backend(placement(self).device, placement(self).dtype,
                                          self.stack, self.unstacked))
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
-                       max_len or cfg.max_position_embeddings, dtype=compute_dtype(self),
+                       max_len or cfg.max_position_embeddings, dtype=placement(self).dtype,
                        device=self.lm_head.weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

@@ -20,7 +20,8 @@ from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain, window_layout
 from ..errors import SpecdecError
-from ..lm.interface import causal_lm, context_length, lm_device, next_positions
+from ..lm.device import placement
+from ..lm.interface import causal_lm, context_length, next_positions
 from ..lm.kv_cache import KVCache
 from .base import CATCH_UP, DraftVocabulary, draft_chain, grow_tree, per_row, with_alternatives
 
@@ -60,7 +61,7 @@ class DraftModelProposer:
             draft_vocab, self.vocab_size, token_counts,
             "this draft model was saved without the token counts of its training data, so no draft "
             "vocabulary can be chosen: draft over the full vocabulary, or add them (checkpoint.save_token_counts)",
-            lm_device(self.model))
+            placement(self.model).device)
         if ids is not None and not self.model.abilities.draft_vocab:
             raise SpecdecError("a draft vocabulary needs specdec's own LlamaForCausalLM as the draft model")
         self.vocab = None if ids is None else DraftVocabulary(ids, self.model.lm_head.weight)

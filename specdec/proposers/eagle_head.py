@@ -49,18 +49,8 @@ from torch import nn
 
 from ..errors import SpecdecError
 from ..lm.checkpoint import hf_config
-from ..lm.model import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    Linear,
-    LlamaConfig,
-    RMSNorm,
-    Window,
-    apply_rotary,
-    compute_dtype,
-    rotary,
-)
+from ..lm.device import placement
+from ..lm.model import MLP, Attention, DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary, rotary
 from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
 
 KIND = "eagle3"
@@ -289,7 +279,7 @@ def check_head_fits(head, target, what: str = "EAGLE head", loader: str = "load_
         diff = {k: (v, getattr(target.config, k)) for k, v in head.config.to_dict().items()
                 if getattr(target.config, k) != v}
         raise SpecdecError(f"this {what} was built for another target (config differs: {diff})")
-    if compute_dtype(head) != compute_dtype(target):
-        raise SpecdecError(f"the {what} computes in {compute_dtype(head)} but the target in "
-                           f"{compute_dtype(target)}: load both in one dtype ({loader}(..., dtype=...))")
+    if placement(head).dtype != placement(target).dtype:
+        raise SpecdecError(f"the {what} computes in {placement(head).dtype} but the target in "
+                           f"{placement(target).dtype}: load both in one dtype ({loader}(..., dtype=...))")
 

@@ -35,8 +35,9 @@ from torch import nn
 from ..errors import SpecdecError
 from ..lm.atomic import atomic_dir
 from ..lm.checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
+from ..lm.device import placement
 from ..lm.kv_cache import KVCache
-from ..lm.model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, compute_dtype, place
+from ..lm.model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, place
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
@@ -277,7 +278,7 @@ def check_heads_fit(heads: MTPHeads, trunk) -> None:
         diff = {k: (v, getattr(trunk.config, k)) for k, v in heads.config.to_dict().items()
                 if getattr(trunk.config, k) != v}
         raise SpecdecError(f"these MTP heads were built for another model (config differs: {diff})")
-    dtype = compute_dtype(trunk)
-    if compute_dtype(heads) != dtype:
-        raise SpecdecError(f"the MTP heads compute in {compute_dtype(heads)} but the target in {dtype}: "
+    dtype = placement(trunk).dtype
+    if placement(heads).dtype != dtype:
+        raise SpecdecError(f"the MTP heads compute in {placement(heads).dtype} but the target in {dtype}: "
                            "load both in one dtype (load_heads(..., dtype=...))")

@@ -39,9 +39,10 @@ from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain
 from ..errors import SpecdecError
+from ..lm.device import placement
 from ..lm.interface import abilities, next_positions, pad_right
 from ..lm.kv_cache import KVCache
-from ..lm.model import LlamaForCausalLM, compute_dtype, frozen_linear
+from ..lm.model import LlamaForCausalLM, frozen_linear
 from .base import CATCH_UP, DraftVocabulary, draft_chain, per_row, with_alternatives
 from .heads import MTPHeads, check_heads_fit
 
@@ -98,7 +99,7 @@ class MTPProposer:
                                f"(one per head), but k={k} was asked: use k <= {self.heads.depth}. (Reusing the "
                                "last head for later positions, as some engines do, drafts tokens it was never "
                                "trained to predict, so their acceptance would collapse.)")
-        cfg, dtype = self.target.config, compute_dtype(self.target)
+        cfg, dtype = self.target.config, placement(self.target).dtype
         # positions written stay below max_len + the widest window after prefill (< 3 (k + 1))
         cache = KVCache(k, capacity or len(prompts), cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1),
                         dtype=dtype, device=prompt_hidden.device)
