@@ -139,7 +139,6 @@ def test_sampled_output_keeps_the_exact_joint_distribution(device, monkeypatch):
 def test_load_generate_and_the_command_line_on_the_device(device, tiny_checkpoint, draft_checkpoint, capsys):
     from specdec.api import generate, load, load_draft_model
     from specdec.cli import main
-    
     target = load(tiny_checkpoint, device=device)
     assert placement(target.model).device.type == device
     assert placement(target.model).dtype == (torch.bfloat16 if device == "cuda" else torch.float32)
