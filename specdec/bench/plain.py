@@ -150,49 +150,11 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
         hfs[name].generation_config.eos_token_id = None   # every decoder produces exactly max_new_tokens
         hfs[name].generation_config.pad_token_id = 0
     prompts = encode_prompts(target, humaneval_prompts(n_prompts), max_new_tokens)
-    rule, greedy = StopRule(max_new_tokens), SamplingConfig()
     cpps, cpp_info = llama_cpp_peers(target, prompts, llama_cpp, ("bf16", "q8_0") if size else ("bf16", "f32"))
     load_before = os.getloadavg()[0]  # a busy shared machine slows the peers unevenly: say how busy it was
-
-    def ours(ids):
-        rows, timing = plain_generate(target.model, [ids], rule, greedy)
-        return Decoded(rows[0].tokens, timing.decode_seconds)
-
-    def theirs(hf):
-        def run(ids):
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-            return Decoded(out[0, len(ids):].tolist())
-        return run
-
-    def llama(model):
-        def run(ids):
-            tokens, _, decode_seconds = model.generate(ids, max_new_tokens)
-            return Decoded(tokens, decode_seconds)
-        return run
-
-    methods = {"specdec": ours, **{name: theirs(hf) for name, hf in hfs.items()},
-               **{name: llama(m) for name, m in cpps.items()}}
-    tokens_per_s = {m: [] for m in methods}
-    decode_per_s = {m: [] for m in methods}
-    outputs = {}
+    methods = decoders(target.model, hfs, cpps, max_new_tokens)
     try:
-        for fn in methods.values():
-            fn(prompts[0])  # warm-up, not timed
-        with tqdm(total=repeats * len(methods) * len(prompts), desc="plain decoding", unit="gen") as bar:
-            for _ in range(repeats):
-                for name, fn in methods.items():  # interleaved: every repeat runs every decoder
-                    t0, produced, decoded, decode_seconds = time.perf_counter(), 0, 0, 0.0
-                    for i, ids in enumerate(prompts):
-                        out = fn(ids)
-                        outputs[name, i] = out.tokens
-                        produced += len(out.tokens)
-                        if out.decode_seconds is not None:
-                            decoded += len(out.tokens) - 1
-                            decode_seconds += out.decode_seconds
-                        bar.update(1)
-                    tokens_per_s[name].append(produced / (time.perf_counter() - t0))
-                    if decode_seconds > 0:
-                        decode_per_s[name].append(decoded / decode_seconds)
+        tokens_per_s, decode_per_s, outputs = interleaved(methods, prompts, repeats)
     finally:
         for model in cpps.values():
             model.close()
@@ -226,27 +188,88 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
         "verify_curve": curve,
         "draft_predictions": predictions,
         "threads": kernels.thread_report(),
-        "conditions": {
-            "size": None if size is None else {"name": size, "like": sizes.SIZES[size].like,
-                                               "weights": "random (bench/sizes.py), in the user cache"},
-            "target": model_info(target.model, target.path),
-            "method": "plain autoregressive decoding",
-            "workload": {"dataset": "HumanEval", "prompts": len(prompts),
-                         "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": max_new_tokens,
-                         "eos": "ignored (exactly max_new_tokens per prompt)"},
-            "sampling": {"temperature": 0},
-            "batch_size": 1,
-            "repeats": repeats,
-            "tokens_per_s_includes": "prefill and decoding, one prompt after another",
-            "decode_tokens_per_s_includes": "the forwards after the prompt's: (max_new_tokens - 1) tokens per "
-                                            "prompt over their seconds (specdec and llama.cpp)",
-            "hardware": {**hardware(), "read_bandwidth_assumed_GBps": MACHINE_READ_BANDWIDTH / 1e9,
-                         "load_average_1min": {"before": load_before, "after": load_after}},
-            "software": {**software(), "llama_cpp": cpp_info["version"]},
-            "baseline": f"transformers generate (greedy, KV cache) on the same weights, in {short(same)} "
-                        "(specdec's arithmetic) and in bfloat16; llama.cpp (greedy) on the same weights in "
-                        "GGUF bf16 and f32 when installed",
-        },
+        "conditions": plain_conditions(target, prompts, max_new_tokens, repeats, size, same, cpp_info,
+                                       (load_before, load_after)),
+    }
+
+
+def decoders(model, hfs: dict, cpps: dict, max_new_tokens: int) -> dict:
+    """Each decoder by name as a function of one prompt's ids to its greedy tokens (and its decoding
+    seconds where it times them): specdec's plain decoding, transformers' models `hfs`, llama.cpp's `cpps`."""
+    rule, greedy = StopRule(max_new_tokens), SamplingConfig()
+
+    def ours(ids):
+        rows, timing = plain_generate(model, [ids], rule, greedy)
+        return Decoded(rows[0].tokens, timing.decode_seconds)
+
+    def theirs(hf):
+        def run(ids):
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            return Decoded(out[0, len(ids):].tolist())
+        return run
+
+    def llama(cpp):
+        def run(ids):
+            tokens, _, decode_seconds = cpp.generate(ids, max_new_tokens)
+            return Decoded(tokens, decode_seconds)
+        return run
+
+    return {"specdec": ours, **{name: theirs(hf) for name, hf in hfs.items()},
+            **{name: llama(m) for name, m in cpps.items()}}
+
+
+def interleaved(methods: dict, prompts: list[list[int]], repeats: int) -> tuple[dict, dict, dict]:
+    """Every decoder warmed up once, then `repeats` rounds in which each decodes every prompt in turn
+    (a busy machine slows them alike): tokens/s per round, decode-only tokens/s per round where the
+    decoder times its decoding, and the tokens of each (decoder, prompt)."""
+    tokens_per_s = {m: [] for m in methods}
+    decode_per_s = {m: [] for m in methods}
+    outputs = {}
+    for fn in methods.values():
+        fn(prompts[0])  # warm-up, not timed
+    with tqdm(total=repeats * len(methods) * len(prompts), desc="plain decoding", unit="gen") as bar:
+        for _ in range(repeats):
+            for name, fn in methods.items():  # interleaved: every repeat runs every decoder
+                t0, produced, decoded, decode_seconds = time.perf_counter(), 0, 0, 0.0
+                for i, ids in enumerate(prompts):
+                    out = fn(ids)
+                    outputs[name, i] = out.tokens
+                    produced += len(out.tokens)
+                    if out.decode_seconds is not None:
+                        decoded += len(out.tokens) - 1
+                        decode_seconds += out.decode_seconds
+                    bar.update(1)
+                tokens_per_s[name].append(produced / (time.perf_counter() - t0))
+                if decode_seconds > 0:
+                    decode_per_s[name].append(decoded / decode_seconds)
+    return tokens_per_s, decode_per_s, outputs
+
+
+def plain_conditions(target, prompts: list[list[int]], max_new_tokens: int, repeats: int, size: str | None,
+                     same: torch.dtype, cpp_info: dict, load: tuple[float, float]) -> dict:
+    """What `bench_plain` measured under: the target, workload, settings, hardware (with the load
+    average before and after) and software."""
+    load_before, load_after = load
+    return {
+        "size": None if size is None else {"name": size, "like": sizes.SIZES[size].like,
+                                           "weights": "random (bench/sizes.py), in the user cache"},
+        "target": model_info(target.model, target.path),
+        "method": "plain autoregressive decoding",
+        "workload": {"dataset": "HumanEval", "prompts": len(prompts),
+                     "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": max_new_tokens,
+                     "eos": "ignored (exactly max_new_tokens per prompt)"},
+        "sampling": {"temperature": 0},
+        "batch_size": 1,
+        "repeats": repeats,
+        "tokens_per_s_includes": "prefill and decoding, one prompt after another",
+        "decode_tokens_per_s_includes": "the forwards after the prompt's: (max_new_tokens - 1) tokens per "
+                                        "prompt over their seconds (specdec and llama.cpp)",
+        "hardware": {**hardware(), "read_bandwidth_assumed_GBps": MACHINE_READ_BANDWIDTH / 1e9,
+                     "load_average_1min": {"before": load_before, "after": load_after}},
+        "software": {**software(), "llama_cpp": cpp_info["version"]},
+        "baseline": f"transformers generate (greedy, KV cache) on the same weights, in {short(same)} "
+                    "(specdec's arithmetic) and in bfloat16; llama.cpp (greedy) on the same weights in "
+                    "GGUF bf16 and f32 when installed",
     }
 
 

@@ -52,14 +52,7 @@ def ended_early(service: Service, reason: str) -> APIError:
 
 def create_app(service: Service, limits: Limits = Limits()):
     app = FastAPI(title="specdec serve", openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_exception_handler(APIError, lambda request, e: error_response(e))
-    app.add_exception_handler(RequestValidationError, lambda request, e: error_response(
-        APIError(400, "the request is malformed")))
-    app.add_exception_handler(404, lambda request, e: error_response(
-        APIError(404, f"no route {request.method} {request.url.path[:100]}; see GET /v1/models, "
-                      "POST /v1/completions, POST /v1/chat/completions", code="not_found")))
-    app.add_exception_handler(405, lambda request, e: error_response(
-        APIError(405, f"{request.method} is not allowed on {request.url.path[:100]}", code="method_not_allowed")))
+    add_error_handlers(app)
 
     def model_card() -> dict:
         return {"id": service.name, "object": "model", "created": 0, "owned_by": "specdec", "method": service.method,
@@ -95,54 +88,71 @@ def create_app(service: Service, limits: Limits = Limits()):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        parsed = read(request, await request.body(), requests.completion)
+        parsed = read(service, await request.body(), requests.completion)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": service.name}
-        return await run(request, parsed, head, chat=False)
+        return await run(service, request, parsed, head, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        parsed = read(request, await request.body(), requests.chat)
+        parsed = read(service, await request.body(), requests.chat)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": service.name}
-        return await run(request, parsed, head, chat=True)
-
-    def read(request: Request, raw: bytes, parse) -> Parsed:
-        try:
-            return parse(requests.decode_json(raw), service.name)
-        except APIError:
-            service.requests["invalid"] += 1
-            raise
-
-    async def run(request: Request, parsed: Parsed, head: dict, chat: bool):
-        try:
-            job = service.admit(parsed.params)
-        except QueueFull as e:
-            raise APIError(429, str(e), code="server_full", kind="rate_limit_error",
-                           headers={"Retry-After": RETRY_AFTER}) from None
-        except Closing as e:
-            raise APIError(503, str(e), code="unavailable", kind="server_error",
-                           headers={"Retry-After": RETRY_AFTER}) from None
-        except NoChat as e:
-            service.requests["invalid"] += 1
-            raise APIError(400, str(e), "messages", "no_chat_template") from None
-        try:
-            await asyncio.to_thread(service.encode, job)
-            service.submit(job)
-        except Closing as e:
-            service.finished(job, None, 0, False)
-            raise APIError(503, str(e), code="unavailable", kind="server_error",
-                           headers={"Retry-After": RETRY_AFTER}) from None
-        except SpecdecError as e:  # the prompt does not fit the context
-            service.finished(job, None, 0, False)
-            service.requests["invalid"] += 1
-            raise APIError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded") from None
-        if parsed.stream:
-            return StreamingResponse(sse(service, job, head, parsed.include_usage, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await whole(service, job, head, request, chat)
+        return await run(service, request, parsed, head, chat=True)
 
     return Guard(app, limits)
+
+
+def add_error_handlers(app) -> None:
+    """Every error as the API's JSON error (errors.py): raised ones, malformed requests, unknown routes
+    and methods."""
+    app.add_exception_handler(APIError, lambda request, e: error_response(e))
+    app.add_exception_handler(RequestValidationError, lambda request, e: error_response(
+        APIError(400, "the request is malformed")))
+    app.add_exception_handler(404, lambda request, e: error_response(
+        APIError(404, f"no route {request.method} {request.url.path[:100]}; see GET /v1/models, "
+                      "POST /v1/completions, POST /v1/chat/completions", code="not_found")))
+    app.add_exception_handler(405, lambda request, e: error_response(
+        APIError(405, f"{request.method} is not allowed on {request.url.path[:100]}", code="method_not_allowed")))
+
+
+def read(service: Service, raw: bytes, parse) -> Parsed:
+    """A request body parsed by `parse`; a malformed one is counted and refused."""
+    try:
+        return parse(requests.decode_json(raw), service.name)
+    except APIError:
+        service.requests["invalid"] += 1
+        raise
+
+async def run(service: Service, request: Request, parsed: Parsed, head: dict, chat: bool):
+    """Admit, encode and submit a parsed completion request; its response, streamed or whole, or the
+    API error of a full queue, a closing server, a chat without a template or a prompt too long."""
+    try:
+        job = service.admit(parsed.params)
+    except QueueFull as e:
+        raise APIError(429, str(e), code="server_full", kind="rate_limit_error",
+                       headers={"Retry-After": RETRY_AFTER}) from None
+    except Closing as e:
+        raise APIError(503, str(e), code="unavailable", kind="server_error",
+                       headers={"Retry-After": RETRY_AFTER}) from None
+    except NoChat as e:
+        service.requests["invalid"] += 1
+        raise APIError(400, str(e), "messages", "no_chat_template") from None
+    try:
+        await asyncio.to_thread(service.encode, job)
+        service.submit(job)
+    except Closing as e:
+        service.finished(job, None, 0, False)
+        raise APIError(503, str(e), code="unavailable", kind="server_error",
+                       headers={"Retry-After": RETRY_AFTER}) from None
+    except SpecdecError as e:  # the prompt does not fit the context
+        service.finished(job, None, 0, False)
+        service.requests["invalid"] += 1
+        raise APIError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded") from None
+    if parsed.stream:
+        return StreamingResponse(sse(service, job, head, parsed.include_usage, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await whole(service, job, head, request, chat)
 
 
 def usage_of(job: Job, completion: int) -> dict:
