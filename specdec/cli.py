@@ -250,35 +250,22 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 
 def make_proposer(args, target):
-    from .api import load_block_head, load_draft_model, load_eagle_head, load_mtp_heads, load_parallel_draft
-    from .proposers import build_proposer
+    """The proposer --draft names for `target`, from --draft-model or --heads (default: the shipped
+    one) with the draft options, through the drafter registry (None: plain decoding)."""
+    from .proposers import DraftOptions, build_drafter
 
     if args.draft == "none":
         return None
-    if args.draft == "draft-model":
-        draft = load_draft_model(target, args.draft_model)
-        return build_proposer("draft-model", model=draft.model, draft_vocab=args.draft_vocab,
-                              token_counts=draft.token_counts, tree="dynamic" if args.dynamic_tree else "static")
-    if args.draft == "parallel":
-        return load_parallel_draft(target, args.draft_model, args.draft_vocab)
-    if args.draft == "mtp":
-        return build_proposer("mtp", heads=load_mtp_heads(target, args.heads), target=target.model,
-                              draft_vocab=args.draft_vocab)
-    if args.draft == "suffix":
-        return build_proposer("suffix")
-    if args.draft == "eagle":
-        return build_proposer("eagle", head=load_eagle_head(target, args.heads), target=target.model,
-                              draft_vocab=args.draft_vocab)
-    if args.draft == "block":
-        return build_proposer("block", head=load_block_head(target, args.heads), target=target.model,
-                              draft_vocab=args.draft_vocab)
-    sizes = {"max_n": args.ngram_max, "min_n": args.ngram_min}
-    return build_proposer("ngram", **{name: n for name, n in sizes.items() if n is not None})
+    path = args.draft_model if args.draft in ("draft-model", "parallel") else args.heads
+    return build_drafter(args.draft, target, path, DraftOptions(args.draft_vocab, dynamic_tree=args.dynamic_tree,
+                                                               ngram_max=args.ngram_max, ngram_min=args.ngram_min))
 
 
 def add_draft_arguments(p: argparse.ArgumentParser) -> None:
     """The proposer and its options, the same for `generate` and `serve`."""
-    p.add_argument("--draft", choices=["none", *DRAFTS], default="none",
+    from .proposers import DRAFTERS
+
+    p.add_argument("--draft", choices=["none", *DRAFTERS], default="none",
                    help="speculative decoding with this proposer (default: plain decoding; mtp: the "
                         "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features; "
                         "block: a block head drafting all k tokens in one forward from the target's features; "
@@ -333,7 +320,6 @@ def tree_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
-DRAFTS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
               "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
@@ -404,9 +390,10 @@ def cmd_bench(args) -> None:
     from .bench.report import console_report, write_report
     from .bench.runner import run_bench
 
-    result = run_bench(bench_plan(args), args.model, args.draft_model, args.heads, torch_dtype(args.dtype),
-                       command=["specdec", *sys.argv[1:]], eagle_path=args.eagle, device=args.device,
-                       block_path=args.block)
+    paths = {"draft-model": args.draft_model, "mtp": args.heads, "eagle": args.eagle, "block": args.block}
+    result = run_bench(bench_plan(args), args.model, {name: path for name, path in paths.items() if path},
+                       torch_dtype(args.dtype), command=["specdec", *sys.argv[1:]], device=args.device,
+                       skip_misfits=args.methods is None)
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
 
@@ -760,7 +747,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     b.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     b.add_argument("--methods", nargs="+",
-                   help="speculative methods (default: draft-model ngram mtp suffix eagle block)")
+                   help="speculative methods, each of which must fit the target (default: every drafter that fits "
+                        "it, the others named with the reason: draft-model parallel ngram mtp suffix eagle block)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
     b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")

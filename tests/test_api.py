@@ -96,8 +96,8 @@ def test_the_mtp_proposers_default_k_is_its_number_of_heads(tmp_path, tiny_check
     heads = build_heads("mtp-parallel", TINY, 2)
     init_weights(heads)
     save_heads(heads, tmp_path / "heads", sha256(tiny_checkpoint / "model.safetensors"), dtype=torch.float32)
-    from specdec.api import load_mtp_heads
-    mtp = build_proposer("mtp", heads=load_mtp_heads(target, tmp_path / "heads"), target=target.model)
+    from specdec.api import load_drafter
+    mtp = load_drafter(target, "mtp", tmp_path / "heads")
     result = generate(target, "def f(x):", max_new_tokens=8, proposer=mtp)
     assert result.stats["k"] == 2
     assert result.tokens == generate(target, "def f(x):", max_new_tokens=8).tokens

@@ -60,9 +60,9 @@ def models(tmp_path_factory, tokenizer_file):
 @pytest.fixture(scope="module")
 def result(models):
     # the peers in fp32 too: tiny random models have no rounding ties then, so every check is exact
-    return run_bench(PLAN, models / "target", models / "draft", models / "heads", progress=False,
-                     peer_dtype=torch.float32, eagle_path=models / "eagle", block_path=models / "block",
-                     parallel_path=models / "parallel")
+    paths = {"draft-model": models / "draft", "mtp": models / "heads", "eagle": models / "eagle",
+             "block": models / "block", "parallel": models / "parallel"}
+    return run_bench(PLAN, models / "target", paths, progress=False, peer_dtype=torch.float32)
 
 
 def test_every_configuration_runs_with_its_conditions(result):
@@ -240,3 +240,55 @@ def test_no_empty_batch_effect_plot(result, tmp_path):
     assert not (out / "speedup_vs_batch.png").exists()
     assert "speedup_vs_batch.png" not in (out / REPORT_NAME).read_text()
     assert (out / "speedup_vs_k.png").exists()
+
+
+@pytest.fixture(scope="module")
+def own_model(tmp_path_factory):
+    """A user's own checkpoint: a small random Qwen2 (a transformers config, save_pretrained) with a
+    tokenizer of its own, for which none of the shipped drafters was made."""
+    from .test_families import hf_model, save
+    from .test_tokenizer import foreign_checkpoint_tokenizer
+    folder = tmp_path_factory.mktemp("own")
+    save(hf_model("qwen2", vocab_size=300, max_position_embeddings=4096, bos_token_id=0, eos_token_id=2), folder,
+         torch.bfloat16)
+    foreign_checkpoint_tokenizer(folder, False, json.loads((folder / "config.json").read_text()))
+    return folder
+
+
+SHIPPED_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block")
+
+
+def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips(own_model, tmp_path, capsys):
+    code = main(["bench", "--quick", "--model", str(own_model), "--prompts", "4", "--repeats", "1",
+                 "--max-new-tokens", "3", "--no-moe", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    skipped = {line.split()[3].rstrip(":"): line for line in err.splitlines()
+               if line.startswith("specdec bench: skipped")}
+    assert sorted(skipped) == sorted(SHIPPED_DRAFTERS)  # one line each, with the reason
+    assert "uses another tokenizer than the target" in skipped["draft-model"]
+    assert "was trained for another target" in skipped["parallel"]
+    assert all("pass the target" in skipped[name] and "trained for" in skipped[name] for name in ("mtp", "eagle", "block"))
+    result = json.loads((tmp_path / "out" / JSON_NAME).read_text())
+    assert sorted(result["skipped"]) == sorted(SHIPPED_DRAFTERS) and result["plan"]["methods"] == ["ngram", "suffix"]
+    assert result["conditions"]["draft"] == "not used"
+    first = result["cells"][0]  # the lookup methods and transformers' peers that need no draft model
+    assert {r["method"] for r in first["results"]} == {"plain", "ngram", "suffix", "hf-generate", "hf-prompt-lookup"}
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            if r["method"] in ("ngram", "suffix") and cell["sampling"]["temperature"] == 0:
+                assert r["lossless"]["identical"] == r["lossless"]["prompts"]
+
+
+def test_methods_named_run_without_the_shipped_draft_and_a_misfit_named_is_refused(own_model, tmp_path, capsys):
+    base = ["bench", "--model", str(own_model), "--workloads", "humaneval", "--ks", "2", "--prompts", "1",
+            "--repeats", "1", "--max-new-tokens", "3", "--no-moe", "--no-auto"]
+    code = main([*base, "--methods", "ngram", "suffix", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    result = json.loads((tmp_path / "out" / JSON_NAME).read_text())
+    assert result["conditions"]["draft"] == "not used" and result["skipped"] == {}
+    assert [r["label"] for r in result["cells"][0]["results"]] == ["plain", "ngram k=2", "suffix k=2", "hf-generate",
+                                                                  "hf-prompt-lookup k=2"]
+    code = main([*base, "--methods", "eagle", "--out", str(tmp_path / "refused")])
+    assert code == 2 and "the EAGLE head in" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from specdec.api import Loaded, load_parallel_draft
+from specdec.api import Loaded, load_drafter
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
@@ -244,7 +244,7 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     save_model(draft, tmp_path / "draft", tokenizer_file=tok, meta=meta)
     save_token_counts(tmp_path / "draft", torch.ones(V, dtype=torch.long))
     loaded = Loaded(target, Tokenizer.load(tmp_path / "target"), tmp_path / "target")
-    p = load_parallel_draft(loaded, tmp_path / "draft")
+    p = load_drafter(loaded, "parallel", tmp_path / "draft")
     assert (p.mask, p.max_depth, p.vocab_size) == (V, 4, V)
     with pytest.raises(SpecdecError, match="trained for blocks of 4 drafts; k=5"):
         speculative_generate(target, p, [[1, 2]], StopRule(8), GREEDY, 5)
@@ -258,13 +258,13 @@ def test_save_load_round_trip_and_refusals(tmp_path):
 
     no_mask = edited("plain", lambda m: {"kind": "target-or-draft-model"})
     with pytest.raises(SpecdecError, match="not a parallel draft .* names no mask token"):
-        load_parallel_draft(loaded, no_mask)
+        load_drafter(loaded, "parallel", no_mask)
     other = edited("other", lambda m: {**m, "parallel": {**m["parallel"], "target_sha256": "0" * 64}})
     with pytest.raises(SpecdecError, match="trained for another target"):
-        load_parallel_draft(loaded, other)
+        load_drafter(loaded, "parallel", other)
     wrong_id = edited("wrong-id", lambda m: {**m, "parallel": {**m["parallel"], "mask_token_id": 3}})
     with pytest.raises(SpecdecError, match="mask token is its last id"):
-        load_parallel_draft(loaded, wrong_id)
+        load_drafter(loaded, "parallel", wrong_id)
 
 
 def test_a_plain_draft_grows_its_mask_token_row():
@@ -315,8 +315,8 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
 def test_the_export_refuses_a_parallel_draft_naming_what_vllm_lacks(tmp_path):
     """vLLM's parallel drafting reads the mask token as an id of the verifier's vocabulary; the shipped
     parallel draft's is one id past it: refused with the reason, nothing written."""
-    from specdec.api import DEFAULT_PARALLEL
     from specdec.export import export
+    from specdec.proposers import DRAFTERS
     with pytest.raises(SpecdecError, match="pard_token.*mask token is an extra id past it \\(16384\\)"):
-        export(DEFAULT_PARALLEL, tmp_path / "out")
+        export(DRAFTERS["parallel"].folder(), tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -1,6 +1,6 @@
 """transformers' own decoders as peers, on the same weights as specdec's target: `generate`
-(plain decoding), assisted generation (`assistant_model=` the same draft model) and prompt lookup
-(`prompt_lookup_num_tokens=k`, n-gram drafting). Batch 1 only: transformers' assisted generation
+(plain decoding), assisted generation (`assistant_model=` the same draft model, where the run has
+one) and prompt lookup (`prompt_lookup_num_tokens=k`, n-gram drafting). Batch 1 only: transformers' assisted generation
 supports no larger batch. They run in bfloat16, transformers' fastest setting on this CPU (its
 float32 path is slower: `specdec bench plain` measures both), so their arithmetic differs from
 specdec's float32 and their outputs are checked against hf-generate, not against specdec.
@@ -19,22 +19,27 @@ PEER_DTYPE = torch.bfloat16
 
 
 class Peers:
-    def __init__(self, target_path: Path, draft_path: Path, dtype: torch.dtype, device: torch.device):
+    def __init__(self, target_path: Path, draft_path: Path | None, dtype: torch.dtype, device: torch.device):
+        """draft_path: the run's draft model (None: no assisted generation)."""
         import transformers
 
         self.version, self.dtype, self.device = transformers.__version__, dtype, device
         load = transformers.AutoModelForCausalLM.from_pretrained
-        self.target, self.draft = (load(path, dtype=dtype).to(device).eval() for path in (target_path, draft_path))
+        self.target, self.draft = (load(path, dtype=dtype).to(device).eval() if path else None
+                                   for path in (target_path, draft_path))
         for model in (self.target, self.draft):
-            model.generation_config.eos_token_id = None   # exactly max_new_tokens, as specdec's runs
-            model.generation_config.pad_token_id = 0
+            if model is not None:
+                model.generation_config.eos_token_id = None   # exactly max_new_tokens, as specdec's runs
+                model.generation_config.pad_token_id = 0
+        self.methods = tuple(p for p in PEERS if p != "hf-assisted" or self.draft is not None)
 
     def info(self) -> dict:
         impl = f"transformers {self.version} ({str(self.dtype).removeprefix('torch.')}, {self.device})"
-        return {"hf-generate": {"name": "hf-generate", "implementation": f"{impl} generate, KV cache"},
+        info = {"hf-generate": {"name": "hf-generate", "implementation": f"{impl} generate, KV cache"},
                 "hf-assisted": {"name": "hf-assisted", "implementation": f"{impl} assisted generation",
                                 "assistant": "the draft model of this run", "num_assistant_tokens_schedule": "constant"},
                 "hf-prompt-lookup": {"name": "hf-prompt-lookup", "implementation": f"{impl} prompt lookup decoding"}}
+        return {method: info[method] for method in self.methods}
 
     def generate(self, method: str, k: int, batch: list[list[int]], max_new_tokens: int,
                  sampling: SamplingConfig) -> list[list[int]]:

@@ -59,19 +59,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..api import (
-    DEFAULT_BLOCK,
-    DEFAULT_EAGLE,
-    DEFAULT_HEADS,
-    DEFAULT_PARALLEL,
-    encode_prompts,
-    load,
-    load_block_head,
-    load_draft_model,
-    load_eagle_head,
-    load_mtp_heads,
-    load_parallel_draft,
-)
+from ..api import encode_prompts, load
 from ..decoding.adaptive import AUTO_TREE, merge_summaries
 from ..decoding.calibration import measure_verify_curve
 from ..decoding.costmodel import predicted_speedup, speedup_limit
@@ -83,10 +71,11 @@ from ..decoding.stopping import StopRule
 from ..decoding.syncs import count_host_syncs
 from ..decoding.verify import greedy_accept, rejection_sample
 from ..errors import SpecdecError
-from ..lm.checkpoint import TOKEN_COUNTS, read_meta, shown_path
+from ..lm.checkpoint import shown_path
 from ..lm.device import placement
 from ..lm.interface import abilities
-from ..proposers import build_proposer
+from ..proposers import DRAFTERS, DraftOptions, build_proposer
+from ..proposers.drafters import DraftCheckpoint
 from .conditions import UNKNOWN, hardware, model_info, roofline, software, spread
 from .noise import implausible_verify_points, result_noise
 from .peers import PEER_DTYPE, PEERS, Peers
@@ -95,8 +84,7 @@ from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
-SPEC_METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
-NGRAM = {"max_n": 3, "min_n": 1}
+SPEC_METHODS = tuple(DRAFTERS)
 # MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
 # unembedding cost per head
@@ -107,6 +95,11 @@ DRAFT_VOCAB = 4096  # the draft model's too, where it was saved with its token c
 # and the best greedy speedup went from 1.19x to 1.24x; at temperature 1 τ drops (2.98 -> 2.74 at k = 3: the
 # head's mass outside the 2048 ids is lost) at about the same speed (best 0.98x -> 0.96x)
 EAGLE_DRAFT_VOCAB = 2048
+BENCH_OPTIONS = {"draft-model": DraftOptions(DRAFT_VOCAB, counted_only=True),
+                 "parallel": DraftOptions(DRAFT_VOCAB, counted_only=True),
+                 "ngram": DraftOptions(ngram_max=3, ngram_min=1),
+                 "mtp": DraftOptions(MTP_DRAFT_VOCAB, counted_only=True),
+                 "eagle": DraftOptions(EAGLE_DRAFT_VOCAB, counted_only=True)}  # the others: DraftOptions()
 CURVE_EXTRA_TOKENS = 16  # the batch-1 verify curve also reaches this many tokens (for the plot)
 
 
@@ -219,76 +212,48 @@ class Config:
 
 
 class Bench:
-    """The loaded models and proposers, shared by every cell of a run."""
+    """The loaded models and proposers, shared by every cell of a run. With skip_misfits, a
+    drafter that does not fit the target (missing, another tokenizer, trained for another target)
+    is left out of the plan, with the reason in `skipped`; otherwise it is refused."""
 
-    def __init__(self, plan: Plan, target_path=None, draft_path=None, heads_path=None,
-                 dtype: torch.dtype | None = None, peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None,
-                 block_path=None, device: str | torch.device | None = None, parallel_path=None):
-        self.plan = plan
+    def __init__(self, plan: Plan, target_path=None, paths: dict | None = None, dtype: torch.dtype | None = None,
+                 peer_dtype: torch.dtype = PEER_DTYPE, device: str | torch.device | None = None,
+                 skip_misfits: bool = False):
         self.target = load(target_path, dtype=dtype, device=device)
         self.device = placement(self.target.model).device
-        self.proposers, self.method_info = {}, {"plain": {"name": "plain autoregressive decoding"}}
-        self.draft = self.heads = None
-        if "draft-model" in plan.methods or any(c.peer_k for c in plan.cells):
-            self.draft = load_draft_model(self.target, draft_path)
-        if "draft-model" in plan.methods:
-            draft_vocab = DRAFT_VOCAB if self.draft.token_counts is not None else None
-            self.proposers["draft-model"], self.dynamic_draft = (
-                build_proposer("draft-model", model=self.draft.model, draft_vocab=draft_vocab,
-                               token_counts=self.draft.token_counts, tree=kind) for kind in ("static", "dynamic"))
-            self.method_info["draft-model"] = {"name": "draft-model", "draft": model_info(self.draft.model, self.draft.path),
-                                               "draft_vocab": draft_vocab or "full",
-                                               **training_budget(read_meta(self.draft.path))}
-        if "parallel" in plan.methods:
-            path = Path(parallel_path or DEFAULT_PARALLEL)
-            draft_vocab = DRAFT_VOCAB if (path / TOKEN_COUNTS).exists() else None
-            parallel = load_parallel_draft(self.target, path, draft_vocab)
-            self.proposers["parallel"] = parallel
-            self.method_info["parallel"] = {"name": "parallel", "draft": model_info(parallel.model, path),
-                                            "draft_vocab": draft_vocab or "full", "block": parallel.max_depth,
-                                            "native_step": parallel.native, **training_budget(read_meta(path))}
-        if "ngram" in plan.methods:
-            self.proposers["ngram"] = build_proposer("ngram", **NGRAM)
-            self.method_info["ngram"] = {"name": "ngram", **NGRAM}
-        if "suffix" in plan.methods:
-            self.proposers["suffix"] = build_proposer("suffix")
-            self.method_info["suffix"] = {"name": "suffix", "shared_trie": "the generations of one repeat of a cell "
-                                                                           "(never a prompt's own earlier output)"}
-        if "mtp" in plan.methods:
-            self.heads = load_mtp_heads(self.target, heads_path)
-            check_mtp_ks(plan, self.heads.depth)
-            draft_vocab = MTP_DRAFT_VOCAB if self.heads.token_counts is not None else None
-            self.proposers["mtp"] = build_proposer("mtp", heads=self.heads, target=self.target.model,
-                                                   draft_vocab=draft_vocab)
-            self.method_info["mtp"] = {"name": "mtp", "path": shown_path(heads_path or DEFAULT_HEADS),
-                                       "head_kind": self.heads.kind, "depth": self.heads.depth,
-                                       "draft_vocab": draft_vocab or "full",
-                                       "parameters": sum(p.numel() for p in self.heads.parameters()),
-                                       **training_budget(heads_meta(heads_path or DEFAULT_HEADS))}
-        if "eagle" in plan.methods:
-            head = load_eagle_head(self.target, eagle_path)
-            draft_vocab = EAGLE_DRAFT_VOCAB if head.token_counts is not None else None
-            self.proposers["eagle"] = build_proposer("eagle", head=head, target=self.target.model,
-                                                     draft_vocab=draft_vocab)
-            self.method_info["eagle"] = {"name": "eagle", "path": shown_path(eagle_path or DEFAULT_EAGLE),
-                                         "head_kind": head.kind, "layer_ids": list(head.layer_ids),
-                                         "draft_vocab": min(draft_vocab or head.draft_vocab_size,
-                                                            head.draft_vocab_size),
-                                         "parameters": sum(p.numel() for p in head.parameters()),
-                                         **training_budget(heads_meta(eagle_path or DEFAULT_EAGLE))}
-        if "block" in plan.methods:  # over its own draft vocabulary
-            head = load_block_head(self.target, block_path)
-            self.proposers["block"] = build_proposer("block", head=head, target=self.target.model)
-            self.method_info["block"] = {"name": "block", "path": shown_path(block_path or DEFAULT_BLOCK),
-                                         "head_kind": head.kind,
-                                         "layer_ids": list(head.layer_ids), "block": head.block,
-                                         "attention": head.attention, "draft_vocab": head.draft_vocab_size,
-                                         "parameters": sum(p.numel() for p in head.parameters()),
-                                         **training_budget(heads_meta(block_path or DEFAULT_BLOCK))}
-        self.peers = (Peers(self.target.path, self.draft.path, peer_dtype, self.device)
+        paths = paths or {}
+        misfits = {name: DRAFTERS[name].misfit(self.target, paths.get(name)) for name in plan.methods} \
+            if skip_misfits else {}
+        self.skipped = {name: reason for name, reason in misfits.items() if reason is not None}
+        self.plan = dataclasses.replace(plan, methods=tuple(m for m in plan.methods if m not in self.skipped))
+        self.networks, self.proposers = {}, {}
+        self.method_info = {"plain": {"name": "plain autoregressive decoding"}}
+        for name in self.plan.methods:
+            self.add(name, DRAFTERS[name].folder(paths.get(name)))
+        if "mtp" in self.networks:
+            check_mtp_ks(self.plan, self.networks["mtp"].depth)
+        self.draft = self.networks.get("draft-model")  # transformers' assisted generation drafts with it too
+        self.peers = (Peers(self.target.path, self.draft and self.draft.path, peer_dtype, self.device)
                       if any(c.peer_k for c in plan.cells) else None)
         if self.peers is not None:
             self.method_info.update(self.peers.info())
+
+    def add(self, name: str, folder: Path | None) -> None:
+        """The drafter `name` read from `folder` for the target, as its proposer (a draft model also
+        with dynamic trees), with what the conditions say about it."""
+        drafter, options = DRAFTERS[name], BENCH_OPTIONS.get(name, DraftOptions())
+        network = self.networks[name] = drafter.network(self.target, folder)
+        proposer = self.proposers[name] = drafter.proposer(network, self.target, options)
+        if name == "draft-model":
+            self.dynamic_draft = drafter.proposer(network, self.target, dataclasses.replace(options, dynamic_tree=True))
+        info = {"name": name, **drafter.describe(network, proposer, options)}
+        if isinstance(network, DraftCheckpoint):
+            info.update(draft=model_info(network.model, folder), **training_budget(network.meta))
+        elif folder is not None:
+            info.update(path=shown_path(folder), **training_budget(heads_meta(folder)))
+        if name == "suffix":
+            info["shared_trie"] = "the generations of one repeat of a cell (never a prompt's own earlier output)"
+        self.method_info[name] = info
 
     def configs(self, cell: Cell) -> list[Config]:
         configs = [Config("plain")]
@@ -299,7 +264,7 @@ class Bench:
             configs += [Config(method, len(w), w, dynamic=True) for w in cell.trees if method == "draft-model"]
             configs += [Config(method, "auto")] if cell.auto else []
         if cell.peer_k and cell.batch_size == 1:
-            configs += [Config(p, 0 if p == "hf-generate" else cell.peer_k) for p in PEERS]
+            configs += [Config(p, 0 if p == "hf-generate" else cell.peer_k) for p in self.peers.methods]
         return configs
 
     def forget(self, cfg: Config) -> None:
@@ -323,17 +288,20 @@ class Bench:
         return [r.tokens for r in rows], metrics
 
 
-def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
-              dtype: torch.dtype | None = None, progress: bool = True, command: list[str] | None = None,
-              peer_dtype: torch.dtype = PEER_DTYPE, eagle_path=None, device: str | torch.device | None = None,
-              block_path=None, parallel_path=None) -> dict:
-    """Run the plan on `device` (default the CPU); `command` (the argv that asked for it) is recorded
+def run_bench(plan: Plan, target_path=None, paths: dict | None = None, dtype: torch.dtype | None = None,
+              progress: bool = True, command: list[str] | None = None, peer_dtype: torch.dtype = PEER_DTYPE,
+              device: str | torch.device | None = None, skip_misfits: bool = False) -> dict:
+    """Run the plan on `device` (default the CPU), each drafter read from paths[its name] (default:
+    the shipped one); with skip_misfits, the drafters that do not fit the target are left out, one
+    line each saying why (and under "skipped"). `command` (the argv that asked for it) is recorded
     with the result."""
     started = time.perf_counter()
     check_plan(plan)
     with torch.inference_mode():
-        bench = Bench(plan, target_path, draft_path, heads_path, dtype, peer_dtype, eagle_path, block_path, device,
-                      parallel_path)
+        bench = Bench(plan, target_path, paths, dtype, peer_dtype, device, skip_misfits)
+        for name, reason in bench.skipped.items():
+            bar_note(progress, f"skipped {name}: {reason}")
+        plan = bench.plan
         cells = [(cell, bench.configs(cell)) for cell in plan.cells]
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {
@@ -356,8 +324,8 @@ def run_bench(plan: Plan, target_path=None, draft_path=None, heads_path=None,
         if plan.moe is not None:
             bar_note(progress, "MoE vs dense verify cost")
             moe = moe_vs_dense(plan.moe, [1, 2, 3, 4, 5, 8, 16], device=bench.device)
-    return {"schema": SCHEMA, "command": command or UNKNOWN,
-            "plan": dataclasses.asdict(plan), "seconds": time.perf_counter() - started,
+    return {"schema": SCHEMA, "command": command or UNKNOWN, "plan": dataclasses.asdict(plan),
+            "skipped": bench.skipped, "seconds": time.perf_counter() - started,
             "conditions": run_conditions, "cells": out_cells, "moe": moe, "batch_effect": batch_effect(out_cells)}
 
 

@@ -51,7 +51,7 @@ from ..errors import SpecdecError
 from ..lm.checkpoint import hf_config
 from ..lm.device import placement
 from ..lm.model import MLP, Attention, DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary, rotary
-from .heads import loaded_head, read_head_meta, read_head_state, write_head_folder
+from .heads import check_trained_for, loaded_head, read_head_meta, read_head_state, write_head_folder
 
 KIND = "eagle3"
 LAYOUTS = ("specdec", "eagle3")
@@ -258,15 +258,22 @@ def read_eagle_meta(path: str | Path) -> dict:
         f"not an EAGLE head ({KIND}); load it with the proposer made for that kind (MTP heads: --draft mtp)")
 
 
+def check_eagle_target(path: str | Path, target: str | Path) -> dict:
+    """The metadata of the head in `path`, refused unless it was trained for the target checkpoint
+    folder `target` (the sha256 of its model.safetensors); no weight is read."""
+    meta = read_eagle_meta(path)
+    check_trained_for(Path(path), target, meta, "the EAGLE head in {path} belongs", "train a head for this target "
+                      "(specdec train --objective eagle --target ...), or pass the target it was trained for")
+    return meta
+
+
 def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> EagleHead:
     """Load the head in `path` for the target checkpoint folder `target`; refuse a head trained for
     any other target (compared by the sha256 of its model.safetensors)."""
     path = Path(path)
-    meta = read_eagle_meta(path)
-    state = read_head_state(path, target, meta, "the EAGLE head in {path} belongs", "train a head for this target "
-                            "(specdec train --objective eagle --target ...), or pass the target it was trained "
-                            "for", "retrain the head")
+    meta = check_eagle_target(path, target)
+    state = read_head_state(path, "retrain the head")
     head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"],
                      meta.get("layout", "specdec"))  # folders from before layouts: specdec's
     return loaded_head(head, state, path, meta, dtype, device)

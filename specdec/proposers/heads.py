@@ -187,14 +187,22 @@ def read_heads_meta(path: str | Path) -> dict:
         f"not MTP heads ({', '.join(HEAD_KINDS)}); load it with the proposer made for that kind")
 
 
+def check_heads_target(path: str | Path, target: str | Path) -> dict:
+    """The metadata of the heads in `path`, refused unless they were trained for the target
+    checkpoint folder `target` (the sha256 of its model.safetensors); no weight is read."""
+    meta = read_heads_meta(path)
+    check_trained_for(Path(path), target, meta, "the MTP heads in {path} belong", "train heads for this target, or "
+                      "pass the target they were trained for")
+    return meta
+
+
 def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> MTPHeads:
     """Load the heads in `path` for the target checkpoint folder `target`; refuse heads trained
-    for any other target (compared by the sha256 of its model.safetensors)."""
+    for any other target (check_heads_target)."""
     path = Path(path)
-    meta = read_heads_meta(path)
-    state = read_head_state(path, target, meta, "the MTP heads in {path} belong", "train heads for this target, or "
-                            "pass the target they were trained for", "retrain the heads")
+    meta = check_heads_target(path, target)
+    state = read_head_state(path, "retrain the heads")
     heads = build_heads(meta["kind"], LlamaConfig.from_dict(meta["target_config"]), meta["depth"])
     return loaded_head(heads, state, path, meta, dtype, device)
 
@@ -237,11 +245,10 @@ def read_head_meta(path: str | Path, kinds, not_heads: str, not_folder: str, tra
     return meta
 
 
-def read_head_state(path: Path, target: str | Path, meta: dict, belongs: str, train: str,
-                    retrain: str) -> dict[str, torch.Tensor]:
-    """The tensors of the head folder `path` (its token counts included), after checking that it
-    was trained for the checkpoint folder `target` (the sha256 of its model.safetensors);
-    `belongs` (formatted with path), `train` and `retrain` word the errors."""
+def check_trained_for(path: Path, target: str | Path, meta: dict, belongs: str, train: str) -> None:
+    """Refuse the head folder `path` (its metadata `meta`) unless it was trained for the checkpoint
+    folder `target` (the sha256 of its model.safetensors); `belongs` (formatted with path) and
+    `train` word the error."""
     target = Path(target)
     if not (target / WEIGHTS).exists():
         raise SpecdecError(f"{target} has no {WEIGHTS}: pass the target's checkpoint folder")
@@ -249,6 +256,11 @@ def read_head_state(path: Path, target: str | Path, meta: dict, belongs: str, tr
     if actual != meta["target_sha256"]:
         raise SpecdecError(f"{belongs.format(path=path)} to the target with model.safetensors sha256 "
                            f"{meta['target_sha256'][:16]}..., but {target} has {actual[:16]}...: {train}")
+
+
+def read_head_state(path: Path, retrain: str) -> dict[str, torch.Tensor]:
+    """The tensors of the head folder `path` (its token counts included); `retrain` words the error
+    of a corrupt file."""
     try:
         return load_file(path / HEADS_WEIGHTS)
     except FileNotFoundError:

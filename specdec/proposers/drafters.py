@@ -1,0 +1,259 @@
+"""The drafter registry: the one place a proposer is made. A name maps to an entry that knows its
+proposer class (the protocol in decoding/protocol.py), its shipped folder under models/ (None: a
+lookup method, which reads no folder), whether a folder fits a target (`misfit`: from the folder's
+metadata and tokenizer, before any weight is read; None when it fits, else the reason in one line),
+how to read its network for a target (in the target's dtype, on its device) and how to make a
+proposer of it with the options a caller gives (`DraftOptions`). The command line (generate, serve,
+check, bench), the API and the benchmark all call `build_drafter`; `build_proposer` makes one from
+networks already in hand.
+
+A target is a loaded checkpoint: anything with `model` (a causal LM, lm/interface.py), `path` (its
+checkpoint folder) and `tokenizer` (api.Loaded).
+
+Dispatch happens once, here; the engine only ever calls the protocol's methods. This module knows
+nothing about the command line, benchmarks or serving.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..decoding.protocol import Proposer
+from ..errors import SpecdecError
+from ..lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
+from ..lm.device import placement
+from ..lm.interface import abilities
+from ..lm.tokenizer import Tokenizer
+from .block import BlockProposer
+from .block_head import check_block_target, load_block
+from .draft_model import DraftModelProposer
+from .eagle import EagleProposer
+from .eagle_head import check_eagle_target, load_eagle
+from .heads import check_heads_target, load_heads
+from .mtp import MTPProposer
+from .ngram import NgramProposer
+from .parallel import ParallelDraftProposer
+from .suffix import SuffixProposer
+
+MODELS = Path(__file__).resolve().parents[2] / "models"  # the shipped models of a full clone
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    draft_vocab: int | None = None  # draft over the N token ids most frequent in the drafter's training tokens
+    counted_only: bool = False      # ... only where the drafter saved those counts (else its whole vocabulary)
+    dynamic_tree: bool = False      # draft-model: grow trees by the draft's confidence (EAGLE-2)
+    ngram_max: int | None = None    # ngram: the longest n-gram matched (None: the proposer's default)
+    ngram_min: int | None = None    # ngram: the shortest
+
+
+@dataclass
+class DraftCheckpoint:
+    """A draft model read for a target: its weights and what was saved beside them."""
+    model: object                 # specdec's LlamaForCausalLM
+    path: Path
+    token_counts: object = None   # (V,) of its training tokens, where saved
+    meta: dict | None = None      # its specdec.json
+
+
+class Drafter:
+    """An entry of the registry; the subclasses below fill in what differs."""
+    name: str
+    cls: type                   # its proposer
+    shipped: str | None = None  # its folder under models/ (None: it reads no folder)
+    what: str = ""              # how messages name it
+    train: str = ""             # how to make one that fits
+
+    def folder(self, path=None) -> Path | None:
+        """The folder read: `path`, else the shipped one (None for a lookup method)."""
+        if self.shipped is None:
+            return None
+        return Path(path) if path is not None else MODELS / self.shipped
+
+    def misfit(self, target, path=None) -> str | None:
+        """None when the drafter at `path` (default: the shipped one) fits `target`, else why not."""
+        try:
+            self.check(target, self.folder(path))
+        except SpecdecError as e:
+            return str(e)
+        return None
+
+    def check(self, target, folder: Path | None) -> None:
+        """Refuse, with what to do, a drafter in `folder` that does not fit `target`."""
+        if folder is not None and not folder.exists():
+            if folder == MODELS / self.shipped:
+                raise SpecdecError(f"the shipped {self.what} is missing at {folder}: run from a full clone of "
+                                   "specdec or pass a folder")
+            raise SpecdecError(f"no {self.what} at {folder}: {self.train}")
+
+    def network(self, target, folder: Path | None):
+        """What the proposer drafts with, read from `folder` for `target` (None: nothing to read)."""
+        self.check(target, folder)
+        return None
+
+    def proposer(self, network, target, options: DraftOptions) -> Proposer:
+        raise NotImplementedError
+
+    def describe(self, network, proposer: Proposer, options: DraftOptions) -> dict:
+        """What a report says about the drafter: its settings and its network's size and shape."""
+        return {}
+
+    def load(self, target, path=None, options: DraftOptions = DraftOptions()) -> Proposer:
+        return self.proposer(self.network(target, self.folder(path)), target, options)
+
+
+def draft_vocab(options: DraftOptions, token_counts) -> int | None:
+    """The draft vocabulary asked for; None where it is asked only of drafters that saved their
+    token counts and there are none."""
+    return None if options.counted_only and token_counts is None else options.draft_vocab
+
+
+class DraftModel(Drafter):
+    name, cls, shipped, what = "draft-model", DraftModelProposer, "draft", "draft model"
+    train = "train one with `specdec train --preset draft` (it must share the target's tokenizer)"
+
+    def check(self, target, folder) -> None:
+        super().check(target, folder)
+        if Tokenizer.load(folder).tok.get_vocab() != target.tokenizer.tok.get_vocab():
+            raise SpecdecError(f"the draft model {folder} uses another tokenizer than the target {target.path}; "
+                               "a draft must share the target's tokenizer (train it with --tokenizer "
+                               f"{target.path}/tokenizer.json)")
+
+    def network(self, target, folder) -> DraftCheckpoint:
+        self.check(target, folder)
+        where = placement(target.model)
+        return DraftCheckpoint(load_model(folder, dtype=where.dtype, device=where.device), folder,
+                               load_token_counts(folder), read_meta(folder))
+
+    def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
+        return DraftModelProposer(draft.model, draft_vocab(options, draft.token_counts), draft.token_counts,
+                                  tree="dynamic" if options.dynamic_tree else "static")
+
+    def describe(self, draft, proposer, options) -> dict:
+        return {"draft_vocab": draft_vocab(options, draft.token_counts) or "full"}
+
+
+class ParallelDraft(DraftModel):
+    name, cls, shipped, what = "parallel", ParallelDraftProposer, "parallel-draft", "parallel draft"
+    train = "train one with `specdec train --objective parallel --init-from DRAFT --teacher TARGET`"
+
+    def check(self, target, folder) -> None:
+        """Its metadata names a mask token, its block and the hash of the target it was trained for."""
+        Drafter.check(self, target, folder)
+        info = read_meta(folder)
+        parallel = info.get("parallel") if info.get("kind") == PARALLEL_KIND else None
+        if not isinstance(parallel, dict) or not {"mask_token_id", "block", "target_sha256"} <= parallel.keys():
+            raise SpecdecError(f"{folder} is not a parallel draft (its {META} names no mask token, block and "
+                               "target): a plain draft model drafts with --draft draft-model; " + self.train)
+        if parallel["target_sha256"] != sha256(Path(target.path) / WEIGHTS):
+            raise SpecdecError(f"the parallel draft {folder} was trained for another target (model.safetensors "
+                               f"sha256 {parallel['target_sha256'][:12]}..., not {target.path}'s): train one for "
+                               "this target")
+        DraftModel.check(self, target, folder)
+
+    def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
+        parallel = draft.meta["parallel"]
+        return ParallelDraftProposer(draft.model, parallel["mask_token_id"], parallel["block"],
+                                     draft_vocab(options, draft.token_counts), draft.token_counts)
+
+    def describe(self, draft, proposer, options) -> dict:
+        return {**super().describe(draft, proposer, options), "block": proposer.max_depth,
+                "native_step": proposer.native}
+
+
+class Ngram(Drafter):
+    name, cls, what = "ngram", NgramProposer, "n-gram lookup"
+
+    def proposer(self, network, target, options) -> Proposer:
+        sizes = {"max_n": options.ngram_max, "min_n": options.ngram_min}
+        return NgramProposer(**{name: n for name, n in sizes.items() if n is not None})
+
+    def describe(self, network, proposer, options) -> dict:
+        return {"max_n": proposer.max_n, "min_n": proposer.min_n}
+
+
+class Suffix(Drafter):
+    name, cls, what = "suffix", SuffixProposer, "suffix-tree lookup"
+
+    def proposer(self, network, target, options) -> Proposer:
+        return SuffixProposer()
+
+
+class Head(Drafter):
+    """A head trained on one target's features: its folder names that target's hash."""
+    check_target = staticmethod(check_heads_target)  # the folder's metadata, checked against a target folder
+    read = staticmethod(load_heads)                    # the head, loaded for a target folder
+
+    def check(self, target, folder) -> None:
+        super().check(target, folder)
+        if not abilities(target.model).layers:
+            raise SpecdecError(f"the {self.what} draft from specdec's own LlamaForCausalLM target, not "
+                               f"{type(target.model).__name__}")
+        self.check_target(folder, target.path)
+
+    def network(self, target, folder):
+        Drafter.check(self, target, folder)  # the loader checks the rest
+        where = placement(target.model)
+        return self.read(folder, target.path, dtype=where.dtype, device=where.device)
+
+    def proposer(self, head, target, options) -> Proposer:
+        return self.cls(head, target.model, draft_vocab(options, head.token_counts))
+
+    def describe(self, head, proposer, options) -> dict:
+        return {"head_kind": head.kind, "draft_vocab": draft_vocab(options, head.token_counts) or "full",
+                "parameters": sum(p.numel() for p in head.parameters())}
+
+
+class MTP(Head):
+    name, cls, shipped, what = "mtp", MTPProposer, "target-mtp", "MTP heads"
+    train = "train heads with `specdec train --objective mtp-sequential --frozen-trunk TARGET`"
+
+    def describe(self, heads, proposer, options) -> dict:
+        return {**super().describe(heads, proposer, options), "depth": heads.depth}
+
+
+class Eagle(Head):
+    name, cls, shipped, what = "eagle", EagleProposer, "eagle", "EAGLE head"
+    train = "train one with `specdec train --objective eagle --target TARGET`"
+    check_target, read = staticmethod(check_eagle_target), staticmethod(load_eagle)
+
+    def describe(self, head, proposer, options) -> dict:
+        """Its own draft vocabulary, or the smaller one it drafts over."""
+        return {**super().describe(head, proposer, options), "layer_ids": list(head.layer_ids),
+                "draft_vocab": min(draft_vocab(options, head.token_counts) or head.draft_vocab_size,
+                                   head.draft_vocab_size)}
+
+
+class Block(Head):
+    name, cls, shipped, what = "block", BlockProposer, "block-head", "block head"
+    train = "train one with `specdec train --objective block --target TARGET`"
+    check_target, read = staticmethod(check_block_target), staticmethod(load_block)
+
+    def describe(self, head, proposer, options) -> dict:
+        """It drafts over its own draft vocabulary."""
+        return {**super().describe(head, proposer, options), "layer_ids": list(head.layer_ids), "block": head.block,
+                "attention": head.attention, "draft_vocab": head.draft_vocab_size}
+
+
+DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),
+                                                    Eagle(), Block())}
+PROPOSERS = {name: d.cls for name, d in DRAFTERS.items()}  # each drafter's proposer class
+
+
+def drafter(name: str) -> Drafter:
+    if name not in DRAFTERS:
+        raise SpecdecError(f"unknown proposer {name!r}; known: {', '.join(sorted(DRAFTERS))}")
+    return DRAFTERS[name]
+
+
+def build_drafter(name: str, target, path=None, options: DraftOptions = DraftOptions()) -> Proposer:
+    """The proposer `name` for `target` (api.Loaded), its network read from `path` (default: the
+    shipped one); refused with the reason and what to do where it does not fit."""
+    return drafter(name).load(target, path, options)
+
+
+def build_proposer(name: str, **kwargs) -> Proposer:
+    """The proposer `name` from networks in hand: build_proposer("draft-model", model=...),
+    build_proposer("ngram", max_n=3, min_n=1), build_proposer("mtp", heads=..., target=...),
+    build_proposer("eagle", head=..., target=...) or build_proposer("block", head=..., target=...)."""
+    return drafter(name).cls(**kwargs)
