@@ -1,6 +1,7 @@
 """What proposers share beyond the protocol (decoding/protocol.py): drafting over a draft
 vocabulary (`DraftVocabulary`) and drawing tokens with `draw`, so that every proposer that drafts
-from logits shares one definition of both; chains and trees grown from logits; per-row settings.
+from logits shares one definition of both; chains and trees grown from logits; per-row settings;
+the rows of target features and tokens a head has yet to read (MTP heads, EAGLE), kept ragged.
 
 This module knows nothing about particular proposers, verification or stopping.
 """
@@ -179,3 +180,33 @@ def draw_block(logits: torch.Tensor, samplings: list[SamplingConfig], generator,
         return token if vocab is None else vocab.ids[token], None
     drawn = [draw(slot, samplings, generator, vocab, vocab_size) for slot in logits.unbind(1)]
     return torch.stack([token for _, token in drawn], 1), torch.stack([p for p, _ in drawn], 1)
+
+
+# --- the per-row target features and tokens a head has yet to read (MTP heads, EAGLE) ---
+
+def ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
+                        new_len: list[int], device: torch.device, cap: int | None = None
+                        ) -> tuple[torch.Tensor, list[int]]:
+    """Columns of cat([old, new], 1) that give row b old[b, drop[b]:old_len[b]] then
+    new[b, :new_len[b]] — of those, the last `cap` at most (base.CATCH_UP) — left-aligned and
+    right-padded (padding: any column): (B, W'), lengths."""
+    if cap is not None:  # drop more of the oldest where a row would hold more than cap
+        drop = [max(d, n + m - cap) for n, d, m in zip(old_len, drop, new_len)]
+    total = [n - d + m for n, d, m in zip(old_len, drop, new_len)]
+    width, last = max(total), old_width + new_width - 1
+    index = [[min(d + c if c < n - d else old_width + c - (n - d), last) for c in range(width)]
+             for n, d in zip(old_len, drop)]
+    return torch.tensor(index, device=device).view(len(total), width), total
+
+
+def stack_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """(B, W, ...) and (n, W', ...) -> (B + n, max(W, W'), ...), each right-padded with zeros."""
+    width = max(old.shape[1], new.shape[1])
+    pad = [(0, 0)] * (old.dim() - 2)
+    return torch.cat([torch.nn.functional.pad(t, [x for p in pad for x in p] + [0, width - t.shape[1]])
+                      for t in (old, new)])
+
+
+def gather_rows(both: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """both (B, W, ...) -> (B, W', ...) the columns index (B, W') of each row."""
+    return both.gather(1, index.view(*index.shape, *[1] * (both.dim() - 2)).expand(-1, -1, *both.shape[2:]))

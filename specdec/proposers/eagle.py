@@ -34,9 +34,17 @@ from ..errors import SpecdecError
 from ..lm.interface import abilities, next_positions, pad_right
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
-from .base import CATCH_UP, DraftVocabulary, draft_chain, per_row, with_alternatives
+from .base import (
+    CATCH_UP,
+    DraftVocabulary,
+    draft_chain,
+    gather_rows,
+    per_row,
+    ragged_concat_index,
+    stack_rows,
+    with_alternatives,
+)
 from .eagle_head import EagleHead, check_head_fits
-from .mtp import _gather_rows, _ragged_concat_index, _stack_rows
 
 
 @dataclass
@@ -123,8 +131,8 @@ class EagleProposer:
         state.cache.regroup(list(range(len(state.committed))), empty=len(prompts))
         state.samplings += samplings
         state.committed += [0] * len(prompts)
-        state.features = _stack_rows(state.features, prompt_hidden.to(state.features.dtype))
-        state.ahead = _stack_rows(state.ahead, ahead)
+        state.features = stack_rows(state.features, prompt_hidden.to(state.features.dtype))
+        state.ahead = stack_rows(state.ahead, ahead)
         state.lengths += [len(p) - 1 for p in prompts]
 
     def leave(self, state: EagleState, keep: list[int]) -> None:
@@ -176,8 +184,8 @@ class EagleProposer:
         state.cache.rollback(state.committed)  # drop the draft entries
         drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
         tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
-        index, state.lengths = _ragged_concat_index(state.features.shape[1], tokens.shape[1],
+        index, state.lengths = ragged_concat_index(state.features.shape[1], tokens.shape[1],
                                                     state.lengths, drop, outcome.counts, tokens.device, CATCH_UP)
-        state.features = _gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
-        state.ahead = _gather_rows(torch.cat([state.ahead, tokens], 1), index)
+        state.features = gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
+        state.ahead = gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.fed = False  # consumed: a plain stretch's outcome follows no proposal

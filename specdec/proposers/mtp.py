@@ -43,7 +43,16 @@ from ..lm.device import placement
 from ..lm.interface import abilities, next_positions, pad_right
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
-from .base import CATCH_UP, DraftVocabulary, draft_chain, per_row, with_alternatives
+from .base import (
+    CATCH_UP,
+    DraftVocabulary,
+    draft_chain,
+    gather_rows,
+    per_row,
+    ragged_concat_index,
+    stack_rows,
+    with_alternatives,
+)
 from .heads import MTPHeads, check_heads_fit
 
 
@@ -114,8 +123,8 @@ class MTPProposer:
             return
         ahead, _ = pad_right([p[1:] for p in prompts], device=state.ahead.device)  # (n, P-1)
         state.cache.regroup(list(range(len(state.first))), empty=len(prompts))
-        state.hidden = _stack_rows(state.hidden, prompt_hidden.to(state.hidden.dtype))
-        state.ahead = _stack_rows(state.ahead, ahead)
+        state.hidden = stack_rows(state.hidden, prompt_hidden.to(state.hidden.dtype))
+        state.ahead = stack_rows(state.ahead, ahead)
         state.samplings += samplings
         state.first += [0] * len(prompts)
         state.lengths += [len(p) - 1 for p in prompts]
@@ -182,36 +191,8 @@ class MTPProposer:
         state.cache.rollback(keep_to)
         state.first = keep_to
         tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
-        index, state.lengths = _ragged_concat_index(state.hidden.shape[1], tokens.shape[1], state.lengths,
+        index, state.lengths = ragged_concat_index(state.hidden.shape[1], tokens.shape[1], state.lengths,
                                                     drop, counts, tokens.device, CATCH_UP)
-        state.hidden = _gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
-        state.ahead = _gather_rows(torch.cat([state.ahead, tokens], 1), index)
+        state.hidden = gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
+        state.ahead = gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.written, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal
-
-
-def _ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
-                         new_len: list[int], device: torch.device, cap: int | None = None
-                         ) -> tuple[torch.Tensor, list[int]]:
-    """Columns of cat([old, new], 1) that give row b old[b, drop[b]:old_len[b]] then
-    new[b, :new_len[b]] — of those, the last `cap` at most (base.CATCH_UP) — left-aligned and
-    right-padded (padding: any column): (B, W'), lengths."""
-    if cap is not None:  # drop more of the oldest where a row would hold more than cap
-        drop = [max(d, n + m - cap) for n, d, m in zip(old_len, drop, new_len)]
-    total = [n - d + m for n, d, m in zip(old_len, drop, new_len)]
-    width, last = max(total), old_width + new_width - 1
-    index = [[min(d + c if c < n - d else old_width + c - (n - d), last) for c in range(width)]
-             for n, d in zip(old_len, drop)]
-    return torch.tensor(index, device=device).view(len(total), width), total
-
-
-def _stack_rows(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """(B, W, ...) and (n, W', ...) -> (B + n, max(W, W'), ...), each right-padded with zeros."""
-    width = max(old.shape[1], new.shape[1])
-    pad = [(0, 0)] * (old.dim() - 2)
-    return torch.cat([torch.nn.functional.pad(t, [x for p in pad for x in p] + [0, width - t.shape[1]])
-                      for t in (old, new)])
-
-
-def _gather_rows(both: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """both (B, W, ...) -> (B, W', ...) the columns index (B, W') of each row."""
-    return both.gather(1, index.view(*index.shape, *[1] * (both.dim() - 2)).expand(-1, -1, *both.shape[2:]))
