@@ -31,8 +31,8 @@ from specdec.bench.workloads import humaneval_prompts
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
+from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import load_model, read_meta
-from specdec.lm.model import LlamaConfig
 from specdec.lm.tokenizer import EOS_ID, Tokenizer
 from specdec.proposers import build_proposer
 from specdec.proposers.heads import load_heads
@@ -46,8 +46,8 @@ DOCS = Path(__file__).resolve().parent
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CORPUS = [str(STDLIB / name) for name in ("json", "email", "logging", "asyncio", "collections", "importlib",
                                           "concurrent", "http", "xml")]
-MODEL = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+MODEL = Arch(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
 DEPTH = 2
 COMMON = dict(model=MODEL, corpus=CORPUS, seq_len=128, batch_size=16, micro_batch=16, steps=300, lr=3e-3,
               warmup=30, eval_every=50, eval_windows=64, save_every=50, seed=0)
@@ -75,8 +75,11 @@ class GreedyDrafts:
     def __init__(self, inner):
         self.inner, self.name, self.vocab_size = inner, inner.name + "-greedy-drafts", inner.vocab_size
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k):
-        return self.inner.start(prompts, prompt_hidden, SamplingConfig(), max_len, k)
+    def start(self, max_len, k, capacity, nodes=None):
+        return self.inner.start(max_len, k, capacity, nodes)
+
+    def join(self, state, prompts, prompt_hidden, samplings):
+        self.inner.join(state, prompts, prompt_hidden, [SamplingConfig()] * len(prompts))
 
     def propose(self, state, limits, generator):
         return self.inner.propose(state, limits, generator)

@@ -8,19 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import save_model
-from specdec.lm.model import LlamaConfig, LlamaForCausalLM
+from specdec.lm.model import LlamaForCausalLM
 from specdec.lm.tokenizer import Tokenizer
 from specdec.train.objectives import init_weights
 
 # tiny models run fastest on one thread, and one thread keeps timings of other jobs undisturbed
 torch.set_num_threads(1)
 
-TINY = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+TINY = Arch(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 
 
-def tiny_model(seed: int = 0, cfg: LlamaConfig = TINY) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, cfg: Arch = TINY) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     init_weights(model, std=0.1)  # larger than training init so that logits are far from ties

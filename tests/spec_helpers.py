@@ -9,8 +9,9 @@ from specdec.decoding.decode import plain_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
+from specdec.lm.arch import Arch
 from specdec.lm.device import placement
-from specdec.lm.model import LlamaConfig, LlamaForCausalLM
+from specdec.lm.model import LlamaForCausalLM
 from specdec.train.objectives import init_weights
 
 # float32: a k-token forward may differ from a 1-token forward in the last bits, so a greedy
@@ -22,9 +23,9 @@ def tiny_llama(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, he
                context: int = 64, std: float = 0.2) -> LlamaForCausalLM:
     """A random float32 Llama; std larger than training init so distributions are peaked."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                      max_position_embeddings=context)
+    cfg = Arch(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+               max_position_embeddings=context)
     model = LlamaForCausalLM(cfg)
     init_weights(model, std=std)
     return model.eval()

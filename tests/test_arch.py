@@ -37,7 +37,7 @@ def test_scaled_rotary_frequencies_and_factor_equal_transformers(rope):
 def test_longrope_runs_within_its_original_context_where_it_uses_the_short_factors():
     arch = Arch.from_dict({**BASE, "model_type": "phi3", "original_max_position_embeddings": 64,
                            "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
-    assert arch.max_position_embeddings == 64 and arch.rope["rope_type"] == "longrope"
+    assert arch.max_position_embeddings == 64 and arch.rope_scaling["rope_type"] == "longrope"
     assert arch.attention_factor == pytest.approx((1 + torch.log(torch.tensor(4.0)).item() / torch.log(
         torch.tensor(64.0)).item()) ** 0.5)  # from the config's 256 positions over the original 64
 

@@ -91,7 +91,8 @@ def test_drafting_with_the_cache_computes_what_one_training_forward_gives(attent
         prompts = [x[b, :ends[b] + 1].tolist() for b in range(2)]
         hidden = torch.stack([torch.nn.functional.pad(features[b, :ends[b]], (0, 0, 0, max(ends) - ends[b]))
                               for b in range(2)])
-        state = p.start(prompts, hidden, GREEDY, 40, k)
+        state = p.start(40, k, 2)
+        p.join(state, prompts, hidden, [GREEDY] * 2)
         logits = p.block_logits(state, k)                                             # (2, k, N)
         for b in range(2):
             torch.testing.assert_close(logits[b], trained[b, ends[b] - 1, :k], rtol=1e-4, atol=1e-4)
@@ -169,9 +170,9 @@ class Sequential(BlockProposer):
     drafts before it (the head's next-token distribution after the context extended by them, with
     the target's own features there)."""
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None):
+    def start(self, max_len, k, capacity, nodes=None):
         self.history = []  # each row's tokens x_0..x_T
-        return super().start(prompts, prompt_hidden, sampling, max_len, k, capacity, nodes)
+        return super().start(max_len, k, capacity, nodes)
 
     def join(self, state, prompts, prompt_hidden, samplings):
         self.history += [list(p) for p in prompts]

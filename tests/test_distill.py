@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from specdec.cli import build_parser
 from specdec.errors import SpecdecError
+from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import load_model, read_meta, sha256
-from specdec.lm.model import LlamaConfig
 from specdec.train.config import with_init_from, with_teacher
 from specdec.train.loop import build, train
 from specdec.train.losses import TeacherTargets, distill_kl, teacher_targets
@@ -27,9 +27,9 @@ from specdec.train.presets import PRESETS
 from .conftest import free_port
 from .test_train import JSON_PKG, tiny_cfg
 
-STUDENT = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-                      tie_word_embeddings=True)
+STUDENT = Arch(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+               tie_word_embeddings=True)
 STEPS = 12
 
 

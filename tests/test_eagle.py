@@ -93,7 +93,7 @@ def test_the_engine_hands_over_the_declared_layers_from_the_verify_forward():
     class Spy:
         name, vocab_size, features, trees, max_depth = "spy", None, (1, 0), False, None
 
-        def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None):
+        def start(self, max_len, k, capacity, nodes=None):
             return None
 
         def join(self, state, prompts, prompt_hidden, samplings):
@@ -302,7 +302,8 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
             cache = target.model.new_cache(2, 80)
             cache.regroup([])
             hidden = prefill_joining(target.model, cache, prompts, p.features)
-            state = p.start(prompts, hidden, [sampling] * 2, 80, 5)
+            state = p.start(80, 5, 2)
+            p.join(state, prompts, hidden, [sampling] * 2)
             proposals.append(p.propose(state, torch.tensor([5, 3]), (1,) * 5, torch.Generator().manual_seed(0)))
         a, b = proposals
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)

@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import load_model, save_model, sha256
-from specdec.lm.model import LlamaConfig
 from specdec.proposers.heads import HEAD_KINDS, build_heads, check_heads_fit, load_heads, save_heads, teacher_forced
 from specdec.train.losses import LossWeights, mtp_backward
 from specdec.train.objectives import init_weights
 
 from .conftest import TINY, tiny_model
 
-SMALL = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+SMALL = Arch(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
 
 
-def trunk_and_heads(kind: str, depth: int = 3, cfg: LlamaConfig = SMALL, seed: int = 0):
+def trunk_and_heads(kind: str, depth: int = 3, cfg: Arch = SMALL, seed: int = 0):
     trunk = tiny_model(seed, cfg)
     torch.manual_seed(seed + 1)
     heads = build_heads(kind, cfg, depth)

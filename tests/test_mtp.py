@@ -121,9 +121,9 @@ class Recorder:
         self.trees, self.max_depth, self.features = inner.trees, inner.max_depth, inner.features
         self.log = []
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None):
-        self.sequences = [list(p) for p in prompts]
-        return self.inner.start(prompts, prompt_hidden, sampling, max_len, k, capacity, nodes)
+    def start(self, max_len, k, capacity, nodes=None):
+        self.sequences = []
+        return self.inner.start(max_len, k, capacity, nodes)
 
     def join(self, state, prompts, prompt_hidden, samplings):
         self.sequences += [list(p) for p in prompts]

@@ -18,8 +18,9 @@ from specdec.api import Loaded, load_drafter
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
+from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, save_token_counts, sha256
-from specdec.lm.model import LlamaConfig, LlamaForCausalLM
+from specdec.lm.model import LlamaForCausalLM
 from specdec.lm.tokenizer import Tokenizer
 from specdec.proposers import build_proposer
 from specdec.proposers import parallel as parallel_module
@@ -38,10 +39,10 @@ def parallel_draft_for(target: LlamaForCausalLM, seed: int = 3) -> LlamaForCausa
     """A fresh tiny draft with one token more than `target` (its mask token)."""
     cfg = target.config
     torch.manual_seed(seed)
-    draft = LlamaForCausalLM(LlamaConfig(vocab_size=cfg.vocab_size + 1, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=8, max_position_embeddings=cfg.max_position_embeddings,
-                                         tie_word_embeddings=True))
+    draft = LlamaForCausalLM(Arch(vocab_size=cfg.vocab_size + 1, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=8, max_position_embeddings=cfg.max_position_embeddings,
+                                  tie_word_embeddings=True))
     return draft
 
 
@@ -103,7 +104,8 @@ def test_the_proposer_drafts_the_block_that_one_forward_gives():
     p = proposer()
     draft, mask = p.model, p.mask
     prompts = [[5, 9, 2], [1, 2, 3, 1, 2, 3, 1], [7]]
-    state = p.start(prompts, None, [GREEDY] * 3, 40, 6)
+    state = p.start(40, 6, 3)
+    p.join(state, prompts, None, [GREEDY] * 3)
     proposal = p.propose(state, torch.tensor([6, 3, 6]), (1,) * 6, None)
     for b, prompt in enumerate(prompts):
         seq = torch.tensor([prompt + [mask] * 5])
@@ -286,10 +288,10 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
     from specdec.lm.model import store_matrices_bf16
     cfg = TARGET.config
     torch.manual_seed(4)
-    draft = LlamaForCausalLM(LlamaConfig(vocab_size=cfg.vocab_size + 1, hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=16, max_position_embeddings=cfg.max_position_embeddings,
-                                         tie_word_embeddings=True))
+    draft = LlamaForCausalLM(Arch(vocab_size=cfg.vocab_size + 1, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, max_position_embeddings=cfg.max_position_embeddings,
+                                  tie_word_embeddings=True))
     from specdec.train.objectives import init_weights
     init_weights(draft, std=0.3)
     store_matrices_bf16(draft.eval())
@@ -302,7 +304,8 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
     for sampling, widths in ((GREEDY, (1,) * 6), (SamplingConfig(temperature=1.0), (1,) * 6), (GREEDY, (3, 2, 1, 1, 1, 1))):
         proposals = []
         for p in (native, separate):
-            state = p.start(prompts, None, [sampling] * 3, 40, 6)
+            state = p.start(40, 6, 3)
+            p.join(state, prompts, None, [sampling] * 3)
             proposals.append(p.propose(state, torch.tensor([6, 3, 6]), widths, torch.Generator().manual_seed(0)))
             assert state.cache.lengths.tolist() == [3, 7, 1]
         a, b = proposals

@@ -24,7 +24,8 @@ NGRAM_CASES = {
 
 def propose_one(history, max_n, min_n, limit):
     ngram = build_proposer("ngram", max_n=max_n, min_n=min_n)
-    state = ngram.start([history], torch.zeros(1, 0, 1), SamplingConfig(), len(history) + 8, 8)
+    state = ngram.start(len(history) + 8, 8, 1)
+    ngram.join(state, [history], torch.zeros(1, 0, 1), [SamplingConfig()])
     proposal = ngram.propose(state, torch.tensor([limit]), (1,) * 8, None)
     assert proposal.draft_probs is None
     return proposal.tokens[0, :int(proposal.lengths[0])].tolist()
@@ -40,7 +41,8 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
     cases = [c for c in NGRAM_CASES.values() if c[1:3] == (3, 1)]
     ngram = build_proposer("ngram")
     histories = [c[0] for c in cases]
-    state = ngram.start(histories, torch.zeros(len(cases), 0, 1), SamplingConfig(), 20, 8)
+    state = ngram.start(20, 8, len(cases))
+    ngram.join(state, histories, torch.zeros(len(cases), 0, 1), [SamplingConfig()] * len(cases))
     limits = torch.tensor([c[3] for c in cases])
     proposal = ngram.propose(state, limits, (1,) * 8, None)
     for b, case in enumerate(cases):
@@ -74,7 +76,8 @@ def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_on
     expected = [reference_generate(target, p, rule, SamplingConfig()).tokens for p in prompts]
     assert [r.tokens for r in rows] == expected
     # drafts are target ids of the draft vocabulary, and the draft's own choice over it at every position
-    state = proposer.start(prompts[:1], torch.zeros(1, 2, 32), SamplingConfig(), 30, 3)
+    state = proposer.start(30, 3, 1)
+    proposer.join(state, prompts[:1], torch.zeros(1, 2, 32), [SamplingConfig()])
     drafts = proposer.propose(state, torch.tensor([3]), (1, 1, 1), None).tokens[0].tolist()
     assert all(d in vocab.tolist() for d in drafts)
     context = list(prompts[0])

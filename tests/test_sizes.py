@@ -7,12 +7,12 @@ import json
 
 from specdec.api import load
 from specdec.bench import sizes
-from specdec.lm.model import LlamaConfig
+from specdec.lm.arch import Arch
 
 
 def test_a_size_builds_once_into_the_cache_and_loads(tmp_path):
-    cfg = LlamaConfig(vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = Arch(vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
     path = sizes.build_config("tiny", sizes.Size(cfg, like="a test shape"), cache=tmp_path)
     assert path.parent == tmp_path and json.loads((path / "specdec-size.json").read_text())["size"] == "tiny"
     target = load(path)

@@ -56,7 +56,9 @@ CASES = {
 
 
 def start(proposer, histories):
-    return proposer.start(histories, torch.zeros(len(histories), 0, 1), SamplingConfig(), 64, 8)
+    state = proposer.start(64, 8, len(histories))
+    proposer.join(state, histories, torch.zeros(len(histories), 0, 1), [SamplingConfig()] * len(histories))
+    return state
 
 
 def drafted(proposal, b: int) -> tuple[list[int], list[int] | None]:

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import SpecdecError
+from ..lm.arch import Arch
 from ..lm.atomic import atomic_dir
 from ..lm.checkpoint import CONFIG, TOKENIZER, WEIGHTS, hf_config
-from ..lm.model import LlamaConfig
 
 BUILDER_VERSION = 1  # part of the folder's name: a change of the recipe builds anew
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "target" / TOKENIZER
@@ -36,22 +36,22 @@ SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "target" / 
 @dataclass(frozen=True)
 class Size:
     """A named model shape: the config, which family's layout it mirrors, and its origin."""
-    config: LlamaConfig
+    config: Arch
     like: str                      # the public model whose shape this is
     extra: dict = field(default_factory=dict)  # config.json keys beyond Llama's (another family's)
 
 
 SIZES: dict[str, Size] = {
     # TinyLlama-style depth at a quarter of the width: ~0.22B parameters, 32k vocabulary
-    "0.2b": Size(LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-                             num_attention_heads=16, num_key_value_heads=8, head_dim=64,
-                             max_position_embeddings=2048, tie_word_embeddings=True),
+    "0.2b": Size(Arch(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+                      max_position_embeddings=2048, tie_word_embeddings=True),
                  like="a 16-layer Llama-2-style model, 1024 wide (~0.22B)"),
     # Llama-3.2-1B's shape (16 layers, 2048 wide, GQA 32/8, 8192 MLP, 128k vocabulary, tied),
     # with plain RoPE at theta 500000 (its llama3 rope scaling changes no cost)
-    "1b": Size(LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                           max_position_embeddings=2048, rope_theta=500000.0, tie_word_embeddings=True),
+    "1b": Size(Arch(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    max_position_embeddings=2048, rope_theta=500000.0, tie_word_embeddings=True),
                like="Llama-3.2-1B's shape (~1.24B)"),
 }
 
@@ -65,7 +65,7 @@ def size_names() -> list[str]:
     return list(SIZES)
 
 
-def parameters(cfg: LlamaConfig) -> int:
+def parameters(cfg: Arch) -> int:
     C, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     layer = C * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D + cfg.num_attention_heads * D * C
     layer += 3 * C * F + 2 * C
@@ -73,7 +73,7 @@ def parameters(cfg: LlamaConfig) -> int:
     return cfg.num_hidden_layers * layer + embed * (1 if cfg.tie_word_embeddings else 2) + C
 
 
-def random_state(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_state(cfg: Arch, seed: int = 0) -> dict[str, torch.Tensor]:
     """bf16 weights under transformers' Llama names, drawn layer by layer (never a full fp32 copy)."""
     g = torch.Generator().manual_seed(seed)
     C, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -134,7 +134,7 @@ def draft_designs(name: str) -> dict[str, Size]:
     target's unembedding), an EAGLE head (one such layer and a 4096-token draft vocabulary; its
     3C -> C feature projection is left out: a lower bound)."""
     target = SIZES[name].config
-    shipped = LlamaConfig.from_dict(json.loads(SHIPPED_DRAFT.read_text()))
+    shipped = Arch.from_dict(json.loads(SHIPPED_DRAFT.read_text()))
     draft = dataclasses.replace(shipped, vocab_size=target.vocab_size, tie_word_embeddings=True,
                                 max_position_embeddings=target.max_position_embeddings)
     one_layer = dataclasses.replace(target, num_hidden_layers=1)

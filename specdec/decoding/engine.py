@@ -40,15 +40,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..lm.device import placement
-from ..lm.interface import (
-    causal_lm,
-    context_length,
-    declared_features,
-    layer_request,
-    next_positions,
-    no_features,
-    prefill_joining,
-)
+from ..lm.interface import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_joining
 from .adaptive import Adaptive
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
@@ -108,8 +100,7 @@ class Engine:
         nodes = sum(self.widths)
         self.cache = self.target.new_cache(capacity, max_len + nodes)  # + room for padded windows
         self.cache.regroup([])
-        self.state = proposer.start([], no_features(self.target, 0, self.features), [], max_len, k, capacity=capacity,
-                                    nodes=nodes)
+        self.state = proposer.start(max_len, k, capacity, nodes)
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
         self.cached: list[int] = []        # (B,) the target cache's lengths
@@ -205,11 +196,11 @@ class Engine:
 
     def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int]
                ) -> tuple[list[list[int]], list[int]]:
-        """Emit each row's run (module commit), keep the target cache's entries of what was emitted
+        """Emit each row's run (emit_runs), keep the target cache's entries of what was emitted
         (a tree's accepted path moved to follow the root) and open the next window with the newest
         token. Returns the runs and the counts emitted."""
         paths = verdict.paths or [range(n) for n in accepted]
-        runs, counts = commit([r.row for r in self.requests], drafts, paths, next_tokens)
+        runs, counts = emit_runs([r.row for r in self.requests], drafts, paths, next_tokens)
         if verdict.paths is not None:  # keep the window entries that predicted an emitted token
             self.cache.compact(self.cached, verdict.paths)
         self.cached = [n + c for n, c in zip(self.cached, counts)]
@@ -474,8 +465,8 @@ def draft_limits(budgets: list[int], k: int) -> list[int]:
     return [min(max(budget - 1, 0), k) for budget in budgets]
 
 
-def commit(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]
-           ) -> tuple[list[list[int]], list[int]]:
+def emit_runs(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]
+              ) -> tuple[list[list[int]], list[int]]:
     """Emit each row's accepted drafts (the nodes of its path) and then its recovered/bonus token
     through Row.append, one at a time, so a stop inside the run cuts it. Returns each row's run
     (the path's drafts, the recovered or bonus token, zeros up to 1+m) and the counts emitted:

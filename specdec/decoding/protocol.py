@@ -1,12 +1,13 @@
-"""The one proposer protocol: every source of draft tokens (draft model, n-gram lookup, and later
-MTP, EAGLE and Medusa heads) implements these methods with these arguments.
+"""The one proposer protocol: every source of draft tokens (a draft model or a parallel draft,
+n-gram and suffix lookup, MTP heads, EAGLE and block heads) implements these methods with these
+arguments.
 
 A proposer object holds only its configuration and weights. Everything that belongs to one
 generation (a draft KV cache, the token history) lives in the state that `start` returns and the
 engine passes back to every call, so one proposer can serve any number of generations. The state
 is a batch of rows, one per sequence; rows join and leave between steps (continuous batching).
 
-    state = proposer.start(prompts, prompt_hidden, samplings, max_len, k, capacity, nodes)  # after the target's prefill
+    state = proposer.start(max_len, k, capacity, nodes)                   # no rows yet
     loop:
         proposer.leave(state, keep)                                        # only rows `keep` stay, in that order
         proposer.join(state, prompts, prompt_hidden, samplings)            # rows appended after them
@@ -17,8 +18,9 @@ is a batch of rows, one per sequence; rows join and leave between steps (continu
 Each row has its own sampling settings (`samplings[b]`), and `generator` may be one generator or
 one per row (sampling.RowGenerators).
 
-The target's features reach the proposer as arguments (`prompt_hidden` at start, `Outcome.hidden`
-after each step), for heads that draft from them (MTP, EAGLE, Medusa): its final hidden states, or
+The target's features reach the proposer as arguments (`prompt_hidden` when rows join, after the
+target's prefill of their prompts; `Outcome.hidden` after each step), for heads that draft from
+them (MTP, EAGLE, block): its final hidden states, or
 the outputs of the decoder layers the proposer declares once in `features` (EAGLE), which the
 target's forward returns at no extra pass. The target's cache always lags one token behind the
 sequence: the newest token ("last") is fed with the next verification window [last, drafts].
@@ -104,20 +106,16 @@ class Proposer(Protocol):
     features: tuple[int, ...]  # target decoder layers whose outputs it reads, concatenated in this order,
                                # as prompt_hidden and Outcome.hidden; () or absent: the final hidden states
 
-    def start(self, prompts: list[list[int]], prompt_hidden: torch.Tensor,
-              sampling: SamplingConfig | list[SamplingConfig], max_len: int, k: int,
-              capacity: int | None = None, nodes: int | None = None) -> Any:
-        """New per-generation state holding `prompts` as its rows (as `join`); prompt_hidden
-        (B, P-1, ...): target features (see `features`) over each prompt without its last token
-        (right-padded). sampling: one setting for every row or one per row. max_len: the longest
-        sequence (prompt + generated) a row may reach; k: the most levels any row will be asked
-        for per step; capacity: the most rows it will hold at once (storage allocated now; default
-        len(prompts)); nodes: the most drafts a proposal may hold, a tree's included (default k)."""
+    def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> Any:
+        """New per-generation state without rows (they `join`). max_len: the longest sequence
+        (prompt + generated) a row may reach; k: the most levels any row will be asked for per
+        step; capacity: the most rows it will hold at once (storage allocated now); nodes: the
+        most drafts a proposal may hold, a tree's included (default k)."""
 
     def join(self, state: Any, prompts: list[list[int]], prompt_hidden: torch.Tensor,
              samplings: list[SamplingConfig]) -> None:
-        """Append rows for `prompts`. prompt_hidden (n, P-1, C): target final hidden states over
-        each prompt without its last token (right-padded)."""
+        """Append rows for `prompts`, each with its sampling settings. prompt_hidden (n, P-1, ...):
+        target features (see `features`) over each prompt without its last token (right-padded)."""
 
     def leave(self, state: Any, keep: list[int]) -> None:
         """Keep only rows `keep`, in that order (finished or cancelled rows leave)."""

@@ -101,13 +101,9 @@ class Arch:
         return () if e is None else (e,) if isinstance(e, int) else tuple(e)
 
     @property
-    def rope(self) -> dict:
-        return self.rope_scaling
-
-    @property
     def attention_factor(self) -> float:
         """The factor on cos and sin (yarn's attention temperature; 1 elsewhere)."""
-        rope = self.rope
+        rope = self.rope_scaling
         if rope.get("rope_type") not in ("yarn", "longrope"):
             return 1.0
         if rope.get("attention_factor") is not None:
@@ -125,7 +121,7 @@ class Arch:
 
     def inv_freq(self) -> torch.Tensor:
         """(rotary_dim / 2,) fp32 rotary inverse frequencies, as transformers computes them."""
-        dim, base, rope = self.rotary_dim, self.rope_theta, self.rope
+        dim, base, rope = self.rotary_dim, self.rope_theta, self.rope_scaling
         # explicit device: also correct when the model is built under a meta-device context
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
         inv_freq = 1.0 / (base ** exponents)

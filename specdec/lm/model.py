@@ -25,8 +25,6 @@ from .arch import Arch
 from .device import backend, placement
 from .kv_cache import KVCache
 
-LlamaConfig = Arch  # specdec's own models: an Arch of family "llama" (its defaults)
-
 
 class ModelOutput(NamedTuple):
     logits: torch.Tensor            # (B, T, V) or (B, N, V) when logits_index is given

@@ -30,8 +30,9 @@ import torch
 
 from ..decoding.protocol import Proposal
 from ..errors import SpecdecError
+from ..lm.device import placement
 from ..lm.kv_cache import KVCache
-from .base import draw, per_row, with_alternatives
+from .base import draw, with_alternatives
 from .block_head import check_head_fits
 from .eagle import EagleProposer, EagleState
 
@@ -51,21 +52,18 @@ class BlockProposer(EagleProposer):
         """The block it was trained for: the most drafts one forward gives."""
         return self.head.block
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> EagleState:
-        """prompt_hidden (B, P-1, nC): the declared features over each prompt but its last token."""
+    def start(self, max_len, k, capacity, nodes=None) -> EagleState:
         if not 1 <= k <= self.head.block:
             raise SpecdecError(f"this block head drafts 1..{self.head.block} tokens per step (the block it was "
                                f"trained for), but k={k} was asked: use -k 1..{self.head.block}, or train a head "
                                f"with a longer block (--block-size)")
-        cfg, head = self.target.config, self.head
+        cfg, head, (device, dtype) = self.target.config, self.head, placement(self.target)
         # the longest row's entries stay below max_len; drafts, masks and padded windows add less than this
-        cache = KVCache(len(head.layers), capacity or len(prompts), cfg.num_key_value_heads, cfg.head_dim,
-                        max_len + 2 * (k + 1) + head.block, dtype=prompt_hidden.dtype, device=prompt_hidden.device)
+        cache = KVCache(len(head.layers), capacity, cfg.num_key_value_heads, cfg.head_dim,
+                        max_len + 2 * (k + 1) + head.block, dtype=dtype, device=device)
         cache.regroup([])
-        state = EagleState([], cache, [], prompt_hidden[:0], torch.zeros(0, 0, dtype=torch.long,
-                                                                         device=prompt_hidden.device), [])
-        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
-        return state
+        features = torch.zeros(0, 0, cfg.hidden_size * len(self.features), dtype=dtype, device=device)
+        return EagleState([], cache, [], features, torch.zeros(0, 0, dtype=torch.long, device=device), [])
 
     def block_logits(self, state: EagleState, drafts: int) -> torch.Tensor:
         """The one head forward of a step: feeds the pending positions with the masks, keeps the

@@ -44,8 +44,9 @@ from torch import nn
 
 from .. import kernels
 from ..errors import SpecdecError
+from ..lm.arch import Arch
 from ..lm.checkpoint import read_config
-from ..lm.model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, inverse_frequencies
+from ..lm.model import DecoderLayer, Linear, RMSNorm, Window
 from .eagle_head import check_head_fits as check_eagle_head_fits
 from .eagle_head import check_layer_ids
 from .heads import check_trained_for, loaded_head, read_head_meta, read_head_state, write_head_folder
@@ -57,7 +58,7 @@ class BlockHead(nn.Module):
     kind = KIND
     stack = None  # all its layers as one kernel call (load_block), used with a cache
 
-    def __init__(self, config: LlamaConfig, layer_ids, draft_ids: torch.Tensor, block: int,
+    def __init__(self, config: Arch, layer_ids, draft_ids: torch.Tensor, block: int,
                  num_layers: int = 1, causal: bool = False):
         """config: the target's; layer_ids: which of its decoder layers' outputs the head reads;
         draft_ids (N,): the sorted target ids of the draft vocabulary; block: the most drafts per
@@ -86,7 +87,7 @@ class BlockHead(nn.Module):
         # how often each token id occurred in the training tokens (None: not recorded)
         self.token_counts: torch.Tensor | None = None
         # derived from the config, not a weight (as in the target)
-        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta)
+        self.inv_freq = config.inv_freq()  # the target's rotary embedding, scaled where its config scales it
 
     @property
     def draft_vocab_size(self) -> int:
@@ -126,7 +127,8 @@ class BlockHead(nn.Module):
     def window(self, positions: torch.Tensor, visible: torch.Tensor | None, cache=None) -> Window:
         """positions (B, T), visible (B, T, T) among the new inputs (None: causal); the caller
         advances or rolls back the cache."""
-        window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, visible)
+        window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, visible,
+                        rotary_factor=self.config.attention_factor)
         if cache is not None:
             cache.check_room(window.width)
         return window
@@ -195,7 +197,7 @@ def load_block(path: str | Path, target: str | Path, dtype: torch.dtype | None =
     path = Path(path)
     meta = check_block_target(path, target)
     state = read_head_state(path, "retrain the head")
-    config = LlamaConfig.from_dict(meta["target_config"])
+    config = Arch.from_dict(meta["target_config"])
     head = BlockHead(config, meta["layer_ids"], state["draft_ids"], meta["block"], meta["num_layers"],
                      meta["attention"] == "causal")
     head = loaded_head(head, state, path, meta, dtype, device)

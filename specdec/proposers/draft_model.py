@@ -23,7 +23,7 @@ from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import causal_lm, context_length, next_positions
 from ..lm.kv_cache import KVCache
-from .base import CATCH_UP, DraftVocabulary, draft_chain, grow_tree, per_row, with_alternatives
+from .base import CATCH_UP, DraftVocabulary, draft_chain, grow_tree, with_alternatives
 
 
 @dataclass
@@ -71,16 +71,14 @@ class DraftModelProposer:
         """(N,) the token ids drafted over; None: all V."""
         return None if self.vocab is None else self.vocab.ids
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> DraftState:
+    def start(self, max_len, k, capacity, nodes=None) -> DraftState:
         if max_len - 1 > self.context:
             raise SpecdecError(f"the draft model's context ({self.context} tokens) is shorter than the "
                                f"{max_len - 1} positions this generation needs: shorten the prompt or "
                                "max_new_tokens, or use a draft model with a longer context")
-        cache = self.new_cache(capacity or len(prompts), max_len, k, nodes)
+        cache = self.new_cache(capacity, max_len, k, nodes)
         cache.regroup([])
-        state = DraftState(cache, [], [], [])
-        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
-        return state
+        return DraftState(cache, [], [], [])
 
     def new_cache(self, rows: int, max_len: int, k: int, nodes: int | None) -> KVCache:
         # room for padding: a row may be written up to k + 1 slots past its longest sequence, a

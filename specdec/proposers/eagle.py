@@ -31,6 +31,7 @@ from .. import kernels
 from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
+from ..lm.device import placement
 from ..lm.interface import abilities, next_positions, pad_right
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
@@ -39,7 +40,6 @@ from .base import (
     DraftVocabulary,
     draft_chain,
     gather_rows,
-    per_row,
     ragged_concat_index,
     stack_rows,
     with_alternatives,
@@ -108,20 +108,17 @@ class EagleProposer:
         """(N,) the token ids drafted over."""
         return self.vocab.ids
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> EagleState:
-        """prompt_hidden (B, P-1, nC): the declared features over each prompt but its last token."""
+    def start(self, max_len, k, capacity, nodes=None) -> EagleState:
         if k < 1:
             raise SpecdecError(f"an EAGLE head drafts k >= 1 tokens per step, got k={k}: use k >= 1 (k = 0 is "
                                "plain decoding: leave out the draft)")
-        cfg = self.target.config
+        cfg, (device, dtype) = self.target.config, placement(self.target)
         # the longest row's entries stay below max_len; drafts and padded windows add < 2 (k + 1)
-        cache = KVCache(1, capacity or len(prompts), cfg.num_key_value_heads, cfg.head_dim, max_len + 2 * (k + 1),
-                        dtype=prompt_hidden.dtype, device=prompt_hidden.device)
+        cache = KVCache(1, capacity, cfg.num_key_value_heads, cfg.head_dim, max_len + 2 * (k + 1), dtype=dtype,
+                        device=device)
         cache.regroup([])
-        state = EagleState([], cache, [], prompt_hidden[:0], torch.zeros(0, 0, dtype=torch.long,
-                                                                         device=prompt_hidden.device), [])
-        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
-        return state
+        features = torch.zeros(0, 0, cfg.hidden_size * len(self.features), dtype=dtype, device=device)
+        return EagleState([], cache, [], features, torch.zeros(0, 0, dtype=torch.long, device=device), [])
 
     def join(self, state: EagleState, prompts, prompt_hidden, samplings) -> None:
         """New rows: their prompts' features are pending (read with their first proposal)."""

@@ -48,9 +48,10 @@ import torch
 from torch import nn
 
 from ..errors import SpecdecError
+from ..lm.arch import Arch
 from ..lm.checkpoint import hf_config
 from ..lm.device import placement
-from ..lm.model import MLP, Attention, DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, apply_rotary, rotary
+from ..lm.model import MLP, Attention, DecoderLayer, Linear, RMSNorm, Window, apply_rotary, rotary
 from .heads import check_trained_for, loaded_head, read_head_meta, read_head_state, write_head_folder
 
 KIND = "eagle3"
@@ -63,7 +64,7 @@ class Eagle3Layer(nn.Module):
     output is added to g (not to its input), then the MLP with its own RMSNorm; the names are those of
     transformers' decoder layer, so the export renames nothing but the fused q/k/v and gate/up."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: Arch):
         super().__init__()
         self.self_attn = Attention(config)
         self.self_attn.qkv_proj = Linear(2 * config.hidden_size, self.self_attn.qkv_proj.out_features, bias=False)
@@ -94,7 +95,7 @@ def check_layer_ids(layer_ids, num_layers: int) -> tuple[int, ...]:
 class EagleHead(nn.Module):
     kind = KIND
 
-    def __init__(self, config: LlamaConfig, layer_ids, draft_ids: torch.Tensor, layout: str = "specdec"):
+    def __init__(self, config: Arch, layer_ids, draft_ids: torch.Tensor, layout: str = "specdec"):
         """config: the target's; layer_ids: which of its decoder layers' outputs the head reads;
         draft_ids (N,): the sorted target ids of the draft vocabulary; layout: LAYOUTS (module docstring)."""
         super().__init__()
@@ -158,7 +159,7 @@ class EagleHead(nn.Module):
     def window(self, positions: torch.Tensor | None, cache=None, width: int | None = None) -> Window:
         """The window of one drafting call: positions (B, T), or None for each row's cache length +
         0..width-1; the caller advances or rolls back the cache."""
-        # the compute dtype (model.compute_dtype) read off its own norm: no search through the modules per draft
+        # the compute dtype (device.placement) read off its own norm: no search through the modules per draft
         window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, width=width,
                         rotary_factor=self.config.attention_factor)
         if cache is not None:
@@ -274,7 +275,7 @@ def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None =
     path = Path(path)
     meta = check_eagle_target(path, target)
     state = read_head_state(path, "retrain the head")
-    head = EagleHead(LlamaConfig.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"],
+    head = EagleHead(Arch.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"],
                      meta.get("layout", "specdec"))  # folders from before layouts: specdec's
     return loaded_head(head, state, path, meta, dtype, device)
 

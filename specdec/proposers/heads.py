@@ -33,11 +33,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import SpecdecError
+from ..lm.arch import Arch
 from ..lm.atomic import atomic_dir
 from ..lm.checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
 from ..lm.device import placement
 from ..lm.kv_cache import KVCache
-from ..lm.model import DecoderLayer, Linear, LlamaConfig, RMSNorm, Window, place
+from ..lm.model import DecoderLayer, Linear, RMSNorm, Window, place
 
 HEADS_WEIGHTS, HEADS_META = "heads.safetensors", "heads.json"
 TOKEN_COUNTS = "token_counts"  # (V,) int64 in heads.safetensors, next to the weights
@@ -49,7 +50,7 @@ class MTPHeads(nn.Module):
     reads_ahead: bool  # does head j (0-based) at t read x_{t+j+1}, the token before its target? (drafts, when drafting)
     chained: bool      # does head j+1 read head j's output?
 
-    def __init__(self, config: LlamaConfig, depth: int):
+    def __init__(self, config: Arch, depth: int):
         super().__init__()
         if depth < 1:
             raise SpecdecError(f"MTP needs at least one head (depth >= 1), got {depth}")
@@ -116,7 +117,7 @@ class SequentialHeads(MTPHeads):
     kind = "mtp-sequential"
     reads_ahead = chained = True
 
-    def __init__(self, config: LlamaConfig, depth: int):
+    def __init__(self, config: Arch, depth: int):
         super().__init__(config, depth)
         C, eps = config.hidden_size, config.rms_norm_eps
         self.hidden_norms = nn.ModuleList(RMSNorm(C, eps) for _ in range(depth))
@@ -138,7 +139,7 @@ class SequentialHeads(MTPHeads):
 HEAD_KINDS = {cls.kind: cls for cls in (ParallelHeads, SequentialHeads)}
 
 
-def build_heads(kind: str, config: LlamaConfig, depth: int) -> MTPHeads:
+def build_heads(kind: str, config: Arch, depth: int) -> MTPHeads:
     if kind not in HEAD_KINDS:
         raise SpecdecError(f"unknown MTP head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
     return HEAD_KINDS[kind](config, depth)
@@ -203,7 +204,7 @@ def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None =
     path = Path(path)
     meta = check_heads_target(path, target)
     state = read_head_state(path, "retrain the heads")
-    heads = build_heads(meta["kind"], LlamaConfig.from_dict(meta["target_config"]), meta["depth"])
+    heads = build_heads(meta["kind"], Arch.from_dict(meta["target_config"]), meta["depth"])
     return loaded_head(heads, state, path, meta, dtype, device)
 
 

@@ -48,7 +48,6 @@ from .base import (
     DraftVocabulary,
     draft_chain,
     gather_rows,
-    per_row,
     ragged_concat_index,
     stack_rows,
     with_alternatives,
@@ -102,21 +101,19 @@ class MTPProposer:
         """(N,) the token ids drafted over; None: all V."""
         return None if self.vocab is None else self.vocab.ids
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> MTPState:
+    def start(self, max_len, k, capacity, nodes=None) -> MTPState:
         if k > self.heads.depth:
             raise SpecdecError(f"these {self.heads.kind} heads draft at most {self.heads.depth} tokens per step "
                                f"(one per head), but k={k} was asked: use k <= {self.heads.depth}. (Reusing the "
                                "last head for later positions, as some engines do, drafts tokens it was never "
                                "trained to predict, so their acceptance would collapse.)")
-        cfg, dtype = self.target.config, placement(self.target).dtype
+        cfg, (device, dtype) = self.target.config, placement(self.target)
         # positions written stay below max_len + the widest window after prefill (< 3 (k + 1))
-        cache = KVCache(k, capacity or len(prompts), cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1),
-                        dtype=dtype, device=prompt_hidden.device)
+        cache = KVCache(k, capacity, cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1), dtype=dtype,
+                        device=device)
         cache.regroup([])
-        state = MTPState([], k, cache, [], prompt_hidden.new_zeros(0, 0, cfg.hidden_size, dtype=dtype),
-                         torch.zeros(0, 0, dtype=torch.long, device=prompt_hidden.device), [])
-        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
-        return state
+        return MTPState([], k, cache, [], torch.zeros(0, 0, cfg.hidden_size, dtype=dtype, device=device),
+                        torch.zeros(0, 0, dtype=torch.long, device=device), [])
 
     def join(self, state: MTPState, prompts, prompt_hidden, samplings) -> None:
         if not prompts:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
-from .base import per_row
 
 MATCHES = 8  # earlier occurrences remembered per n-gram (trees draw their branches from them)
 
@@ -107,10 +106,8 @@ class NgramProposer:
             raise SpecdecError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> NgramState:
-        state = NgramState([])
-        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
-        return state
+    def start(self, max_len, k, capacity, nodes=None) -> NgramState:
+        return NgramState([])
 
     def join(self, state: NgramState, prompts, prompt_hidden, samplings) -> None:
         for prompt in prompts:

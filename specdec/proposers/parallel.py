@@ -63,11 +63,11 @@ class ParallelDraftProposer(DraftModelProposer):
         self.native = (model.stack is not None and self.vocab.unembedding.packed is not None
                        and model.model.embedding_scale is None)
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> DraftState:
+    def start(self, max_len, k, capacity, nodes=None) -> DraftState:
         if k > self.max_depth:
             raise SpecdecError(f"this parallel draft was trained for blocks of {self.max_depth} drafts; k={k} is "
                                f"longer: use k <= {self.max_depth} (or -k auto)")
-        return super().start(prompts, prompt_hidden, sampling, max_len, k, capacity, nodes)
+        return super().start(max_len, k, capacity, nodes)
 
     def new_cache(self, rows: int, max_len: int, k: int, nodes: int | None) -> KVCache:
         # a window is the pending tokens (< k + 2 after a step, a prompt on joining) and m - 1 masks, padded

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
-from .base import per_row
 
 
 class SuffixTrie:
@@ -192,10 +191,8 @@ class SuffixProposer:
         self.shared_nodes = shared_nodes
         self.shared, self.epoch = SuffixTrie(trie_depth), 0
 
-    def start(self, prompts, prompt_hidden, sampling, max_len, k, capacity=None, nodes=None) -> SuffixState:
-        state = SuffixState([])
-        self.join(state, prompts, prompt_hidden, per_row(sampling, len(prompts)))
-        return state
+    def start(self, max_len, k, capacity, nodes=None) -> SuffixState:
+        return SuffixState([])
 
     def join(self, state: SuffixState, prompts, prompt_hidden, samplings) -> None:
         for prompt in prompts:

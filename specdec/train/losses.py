@@ -67,6 +67,7 @@ from ..proposers.eagle_head import EagleHead
 from ..proposers.heads import MTPHeads, teacher_forced
 from .anchors import BlockLayout, block_acceptance, block_layout, random_anchors
 
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """logits (B, T, V), targets (B, T) -> mean cross-entropy in nats (computed in fp32)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
