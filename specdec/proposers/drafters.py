@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
-from ..lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
+from ..lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_config, read_meta, sha256
 from ..lm.device import placement
 from ..lm.interface import abilities
 from ..lm.tokenizer import Tokenizer
@@ -79,12 +79,11 @@ class Drafter:
         return None
 
     def check(self, target, folder: Path | None) -> None:
-        """Refuse, with what to do, a drafter in `folder` that does not fit `target`."""
-        if folder is not None and not folder.exists():
-            if folder == MODELS / self.shipped:
-                raise SpecdecError(f"the shipped {self.what} is missing at {folder}: run from a full clone of "
-                                   "specdec or pass a folder")
-            raise SpecdecError(f"no {self.what} at {folder}: {self.train}")
+        """Refuse, with what to do, a drafter in `folder` that does not fit `target` (here: the
+        shipped one missing; each kind checks its folder's contents)."""
+        if folder is not None and folder == MODELS / self.shipped and not folder.exists():
+            raise SpecdecError(f"the shipped {self.what} is missing at {folder}: run from a full clone of specdec "
+                               f"or pass a folder ({self.train})")
 
     def network(self, target, folder: Path | None):
         """What the proposer drafts with, read from `folder` for `target` (None: nothing to read)."""
@@ -114,6 +113,7 @@ class DraftModel(Drafter):
 
     def check(self, target, folder) -> None:
         super().check(target, folder)
+        read_config(folder)  # a checkpoint folder (not a heads folder, not nothing)
         if Tokenizer.load(folder).tok.get_vocab() != target.tokenizer.tok.get_vocab():
             raise SpecdecError(f"the draft model {folder} uses another tokenizer than the target {target.path}; "
                                "a draft must share the target's tokenizer (train it with --tokenizer "
@@ -140,6 +140,7 @@ class ParallelDraft(DraftModel):
     def check(self, target, folder) -> None:
         """Its metadata names a mask token, its block and the hash of the target it was trained for."""
         Drafter.check(self, target, folder)
+        read_config(folder)
         info = read_meta(folder)
         parallel = info.get("parallel") if info.get("kind") == PARALLEL_KIND else None
         if not isinstance(parallel, dict) or not {"mask_token_id", "block", "target_sha256"} <= parallel.keys():
