@@ -41,6 +41,7 @@ from tqdm import tqdm
 from ..errors import SpecdecError
 from ..lm.atomic import atomic_dir, recover
 from ..lm.checkpoint import WEIGHTS, load_model, save_model, sha256, shown_path
+from ..lm.device import placement
 from ..lm.device import resolve as resolve_device
 from ..lm.model import LlamaForCausalLM, place
 from ..lm.tokenizer import Tokenizer
@@ -64,7 +65,7 @@ def evaluate(objective: Objective, nets: Nets, tokens: np.ndarray, seq_len: int,
     was_training = nets.model.training
     nets.model.eval()
     anchors = torch.Generator().manual_seed(0)  # a block head's validation blocks: the same at every validation
-    device = next(nets.model.parameters()).device
+    device = placement(nets.model).device
     rows = [objective.metrics(nets, b.to(device), seq_len, anchors) for b in eval_batches(tokens, seq_len, max_windows)]
     nets.model.train(was_training)
     return objective.pooled(rows)
@@ -211,7 +212,7 @@ def train(cfg: TrainConfig, command: list[str] | None = None) -> Path | None:
                      for path in (cfg.frozen, cfg.objective.teacher, cfg.init_from)))
     device = start(run)
     model, heads = build(cfg, run.tokens("train"))
-    nets = Nets(place(model, device), heads and place(heads, device),
+    nets = Nets(place(model, device), None if heads is None else place(heads, device),
                 place(load_teacher(cfg.objective.teacher), device) if cfg.objective.teacher else None)
     params = [*(() if cfg.frozen else model.parameters()), *(() if heads is None else heads.parameters())]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=False)
@@ -298,7 +299,7 @@ def accumulate(run: Run, nets: Nets, step: int) -> list[float]:
     per_rank = cfg.batch_size // run.world
     batch = window_batch(run.tokens("train"), cfg.seed, step, cfg.batch_size, cfg.seq_len)
     batch = batch[run.rank * per_rank:(run.rank + 1) * per_rank]
-    device = next(nets.model.parameters()).device
+    device = placement(nets.model).device
     loss_sums = None
     for i, mb in enumerate(batch.to(device).split(cfg.micro_batch)):
         # each process contributes its share of the global mean; gradients are averaged over processes
