@@ -139,3 +139,31 @@ def test_a_prompt_ending_in_whitespace_is_printed_as_given(capsys, tiny_checkpoi
     code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", prompt,
                            "--max-new-tokens", "5")
     assert code == 0 and out == prompt + text + "\n"
+
+
+def test_generate_streams_to_a_terminal_chunk_by_chunk(capsys):
+    """In a terminal (a pseudo-terminal here) the text appears piece by piece as tokens are
+    committed, and adds up to the text that --json reports at the end. The shipped target writes
+    text: a random model's control characters would make the terminal split even one write."""
+    import os
+    import pty
+    import select
+    args = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "48", "--threads", "1"]
+    text = json.loads(run_cli(capsys, *args, "--json")[1])["text"]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", *args], stdout=follower, stderr=subprocess.PIPE)
+    os.close(follower)
+    chunks = []
+    while select.select([leader], [], [], 120)[0]:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the process has exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(60) == 0, proc.stderr.read()
+    shown = b"".join(chunks).decode().replace("\r\n", "\n")
+    assert shown == "def f(x):" + text + "\n"
+    assert len(chunks) > 10, chunks  # in pieces as they come, not one write at the end

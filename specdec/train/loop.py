@@ -287,13 +287,14 @@ def evaluate(model, heads: MTPHeads | EagleHead | BlockHead | None, tokens: np.n
     or for an EAGLE head [KL per step.., alpha per position..] (objectives.eagle_metrics; the alphas
     pooled over all windows), or for a block head the same per block slot (objectives.block_metrics,
     eagle_steps = its block size), or for a parallel draft of `parallel_k` slots the same per slot
-    (objectives.parallel_metrics)."""
+    (objectives.parallel_metrics). A progress bar on stderr: the final evaluation takes a while."""
     was_training = model.training
     model.eval()
     losses = []
     steps = parallel_k or eagle_steps
     anchors = torch.Generator().manual_seed(0)
-    for b in eval_batches(tokens, seq_len, max_windows):
+    for b in tqdm(list(eval_batches(tokens, seq_len, max_windows)), desc="evaluate", unit="batch", leave=False,
+                  file=sys.stderr):
         b = b.to(device_of(model))
         if parallel_k:
             losses.append(parallel_metrics(model, teacher, b, evaluation_layout(seq_len, parallel_k, b.device),
