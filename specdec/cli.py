@@ -556,6 +556,7 @@ def cmd_check(args) -> int:
     from .api import encode_prompts, load
     from .bench.workloads import humaneval_prompts
     from .check import WRONG_VERIFIERS, check
+    from .decoding.adaptive import measure_ahead
     from .decoding.sampling import SamplingConfig
 
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -570,6 +571,8 @@ def cmd_check(args) -> int:
     prompts = encode_prompts(target, args.prompt or humaneval_prompts(args.prompts), args.max_new_tokens)
     verify = {"sampled_verify": WRONG_VERIFIERS[args.wrong_verifier]} if args.wrong_verifier else {}
     k = args.k if args.k is not None else len(args.tree) if args.tree else 3
+    if k == "auto":  # this machine's verify cost, measured (once) before the check's phases
+        measure_ahead(target.model, proposer, args.batch_size, args.tree, target.path.name)
     result = check(target.model, proposer, prompts, SamplingConfig(args.temperature, args.top_k, args.top_p),
                    k=k, sequences=args.sequences,
                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed or 0,
