@@ -30,10 +30,10 @@ measurement of this machine's verify cost that the first `k="auto"` run of a mod
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 

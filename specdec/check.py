@@ -140,8 +140,9 @@ class CheckResult:
                            "prompts this drafter drafts for, or more --sequences"}[self.status]
         runs = "; ".join(f"run {i + 1}: KS D = {r['ks_statistic']:.4f}, p = {r['p_value']:.3g}"
                          for i, r in enumerate(s["runs"]))
-        sampled = (f"sampled: {runs} (each over {counted(s['tokens'], 'token')} of {counted(s['sequences'], 'sequence')}); "
-                   f"impossible tokens (target probability 0): {s['impossible_tokens']}")
+        sampled = (f"sampled: {runs} (each over {counted(s['tokens'], 'token')} of "
+                   f"{counted(s['sequences'], 'sequence')}); impossible tokens (target probability 0): "
+                   f"{s['impossible_tokens']}")
         test = (f"test: false-alarm rate {s['false_alarm_rate']:.1%} (a second, independent run follows a p below "
                 f"{FIRST_LEVEL}; FAIL needs its p below {SECOND_LEVEL} too), power >= {s['power']} against a "
                 f"departure of the PIT's distribution function of {s['detectable_distance']:.4f} or more")

@@ -247,9 +247,11 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
         f"mean acceptance length {fmt(s['mean_acceptance_length'])} over {counted(s['steps'], 'step')}")
     policy = s.get("thread_policy") or {}
     others = policy.get("other_processes_cores")  # None until the auto policy has sampled the machine
-    return (f"{counted(s['new_tokens'], 'token')} in {s['seconds']:.2f} s ({fmt(s['tokens_per_s'], '.1f')} tokens/s, time to "
-            f"first token {fmt(s['time_to_first_token'], '.0f', 1000)} ms; loading {fmt(s['load_seconds'], '.1f')} s"
-            + (f", measuring the verify cost {s['verify_curve_seconds']:.1f} s" if s.get("verify_curve_seconds") else "")
+    measuring = s.get("verify_curve_seconds")  # -k auto's first run on this machine: outside the timing too
+    return (f"{counted(s['new_tokens'], 'token')} in {s['seconds']:.2f} s ({fmt(s['tokens_per_s'], '.1f')} tokens/s, "
+            f"time to first token {fmt(s['time_to_first_token'], '.0f', 1000)} ms; loading "
+            f"{fmt(s['load_seconds'], '.1f')} s"
+            + (f", measuring the verify cost {measuring:.1f} s" if measuring else "")
             + f", not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, "
             + counted(s["threads"], "thread")
             + (f" (auto{'' if others is None else ', other processes used ' + counted(others, 'core')})"

@@ -166,7 +166,7 @@ def test_streamed_pieces_add_up_to_the_text(target, method):
     """on_text's pieces arrive as tokens are committed (many pieces, none taken back) and add up to
     the text, through token healing and a stop string."""
     proposer = None if method == "plain" else build_proposer("draft-model", model=target.model)
-    settings = dict(max_new_tokens=40, temperature=0.8, seed=3, proposer=proposer)
+    settings = {"max_new_tokens": 40, "temperature": 0.8, "seed": 3, "proposer": proposer}
     whole = generate(target, "def f(x):\n    ", **settings).texts[0]
     stop = re.search(r"[a-zA-Z]{2}", whole[len(whole) // 2:]).group()      # a stop string that occurs
     pieces: list[str] = []

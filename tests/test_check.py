@@ -11,8 +11,19 @@ import pytest
 import torch
 from scipy.stats import kstest
 
-from specdec.check import (DETECTABLE, FALSE_ALARM, FIRST_LEVEL, POWER, SECOND_LEVEL, WRONG_VERIFIERS, check,
-                           decide, ks_critical, ks_uniform, randomized_pit)
+from specdec.check import (
+    DETECTABLE,
+    FALSE_ALARM,
+    FIRST_LEVEL,
+    POWER,
+    SECOND_LEVEL,
+    WRONG_VERIFIERS,
+    check,
+    decide,
+    ks_critical,
+    ks_uniform,
+    randomized_pit,
+)
 from specdec.cli import main
 from specdec.decoding.sampling import SamplingConfig
 from specdec.errors import SpecdecError
@@ -111,7 +122,8 @@ def test_the_stated_false_alarm_rate_and_power():
     at 0.5)."""
     from scipy.stats import norm
     assert FALSE_ALARM == pytest.approx(0.001)
-    bound = norm.cdf((DETECTABLE - ks_critical(FIRST_LEVEL)) / 0.5) * norm.cdf((DETECTABLE - ks_critical(SECOND_LEVEL)) / 0.5)
+    bound = (norm.cdf((DETECTABLE - ks_critical(FIRST_LEVEL)) / 0.5)
+             * norm.cdf((DETECTABLE - ks_critical(SECOND_LEVEL)) / 0.5))
     assert POWER <= bound < POWER + 0.001                   # DETECTABLE is the smallest distance with that power
     assert DETECTABLE < 1.628 + 0.641                         # and no larger than one run at level 0.01 needed
     g, n = torch.Generator().manual_seed(0), 1000

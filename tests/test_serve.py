@@ -431,7 +431,8 @@ def test_a_served_model_name_oversubscribed_threads_and_auto_k_said_at_startup(t
     cores = len(os.sched_getaffinity(0))
     cache = tmp_path / "cache" / "specdec"  # no verify curve measured before; the kernels as built
     cache.mkdir(parents=True)
-    (cache / "kernels").symlink_to(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels")
+    built = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels"
+    (cache / "kernels").symlink_to(built)
     server = Server("--model", str(tiny_checkpoint), "--served-model-name", "my-model", "--draft", "ngram",
                     "--max-batch", "2", "--threads", str(cores + 1), log=tmp_path / "log",
                     env={"XDG_CACHE_HOME": str(tmp_path / "cache")})

@@ -85,8 +85,9 @@ def verify_curves(model, batch_sizes: list[int], max_tokens: int, name: str = "t
     t0 = time.perf_counter()
     points = points or curve_points(max_tokens)
     if not remeasure:  # `specdec calibrate` asked for it: no news
-        print(f"measuring this machine's verify cost for {name}, once, ~{estimate(model, missing, points, repeats):.0f} s "
-              "(stored for later runs; not part of any timing)", file=sys.stderr, flush=True)
+        seconds = estimate(model, missing, points, repeats)
+        print(f"measuring this machine's verify cost for {name}, once, ~{seconds:.0f} s (stored for later runs; "
+              "not part of any timing)", file=sys.stderr, flush=True)
     with tqdm(total=(repeats + 1) * len(points) * len(missing), desc="verify cost", unit="forward", leave=False,
               file=sys.stderr) as bar:
         for batch in missing:

@@ -8,8 +8,8 @@ in the batch (their tokens are ignored) until every row is done.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
