@@ -19,18 +19,23 @@ first generated token must extend the prompt's text, so the completion of a prom
 P + result.texts[i]; the first of result.tokens[i] then also covers P's trailing whitespace.
 
 Inputs are checked by inputs.py before anything runs. One-time setup (the CPU kernels: built or
-loaded) happens in `load`, which records its seconds; generate's timed region excludes it.
+loaded) happens in `load`, which records its seconds; generate's timed region excludes it, and the
+measurement of this machine's verify cost that the first `k="auto"` run of a model needs
+(calibration.py; stats["verify_curve_seconds"]), too.
 `generate` never touches torch's global random generator: it samples from a private one.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from . import inputs, kernels
+from .decoding.adaptive import measure_ahead
 from .decoding.decode import plain_generate
 from .decoding.engine import speculative_generate
 from .decoding.healing import Healed, back_off, first_tokens
@@ -45,6 +50,7 @@ from .lm.interface import abilities, causal_lm
 from .lm.model import LlamaForCausalLM
 from .lm.tokenizer import EOS_ID, Tokenizer
 from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
+from .serve.text import TextStream
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "target"
@@ -139,14 +145,16 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> l
 def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | str | None = None,
-             widths: tuple[int, ...] | None = None, messages: list[dict] | None = None) -> Result:
+             widths: tuple[int, ...] | None = None, messages: list[dict] | None = None,
+             on_text: Callable[[int, str], None] | None = None) -> Result:
     """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`);
     k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
     pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains).
     messages: a chat ([{"role": "user", "content": ...}, ...]) instead of prompts, rendered by the
     checkpoint's chat template (chat.py); the reply is texts[0]. With a seed, each prompt's sampled
     tokens depend only on the seed, the prompt and the target (sampling.py): prompts that share a
-    seed share its noise."""
+    seed share its noise. on_text(i, piece): called as prompt i's tokens are committed, with text
+    that is never taken back; prompt i's pieces add up to texts[i] (`Streamer`)."""
     if prompts is None and messages is None:
         raise SpecdecError("prompts must be a string or a list of strings (or give messages=[...] for a chat)")
     if prompts is not None and messages is not None:
@@ -169,6 +177,10 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     check_context(target, [row + [0] * bool(h.text) for row, h in zip(ids, healed)], max_new_tokens)
     model = causal_lm(target.model, role="target")
     generator = sampling.generator(placement(target.model).device)
+    verify_cost = (measure_ahead(model, proposer, len(ids), widths, target.path.name)  # first -k auto run here
+                   if proposer is not None and k == "auto" else 0.0)
+    eos = target.tokenizer.eos_ids
+    streamer = Streamer(on_text, [len(h.text) for h in healed], max_new_tokens, stop, decode, eos) if on_text else None
     t0 = time.perf_counter()
     healing = [i for i, h in enumerate(healed) if h.text] if max_new_tokens > 0 else []
     if healing:
@@ -176,38 +188,73 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
                               sampling, generator)
         for i, token in zip(healing, firsts):
             ids[i] = ids[i] + [token]
+            if streamer:
+                streamer(i, [token])
     healing_seconds = time.perf_counter() - t0
     # when every row is healed its first token is already chosen; otherwise the healed rows are cut below
-    eos = target.tokenizer.eos_ids
     rule = StopRule(max_new_tokens - (len(healing) == len(ids)), eos, stop, decode)
     if proposer is None:
-        rows, timing = plain_generate(model, ids, rule, sampling, generator)
+        rows, timing = plain_generate(model, ids, rule, sampling, generator, on_tokens=streamer)
         spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
     else:
-        rows, metrics = speculative_generate(model, proposer, ids, rule, sampling, k, generator, widths=widths)
+        rows, metrics = speculative_generate(model, proposer, ids, rule, sampling, k, generator, widths=widths,
+                                             on_tokens=streamer)
         spec = {"method": proposer.name, **metrics.to_dict(), "time_to_first_token": metrics.first_token_seconds}
     seconds = time.perf_counter() - t0
     if healing:
         spec["time_to_first_token"] = healing_seconds
         for i in healing:
             rows[i] = healed_row(ids[i][-1], rows[i].tokens, len(healed[i].text), max_new_tokens, stop, decode, eos)
-    new_tokens = sum(len(r.tokens) for r in rows)
-    stats = {
-        **spec,
-        "batch_size": len(ids),
-        "prompt_tokens": prompt_tokens,
-        "healed_prompts": len(healing),
-        "new_tokens": new_tokens,
-        "seconds": seconds,
-        "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
-        "load_seconds": target.load_seconds,
-        "threads": (policy := kernels.thread_report())["threads"],
-        "thread_policy": policy,
-        "dtype": str(placement(target.model).dtype).removeprefix("torch."),
-        "device": str(placement(target.model).device),
-        "backend": abilities(target.model).backend,
-    }
-    return Result([r.text() for r in rows], [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
+    texts = [r.text() for r in rows]
+    if streamer:
+        streamer.close(texts)
+    stats = {**spec, "batch_size": len(ids), "prompt_tokens": prompt_tokens, "healed_prompts": len(healing),
+             **run_stats(target, sum(len(r.tokens) for r in rows), seconds), "verify_curve_seconds": verify_cost}
+    return Result(texts, [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
+
+
+def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
+    """What `generate` reports besides the decoding method's figures: tokens, time, the setup."""
+    policy, (device, dtype) = kernels.thread_report(), placement(target.model)
+    return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
+            "load_seconds": target.load_seconds, "threads": policy["threads"], "thread_policy": policy,
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "backend": abilities(target.model).backend}
+
+
+class Streamer:
+    """generate's on_text, fed each row's tokens as the decoder commits them (and a healed row's
+    first token): they are replayed through the row's own stop rule on the text after its prompt,
+    as `healed_row` replays them at the end, and TextStream (serve/text.py) turns them into pieces
+    that are never taken back: half a UTF-8 character, or a tail that may begin a stop string,
+    waits for the next tokens. `close` sends what was still held back of the final texts."""
+
+    def __init__(self, on_text: Callable[[int, str], None], healed_chars: list[int], max_new_tokens: int,
+                 stop: tuple[str, ...], decode, eos: tuple[int, ...]):
+        self.on_text = on_text
+        self.rows = [Row(StopRule(max_new_tokens, eos, stop, partial(decoded_after, decode, n))) for n in healed_chars]
+        self.texts = [TextStream(decode, stop, n) for n in healed_chars]
+
+    def __call__(self, i: int, tokens: list[int]) -> None:
+        row, taken = self.rows[i], []
+        for token in tokens:
+            if row.done:
+                break
+            row.append(token)
+            taken.append(token)
+        self.send(i, self.texts[i].add(taken, 0, row.text() if row.done else None))
+
+    def close(self, texts: list[str]) -> None:
+        for i, text in enumerate(texts):
+            self.send(i, self.texts[i].add([], 0, text))
+
+    def send(self, i: int, pieces: list[tuple[str, str]]) -> None:
+        for piece, _ in pieces:
+            self.on_text(i, piece)
+
+
+def decoded_after(decode, chars: int, tokens: list[int]) -> str:
+    """The text of `tokens` after its first `chars` characters (a healed prompt's end)."""
+    return decode(tokens)[chars:]
 
 
 def healed_row(first: int, rest: list[int], healed_chars: int, max_new_tokens: int, stop: tuple[str, ...],
@@ -215,7 +262,7 @@ def healed_row(first: int, rest: list[int], healed_chars: int, max_new_tokens: i
     """A healed row's output under the caller's stop rule: the first token and the ones decoded
     after it, replayed through `Row.append` on the text after the prompt (a stop string may
     begin inside the first token), so EOS, stop strings and max_new_tokens cut exactly."""
-    row = Row(StopRule(max_new_tokens, eos, stop, lambda tokens: decode(tokens)[healed_chars:]))
+    row = Row(StopRule(max_new_tokens, eos, stop, partial(decoded_after, decode, healed_chars)))
     for token in [first, *rest]:
         if row.append(token):
             break

@@ -11,15 +11,21 @@ import signal
 import sys
 from pathlib import Path
 
-from .errors import SpecdecError
+from .errors import SpecdecError, counted
 
 
 def cmd_train(args) -> None:
     from .train.config import TrainConfig
     from .train.loop import stopped_at, train
+    from .train.presets import defaults, described
     from .train.presets import preset as recipe
 
-    preset = recipe(args.preset)
+    if args.preset is None:
+        name, preset = defaults(args.objective)
+        print(f"specdec train: no --preset: the values of --preset {name}, without the models it names: "
+              f"{described(preset)} (a flag overrides each)", file=sys.stderr)
+    else:
+        preset = recipe(args.preset)
     for name in ("steps", "batch_size", "micro_batch", "seq_len", "lr", "seed", "tokenizer", "eval_every",
                  "save_every", "stop_after", "init_from", "device"):
         value = getattr(args, name)
@@ -90,6 +96,8 @@ def cmd_generate(args) -> None:
     if args.prompt_file is not None:
         args.prompt = read_prompt_file(args.prompt_file)
     prompt = inputs.prompts(args.prompt if args.prompt is not None else humaneval_prompt(args.humaneval))[0]
+    if args.stream and args.json:
+        raise SpecdecError("--stream prints the text as it comes, --json one object at the end: give one of them")
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
     inputs.draft_options(args.draft, draft_options_given(args))
@@ -99,18 +107,30 @@ def cmd_generate(args) -> None:
     inputs.draft_length(args.k, proposer, args.tree)
     k = args.k if args.k is not None else default_k(proposer)
     chat = [{"role": "user", "content": prompt}] if args.chat else None
+    streaming = not args.json and (args.stream or sys.stdout.isatty())  # text as it is committed
+    pending = [] if chat else [prompt]  # shown with the first piece: not at all when generate refuses
+
+    def show(i: int, piece: str) -> None:
+        write("".join(pending) + piece)
+        pending.clear()
     result = generate(target, None if chat else prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       stop=tuple(args.stop), proposer=proposer, k=k if proposer is not None else None,
-                      widths=args.tree, messages=chat)
+                      widths=args.tree, messages=chat, on_text=show if streaming else None)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
         return
     s = result.stats
-    print(result.texts[0] if chat else prompt + result.texts[0])
+    print("".join(pending) if streaming else result.texts[0] if chat else prompt + result.texts[0])
     print(f"\n--- {footer(s, k, args.temperature)}; target {target.path}; finish: {result.finish_reasons[0]}",
           file=sys.stderr)
+
+
+def write(text: str) -> None:
+    """Text to stdout at once (a stream's piece)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def read_prompt_file(path: str) -> str:
@@ -134,6 +154,7 @@ def cmd_serve(args) -> None:
 
     from . import inputs
     from .api import default_k, load
+    from .decoding.adaptive import measure_ahead
     from .proposers import build_proposer
     from .serve.app import create_app
     from .serve.guard import Limits, protocol
@@ -155,9 +176,12 @@ def cmd_serve(args) -> None:
     inputs.draft_length(args.k, proposer, args.tree)
     k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
     method = proposer.name if proposer is not None and k != 0 else "plain"
+    name = args.served_model_name or target.path.name
+    if k == "auto":  # before the server listens, so that no request waits for it
+        measure_ahead(target.model, proposer, args.max_batch, args.tree, name)
     # plain decoding is the same engine proposing nothing (k = 0)
     service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue,
-                      widths=args.tree)
+                      name=name, widths=args.tree)
     limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                     idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
                     key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))
@@ -186,8 +210,9 @@ def cmd_serve(args) -> None:
         time.sleep(0.02)
     if not server.started:
         raise SpecdecError(f"the HTTP server did not start on {args.host}:{args.port} (see the message above)")
-    print(f"specdec serve: {target.path.name}, {method}" + (f" k={k}" if k else "") +
-          f", up to {args.max_batch} requests per batch and {args.max_queue} queued" +
+    print(f"specdec serve: {name}" + ("" if name == target.path.name else f" ({target.path})") + f", {method}"
+          + (f" k={k}" if k else "") + f", up to {counted(args.max_batch, 'request')} per batch and "
+          f"{args.max_queue} queued" +
           (", API key required" if api_key else "") + f"; http://{args.host}:{args.port}/", file=sys.stderr,
           flush=True)
     try:
@@ -221,9 +246,17 @@ def listening_socket(host: str, port: int):
 
 
 def set_threads(threads: int | None) -> None:
-    """--threads N: the kernels (and torch) on N threads; absent: auto (kernels.set_threads)."""
+    """--threads N: the kernels (and torch) on N threads; absent: auto (kernels.set_threads). More
+    threads than this process's cores are allowed, and said once: they take turns on the cores."""
     from . import inputs, kernels
-    kernels.set_threads(None if threads is None else inputs.integer("--threads", threads, low=1))
+    if threads is not None:
+        inputs.integer("--threads", threads, low=1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or threads
+        if threads > cores:
+            print(f"specdec: warning: --threads {threads} is more than the {counted(cores, 'core')} this process may "
+                  f"use: allowed, but the threads then take turns on them, which is slower than --threads {cores} "
+                  "(leave --threads out for auto)", file=sys.stderr)
+    kernels.set_threads(threads)
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
@@ -241,12 +274,18 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
         return "n/a" if x is None else format(x * scale, spec)
     method = "plain decoding" if s["method"] == "plain" else (
         f"{s['method']} k={k}: acceptance rate {fmt(s['acceptance_rate'])}, "
-        f"mean acceptance length {fmt(s['mean_acceptance_length'])} over {s['steps']} steps")
-    return (f"{s['new_tokens']} tokens in {s['seconds']:.2f} s ({fmt(s['tokens_per_s'], '.1f')} tokens/s, time to "
-            f"first token {fmt(s['time_to_first_token'], '.0f', 1000)} ms; loading {fmt(s['load_seconds'], '.1f')} s, "
-            f"not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, {s['threads']} threads"
-            + (f" ({policy['mode']}, other processes used {policy['other_processes_cores']} cores)"
-               if (policy := s.get("thread_policy")) and policy["mode"] == "auto" else ""))
+        f"mean acceptance length {fmt(s['mean_acceptance_length'])} over {counted(s['steps'], 'step')}")
+    policy = s.get("thread_policy") or {}
+    others = policy.get("other_processes_cores")  # None until the auto policy has sampled the machine
+    measuring = s.get("verify_curve_seconds")  # -k auto's first run on this machine: outside the timing too
+    return (f"{counted(s['new_tokens'], 'token')} in {s['seconds']:.2f} s ({fmt(s['tokens_per_s'], '.1f')} tokens/s, "
+            f"time to first token {fmt(s['time_to_first_token'], '.0f', 1000)} ms; loading "
+            f"{fmt(s['load_seconds'], '.1f')} s"
+            + (f", measuring the verify cost {measuring:.1f} s" if measuring else "")
+            + f", not timed); {method}; {s['dtype']}, batch 1, temperature {temperature}, "
+            + counted(s["threads"], "thread")
+            + (f" (auto{'' if others is None else ', other processes used ' + counted(others, 'core')})"
+               if policy.get("mode") == "auto" else ""))
 
 
 def make_proposer(args, target):
@@ -261,8 +300,9 @@ def make_proposer(args, target):
                                                                ngram_max=args.ngram_max, ngram_min=args.ngram_min))
 
 
-def add_draft_arguments(p: argparse.ArgumentParser) -> None:
-    """The proposer and its options, the same for `generate` and `serve`."""
+def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> None:
+    """The proposer and its options, the same for `generate`, `serve` and `check` (k_default: what
+    -k's help says it defaults to)."""
     from .proposers import DRAFTERS
 
     p.add_argument("--draft", choices=["none", *DRAFTERS], default="none",
@@ -281,7 +321,7 @@ def add_draft_arguments(p: argparse.ArgumentParser) -> None:
                         "an EAGLE head's own draft vocabulary)")
     p.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
                                             "from the measured acceptance and this machine's costs, 0 (plain "
-                                            "decoding) included (default: auto)")
+                                            f"decoding) included (default: {k_default})")
     p.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
                    help="draft a tree of at most Wd tokens at depth d (e.g. 3,2,2: 3 candidates for the next "
                         "token, 2 after the best, ...); with -k auto (the default), the tree tried beside chains; "
@@ -533,11 +573,12 @@ def cmd_simulate(args) -> None:
               f"less than over fewer; {cause}", file=sys.stderr)
 
 
-def cmd_check(args) -> None:
+def cmd_check(args) -> int:
     from . import inputs
     from .api import encode_prompts, load
     from .bench.workloads import humaneval_prompts
     from .check import WRONG_VERIFIERS, check
+    from .decoding.adaptive import measure_ahead
     from .decoding.sampling import SamplingConfig
 
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -551,14 +592,21 @@ def cmd_check(args) -> None:
     inputs.draft_length(args.k, proposer, args.tree)
     prompts = encode_prompts(target, args.prompt or humaneval_prompts(args.prompts), args.max_new_tokens)
     verify = {"sampled_verify": WRONG_VERIFIERS[args.wrong_verifier]} if args.wrong_verifier else {}
+    k = args.k if args.k is not None else len(args.tree) if args.tree else 3
+    if k == "auto":  # this machine's verify cost, measured (once) before the check's phases
+        measure_ahead(target.model, proposer, args.batch_size, args.tree, target.path.name)
     result = check(target.model, proposer, prompts, SamplingConfig(args.temperature, args.top_k, args.top_p),
-                   k=args.k if args.k is not None else 3, sequences=args.sequences,
+                   k=k, sequences=args.sequences,
                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed or 0,
                    widths=args.tree, **verify)
     if args.wrong_verifier:
         result.conditions["verifier"] = f"{args.wrong_verifier} (deliberately wrong: FAIL is the expected verdict)"
-    print(json.dumps({"passed": result.passed, "sampled": result.sampled, "greedy": result.greedy,
-                      "conditions": result.conditions}) if args.json else result.verdict())
+    print(json.dumps({"status": result.status, "passed": result.passed, "sampled": result.sampled,
+                      "greedy": result.greedy, "conditions": result.conditions}) if args.json else result.verdict())
+    return CHECK_EXIT[result.status]
+
+
+CHECK_EXIT = {"PASS": 0, "FAIL": 1, "UNDECIDED": 3}  # 2: the check could not run (bad input, main's errors)
 
 
 def cmd_export(args) -> None:
@@ -579,8 +627,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
     from .train.presets import PRESETS
     t.add_argument("--preset", choices=list(PRESETS),
-                   default="target",
-                   help="target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
+                   help="the recipe of a shipped model, its values the defaults of the other flags (default: "
+                        "target-eagle's values for --objective eagle, target-block's for block, else target's, "
+                        "without the shipped models they name; said on stderr). target: the shipped target; "
+                        "target-mtp: MTP heads for the shipped target, trained on its frozen weights; "
                         "target-eagle: the shipped EAGLE head of the shipped target; target-eagle3: the same "
                         "in EAGLE-3's reference layout (models/eagle3, exportable to vLLM); target-block: the "
                         "shipped block head (models/block-head); "
@@ -670,7 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "probability mass (default: 1, all)")
     g.add_argument("--seed", type=int, help="seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json", action="store_true", help="print one JSON object, at the end")
+    g.add_argument("--stream", action="store_true",
+                   help="print the text as its tokens are committed (default: when standard output is a terminal)")
     add_draft_arguments(g)
     add_threads_argument(g)
     g.set_defaults(func=cmd_generate)
@@ -696,6 +748,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
                                    "one running batch between steps (continuous batching).")
     v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    v.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in the API: /v1/models lists it and requests must name it "
+                        "(default: the checkpoint folder's name)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=8000, help="TCP port")
     v.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
@@ -799,13 +854,16 @@ def build_parser() -> argparse.ArgumentParser:
     ch = sub.add_parser("check", help="test that speculative decoding of your target and draft is lossless",
                         description="Samples continuations by speculative decoding and tests each token's randomized "
                                     "probability-integral transform under the target's own processed distribution "
-                                    "(one target forward per sequence) for i.i.d. uniformity (Kolmogorov-Smirnov, "
-                                    "level 0.01); and greedy output against plain decoding. Prints the verdict, the "
-                                    "p-value, the test's power and the conditions.")
+                                    "(one target forward per sequence) for i.i.d. uniformity (Kolmogorov-Smirnov: a "
+                                    "first run's p below 0.02 is followed by a second, independent run, and FAIL "
+                                    "needs its p below 0.05 too: false-alarm rate 0.1%); and greedy output against "
+                                    "plain decoding. Prints the verdict, the p-values, the false-alarm rate, the "
+                                    "test's power and the conditions. Exit status: 0 PASS, 1 FAIL, 3 UNDECIDED (no "
+                                    "draft was proposed), 2 the check could not run.")
     ch.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
     ch.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     ch.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
-    add_draft_arguments(ch)
+    add_draft_arguments(ch, k_default="3, or the --tree's depth: fixed, so that every step verifies drafts")
     ch.add_argument("--prompt", action="append", help="a prompt (repeat for more; default: HumanEval's first --prompts)")
     ch.add_argument("--prompts", type=int, default=8, help="HumanEval prompts used without --prompt")
     ch.add_argument("--sequences", type=int, default=128, help="continuations sampled (taken from the prompts in turn)")
@@ -857,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
-        args.func(args)
+        status = args.func(args) or 0  # a command's own exit status (check's verdict), else 0
     except KeyboardInterrupt:
         print(f"specdec: {args.command} stopped by {'SIGTERM' if terms else 'Ctrl-C'}", file=sys.stderr)
         return 143 if terms else 130
@@ -874,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

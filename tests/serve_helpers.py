@@ -18,15 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 class Server:
     """`specdec serve ARGS` in a subprocess; `url` once /health answers."""
 
-    def __init__(self, *args: str, log: Path):
-        """ARGS may hold --port; else a free port is chosen."""
+    def __init__(self, *args: str, log: Path, env: dict | None = None):
+        """ARGS may hold --port; else a free port is chosen. env: variables set for the server."""
         if "--port" not in args:
             args = ("--port", str(free_port()), *args)
         self.port = int(args[args.index("--port") + 1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *args],
-                                     env=self.environment(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+                                     env={**self.environment(), **(env or {})}, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

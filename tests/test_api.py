@@ -139,3 +139,49 @@ def test_load_does_the_one_time_setup_and_records_its_seconds(tiny_checkpoint):
 def test_bad_api_input_is_a_clear_error(target, prompts, kwargs, message):
     with pytest.raises(SpecdecError, match=re.escape(message)):
         generate(target, prompts, max_new_tokens=kwargs.pop("max_new_tokens", 4), **kwargs)
+
+
+def test_the_first_auto_run_measures_the_verify_cost_once_outside_its_timing(tiny_checkpoint, tmp_path,
+                                                                             monkeypatch, capsys):
+    """-k auto needs this machine's verify curve of the model: the first run measures it before its
+    timed region (the figures exclude it, stats says how long it took), says so once on stderr with
+    a progress bar; the next run reads it from the disk cache."""
+    import time
+    target = load(tiny_checkpoint)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no curve measured before (set after the kernels load)
+    t0 = time.perf_counter()
+    first = generate(target, "def f(x):", max_new_tokens=16, proposer=build_proposer("ngram"), k="auto").stats
+    wall = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert err.count(f"measuring this machine's verify cost for {tiny_checkpoint.name}, once, ~") == 1
+    assert "verify cost:" in err                                            # the progress bar
+    assert first["verify_curve_seconds"] > 0
+    assert first["seconds"] + first["verify_curve_seconds"] <= wall         # two intervals, one after the other
+    second = generate(target, "def g(y):", max_new_tokens=16, proposer=build_proposer("ngram"), k="auto").stats
+    assert second["verify_curve_seconds"] == 0 and "verify cost" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["plain", "draft-model"])
+def test_streamed_pieces_add_up_to_the_text(target, method):
+    """on_text's pieces arrive as tokens are committed (many pieces, none taken back) and add up to
+    the text, through token healing and a stop string."""
+    proposer = None if method == "plain" else build_proposer("draft-model", model=target.model)
+    settings = {"max_new_tokens": 40, "temperature": 0.8, "seed": 3, "proposer": proposer}
+    whole = generate(target, "def f(x):\n    ", **settings).texts[0]
+    stop = re.search(r"[a-zA-Z]{2}", whole[len(whole) // 2:]).group()      # a stop string that occurs
+    pieces: list[str] = []
+    result = generate(target, "def f(x):\n    ", stop=(stop,), on_text=lambda i, piece: pieces.append(piece),
+                      **settings)
+    assert len(pieces) > 3 and "".join(pieces) == result.texts[0] == whole[:whole.index(stop)]
+
+
+def test_a_character_split_across_tokens_is_streamed_whole(target):
+    from specdec.api import Streamer
+    ids = target.tokenizer.encode("aé€b")
+    assert len(ids) > len("aé€b")                                           # bytes of é and € in separate tokens
+    pieces: list[str] = []
+    streamer = Streamer(lambda i, piece: pieces.append(piece), [0], 20, (), target.tokenizer.decode, (EOS_ID,))
+    for token in ids:
+        streamer(0, [token])
+    streamer.close(["aé€b"])
+    assert "".join(pieces) == "aé€b" and all("\ufffd" not in p for p in pieces) and "a" in pieces

@@ -139,3 +139,46 @@ def test_a_prompt_ending_in_whitespace_is_printed_as_given(capsys, tiny_checkpoi
     code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", prompt,
                            "--max-new-tokens", "5")
     assert code == 0 and out == prompt + text + "\n"
+
+
+def test_generate_streams_to_a_terminal_chunk_by_chunk(capsys):
+    """In a terminal (a pseudo-terminal here) the text appears piece by piece as tokens are
+    committed, and adds up to the text that --json reports at the end. The shipped target writes
+    text: a random model's control characters would make the terminal split even one write."""
+    import os
+    import pty
+    import select
+    args = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "48", "--threads", "1"]
+    text = json.loads(run_cli(capsys, *args, "--json")[1])["text"]
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", *args], stdout=follower, stderr=subprocess.PIPE)
+    os.close(follower)
+    chunks = []
+    while select.select([leader], [], [], 120)[0]:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the process has exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(60) == 0, proc.stderr.read()
+    shown = b"".join(chunks).decode().replace("\r\n", "\n")
+    assert shown == "def f(x):" + text + "\n"
+    assert len(chunks) > 10, chunks  # in pieces as they come, not one write at the end
+
+
+def test_json_leaves_out_positions_never_drafted_and_the_footer_counts_in_words(capsys, tiny_checkpoint):
+    """Two new tokens with k = 4: one step drafted one token, positions 2..4 were never drafted and
+    have no acceptance (left out, not null); one token is '1 token', and an unmeasured share of
+    other processes is not printed as None."""
+    base = ["generate", "--model", str(tiny_checkpoint), "--prompt", "def f(x):", "--draft", "draft-model",
+            "--draft-model", str(tiny_checkpoint), "-k", "4"]
+    code, out, err = run_cli(capsys, *base, "--max-new-tokens", "2", "--json")
+    stats = json.loads(out)["stats"]
+    assert code == 0, err
+    assert stats["reached_per_position"] == [1, 0, 0, 0] and stats["acceptance_per_position"] == [1.0]
+    assert None not in stats["proposal_rate_per_position"]
+    code, out, err = run_cli(capsys, *base, "--max-new-tokens", "1")
+    assert code == 0 and "--- 1 token in " in err and "None" not in err and " 1 threads" not in err

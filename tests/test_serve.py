@@ -420,3 +420,30 @@ def test_text_stream_holds_back_what_could_start_a_stop_string():
     assert stream.add([ord("D")], 0, final="abEx") == []           # the stop cut it: nothing more
     healed = TextStream(decode, (), skip_chars=2)
     assert healed.add([ord(c) for c in "  if"], 1) == [("if", "target")]
+
+
+def test_a_served_model_name_oversubscribed_threads_and_auto_k_said_at_startup(tiny_checkpoint, tmp_path):
+    """--served-model-name is the name /v1/models lists and requests give; --threads above the
+    cores is allowed and said once; -k auto measures the verify cost before the server listens,
+    saying so once."""
+    import os
+    from pathlib import Path
+    cores = len(os.sched_getaffinity(0))
+    cache = tmp_path / "cache" / "specdec"  # no verify curve measured before; the kernels as built
+    cache.mkdir(parents=True)
+    built = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels"
+    (cache / "kernels").symlink_to(built)
+    server = Server("--model", str(tiny_checkpoint), "--served-model-name", "my-model", "--draft", "ngram",
+                    "--max-batch", "2", "--threads", str(cores + 1), log=tmp_path / "log",
+                    env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["my-model"]
+        done = httpx.post(server.url + "/v1/completions", json={"model": "my-model", "prompt": "def", "max_tokens": 4})
+        assert done.status_code == 200 and done.json()["model"] == "my-model"
+        assert httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "def"}).status_code == 404
+    finally:
+        assert server.stop(), server.log.read_text()
+    log = server.log.read_text()
+    assert log.count(f"warning: --threads {cores + 1} is more than the {cores} cores") == 1
+    assert log.count("measuring this machine's verify cost for my-model, once") == 1
+    assert log.index("measuring this machine's verify cost") < log.index("specdec serve: my-model (")

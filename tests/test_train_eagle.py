@@ -113,3 +113,19 @@ def test_cli_trains_a_head_and_drafts_with_it(capsys, tmp_path, target, layout):
         assert '"method": "eagle3"' in out
     else:
         assert code == 2 and "--eagle-layout eagle3" in err and not (tmp_path / "vllm").exists()
+
+
+def test_train_without_a_preset_says_which_values_it_takes_and_shows_the_evaluation(capsys, tmp_path,
+                                                                                     tiny_checkpoint):
+    """An EAGLE head for a model of your own, no --preset: the command says whose recipe gives the
+    other values (the shipped head's, without the shipped target it names), and the evaluations
+    show a progress bar on stderr."""
+    from .test_cli import run_cli
+    code, out, err = run_cli(capsys, "train", "--corpus", JSON_PKG, "--objective", "eagle", "--target",
+                             str(tiny_checkpoint), "--out", str(tmp_path / "run"), "--steps", "2", "--eval-every", "2",
+                             "--seq-len", "32", "--batch-size", "2", "--micro-batch", "2", "--draft-vocab", "64")
+    assert code == 0, err
+    assert "no --preset: the values of --preset target-eagle, without the models it names: " in err
+    assert "steps=500" in err and "evaluate:" in err
+    assert "draft heads written to" in out
+    assert json.loads((tmp_path / "run" / "heads" / "heads.json").read_text())["target"] == str(tiny_checkpoint)

@@ -27,6 +27,7 @@ from ..decoding.costmodel import VerifyCurve, predicted_speedup
 from ..decoding.decode import plain_generate
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import StopRule
+from ..errors import counted
 from ..lm.checkpoint import load_model, shown_path
 from ..lm.device import placement
 from . import llamacpp, sizes
@@ -331,8 +332,9 @@ def format_plain(r: dict) -> str:
 def size_lines(r: dict) -> list[str]:
     """The verify curve, the cost model's predictions and the thread policy, where measured."""
     t = r["threads"]
-    lines = [f"threads: {t['threads']} ({t['mode']}; other processes used {t['other_processes_cores']} cores; "
-             f"{t['omp_spin']})"]
+    others = t["other_processes_cores"]  # None: not sampled (a fixed thread count, or no kernels)
+    lines = [f"threads: {t['threads']} ({t['mode']}; "
+             + ("" if others is None else f"other processes used {counted(others, 'core')}; ") + f"{t['omp_spin']})"]
     if r["verify_curve"]:
         rel = r["verify_curve"]["relative"]
         lines.append("verify curve t(n)/t(1): " + ", ".join(f"n={n}: {x:.2f}" for n, x in rel.items())

@@ -44,7 +44,7 @@ from typing import Callable
 
 import numpy as np
 
-from .calibration import cached_verify_curve
+from .calibration import cached_verify_curve, verify_curves
 from .costmodel import VerifyCurve
 
 AUTO_DEPTH = 8                        # the deepest option considered
@@ -61,6 +61,40 @@ CHEAP = 0.03                          # a probe predicted to cost less than this
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def options(proposer, widths: tuple[int, ...] | None) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """The shapes a run weighs, by name, and a note where the tree is left out: chains of 1..K
+    levels and, where the proposer drafts trees, the tree `widths` (default AUTO_TREE); K =
+    len(widths) or AUTO_DEPTH, at most what the proposer can draft."""
+    tree = tuple(widths) if widths is not None else AUTO_TREE
+    depth = min(len(tree), proposer.max_depth or len(tree))
+    tree, note = tree[:depth], None
+    shapes = {"chain": (1,) * depth}
+    if max(tree) > 1:
+        if proposer.trees:
+            shapes["tree"] = tree
+        else:
+            note = f"the {proposer.name} proposer drafts no trees: chains only"
+    return shapes, note
+
+
+def window(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Tokens per row of the widest verify window any of the shapes makes."""
+    return 1 + sum(max(w) for w in zip(*shapes.values()))
+
+
+def curve_batch(rows: int, capacity: int) -> int:
+    """The batch size whose verify curve prices a step over `rows` rows: the next power of two, at most capacity."""
+    return min(capacity, 1 << max(rows - 1, 0).bit_length())
+
+
+def measure_ahead(target, proposer, capacity: int, widths: tuple[int, ...] | None, name: str) -> float:
+    """Read, or measure now, every verify curve a run of up to `capacity` rows may ask for, so that
+    no timed region pays for the measurement (calibration.verify_curves says so on stderr when it
+    measures); returns the seconds spent measuring (0 when they were stored)."""
+    batches = sorted({curve_batch(rows, capacity) for rows in range(capacity + 1)})
+    return verify_curves(target, batches, window(options(proposer, widths)[0]), name)[1]
 
 
 class Adaptive:
@@ -95,29 +129,17 @@ class Adaptive:
 
     @classmethod
     def for_run(cls, target, proposer, capacity: int, widths: tuple[int, ...] | None) -> "Adaptive":
-        """Options for this proposer: chains of 1..K levels and, where it drafts trees, the tree
-        `widths` (default AUTO_TREE) cut at each depth; K = len(widths) or AUTO_DEPTH, at most what
-        the proposer can draft. The target's verify curves come from the cache or are measured on
-        first need, at batch sizes of powers of two up to `capacity`; what earlier runs of this
-        proposer learned is recalled."""
-        limit = proposer.max_depth
-        tree = tuple(widths) if widths is not None else AUTO_TREE
-        depth = min(len(tree), limit or len(tree))
-        tree, note = tree[:depth], None
-        shapes = {"chain": (1,) * depth}
-        if max(tree) > 1:
-            if proposer.trees:
-                shapes["tree"] = tree
-            else:
-                note = f"the {proposer.name} proposer drafts no trees: chains only"
-        window = 1 + sum(max(w) for w in zip(*shapes.values()))
-
+        """Options for this proposer (`options`, the tree cut at each depth). The target's verify
+        curves come from the cache or are measured on first need, at batch sizes of powers of two
+        up to `capacity` (`measure_ahead` measures them before a timed run); what earlier runs of
+        this proposer learned is recalled."""
+        shapes, note = options(proposer, widths)
         measured: dict[int, VerifyCurve] = {}
 
         def curves(rows: int) -> VerifyCurve:
-            batch = min(capacity, 1 << max(rows - 1, 0).bit_length())
+            batch = curve_batch(rows, capacity)
             if batch not in measured:
-                measured[batch] = cached_verify_curve(target, batch, window)[0]
+                measured[batch] = cached_verify_curve(target, batch, window(shapes))[0]
             return measured[batch]
 
         adaptive = cls(curves, 0, shapes, note)

@@ -17,11 +17,13 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import weakref
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .. import kernels
 from ..lm.device import placement, synchronize
@@ -33,11 +35,12 @@ CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt
 
 @torch.inference_mode()
 def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
-                         context_tokens: int = CONTEXT_TOKENS, reduce=statistics.median) -> VerifyCurve:
+                         context_tokens: int = CONTEXT_TOKENS, reduce=statistics.median,
+                         progress=None) -> VerifyCurve:
     """Median (or `reduce`) seconds of a forward over n new tokens per row (every n in
     tokens_per_row) at `batch_size` rows, after `context_tokens` cached ones; the n values are
     interleaved repeat by repeat and the cache is rolled back after each forward, so every forward
-    sees the same context."""
+    sees the same context. `progress(1)` is called after each forward, when given."""
     lm = causal_lm(model, role="target")
     vocab = lm.config.vocab_size
     context_tokens = min(context_tokens, lm.config.max_position_embeddings - max(tokens_per_row))
@@ -54,6 +57,8 @@ def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, 
             synchronize(device)  # the device's work done, not only queued
             elapsed = time.perf_counter() - t0
             cache.rollback(context_tokens)
+            if progress is not None:
+                progress(1)
             if r:
                 times[n].append(elapsed)
     return VerifyCurve({n: reduce(t) for n, t in times.items()}, batch_size)
@@ -65,29 +70,83 @@ def curve_points(max_tokens: int) -> list[int]:
     return sorted({min(n, max_tokens) for n in points})
 
 
+def verify_curves(model, batch_sizes: list[int], max_tokens: int, name: str = "the target",
+                  remeasure: bool = False, repeats: int = 5, points: list[int] | None = None
+                  ) -> tuple[dict[int, VerifyCurve], float]:
+    """The curves t(n), n = 1..max_tokens, at each batch size: from the disk cache where this model
+    was measured on this machine before (and reached max_tokens), the others measured now and
+    stored. Measuring says so first, once, on stderr ("measuring this machine's verify cost for
+    NAME, once, ~N s"), then shows a progress bar. Returns the curves by batch size and the seconds
+    spent measuring (0 when every curve was stored)."""
+    curves = {} if remeasure else {b: c for b in batch_sizes if (c := _stored(model, b, max_tokens)) is not None}
+    missing = [b for b in batch_sizes if b not in curves]
+    if not missing:
+        return curves, 0.0
+    t0 = time.perf_counter()
+    points = points or curve_points(max_tokens)
+    if not remeasure:  # `specdec calibrate` asked for it: no news
+        seconds = estimate(model, missing, points, repeats)
+        print(f"measuring this machine's verify cost for {name}, once, ~{seconds:.0f} s (stored for later runs; "
+              "not part of any timing)", file=sys.stderr, flush=True)
+    with tqdm(total=(repeats + 1) * len(points) * len(missing), desc="verify cost", unit="forward", leave=False,
+              file=sys.stderr) as bar:
+        for batch in missing:
+            curves[batch] = _measure_and_store(model, batch, points, repeats, bar.update)
+    return curves, time.perf_counter() - t0
+
+
 def cached_verify_curve(model, batch_size: int, max_tokens: int, remeasure: bool = False,
                         repeats: int = 5, points: list[int] | None = None) -> tuple[VerifyCurve, bool]:
-    """The curve t(n), n = 1..max_tokens, at `batch_size` rows: from the disk cache when this model
-    was measured on this machine before, else measured now and stored. Returns it and whether it
-    was measured now (also when the stored one stops short of max_tokens)."""
+    """The curve at one batch size (as `verify_curves`), and whether it was measured now."""
+    curves, seconds = verify_curves(model, [batch_size], max_tokens, remeasure=remeasure, repeats=repeats,
+                                    points=points)
+    return curves[batch_size], seconds > 0
+
+
+def _stored(model, batch_size: int, max_tokens: int) -> VerifyCurve | None:
+    """The curve measured for this model, batch size and machine before, if it reaches max_tokens."""
     path = _cache_dir() / f"{_key(model, batch_size)}.json"
-    if not remeasure and (path in _LOADED or path.exists()):
-        if path not in _LOADED:
-            stored = json.loads(path.read_text())
-            _LOADED[path] = VerifyCurve({int(n): s for n, s in stored["seconds"].items()}, stored["batch_size"])
-        if max(_LOADED[path].seconds) >= max_tokens:
-            return _LOADED[path], False
+    if path not in _LOADED and path.exists():
+        stored = json.loads(path.read_text())
+        _LOADED[path] = VerifyCurve({int(n): s for n, s in stored["seconds"].items()}, stored["batch_size"])
+    curve = _LOADED.get(path)
+    return curve if curve is not None and max(curve.seconds) >= max_tokens else None
+
+
+def _measure_and_store(model, batch_size: int, points: list[int], repeats: int, progress) -> VerifyCurve:
     # the fastest of the repeats, made non-decreasing in n (more tokens never cost less): a stored
     # curve outlives the moment it was measured in, so a busy moment must not bend it
-    fastest = measure_verify_curve(model, points or curve_points(max_tokens), batch_size, repeats=repeats, reduce=min)
+    fastest = measure_verify_curve(model, points, batch_size, repeats=repeats, reduce=min, progress=progress)
     points = sorted(fastest.seconds)
     curve = VerifyCurve({n: min(fastest.seconds[m] for m in points if m >= n) for n in points}, batch_size)
+    path = _cache_dir() / f"{_key(model, batch_size)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")  # written whole, then renamed: never half a file
     tmp.write_text(json.dumps({"seconds": curve.seconds, "batch_size": batch_size, "machine": machine()}, indent=1))
     os.replace(tmp, path)
     _LOADED[path] = curve
-    return curve, True
+    return curve
+
+
+@torch.inference_mode()
+def estimate(model, batch_sizes: list[int], points: list[int], repeats: int) -> float:
+    """Seconds `verify_curves` will take to measure these batch sizes: two forwards timed now (one
+    token, and as many as its largest forward carries), the cost linear in the tokens in between."""
+    lm = causal_lm(model, role="target")
+    device = placement(lm).device
+    largest = min(max(batch_sizes) * max(points), lm.config.max_position_embeddings)
+    seconds = {}
+    for n in (1, largest):
+        synchronize(device)
+        t0 = time.perf_counter()
+        lm(torch.zeros(1, n, dtype=torch.long, device=device))
+        synchronize(device)
+        seconds[n] = time.perf_counter() - t0
+    per_token = max(seconds[largest] - seconds[1], 0.0) / max(largest - 1, 1)
+
+    def forward(tokens: int) -> float:
+        return seconds[1] + per_token * (tokens - 1)
+    return sum(forward(b * CONTEXT_TOKENS) + (repeats + 1) * sum(forward(b * n) for n in points) for b in batch_sizes)
 
 
 _LOADED: dict[Path, VerifyCurve] = {}  # curves read from disk in this process

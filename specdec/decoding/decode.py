@@ -8,6 +8,7 @@ in the batch (their tokens are ignored) until every row is done.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,9 @@ def prefill(model: LlamaForCausalLM, cache, prompts: list[list[int]]) -> torch.T
 
 @torch.inference_mode()
 def plain_generate(model: LlamaForCausalLM, prompts: list[list[int]], rule: StopRule,
-                   sampling: SamplingConfig, generator: torch.Generator | None = None) -> tuple[list[Row], Timing]:
+                   sampling: SamplingConfig, generator: torch.Generator | None = None,
+                   on_tokens: Callable[[int, list[int]], None] | None = None) -> tuple[list[Row], Timing]:
+    """Each prompt decoded to its stop; on_tokens(i, [token]): prompt i's tokens as they come (a stream)."""
     rows = [Row(rule) for _ in prompts]
     timing = Timing()
     t0 = time.perf_counter()
@@ -44,9 +47,11 @@ def plain_generate(model: LlamaForCausalLM, prompts: list[list[int]], rule: Stop
     while True:
         positions = [len(p) + len(row.tokens) for p, row in zip(prompts, rows)]  # where a seeded draw's noise is
         next_tokens = pick(logits, sampling, generator, positions)  # (B,)
-        for row, token in zip(rows, next_tokens.tolist()):
+        for i, (row, token) in enumerate(zip(rows, next_tokens.tolist())):
             if not row.done:
                 row.append(token)
+                if on_tokens is not None:
+                    on_tokens(i, [token])
         if all(row.done for row in rows):
             break
         logits = model(next_tokens[:, None], cache=cache).logits[:, -1]

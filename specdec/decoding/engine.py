@@ -34,6 +34,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -424,16 +425,19 @@ class PlainStretch:
 def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule,
                          sampling: SamplingConfig, k: int | str, generator: torch.Generator | None = None,
                          *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
-                         tree_verify=tree_rejection_sample) -> tuple[list[Row], SpecMetrics]:
+                         tree_verify=tree_rejection_sample, on_tokens: Callable[[int, list[int]], None] | None = None
+                         ) -> tuple[list[Row], SpecMetrics]:
     """One closed batch through the engine: every prompt under the same settings, one generator.
-    k, widths, sampled_verify, tree_verify: as `Engine`."""
+    k, widths, sampled_verify, tree_verify: as `Engine`; on_tokens(i, tokens): prompt i's tokens of
+    each step, as they are committed (a stream)."""
     t0 = time.perf_counter()
     target = causal_lm(target, role="target")
     check_inputs(target, proposer, prompts, rule, context_length(target))
     max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
     engine = Engine(target, proposer, k, len(prompts), max_len, widths=widths, sampled_verify=sampled_verify,
                     tree_verify=tree_verify)
-    requests = [Request(p, rule, sampling, generator) for p in prompts]
+    requests = [Request(p, rule, sampling, generator, None if on_tokens is None else partial(stream_to, on_tokens, i))
+                for i, p in enumerate(prompts)]
     for request in requests:
         engine.submit(request)
     while engine.busy:
@@ -445,6 +449,12 @@ def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], r
         engine.adaptive.remember()
         metrics.adaptive = engine.adaptive.summary()
     return [r.row for r in requests], metrics
+
+
+def stream_to(on_tokens: Callable[[int, list[int]], None], i: int, request: Request, tokens: list[int],
+              drafted: int) -> None:
+    """A Request's on_tokens that hands the tokens on as prompt i's."""
+    on_tokens(i, tokens)
 
 
 def stream(requests: list[Request], runs: list[list[int]], counts: list[int], lengths: list[int],

@@ -26,13 +26,16 @@ proposer that always drafts k, lower for n-gram lookup, which drafts only what i
 τ = emitted / row_steps (includes the recovered or bonus token); c = draft seconds per step /
 one target single-token forward at the same batch size (`target_token_seconds`, measured by the
 caller, e.g. from a k = 0 run; None when not measured); tokens/s = emitted / total seconds;
-step_breakdown_ms: each phase's milliseconds per step.
+step_breakdown_ms: each phase's milliseconds per step. A position never drafted has no α_i (nor,
+never reachable, p_i): `to_dict` leaves such positions out, so its α_i and p_i lists stop at the
+deepest position drafted (reached positions come first: reaching depth i + 1 needs depth i accepted).
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 PHASES = ("propose_seconds", "forward_seconds", "acceptance_seconds", "commit_seconds", "observe_seconds",
           "metrics_seconds")
@@ -40,6 +43,11 @@ PHASES = ("propose_seconds", "forward_seconds", "acceptance_seconds", "commit_se
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
+
+
+def _defined(values: list[float | None]) -> list[float]:
+    """The values up to the first position that does not have one (never drafted: module docstring)."""
+    return list(takewhile(lambda v: v is not None, values))
 
 
 @dataclass
@@ -185,8 +193,8 @@ class SpecMetrics:
             "accepted_per_position": list(self.accepted_per_position),
             "reached_per_position": list(self.reached_per_position),
             "acceptance_rate": self.acceptance_rate,
-            "acceptance_per_position": self.acceptance_per_position,
-            "proposal_rate_per_position": self.proposal_rate_per_position,
+            "acceptance_per_position": _defined(self.acceptance_per_position),
+            "proposal_rate_per_position": _defined(self.proposal_rate_per_position),
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_cost_ratio": self.draft_cost_ratio,
             "prefill_seconds": self.prefill_seconds, "draft_seconds": self.draft_seconds,

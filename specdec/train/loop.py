@@ -61,12 +61,15 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 @torch.no_grad()
 def evaluate(objective: Objective, nets: Nets, tokens: np.ndarray, seq_len: int, max_windows: int) -> list[float]:
     """The objective's validation figures over evenly spread windows of `tokens` (objectives.py:
-    `metrics` per window batch, `pooled` over them), the model in eval mode meanwhile."""
+    `metrics` per window batch, `pooled` over them), the model in eval mode meanwhile. A progress
+    bar on stderr: the final evaluation takes a while."""
     was_training = nets.model.training
     nets.model.eval()
     anchors = torch.Generator().manual_seed(0)  # a block head's validation blocks: the same at every validation
     device = placement(nets.model).device
-    rows = [objective.metrics(nets, b.to(device), seq_len, anchors) for b in eval_batches(tokens, seq_len, max_windows)]
+    batches = tqdm(list(eval_batches(tokens, seq_len, max_windows)), desc="evaluate", unit="batch", leave=False,
+                   file=sys.stderr)
+    rows = [objective.metrics(nets, b.to(device), seq_len, anchors) for b in batches]
     nets.model.train(was_training)
     return objective.pooled(rows)
 

@@ -71,6 +71,29 @@ PRESETS = {
 }
 
 
+# without --preset, a head of an objective here takes the hyperparameters of the shipped head's recipe
+OBJECTIVE_PRESETS = {"eagle": "target-eagle", "block": "target-block"}
+
+
+def defaults(objective: str | None) -> tuple[str, dict]:
+    """The preset whose values `specdec train` takes when none is named, and those values: the
+    shipped head's recipe for an eagle or block head, else the shipped target's; without the
+    shipped models a recipe names (a run without --preset is for models given by flags)."""
+    name = OBJECTIVE_PRESETS.get(objective, "target")
+    recipe = {key: value for key, value in preset(name).items() if key not in PATHS}
+    if "objective" in recipe:  # its settings, without the models they name
+        recipe["objective"] = dataclasses.replace(recipe["objective"], **{
+            key: None for key in OBJECTIVE_PATHS if hasattr(recipe["objective"], key)})
+    return name, recipe
+
+
+def described(recipe: dict) -> str:
+    """A recipe's values in one line: "steps=500, batch_size=8, ..., model: 6 layers x 384, vocabulary 16384"."""
+    values = ", ".join(f"{key}={value}" for key, value in recipe.items() if key not in ("model", "objective"))
+    m = recipe.get("model")
+    return values + (f", model: {m.num_hidden_layers} layers x {m.hidden_size}, vocabulary {m.vocab_size}" if m else "")
+
+
 def preset(name: str) -> dict:
     """The recipe `name` with its paths made absolute against the repository root."""
     recipe = dict(PRESETS[name])
