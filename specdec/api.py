@@ -41,6 +41,7 @@ from .decoding.engine import speculative_generate
 from .decoding.healing import Healed, back_off, first_tokens
 from .decoding.sampling import SamplingConfig
 from .decoding.stopping import Row, StopRule
+from .decoding.text import TextStream
 from .errors import SpecdecError
 from .lm.chat import template
 from .lm.checkpoint import load_model, load_token_counts
@@ -50,7 +51,6 @@ from .lm.interface import abilities, causal_lm
 from .lm.model import LlamaForCausalLM
 from .lm.tokenizer import EOS_ID, Tokenizer
 from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
-from .serve.text import TextStream
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS / "target"
@@ -224,7 +224,7 @@ def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
 class Streamer:
     """generate's on_text, fed each row's tokens as the decoder commits them (and a healed row's
     first token): they are replayed through the row's own stop rule on the text after its prompt,
-    as `healed_row` replays them at the end, and TextStream (serve/text.py) turns them into pieces
+    as `healed_row` replays them at the end, and TextStream (decoding/text.py) turns them into pieces
     that are never taken back: half a UTF-8 character, or a tail that may begin a stop string,
     waits for the next tokens. `close` sends what was still held back of the final texts."""
 

@@ -20,9 +20,9 @@ import openai
 import pytest
 
 from specdec import api
+from specdec.decoding.text import TextStream
 from specdec.lm.tokenizer import EOS_ID
 from specdec.proposers import build_proposer
-from specdec.serve.text import TextStream
 
 from .serve_helpers import Server
 from .spec_helpers import NEAR_TIE, greedy_divergence

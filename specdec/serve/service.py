@@ -39,12 +39,12 @@ from ..api import Loaded
 from ..decoding.engine import Engine, Request
 from ..decoding.healing import back_off, first_tokens
 from ..decoding.stopping import StopRule
+from ..decoding.text import TextStream
 from ..errors import SpecdecError
 from ..lm.chat import has_template, template
 from ..lm.tokenizer import EOS_ID, Tokenizer
 from .prometheus import Metrics
 from .requests import Params
-from .text import TextStream
 
 
 class QueueFull(SpecdecError):
