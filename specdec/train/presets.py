@@ -82,15 +82,19 @@ def defaults(objective: str | None) -> tuple[str, dict]:
     name = OBJECTIVE_PRESETS.get(objective, "target")
     recipe = {key: value for key, value in preset(name).items() if key not in PATHS}
     if "objective" in recipe:  # its settings, without the models they name
+        settings = {f.name for f in dataclasses.fields(recipe["objective"])}
         recipe["objective"] = dataclasses.replace(recipe["objective"], **{
-            key: None for key in OBJECTIVE_PATHS if hasattr(recipe["objective"], key)})
+            key: None for key in OBJECTIVE_PATHS if key in settings})
     return name, recipe
 
 
 def described(recipe: dict) -> str:
     """A recipe's values in one line: "steps=500, batch_size=8, ..., model: 6 layers x 384, vocabulary 16384"."""
     values = ", ".join(f"{key}={value}" for key, value in recipe.items() if key not in ("model", "objective"))
-    m = recipe.get("model")
+    m, objective = recipe.get("model"), recipe.get("objective")
+    if objective is not None:  # its settings, those naming no model
+        values += f", {objective.name}: " + ", ".join(f"{key}={value}" for key, value in
+                                                       dataclasses.asdict(objective).items() if value is not None)
     return values + (f", model: {m.num_hidden_layers} layers x {m.hidden_size}, vocabulary {m.vocab_size}" if m else "")
 
 
