@@ -169,9 +169,12 @@ class Run:
         if not (state_dir / "state.json").exists():
             return 0, {"train": [], "valid": []}, 0.0
         meta = json.loads((state_dir / "state.json").read_text())
-        saved, identity = meta.get("identity", {}), self.identity()
+        saved, identity = meta.get("identity"), self.identity()
+        if saved is None:
+            raise SpecdecError(f"{state_dir} was saved by a specdec from before objectives had settings of their own; "
+                               "finish it with that version, or use a new --out (or delete that folder) to start over")
         if saved != identity:
-            changed = [k for k, v in identity.items() if saved.get(k) != v] or ["specdec version"]
+            changed = [k for k, v in identity.items() if saved.get(k) != v]
             raise SpecdecError(f"{state_dir} was saved with another {', '.join(changed)}; use a new --out "
                                "or delete that folder to start over")
         tensors = load_file(state_dir / "state.safetensors")
