@@ -23,7 +23,7 @@ from .. import kernels
 from ..errors import SpecdecError
 from .arch import Arch
 from .atomic import atomic_dir, recover
-from .model import LlamaForCausalLM, compute_dtype, place, store_matrices_bf16
+from .model import LlamaForCausalLM, compute_dtype, place, store_matrices
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
 PARALLEL_KIND = "parallel-draft"  # specdec.json "kind" of a parallel draft model (proposers/parallel.py)
@@ -144,7 +144,7 @@ def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> N
     where the CPU kernels run (exact: bf16 -> fp32 loses nothing); elsewhere they stay fp32."""
     if (stored == torch.bfloat16 and compute_dtype(module) == torch.float32
             and all(p.device.type == "cpu" for p in module.parameters()) and kernels.can_store_bf16()):
-        store_matrices_bf16(module)
+        store_matrices(module)
 
 
 TOKEN_COUNTS = "token_counts.safetensors"
