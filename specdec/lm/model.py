@@ -90,16 +90,17 @@ def frozen_linear(weight: torch.Tensor) -> Linear:
     return m
 
 
-def store_matrices(module: nn.Module, format: str = "bf16", given: dict[str, kernels.Matrix] | None = None
-                   ) -> nn.Module:
+def store_matrices(module: nn.Module, format: str | None = "bf16",
+                   given: dict[str, kernels.Matrix] | None = None) -> nn.Module:
     """Freeze every Linear of a model or head for inference in `format` (Linear.store), those named
-    in `given` as given (a GGUF file's quantized tensors). bf16 is exact for weights that hold bf16
-    values; a quantized format rounds them (llama.cpp's Q8_0, Q4_0, Q4_1). A tied unembedding stays
-    tied to the embedding (both the quantized values). Where the kernels run, every run of decoder
-    layers then becomes one kernel call (decided here, once, at load)."""
+    in `given` as given (a GGUF file's quantized tensors; format None: the others are left as they
+    are, on PyTorch operators). bf16 is exact for weights that hold bf16 values; a quantized format
+    rounds them (llama.cpp's Q8_0, Q4_0, Q4_1). A tied unembedding stays tied to the embedding (both
+    the quantized values). Where the kernels run, every run of decoder layers whose matrices are all
+    stored then becomes one kernel call (decided here, once, at load)."""
     given = given or {}
     for name, m in module.named_modules():
-        if isinstance(m, Linear):
+        if isinstance(m, Linear) and (name in given or format is not None):
             why = None if format == "bf16" or name in given else kernels.quant.blocking_error(format, m.in_features)
             if why is not None:
                 raise SpecdecError(f"cannot quantize {name} ({m.out_features} x {m.in_features}) to {format}: {why}; "
@@ -135,8 +136,12 @@ class StackedLayers:
         raise NotImplementedError
 
     def stack_layers(self) -> None:
-        self.unstacked = kernels.cannot_stack(self.config)
-        if self.unstacked is not None:
+        unstored = [name for name, m in self.named_modules() if isinstance(m, Linear) and m.stored is None
+                    and name != "lm_head"]  # matrices left dequantized (store_matrices' caller says so)
+        self.unstacked = kernels.cannot_stack(self.config) or (
+            f"{', '.join(unstored[:3])}{' ...' if len(unstored) > 3 else ''} have no format the kernels run"
+            if unstored else None)
+        if self.unstacked is not None and not unstored:
             warnings.warn(f"specdec: {self.unstacked}; its decoder layers run on PyTorch operators (the same "
                           "arithmetic, slower)", stacklevel=3)
         else:
