@@ -142,22 +142,24 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     return model.eval()
 
 
-def quantize_model(model: torch.nn.Module, format: str) -> torch.nn.Module:
+def quantize_model(model: torch.nn.Module, format: str, given: dict[str, kernels.Matrix] | None = None
+                   ) -> torch.nn.Module:
     """A model (or head) loaded for fp32 on the CPU with every matrix quantized to `format` (one of
-    kernels.FORMATS' quantized ones, llama.cpp's rounding; model.store_matrices): a 135M model takes
-    about a second, so nothing is cached. Refused elsewhere, and for a matrix whose rows do not cut
-    into blocks of 32 (named)."""
+    kernels.FORMATS' quantized ones, llama.cpp's rounding; model.store_matrices), but those `given`
+    by name: a 135M model takes about a second, so nothing is cached. Refused elsewhere, and for a
+    matrix whose rows do not cut into blocks of 32 (named)."""
     if format not in kernels.FORMATS[1:]:
         raise SpecdecError(f"unknown quantized format {format!r}: use one of {', '.join(kernels.FORMATS[1:])}")
     if compute_dtype(model) != torch.float32 or any(p.device.type != "cpu" for p in model.parameters()):
         raise SpecdecError(f"quantized weights ({format}) run on the CPU in float32: drop --dtype/--device, or "
                            "--quantize")
-    return store_matrices(model, format)
+    return store_matrices(model, format, given)
 
 
-def quantized_copy(model: LlamaForCausalLM, format: str) -> LlamaForCausalLM:
+def quantized_copy(model: LlamaForCausalLM, format: str, head_format: str | None = None) -> LlamaForCausalLM:
     """Another model of `model`'s architecture holding its weights with every matrix quantized to
-    `format` (quantize_model): a draft that needs no training. `model` itself is left as it is."""
+    `format` (quantize_model), its unembedding to `head_format` (default: `format`): a draft that
+    needs no training. `model` itself is left as it is."""
     if not isinstance(model, LlamaForCausalLM):
         raise SpecdecError("a quantized copy of the target needs specdec's own model (a checkpoint specdec loads), "
                            f"not {type(model).__name__}")
@@ -165,7 +167,8 @@ def quantized_copy(model: LlamaForCausalLM, format: str) -> LlamaForCausalLM:
         twin = LlamaForCausalLM(model.config)
     twin.load_state_dict({name: value.detach() for name, value in model.state_dict().items()}, assign=True)
     place(twin, next(model.parameters()).device)
-    return quantize_model(twin.eval(), format)
+    head = {} if head_format is None else {"lm_head": kernels.Matrix.store(twin.lm_head.weight, head_format)}
+    return quantize_model(twin.eval(), format, head)
 
 
 def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> None:
