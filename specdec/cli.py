@@ -362,6 +362,9 @@ def cmd_bench(args) -> None:
         if args.out:
             write(result, args.out)
         return
+    if args.quantize and args.mode != "plain":
+        raise SpecdecError("--quantize measures plain decoding (`specdec bench plain --quantize ...`); the other "
+                           "benchmarks run the checkpoints as stored")
     if args.mode == "plain":
         from .bench.plain import bench_plain, format_plain
 
@@ -374,7 +377,7 @@ def cmd_bench(args) -> None:
         result = bench_plain(args.model, n_prompts=args.prompts or (2 if sized else 10),
                              repeats=args.repeats or (3 if sized else 5),
                              max_new_tokens=args.max_new_tokens or (32 if sized else 128), dtype=torch_dtype(args.dtype),
-                             llama_cpp=not args.no_llamacpp, size=args.size)
+                             llama_cpp=not args.no_llamacpp, size=args.size, quantize=args.quantize)
         result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
         print(format_plain(result))
         if args.out:
@@ -738,6 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
     b.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     b.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_quantize_argument(b)
     b.add_argument("--methods", nargs="+",
                    help="speculative methods (default: draft-model ngram mtp suffix eagle block)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "

@@ -150,14 +150,14 @@ class Matrix:
         self._blocks = blocks
 
     @classmethod
-    def store(cls, weight: torch.Tensor, format: str = "bf16") -> "Matrix":
+    def store(cls, weight: torch.Tensor, format: str = "bf16") -> Matrix:
         """weight (N, K) in `format` (quantized with llama.cpp's rounding: blocks.quantize)."""
         if format == "bf16":
             return cls(format, weight.shape, pack(weight.detach().to(torch.bfloat16)))
         return cls.from_blocks(quant.quantize(weight, format))
 
     @classmethod
-    def from_blocks(cls, blocks: quant.Blocks) -> "Matrix":
+    def from_blocks(cls, blocks: quant.Blocks) -> Matrix:
         """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
         return cls(blocks.format, blocks.shape, quant.pack(blocks), blocks)
 
@@ -180,7 +180,7 @@ class Matrix:
             return self.data.transpose(1, 2).reshape(-1, self.shape[1])[:self.shape[0]]
         return self.blocks().dense()
 
-    def rows(self, ids: torch.Tensor) -> "Matrix":
+    def rows(self, ids: torch.Tensor) -> Matrix:
         """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
         if not self.quantized:
             return Matrix.store(self.dense()[ids])

@@ -34,13 +34,12 @@ class Blocks(NamedTuple):
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
-    def rows(self, ids: torch.Tensor) -> "Blocks":
+    def rows(self, ids: torch.Tensor) -> Blocks:
         """The output rows `ids` (exact: blocks run along K)."""
         return Blocks(self.format, self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids])
 
     def dense(self) -> torch.Tensor:
         """(N, K) fp32: the weights the blocks hold, d (u - offset) [+ m] each in fp32."""
-        N, K = self.shape
         d = self.scales.float().repeat_interleave(BLOCK, 1)
         w = d * (self.codes.float() - OFFSET[self.format])
         return w if self.mins is None else w + self.mins.float().repeat_interleave(BLOCK, 1)

@@ -132,7 +132,7 @@ class StackedLayers:
     stack = None
     unstacked = None  # why the kernels cannot run the layers as one call, where they could have
 
-    def stacked(self) -> list["DecoderLayer"]:
+    def stacked(self) -> list[DecoderLayer]:
         raise NotImplementedError
 
     def stack_layers(self) -> None:
@@ -312,7 +312,7 @@ class DecoderLayer(StackedLayers, nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg)
 
-    def stacked(self) -> list["DecoderLayer"]:
+    def stacked(self) -> list[DecoderLayer]:
         return [self]
 
     def kernel_weights(self) -> kernels.LayerWeights:
