@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 
 import gguf
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from specdec import kernels
+from specdec.cli import main
 from specdec.decoding.decode import plain_generate
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
@@ -22,6 +24,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.kernels import blocks
 from specdec.lm.checkpoint import quantize_model
+from specdec.lm.model import Linear, store_matrices
 from specdec.proposers import build_proposer
 
 from .conftest import TINY, tiny_model
@@ -65,6 +68,25 @@ def test_each_row_of_the_kernel_equals_the_pytorch_reference_exactly(format):
                 parts = [kernels.compiled().linear(x[i:i + rows], matrix.data, kernels.FORMATS.index(format), N,
                                                    add[i:i + rows], bias) for i in range(0, 16, rows)]
                 assert torch.equal(torch.cat(parts), add + reference), (isa, N, K, rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize("format", FORMATS)
+def test_every_code_of_a_format_multiplies_exactly(format):
+    """Blocks no quantizer makes (a GGUF file may hold them): every code, Q8_0's -128 included, and
+    scales and mins of any sign."""
+    g = torch.Generator().manual_seed(4)
+    N, K = 40, 128
+    top = 256 if format == "q8_0" else 16
+    codes = torch.randint(0, top, (N, K), generator=g, dtype=torch.uint8)
+    codes[0] = torch.arange(K) % top
+    scales = (torch.randn(N, K // 32, generator=g) * 0.01).half()
+    mins = (torch.randn(N, K // 32, generator=g) * 0.05).half() if format == "q4_1" else None
+    matrix = kernels.Matrix.from_blocks(blocks.Blocks(format, codes, scales, mins))
+    x = torch.randn(5, K, generator=g)
+    reference = blocks.linear(x, matrix.blocks())
+    for isa in on_each_isa():
+        assert torch.equal(kernels.linear(x, matrix.dense(), matrix), reference), isa
 
 
 @needs_kernels
@@ -212,3 +234,28 @@ def test_a_gguf_files_quantized_matrices_run_as_stored(tmp_path):
     assert (qkv[:64] - q).abs().max() < 0.05  # the rows in the model's order again (4-bit rounding apart)
     assert torch.equal(given["model.layers.0.mlp.gate_up_proj"].dense(),
                        torch.cat([dequantized("ffn_gate"), dequantized("ffn_up")]))
+
+
+def test_generate_quantized_with_the_self_draft_names_the_format(capsys, tiny_checkpoint):
+    args = ["generate", "--model", str(tiny_checkpoint), "--prompt", "def f(x):", "--max-new-tokens", "12",
+            "--temperature", "0", "--quantize", "q4_0", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--draft", "self", "-k", "3"]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert plain["stats"]["weights"] == drafted["stats"]["weights"] == "q4_0"
+    assert "q4_0-stored" in plain["stats"]["backend"] and drafted["tokens"] == plain["tokens"]
+
+
+@needs_kernels
+def test_a_matrix_in_no_kernel_format_keeps_its_layers_on_pytorch_operators():
+    """A GGUF file's F16 matrix, say: the others run as stored, the layers holding it on PyTorch
+    operators (named in `unstacked`), and the model still decodes."""
+    model = tiny_model(3)
+    given = {name: kernels.Matrix.store(m.weight, "q8_0") for name, m in model.named_modules()
+             if isinstance(m, Linear) and not name.endswith("layers.1.mlp.down_proj")}
+    store_matrices(model, None, given)
+    assert model.stack is None and "layers.1.mlp.down_proj" in model.unstacked
+    assert model.model.layers[0].stack is not None and model.model.layers[1].stack is None
+    rows, _ = plain_generate(model, PROMPTS, StopRule(max_new_tokens=5), SamplingConfig())
+    assert all(len(r.tokens) == 5 for r in rows)

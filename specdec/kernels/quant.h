@@ -113,7 +113,7 @@ constexpr int qpanels_for(int R) {
   const int n = (kRegs - 4) / ((2 * R + 2) * kRegsPerV);
   return n < 1 ? 1 : n > 4 ? 4 : n;
 }
-constexpr int kMaxQRows = 4;
+constexpr int kMaxQRows = kRegs >= 32 ? 4 : 2;  // rows per block: AVX2's 16 registers hold 2 rows' accumulators
 
 template <int F, int R, int NB>
 inline void qtile_nb(int nb, const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t p0, int64_t r0, float* Y,
@@ -139,7 +139,7 @@ inline void qmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y
         case 1: qtile_nb<F, 1, qpanels_for(1)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias); break;
         case 2: qtile_nb<F, 2, qpanels_for(2)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias); break;
         case 3: qtile_nb<F, 3, qpanels_for(3)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias); break;
-        default: qtile_nb<F, 4, qpanels_for(4)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias); break;
+        default: qtile_nb<F, kMaxQRows, qpanels_for(kMaxQRows)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias);
       }
     }
   }

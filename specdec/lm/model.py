@@ -141,11 +141,11 @@ class StackedLayers:
         self.unstacked = kernels.cannot_stack(self.config) or (
             f"{', '.join(unstored[:3])}{' ...' if len(unstored) > 3 else ''} have no format the kernels run"
             if unstored else None)
-        if self.unstacked is not None and not unstored:
+        if self.unstacked is None:
+            self.stack = kernels.stack([layer.kernel_weights() for layer in self.stacked()], self.config)
+        elif not unstored:
             warnings.warn(f"specdec: {self.unstacked}; its decoder layers run on PyTorch operators (the same "
                           "arithmetic, slower)", stacklevel=3)
-        else:
-            self.stack = kernels.stack([layer.kernel_weights() for layer in self.stacked()], self.config)
 
 
 def compute_dtype(module: nn.Module) -> torch.dtype:

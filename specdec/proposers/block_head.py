@@ -107,6 +107,9 @@ class BlockHead(StackedLayers, nn.Module):
         """(batch, count, C) the mask queries' input."""
         return self.mask.to(self.norm.weight.dtype).expand(batch, count, -1)
 
+    def stacked(self) -> list[DecoderLayer]:
+        return list(self.layers)
+
     def forward(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         """The layers over a window of inputs (B, T, C) -> (B, T, C) h; with the head's KV cache and
         the kernels, one call."""
