@@ -50,7 +50,7 @@ from .lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_
 from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
 from .lm.interface import abilities, causal_lm, lm_dtype
-from .lm.model import LlamaForCausalLM, compute_dtype, device_of
+from .lm.model import LlamaForCausalLM, compute_dtype, device_of, stored_formats
 from .lm.tokenizer import EOS_ID, Tokenizer
 from .proposers import Proposer
 from .proposers.block_head import BlockHead, load_block
@@ -85,11 +85,12 @@ class Result:
     stats: dict = field(default_factory=dict)
 
 
-def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None
-         ) -> Loaded:
+def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+         quantize: str | None = None) -> Loaded:
     """A checkpoint folder (default: the shipped target) with its tokenizer, on `device` ("cpu", the
     default, or "cuda"), computing in `dtype` (default: float32 on the CPU, bfloat16 on CUDA). The
-    backend goes with the device and is fixed here (device.backend)."""
+    backend goes with the device and is fixed here (device.backend). quantize: "q8_0", "q4_0" or
+    "q4_1", every matrix quantized at load (CPU, float32; checkpoint.quantize_model)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
@@ -97,7 +98,7 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     if path == DEFAULT_TARGET and not path.exists():
         raise SpecdecError(f"the shipped target is missing at {path}: run from a full clone of specdec "
                            "or pass a checkpoint folder")
-    model = load_model(path, dtype=dtype, device=device)
+    model = load_model(path, dtype=dtype, device=device, quantize=quantize)
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -198,6 +199,12 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> l
     return ids
 
 
+def weights_format(model) -> str:
+    """How a model's matrices are stored: specdec's own by format (lm.model.stored_formats), a
+    transformers model's in its dtype."""
+    return stored_formats(model) if isinstance(model, LlamaForCausalLM) else model_dtype(model)
+
+
 def model_dtype(model) -> str:
     """The dtype a model computes in: specdec's own (its norms), or a transformers model's weights."""
     return str(lm_dtype(model)).removeprefix("torch.")
@@ -279,7 +286,8 @@ def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
     policy = kernels.thread_report()
     return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
             "load_seconds": target.load_seconds, "threads": policy["threads"], "thread_policy": policy,
-            "dtype": model_dtype(target.model), "device": str(device_of(target.model)),
+            "dtype": model_dtype(target.model), "weights": weights_format(target.model),
+            "device": str(device_of(target.model)),
             "backend": abilities(target.model).backend}
 
 

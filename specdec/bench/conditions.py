@@ -14,7 +14,7 @@ from .. import kernels
 from ..decoding.calibration import cpu_model
 from ..lm.checkpoint import WEIGHTS, sha256
 from ..lm.interface import abilities
-from ..lm.model import compute_dtype
+from ..lm.model import compute_dtype, stored_formats
 
 UNKNOWN = "unknown"
 
@@ -101,7 +101,8 @@ def model_info(model, path: Path) -> dict:
     return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
             "matrix_parameters": matrix_parameters(model),
             "dtype": str(compute_dtype(model)).removeprefix("torch."),
-            "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
+            "matrices": stored_formats(model) if model.lm_head.stored is not None
+            else str(model.lm_head.weight.dtype).removeprefix("torch."),
             "backend": abilities(model).backend,
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
 

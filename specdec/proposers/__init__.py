@@ -12,10 +12,11 @@ from .eagle import EagleProposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer
 from .parallel import ParallelDraftProposer
+from .self_draft import SelfDraftProposer
 from .suffix import SuffixProposer
 
 PROPOSERS = {cls.name: cls for cls in (DraftModelProposer, NgramProposer, MTPProposer, SuffixProposer,
-                                       EagleProposer, ParallelDraftProposer, BlockProposer)}
+                                       EagleProposer, ParallelDraftProposer, BlockProposer, SelfDraftProposer)}
 
 
 def build_proposer(name: str, **kwargs) -> Proposer:
