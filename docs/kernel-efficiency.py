@@ -44,7 +44,7 @@ def main() -> None:
         cells = []
         for M in (1, 4, 8, 16, 32):
             x = torch.randn(M, K)
-            t = median_seconds(lambda: module.linear(x, packed, N, empty))
+            t = median_seconds(lambda: module.linear(x, packed, 0, N, empty, empty))  # format 0: bf16
             rate = 2 * M * N * K / t / 1e9
             cells.append(f"M={M}: {1e6 * t:.0f} us {rate:.0f} GFLOP/s ({100 * rate / peak:.0f}%)")
         print(f"{name}: " + " | ".join(cells))

@@ -48,7 +48,7 @@ from .lm.checkpoint import load_model, load_token_counts
 from .lm.device import default_dtype, placement
 from .lm.device import resolve as resolve_device
 from .lm.interface import abilities, causal_lm
-from .lm.model import LlamaForCausalLM
+from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import EOS_ID, Tokenizer
 from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
 
@@ -74,11 +74,12 @@ class Result:
     stats: dict = field(default_factory=dict)
 
 
-def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None
-         ) -> Loaded:
+def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+         quantize: str | None = None) -> Loaded:
     """A checkpoint folder (default: the shipped target) with its tokenizer, on `device` ("cpu", the
     default, or "cuda"), computing in `dtype` (default: float32 on the CPU, bfloat16 on CUDA). The
-    backend goes with the device and is fixed here (device.backend)."""
+    backend goes with the device and is fixed here (device.backend). quantize: "q8_0", "q4_0" or
+    "q4_1", every matrix quantized at load (CPU, float32; checkpoint.quantize_model)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
@@ -86,7 +87,7 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     if path == DEFAULT_TARGET and not path.exists():
         raise SpecdecError(f"the shipped target is missing at {path}: run from a full clone of specdec "
                            "or pass a checkpoint folder")
-    model = load_model(path, dtype=dtype, device=device)
+    model = load_model(path, dtype=dtype, device=device, quantize=quantize)
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -140,6 +141,12 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> l
     ids = [target.tokenizer.prefix + target.tokenizer.encode(p.rstrip()) for p in prompts]
     check_context(target, ids, max_new_tokens)
     return ids
+
+
+def weights_format(model) -> str:
+    """How a model's matrices are stored: specdec's own by format (lm.model.stored_formats), a
+    transformers model's in its dtype."""
+    return stored_formats(model) if isinstance(model, LlamaForCausalLM) else str(placement(model).dtype).removeprefix("torch.")
 
 
 def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tokens: int = 128,
@@ -218,7 +225,9 @@ def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
     policy, (device, dtype) = kernels.thread_report(), placement(target.model)
     return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
             "load_seconds": target.load_seconds, "threads": policy["threads"], "thread_policy": policy,
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "backend": abilities(target.model).backend}
+            "dtype": str(placement(target.model).dtype).removeprefix("torch."), "weights": weights_format(target.model),
+            "device": str(placement(target.model).device),
+            "backend": abilities(target.model).backend}
 
 
 class Streamer:

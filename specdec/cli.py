@@ -102,7 +102,7 @@ def cmd_generate(args) -> None:
     inputs.generation(args.max_new_tokens, args.stop)
     inputs.draft_options(args.draft, draft_options_given(args))
     set_threads(args.threads)
-    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=args.quantize)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
     k = args.k if args.k is not None else default_k(proposer)
@@ -171,7 +171,7 @@ def cmd_serve(args) -> None:
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     set_threads(args.threads)
     sock = listening_socket(args.host, args.port)  # a port in use fails now, before loading anything
-    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=args.quantize)
     proposer = make_proposer(args, target)
     inputs.draft_length(args.k, proposer, args.tree)
     k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
@@ -259,6 +259,12 @@ def set_threads(threads: int | None) -> None:
     kernels.set_threads(threads)
 
 
+def add_quantize_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1"],
+                   help="store every matrix of the target in this block format at load (llama.cpp's Q8_0 or "
+                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic; default: as the checkpoint stores them)")
+
+
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
 
@@ -310,7 +316,8 @@ def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> 
                         "target's own MTP heads; eagle: an EAGLE-3 head drafting from the target's features; "
                         "block: a block head drafting all k tokens in one forward from the target's features; "
                         "suffix: suffix-tree lookup over the prompt and earlier outputs; parallel: a draft model "
-                        "that drafts a whole block in one forward)")
+                        "that drafts a whole block in one forward; self: the target's own weights quantized to "
+                        "4 bits, no training)")
     p.add_argument("--draft-model", help="draft model folder for --draft draft-model or parallel (default: the "
                                          "shipped draft, models/draft or models/parallel-draft)")
     p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle, "
@@ -360,6 +367,7 @@ def tree_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
+DRAFTS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block", "self")
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
               "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
@@ -408,6 +416,9 @@ def cmd_bench(args) -> None:
         if args.out:
             write(result, args.out)
         return
+    if args.quantize and args.mode != "plain":
+        raise SpecdecError("--quantize measures plain decoding (`specdec bench plain --quantize ...`); the other "
+                           "benchmarks run the checkpoints as stored")
     if args.mode == "plain":
         from .bench.plain import bench_plain, format_plain
 
@@ -420,7 +431,7 @@ def cmd_bench(args) -> None:
         result = bench_plain(args.model, n_prompts=args.prompts or (2 if sized else 10),
                              repeats=args.repeats or (3 if sized else 5),
                              max_new_tokens=args.max_new_tokens or (32 if sized else 128), dtype=torch_dtype(args.dtype),
-                             llama_cpp=not args.no_llamacpp, size=args.size)
+                             llama_cpp=not args.no_llamacpp, size=args.size, quantize=args.quantize)
         result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
         print(format_plain(result))
         if args.out:
@@ -714,6 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     g.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_quantize_argument(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
     g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this "
@@ -755,6 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000, help="TCP port")
     v.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     v.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_quantize_argument(v)
     add_draft_arguments(v)
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
@@ -801,6 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
     b.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     b.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_quantize_argument(b)
     b.add_argument("--methods", nargs="+",
                    help="speculative methods, each of which must fit the target (default: every drafter that fits "
                         "it, the others named with the reason: draft-model parallel ngram mtp suffix eagle block)")

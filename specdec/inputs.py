@@ -141,10 +141,10 @@ def draft_length(k, proposer, widths=None) -> None:
 def draft_options(draft: str, given: dict[str, object]) -> None:
     """Command-line draft options: each belongs to one --draft choice; `given` maps the option
     names set on the command line (e.g. "--heads") to their values."""
-    every = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
-    owners = {"-k": every, "--tree": every, "--dynamic-tree": ("draft-model",),
+    every = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block", "self")
+    owners = {"-k": every, "--tree": every, "--dynamic-tree": ("draft-model", "self"),
               "--draft-model": ("draft-model", "parallel"), "--heads": ("mtp", "eagle", "block"),
-              "--draft-vocab": ("mtp", "draft-model", "parallel", "eagle", "block"), "--ngram-max": ("ngram",),
+              "--draft-vocab": ("mtp", "draft-model", "parallel", "eagle", "block", "self"), "--ngram-max": ("ngram",),
               "--ngram-min": ("ngram",)}
     for option, value in given.items():
         if value is not None and draft not in owners[option]:

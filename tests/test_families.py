@@ -20,7 +20,6 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model
-from specdec.lm.interface import abilities
 from specdec.proposers import build_proposer
 
 TOL = 1e-4
@@ -80,7 +79,7 @@ def family(request, tmp_path_factory):
     on_torch = load_model(save(hf, root / "fp32", torch.float32))     # the same values stored in fp32
     assert on_torch.stack is None
     if kernels.can_store_bf16():
-        assert on_kernels.stack is not None and "kernels" in abilities(on_kernels).backend
+        assert on_kernels.stack is not None and "kernels" in on_kernels.abilities.backend
     return request.param, hf, on_kernels, on_torch
 
 
@@ -162,7 +161,7 @@ def test_a_head_dim_the_kernels_cannot_run_falls_back_to_pytorch_and_says_so(tmp
         model = load_model(save(hf, tmp_path / "m", torch.bfloat16))
     assert model.stack is None and "head_dim" in model.unstacked
     assert any("head_dim" in str(w.message) for w in caught)
-    assert "PyTorch operators" in abilities(model).backend and "multiple of 16" in abilities(model).backend
+    assert "PyTorch operators" in model.abilities.backend and "multiple of 16" in model.abilities.backend
     ids = tokens(2, 30)
     with torch.no_grad():
         assert (cached_logits(model, ids) - hf(ids).logits).abs().max().item() <= TOL

@@ -17,7 +17,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm.checkpoint import load_model, save_model
 from specdec.lm.device import placement
-from specdec.lm.model import Linear, store_matrices_bf16
+from specdec.lm.model import Linear, store_matrices
 from specdec.proposers import build_proposer
 
 from .conftest import TINY, tiny_model
@@ -56,7 +56,7 @@ def test_linear_matches_a_float64_reference(isa):
         x = torch.randn(M, K, generator=g)
         w = torch.randn(N, K, generator=g).bfloat16()
         ref = x.double() @ w.double().T
-        got = kernels.linear(x, w, kernels.pack(w))
+        got = kernels.linear(x, w, kernels.Matrix.store(w))
         assert got.dtype == torch.float32 and got.shape == (M, N)
         # fp32 summation of K products: error well under 1e-6 per unit of sum |x w|
         bound = 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-7
@@ -69,7 +69,7 @@ def test_linear_rows_alone_and_both_instruction_sets_give_the_same_bits():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(32, 200, generator=g)
     w = torch.randn(333, 200, generator=g).bfloat16()
-    packed = kernels.pack(w)
+    packed = kernels.Matrix.store(w)
     before = kernels.isa()
     try:
         kernels.compiled().set_isa("avx2")
@@ -94,7 +94,7 @@ def test_rms_norm_matches_pytorch(isa):
 
 def test_kernels_step_aside_for_gradients_and_other_dtypes():
     w = torch.randn(6, 16).bfloat16()
-    packed = kernels.pack(w)
+    packed = kernels.Matrix.store(w)
     x = torch.randn(2, 16, requires_grad=True)
     kernels.linear(x, w, packed).sum().backward()  # autograd through the PyTorch fallback
     torch.testing.assert_close(x.grad, w.float().sum(0).expand(2, 16))
@@ -116,15 +116,15 @@ def pytorch_twin(seed=5):
 
 
 def tiny_bf16(seed=5):
-    return store_matrices_bf16(tiny_model(seed))
+    return store_matrices(tiny_model(seed))
 
 
 @torch.no_grad()
 def test_the_stack_computes_what_pytorch_computes(isa):
     model = tiny_bf16()
-    assert model.stack is not None and model.lm_head.packed is not None
+    assert model.stack is not None and model.lm_head.stored is not None
     twin = pytorch_twin()
-    assert twin.stack is None and twin.lm_head.packed is None
+    assert twin.stack is None and twin.lm_head.stored is None
     g = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, TINY.vocab_size, (3, 17), generator=g)
     new = torch.randint(0, TINY.vocab_size, (3, 5), generator=g)
@@ -257,4 +257,4 @@ def test_speculative_greedy_equals_plain_decoding_exactly(bf16_checkpoint, name,
 
 def bf16_draft():
     """Another model of the target's vocabulary, bf16 matrices and fp32 arithmetic: it agrees sometimes."""
-    return store_matrices_bf16(tiny_model(6))
+    return store_matrices(tiny_model(6))

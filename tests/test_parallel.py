@@ -285,7 +285,7 @@ def test_a_plain_draft_grows_its_mask_token_row():
 def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
     """A parallel draft with bf16-stored matrices (its layers one Stack): the one-call step gives the
     same drafts, and for sampled rows and trees the same logits bit for bit, as the separate calls."""
-    from specdec.lm.model import store_matrices_bf16
+    from specdec.lm.model import store_matrices
     cfg = TARGET.config
     torch.manual_seed(4)
     draft = LlamaForCausalLM(Arch(vocab_size=cfg.vocab_size + 1, hidden_size=64, intermediate_size=128,
@@ -294,7 +294,7 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
                                   tie_word_embeddings=True))
     from specdec.train.objectives import init_weights
     init_weights(draft, std=0.3)
-    store_matrices_bf16(draft.eval())
+    store_matrices(draft.eval())
     native = build_proposer("parallel", model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
     separate = build_proposer("parallel", model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
     separate.native = False

@@ -25,7 +25,7 @@ def policy():
 def big_linear():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 1024, generator=g), torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
-    return x, w, kernels.pack(w)
+    return x, w, kernels.Matrix.store(w)
 
 
 def test_auto_mode_gives_way_to_busy_processes():

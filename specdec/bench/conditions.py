@@ -15,6 +15,7 @@ from ..decoding.calibration import cpu_model
 from ..lm.checkpoint import WEIGHTS, sha256, shown_path
 from ..lm.device import placement
 from ..lm.interface import abilities
+from ..lm.model import stored_formats
 
 UNKNOWN = "unknown"
 
@@ -101,7 +102,8 @@ def model_info(model, path: Path) -> dict:
     return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
             "matrix_parameters": matrix_parameters(model),
             "dtype": str(placement(model).dtype).removeprefix("torch."),
-            "matrices": str(model.lm_head.weight.dtype).removeprefix("torch."),
+            "matrices": stored_formats(model) if model.lm_head.stored is not None
+            else str(model.lm_head.weight.dtype).removeprefix("torch."),
             "backend": abilities(model).backend,
             "checkpoint_sha256": sha256(weights) if weights.exists() else UNKNOWN}
 

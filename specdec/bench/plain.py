@@ -30,6 +30,7 @@ from ..decoding.stopping import StopRule
 from ..errors import counted
 from ..lm.checkpoint import load_model, shown_path
 from ..lm.device import placement
+from ..lm.model import Linear
 from . import llamacpp, sizes
 from .conditions import hardware, model_info, software, spread
 from .workloads import humaneval_prompts
@@ -49,10 +50,12 @@ def measured_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
 
 
 def weight_bytes_per_token(model) -> int:
+    """The weight bytes one token reads: each matrix as the kernels store it (bf16 panels or
+    quantized blocks), the rest as held; the embedding table only where it is the unembedding."""
+    stored = {id(m.weight): m.stored.nbytes for m in model.modules() if isinstance(m, Linear) and m.stored is not None}
     embed = model.model.embed_tokens.weight
-    tied = model.lm_head.weight is embed
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total - (0 if tied else embed.numel() * embed.element_size())
+    total = sum(stored.get(id(p), p.numel() * p.element_size()) for p in model.parameters())
+    return total - (0 if model.lm_head.weight is embed else embed.numel() * embed.element_size())
 
 
 @dataclass
@@ -134,15 +137,16 @@ ASSUMED_ACCEPTANCE = {"draft-model": [0.656, 0.509, 0.503], "ngram": [0.625, 0.8
 @torch.inference_mode()
 def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repeats: int = 5,
                 max_new_tokens: int = 128, dtype: torch.dtype | None = None, llama_cpp: bool = True,
-                size: str | None = None) -> dict:
+                size: str | None = None, quantize: str | None = None) -> dict:
     """size: a named shape of sizes.SIZES built with random weights (instead of target_path),
     measured also for its verify curve and the cost model's predictions; llama.cpp then runs the
-    bf16 and Q8_0 files (f32 instead of Q8_0 otherwise)."""
+    bf16 and Q8_0 files (f32 instead of Q8_0 otherwise). quantize: specdec's target quantized at
+    load (api.load); its peers run the checkpoint as stored."""
     import transformers
 
     if size is not None:
         target_path = sizes.build(size)
-    target = load(target_path, dtype=dtype)
+    target = load(target_path, dtype=dtype, quantize=quantize)
     same = placement(target.model).dtype
     peers = {f"transformers.generate {short(d)}": d for d in dict.fromkeys([same, torch.bfloat16])}
     hfs = {}

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels for decoding with bf16-stored weights and fp32 arithmetic (see cpu.cpp).
+"""Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1)
+and fp32 arithmetic (see cpu.cpp).
 
 Built from cpu.cpp and isa.h by the machine's C++ compiler the first time they are needed (about a
 minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by `cache_key`). They run on AVX-512
@@ -7,8 +8,12 @@ forces AVX2; SPECDEC_KERNELS=0 turns the kernels off). Where they cannot run (no
 compiler, gradients needed, other dtypes or devices) PyTorch operators compute the same
 arithmetic, so a result never depends on whether they were built beyond fp32 rounding.
 
-A matrix is packed once, at load (`pack`), into panels the kernels read; a model's decoder layers
-become one `Stack` that runs them in a single call.
+The seam with the model: a weight is stored once, at load, as a `Matrix` (its format, shape and
+the panels the kernels read); a model hands its decoder layers over as `LayerWeights` and gets one
+`Stack` that runs them in a single call. The kernels know nothing else of the model's modules.
+Quantized formats (blocks.py, quant.h) compute with each row's activations quantized per block
+of 32 to int8; `blocks.linear` is the same arithmetic in PyTorch (same numbers, bit for bit), run
+where the kernels cannot.
 
 Threads (threads.h): by default ("auto") each call runs on the cores other processes leave free,
 measured from /proc every ~0.2 s, at most torch's thread count; `set_threads(N)` fixes N
@@ -29,14 +34,16 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import SPIN_BOUNDED
 from ..errors import SpecdecError
+from . import blocks as quant
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "threads.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "quant.h", "threads.h")]
 LANES = 16  # outputs per packed panel
 _EMPTY = torch.empty(0)
 
@@ -113,9 +120,17 @@ def isa() -> str | None:
     return compiled().isa() if compiled() else None
 
 
+def quant_isa() -> str | None:
+    """The instruction set the quantized kernels run on ("avx512_vnni" or "avx2"), None without kernels."""
+    return compiled().quant_isa() if compiled() else None
+
+
 def _inference(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and not (
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+FORMATS = ("bf16",) + quant.QUANTIZED  # cpu.cpp's Format, in order
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -126,12 +141,62 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, LANES, K).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None,
+class Matrix:
+    """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
+    or blocks of 32 quantized weights (blocks.py) packed for quant.h. What a model holds per Linear."""
+
+    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, blocks: quant.Blocks | None = None):
+        self.format, self.shape, self.data = format, tuple(shape), data
+        self._blocks = blocks
+
+    @classmethod
+    def store(cls, weight: torch.Tensor, format: str = "bf16") -> Matrix:
+        """weight (N, K) in `format` (quantized with llama.cpp's rounding: blocks.quantize)."""
+        if format == "bf16":
+            return cls(format, weight.shape, pack(weight.detach().to(torch.bfloat16)))
+        return cls.from_blocks(quant.quantize(weight, format))
+
+    @classmethod
+    def from_blocks(cls, blocks: quant.Blocks) -> Matrix:
+        """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
+        return cls(blocks.format, blocks.shape, quant.pack(blocks), blocks)
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "bf16"
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def blocks(self) -> quant.Blocks:
+        if self._blocks is None:
+            self._blocks = quant.unpack(self.data, self.format, self.shape)
+        return self._blocks
+
+    def dense(self) -> torch.Tensor:
+        """(N, K) the weights it holds, exactly: fp32 for a quantized format, bf16 otherwise."""
+        if not self.quantized:
+            return self.data.transpose(1, 2).reshape(-1, self.shape[1])[:self.shape[0]]
+        return self.blocks().dense()
+
+    def rows(self, ids: torch.Tensor) -> Matrix:
+        """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
+        if not self.quantized:
+            return Matrix.store(self.dense()[ids])
+        return Matrix.from_blocks(self.blocks().rows(ids))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, stored: Matrix | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T [+ bias] for nn.Linear's weight layout; with w's panels `packed` (from `pack`), fp32 x
-    with bf16 w is computed by the kernels, in fp32."""
-    if packed is not None and x.dtype == torch.float32 and _inference(x):
-        return compiled().linear(x, packed, w.shape[0], _EMPTY, _EMPTY if bias is None else bias.detach())
+    """x @ w.T [+ bias] for nn.Linear's weight layout. With `stored`, w as the kernels hold it: fp32 x
+    times bf16 panels by the kernels; a quantized format always in its own arithmetic (the kernels,
+    or blocks.linear where they cannot run: the same numbers)."""
+    if stored is not None and x.dtype == torch.float32 and _inference(x) and compiled():
+        return compiled().linear(x, stored.data, FORMATS.index(stored.format), stored.shape[0], _EMPTY,
+                                 _EMPTY if bias is None else bias.detach())
+    if stored is not None and stored.quantized:
+        return quant.linear(x, stored.blocks(), bias).to(x.dtype)
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
 
 
@@ -153,31 +218,40 @@ def cannot_stack(arch) -> str | None:
     return None
 
 
-def stack(layers, arch):
-    """The decoder layers (model.DecoderLayer, matrices packed) of architecture `arch` (model.Arch)
-    as one kernel call: a `Stack` whose forward(x, k_cache, v_cache, layer0, lengths, positions,
-    inv_freq, tree, keep) runs them over a window of new tokens (cpu.cpp). Norm weights are passed
-    with the architecture's offset added (Gemma's 1 + w, as it computes them)."""
-    def norm(m):
-        return m.scale.detach().float().contiguous()
+class LayerWeights(NamedTuple):
+    """One decoder layer as the kernels read it (cpu.cpp's LayerWeights): the norms' scales (C,) as
+    computed (Gemma's 1 + w), the matrices, and biases or q/k norms, None where the layer has none."""
+    norm1: torch.Tensor
+    qkv: Matrix
+    qkv_bias: torch.Tensor | None
+    o: Matrix
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor
+    gate_up: Matrix
+    gate_up_bias: torch.Tensor | None
+    down: Matrix
+    down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
 
-    def bias(linear):
-        return _EMPTY if linear.bias is None else linear.bias.detach().float().contiguous()
-    weights = []
+
+def stack(layers: list[LayerWeights], arch):
+    """Decoder layers of architecture `arch` (lm.arch.Arch) as one kernel call: a `Stack` whose
+    forward(x, k_cache, v_cache, layer0, lengths, positions, inv_freq, tree, keep) runs them over a
+    window of new tokens (cpu.cpp)."""
+    weights, formats = [], []
     for layer in layers:
-        a, mlp = layer.self_attn, layer.mlp
-        weights.append({
-            "norm1": norm(layer.input_layernorm), "qkv": a.qkv_proj.packed, "qkv_bias": bias(a.qkv_proj),
-            "o": a.o_proj.packed, "o_bias": bias(a.o_proj), "norm2": norm(layer.post_attention_layernorm),
-            "gate_up": mlp.gate_up_proj.packed, "gate_up_bias": bias(mlp.gate_up_proj),
-            "down": mlp.down_proj.packed, "down_bias": bias(mlp.down_proj),
-            "q_norm": norm(a.q_norm) if arch.qk_norm else _EMPTY, "k_norm": norm(a.k_norm) if arch.qk_norm else _EMPTY})
+        weights.append({name: (_EMPTY if value is None else value.data if isinstance(value, Matrix)
+                               else value.detach().float().contiguous())
+                        for name, value in layer._asdict().items()})
+        formats.append({name: FORMATS.index(value.format) for name, value in layer._asdict().items()
+                        if isinstance(value, Matrix)})
     shape = compiled().Shape()
     shape.C, shape.H, shape.Hkv, shape.D, shape.F = (arch.hidden_size, arch.num_attention_heads,
                                                      arch.num_key_value_heads, arch.head_dim, arch.intermediate_size)
     shape.R, shape.eps, shape.rotary_factor = arch.rotary_dim, arch.rms_norm_eps, arch.attention_factor
     shape.activation = ACTIVATIONS[arch.activation]
-    return compiled().Stack(weights, shape)
+    return compiled().Stack(weights, formats, shape)
 
 
 def set_threads(n: int | None) -> None:
@@ -214,21 +288,23 @@ def can_store_bf16() -> bool:
 
 
 def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, cache, positions: torch.Tensor | None,
-                inv_freq: torch.Tensor, columns: torch.Tensor, norm, unembedding, vocab_ids: torch.Tensor,
+                inv_freq: torch.Tensor, columns: torch.Tensor, norm, unembedding: Matrix, vocab_ids: torch.Tensor,
                 logits: bool, fuse=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A drafter's step as ONE kernel call (cpu.cpp's draft_block): the rows of `embedding` (V, C) for
     ids (B, W) — with `fuse` = (prev (B, W, C), embed_norm, prev_norm, proj): an EAGLE head's input
-    proj([RMSNorm(emb); RMSNorm(prev)]) — through the decoder layers `stack` with its cache, then
-    RMSNorm `norm` and the unembedding (a packed Linear over the ids vocab_ids (N,)) at columns
+    proj([RMSNorm(emb); RMSNorm(prev)]), proj a Matrix — through the decoder layers `stack` with its cache, then
+    RMSNorm `norm` and the unembedding (a Matrix over the ids vocab_ids (N,)) at columns
     (B, m). Returns each slot's argmax as target ids (B, m), the logits (B, m, N) when `logits` is
     asked (else None), and the layers' output at the columns (B, m, C). The cache advances by W."""
     cache.check_room(ids.shape[1])
     prev, embed_norm, prev_norm, proj = (_EMPTY, _EMPTY, _EMPTY, _EMPTY_BF16) if fuse is None else (
-        fuse[0].contiguous(), _scale(fuse[1]), _scale(fuse[2]), fuse[3].packed)
+        fuse[0].contiguous(), _scale(fuse[1]), _scale(fuse[2]), fuse[3].data)
+    proj_format = 0 if fuse is None else FORMATS.index(fuse[3].format)
     tokens, out, picked = compiled().draft_block(
-        stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, cache.keys, cache.values,
-        cache.lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq, columns.contiguous(),
-        _scale(norm), norm.eps, unembedding.packed, vocab_ids, logits)
+        stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, proj_format, cache.keys,
+        cache.values, cache.lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq,
+        columns.contiguous(), _scale(norm), norm.eps, unembedding.data, FORMATS.index(unembedding.format), vocab_ids,
+        logits)
     cache.advance(ids.shape[1])
     return tokens, out if logits else None, picked
 

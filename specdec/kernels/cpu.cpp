@@ -1,4 +1,5 @@
-// CPU kernels for decoding with bf16-stored weights and fp32 arithmetic, for AVX-512 and AVX2.
+// CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1) and fp32
+// arithmetic, for AVX-512 and AVX2.
 //
 // Why: speculative decoding pays only when verifying k+1 tokens costs about what one token costs.
 // One token reads every weight once (memory-bound); k+1 tokens must share each weight load and
@@ -15,8 +16,12 @@
 // - attention: a query row reduces over exactly the keys it sees (its committed prefix, then the
 //   new tokens it may see — causal, or a tree), key i in lane i mod 16 of the softmax sum.
 // - RMSNorm and SwiGLU: per row, in 16 lanes by element index, reduced by a fixed tree.
+// - quantized matrices (quant.h): each row's activations quantized per block of 32 to int8, an
+//   exact integer dot product per block, then the blocks' fp32 terms added in order.
 // Both instruction sets run the same operations on a 16-lane vector (one zmm, or two ymm), so
-// AVX-512 and AVX2 give bit-identical results; the tests check it by forcing each.
+// AVX-512 and AVX2 give bit-identical results; the tests check it by forcing each. The quantized
+// kernels run on AVX-512 VNNI where the CPU has it and on AVX2 otherwise (AVX-512 without VNNI
+// included), with the same results (their integer sums are exact).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,18 +37,67 @@
 
 #include "threads.h"
 
+// How a matrix is stored (kernels.FORMATS): bf16 panels (isa.h) or blocks of 32 quantized weights (quant.h).
+enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
+constexpr int64_t kBlock = 32;  // weights per quantized block, along K
+constexpr int64_t kPanelBlockBytes[4] = {0, 32 + 512, 32 + 256, 64 + 256};  // 16 outputs x 32 k (quant.h)
+
+struct Mat {  // a packed matrix of N outputs from K inputs
+  int format;
+  const void* data;
+  int64_t N, K;
+};
+
+// Activation rows quantized per block of 32 for a quantized matrix: row m's values q + m ld (int8),
+// its blocks' scales d + m blocks and sums of q sums + m blocks.
+struct QuantRows {
+  int8_t* q;
+  float* d;
+  int32_t* sums;
+  int64_t ld, blocks;
+};
+
+// Row m's first K values (K a multiple of 32) into `rows`: per block, dx = max|x| / 127 and
+// q = round_half_even(x * (1 / dx)) (0 where dx is 0) in [-127, 127], scalar so that every
+// instruction set (and kernels.quantize_rows in PyTorch) gets the very same integers.
+inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64_t m) {
+  int8_t* q = rows.q + m * rows.ld;
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[j] * inv)));
+      q[b * kBlock + j] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    rows.d[m * rows.blocks + b] = d;
+    rows.sums[m * rows.blocks + b] = sum;
+  }
+}
+
+using QuantMatmul = void (*)(const QuantRows&, int64_t, const Mat&, float*, int64_t, const float*, const float*,
+                             int64_t, int64_t);
+struct QuantOps {
+  const char* name;
+  QuantMatmul matmul;  // quant.h's qmatmul_panels
+};
+extern const QuantOps* g_quant;  // the quantized kernels chosen for this CPU (see dispatch)
+
 // What the decoder layers read and write, shared by both instruction sets. Biases and q/k norms
 // are null where the architecture has none.
 struct LayerWeights {
   const float* norm1;       // (C,) the input norm's scale (its offset added: Gemma's 1 + w)
-  const uint16_t* qkv;      // packed (E = (H + 2 Hkv) D outputs)
+  Mat qkv;                  // E = (H + 2 Hkv) D outputs from C
   const float* qkv_bias;    // (E,)
-  const uint16_t* o;        // packed (C outputs from H D)
+  Mat o;                    // C outputs from H D
   const float* o_bias;      // (C,)
   const float* norm2;       // (C,)
-  const uint16_t* gate_up;  // packed (2F outputs: F gate, then F up)
+  Mat gate_up;              // 2F outputs from C: F gate, then F up
   const float* gate_up_bias;  // (2F,)
-  const uint16_t* down;     // packed (C outputs from F)
+  Mat down;                 // C outputs from F
   const float* down_bias;   // (C,)
   const float* q_norm;      // (D,) per-head RMSNorm of queries before rotation (Qwen3)
   const float* k_norm;      // (D,) of keys
@@ -70,6 +124,12 @@ struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each
   float* k;
   float* v;
   int64_t S;
+};
+
+struct Scratch {  // one forward's intermediate rows (see isa.h's decoder_layers)
+  float *h, *qkv, *y, *gu, *act, *rope, *p;
+  int64_t p_stride;
+  QuantRows xq;  // a quantized matrix's input rows
 };
 
 // The sum of 8 lanes by a fixed tree (lanes i and i+4, then i and i+2, then 0 and 1), shared by
@@ -99,6 +159,9 @@ struct V {
   static V load_bf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  static V load_f16(const uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
   static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   static V fnma(V a, V b, V c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a b
@@ -147,9 +210,44 @@ struct V {
 }  // namespace avx512
 #pragma GCC pop_options
 
+// --------------------------------------------------------------------- AVX-512 VNNI (quantized)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")
+namespace avx512_vnni {
+using avx512::kLanes;
+using avx512::kPrefetch;
+using avx512::store_part;
+using avx512::V;
+constexpr int kRegs = 32, kRegsPerV = 1;
+
+struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k) per lane
+  __m512i v;
+  using Raw = __m512i;
+  using Wide = __m512i;
+  static constexpr int kWideOffset = 128;  // dot_wide sums u q for the stored u = w + 128
+  static VI zero() { return {_mm512_setzero_si512()}; }
+  static Raw load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static Raw low_nibbles(Raw a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
+  static Raw high_nibbles(Raw a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
+  static Wide wide(Raw a) { return a; }
+  static int32_t quad(const int8_t* p) {
+    int32_t q;
+    std::memcpy(&q, p, 4);
+    return q;
+  }
+  // lane n += sum over its 4 bytes u (unsigned) times the 4 signed bytes of x4
+  static VI dot(VI acc, Raw u, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, u, _mm512_set1_epi32(x4))}; }
+  static VI dot_wide(VI acc, Wide u, int32_t x4) { return dot(acc, u, x4); }
+  static VI sub(VI a, int32_t c) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(c))}; }
+  static V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+};
+#include "quant.h"
+}  // namespace avx512_vnni
+#pragma GCC pop_options
+
 // ------------------------------------------------------------------------------- AVX2 + FMA
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 constexpr int kRegs = 16, kRegsPerV = 2;
 
@@ -165,6 +263,10 @@ struct V {  // lanes 0-7 in lo, 8-15 in hi
   static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
   static void store(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
   static V load_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+  static V load_f16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
   static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
   static V fnma(V a, V b, V c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
   static V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
@@ -204,7 +306,54 @@ struct V {  // lanes 0-7 in lo, 8-15 in hi
     for (int j = 0; j < 16; ++j) out[j] = hsum(a[j]);
   }
 };
+
+struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
+  __m256i lo, hi;
+  struct Raw {
+    __m256i lo, hi;
+  };
+  struct Wide {  // int8 codes w = u - 128 as |w| and w, for maddubs' unsigned x signed bytes
+    __m256i abs_lo, abs_hi, w_lo, w_hi;
+  };
+  static constexpr int kWideOffset = 0;  // dot_wide sums w q directly
+  static VI zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static Raw load(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  static __m256i nib(__m256i a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
+  static Raw low_nibbles(Raw a) { return {nib(a.lo), nib(a.hi)}; }
+  static Raw high_nibbles(Raw a) { return {nib(_mm256_srli_epi16(a.lo, 4)), nib(_mm256_srli_epi16(a.hi, 4))}; }
+  static Wide wide(Raw a) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i lo = _mm256_xor_si256(a.lo, flip), hi = _mm256_xor_si256(a.hi, flip);
+    return {_mm256_abs_epi8(lo), _mm256_abs_epi8(hi), lo, hi};
+  }
+  static int32_t quad(const int8_t* p) {
+    int32_t q;
+    std::memcpy(&q, p, 4);
+    return q;
+  }
+  // 8 lanes += the sums of 4 products u x (u unsigned, x signed, each pair's sum below 2^15: no saturation)
+  static __m256i dot8(__m256i acc, __m256i u, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+  }
+  static VI dot(VI acc, Raw u, int32_t x4) {  // u <= 15
+    const __m256i x = _mm256_set1_epi32(x4);
+    return {dot8(acc.lo, u.lo, x), dot8(acc.hi, u.hi, x)};
+  }
+  static VI dot_wide(VI acc, const Wide& w, int32_t x4) {  // |w| <= 128, |x| <= 127: w x = |w| (x signed by w)
+    const __m256i x = _mm256_set1_epi32(x4);
+    return {dot8(acc.lo, w.abs_lo, _mm256_sign_epi8(x, w.w_lo)), dot8(acc.hi, w.abs_hi, _mm256_sign_epi8(x, w.w_hi))};
+  }
+  static VI sub(VI a, int32_t c) {
+    const __m256i v = _mm256_set1_epi32(c);
+    return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
+  }
+  static V to_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+};
 #include "isa.h"
+#include "quant.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -219,9 +368,8 @@ struct Ops {
   void (*rms_norm_row)(const float*, const float*, float, int64_t, float*);
   float (*fma_loop)(int64_t);
   double fma_loop_flops;  // per repetition of fma_loop
-  void (*decoder_layers)(const LayerWeights*, int, const Shape&, const Window&,
-                         const Cache*, float*, float* const*, float*, float*, float*, float*, float*,
-                         float*, float*, int64_t);
+  void (*decoder_layers)(const LayerWeights*, int, const Shape&, const Window&, const Cache*, float*, float* const*,
+                         const Scratch&);
 };
 
 const Ops kAvx512{"avx512", avx512::matmul_panels, avx512::rms_norm_row, avx512::fma_loop, avx512::kFmaLoopFlops,
@@ -234,6 +382,11 @@ bool has_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
+
+const QuantOps kQuantVnni{"avx512_vnni", avx512_vnni::qmatmul_panels};
+const QuantOps kQuantAvx2{"avx2", avx2::qmatmul_panels};
+
+bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
 const Ops* g_ops = has_avx512() ? &kAvx512 : &kAvx2;
 
@@ -249,33 +402,87 @@ const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<cons
 
 void check_packed(const torch::Tensor& w, int64_t K, int64_t N, const char* what) {
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 3 && w.size(2) == 16 && w.is_contiguous(),
-              what, ": expected a packed (panels, K, 16) contiguous bfloat16 matrix (kernels.pack)");
+              what, ": expected a packed (panels, K, 16) contiguous bfloat16 matrix (kernels.Matrix)");
   TORCH_CHECK(w.size(1) == K && w.size(0) == (N + 15) / 16, what, ": packed matrix is (", w.size(0), ", ",
               w.size(1), ", 16), expected (", (N + 15) / 16, ", ", K, ", 16)");
 }
 
+// Bytes of a packed matrix of N outputs from K inputs in `format`.
+int64_t matrix_bytes(int64_t format, int64_t N, int64_t K) {
+  const int64_t panels = (N + 15) / 16;
+  return format == kBf16 ? panels * K * 16 * 2 : panels * (K / kBlock) * kPanelBlockBytes[format];
+}
+
+// The packed matrix `w` in `format` (kernels.FORMATS) with N outputs from K inputs, checked.
+Mat matrix(const torch::Tensor& w, int64_t format, int64_t N, int64_t K, const char* what) {
+  if (format == kBf16) {
+    check_packed(w, K, N, what);
+    return {kBf16, bf16_data(w), N, K};
+  }
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_1, what, ": unknown matrix format ", format);
+  TORCH_CHECK(K % kBlock == 0, what, ": a quantized matrix needs K a multiple of 32, got ", K);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == matrix_bytes(format, N, K), what,
+              ": expected its packed blocks as ", matrix_bytes(format, N, K), " contiguous uint8 (kernels.Matrix)");
+  return {static_cast<int>(format), w.data_ptr<uint8_t>(), N, K};
+}
+
+// Storage for M activation rows of up to K values quantized for a quantized matrix (QuantRows).
+struct QuantBuffer {
+  torch::Tensor q, d, sums;
+  QuantRows rows{};
+  QuantBuffer(int64_t M, int64_t K)
+      : q(torch::empty({M, K}, torch::kInt8)), d(torch::empty({M, K / kBlock}, torch::kFloat32)),
+        sums(torch::empty({M, K / kBlock}, torch::kInt32)) {
+    rows = {q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), K, K / kBlock};
+  }
+};
+
+// Y (M, N) = X (M, K) W^T [+ bias (N,)] [+ add (M, N)] on the threads the weight traffic calls for.
+void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* add, const float* bias) {
+  const bool quantized = W.format != kBf16;
+  QuantBuffer xq(quantized ? M : 0, quantized ? W.K : 0);
+  for (int64_t m = 0; quantized && m < M; ++m) quantize_row(X + m * W.K, W.K, xq.rows, m);
+  const int64_t P = (W.N + 15) / 16;
+  const int nt = static_cast<int>(std::min<int64_t>(threads(matrix_bytes(W.format, W.N, W.K), M), P));
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t q0 = P * tid / n, q1 = P * (tid + 1) / n;
+    if (quantized)
+      g_quant->matmul(xq.rows, M, W, Y, W.N, add, bias, q0, q1);
+    else
+      g_ops->matmul_panels(X, M, W.K, static_cast<const uint16_t*>(W.data), W.K, W.N, Y, W.N, add, bias, q0, q1);
+  }
+}
+
 }  // namespace
 
+const QuantOps* g_quant = has_avx512_vnni() ? &kQuantVnni : &kQuantAvx2;
+
 std::string isa() { return g_ops->name; }
+
+std::string quant_isa() { return g_quant->name; }
 
 void set_isa(const std::string& name) {
   if (name == "avx2") {
     g_ops = &kAvx2;
+    g_quant = &kQuantAvx2;
   } else if (name == "avx512") {
     TORCH_CHECK(has_avx512(), "this CPU has no AVX-512 (F, BW, DQ, VL): use SPECDEC_ISA=avx2");
     g_ops = &kAvx512;
+    g_quant = has_avx512_vnni() ? &kQuantVnni : &kQuantAvx2;
   } else {
     TORCH_CHECK(false, "unknown instruction set '", name, "': use avx512 or avx2");
   }
 }
 
-// y = x (..., K) @ W^T for a packed W with N outputs [+ bias (N,)] [+ add, same shape as y], fp32.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, const torch::Tensor& add,
+// y = x (..., K) @ W^T for a packed W in `format` with N outputs [+ bias (N,)] [+ add, same shape as y], fp32.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t format, int64_t N, const torch::Tensor& add,
                      const torch::Tensor& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear: x must be float32");
   const auto xs = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = xs.size(0), K = xs.size(1);
-  check_packed(w, K, N, "linear");
+  const Mat W = matrix(w, format, N, K, "linear");
   auto shape = x.sizes().vec();
   shape.back() = N;
   auto y = torch::empty({M, N}, xs.options());
@@ -285,19 +492,20 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N, 
   const bool biased = bias.numel() > 0;
   TORCH_CHECK(!biased || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() && bias.numel() == N),
               "linear: bias must be (N,) contiguous float32");
-  const float* X = xs.data_ptr<float>();
-  const float* A = adding ? as.data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  const uint16_t* W = bf16_data(w);
-  const int64_t P = (N + 15) / 16;
-  const int nt = static_cast<int>(std::min<int64_t>(threads(w.numel() * 2, M), P));
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    g_ops->matmul_panels(X, M, K, W, K, N, Y, N, A, biased ? bias.data_ptr<float>() : nullptr, P * tid / n,
-                         P * (tid + 1) / n);
-  }
+  run_matmul(W, xs.data_ptr<float>(), M, y.data_ptr<float>(), adding ? as.data_ptr<float>() : nullptr,
+             biased ? bias.data_ptr<float>() : nullptr);
   return y.view(shape);
+}
+
+// The rows of x (M, K) quantized as the quantized kernels quantize them: (q int8 (M, K), d (M, K/32),
+// sums (M, K/32) int32) — for the tests of kernels.quantize_rows.
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) % kBlock == 0,
+              "quantize_rows: x must be (M, K) float32 with K a multiple of 32");
+  const auto xs = x.contiguous();
+  QuantBuffer out(xs.size(0), xs.size(1));
+  for (int64_t m = 0; m < xs.size(0); ++m) quantize_row(xs.data_ptr<float>() + m * xs.size(1), xs.size(1), out.rows, m);
+  return {out.q, out.d, out.sums};
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -344,12 +552,16 @@ struct Stack {
   std::vector<LayerWeights> layers;
   Shape shape;
   int64_t layer_bytes = 0;  // packed matrix bytes of one layer
+  int64_t quantized_k = 0;  // the longest input of a quantized matrix (0: none)
 
   // layers: per layer its tensors by name (kernels.stack): norm1, qkv, qkv_bias, o, o_bias, norm2,
   // gate_up, gate_up_bias, down, down_bias, q_norm, k_norm; a bias or q/k norm may be empty (none).
-  Stack(const std::vector<std::map<std::string, torch::Tensor>>& weights, const Shape& shape_) : shape(shape_) {
+  // formats: per layer the format of each matrix (qkv, o, gate_up, down; kernels.FORMATS).
+  Stack(const std::vector<std::map<std::string, torch::Tensor>>& weights,
+        const std::vector<std::map<std::string, int64_t>>& formats, const Shape& shape_) : shape(shape_) {
     const auto& s = shape;
     TORCH_CHECK(!weights.empty(), "Stack: no layers");
+    TORCH_CHECK(formats.size() == weights.size(), "Stack: one map of formats per layer");
     TORCH_CHECK(s.D % 16 == 0 && s.H % s.Hkv == 0, "Stack: head_dim must be a multiple of 16 (kernels.cannot_stack)");
     TORCH_CHECK(s.R > 0 && s.R % 2 == 0 && s.R <= s.D, "Stack: rotated dims R must be even and at most head_dim");
     TORCH_CHECK(s.activation == 0 || s.activation == 1, "Stack: activation must be 0 (silu) or 1 (gelu_tanh)");
@@ -365,25 +577,29 @@ struct Stack {
       owned.push_back(t);
       return t.data_ptr<float>();
     };
-    auto packed = [&](const std::map<std::string, torch::Tensor>& layer, const char* name, int64_t K,
-                      int64_t N) -> const uint16_t* {
-      const auto it = layer.find(name);
-      TORCH_CHECK(it != layer.end(), "Stack: a layer has no '", name, "'");
-      check_packed(it->second, K, N, name);
-      owned.push_back(it->second);
-      return bf16_data(it->second);
-    };
-    for (const auto& layer : weights) {
-      LayerWeights L{floats(layer, "norm1", s.C, false), packed(layer, "qkv", s.C, E), floats(layer, "qkv_bias", E, true),
-                     packed(layer, "o", s.H * s.D, s.C), floats(layer, "o_bias", s.C, true),
-                     floats(layer, "norm2", s.C, false), packed(layer, "gate_up", s.C, 2 * s.F),
-                     floats(layer, "gate_up_bias", 2 * s.F, true), packed(layer, "down", s.F, s.C),
+    int64_t total_bytes = 0;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const auto& layer = weights[i];
+      auto packed = [&](const char* name, int64_t K, int64_t N) -> Mat {
+        const auto it = layer.find(name);
+        const auto f = formats[i].find(name);
+        TORCH_CHECK(it != layer.end() && f != formats[i].end(), "Stack: a layer has no '", name, "' or no format for it");
+        owned.push_back(it->second);
+        const Mat m = matrix(it->second, f->second, N, K, name);
+        total_bytes += matrix_bytes(m.format, N, K);
+        if (m.format != kBf16) quantized_k = std::max(quantized_k, K);
+        return m;
+      };
+      LayerWeights L{floats(layer, "norm1", s.C, false), packed("qkv", s.C, E), floats(layer, "qkv_bias", E, true),
+                     packed("o", s.H * s.D, s.C), floats(layer, "o_bias", s.C, true),
+                     floats(layer, "norm2", s.C, false), packed("gate_up", s.C, 2 * s.F),
+                     floats(layer, "gate_up_bias", 2 * s.F, true), packed("down", s.F, s.C),
                      floats(layer, "down_bias", s.C, true), floats(layer, "q_norm", s.D, true),
                      floats(layer, "k_norm", s.D, true)};
       TORCH_CHECK((L.q_norm == nullptr) == (L.k_norm == nullptr), "Stack: q_norm and k_norm come together");
       layers.push_back(L);
     }
-    layer_bytes = 2 * (E * s.C + s.C * s.H * s.D + 2 * s.F * s.C + s.C * s.F);
+    layer_bytes = total_bytes / static_cast<int64_t>(weights.size());
   }
 
   // x (B, T, C) the layer input; k_cache, v_cache (L', B, Hkv, S, D) with this stack's layers at
@@ -427,6 +643,7 @@ struct Stack {
     const int nt = threads(layer_bytes, M);
     const int64_t ps = (S + 15) / 16 * 16 + T;
     auto p = torch::empty({nt, ps}, opts);
+    QuantBuffer xq(quantized_k ? M : 0, quantized_k);
     std::vector<torch::Tensor> result{out};
     std::vector<float*> kept(nl, nullptr);
     for (int64_t l : keep) {
@@ -439,10 +656,11 @@ struct Stack {
       caches.push_back({k_cache.data_ptr<float>() + (layer0 + l) * per_layer, v_cache.data_ptr<float>() + (layer0 + l) * per_layer, S});
     const Window w{B, T, len, given ? positions.data_ptr<int64_t>() : nullptr, treed ? tree.data_ptr<bool>() : nullptr,
                          inv_freq.data_ptr<float>()};
+    const Scratch scratch{h.data_ptr<float>(), qkv.data_ptr<float>(), y.data_ptr<float>(), gu.data_ptr<float>(),
+                          act.data_ptr<float>(), rope.data_ptr<float>(), p.data_ptr<float>(), ps, xq.rows};
 #pragma omp parallel num_threads(nt)
     g_ops->decoder_layers(layers.data(), static_cast<int>(nl), s, w, caches.data(), out.data_ptr<float>(), kept.data(),
-                          h.data_ptr<float>(), qkv.data_ptr<float>(), y.data_ptr<float>(), gu.data_ptr<float>(),
-                          act.data_ptr<float>(), rope.data_ptr<float>(), p.data_ptr<float>(), ps);
+                          scratch);
     return result;
   }
 };
@@ -454,15 +672,16 @@ struct Stack {
 // vocabulary `unembed` (packed, N rows whose target ids are `vocab_ids` (N,)), then each slot's
 // argmax, the first on ties as numpy's. Returns [the argmax as target ids (B, m) int64, the logits
 // (B, m, N) where `logits` is asked (else empty), the layers' output at the columns (B, m, C)].
+// proj and unembed may be in any format (proj_format, unembed_format: kernels.FORMATS).
 // Every number is the one the separate calls (embedding, rms_norm, linear, Stack) compute.
 std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table, const torch::Tensor& ids,
                                        const torch::Tensor& prev, const torch::Tensor& embed_norm,
-                                       const torch::Tensor& prev_norm, const torch::Tensor& proj,
+                                       const torch::Tensor& prev_norm, const torch::Tensor& proj, int64_t proj_format,
                                        const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                        const torch::Tensor& lengths, const torch::Tensor& positions,
                                        const torch::Tensor& inv_freq, const torch::Tensor& columns,
                                        const torch::Tensor& norm, double eps, const torch::Tensor& unembed,
-                                       const torch::Tensor& vocab_ids, bool logits) {
+                                       int64_t unembed_format, const torch::Tensor& vocab_ids, bool logits) {
   const int64_t C = stack.shape.C;
   TORCH_CHECK(table.scalar_type() == torch::kFloat32 && table.is_contiguous() && table.dim() == 2 && table.size(1) == C,
               "draft_block: the embedding must be (V, C) contiguous float32");
@@ -477,14 +696,14 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
               "draft_block: vocab_ids must be (N,) int64");
   const int64_t B = ids.size(0), W = ids.size(1), m = columns.size(1), V = table.size(0), N = vocab_ids.numel();
   const int64_t M = B * W;
-  check_packed(unembed, C, N, "draft_block unembedding");
+  const Mat U = matrix(unembed, unembed_format, N, C, "draft_block unembedding");
   const bool fused = prev.numel() > 0;
   if (fused) {
     TORCH_CHECK(prev.scalar_type() == torch::kFloat32 && prev.is_contiguous() && prev.numel() == M * C,
                 "draft_block: prev must be (B, W, C) contiguous float32");
     TORCH_CHECK(embed_norm.numel() == C && prev_norm.numel() == C, "draft_block: prev needs both input norms");
-    check_packed(proj, 2 * C, C, "draft_block input projection");
   }
+  const Mat Pj = fused ? matrix(proj, proj_format, C, 2 * C, "draft_block input projection") : Mat{};
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < M; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < V, "draft_block: token id ", id[i], " outside the embedding (", V, " rows)");
@@ -501,14 +720,7 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
       g_ops->rms_norm_row(T + id[i] * C, embed_norm.data_ptr<float>(), static_cast<float>(eps), C, Z + i * 2 * C);
       g_ops->rms_norm_row(Pv + i * C, prev_norm.data_ptr<float>(), static_cast<float>(eps), C, Z + i * 2 * C + C);
     }
-    const int64_t P = (C + 15) / 16;
-    const int nt = static_cast<int>(std::min<int64_t>(threads(proj.numel() * 2, M), P));
-    const uint16_t* Wp = bf16_data(proj);
-#pragma omp parallel num_threads(nt)
-    {
-      const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-      g_ops->matmul_panels(Z, M, 2 * C, Wp, 2 * C, C, X, C, nullptr, nullptr, P * tid / n, P * (tid + 1) / n);
-    }
+    run_matmul(Pj, Z, M, X, nullptr, nullptr);
   }
   const auto out = stack.forward(x, k_cache, v_cache, 0, lengths, positions, inv_freq,
                                  torch::empty({0}, ids.options().dtype(torch::kBool)), {})[0];
@@ -524,15 +736,8 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
       g_ops->rms_norm_row(Pk + r * C, norm.data_ptr<float>(), static_cast<float>(eps), C, Hn + r * C);
     }
   auto y = torch::empty({B * m, N}, table.options());
-  const int64_t P = (N + 15) / 16;
-  const int nt = static_cast<int>(std::min<int64_t>(threads(unembed.numel() * 2, B * m), P));
   float* Y = y.data_ptr<float>();
-  const uint16_t* U = bf16_data(unembed);
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    g_ops->matmul_panels(Hn, B * m, C, U, C, N, Y, N, nullptr, nullptr, P * tid / n, P * (tid + 1) / n);
-  }
+  run_matmul(U, Hn, B * m, Y, nullptr, nullptr);
   auto tokens = torch::empty({B, m}, ids.options());
   int64_t* tok = tokens.data_ptr<int64_t>();
   const int64_t* vid = vocab_ids.data_ptr<int64_t>();
@@ -548,8 +753,10 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set the kernels run on: avx512 or avx2");
+  m.def("quant_isa", &quant_isa, "the instruction set the quantized kernels run on: avx512_vnni or avx2");
   m.def("set_isa", &set_isa, "run on avx512 or avx2 (same results; for tests and measurements)");
-  m.def("linear", &linear, "x (..., K) fp32 times a packed bf16 matrix with N outputs, transposed [+ bias] [+ add]");
+  m.def("linear", &linear, "x (..., K) fp32 times a packed matrix (format) with N outputs, transposed [+ bias] [+ add]");
+  m.def("quantize_rows", &quantize_rows, "x (M, K) quantized per block of 32 as the quantized kernels do: q, d, sums");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
   m.def("fma_peak", &fma_peak, "measured fp32 FMA GFLOP/s with N threads (the compute roof)");
   pybind11::class_<Shape>(m, "Shape")
@@ -570,7 +777,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            thread_policy::g_others.load(), thread_policy::cores());
   }, "(fixed threads or 0, threads auto chose last or 0, cores others used over the last window or -1, cores)");
   pybind11::class_<Stack>(m, "Stack")
-      .def(pybind11::init<const std::vector<std::map<std::string, torch::Tensor>>&, const Shape&>())
+      .def(pybind11::init<const std::vector<std::map<std::string, torch::Tensor>>&,
+                          const std::vector<std::map<std::string, int64_t>>&, const Shape&>())
       .def("forward", &Stack::forward, "the decoder layers over a window of new tokens, with a KV cache");
   m.def("draft_block", &draft_block, "a drafter's step in one call: embedding, the Stack, the final norm at the "
         "block's columns, the draft-vocabulary unembedding and each slot's argmax");

@@ -253,19 +253,35 @@ inline void share(int64_t n, int tid, int nt, int64_t& q0, int64_t& q1) {
   q1 = n * (tid + 1) / nt;
 }
 
+// Y (M, N) = X (M, K) W^T [+ bias] [+ add] for thread tid's share of W's panels: bf16 panels here,
+// a quantized format by the quantized kernels (quant.h; xq: X's rows quantized, quantize_row).
+inline void matmul(const Mat& W, const float* X, int64_t ldx, const QuantRows& xq, int64_t M, float* Y, int64_t ldy,
+                   const float* add, const float* bias, int tid, int nt) {
+  int64_t q0, q1;
+  share((W.N + kLanes - 1) / kLanes, tid, nt, q0, q1);
+  if (W.format == kBf16)
+    matmul_panels(X, M, ldx, static_cast<const uint16_t*>(W.data), W.K, W.N, Y, ldy, add, bias, q0, q1);
+  else
+    g_quant->matmul(xq, M, W, Y, ldy, add, bias, q0, q1);
+}
+
 // Runs `layers` over x (B*T, C) in place, inside an OpenMP parallel region (every thread calls
 // it; the steps are separated by barriers). kept[l], if not null, receives x after layer l.
-// Scratch: h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, R) cos then sin
-// halves (R: the rotated dims of a head, its first ones), p (threads, p_stride) with p_stride >= S rounded up to 16, plus T.
+// Scratch (struct Scratch): h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, R) cos then
+// sin halves (R: the rotated dims of a head, its first ones), p (threads, p_stride) with p_stride >= S
+// rounded up to 16, plus T; and a quantized matrix's input rows (xq).
 inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, const Window& w,
-                           const Cache* caches, float* x, float* const* kept, float* h, float* qkv, float* y,
-                           float* gu, float* act, float* rope, float* p_all, int64_t p_stride) {
+                           const Cache* caches, float* x, float* const* kept, const Scratch& sc) {
   const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
   const int64_t M = w.B * w.T, C = s.C, D = s.D, half = s.R / 2, G = s.H / s.Hkv;
   const int64_t E = (s.H + 2 * s.Hkv) * D, HD = s.H * D, F2 = 2 * s.F;
-  float* p = p_all + tid * p_stride;
-  int* visible = reinterpret_cast<int*>(p + p_stride - w.T);  // new tokens a query sees (<= T ints)
-  int64_t q0, q1;
+  float *h = sc.h, *qkv = sc.qkv, *y = sc.y, *gu = sc.gu, *act = sc.act, *rope = sc.rope;
+  float* p = sc.p + tid * sc.p_stride;
+  int* visible = reinterpret_cast<int*>(p + sc.p_stride - w.T);  // new tokens a query sees (<= T ints)
+  const QuantRows& xq = sc.xq;
+  auto quantize = [&](const Mat& W, const float* row, int64_t m) {  // row m as W's quantized input
+    if (W.format != kBf16) quantize_row(row, W.K, xq, m);
+  };
 #pragma omp for schedule(static)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < half; ++i) {
@@ -278,9 +294,11 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
     const LayerWeights& L = layers[l];
     const Cache& cache = caches[l];
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * C, L.norm1, s.eps, C, h + m * C);
-    share((E + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(h, M, C, L.qkv, C, E, qkv, E, nullptr, L.qkv_bias, q0, q1);
+    for (int64_t m = 0; m < M; ++m) {
+      rms_norm_row(x + m * C, L.norm1, s.eps, C, h + m * C);
+      quantize(L.qkv, h + m * C, m);
+    }
+    matmul(L.qkv, h, C, xq, M, qkv, E, nullptr, L.qkv_bias, tid, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {  // [q/k norms,] rotary positions on queries and keys; keys and values to the cache
@@ -316,13 +334,18 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
       attend_row(qkv + m * E + head * D, D, committed + n_new, key(kb), key(vb), 1.f / std::sqrt(static_cast<float>(D)),
                  p, y + m * HD + head * D);
     }
-    share((C + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(y, M, HD, L.o, HD, C, x, C, x, L.o_bias, q0, q1);  // x += y W_o^T [+ b_o]
+    if (L.o.format != kBf16) {
+#pragma omp for schedule(static)
+      for (int64_t m = 0; m < M; ++m) quantize(L.o, y + m * HD, m);
+    }
+    matmul(L.o, y, HD, xq, M, x, C, x, L.o_bias, tid, nt);  // x += y W_o^T [+ b_o]
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) rms_norm_row(x + m * C, L.norm2, s.eps, C, h + m * C);
-    share((F2 + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(h, M, C, L.gate_up, C, F2, gu, F2, nullptr, L.gate_up_bias, q0, q1);
+    for (int64_t m = 0; m < M; ++m) {
+      rms_norm_row(x + m * C, L.norm2, s.eps, C, h + m * C);
+      quantize(L.gate_up, h + m * C, m);
+    }
+    matmul(L.gate_up, h, C, xq, M, gu, F2, nullptr, L.gate_up_bias, tid, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
@@ -332,9 +355,9 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
         std::memcpy(ub, g + s.F + c, n * sizeof(float));
         store_part(act + m * s.F + c, s.activation == 0 ? silu_mul(gv, V::load(ub)) : gelu_tanh_mul(gv, V::load(ub)), n);
       });
+      quantize(L.down, act + m * s.F, m);
     }
-    share((C + kLanes - 1) / kLanes, tid, nt, q0, q1);
-    matmul_panels(act, M, s.F, L.down, s.F, C, x, C, x, L.down_bias, q0, q1);  // x += act W_down^T [+ b_down]
+    matmul(L.down, act, s.F, xq, M, x, C, x, L.down_bias, tid, nt);  // x += act W_down^T [+ b_down]
 #pragma omp barrier
     if (kept[l]) {
 #pragma omp for schedule(static)

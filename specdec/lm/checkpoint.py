@@ -24,7 +24,7 @@ from ..errors import SpecdecError
 from .arch import Arch
 from .atomic import atomic_dir, recover
 from .device import placement
-from .model import LlamaForCausalLM, place, store_matrices_bf16
+from .model import LlamaForCausalLM, place, store_matrices
 
 CONFIG, WEIGHTS, TOKENIZER, META = "config.json", "model.safetensors", "tokenizer.json", "specdec.json"
 PARALLEL_KIND = "parallel-draft"  # specdec.json "kind" of a parallel draft model (proposers/parallel.py)
@@ -122,11 +122,12 @@ def read_weights(path: Path, device: str | torch.device) -> dict[str, torch.Tens
     return state
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-               ) -> LlamaForCausalLM:
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               quantize: str | None = None) -> LlamaForCausalLM:
     """Load a checkpoint folder onto `device` to compute in `dtype` (default float32). A bf16
     checkpoint computed in fp32 on the CPU keeps its matrices in bf16 where the CPU kernels run
-    (exact: bf16 -> fp32 loses nothing); elsewhere they are converted to fp32."""
+    (exact: bf16 -> fp32 loses nothing); elsewhere they are converted to fp32. quantize: store every
+    matrix in that format instead (quantize_model)."""
     path = Path(path)
     cfg = read_arch(path)
     state = read_weights(path, device)
@@ -146,8 +147,39 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     dtype = dtype or torch.float32
     model.load_hf_state_dict({k: state[k].to(dtype) for k in expected}, assign=True)
     place(model, device)
+    if quantize is not None:
+        return quantize_model(model.eval(), quantize)
     keep_bf16_matrices(model, DTYPES.get(cfg.source.get("dtype") or cfg.source.get("torch_dtype"), torch.float32))
     return model.eval()
+
+
+def quantize_model(model: torch.nn.Module, format: str, given: dict[str, kernels.Matrix] | None = None
+                   ) -> torch.nn.Module:
+    """A model (or head) loaded for fp32 on the CPU with every matrix quantized to `format` (one of
+    kernels.FORMATS' quantized ones, llama.cpp's rounding; model.store_matrices), but those `given`
+    by name: a 135M model takes about a second, so nothing is cached. Refused elsewhere, and for a
+    matrix whose rows do not cut into blocks of 32 (named)."""
+    if format not in kernels.FORMATS[1:]:
+        raise SpecdecError(f"unknown quantized format {format!r}: use one of {', '.join(kernels.FORMATS[1:])}")
+    if placement(model).dtype != torch.float32 or any(p.device.type != "cpu" for p in model.parameters()):
+        raise SpecdecError(f"quantized weights ({format}) run on the CPU in float32: drop --dtype/--device, or "
+                           "--quantize")
+    return store_matrices(model, format, given)
+
+
+def quantized_copy(model: LlamaForCausalLM, format: str, head_format: str | None = None) -> LlamaForCausalLM:
+    """Another model of `model`'s architecture holding its weights with every matrix quantized to
+    `format` (quantize_model), its unembedding to `head_format` (default: `format`): a draft that
+    needs no training. `model` itself is left as it is."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise SpecdecError("a quantized copy of the target needs specdec's own model (a checkpoint specdec loads), "
+                           f"not {type(model).__name__}")
+    with torch.device("meta"):
+        twin = LlamaForCausalLM(model.config)
+    twin.load_state_dict({name: value.detach() for name, value in model.state_dict().items()}, assign=True)
+    place(twin, next(model.parameters()).device)
+    head = {} if head_format is None else {"lm_head": kernels.Matrix.store(twin.lm_head.weight, head_format)}
+    return quantize_model(twin.eval(), format, head)
 
 
 def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> None:
@@ -155,7 +187,7 @@ def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> N
     where the CPU kernels run (exact: bf16 -> fp32 loses nothing); elsewhere they stay fp32."""
     if (stored == torch.bfloat16 and placement(module).dtype == torch.float32
             and all(p.device.type == "cpu" for p in module.parameters()) and kernels.can_store_bf16()):
-        store_matrices_bf16(module)
+        store_matrices(module)
 
 
 TOKEN_COUNTS = "token_counts.safetensors"

@@ -58,16 +58,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def backend(device: torch.device, dtype: torch.dtype, stack=None, unstacked: str | None = None) -> str:
+def backend(device: torch.device, dtype: torch.dtype, stack=None, unstacked: str | None = None,
+            stored: str = "bf16") -> str:
     """The operators a model runs on, as the conditions name them: from its device, compute dtype and,
-    for specdec's own model, its kernels' Stack (or why its decoder layers are not stacked)."""
+    for specdec's own model, its kernels' Stack (or why its decoder layers are not stacked) and the
+    formats its matrices are stored in (model.stored_formats)."""
     from .. import kernels
     dtype = str(dtype).removeprefix("torch.")
+    isa = kernels.isa() if stored == "bf16" else f"{kernels.isa()}; quantized: {kernels.quant_isa()}"
     if stack is not None:
-        return f"specdec CPU kernels ({kernels.isa()}), {dtype} arithmetic on bf16-stored matrices"
+        return f"specdec CPU kernels ({isa}), {dtype} arithmetic on {stored}-stored matrices"
     if unstacked is not None:  # the kernels run its matrices, not its layers
         return (f"PyTorch operators on the CPU for the decoder layers ({unstacked}), specdec CPU kernels "
-                f"({kernels.isa()}) for its matrices, {dtype} arithmetic on bf16-stored matrices")
+                f"({isa}) for its matrices, {dtype} arithmetic on {stored}-stored matrices")
+    if stored not in ("bf16", "unstored"):
+        return f"PyTorch operators on the CPU ({dtype} arithmetic on {stored}-stored matrices, the kernels' numbers)"
     if device.type == "cuda":
         return f"PyTorch operators on {torch.cuda.get_device_name(device)} (SDPA attention, {dtype} matmuls)"
     return f"PyTorch operators on the CPU (SDPA attention, {dtype} matmuls)"

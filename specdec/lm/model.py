@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..errors import SpecdecError
 from .arch import Arch
 from .device import backend, placement
 from .kv_cache import KVCache
@@ -59,43 +60,90 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight may be stored in bf16 while activations are fp32 (see kernels);
-    `packed` holds the weight's panels for the kernels once it is frozen in bf16."""
-    packed: torch.Tensor | None = None
+    """nn.Linear whose weight may be stored for inference as a kernels.Matrix (`stored`: bf16 panels
+    or a quantized format) while activations are fp32 (see kernels)."""
+    stored: kernels.Matrix | None = None
 
     def forward(self, x):
-        return kernels.linear(x, self.weight, self.packed, self.bias)
+        return kernels.linear(x, self.weight, self.stored, self.bias)
+
+    def store(self, format: str = "bf16", matrix: kernels.Matrix | None = None) -> None:
+        """Freeze the weight for inference in `format` (kernels.FORMATS), or as `matrix` (quantized
+        weights as a file stores them). bf16: `weight` in bf16, its panels where the kernels run; a
+        quantized format: `weight` becomes the fp32 values its blocks hold, exactly."""
+        if matrix is None and format == "bf16":
+            self.weight = nn.Parameter(self.weight.detach().to(torch.bfloat16), requires_grad=False)
+            self.stored = kernels.Matrix.store(self.weight) if kernels.can_store_bf16() else None
+            return
+        self.stored = matrix if matrix is not None else kernels.Matrix.store(self.weight, format)
+        self.weight = nn.Parameter(self.stored.dense(), requires_grad=False)
 
 
 def frozen_linear(weight: torch.Tensor) -> Linear:
-    """A Linear over a given (N, K) weight for inference, packed for the kernels where they run."""
+    """A Linear over a given (N, K) weight for inference, stored for the kernels where they run."""
     m = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     m.weight = nn.Parameter(weight.detach(), requires_grad=False)
     if weight.dtype == torch.bfloat16 and kernels.can_store_bf16():
-        m.packed = kernels.pack(m.weight)
+        m.stored = kernels.Matrix.store(m.weight)
     return m
 
 
-def store_matrices_bf16(module: nn.Module) -> nn.Module:
-    """Keep every Linear weight in bf16 while the rest computes in fp32: exact for weights that
-    hold bf16 values (a bf16 checkpoint), half the memory. Where the kernels run, the matrices
-    are packed for them and every run of decoder layers becomes one kernel call (decided here,
-    once, at load). For inference: the bf16 matrices are frozen."""
-    for m in module.modules():
-        if isinstance(m, Linear):
-            m.weight = nn.Parameter(m.weight.detach().to(torch.bfloat16), requires_grad=False)
-            if kernels.can_store_bf16():
-                m.packed = kernels.pack(m.weight)
+def store_matrices(module: nn.Module, format: str | None = "bf16",
+                   given: dict[str, kernels.Matrix] | None = None) -> nn.Module:
+    """Freeze every Linear of a model or head for inference in `format` (Linear.store), those named
+    in `given` as given (a GGUF file's quantized tensors; format None: the others are left as they
+    are, on PyTorch operators). bf16 is exact for weights that hold bf16 values; a quantized format
+    rounds them (llama.cpp's Q8_0, Q4_0, Q4_1). A tied unembedding stays tied to the embedding (both
+    the quantized values). Where the kernels run, every run of decoder layers whose matrices are all
+    stored then becomes one kernel call (decided here, once, at load)."""
+    given = given or {}
+    for name, m in module.named_modules():
+        if isinstance(m, Linear) and (name in given or format is not None):
+            why = None if format == "bf16" or name in given else kernels.quant.blocking_error(format, m.in_features)
+            if why is not None:
+                raise SpecdecError(f"cannot quantize {name} ({m.out_features} x {m.in_features}) to {format}: {why}; "
+                                   "use bf16 (no --quantize) for this model")
+            m.store(format, given.get(name))
+    if isinstance(module, LlamaForCausalLM) and module.config.tie_word_embeddings and module.lm_head.stored is not None \
+            and module.lm_head.stored.quantized:
+        module.model.embed_tokens.weight = module.lm_head.weight
     if kernels.can_store_bf16() and placement(module).dtype == torch.float32:
         for m in module.modules():
-            if isinstance(m, (DecoderLayer, LlamaForCausalLM)):
-                m.unstacked = kernels.cannot_stack(m.config)
-                if m.unstacked is not None:
-                    warnings.warn(f"specdec: {m.unstacked}; its decoder layers run on PyTorch operators (the same "
-                                  "arithmetic, slower)", stacklevel=2)
-                else:
-                    m.stack = kernels.stack(m.model.layers if isinstance(m, LlamaForCausalLM) else [m], m.config)
+            if isinstance(m, StackedLayers):
+                m.stack_layers()
     return module
+
+
+def stored_formats(module: nn.Module) -> str:
+    """The formats a model's matrices are stored in, as the conditions name them: "bf16", "q8_0",
+    "q4_1 + q8_0" (most matrices first)..., "unstored" where none is."""
+    counts: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, Linear) and m.stored is not None:
+            counts[m.stored.format] = counts.get(m.stored.format, 0) + m.weight.numel()
+    return " + ".join(sorted(counts, key=counts.get, reverse=True)) or "unstored"
+
+
+class StackedLayers:
+    """A model or layer whose decoder layers may run as one kernel call: `stack`, built by
+    `stack_layers` from each layer's kernels.LayerWeights (store_matrices), or why not (`unstacked`)."""
+    stack = None
+    unstacked = None  # why the kernels cannot run the layers as one call, where they could have
+
+    def stacked(self) -> list[DecoderLayer]:
+        raise NotImplementedError
+
+    def stack_layers(self) -> None:
+        unstored = [name for name, m in self.named_modules() if isinstance(m, Linear) and m.stored is None
+                    and name != "lm_head"]  # matrices left dequantized (store_matrices' caller says so)
+        self.unstacked = kernels.cannot_stack(self.config) or (
+            f"{', '.join(unstored[:3])}{' ...' if len(unstored) > 3 else ''} have no format the kernels run"
+            if unstored else None)
+        if self.unstacked is None:
+            self.stack = kernels.stack([layer.kernel_weights() for layer in self.stacked()], self.config)
+        elif not unstored:
+            warnings.warn(f"specdec: {self.unstacked}; its decoder layers run on PyTorch operators (the same "
+                          "arithmetic, slower)", stacklevel=3)
 
 
 def place(module: nn.Module, device: torch.device | str) -> nn.Module:
@@ -240,9 +288,8 @@ class MLP(nn.Module):
         return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
-class DecoderLayer(nn.Module):
-    stack = None  # the layer as one kernel call (store_matrices_bf16), used with a cache
-    unstacked = None  # why the kernels cannot run it as one call, where they could have (kernels.cannot_stack)
+class DecoderLayer(StackedLayers, nn.Module):
+    """One layer; its `stack` (StackedLayers) runs it alone as one kernel call, used with a cache."""
 
     def __init__(self, cfg: Arch):
         super().__init__()
@@ -251,6 +298,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg)
+
+    def stacked(self) -> list[DecoderLayer]:
+        return [self]
+
+    def kernel_weights(self) -> kernels.LayerWeights:
+        """The layer as the kernels read it (its matrices stored: store_matrices)."""
+        a, mlp = self.self_attn, self.mlp
+        return kernels.LayerWeights(
+            self.input_layernorm.scale, a.qkv_proj.stored, a.qkv_proj.bias, a.o_proj.stored, a.o_proj.bias,
+            self.post_attention_layernorm.scale, mlp.gate_up_proj.stored, mlp.gate_up_proj.bias,
+            mlp.down_proj.stored, mlp.down_proj.bias, a.q_norm.scale if a.qk_norm else None,
+            a.k_norm.scale if a.qk_norm else None)
 
     def forward(self, x, layer: int, window: Window):
         """x (B, T, C); `layer` indexes the window's cache."""
@@ -301,9 +360,8 @@ def attention_mask_for(cache: KVCache, num_new: int, span: int, tree_mask: torch
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-class LlamaForCausalLM(nn.Module):
-    stack = None  # the decoder layers as one kernel call (store_matrices_bf16), used with a cache
-    unstacked = None  # why the kernels cannot run them as one call, where they could have (kernels.cannot_stack)
+class LlamaForCausalLM(StackedLayers, nn.Module):
+    """Its `stack` (StackedLayers) runs all its decoder layers as one kernel call, used with a cache."""
 
     def __init__(self, cfg: Arch):
         super().__init__()
@@ -319,7 +377,10 @@ class LlamaForCausalLM(nn.Module):
     def abilities(self) -> Abilities:
         return Abilities(trees=True, layers=True, draft_vocab=True, batch=True, 
                          backend=backend(placement(self).device, placement(self).dtype,
-                                         self.stack, self.unstacked))
+                                         self.stack, self.unstacked, stored_formats(self)))
+
+    def stacked(self) -> list[DecoderLayer]:
+        return list(self.model.layers)
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         cfg = self.config

@@ -42,11 +42,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import kernels
 from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.checkpoint import read_config
-from ..lm.model import DecoderLayer, Linear, RMSNorm, Window
+from ..lm.model import DecoderLayer, Linear, RMSNorm, StackedLayers, Window
 from .eagle_head import check_head_fits as check_eagle_head_fits
 from .eagle_head import check_layer_ids
 from .heads import check_trained_for, loaded_head, read_head_meta, read_head_state, write_head_folder
@@ -54,9 +53,9 @@ from .heads import check_trained_for, loaded_head, read_head_meta, read_head_sta
 KIND = "block"
 
 
-class BlockHead(nn.Module):
+class BlockHead(StackedLayers, nn.Module):
+    """Its `stack` (StackedLayers) runs all its layers as one kernel call, used with a cache."""
     kind = KIND
-    stack = None  # all its layers as one kernel call (load_block), used with a cache
 
     def __init__(self, config: Arch, layer_ids, draft_ids: torch.Tensor, block: int,
                  num_layers: int = 1, causal: bool = False):
@@ -108,6 +107,9 @@ class BlockHead(nn.Module):
     def mask_inputs(self, batch: int, count: int) -> torch.Tensor:
         """(batch, count, C) the mask queries' input."""
         return self.mask.to(self.norm.weight.dtype).expand(batch, count, -1)
+
+    def stacked(self) -> list[DecoderLayer]:
+        return list(self.layers)
 
     def forward(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         """The layers over a window of inputs (B, T, C) -> (B, T, C) h; with the head's KV cache and
@@ -200,10 +202,7 @@ def load_block(path: str | Path, target: str | Path, dtype: torch.dtype | None =
     config = Arch.from_dict(meta["target_config"])
     head = BlockHead(config, meta["layer_ids"], state["draft_ids"], meta["block"], meta["num_layers"],
                      meta["attention"] == "causal")
-    head = loaded_head(head, state, path, meta, dtype, device)
-    if head.layers[0].stack is not None:  # matrices packed for the kernels: every layer in one call
-        head.stack = kernels.stack(head.layers, config)
-    return head
+    return loaded_head(head, state, path, meta, dtype, device)
 
 
 def check_layers(layer_ids, layers: int, target) -> None:

@@ -33,6 +33,7 @@ from .heads import check_heads_target, load_heads
 from .mtp import MTPProposer
 from .ngram import NgramProposer
 from .parallel import ParallelDraftProposer
+from .self_draft import SelfDraftProposer
 from .suffix import SuffixProposer
 
 MODELS = Path(__file__).resolve().parents[2] / "models"  # the shipped models of a full clone
@@ -180,6 +181,16 @@ class Suffix(Drafter):
         return SuffixProposer()
 
 
+class SelfDraft(Drafter):
+    """The target's own weights, quantized, as its draft model: no folder, fits specdec's own target."""
+    name, cls, what = "self", SelfDraftProposer, "self-draft"
+
+    def proposer(self, network, target, options) -> Proposer:
+        return SelfDraftProposer(target.model, draft_vocab=draft_vocab(options, target.token_counts),
+                                 token_counts=target.token_counts,
+                                 tree="dynamic" if options.dynamic_tree else "static")
+
+
 class Head(Drafter):
     """A head trained on one target's features: its folder names that target's hash."""
     check_target = staticmethod(check_heads_target)  # the folder's metadata, checked against a target folder
@@ -237,7 +248,7 @@ class Block(Head):
 
 
 DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),
-                                                    Eagle(), Block())}
+                                                    Eagle(), Block(), SelfDraft())}
 PROPOSERS = {name: d.cls for name, d in DRAFTERS.items()}  # each drafter's proposer class
 
 

@@ -92,7 +92,7 @@ class EagleProposer:
         matrices are packed."""
         head = self.head
         return (head.layout == "specdec" and getattr(head.layer, "stack", None) is not None
-                and head.proj.packed is not None and self.vocab.unembedding.packed is not None
+                and head.proj.stored is not None and self.vocab.unembedding.stored is not None
                 and self.target.model.embedding_scale is None)
 
     def native_step(self, ahead, prev, cache, positions, columns):
@@ -100,8 +100,8 @@ class EagleProposer:
         g or its own output -> (argmax, logits (B, m, N), output (B, m, C)) at columns (B, m)."""
         head = self.head
         return kernels.draft_block(head.layer.stack, self.target.model.embed_tokens.weight, ahead, cache, positions,
-                                   head.inv_freq, columns, head.norm, self.vocab.unembedding, self.vocab.ids, True,
-                                   fuse=(prev, head.embed_norm, head.hidden_norm, head.proj))
+                                   head.inv_freq, columns, head.norm, self.vocab.unembedding.stored, self.vocab.ids, True,
+                                   fuse=(prev, head.embed_norm, head.hidden_norm, head.proj.stored))
 
     @property
     def draft_ids(self) -> torch.Tensor:

@@ -60,7 +60,7 @@ class ParallelDraftProposer(DraftModelProposer):
             ids = torch.arange(self.vocab_size, device=model.lm_head.weight.device)
         self.vocab = DraftVocabulary(ids, model.lm_head.weight)
         # decided once: the step as one kernel call where the layers run as one and the unembedding is packed
-        self.native = (model.stack is not None and self.vocab.unembedding.packed is not None
+        self.native = (model.stack is not None and self.vocab.unembedding.stored is not None
                        and model.model.embedding_scale is None)
 
     def start(self, max_len, k, capacity, nodes=None) -> DraftState:
@@ -92,7 +92,7 @@ class ParallelDraftProposer(DraftModelProposer):
             model = self.model
             tokens, logits, _ = kernels.draft_block(model.stack, model.model.embed_tokens.weight, window, state.cache,
                                                     positions, model.inv_freq, columns, model.model.norm,
-                                                    self.vocab.unembedding, self.vocab.ids, not greedy or tree)
+                                                    self.vocab.unembedding.stored, self.vocab.ids, not greedy or tree)
         else:
             logits = self.model(window, positions=positions, cache=state.cache, logits_index=columns,
                                 unembedding=self.vocab.unembedding).logits   # (B, m, N)
