@@ -45,6 +45,7 @@ from .decoding.healing import Healed, back_off, first_tokens
 from .decoding.sampling import SamplingConfig
 from .decoding.stopping import Row, StopRule
 from .errors import SpecdecError
+from .lm import gguf
 from .lm.chat import template
 from .lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
 from .lm.device import default_dtype
@@ -87,17 +88,14 @@ class Result:
 
 def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
          quantize: str | None = None) -> Loaded:
-    """A checkpoint folder (default: the shipped target) with its tokenizer, on `device` ("cpu", the
+    """A checkpoint folder or a .gguf file (default: the shipped target) with its tokenizer, on `device` ("cpu", the
     default, or "cuda"), computing in `dtype` (default: float32 on the CPU, bfloat16 on CUDA). The
     backend goes with the device and is fixed here (device.backend). quantize: "q8_0", "q4_0" or
     "q4_1", every matrix quantized at load (CPU, float32; checkpoint.quantize_model)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
-    path = Path(path) if path is not None else DEFAULT_TARGET
-    if path == DEFAULT_TARGET and not path.exists():
-        raise SpecdecError(f"the shipped target is missing at {path}: run from a full clone of specdec "
-                           "or pass a checkpoint folder")
+    path = checkpoint_folder(path)
     model = load_model(path, dtype=dtype, device=device, quantize=quantize)
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -106,6 +104,17 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     if device.type == "cpu":
         kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
     return Loaded(model, tokenizer, path, time.perf_counter() - t0, load_token_counts(path))
+
+
+def checkpoint_folder(path: str | Path | None) -> Path:
+    """The checkpoint folder a model is named by: a folder, a .gguf file's folder (converted once,
+    lm/gguf.py), or for None the shipped target's."""
+    if path is None:
+        if not DEFAULT_TARGET.exists():
+            raise SpecdecError(f"the shipped target is missing at {DEFAULT_TARGET}: run from a full clone of "
+                               "specdec or pass a checkpoint folder")
+        return DEFAULT_TARGET
+    return gguf.folder(path) if gguf.is_gguf(path) else Path(path)
 
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:

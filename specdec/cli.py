@@ -15,6 +15,7 @@ from .errors import SpecdecError, counted
 
 
 def cmd_train(args) -> None:
+    from .lm import gguf
     from .train.loop import TrainConfig, train
     from .train.presets import defaults, described
     from .train.presets import preset as recipe
@@ -33,6 +34,9 @@ def cmd_train(args) -> None:
         value = getattr(args, name)
         if value is not None:
             preset[name] = value
+    for name in ("frozen_trunk", "teacher", "target", "init_from"):  # a .gguf model: its converted folder
+        if preset.get(name) and gguf.is_gguf(preset[name]):
+            preset[name] = str(gguf.folder(preset[name]))
     if args.corpus:
         preset["corpus"] = args.corpus
     if args.eagle_layers:
@@ -657,8 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafting k tokens per forward for the frozen --target, or parallel: a draft model "
                         "with a mask token that drafts a block of k tokens in one forward (PARD), distilled "
                         "from --teacher at every block slot")
-    t.add_argument("--target", metavar="MODEL", help="eagle, block: the frozen target checkpoint the head drafts "
-                                                     "for (its tokenizer is used)")
+    t.add_argument("--target", metavar="MODEL", help="eagle, block: the frozen target (checkpoint folder or .gguf "
+                                                     "file) the head drafts for (its tokenizer is used)")
     t.add_argument("--block-size", type=int, metavar="K",
                    help="block: the most drafts per forward the head is trained for (default 8)")
     t.add_argument("--block-anchors", type=int, metavar="N",
@@ -676,8 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eagle-decay", type=float, help="eagle: step j's loss weight is decay^j (default 0.8)")
     t.add_argument("--draft-vocab", type=int, metavar="N",
                    help="eagle, block: the head drafts over the N most frequent training token ids (default 4096)")
-    t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target checkpoint to learn from "
-                                                      "(its tokenizer is used)")
+    t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target (folder or .gguf file) to learn "
+                                                      "from (its tokenizer is used)")
     t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
                                                         "(default: fresh weights)")
     t.add_argument("--parallel-block", type=int, metavar="K",
@@ -698,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="complete a prompt with the target")
-    g.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    g.add_argument("--model", help="checkpoint folder or .gguf file (default: the shipped target)")
     g.add_argument("--prompt", help="text to continue")
     g.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-': standard input)")
     g.add_argument("--chat", action="store_true",
@@ -725,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Re-measure t(n), the seconds of one target forward over n tokens per row, at "
                                    "each batch size, and store it where -k auto reads it (it measures once by "
                                    "itself on first use; run this on a quiet machine after a change).")
-    c.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    c.add_argument("--model", help="target checkpoint folder or .gguf file (default: the shipped target)")
     c.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     c.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     c.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16], help="batch sizes (default 1 4 16)")
@@ -741,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with SSE), GET /v1/models, "
                                    "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
                                    "one running batch between steps (continuous batching).")
-    v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    v.add_argument("--model", help="checkpoint folder or .gguf file (default: the shipped target)")
     v.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API: /v1/models lists it and requests must name it "
                         "(default: the checkpoint folder's name)")
@@ -789,7 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="the half-minute plan (default: the full plan, about 3 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
-    b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    b.add_argument("--model", help="target checkpoint folder or .gguf file (default: the shipped target)")
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
@@ -855,7 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "plain decoding. Prints the verdict, the p-values, the false-alarm rate, the "
                                     "test's power and the conditions. Exit status: 0 PASS, 1 FAIL, 3 UNDECIDED (no "
                                     "draft was proposed), 2 the check could not run.")
-    ch.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    ch.add_argument("--model", help="target checkpoint folder or .gguf file (default: the shipped target)")
     ch.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     ch.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     add_draft_arguments(ch, k_default="3, or the --tree's depth: fixed, so that every step verifies drafts")
