@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's one-file checkpoints) as checkpoint folders.
 
 A .gguf is converted once into a folder of checkpoint.py's layout in the user cache
-($XDG_CACHE_HOME or ~/.cache, then specdec/gguf/NAME-SHA256), keyed by the file's sha256, and
+($XDG_CACHE_HOME or ~/.cache, then specdec/from-gguf/NAME-SHA256-vFORMAT), keyed by the file's sha256, and
 read from there ever after (a new FORMAT of the conversion converts again). The conversion follows transformers' own GGUF loading
 (modeling_gguf_pytorch_utils, integrations/gguf):
 
@@ -72,7 +72,7 @@ WHY_TENSOR = {"rope_freqs.weight": "Llama 3.1-style rotary frequency factors, wh
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec" / "gguf"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec" / "from-gguf"
 
 
 def is_gguf(path: str | Path) -> bool:
