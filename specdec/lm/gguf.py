@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's one-file checkpoints) as checkpoint folders.
 
 A .gguf is converted once into a folder of checkpoint.py's layout in the user cache
-($XDG_CACHE_HOME or ~/.cache, then specdec/from-gguf/NAME-SHA256-vFORMAT), keyed by the file's sha256, and
+($XDG_CACHE_HOME or ~/.cache, then specdec/from-gguf/SHA256-vFORMAT/NAME), keyed by the file's sha256, and
 read from there ever after (a new FORMAT of the conversion converts again). The conversion follows transformers' own GGUF loading
 (modeling_gguf_pytorch_utils, integrations/gguf):
 
@@ -30,9 +30,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -177,10 +177,16 @@ class RawTensor:
     data: np.ndarray          # (rows, bytes per row) uint8 blocks for a quantized type; else the values
 
 
-def raw_tensors(reader, config: dict) -> Iterator[RawTensor]:
-    """Each tensor of an open GGUF (`open_file`) with the config `config_of` gave, as stored (rows of
-    Llama's q and k already in transformers' order), without dequantizing; a tensor with no place in
-    the architecture is refused by name."""
+def raw_tensors(path: str | Path) -> Iterator[RawTensor]:
+    """Each weight of the GGUF file at `path` as stored (quantized blocks as they are, rows of
+    Llama's q and k in transformers' order), without dequantizing; a file specdec cannot run, or a
+    tensor with no place in its architecture, is refused by name."""
+    reader = open_file(path)
+    return stored(reader, config_of(reader, Path(path).name))
+
+
+def stored(reader, config: dict) -> Iterator[RawTensor]:
+    """The tensors of an open file (`open_file`) whose config `config_of` gave (see raw_tensors)."""
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -228,7 +234,7 @@ def folder(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"no GGUF file at {path}: pass --model with an existing .gguf file or a checkpoint folder")
-    dest = cache_root() / f"{path.stem}-{sha256(path)[:16]}-v{FORMAT}"
+    dest = cache_root() / f"{sha256(path)[:16]}-v{FORMAT}" / path.stem  # named as the file: the model's name
     recover(dest)
     if not (dest / CONFIG).exists():
         convert(path, dest)
@@ -249,7 +255,7 @@ def convert(path: Path, dest: Path) -> None:
     print(f"converting {path.name} to a checkpoint folder, once: {dest}", file=sys.stderr)
     with atomic_dir(dest) as tmp:
         state = {}
-        for raw in tqdm(raw_tensors(reader, config), total=len(reader.tensors), desc="dequantizing", unit="tensor",
+        for raw in tqdm(stored(reader, config), total=len(reader.tensors), desc="dequantizing", unit="tensor",
                         file=sys.stderr):
             state[raw.name] = dequantized(raw)
         check_weights(state, arch, path.name)
@@ -257,8 +263,8 @@ def convert(path: Path, dest: Path) -> None:
         del state
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(path, reader, tmp)
-        (tmp / META).write_text(json.dumps({"converted_from": {"file": path.name, "sha256": sha256(path)}},
-                                           indent=2) + "\n")
+        source = {"file": path.name, "path": str(path.resolve()), "sha256": sha256(path), "format": FORMAT}
+        (tmp / META).write_text(json.dumps({"converted_from": source}, indent=2) + "\n")
 
 
 def check_weights(state: dict, arch, where: str) -> None:
