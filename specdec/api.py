@@ -213,11 +213,13 @@ def check_context(target: Loaded, ids: list[list[int]], max_new_tokens: int) -> 
                                "lower max_new_tokens")
 
 
-def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Benchmark prompts as fixed token sequences: each prompt without its trailing whitespace, by
-    the checkpoint's rules (decoding/prompts.py), not healed (a benchmark decodes given token ids)."""
+def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int, chat: bool = False) -> list[list[int]]:
+    """Benchmark prompts as fixed token sequences by the checkpoint's rules (decoding/prompts.py):
+    each prompt without its trailing whitespace, not healed (a benchmark decodes given token ids), or
+    with chat=True each one user message rendered by the checkpoint's chat template."""
     prompts = inputs.prompts(prompts)
-    ids = [encode(target.tokenizer, p.rstrip(), heal=False).ids for p in prompts]
+    ids = [encode(target.tokenizer, messages=[{"role": "user", "content": p}]).ids if chat else
+           encode(target.tokenizer, p.rstrip(), heal=False).ids for p in prompts]
     check_context(target, ids, max_new_tokens)
     return ids
 

@@ -41,7 +41,7 @@ def byte_level_tokenizer() -> Tokenizer:
 
 
 def hf_model(family: str, seed: int = 0, **changes) -> transformers.PreTrainedModel:
-    """A random transformers model of the family (norms and biases random too)."""
+    """A random transformers model of the family (norms and biases random too), its values in bf16."""
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
               "qwen3": transformers.Qwen3Config}[family](**{**SIZES, **changes})
     torch.manual_seed(seed)
@@ -49,7 +49,7 @@ def hf_model(family: str, seed: int = 0, **changes) -> transformers.PreTrainedMo
              "qwen3": transformers.Qwen3ForCausalLM}[family](config).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
+            p.copy_((torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0)).bfloat16())
     return model
 
 

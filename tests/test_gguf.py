@@ -107,6 +107,25 @@ def test_float_tensors_come_back_exactly_with_llamas_permutation_undone(tmp_path
             assert torch.equal(ours[name], value.to(ours[name].dtype)), name
 
 
+@torch.no_grad()
+def test_llama_31_rotary_scaling_stored_as_factors_is_read_back(tmp_path, cache, tok):
+    """llama.cpp writes Llama 3.1's llama3 rope scaling as a rope_freqs tensor of per-frequency
+    factors (convert_hf_to_gguf.py); the converted model computes what transformers computes with
+    the original rope_parameters."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    model = hf_model("llama", rope_parameters=rope)
+    inv = model.model.rotary_emb.inv_freq
+    plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
+    factors = (plain / inv).numpy()  # the factors llama.cpp stores
+    path = write_gguf(tmp_path / "llama31.gguf", model, tok, "llama", types=(Q.BF16,),
+                      extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
+    target = load(path)
+    assert target.model.config.rope_scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
+    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(2))
+    assert (target.model(ids).logits - model(ids).logits).abs().max().item() <= 1e-4
+
+
 def test_tokenizer_bos_eos_and_chat_template_come_from_the_metadata(written, tok):
     _, _, _, folder = written
     ours = Tokenizer.load(folder)
@@ -163,8 +182,11 @@ def broken(kind: str, tmp_path, tok):
         write_gguf(path, model, tok, "llama", extra=lambda w: w.add_tensor("rope_freqs.weight",
                                                                               torch.ones(8, dtype=torch.int32).numpy()))
     elif kind == "tensor":
+        write_gguf(path, model, tok, "llama", extra=lambda w: w.add_tensor("blk.0.attn_sinks.weight",
+                                                                              torch.ones(4).numpy()))
+    elif kind == "rope":
         write_gguf(path, model, tok, "llama", extra=lambda w: w.add_tensor("rope_freqs.weight",
-                                                                              torch.ones(8).numpy()))
+                                                                              torch.linspace(1, 3, 8).numpy()))
     return path
 
 
@@ -174,7 +196,8 @@ def broken(kind: str, tmp_path, tok):
     ("architecture", "GGUF architecture 'gemma2' is not supported"),
     ("key", "GGUF key 'llama.attention.sliding_window' = 64 is refused"),
     ("type", "the tensor type(s) I32 (e.g. rope_freqs.weight) cannot be read"),
-    ("tensor", "GGUF tensor 'rope_freqs.weight' is refused: Llama 3.1-style rotary frequency factors"),
+    ("tensor", "GGUF tensor 'blk.0.attn_sinks.weight' is refused: specdec's llama has no such weight"),
+    ("rope", "GGUF tensor 'rope_freqs.weight' holds rotary frequency factors that are not Llama 3.1's"),
 ])
 def test_a_broken_or_unsupported_file_is_one_clear_error_and_leaves_nothing(kind, message, tmp_path, tok,
                                                                              monkeypatch, capsys):

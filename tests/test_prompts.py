@@ -110,7 +110,7 @@ def byte_level_ids(tok, text: str) -> list[int]:
 
 
 def test_a_served_chat_is_its_template_and_ends_at_the_end_of_turn(qwen, server):
-    folder, model, tok, eos = qwen
+    folder, model, _, eos = qwen
     messages = [{"role": "user", "content": "hi"}]
     ids = PreTrainedTokenizerFast.from_pretrained(folder).apply_chat_template(
         messages, tokenize=True, add_generation_prompt=True, return_dict=False)

@@ -1,13 +1,15 @@
 """GGUF files (llama.cpp's one-file checkpoints) as checkpoint folders.
 
 A .gguf is converted once into a folder of checkpoint.py's layout in the user cache
-($XDG_CACHE_HOME or ~/.cache, then specdec/from-gguf/SHA256-vFORMAT/NAME), keyed by the file's sha256, and
-read from there ever after (a new FORMAT of the conversion converts again). The conversion follows transformers' own GGUF loading
-(modeling_gguf_pytorch_utils, integrations/gguf):
+($XDG_CACHE_HOME or ~/.cache, then specdec/from-gguf/SHA256-vFORMAT/NAME), keyed by the file's
+sha256, and read from there ever after (a new FORMAT of the conversion converts again). The
+conversion follows transformers' own GGUF loading (modeling_gguf_pytorch_utils, integrations/gguf):
 
 - the architecture comes from the metadata (`general.architecture` and its `ARCH.*` keys) into a
   transformers config.json, then through arch.py's strict reading; a metadata key specdec does not
-  read is refused by name, as a config key is;
+  read is refused by name, as a config key is; Llama 3.1's rotary scaling, which llama.cpp stores as
+  per-frequency factors (rope_freqs) and transformers' GGUF loading drops, is read back into its
+  llama3 parameters;
 - every tensor is dequantized with the `gguf` package (every type it dequantizes; any other is
   refused by name), matrices stored in bfloat16, norms and biases in float32; llama.cpp's row
   permutation of Llama's q and k projections (its rotary layout) is undone;
@@ -67,8 +69,7 @@ TENSOR_NAMES = [
     (r"blk\.(\d+)\.attn_(q|k)_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
 ]
-WHY_TENSOR = {"rope_freqs.weight": "Llama 3.1-style rotary frequency factors, which specdec does not read from a "
-                                   "GGUF; use the model's transformers folder (config.json's rope_scaling) instead"}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rotary scaling as per-frequency factors: read into the config
 
 
 def cache_root() -> Path:
@@ -131,18 +132,45 @@ def config_of(reader, where: str) -> dict:
         if keys.get(key) and field(reader, keys[key]) != head_dim:
             raise SpecdecError(f"{where}: GGUF key {keys[key]!r} = {field(reader, keys[key])} is refused: specdec "
                                f"runs heads whose keys, values and rotary dims all have head_dim = {head_dim}")
-    rope = {"rope_type": "default", "rope_theta": float(cfg.pop("rope_theta"))}
-    kind = field(reader, keys.get("rope.scaling.type", ""), "none")
-    if kind == "linear":
-        rope = {**rope, "rope_type": "linear", "factor": float(field(reader, keys["rope.scaling.factor"]))}
-    elif kind != "none":
-        raise SpecdecError(f"{where}: GGUF key {keys['rope.scaling.type']!r} = {kind!r} is refused: specdec reads "
-                           "rotary scaling none or linear from a GGUF (load the model's transformers folder instead)")
+    rope = rope_of(reader, keys, float(cfg.pop("rope_theta")), head_dim, where)
     names = {t.name for t in reader.tensors}
     return {"architectures": [cls], "model_type": model_type, **cfg, "rope_parameters": rope,
             "tie_word_embeddings": "output.weight" not in names, "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
             "eos_token_id": end_ids(reader), "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
             "dtype": "bfloat16"}
+
+
+def rope_of(reader, keys: dict, theta: float, head_dim: int, where: str) -> dict:
+    """transformers' rope_parameters of the file: default, linear (ARCH.rope.scaling.*), or Llama 3.1's
+    llama3 scaling, which llama.cpp stores as per-frequency factors (the rope_freqs tensor)."""
+    rope = {"rope_type": "default", "rope_theta": theta}
+    kind = field(reader, keys.get("rope.scaling.type", ""), "none")
+    factors = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if kind == "linear" and factors is None:
+        return {**rope, "rope_type": "linear", "factor": float(field(reader, keys["rope.scaling.factor"]))}
+    if kind != "none":
+        raise SpecdecError(f"{where}: GGUF key {keys['rope.scaling.type']!r} = {kind!r} is refused: specdec reads "
+                           "rotary scaling none, linear or llama3 from a GGUF (load the model's transformers folder "
+                           "instead)")
+    return rope if factors is None else {**rope, **llama3_scaling(np.asarray(factors, np.float64), theta, head_dim,
+                                                                  where)}
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, where: str) -> dict:
+    """The llama3 rope parameters whose per-frequency factors llama.cpp stored (convert_hf_to_gguf.py
+    computes them from factor, low_freq_factor, high_freq_factor and an original context of 8192:
+    Llama 3.1's 1, 4 and 8192 are the ones every Llama 3.x ships), or refused by name."""
+    from .arch import Arch
+
+    rope = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    plain = Arch(head_dim=head_dim, rope_theta=theta).inv_freq().double()
+    scaled = Arch(head_dim=head_dim, rope_theta=theta, rope_scaling=rope).inv_freq().double()
+    if factors.shape != tuple(plain.shape) or not np.allclose((plain / scaled).numpy(), factors, rtol=1e-4):
+        raise SpecdecError(f"{where}: GGUF tensor {ROPE_FREQS!r} holds rotary frequency factors that are not Llama "
+                           "3.1's llama3 scaling (factor, low/high_freq_factor 1 and 4, original context 8192); "
+                           "load the model's transformers folder instead")
+    return rope
 
 
 def end_ids(reader) -> int | list[int] | None:
@@ -190,8 +218,10 @@ def stored(reader, config: dict) -> Iterator[RawTensor]:
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
-            why = WHY_TENSOR.get(t.name, f"specdec's {config['model_type']} has no such weight")
-            raise SpecdecError(f"GGUF tensor {t.name!r} is refused: {why}")
+            if t.name == ROPE_FREQS:
+                continue
+            raise SpecdecError(f"GGUF tensor {t.name!r} is refused: specdec's {config['model_type']} has no such "
+                               "weight")
         data = t.data
         if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
