@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from specdec.api import load
+from specdec.api import load, load_eagle_head
 from specdec.cli import main
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
@@ -25,6 +25,7 @@ from specdec.lm.chat import template
 from specdec.lm.tokenizer import Tokenizer
 
 from .gguf_helpers import CHATML, SPECIALS, Q, byte_level_tokenizer, hf_model, write_gguf
+from .test_train import JSON_PKG
 
 FAMILIES = {"llama": {"tie_word_embeddings": True}, "qwen2": {"tie_word_embeddings": False},
             "qwen3": {"head_dim": 32, "tie_word_embeddings": False}}
@@ -221,3 +222,15 @@ def test_generate_takes_a_gguf_file_on_the_command_line(written, capsys):
 
 def test_special_token_ids_are_the_files(tok):
     assert [tok.token_to_id(t) for t in SPECIALS] == [317, 318, 319]
+
+
+def test_train_takes_a_gguf_target(tmp_path, cache, tok):
+    """`specdec train --target FILE.gguf`: the head is trained for the converted folder and loads for it."""
+    path = write_gguf(tmp_path / "target.gguf", hf_model("qwen2", tie_word_embeddings=False), tok, "qwen2")
+    out = tmp_path / "eagle"
+    assert main(["train", "--preset", "tiny", "--objective", "eagle", "--target", str(path), "--corpus", str(JSON_PKG),
+                 "--steps", "2", "--save-every", "2", "--eval-every", "2", "--eagle-steps", "2", "--draft-vocab", "64",
+                 "--out", str(out)]) == 0
+    heads = next(out.rglob("heads.json")).parent
+    target = load(path)
+    assert load_eagle_head(target, heads).config.hidden_size == target.model.config.hidden_size
