@@ -263,7 +263,8 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     if messages is not None:
         encoded = [encode(target.tokenizer, messages=messages)]
     else:
-        encoded = [encode(target.tokenizer, p, special_tokens=special_tokens, heal=heal) for p in inputs.prompts(prompts)]
+        encoded = [encode(target.tokenizer, p, special_tokens=special_tokens, heal=heal)
+                   for p in inputs.prompts(prompts)]
     stop = stop + encoded[0].stop  # a chat's end of turn
     healed = [e.healed for e in encoded]
     ids = [list(e.ids) for e in encoded]

@@ -16,7 +16,8 @@ from specdec.decoding.prompts import encode
 from specdec.errors import SpecdecError
 
 INSTALLED = importlib.util.find_spec(api.SMOLLM2_PACKAGE) is not None
-needs_smollm2 = pytest.mark.skipif(not INSTALLED, reason=f"SmolLM2-135M-Instruct is not installed: {api.SMOLLM2_INSTALL}")
+needs_smollm2 = pytest.mark.skipif(not INSTALLED,
+                                   reason=f"SmolLM2-135M-Instruct is not installed: {api.SMOLLM2_INSTALL}")
 
 
 def test_without_the_package_the_default_target_is_one_clear_error(monkeypatch):

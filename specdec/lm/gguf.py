@@ -135,7 +135,8 @@ def config_of(reader, where: str) -> dict:
     rope = rope_of(reader, keys, float(cfg.pop("rope_theta")), head_dim, where)
     names = {t.name for t in reader.tensors}
     return {"architectures": [cls], "model_type": model_type, **cfg, "rope_parameters": rope,
-            "tie_word_embeddings": "output.weight" not in names, "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
             "eos_token_id": end_ids(reader), "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
             "dtype": "bfloat16"}
 
