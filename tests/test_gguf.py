@@ -140,6 +140,15 @@ def test_tokenizer_bos_eos_and_chat_template_come_from_the_metadata(written, tok
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(tok.token_to_id("<|im_end|>")) == 1
 
 
+def test_expert_counts_of_zero_are_a_dense_model_and_others_are_refused(tmp_path, cache, tok):
+    model = hf_model("llama")
+    zero = write_gguf(tmp_path / "zero.gguf", model, tok, "llama", extra=lambda w: w.add_expert_count(0))
+    assert gguf.config_of(gguf.open_file(zero), "zero.gguf")["num_hidden_layers"] == 2
+    moe = write_gguf(tmp_path / "moe.gguf", model, tok, "llama", extra=lambda w: w.add_expert_count(8))
+    with pytest.raises(SpecdecError, match="GGUF key 'llama.expert_count' = 8 is refused"):
+        gguf.folder(moe)
+
+
 def test_a_bos_is_added_where_the_file_says_so(tmp_path, cache, tok):
     path = write_gguf(tmp_path / "bos.gguf", hf_model("llama"), tok, "llama", add_bos=True)
     assert Tokenizer.load(gguf.folder(path)).prefix == [tok.token_to_id("<|endoftext|>")]

@@ -57,6 +57,8 @@ CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_length": 
 # ARCH.* metadata checked against what the keys above imply, or that never changes the arithmetic
 CHECKED_KEYS = {"rope.dimension_count", "attention.value_length", "rope.scaling.type", "rope.scaling.factor",
                 "rope.scaling.finetuned", "rope.scaling.original_context_length"}
+# ARCH.* metadata that says nothing when 0 (older llama.cpp writes expert counts of 0 for dense models)
+ZERO_KEYS = {"expert_count", "expert_used_count"}
 # GGUF tensor names -> transformers' (llama.cpp's standard names for dense decoders)
 TENSOR_NAMES = [
     (r"token_embd\.weight", "model.embed_tokens.weight"),
@@ -119,6 +121,8 @@ def config_of(reader, where: str) -> dict:
     model_type, cls = FAMILIES[arch]
     keys = {k.removeprefix(arch + "."): k for k in reader.fields if k.startswith(arch + ".")}
     for short in sorted(set(keys) - set(CONFIG_KEYS) - CHECKED_KEYS):
+        if short in ZERO_KEYS and field(reader, keys[short]) == 0:
+            continue
         raise SpecdecError(f"{where}: GGUF key {keys[short]!r} = {field(reader, keys[short])!r} is refused: "
                            f"specdec's {model_type} does not implement it, and running without it would "
                            "compute a different model")
