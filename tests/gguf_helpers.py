@@ -42,11 +42,11 @@ def byte_level_tokenizer() -> Tokenizer:
 
 def hf_model(family: str, seed: int = 0, **changes) -> transformers.PreTrainedModel:
     """A random transformers model of the family (norms and biases random too), its values in bf16."""
-    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-              "qwen3": transformers.Qwen3Config}[family](**{**SIZES, **changes})
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+              "phi3": transformers.Phi3Config}[family](**{**SIZES, **changes})
     torch.manual_seed(seed)
     model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-             "qwen3": transformers.Qwen3ForCausalLM}[family](config).eval()
+             "qwen3": transformers.Qwen3ForCausalLM, "phi3": transformers.Phi3ForCausalLM}[family](config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_((torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0)).bfloat16())
@@ -65,7 +65,8 @@ def gguf_names(state: dict) -> dict[str, str]:
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
+             "mlp.gate_up_proj": "ffn_up"}
     for name in state:
         if name.startswith("model.layers."):
             _, _, layer, *rest = name.split(".")
@@ -98,6 +99,11 @@ def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bo
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
+        w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+        w.add_rope_scaling_orig_ctx_len(cfg.max_position_embeddings)
+        if cfg.sliding_window is not None:
+            w.add_sliding_window(cfg.sliding_window)
     add_tokenizer(w, tok, add_bos, bos, eos)
     if extra is not None:
         extra(w)

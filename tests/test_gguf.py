@@ -61,8 +61,9 @@ def transformers_gguf(path, family: str):
     keys = {k: v for k, v in parsed["config"].items() if k not in ("model_type", "_model_name_or_path")}
     if family == "qwen3":
         keys["head_dim"] = FAMILIES["qwen3"]["head_dim"]
-    config = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family])(
-        **keys)
+    keys.setdefault("pad_token_id", None)  # Phi3Config's default, 32000, lies outside a small vocabulary
+    config = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                                    "phi3": "Phi3Config"}[family])(**keys)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     return parsed["config"], model, tensors
@@ -124,6 +125,22 @@ def test_llama_31_rotary_scaling_stored_as_factors_is_read_back(tmp_path, cache,
     target = load(path)
     assert target.model.config.rope_scaling == {k: v for k, v in rope.items() if k != "rope_theta"}
     ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(2))
+    assert (target.model(ids).logits - model(ids).logits).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def test_phi3_with_fused_projections_partial_rotary_and_a_window_computes_as_transformers(tmp_path, cache, tok):
+    """Phi-3 as llama.cpp writes it: q/k/v and gate/up fused (attn_qkv, ffn_up), the rotary dims and
+    the sliding window in the metadata (transformers' own GGUF reading drops both)."""
+    model = hf_model("phi3", tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=128, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2)
+    path = write_gguf(tmp_path / "phi3.gguf", model, tok, "phi3", types=(Q.BF16, Q.F32))
+    target = load(path)
+    assert target.model.config.max_position_embeddings == 128 and target.model.config.partial_rotary_factor == 0.5
+    _, _, tensors = transformers_gguf(path, "phi3")
+    ours = load_file(target.path / "model.safetensors")
+    assert all(torch.equal(v, tensors[k].to(v.dtype)) for k, v in ours.items())
+    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(3))
     assert (target.model(ids).logits - model(ids).logits).abs().max().item() <= 1e-4
 
 

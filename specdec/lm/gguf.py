@@ -10,6 +10,7 @@ conversion follows transformers' own GGUF loading (modeling_gguf_pytorch_utils, 
   read is refused by name, as a config key is; Llama 3.1's rotary scaling, which llama.cpp stores as
   per-frequency factors (rope_freqs) and transformers' GGUF loading drops, is read back into its
   llama3 parameters;
+- Phi-3's fused q/k/v and gate/up (attn_qkv, ffn_up) stay fused, as transformers' Phi3 holds them;
 - every tensor is dequantized with the `gguf` package (every type it dequantizes; any other is
   refused by name), matrices stored in bfloat16, norms and biases in float32; llama.cpp's row
   permutation of Llama's q and k projections (its rotary layout) is undone;
@@ -47,16 +48,18 @@ SUFFIX = ".gguf"
 FORMAT = 1  # of the converted folders: a conversion that changes bumps it, so older folders are not reused
 # general.architecture -> (model_type, transformers class); llama.cpp writes Mistral as "llama"
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
 # ARCH.* metadata read into config.json
 CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
                "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
                "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
-               "vocab_size": "vocab_size", "attention.key_length": "head_dim"}
+               "vocab_size": "vocab_size", "attention.key_length": "head_dim",
+               "rope.scaling.original_context_length": "original_max_position_embeddings"}
+FAMILY_KEYS = {"phi3": {"attention.sliding_window": "sliding_window"}}  # read for that family only
 # ARCH.* metadata checked against what the keys above imply, or that never changes the arithmetic
 CHECKED_KEYS = {"rope.dimension_count", "attention.value_length", "rope.scaling.type", "rope.scaling.factor",
-                "rope.scaling.finetuned", "rope.scaling.original_context_length"}
+                "rope.scaling.finetuned"}
 # ARCH.* metadata that says nothing when 0 (older llama.cpp writes expert counts of 0 for dense models)
 ZERO_KEYS = {"expert_count", "expert_used_count"}
 # GGUF tensor names -> transformers' (llama.cpp's standard names for dense decoders)
@@ -71,6 +74,8 @@ TENSOR_NAMES = [
     (r"blk\.(\d+)\.attn_(q|k)_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
     (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
 ]
+FUSED = [(r"blk\.(\d+)\.attn_qkv\.weight", r"model.layers.\1.self_attn.qkv_proj.weight"),
+         (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight")]
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rotary scaling as per-frequency factors: read into the config
 
 
@@ -120,21 +125,26 @@ def config_of(reader, where: str) -> dict:
                            f"{', '.join(FAMILIES)} (other families: load their transformers folder)")
     model_type, cls = FAMILIES[arch]
     keys = {k.removeprefix(arch + "."): k for k in reader.fields if k.startswith(arch + ".")}
-    for short in sorted(set(keys) - set(CONFIG_KEYS) - CHECKED_KEYS):
+    read = CONFIG_KEYS | FAMILY_KEYS.get(model_type, {})
+    for short in sorted(set(keys) - set(read) - CHECKED_KEYS):
         if short in ZERO_KEYS and field(reader, keys[short]) == 0:
             continue
         raise SpecdecError(f"{where}: GGUF key {keys[short]!r} = {field(reader, keys[short])!r} is refused: "
                            f"specdec's {model_type} does not implement it, and running without it would "
                            "compute a different model")
-    cfg = {CONFIG_KEYS[k]: field(reader, keys[k]) for k in keys if k in CONFIG_KEYS}
+    cfg = {read[k]: field(reader, keys[k]) for k in keys if k in read}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     cfg.setdefault("vocab_size", len(tokens.data) if tokens is not None else None)
     cfg.setdefault("rope_theta", 10000.0)
     heads = cfg.get("num_attention_heads") or 1
     head_dim = cfg.setdefault("head_dim", (cfg.get("hidden_size") or 0) // heads)
+    rotary = field(reader, keys.get("rope.dimension_count", ""), head_dim)
+    if rotary != head_dim and model_type == "phi3":  # Phi-3 rotates the first dims of a head
+        cfg["partial_rotary_factor"] = rotary / head_dim
     for key in ("rope.dimension_count", "attention.value_length"):
-        if keys.get(key) and field(reader, keys[key]) != head_dim:
-            raise SpecdecError(f"{where}: GGUF key {keys[key]!r} = {field(reader, keys[key])} is refused: specdec "
+        value = field(reader, keys.get(key, ""), head_dim)
+        if value != head_dim and not (key == "rope.dimension_count" and model_type == "phi3"):
+            raise SpecdecError(f"{where}: GGUF key {keys[key]!r} = {value} is refused: specdec's {model_type} "
                                f"runs heads whose keys, values and rotary dims all have head_dim = {head_dim}")
     rope = rope_of(reader, keys, float(cfg.pop("rope_theta")), head_dim, where)
     names = {t.name for t in reader.tensors}
@@ -185,8 +195,10 @@ def end_ids(reader) -> int | list[int] | None:
     return ids[0] if len(ids) == 1 else ids or None
 
 
-def hf_name(gguf_name: str) -> str | None:
-    for pattern, replacement in TENSOR_NAMES:
+def hf_name(gguf_name: str, family: str) -> str | None:
+    """transformers' name of a GGUF tensor of the family (Phi-3 stores q/k/v and gate/up fused, as
+    transformers' Phi3 does)."""
+    for pattern, replacement in (FUSED if family == "phi3" else []) + TENSOR_NAMES:
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
     return None
@@ -221,12 +233,14 @@ def raw_tensors(path: str | Path) -> Iterator[RawTensor]:
 def stored(reader, config: dict) -> Iterator[RawTensor]:
     """The tensors of an open file (`open_file`) whose config `config_of` gave (see raw_tensors)."""
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config["model_type"])
         if name is None:
             if t.name == ROPE_FREQS:
                 continue
-            raise SpecdecError(f"GGUF tensor {t.name!r} is refused: specdec's {config['model_type']} has no such "
-                               "weight")
+            why = ("Phi-3's longrope factors, which specdec does not read from a GGUF (load the model's "
+                   "transformers folder instead)" if t.name.startswith("rope_factors_") else
+                   f"specdec's {config['model_type']} has no such weight")
+            raise SpecdecError(f"GGUF tensor {t.name!r} is refused: {why}")
         data = t.data
         if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
