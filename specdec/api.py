@@ -52,6 +52,7 @@ from .lm import gguf
 from .lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_meta, sha256
 from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
+from .lm.gguf_blocks import AS_STORED, store_gguf_matrices
 from .lm.interface import abilities, causal_lm, lm_dtype
 from .lm.model import LlamaForCausalLM, compute_dtype, device_of, stored_formats
 from .lm.tokenizer import Tokenizer
@@ -97,12 +98,21 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     `device` ("cpu", the default, or "cuda"), computing in `dtype` (default: float32 on the CPU,
     bfloat16 on CUDA). The
     backend goes with the device and is fixed here (device.backend). quantize: "q8_0", "q4_0" or
-    "q4_1", every matrix quantized at load (CPU, float32; checkpoint.quantize_model)."""
+    "q4_1", every matrix quantized at load (CPU, float32; checkpoint.quantize_model); "gguf", a .gguf
+    file's Q8_0/Q4_0/Q4_1 matrices as the file stores them (lm/gguf_blocks.py; default: a .gguf runs
+    as its bf16 conversion, the checkpoint drafters are trained for)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
-    path = checkpoint_folder(path)
-    model = load_model(path, dtype=dtype, device=device, quantize=quantize)
+    file = default_target() if path is None else path
+    as_stored = quantize == AS_STORED
+    if as_stored and not gguf.is_gguf(file):
+        raise SpecdecError(f"--quantize {AS_STORED} runs a .gguf file's blocks as stored, and {file} is a checkpoint "
+                           "folder: pass a .gguf file, or quantize the folder at load (--quantize q8_0|q4_0|q4_1)")
+    path = checkpoint_folder(file)
+    model = load_model(path, dtype=dtype, device=device, quantize=None if as_stored else quantize)
+    if as_stored:
+        store_gguf_matrices(model, file)
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "

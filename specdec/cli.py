@@ -235,9 +235,11 @@ def set_threads(threads: int | None) -> None:
 
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1"],
+    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1", "gguf"],
                    help="store every matrix of the target in this block format at load (llama.cpp's Q8_0 or "
-                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic; default: as the checkpoint stores them)")
+                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic); gguf: a .gguf file's Q8_0/Q4_0/Q4_1 matrices "
+                        "as the file stores them (default: a folder as it stores them, a .gguf as its bf16 "
+                        "conversion)")
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
