@@ -96,11 +96,11 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
          quantize: str | None = None) -> Loaded:
     """A checkpoint folder or a .gguf file (default: SmolLM2-135M-Instruct) with its tokenizer, on
     `device` ("cpu", the default, or "cuda"), computing in `dtype` (default: float32 on the CPU,
-    bfloat16 on CUDA). The
-    backend goes with the device and is fixed here (device.backend). quantize: "q8_0", "q4_0" or
-    "q4_1", every matrix quantized at load (CPU, float32; checkpoint.quantize_model); "gguf", a .gguf
-    file's Q8_0/Q4_0/Q4_1 matrices as the file stores them (lm/gguf_blocks.py; default: a .gguf runs
-    as its bf16 conversion, the checkpoint drafters are trained for)."""
+    bfloat16 on CUDA). The backend goes with the device and is fixed here (device.backend).
+    quantize: "q8_0", "q4_0" or "q4_1", every matrix quantized at load (CPU, float32;
+    checkpoint.quantize_model); "gguf", a .gguf file's Q8_0/Q4_0/Q4_1 matrices as the file stores
+    them (lm/gguf_blocks.py; default: a .gguf runs as its bf16 conversion, the checkpoint drafters
+    are trained for)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)

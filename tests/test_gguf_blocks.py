@@ -2,7 +2,8 @@
 written here as llama.cpp writes them (tests/gguf_helpers.py) load with each Linear holding the
 file's blocks, and compute the logits of transformers' model whose every matrix is the PyTorch
 reference of those blocks (kernels/blocks.py) on weights quantized here in transformers' own row
-order; speculative greedy equals plain greedy; a matrix of another type is named and runs."""
+order; Phi-3 (fused projections) and Qwen3 files run every matrix as stored; speculative greedy
+equals plain greedy; a matrix of another type is named and runs."""
 from __future__ import annotations
 
 import json
@@ -104,6 +105,19 @@ def test_speculative_greedy_equals_plain_greedy_as_stored(written):
     for proposer, k in [(build_proposer("self", target=target), 3), (build_proposer("ngram"), 2)]:
         rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
         assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0
+
+
+@pytest.mark.parametrize("family, changes", [
+    ("phi3", {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}),  # q/k/v and gate/up stored fused
+    ("qwen3", {"head_dim": 32})])
+@torch.no_grad()
+def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(family, changes, tmp_path, cache):
+    path = write_gguf(tmp_path / f"{family}.gguf", hf_model(family, tie_word_embeddings=False, **changes),
+                      byte_level_tokenizer(), family, types=(Q.Q8_0,))
+    target = load(path, quantize="gguf").model
+    assert {m.stored.format for m in target.modules() if isinstance(m, Linear)} == {"q8_0"} and target.stack
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert (target(ids).logits - load(path).model(ids).logits).abs().max() < 0.25  # 8-bit rounding apart
 
 
 def test_a_matrix_of_another_type_is_named_and_keeps_the_bf16_values(tmp_path, cache):
