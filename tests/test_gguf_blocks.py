@@ -116,6 +116,8 @@ def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(fa
                       byte_level_tokenizer(), family, types=(Q.Q8_0,))
     target = load(path, quantize="gguf").model
     assert {m.stored.format for m in target.modules() if isinstance(m, Linear)} == {"q8_0"} and target.stack
+    embedding = next(raw for raw in gguf.raw_tensors(path) if raw.name == "model.embed_tokens.weight")
+    assert torch.equal(target.model.embed_tokens.weight, torch.from_numpy(dequantize(embedding.data, Q.Q8_0)))
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
     assert (target(ids).logits - load(path).model(ids).logits).abs().max() < 0.25  # 8-bit rounding apart
 
@@ -123,7 +125,7 @@ def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(fa
 def test_a_matrix_of_another_type_is_named_and_keeps_the_bf16_values(tmp_path, cache):
     path = write_gguf(tmp_path / "mixed.gguf", hf_model("qwen2", tie_word_embeddings=False),
                       byte_level_tokenizer(), "qwen2", types=(Q.Q4_0, Q.F16, Q.Q8_0))
-    given, others = gguf_matrices(path)
+    given, others = gguf_matrices({raw.name: raw for raw in gguf.raw_tensors(path)})
     assert set(others.values()) <= {"F16", "F16+Q4_0", "F16+Q8_0", "F16+Q4_0+Q8_0"} and others and given
     with pytest.warns(UserWarning, match=r"mixed\.gguf: \d+ matrices run from the converted checkpoint's bf16 values.*stored as F16"):
         target = load(path, quantize="gguf")

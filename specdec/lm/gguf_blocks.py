@@ -5,7 +5,8 @@ gate_up_proj by stacking their rows (blocks run along a row, so this is exact); 
 from gguf.raw_tensors, which has already put Llama's q and k rows back in transformers' order.
 
 A matrix of another type (F16, Q6_K, ...), or a fused one with a part of another type, keeps the
-values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning. This module
+values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning; the
+embedding table holds the file's values exactly (fp32). This module
 knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or about decoding.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from ..errors import SpecdecError
 from ..kernels import Matrix
 from ..kernels.blocks import Blocks, from_gguf
-from .gguf import raw_tensors
+from .gguf import RawTensor, raw_tensors
 from .model import LlamaForCausalLM, compute_dtype, store_matrices
 
 AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
@@ -32,11 +33,11 @@ PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("se
          "mlp.down_proj": ("mlp.down_proj", 0)}
 
 
-def gguf_matrices(path: str | Path) -> tuple[dict[str, Matrix], dict[str, str]]:
-    """The matrices of the GGUF file at `path` as specdec's model holds them: {Linear name: Matrix}
-    for those stored in a format the kernels run (every part of a fused one so), and {Linear name:
-    GGUF type(s)} for the others. A file without output.weight ties the unembedding to token_embd."""
-    raws = {raw.name: raw for raw in raw_tensors(path)}
+def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[str, str]]:
+    """The matrices of a GGUF file's tensors ({name: gguf.RawTensor}) as specdec's model holds them:
+    {Linear name: Matrix} for those stored in a format the kernels run (every part of a fused one
+    so), and {Linear name: GGUF type(s)} for the others. A file without output.weight ties the
+    unembedding to token_embd."""
     parts: dict[str, list] = {}
     for name, raw in raws.items():
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and "lm_head.weight" not in raws):
@@ -59,17 +60,25 @@ def gguf_matrices(path: str | Path) -> tuple[dict[str, Matrix], dict[str, str]]:
 
 def store_gguf_matrices(model: LlamaForCausalLM, path: str | Path) -> dict[str, str]:
     """`model` (loaded for float32 on the CPU from the converted checkpoint of the GGUF file at
-    `path`) with each matrix the file stores in a kernel format run as stored (gguf_matrices); the
-    others keep the converted checkpoint's bf16 values, said once in a warning. Returns those
-    others: {Linear name: GGUF type}."""
+    `path`) with each matrix the file stores in a kernel format run as stored (gguf_matrices) and
+    the embedding table the file's values in fp32; the other matrices keep the converted
+    checkpoint's bf16 values, said once in a warning. Returns those others: {Linear name: GGUF type}."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
     if compute_dtype(model) != torch.float32 or any(p.device.type != "cpu" for p in model.parameters()):
         raise SpecdecError("a GGUF file's blocks as stored (--quantize gguf) run on the CPU in float32: drop "
                            "--dtype/--device, or --quantize")
-    given, others = gguf_matrices(path)
+    raws = {raw.name: raw for raw in raw_tensors(path)}
+    given, others = gguf_matrices(raws)
     if others:
         kinds = sorted(set(others.values()))
         warnings.warn(f"specdec: {Path(path).name}: {len(others)} matrices run from the converted checkpoint's bf16 "
                       f"values, not as stored: they are stored as {', '.join(kinds)}, and the kernels run "
                       f"{', '.join(FORMATS)} (a fused matrix: all its parts in the same one)", stacklevel=2)
     store_matrices(model, None, given)
+    if "lm_head.weight" in raws:  # an embedding of its own: its values exactly (tied, it is the unembedding's)
+        embedding = raws["model.embed_tokens.weight"]
+        values = dequantize(embedding.data, GGMLQuantizationType[embedding.type]).reshape(embedding.shape)
+        model.model.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(values).float(), requires_grad=False)
     return others
