@@ -52,9 +52,9 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
             others[name] = "+".join(kinds)
             continue
         stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
+        mins = None if stored[0].mins is None else torch.cat([b.mins for b in stored])
         given[name] = Matrix.from_blocks(Blocks(stored[0].format, torch.cat([b.codes for b in stored]),
-                                                torch.cat([b.scales for b in stored]),
-                                                None if stored[0].mins is None else torch.cat([b.mins for b in stored])))
+                                                torch.cat([b.scales for b in stored]), mins))
     return given, others
 
 
