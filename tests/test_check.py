@@ -78,10 +78,10 @@ def test_a_deliberately_wrong_verifier_fails():
 
 
 def test_the_command_prints_its_verdict_and_refuses_greedy(tmp_path, capsys):
-    from specdec.api import DEFAULT_TARGET
+    from specdec.api import TOY_TARGET
     from specdec.lm.checkpoint import save_model
     big = tiny_llama(4, vocab=16384, layers=1, hidden=32, heads=2, kv_heads=1, context=128, std=0.4)
-    tokenizer = DEFAULT_TARGET / "tokenizer.json"
+    tokenizer = TOY_TARGET / "tokenizer.json"
     target = save_model(big, tmp_path / "t", tokenizer, dtype=torch.float32)
     draft = save_model(noisy_copy(big, 0.2, seed=8), tmp_path / "d", tokenizer, dtype=torch.float32)
     with pytest.raises(SpecdecError, match="temperature > 0"):

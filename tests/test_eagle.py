@@ -287,10 +287,10 @@ def test_bad_input_is_refused_with_the_fix():
 def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
     """The shipped head (bf16-stored, its layer one Stack): one kernel call per level gives the drafts,
     and for sampled rows the draft probabilities, bit for bit, of the separate calls."""
-    from specdec.api import encode_prompts, load, load_drafter
+    from specdec.api import TOY_TARGET, encode_prompts, load, load_drafter
     from specdec.decoding.sampling import SamplingConfig
     from specdec.lm.interface import prefill_joining
-    target = load()
+    target = load(TOY_TARGET)
     native = load_drafter(target, "eagle", draft_vocab=1024)
     separate = build_proposer("eagle", head=native.head, target=target.model, draft_vocab=1024)
     separate.native = False

@@ -235,9 +235,9 @@ def test_the_distribution_test_fails_for_probabilities_of_drafts_drawn_one_after
 def test_save_load_round_trip_and_refusals(tmp_path):
     """The shipped target's tokenizer with a tiny target of its vocabulary and a parallel draft saved
     as training writes it; loaded back it drafts as before; bad folders are refused before loading."""
-    from specdec.api import DEFAULT_TARGET
-    tok = DEFAULT_TARGET / "tokenizer.json"
-    V = Tokenizer.load(DEFAULT_TARGET).vocab_size
+    from specdec.api import TOY_TARGET
+    tok = TOY_TARGET / "tokenizer.json"
+    V = Tokenizer.load(TOY_TARGET).vocab_size
     target = tiny_llama(0, vocab=V, hidden=16, heads=2, kv_heads=1)
     save_model(target, tmp_path / "target", tokenizer_file=tok)
     draft = parallel_draft_for(target)

@@ -1,7 +1,7 @@
 """Quantized matrices (kernels/blocks.py, quant.h): each format's kernel computes exactly the PyTorch
 reference of its arithmetic (blocks.linear) at every row count and on both instruction sets; the
-blocks are llama.cpp's (gguf.quants quantizes and dequantizes them the same way, and a GGUF file's
-tensors load as stored); a quantized target's speculative greedy output equals its plain greedy
+blocks are llama.cpp's (gguf.quants quantizes and dequantizes them the same way; a GGUF file's
+tensors as stored: test_gguf_blocks.py); a quantized target's speculative greedy output equals its plain greedy
 output; the self-draft (the target quantized to 4 bits) is lossless under sampling."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import os
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -193,47 +192,6 @@ def test_the_self_draft_is_the_target_in_4_bits():
     assert formats.pop("lm_head") == "q8_0" and set(formats.values()) == {"q4_1"} and len(formats) == 4
     assert TARGET.lm_head.stored is None  # the target itself is left as it was
     assert (draft.lm_head.weight - TARGET.lm_head.weight).abs().max() < 0.1
-
-
-def test_a_gguf_files_quantized_matrices_run_as_stored(tmp_path):
-    """A GGUF file written here as llama.cpp writes a Llama (q and k rows in its rotary pairs, one
-    matrix per tensor, a type without a kernel among them): each matrix the kernels can run holds
-    the file's blocks, fused and unpermuted, and the others are named with their type."""
-    model = tiny_model(7)
-    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
-    pieces = {}
-    layer = model.model.layers[0]
-    q, k, v = layer.self_attn.qkv_proj.weight.detach().split([64, 32, 32])
-    gate, up = layer.mlp.gate_up_proj.weight.detach().chunk(2)
-    for name, w, heads, qtype in [("attn_q", q, 4, "q4_1"), ("attn_k", k, 2, "q4_1"), ("attn_v", v, None, "q4_1"),
-                                  ("attn_output", layer.self_attn.o_proj.weight, None, "q8_0"),
-                                  ("ffn_gate", gate, None, "q4_0"), ("ffn_up", up, None, "q4_0"),
-                                  ("ffn_down", layer.mlp.down_proj.weight, None, "f16")]:
-        w = w.detach().numpy()
-        if heads:  # llama.cpp's converter: rows of each head from halves to pairs
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
-        raw = w.astype(np.float16) if qtype == "f16" else gguf.quants.quantize(w, GGUF_TYPES[qtype])
-        pieces[name] = (w, qtype)
-        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=None if qtype == "f16" else GGUF_TYPES[qtype])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    from specdec.lm.gguf_blocks import gguf_matrices
-    given, others = gguf_matrices(tmp_path / "tiny.gguf", TINY, rotary_pairs=True)
-    assert others == {"model.layers.0.mlp.down_proj": "F16"}
-    assert given["model.layers.0.self_attn.o_proj"].format == "q8_0"
-
-    def dequantized(name):
-        w, qtype = pieces[name]
-        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, GGUF_TYPES[qtype]), GGUF_TYPES[qtype]))
-    unpair = {64: torch.arange(64).reshape(4, 8, 2).transpose(1, 2).reshape(64),
-              32: torch.arange(32).reshape(2, 8, 2).transpose(1, 2).reshape(32)}
-    qkv = torch.cat([dequantized("attn_q")[unpair[64]], dequantized("attn_k")[unpair[32]], dequantized("attn_v")])
-    assert torch.equal(given["model.layers.0.self_attn.qkv_proj"].dense(), qkv)
-    assert (qkv[:64] - q).abs().max() < 0.05  # the rows in the model's order again (4-bit rounding apart)
-    assert torch.equal(given["model.layers.0.mlp.gate_up_proj"].dense(),
-                       torch.cat([dequantized("ffn_gate"), dequantized("ffn_up")]))
 
 
 def test_generate_quantized_with_the_self_draft_names_the_format(capsys, tiny_checkpoint):

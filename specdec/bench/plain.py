@@ -323,8 +323,9 @@ def format_plain(r: dict) -> str:
         f"{100 * r['decode_bandwidth_fraction_of_measured']:.0f}% of it; identical outputs {r['identical_outputs']}",
         *size_lines(r),
         f"conditions: target {c['target']['name']} ({c['target']['parameters'] / 1e6:.1f}M params, "
-        f"{c['target']['dtype']}, sha256 {c['target']['checkpoint_sha256'][:12]}), HumanEval "
-        f"{c['workload']['prompts']} prompts, {c['workload']['max_new_tokens']} new tokens, greedy, batch 1, "
+        f"{c['target']['dtype']} on {c['target']['matrices']} matrices, sha256 "
+        f"{c['target']['checkpoint_sha256'][:12]}), HumanEval {c['workload']['prompts']} prompts, "
+        f"{c['workload']['max_new_tokens']} new tokens, greedy, batch 1, "
         f"{c['repeats']} interleaved repeats, {c['hardware']['cpu']}, {c['hardware']['threads']} threads, load "
         f"average {c['hardware']['load_average_1min']['before']:.1f} before / "
         f"{c['hardware']['load_average_1min']['after']:.1f} after, "

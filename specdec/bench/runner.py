@@ -351,7 +351,7 @@ def bar_note(progress: bool, text: str) -> None:
 def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: dict, bar) -> dict:
     plan = bench.plan
     wl = workload(cell.workload, cell.prompts)
-    prompts = encode_prompts(bench.target, wl.prompts, plan.max_new_tokens)
+    prompts = encode_prompts(bench.target, wl.prompts, plan.max_new_tokens, chat=wl.chat)
     batches = [prompts[i:i + cell.batch_size] for i in range(0, len(prompts), cell.batch_size)]
     sampling = SamplingConfig(cell.temperature, seed=plan.seed)
     rule = StopRule(plan.max_new_tokens)  # EOS ignored: every configuration emits exactly max_new_tokens

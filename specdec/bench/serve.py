@@ -29,15 +29,14 @@ import torch
 
 from ..api import Loaded, encode_prompts
 from ..decoding.engine import Engine, Request
-from ..decoding.stopping import StopRule
-from ..lm.tokenizer import EOS_ID
+from ..decoding.prompts import stop_rule
 from .conditions import hardware, software
 from .workloads import humaneval_prompts
 
 
 def offline(target, proposer, k: int, ids: list[list[int]], max_tokens: int, concurrency: int) -> dict:
     engine = Engine(target.model, proposer, k, concurrency, target.model.config.max_position_embeddings)
-    requests = [Request(p, StopRule(max_tokens, EOS_ID)) for p in ids]
+    requests = [Request(p, stop_rule(target.tokenizer, max_tokens)) for p in ids]
     start = time.perf_counter()
     for request in requests:
         engine.submit(request)

@@ -12,7 +12,7 @@ their argmax; sampling: the same temperature / top-k / top-p transform on the re
 logits); everything after it is ordinary decoding of the target. The backed-off token itself is
 always allowed, so healing never leaves the model without a choice.
 
-This module knows nothing about drafting or stopping; api.py calls it.
+This module knows nothing about drafting or stopping; prompts.py and api.py call it.
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ class Healed:
     text: str        # the backed-off text the first generated token must start with ("" = no healing)
 
 
-def back_off(tokenizer: Tokenizer, prompt: str) -> Healed:
+def back_off(tokenizer: Tokenizer, prompt: str, special_tokens: bool = True) -> Healed:
     """Back off the last token of a prompt that ends in whitespace (when that token holds whole
-    characters); other prompts are encoded as they are."""
-    ids = tokenizer.encode(prompt)
+    characters); other prompts are encoded as they are (special_tokens: Tokenizer.encode's)."""
+    ids = tokenizer.encode(prompt, special_tokens)
     if not ids or not prompt[-1].isspace():
         return Healed(ids, "")
     last = tokenizer.token_bytes[ids[-1]]

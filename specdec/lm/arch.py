@@ -4,8 +4,10 @@ One frozen `Arch` describes everything that changes a forward's arithmetic: size
 positions (theta, scaling, partial rotary), biases, per-head q/k norms, the norm's weight offset
 and the embedding scale (Gemma), the activation, tied embeddings, the checkpoint's weight layout
 (Phi-3's fused projections) and the usable context. `Arch.from_dict` resolves a transformers
-config.json for the families in FAMILIES; a key it does not implement is refused by name with the
-reason (never dropped: a dropped key runs a different model), and so is an unknown `model_type`.
+config.json for the families in FAMILIES as transformers reads it: a key transformers' modelling code
+never reads is accepted (UNREAD), unless its value says the model computes otherwise (UNREAD_AS); a
+key it does not implement is refused by name with the reason (never dropped: a dropped key runs a
+different model), and so is an unknown `model_type`.
 specdec's own models are `Arch()` with family "llama"; the CPU kernels (kernels.stack) and the
 PyTorch path (model.py) are both driven by it.
 
@@ -42,6 +44,15 @@ INERT = {"_name_or_path", "architectures", "transformers_version", "dtype", "tor
          "tokenizer_class", "model_type", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
          "output_attentions", "output_hidden_states", "problem_type", "return_dict", "bos_token_id",
          "eos_token_id", "max_window_layers", "use_sliding_window", "layer_types", "original_max_position_embeddings"}
+# Keys transformers' modelling code for these families never reads, so they cannot change its model:
+# other libraries' settings (nanotron's is_llama_config, transformers.js's), a loader's bookkeeping
+# (_model_name_or_path and unk_token_id in the folders transformers writes from a GGUF).
+UNREAD = {"is_llama_config", "transformers.js_config", "_model_name_or_path", "unk_token_id"}
+# Keys transformers never reads that do say how the model computes: accepted only with the value
+# transformers computes with, refused by name with any other.
+UNREAD_AS = {"rope_interleaved": (False, ("rotary dims interleaved in pairs (nanotron's layout); specdec and "
+                                          "transformers rotate the two halves")),
+             "use_mrope": (False, "multimodal rotary positions (Qwen2-VL); specdec runs text positions")}
 # Keys every family reads (sizes and the rest resolved below).
 READ = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
@@ -214,7 +225,10 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
     if family not in FAMILIES:
         raise SpecdecError(f"{where}: model_type {family!r} is not supported; specdec runs {', '.join(FAMILIES)} "
                            "(use a transformers model through the adapter for other architectures)")
-    for key in sorted(set(d) - INERT - READ):
+    for key, (plain, why) in UNREAD_AS.items():
+        if key in d and d[key] != plain:
+            refuse(where, key, d[key], why)
+    for key in sorted(set(d) - INERT - UNREAD - set(UNREAD_AS) - READ):
         refuse(where, key, d[key], f"specdec's {family} architecture does not implement it, and running without "
                                    "it would compute a different model")
     try:

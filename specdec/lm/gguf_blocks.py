@@ -1,91 +1,85 @@
 """A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0 and Q4_1 tensors become the
 kernels' Matrix of each Linear of specdec's model, block for block, never dequantized and
-re-rounded. q, k and v are fused into qkv_proj and gate and up into gate_up_proj by stacking their
-rows (blocks run along a row, so this is exact); llama.cpp's Llama files store the rows of q and k
-in its rotary layout (pairs), which are put back in transformers' (halves) by a row permutation.
+re-rounded (`--quantize gguf`). q, k and v are fused into qkv_proj and gate and up into
+gate_up_proj by stacking their rows (blocks run along a row, so this is exact); the blocks come
+from gguf.raw_tensors, which has already put Llama's q and k rows back in transformers' order.
 
-Tensors of another type (F16, Q6_K, ...) are listed by `gguf_matrices` for the caller, which runs
-them from the dequantized values its loader made (and says so). This module knows nothing about
-the rest of a GGUF file (its configuration, its vocabulary).
+A matrix of another type (F16, Q6_K, ...), or a fused one with a part of another type, keeps the
+values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning; the
+embedding table holds the file's values exactly (fp32). This module
+knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or about decoding.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from ..errors import SpecdecError
 from ..kernels import Matrix
 from ..kernels.blocks import Blocks, from_gguf
+from .device import placement
+from .gguf import RawTensor, raw_tensors
 from .model import LlamaForCausalLM, store_matrices
 
+AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
 FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> kernels format
-# GGUF tensor (in block i) -> specdec Linear, and the part of it (row order of the fused matrix)
-PARTS = {"attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1),
-         "attn_v": ("self_attn.qkv_proj", 2), "attn_output": ("self_attn.o_proj", 0),
-         "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1), "ffn_down": ("mlp.down_proj", 0)}
+# a decoder layer's matrix (transformers' name) -> specdec's Linear holding it, and its part (row order)
+PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+         "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.qkv_proj": ("self_attn.qkv_proj", 0),
+         "self_attn.o_proj": ("self_attn.o_proj", 0), "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+         "mlp.up_proj": ("mlp.gate_up_proj", 1), "mlp.gate_up_proj": ("mlp.gate_up_proj", 0),
+         "mlp.down_proj": ("mlp.down_proj", 0)}
 
 
-def read_raw_tensors(path: str | Path) -> dict[str, tuple[str, tuple[int, int], np.ndarray]]:
-    """Each 2-D tensor of the file: name -> (GGUF type name, (rows N, row length K), raw bytes or values)."""
-    from gguf import GGUFReader
-    reader = GGUFReader(str(path))
-    return {t.name: (t.tensor_type.name, (int(t.shape[1]), int(t.shape[0])), t.data)
-            for t in reader.tensors if len(t.shape) == 2}
-
-
-def gguf_matrices(path: str | Path, cfg, rotary_pairs: bool) -> tuple[dict[str, Matrix], dict[str, str]]:
-    """The matrices of the GGUF file at `path` for specdec's model of architecture `cfg`: {Linear name:
-    Matrix} for those stored in a format the kernels run (every part of a fused one so), and {Linear
-    name: GGUF type} for the others. rotary_pairs: q and k rows in llama.cpp's pair layout (its Llama)."""
-    raw = read_raw_tensors(path)
+def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[str, str]]:
+    """The matrices of a GGUF file's tensors ({name: gguf.RawTensor}) as specdec's model holds them:
+    {Linear name: Matrix} for those stored in a format the kernels run (every part of a fused one
+    so), and {Linear name: GGUF type(s)} for the others. A file without output.weight ties the
+    unembedding to token_embd."""
     parts: dict[str, list] = {}
-    for name, (kind, shape, data) in raw.items():
-        if name in ("output.weight", "token_embd.weight"):
-            if name == "output.weight" or (cfg.tie_word_embeddings and "output.weight" not in raw):
-                parts["lm_head"] = [(0, kind, shape, data, None)]
-            continue
-        block, _, rest = name.removeprefix("blk.").partition(".")
-        stem = rest.removesuffix(".weight")
-        if stem in PARTS and name.startswith("blk."):
-            target, order = PARTS[stem]
-            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(stem)
-            parts.setdefault(f"model.layers.{block}.{target}", []).append(
-                (order, kind, shape, data, heads if rotary_pairs else None))
+    for name, raw in raws.items():
+        if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and "lm_head.weight" not in raws):
+            parts["lm_head"] = [(0, raw)]
+        elif (m := re.fullmatch(r"(model\.layers\.\d+)\.(.+)\.weight", name)) and m[2] in PARTS:
+            linear, order = PARTS[m[2]]
+            parts.setdefault(f"{m[1]}.{linear}", []).append((order, raw))
     given, others = {}, {}
     for name, pieces in parts.items():
-        kinds = sorted({kind for _, kind, _, _, _ in pieces})
-        if any(kind not in FORMATS for kind in kinds) or len(kinds) > 1:
+        kinds = sorted({raw.type for _, raw in pieces})
+        if len(kinds) > 1 or kinds[0] not in FORMATS:
             others[name] = "+".join(kinds)
             continue
-        stored = [_blocks(kind, shape, data, heads) for _, kind, shape, data, heads in sorted(pieces, key=lambda p: p[0])]
+        stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
+        mins = None if stored[0].mins is None else torch.cat([b.mins for b in stored])
         given[name] = Matrix.from_blocks(Blocks(stored[0].format, torch.cat([b.codes for b in stored]),
-                                                torch.cat([b.scales for b in stored]),
-                                                None if stored[0].mins is None else torch.cat([b.mins for b in stored])))
+                                                torch.cat([b.scales for b in stored]), mins))
     return given, others
 
 
-def _blocks(kind: str, shape: tuple[int, int], data: np.ndarray, heads: int | None) -> Blocks:
-    """One tensor's blocks, its rows put back from llama.cpp's rotary pairs to halves when `heads` is given."""
-    blocks = from_gguf(data, FORMATS[kind], shape)
-    if heads is None:
-        return blocks
-    N = shape[0]
-    # llama.cpp's converter wrote row (h, i, j) of (heads, head_dim / 2, 2) from transformers' row (h, j, i)
-    written_from = torch.arange(N).reshape(heads, 2, N // heads // 2).transpose(1, 2).reshape(N)
-    return blocks.rows(torch.argsort(written_from))
+def store_gguf_matrices(model: LlamaForCausalLM, path: str | Path) -> dict[str, str]:
+    """`model` (loaded for float32 on the CPU from the converted checkpoint of the GGUF file at
+    `path`) with each matrix the file stores in a kernel format run as stored (gguf_matrices) and
+    the embedding table the file's values in fp32; the other matrices keep the converted
+    checkpoint's bf16 values, said once in a warning. Returns those others: {Linear name: GGUF type}."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
-
-def store_gguf_matrices(model: LlamaForCausalLM, path: str | Path, rotary_pairs: bool) -> dict[str, str]:
-    """`model` (loaded from the GGUF file at `path`, its matrices dequantized) with each matrix the
-    file stores in a kernel format run as stored (gguf_matrices); the others stay dequantized on
-    PyTorch operators, said once in a warning. Returns those others: {Linear name: GGUF type}."""
-    given, others = gguf_matrices(path, model.config, rotary_pairs)
+    if placement(model).dtype != torch.float32 or any(p.device.type != "cpu" for p in model.parameters()):
+        raise SpecdecError("a GGUF file's blocks as stored (--quantize gguf) run on the CPU in float32: drop "
+                           "--dtype/--device, or --quantize")
+    raws = {raw.name: raw for raw in raw_tensors(path)}
+    given, others = gguf_matrices(raws)
     if others:
         kinds = sorted(set(others.values()))
-        warnings.warn(f"specdec: {Path(path).name}: {len(others)} matrices are stored as {', '.join(kinds)}, which "
-                      f"the kernels do not run (they run {', '.join(FORMATS)}); those matrices and their decoder "
-                      "layers run dequantized on PyTorch operators (exact, slower)", stacklevel=2)
+        warnings.warn(f"specdec: {Path(path).name}: {len(others)} matrices run from the converted checkpoint's bf16 "
+                      f"values, not as stored: they are stored as {', '.join(kinds)}, and the kernels run "
+                      f"{', '.join(FORMATS)} (a fused matrix: all its parts in the same one)", stacklevel=2)
     store_matrices(model, None, given)
+    if "lm_head.weight" in raws:  # an embedding of its own: its values exactly (tied, it is the unembedding's)
+        embedding = raws["model.embed_tokens.weight"]
+        values = dequantize(embedding.data, GGMLQuantizationType[embedding.type]).reshape(embedding.shape)
+        model.model.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(values).float(), requires_grad=False)
     return others

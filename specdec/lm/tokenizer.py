@@ -36,11 +36,14 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 class Tokenizer:
-    def __init__(self, tok: _HFTokenizer, prefix: tuple[int, ...] = (EOS_ID,), eos_ids: tuple[int, ...] = (EOS_ID,)):
-        """prefix: the ids every prompt starts with; eos_ids: the ids that end a generation."""
+    def __init__(self, tok: _HFTokenizer, prefix: tuple[int, ...] = (EOS_ID,), eos_ids: tuple[int, ...] = (EOS_ID,),
+                 folder: Path | None = None):
+        """prefix: the ids every prompt starts with; eos_ids: the ids that end a generation; folder:
+        the checkpoint folder it was loaded from (its chat template is there), if any."""
         self.tok = tok
         self.prefix, self.eos_ids = list(prefix), tuple(eos_ids)
         self.eos_id = eos_ids[0] if eos_ids else None
+        self.folder = folder
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -66,8 +69,8 @@ class Tokenizer:
                                "tokenizer.json it was trained with") from None
         folder = file.parent
         if is_specdecs(tok, folder):
-            return cls(tok)
-        return cls(tok, *prompt_rules(tok, folder))
+            return cls(tok, folder=folder)
+        return cls(tok, *prompt_rules(tok, folder), folder=folder)
 
     def save(self, path: str | Path) -> None:
         self.tok.save(str(path))
@@ -76,8 +79,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """The ids of `text`; special_tokens=False encodes special-token text in it ("<|im_start|>")
+        as the characters it is, not as the control token."""
+        tok = self.tok if special_tokens else self.text_only
+        return tok.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def text_only(self) -> _HFTokenizer:
+        """A copy of the tokenizer that encodes special-token text as text (a copy: the setting is
+        the tokenizer's, and threads encode with both at once)."""
+        tok = _HFTokenizer.from_str(self.tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]

@@ -6,7 +6,8 @@ few thousand digits); every field may be null, which means its default; a field 
 specdec cannot honour exactly (penalties, logit_bias, logprobs, n > 1, tools, ...) is refused by
 name unless it holds its neutral value; a field nobody defines is refused by name, as OpenAI
 does. `stop` is a string or a list of strings; text must be valid Unicode (no lone surrogates).
-Special-token text in a prompt (e.g. "<|endoftext|>") is text unless "special_tokens": true.
+Special-token text in a prompt (e.g. "<|endoftext|>") is text unless "special_tokens": true; a
+prompt ending in whitespace is token-healed unless "heal": false (decoding/prompts.py).
 
 This module knows nothing about models or the engine.
 """
@@ -25,7 +26,7 @@ MAX_STOP_CHARS = 512
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
 COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", *SAMPLING}
-COMPLETION = COMMON | {"prompt", "special_tokens"}
+COMPLETION = COMMON | {"prompt", "special_tokens", "heal"}
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 # defined by OpenAI (or vLLM), not honoured by specdec: allowed only at a neutral value
 NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
@@ -61,6 +62,7 @@ class Params:
     sampling: SamplingConfig
     stop: tuple[str, ...]
     special_tokens: bool = False  # the prompt's special-token text stands for the special tokens
+    heal: bool = True             # a prompt ending in whitespace is token-healed
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,11 @@ def completion(body, model: str) -> Parsed:
     if not isinstance(special, bool):
         raise APIError(400, "special_tokens must be true (special-token text in the prompt is the special token) "
                             "or false (it is text, the default)", "special_tokens")
-    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special), stream, usage)
+    heal = value(body, "heal", True)
+    if not isinstance(heal, bool):
+        raise APIError(400, "heal must be true (a prompt ending in whitespace is token-healed, the default) or "
+                            "false (its tokens are kept as they are)", "heal")
+    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special, heal), stream, usage)
 
 
 def chat(body, model: str) -> Parsed:

@@ -8,11 +8,12 @@ main thread has one (loading the model starts regions), and a second team on ano
 more OpenMP threads than cores, so libgomp stops spinning at barriers and sleeps instead: measured,
 a forward run from a second thread took 1.5 ms instead of 0.6 ms on 2 cores.
 
-A job's prompt is encoded as `specdec generate` encodes it (api.py): <|endoftext|> first, and a
-prompt ending in whitespace token-healed (its first token chosen on this thread, one target
-forward, then the rest decoded by the engine), so greedy output over HTTP equals the command's.
-Special-token text in a prompt is text unless the request asks otherwise; chat messages are
-rendered by the checkpoint's chat template (chat.py). Encoding runs on a worker thread, never on
+A job's prompt is encoded as `specdec generate` encodes it, by the checkpoint's rules
+(decoding/prompts.py: its prefix, special-token text as text unless the request asks otherwise,
+chat messages through its chat template), and a prompt ending in whitespace is token-healed (its
+first token chosen on this thread, one target forward, then the rest decoded by the engine) unless
+the request says "heal": false; generation ends at the checkpoint's EOS ids. So greedy output over
+HTTP equals the command's. Encoding runs on a worker thread, never on
 the handlers' loop or the engine's thread, and is bounded: a prompt longer than the context times
 the longest token is refused without being encoded.
 
@@ -33,16 +34,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenizers import Tokenizer as HFTokenizer
-
 from ..api import Loaded
 from ..decoding.engine import Engine, Request
-from ..decoding.healing import back_off, first_tokens
-from ..decoding.stopping import StopRule
+from ..decoding.healing import first_tokens
+from ..decoding.prompts import encode, stop_rule
 from ..decoding.text import TextStream
 from ..errors import SpecdecError
-from ..lm.chat import has_template, template
-from ..lm.tokenizer import EOS_ID, Tokenizer
+from ..lm.chat import has_template
 from .prometheus import Metrics
 from .requests import Params
 
@@ -79,8 +77,9 @@ def merged(events: list[Event]) -> Event:
 @dataclass(eq=False)
 class Job:
     params: Params
-    ids: list[int] = field(default_factory=list)  # <|endoftext|> + the prompt's ids (the last backed off when healing)
+    ids: list[int] = field(default_factory=list)  # the prompt's ids (prompts.Prompt: the last backed off when healing)
     healed: str = ""               # text the first token must start with ("" = no healing)
+    stop: tuple[str, ...] = ()     # stop strings the prompt brings (a chat template's end of turn)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
     cancelled: bool = False
@@ -109,9 +108,6 @@ class Service:
         self.engine = Engine(target.model, proposer, k, capacity, self.context, widths=widths)
         self.capacity, self.max_queue = capacity, max_queue
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
-        # prompts are text: special-token text in them is encoded as text (a request may ask otherwise)
-        self.text_tokenizer = Tokenizer(HFTokenizer.from_str(target.tokenizer.tok.to_str()))
-        self.text_tokenizer.tok.encode_special_tokens = True
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
         self.max_prompt_chars = self.context * longest  # a longer prompt cannot fit the context
         self.chat = has_template(target.path)  # the template itself is loaded by the first chat request
@@ -152,20 +148,18 @@ class Service:
         exceed the context."""
         p = job.params
         if p.messages is not None:
-            ids, healed_text = template(self.target.path).ids(list(p.messages)), ""
+            prompt = encode(self.target.tokenizer, messages=list(p.messages))
         else:
             if len(p.prompt) > self.max_prompt_chars:
                 raise SpecdecError(f"the prompt has {len(p.prompt)} characters, more than the model's context of "
                                    f"{self.context} tokens can hold. Shorten the prompt")
             with self.encoding:
-                healed = back_off(self.target.tokenizer if p.special_tokens else self.text_tokenizer, p.prompt)
-            ids, healed_text = [EOS_ID] + healed.ids, healed.text
-        prompt = len(ids) + bool(healed_text)
-        if prompt + p.max_tokens > self.context:
-            raise SpecdecError(f"the prompt has {prompt} tokens and max_tokens is {p.max_tokens}: "
-                               f"{prompt + p.max_tokens} tokens exceed the model's context of {self.context}. "
+                prompt = encode(self.target.tokenizer, p.prompt, special_tokens=p.special_tokens, heal=p.heal)
+        if prompt.length + p.max_tokens > self.context:
+            raise SpecdecError(f"the prompt has {prompt.length} tokens and max_tokens is {p.max_tokens}: "
+                               f"{prompt.length + p.max_tokens} tokens exceed the model's context of {self.context}. "
                                "Shorten the prompt or lower max_tokens")
-        job.ids, job.healed = ids, healed_text
+        job.ids, job.healed, job.stop = prompt.ids, prompt.healed, prompt.stop
 
     def submit(self, job: Job) -> None:
         """Hand an encoded job to the engine (handlers' loop)."""
@@ -240,8 +234,8 @@ class Service:
         generator = p.sampling.generator(self.engine.device)
         tokenizer = self.target.tokenizer
         skip = len(job.healed)
-        stop = p.stop + (template(self.target.path).stops if p.messages is not None else ())  # its end of turn
-        rule = StopRule(p.max_tokens, EOS_ID, stop, lambda tokens: tokenizer.decode(tokens)[skip:])
+        stop = p.stop + job.stop
+        rule = stop_rule(tokenizer, p.max_tokens, stop, skip)
         stream = TextStream(tokenizer.decode, stop, skip)
 
         def on_tokens(request: Request, tokens: list[int], drafted: int) -> None:

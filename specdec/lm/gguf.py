@@ -1,0 +1,347 @@
+"""GGUF files (llama.cpp's one-file checkpoints) as checkpoint folders.
+
+A .gguf is converted once into a folder of checkpoint.py's layout in the user cache
+($XDG_CACHE_HOME or ~/.cache, then specdec/from-gguf/SHA256-vFORMAT/NAME), keyed by the file's
+sha256, and read from there ever after (a new FORMAT of the conversion converts again). The
+conversion follows transformers' own GGUF loading (modeling_gguf_pytorch_utils, integrations/gguf):
+
+- the architecture comes from the metadata (`general.architecture` and its `ARCH.*` keys) into a
+  transformers config.json, then through arch.py's strict reading; a metadata key specdec does not
+  read is refused by name, as a config key is; Llama 3.1's rotary scaling, which llama.cpp stores as
+  per-frequency factors (rope_freqs) and transformers' GGUF loading drops, is read back into its
+  llama3 parameters;
+- Phi-3's fused q/k/v and gate/up (attn_qkv, ffn_up) stay fused, as transformers' Phi3 holds them;
+- every tensor is dequantized with the `gguf` package (every type it dequantizes; any other is
+  refused by name), matrices stored in bfloat16, norms and biases in float32; llama.cpp's row
+  permutation of Llama's q and k projections (its rotary layout) is undone;
+- the tokenizer is built by transformers from the metadata (tokenizer.json, tokenizer_config.json
+  with the BOS, the EOS, whether a BOS is added, and the chat template); generation ends at the EOS
+  and the end-of-turn ids the file names (config.json's eos_token_id).
+
+The folder is written through atomic.atomic_dir: a killed conversion leaves nothing half-written.
+A truncated or corrupt file, an architecture specdec does not run, a tensor type the `gguf`
+package cannot dequantize: one SpecdecError line, checked before anything is written.
+
+`raw_tensors` yields each weight as stored (quantized blocks, their type and shape) under its
+transformers name, for code that runs quantized blocks as they are.
+
+This module knows nothing about models, decoding or serving.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SpecdecError
+from .atomic import atomic_dir, recover
+from .checkpoint import CONFIG, META, WEIGHTS, sha256
+
+SUFFIX = ".gguf"
+FORMAT = 1  # of the converted folders: a conversion that changes bumps it, so older folders are not reused
+# general.architecture -> (model_type, transformers class); llama.cpp writes Mistral as "llama"
+FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
+# ARCH.* metadata read into config.json
+CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+               "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
+               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+               "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
+               "vocab_size": "vocab_size", "attention.key_length": "head_dim",
+               "rope.scaling.original_context_length": "original_max_position_embeddings"}
+FAMILY_KEYS = {"phi3": {"attention.sliding_window": "sliding_window"}}  # read for that family only
+# ARCH.* metadata checked against what the keys above imply, or that never changes the arithmetic
+CHECKED_KEYS = {"rope.dimension_count", "attention.value_length", "rope.scaling.type", "rope.scaling.factor",
+                "rope.scaling.finetuned"}
+# ARCH.* metadata that says nothing when 0 (older llama.cpp writes expert counts of 0 for dense models)
+ZERO_KEYS = {"expert_count", "expert_used_count"}
+# GGUF tensor names -> transformers' (llama.cpp's standard names for dense decoders)
+TENSOR_NAMES = [
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_(q|k|v)\.(weight|bias)", r"model.layers.\1.self_attn.\2_proj.\3"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"blk\.(\d+)\.attn_(q|k)_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight"),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)", r"model.layers.\1.mlp.\2_proj.\3"),
+]
+FUSED = [(r"blk\.(\d+)\.attn_qkv\.weight", r"model.layers.\1.self_attn.qkv_proj.weight"),
+         (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight")]
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rotary scaling as per-frequency factors: read into the config
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec" / "from-gguf"
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(SUFFIX)
+
+
+def open_file(path: str | Path):
+    """The file's gguf.GGUFReader (metadata parsed, tensors memory-mapped), or SpecdecError."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdecError(f"no GGUF file at {path}: pass --model with an existing .gguf file or a checkpoint folder")
+    try:
+        reader = GGUFReader(path)
+        for t in reader.tensors:  # a truncated file ends inside some tensor's data
+            if t.data.nbytes != t.n_bytes:
+                raise ValueError(f"tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes")
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as e:
+        raise SpecdecError(f"{path} is not a readable GGUF file (truncated or corrupt: {e}); "
+                           "download it again") from None
+    return reader
+
+
+def field(reader, key: str, default=None):
+    """A metadata value; a float32 as the shortest decimal that reads back to it (1e-05, as config.json says)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
+def config_of(reader, where: str) -> dict:
+    """The transformers config.json of a GGUF file's metadata (refusing what specdec cannot run)."""
+    if (splits := field(reader, "split.count")) not in (None, 1):
+        raise SpecdecError(f"{where} is one of {splits} split GGUF files: merge them first "
+                           "(llama.cpp's `llama-gguf-split --merge FIRST.gguf OUT.gguf`)")
+    arch = field(reader, "general.architecture")
+    if arch not in FAMILIES:
+        raise SpecdecError(f"{where}: GGUF architecture {arch!r} is not supported; specdec reads GGUF files of "
+                           f"{', '.join(FAMILIES)} (other families: load their transformers folder)")
+    model_type, cls = FAMILIES[arch]
+    keys = {k.removeprefix(arch + "."): k for k in reader.fields if k.startswith(arch + ".")}
+    read = CONFIG_KEYS | FAMILY_KEYS.get(model_type, {})
+    for short in sorted(set(keys) - set(read) - CHECKED_KEYS):
+        if short in ZERO_KEYS and field(reader, keys[short]) == 0:
+            continue
+        raise SpecdecError(f"{where}: GGUF key {keys[short]!r} = {field(reader, keys[short])!r} is refused: "
+                           f"specdec's {model_type} does not implement it, and running without it would "
+                           "compute a different model")
+    cfg = {read[k]: field(reader, keys[k]) for k in keys if k in read}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    cfg.setdefault("vocab_size", len(tokens.data) if tokens is not None else None)
+    cfg.setdefault("rope_theta", 10000.0)
+    heads = cfg.get("num_attention_heads") or 1
+    head_dim = cfg.setdefault("head_dim", (cfg.get("hidden_size") or 0) // heads)
+    rotary = field(reader, keys.get("rope.dimension_count", ""), head_dim)
+    if rotary != head_dim and model_type == "phi3":  # Phi-3 rotates the first dims of a head
+        cfg["partial_rotary_factor"] = rotary / head_dim
+    for key in ("rope.dimension_count", "attention.value_length"):
+        value = field(reader, keys.get(key, ""), head_dim)
+        if value != head_dim and not (key == "rope.dimension_count" and model_type == "phi3"):
+            raise SpecdecError(f"{where}: GGUF key {keys[key]!r} = {value} is refused: specdec's {model_type} "
+                               f"runs heads whose keys, values and rotary dims all have head_dim = {head_dim}")
+    rope = rope_of(reader, keys, float(cfg.pop("rope_theta")), head_dim, where)
+    names = {t.name for t in reader.tensors}
+    return {"architectures": [cls], "model_type": model_type, **cfg, "rope_parameters": rope,
+            "tie_word_embeddings": "output.weight" not in names,
+            "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+            "eos_token_id": end_ids(reader), "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
+            "dtype": "bfloat16"}
+
+
+def rope_of(reader, keys: dict, theta: float, head_dim: int, where: str) -> dict:
+    """transformers' rope_parameters of the file: default, linear (ARCH.rope.scaling.*), or Llama 3.1's
+    llama3 scaling, which llama.cpp stores as per-frequency factors (the rope_freqs tensor)."""
+    rope = {"rope_type": "default", "rope_theta": theta}
+    kind = field(reader, keys.get("rope.scaling.type", ""), "none")
+    factors = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if kind == "linear" and factors is None:
+        return {**rope, "rope_type": "linear", "factor": float(field(reader, keys["rope.scaling.factor"]))}
+    if kind != "none":
+        raise SpecdecError(f"{where}: GGUF key {keys['rope.scaling.type']!r} = {kind!r} is refused: specdec reads "
+                           "rotary scaling none, linear or llama3 from a GGUF (load the model's transformers folder "
+                           "instead)")
+    return rope if factors is None else {**rope, **llama3_scaling(np.asarray(factors, np.float64), theta, head_dim,
+                                                                  where)}
+
+
+def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, where: str) -> dict:
+    """The llama3 rope parameters whose per-frequency factors llama.cpp stored (convert_hf_to_gguf.py
+    computes them from factor, low_freq_factor, high_freq_factor and an original context of 8192:
+    Llama 3.1's 1, 4 and 8192 are the ones every Llama 3.x ships), or refused by name."""
+    from .arch import Arch
+
+    rope = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    plain = Arch(head_dim=head_dim, rope_theta=theta).inv_freq().double()
+    scaled = Arch(head_dim=head_dim, rope_theta=theta, rope_scaling=rope).inv_freq().double()
+    if factors.shape != tuple(plain.shape) or not np.allclose((plain / scaled).numpy(), factors, rtol=1e-4):
+        raise SpecdecError(f"{where}: GGUF tensor {ROPE_FREQS!r} holds rotary frequency factors that are not Llama "
+                           "3.1's llama3 scaling (factor, low/high_freq_factor 1 and 4, original context 8192); "
+                           "load the model's transformers folder instead")
+    return rope
+
+
+def end_ids(reader) -> int | list[int] | None:
+    """The ids that end a generation: the EOS, and the end-of-turn/end-of-message ids llama.cpp stops at."""
+    ids = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids = list(dict.fromkeys(i for i in ids if i is not None))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
+def hf_name(gguf_name: str, family: str) -> str | None:
+    """transformers' name of a GGUF tensor of the family (Phi-3 stores q/k/v and gate/up fused, as
+    transformers' Phi3 does)."""
+    for pattern, replacement in (FUSED if family == "phi3" else []) + TENSOR_NAMES:
+        if re.fullmatch(pattern, gguf_name):
+            return re.sub(pattern, replacement, gguf_name)
+    return None
+
+
+def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's permutation of a Llama q or k projection's rows (per head: the even rotary
+    rows, then the odd ones, back to the two halves transformers rotates), as transformers does.
+    Rows only: it applies to quantized blocks as stored."""
+    dim = rows.shape[0] // heads // 2
+    return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One weight as the file stores it, under its transformers name."""
+    name: str                 # transformers' name, e.g. model.layers.0.self_attn.q_proj.weight
+    gguf_name: str            # the file's, e.g. blk.0.attn_q.weight
+    type: str                 # the GGML type's name: F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...
+    shape: tuple[int, ...]    # the logical shape as transformers holds it: (out, in) for a matrix
+    data: np.ndarray          # (rows, bytes per row) uint8 blocks for a quantized type; else the values
+
+
+def raw_tensors(path: str | Path) -> Iterator[RawTensor]:
+    """Each weight of the GGUF file at `path` as stored (quantized blocks as they are, rows of
+    Llama's q and k in transformers' order), without dequantizing; a file specdec cannot run, or a
+    tensor with no place in its architecture, is refused by name."""
+    reader = open_file(path)
+    return stored(reader, config_of(reader, Path(path).name))
+
+
+def stored(reader, config: dict) -> Iterator[RawTensor]:
+    """The tensors of an open file (`open_file`) whose config `config_of` gave (see raw_tensors)."""
+    for t in reader.tensors:
+        name = hf_name(t.name, config["model_type"])
+        if name is None:
+            if t.name == ROPE_FREQS:
+                continue
+            why = ("Phi-3's longrope factors, which specdec does not read from a GGUF (load the model's "
+                   "transformers folder instead)" if t.name.startswith("rope_factors_") else
+                   f"specdec's {config['model_type']} has no such weight")
+            raise SpecdecError(f"GGUF tensor {t.name!r} is refused: {why}")
+        data = t.data
+        if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            data = unpermute(data, heads)
+        yield RawTensor(name, t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), data)
+
+
+def dequantizable(qtype) -> bool:
+    """Whether the `gguf` package dequantizes this GGML type (tried on one zero block)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def check_types(reader, where: str) -> None:
+    types = {t.tensor_type: t.name for t in reader.tensors}
+    refused = sorted(f"{qtype.name} (e.g. {name})" for qtype, name in types.items() if not dequantizable(qtype))
+    if refused:
+        raise SpecdecError(f"{where}: the tensor type(s) {', '.join(refused)} cannot be read: the gguf package "
+                           "does not dequantize them; convert the file with another quantization")
+
+
+def dequantized(raw: RawTensor) -> torch.Tensor:
+    """A raw tensor's values: matrices in bfloat16, vectors (norms, biases) in float32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = torch.from_numpy(np.array(dequantize(raw.data, GGMLQuantizationType[raw.type])))  # a writable copy
+    values = values.reshape(raw.shape)
+    return values.to(torch.bfloat16 if values.dim() > 1 else torch.float32).contiguous()
+
+
+def folder(path: str | Path) -> Path:
+    """The checkpoint folder of the GGUF file at `path`, converted on first use."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdecError(f"no GGUF file at {path}: pass --model with an existing .gguf file or a checkpoint folder")
+    dest = cache_root() / f"{sha256(path)[:16]}-v{FORMAT}" / path.stem  # named as the file: the model's name
+    recover(dest)
+    if not (dest / CONFIG).exists():
+        convert(path, dest)
+    return dest
+
+
+def convert(path: Path, dest: Path) -> None:
+    """Write the checkpoint folder of the GGUF at `path` to `dest` (atomically)."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from .arch import resolve
+
+    reader = open_file(path)
+    config = config_of(reader, path.name)
+    arch = resolve(config, where=path.name)
+    check_types(reader, path.name)
+    print(f"converting {path.name} to a checkpoint folder, once: {dest}", file=sys.stderr)
+    with atomic_dir(dest) as tmp:
+        state = {}
+        for raw in tqdm(stored(reader, config), total=len(reader.tensors), desc="dequantizing", unit="tensor",
+                        file=sys.stderr):
+            state[raw.name] = dequantized(raw)
+        check_weights(state, arch, path.name)
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        del state
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        write_tokenizer(path, reader, tmp)
+        source = {"file": path.name, "path": str(path.resolve()), "sha256": sha256(path), "format": FORMAT}
+        (tmp / META).write_text(json.dumps({"converted_from": source}, indent=2) + "\n")
+
+
+def check_weights(state: dict, arch, where: str) -> None:
+    from .model import LlamaForCausalLM
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in LlamaForCausalLM(arch).hf_state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items() if not (arch.tie_word_embeddings and k == "lm_head.weight")}
+    if expected != got:
+        missing = sorted(set(expected) - set(got))[:3]
+        wrong = [f"{k}: {got[k]}, not {expected[k]}" for k in expected if k in got and got[k] != expected[k]][:3]
+        raise SpecdecError(f"{where}: the tensors do not match the architecture its metadata describes (missing "
+                           f"{missing}, wrong shapes {wrong}); the file is corrupt or of another model")
+
+
+def write_tokenizer(path: Path, reader, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json (BOS, EOS, add_bos_token) and the chat template, as
+    transformers builds them from the metadata (offline)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise SpecdecError(f"{path.name}: transformers cannot build its tokenizer from the metadata ({e})") from None
+    tok.save_pretrained(str(out))
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    # llama.cpp's rule, as transformers reads it: a sentencepiece vocabulary without the flag adds a BOS
+    config["add_bos_token"] = bool(field(reader, "tokenizer.ggml.add_bos_token",
+                                         field(reader, "tokenizer.ggml.model") == "llama"))
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
