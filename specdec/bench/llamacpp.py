@@ -318,3 +318,39 @@ class LlamaCppModel:
                 raise SpecdecError(f"llama.cpp failed to decode a token with {self.path}")
             out.append(lc.llama_sampler_sample(greedy, ctx, -1))
         return out, t1 - t0, time.perf_counter() - t1
+
+
+class LlamaCppLookup:
+    """llama.cpp with prompt lookup decoding as its Python binding offers it: llama-cpp-python's
+    `Llama` with `LlamaPromptLookupDecoding(num_pred_tokens=k)` as its draft model (n-gram matches in
+    the context, verified in one batched llama.cpp forward). Greedy (temperature 0, no penalties),
+    fed token ids directly; `generate` resets the context first, so no call reuses an earlier
+    prompt's cache."""
+
+    def __init__(self, path: str | Path, n_threads: int, n_ctx: int, k: int):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.path, self.k = Path(path), k
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads,
+                         n_threads_batch=n_threads, logits_all=True, verbose=False,
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float]:
+        """As LlamaCppModel.generate: exactly `max_new_tokens` greedy tokens, the prompt-evaluation
+        seconds (to the first token) and the decode seconds after it."""
+        self.llm.reset()
+        out, t0 = [], time.perf_counter()
+        t1 = t0
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            out.append(int(token))
+            if len(out) == 1:
+                t1 = time.perf_counter()
+            if len(out) == max_new_tokens:
+                break
+        return out, t1 - t0, time.perf_counter() - t1
+
