@@ -134,7 +134,7 @@ def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     """A separate draft model for `target` (default: the shipped draft) with its tokenizer, in the
     target's dtype and on its device; refused unless it uses the very same tokenizer."""
     drafter = DRAFTERS["draft-model"]
-    folder = drafter.folder(path)
+    folder = drafter.folder(path, target)
     drafter.check(target, folder)
     where = placement(target.model)
     return load(folder, dtype=where.dtype, device=where.device)

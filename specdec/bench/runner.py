@@ -229,7 +229,7 @@ class Bench:
         self.networks, self.proposers = {}, {}
         self.method_info = {"plain": {"name": "plain autoregressive decoding"}}
         for name in self.plan.methods:
-            self.add(name, DRAFTERS[name].folder(paths.get(name)))
+            self.add(name, DRAFTERS[name].folder(paths.get(name), self.target))
         if "mtp" in self.networks:
             check_mtp_ks(self.plan, self.networks["mtp"].depth)
         self.draft = self.networks.get("draft-model")  # transformers' assisted generation drafts with it too

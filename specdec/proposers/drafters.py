@@ -1,6 +1,7 @@
 """The drafter registry: the one place a proposer is made. A name maps to an entry that knows its
-proposer class (the protocol in decoding/protocol.py), its shipped folder under models/ (None: a
-lookup method, which reads no folder), whether a folder fits a target (`misfit`: from the folder's
+proposer class (the protocol in decoding/protocol.py), its shipped folders under models/ (one per
+target it was trained for; the default for a target is the one that fits it; none: a lookup
+method, which reads no folder), whether a folder fits a target (`misfit`: from the folder's
 metadata and tokenizer, before any weight is read; None when it fits, else the reason in one line),
 how to read its network for a target (in the target's dtype, on its device) and how to make a
 proposer of it with the options a caller gives (`DraftOptions`). The command line (generate, serve,
@@ -61,20 +62,28 @@ class Drafter:
     """An entry of the registry; the subclasses below fill in what differs."""
     name: str
     cls: type                   # its proposer
-    shipped: str | None = None  # its folder under models/ (None: it reads no folder)
+    shipped: tuple[str, ...] = ()  # its folders under models/, one per target it was trained for (none: it reads no folder)
     what: str = ""              # how messages name it
     train: str = ""             # how to make one that fits
 
-    def folder(self, path=None) -> Path | None:
-        """The folder read: `path`, else the shipped one (None for a lookup method)."""
-        if self.shipped is None:
+    def folder(self, path=None, target=None) -> Path | None:
+        """The folder read: `path`, else the shipped one trained for `target` (the first shipped one
+        where none fits, so that loading it says why), None for a lookup method."""
+        if not self.shipped:
             return None
-        return Path(path) if path is not None else MODELS / self.shipped
+        if path is not None:
+            return Path(path)
+        shipped = [MODELS / name for name in self.shipped]
+        fitting = [f for f in shipped if target is not None and self.misfit_at(target, f) is None]
+        return (fitting or shipped)[0]
 
     def misfit(self, target, path=None) -> str | None:
-        """None when the drafter at `path` (default: the shipped one) fits `target`, else why not."""
+        """None when the drafter at `path` (default: the shipped one for `target`) fits `target`, else why not."""
+        return self.misfit_at(target, self.folder(path, target))
+
+    def misfit_at(self, target, folder: Path | None) -> str | None:
         try:
-            self.check(target, self.folder(path))
+            self.check(target, folder)
         except SpecdecError as e:
             return str(e)
         return None
@@ -82,7 +91,7 @@ class Drafter:
     def check(self, target, folder: Path | None) -> None:
         """Refuse, with what to do, a drafter in `folder` that does not fit `target` (here: the
         shipped one missing; each kind checks its folder's contents)."""
-        if folder is not None and folder == MODELS / self.shipped and not folder.exists():
+        if folder is not None and folder.parent == MODELS and folder.name in self.shipped and not folder.exists():
             raise SpecdecError(f"the shipped {self.what} is missing at {folder}: run from a full clone of specdec "
                                f"or pass a folder ({self.train})")
 
@@ -99,7 +108,7 @@ class Drafter:
         return {}
 
     def load(self, target, path=None, options: DraftOptions = DraftOptions()) -> Proposer:
-        return self.proposer(self.network(target, self.folder(path)), target, options)
+        return self.proposer(self.network(target, self.folder(path, target)), target, options)
 
 
 def draft_vocab(options: DraftOptions, token_counts) -> int | None:
@@ -109,7 +118,7 @@ def draft_vocab(options: DraftOptions, token_counts) -> int | None:
 
 
 class DraftModel(Drafter):
-    name, cls, shipped, what = "draft-model", DraftModelProposer, "draft", "draft model"
+    name, cls, shipped, what = "draft-model", DraftModelProposer, ("draft",), "draft model"
     train = "train one with `specdec train --preset draft` (it must share the target's tokenizer)"
 
     def check(self, target, folder) -> None:
@@ -135,7 +144,7 @@ class DraftModel(Drafter):
 
 
 class ParallelDraft(DraftModel):
-    name, cls, shipped, what = "parallel", ParallelDraftProposer, "parallel-draft", "parallel draft"
+    name, cls, shipped, what = "parallel", ParallelDraftProposer, ("parallel-draft",), "parallel draft"
     train = "train one with `specdec train --objective parallel --init-from DRAFT --teacher TARGET`"
 
     def check(self, target, folder) -> None:
@@ -217,7 +226,7 @@ class Head(Drafter):
 
 
 class MTP(Head):
-    name, cls, shipped, what = "mtp", MTPProposer, "target-mtp", "MTP heads"
+    name, cls, shipped, what = "mtp", MTPProposer, ("target-mtp",), "MTP heads"
     train = "train heads with `specdec train --objective mtp-sequential --frozen-trunk TARGET`"
 
     def describe(self, heads, proposer, options) -> dict:
@@ -225,7 +234,7 @@ class MTP(Head):
 
 
 class Eagle(Head):
-    name, cls, shipped, what = "eagle", EagleProposer, "eagle", "EAGLE head"
+    name, cls, shipped, what = "eagle", EagleProposer, ("eagle", "smollm2-eagle3"), "EAGLE head"
     train = "train one with `specdec train --objective eagle --target TARGET`"
     check_target, read = staticmethod(check_eagle_target), staticmethod(load_eagle)
 
@@ -237,7 +246,7 @@ class Eagle(Head):
 
 
 class Block(Head):
-    name, cls, shipped, what = "block", BlockProposer, "block-head", "block head"
+    name, cls, shipped, what = "block", BlockProposer, ("block-head",), "block head"
     train = "train one with `specdec train --objective block --target TARGET`"
     check_target, read = staticmethod(check_block_target), staticmethod(load_block)
 
