@@ -18,7 +18,7 @@ def cmd_train(args) -> None:
     from .lm import gguf
     from .train.config import TrainConfig
     from .train.loop import stopped_at, train
-    from .train.presets import defaults, described
+    from .train.presets import DEFAULT_TARGET, defaults, described
     from .train.presets import preset as recipe
 
     if args.preset is None:
@@ -37,12 +37,19 @@ def cmd_train(args) -> None:
     if args.vocab_size:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
     objective = train_objective(args, preset.get("objective"))
+    if getattr(objective, "target", None) == DEFAULT_TARGET:
+        from .api import default_target
+        objective = dataclasses.replace(objective, target=str(default_target()))
     models = {"init_from": preset.get("init_from"), **{f.name: getattr(objective, f.name) for f in dataclasses.fields(
         objective) if f.name in ("frozen_trunk", "teacher", "target")}}
     gguf_models = {name: str(gguf.folder(path)) for name, path in models.items() if path and gguf.is_gguf(path)}
     if "init_from" in gguf_models:  # a .gguf model: its converted folder
         preset["init_from"] = gguf_models.pop("init_from")
     preset["objective"] = dataclasses.replace(objective, **gguf_models)
+    data = preset.pop("selfdistill", None)
+    if data is not None and not args.corpus:  # the target's own answers, generated first (resumable)
+        from .train.selfdistill import corpus_for
+        preset["corpus"] = [str(corpus_for(preset["objective"].target, args.out, data))]
     command = ["specdec", *sys.argv[1:]]
     path = train(TrainConfig(out=args.out, **preset), command=command)
     if path is None:

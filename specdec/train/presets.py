@@ -10,10 +10,12 @@ from pathlib import Path
 
 from ..lm.arch import Arch
 from .objectives import MTP, Block, Distill, Eagle, Parallel
+from .selfdistill import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("tokenizer", "init_from")  # recipe entries naming files or folders
 OBJECTIVE_PATHS = ("frozen_trunk", "teacher", "target")  # objective settings naming folders
+DEFAULT_TARGET = "default target"  # a recipe's target: specdec's default target (SmolLM2-135M-Instruct, cli.py)
 
 TARGET_MODEL = Arch(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=64,
@@ -62,6 +64,15 @@ PRESETS = {
                                              attention="causal", num_layers=1), seq_len=256,
                          batch_size=8, micro_batch=8, steps=260, lr=2e-3, warmup=20, eval_every=65,
                          eval_windows=24, test_windows=48, save_every=10),
+    # the shipped EAGLE-3 head of SmolLM2-135M-Instruct (models/smollm2-eagle3), in EAGLE-3's reference layout:
+    # layers 1, 15, 29, a 4096-token draft vocabulary, 4 draft steps unrolled, trained on SmolLM2's own answers
+    # (selfdistill.py: documented standard-library functions and chat requests, each answered greedily and at
+    # T=0.8), generated into the run folder first
+    "smollm2-eagle3": dict(objective=Eagle(target=DEFAULT_TARGET, draft_vocab=4096, steps=4, layout="eagle3"),
+                           seq_len=256, batch_size=8, micro_batch=8, steps=64, lr=3e-3, warmup=6, eval_every=32,
+                           eval_windows=8, test_windows=0, save_every=4,
+                           selfdistill=Recipe(code_prompts=256, chat_prompts=256, max_new_tokens=160,
+                                              temperature=0.8, batch=32, seed=0)),
     # a few seconds: for tests and for trying the machinery
     "tiny": dict(model=Arch(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -107,6 +118,7 @@ def preset(name: str) -> dict:
     if "objective" in recipe:
         objective = recipe["objective"]
         paths = {key: str(ROOT / getattr(objective, key)) for key in OBJECTIVE_PATHS
-                 if getattr(objective, key, None) and not Path(getattr(objective, key)).is_absolute()}
+                 if getattr(objective, key, None) not in (None, DEFAULT_TARGET)
+                 and not Path(getattr(objective, key)).is_absolute()}
         recipe["objective"] = dataclasses.replace(objective, **paths)
     return recipe
