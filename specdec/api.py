@@ -262,8 +262,7 @@ def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
     policy, (device, dtype) = kernels.thread_report(), placement(target.model)
     return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
             "load_seconds": target.load_seconds, "threads": policy["threads"], "thread_policy": policy,
-            "dtype": str(placement(target.model).dtype).removeprefix("torch."), "weights": weights_format(target.model),
-            "device": str(placement(target.model).device),
+            "dtype": str(dtype).removeprefix("torch."), "weights": weights_format(target.model), "device": str(device),
             "backend": abilities(target.model).backend}
 
 

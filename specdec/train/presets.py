@@ -69,7 +69,7 @@ PRESETS = {
     # (selfdistill.py: documented standard-library functions and chat requests, each answered greedily and at
     # T=0.8), generated into the run folder first
     "smollm2-eagle3": dict(objective=Eagle(target=DEFAULT_TARGET, draft_vocab=4096, steps=4, layout="eagle3"),
-                           seq_len=256, batch_size=8, micro_batch=8, steps=64, lr=3e-3, warmup=6, eval_every=32,
+                           seq_len=256, batch_size=8, micro_batch=8, steps=140, lr=3e-3, warmup=6, eval_every=32,
                            eval_windows=8, test_windows=0, save_every=4,
                            selfdistill=Recipe(code_prompts=256, chat_prompts=256, max_new_tokens=160,
                                               temperature=0.8, batch=32, seed=0)),
