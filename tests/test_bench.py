@@ -37,6 +37,9 @@ CONDITIONS = {"target", "method", "workload", "sampling", "batch_size", "hardwar
               "baseline"}
 
 
+METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block", "self")  # the registry's drafters
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer_file):
     root = tmp_path_factory.mktemp("bench")
@@ -69,7 +72,7 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert result["schema"] == SCHEMA
     assert [c["batch_size"] for c in result["cells"]] == [1, 1, 1, 2]
     labels = [r["label"] for r in result["cells"][0]["results"]]
-    assert labels == ["plain", *(f"{m} {c}" for m in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
+    assert labels == ["plain", *(f"{m} {c}" for m in METHODS
                                  for c in ("k=1", "k=2", "tree=2", *(["dynamic=2"] * (m == "draft-model")),
                                            "k=auto")),
                       "hf-generate", "hf-assisted k=2", "hf-prompt-lookup k=2"]
@@ -79,7 +82,8 @@ def test_every_configuration_runs_with_its_conditions(result):
     assert [r["label"] for r in result["cells"][2]["results"]] == ["plain", "draft-model k=1", "draft-model k=3",
                                                                    "parallel k=1", "parallel k=3", "ngram k=1",
                                                                    "ngram k=3", "mtp k=1", "suffix k=1", "suffix k=3",
-                                                                   "eagle k=1", "eagle k=3", "block k=1"]
+                                                                   "eagle k=1", "eagle k=3", "block k=1", "self k=1",
+                                                                   "self k=3"]
     assert not any(r["method"].startswith("hf-") for r in result["cells"][3]["results"])
     for cell in result["cells"]:
         for r in cell["results"]:
@@ -119,7 +123,7 @@ def test_a_mismatch_is_listed_and_printed():
 def test_acceptance_and_cost_model_fields(result):
     for cell in result["cells"]:
         for r in cell["results"]:
-            speculative = r["method"] in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")
+            speculative = r["method"] in METHODS
             assert (r["predicted_speedup"] is not None) == speculative
             if speculative:
                 depth = r["counters"]["k"]  # "auto": the deepest option
@@ -134,7 +138,7 @@ def test_acceptance_and_cost_model_fields(result):
         assert curve["batch_size"] == cell["batch_size"] and 1 in curve["tokens"]
         assert len(curve["seconds"]) == len(curve["tokens"]) and min(curve["seconds"]) > 0
     effect = {(b["method"], b["k"]): b for b in result["batch_effect"]}
-    assert set(effect) == {(m, k) for m in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block") for k in (1, 2)}
+    assert set(effect) == {(m, k) for m in METHODS for k in (1, 2)}
     assert all(list(b["speedup_by_batch"]) == [1, 2] for b in effect.values())
 
 
@@ -207,7 +211,7 @@ def test_conditions_are_measured_not_constants(result):
         for r in cell["results"]:
             assert r["lossless_method"] == r["acceptance"]["lossless"]
             sampled = cell["sampling"]["temperature"] > 0
-            if r["method"] in ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block"):
+            if r["method"] in METHODS:
                 assert r["acceptance"]["rule"].endswith("rejection_sample" if sampled else "greedy_accept")
 
 
@@ -270,10 +274,12 @@ def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips
     assert "was trained for another target" in skipped["parallel"]
     assert all("pass the target" in skipped[name] and "trained for" in skipped[name] for name in ("mtp", "eagle", "block"))
     result = json.loads((tmp_path / "out" / JSON_NAME).read_text())
-    assert sorted(result["skipped"]) == sorted(SHIPPED_DRAFTERS) and result["plan"]["methods"] == ["ngram", "suffix"]
+    assert sorted(result["skipped"]) == sorted(SHIPPED_DRAFTERS) and (
+        result["plan"]["methods"] == ["ngram", "suffix", "self"])
     assert result["conditions"]["draft"] == "not used"
-    first = result["cells"][0]  # the lookup methods and transformers' peers that need no draft model
-    assert {r["method"] for r in first["results"]} == {"plain", "ngram", "suffix", "hf-generate", "hf-prompt-lookup"}
+    first = result["cells"][0]  # the lookup methods, the self-draft and transformers' peers that need no draft model
+    assert {r["method"] for r in first["results"]} == {"plain", "ngram", "suffix", "self", "hf-generate",
+                                                      "hf-prompt-lookup"}
     for cell in result["cells"]:
         for r in cell["results"]:
             if r["method"] in ("ngram", "suffix") and cell["sampling"]["temperature"] == 0:

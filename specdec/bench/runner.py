@@ -84,7 +84,7 @@ from .verify_cost import MoESpec, moe_vs_dense
 from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
-SPEC_METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block")  # the drafters a plan compares
+SPEC_METHODS = tuple(DRAFTERS)  # the drafters a plan compares: every entry of the registry
 # MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
 # heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
 # unembedding cost per head
