@@ -59,3 +59,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """The GGUF conversions' cache (lm/gguf.py), private to the test module that uses it."""
+    from specdec.lm import gguf
+
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "cache_root", lambda: root)
+        yield root

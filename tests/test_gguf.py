@@ -32,21 +32,12 @@ FAMILIES = {"llama": {"tie_word_embeddings": True}, "qwen2": {"tie_word_embeddin
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """The conversions' cache, private to this module."""
-    root = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "cache_root", lambda: root)
-        yield root
-
-
-@pytest.fixture(scope="module")
 def tok():
     return byte_level_tokenizer()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def written(request, tmp_path_factory, cache, tok):
+def written(request, tmp_path_factory, gguf_cache, tok):
     """(family, the transformers model written, the .gguf file, its converted folder)."""
     family = request.param
     model = hf_model(family, **FAMILIES[family])
@@ -100,7 +91,7 @@ def test_logits_and_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     assert reference_generate(target.model, ids[0].tolist(), StopRule(12), SamplingConfig()).tokens == expected
 
 
-def test_float_tensors_come_back_exactly_with_llamas_permutation_undone(tmp_path, cache, tok):
+def test_float_tensors_come_back_exactly_with_llamas_permutation_undone(tmp_path, gguf_cache, tok):
     model = hf_model("llama")
     path = write_gguf(tmp_path / "f32.gguf", model, tok, "llama", types=(Q.F32,))
     ours = load_file(gguf.folder(path) / "model.safetensors")
@@ -110,7 +101,7 @@ def test_float_tensors_come_back_exactly_with_llamas_permutation_undone(tmp_path
 
 
 @torch.no_grad()
-def test_llama_31_rotary_scaling_stored_as_factors_is_read_back(tmp_path, cache, tok):
+def test_llama_31_rotary_scaling_stored_as_factors_is_read_back(tmp_path, gguf_cache, tok):
     """llama.cpp writes Llama 3.1's llama3 rope scaling as a rope_freqs tensor of per-frequency
     factors (convert_hf_to_gguf.py); the converted model computes what transformers computes with
     the original rope_parameters."""
@@ -129,7 +120,7 @@ def test_llama_31_rotary_scaling_stored_as_factors_is_read_back(tmp_path, cache,
 
 
 @torch.no_grad()
-def test_phi3_with_fused_projections_partial_rotary_and_a_window_computes_as_transformers(tmp_path, cache, tok):
+def test_phi3_with_fused_projections_partial_rotary_and_a_window_computes_as_transformers(tmp_path, gguf_cache, tok):
     """Phi-3 as llama.cpp writes it: q/k/v and gate/up fused (attn_qkv, ffn_up), the rotary dims and
     the sliding window in the metadata (transformers' own GGUF reading drops both)."""
     model = hf_model("phi3", tie_word_embeddings=False, partial_rotary_factor=0.5, sliding_window=128, pad_token_id=0,
@@ -157,7 +148,7 @@ def test_tokenizer_bos_eos_and_chat_template_come_from_the_metadata(written, tok
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(tok.token_to_id("<|im_end|>")) == 1
 
 
-def test_expert_counts_of_zero_are_a_dense_model_and_others_are_refused(tmp_path, cache, tok):
+def test_expert_counts_of_zero_are_a_dense_model_and_others_are_refused(tmp_path, gguf_cache, tok):
     model = hf_model("llama")
     zero = write_gguf(tmp_path / "zero.gguf", model, tok, "llama", extra=lambda w: w.add_expert_count(0))
     assert gguf.config_of(gguf.open_file(zero), "zero.gguf")["num_hidden_layers"] == 2
@@ -166,12 +157,12 @@ def test_expert_counts_of_zero_are_a_dense_model_and_others_are_refused(tmp_path
         gguf.folder(moe)
 
 
-def test_a_bos_is_added_where_the_file_says_so(tmp_path, cache, tok):
+def test_a_bos_is_added_where_the_file_says_so(tmp_path, gguf_cache, tok):
     path = write_gguf(tmp_path / "bos.gguf", hf_model("llama"), tok, "llama", add_bos=True)
     assert Tokenizer.load(gguf.folder(path)).prefix == [tok.token_to_id("<|endoftext|>")]
 
 
-def test_converted_once_keyed_by_the_files_hash(tmp_path, cache, tok, capsys):
+def test_converted_once_keyed_by_the_files_hash(tmp_path, gguf_cache, tok, capsys):
     path = write_gguf(tmp_path / "once.gguf", hf_model("qwen2", seed=3), tok, "qwen2")
     first = gguf.folder(path)
     assert "converting once.gguf" in capsys.readouterr().err
@@ -180,7 +171,7 @@ def test_converted_once_keyed_by_the_files_hash(tmp_path, cache, tok, capsys):
     assert gguf.folder(path) != first
 
 
-def test_raw_tensors_are_the_stored_blocks_in_transformers_order(tmp_path, cache, tok):
+def test_raw_tensors_are_the_stored_blocks_in_transformers_order(tmp_path, gguf_cache, tok):
     model = hf_model("llama")
     path = write_gguf(tmp_path / "raw.gguf", model, tok, "llama")
     raws = {r.name: r for r in gguf.raw_tensors(path)}
@@ -250,7 +241,7 @@ def test_special_token_ids_are_the_files(tok):
     assert [tok.token_to_id(t) for t in SPECIALS] == [317, 318, 319]
 
 
-def test_train_takes_a_gguf_target(tmp_path, cache, tok):
+def test_train_takes_a_gguf_target(tmp_path, gguf_cache, tok):
     """`specdec train --target FILE.gguf`: the head is trained for the converted folder and loads for it."""
     path = write_gguf(tmp_path / "target.gguf", hf_model("qwen2", tie_word_embeddings=False), tok, "qwen2")
     out = tmp_path / "eagle"

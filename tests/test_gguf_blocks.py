@@ -34,16 +34,7 @@ TYPES = (Q.Q8_0, Q.Q4_1, Q.Q4_1, Q.Q4_1, Q.Q8_0, Q.Q4_1, Q.Q4_1)
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """The conversions' cache, private to this module."""
-    root = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "cache_root", lambda: root)
-        yield root
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory, cache):
+def written(tmp_path_factory, gguf_cache):
     """(the transformers model written, its .gguf file in Q8_0 and Q4_1): a Llama with tied embeddings."""
     model = hf_model("llama", tie_word_embeddings=True)
     return model, write_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", model, byte_level_tokenizer(), "llama",
@@ -111,7 +102,7 @@ def test_speculative_greedy_equals_plain_greedy_as_stored(written):
     ("phi3", {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}),  # q/k/v and gate/up stored fused
     ("qwen3", {"head_dim": 32})])
 @torch.no_grad()
-def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(family, changes, tmp_path, cache):
+def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(family, changes, tmp_path, gguf_cache):
     path = write_gguf(tmp_path / f"{family}.gguf", hf_model(family, tie_word_embeddings=False, **changes),
                       byte_level_tokenizer(), family, types=(Q.Q8_0,))
     target = load(path, quantize="gguf").model
@@ -122,7 +113,7 @@ def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(fa
     assert (target(ids).logits - load(path).model(ids).logits).abs().max() < 0.25  # 8-bit rounding apart
 
 
-def test_a_matrix_of_another_type_is_named_and_keeps_the_bf16_values(tmp_path, cache):
+def test_a_matrix_of_another_type_is_named_and_keeps_the_bf16_values(tmp_path, gguf_cache):
     path = write_gguf(tmp_path / "mixed.gguf", hf_model("qwen2", tie_word_embeddings=False),
                       byte_level_tokenizer(), "qwen2", types=(Q.Q4_0, Q.F16, Q.Q8_0))
     given, others = gguf_matrices({raw.name: raw for raw in gguf.raw_tensors(path)})
