@@ -158,8 +158,8 @@ def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
         def leave(self, *args):
             self.inner.leave(*args)
 
-        def propose(self, state, limits, widths, generator):
-            return self.inner.propose(state, limits, (1,) * len(widths), generator)
+        def propose(self, state, limits, widths, draws):
+            return self.inner.propose(state, limits, (1,) * len(widths), draws)
 
         def observe(self, state, outcome):
             self.inner.observe(state, outcome)

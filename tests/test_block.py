@@ -186,8 +186,8 @@ class Sequential(BlockProposer):
         self.history = [h + t[:n] for h, t, n in zip(self.history, outcome.tokens, outcome.counts)]
         super().observe(state, outcome)
 
-    def propose(self, state, limits, widths, generator):
-        proposal = super().propose(state, limits, widths, generator)
+    def propose(self, state, limits, widths, draws):
+        proposal = super().propose(state, limits, widths, draws)
         B, m = proposal.tokens.shape
         if m == 0:
             return proposal

@@ -102,7 +102,7 @@ def test_the_engine_hands_over_the_declared_layers_from_the_verify_forward():
         def leave(self, state, keep):
             pass
 
-        def propose(self, state, limits, widths, generator):
+        def propose(self, state, limits, widths, draws):
             return base.Proposal(torch.full((1, 2), 7), limits.clone(), None)
 
         def observe(self, state, outcome):
@@ -288,7 +288,7 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
     """The shipped head (bf16-stored, its layer one Stack): one kernel call per level gives the drafts,
     and for sampled rows the draft probabilities, bit for bit, of the separate calls."""
     from specdec.api import TOY_TARGET, encode_prompts, load, load_drafter
-    from specdec.decoding.sampling import SamplingConfig
+    from specdec.decoding.sampling import Draws, SamplingConfig
     from specdec.lm.interface import prefill_joining
     target = load(TOY_TARGET)
     native = load_drafter(target, "eagle", draft_vocab=1024)
@@ -304,7 +304,7 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
             hidden = prefill_joining(target.model, cache, prompts, p.features)
             state = p.start(80, 5, 2)
             p.join(state, prompts, hidden, [sampling] * 2)
-            proposals.append(p.propose(state, torch.tensor([5, 3]), (1,) * 5, torch.Generator().manual_seed(0)))
+            proposals.append(p.propose(state, torch.tensor([5, 3]), (1,) * 5, Draws(torch.Generator().manual_seed(0))))
         a, b = proposals
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
         assert (a.draft_probs is None) == (b.draft_probs is None) == sampling.greedy

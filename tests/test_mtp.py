@@ -133,8 +133,8 @@ class Recorder:
         self.sequences = [self.sequences[b] for b in keep]
         self.inner.leave(state, keep)
 
-    def propose(self, state, limits, widths, generator):
-        proposal = self.inner.propose(state, limits, widths, generator)
+    def propose(self, state, limits, widths, draws):
+        proposal = self.inner.propose(state, limits, widths, draws)
         self.log.append(([list(s) for s in self.sequences], proposal))
         return proposal
 

@@ -16,6 +16,7 @@ import torch
 
 from specdec.api import Loaded, load_drafter
 from specdec.decoding.engine import speculative_generate
+from specdec.decoding.sampling import Draws
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.arch import Arch
@@ -106,7 +107,7 @@ def test_the_proposer_drafts_the_block_that_one_forward_gives():
     prompts = [[5, 9, 2], [1, 2, 3, 1, 2, 3, 1], [7]]
     state = p.start(40, 6, 3)
     p.join(state, prompts, None, [GREEDY] * 3)
-    proposal = p.propose(state, torch.tensor([6, 3, 6]), (1,) * 6, None)
+    proposal = p.propose(state, torch.tensor([6, 3, 6]), (1,) * 6, Draws())
     for b, prompt in enumerate(prompts):
         seq = torch.tensor([prompt + [mask] * 5])
         expected = draft(seq).logits[0, len(prompt) - 1:, :mask].argmax(-1)
@@ -205,15 +206,15 @@ def test_the_distribution_test_fails_for_probabilities_of_drafts_drawn_one_after
     it: the draft fed [prefix, d_1..d_{i-1}] instead of the masks)."""
     real = parallel_module.draw_block
 
-    def sequential_probs(logits, samplings, generator, vocab, vocab_size):
-        tokens, probs = real(logits, samplings, generator, vocab, vocab_size)
+    def sequential_probs(logits, samplings, draws, vocab, vocab_size):
+        tokens, probs, scores = real(logits, samplings, draws, vocab, vocab_size)
         if tokens.shape[0] != SAMPLES or sequential_probs.done:  # the first step: every row after the prompt
-            return tokens, probs
+            return tokens, probs, scores
         sequential_probs.done = True
         fed = torch.cat([sequential_probs.prefix, tokens[:, :-1]], 1)         # (B, P + m - 1)
         again = sequential_probs.model(fed).logits[:, -tokens.shape[1]:, :vocab_size]
-        _, wrong = real(again, samplings, torch.Generator().manual_seed(0), vocab, vocab_size)
-        return tokens, wrong
+        _, wrong, _ = real(again, samplings, Draws(torch.Generator().manual_seed(0)), vocab, vocab_size)
+        return tokens, wrong, scores
 
     p = proposer(SAMPLING_TARGET)
     sequential_probs.model = p.model
@@ -306,7 +307,7 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
         for p in (native, separate):
             state = p.start(40, 6, 3)
             p.join(state, prompts, None, [sampling] * 3)
-            proposals.append(p.propose(state, torch.tensor([6, 3, 6]), widths, torch.Generator().manual_seed(0)))
+            proposals.append(p.propose(state, torch.tensor([6, 3, 6]), widths, Draws(torch.Generator().manual_seed(0))))
             assert state.cache.lengths.tolist() == [3, 7, 1]
         a, b = proposals
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)

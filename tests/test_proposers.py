@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec.decoding.protocol import Outcome
-from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.proposers import PROPOSERS, build_proposer
 
 # history, max_n, min_n, limit, proposal
@@ -26,7 +26,7 @@ def propose_one(history, max_n, min_n, limit):
     ngram = build_proposer("ngram", max_n=max_n, min_n=min_n)
     state = ngram.start(len(history) + 8, 8, 1)
     ngram.join(state, [history], torch.zeros(1, 0, 1), [SamplingConfig()])
-    proposal = ngram.propose(state, torch.tensor([limit]), (1,) * 8, None)
+    proposal = ngram.propose(state, torch.tensor([limit]), (1,) * 8, Draws())
     assert proposal.draft_probs is None
     return proposal.tokens[0, :int(proposal.lengths[0])].tolist()
 
@@ -44,7 +44,7 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
     state = ngram.start(20, 8, len(cases))
     ngram.join(state, histories, torch.zeros(len(cases), 0, 1), [SamplingConfig()] * len(cases))
     limits = torch.tensor([c[3] for c in cases])
-    proposal = ngram.propose(state, limits, (1,) * 8, None)
+    proposal = ngram.propose(state, limits, (1,) * 8, Draws())
     for b, case in enumerate(cases):
         assert proposal.tokens[b, :int(proposal.lengths[b])].tolist() == case[4]
     tokens = torch.tensor([[9, 9, 9]] * len(cases))
@@ -78,7 +78,7 @@ def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_on
     # drafts are target ids of the draft vocabulary, and the draft's own choice over it at every position
     state = proposer.start(30, 3, 1)
     proposer.join(state, prompts[:1], torch.zeros(1, 2, 32), [SamplingConfig()])
-    drafts = proposer.propose(state, torch.tensor([3]), (1, 1, 1), None).tokens[0].tolist()
+    drafts = proposer.propose(state, torch.tensor([3]), (1, 1, 1), Draws()).tokens[0].tolist()
     assert all(d in vocab.tolist() for d in drafts)
     context = list(prompts[0])
     for d in drafts:
@@ -87,3 +87,31 @@ def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_on
         context.append(d)
     with pytest.raises(Exception, match="token counts"):
         build_proposer("draft-model", model=target, draft_vocab=24)
+
+
+def catch_up_proposer(name: str):
+    from .spec_helpers import tiny_llama
+    if name == "draft-model":  # over the target's 64 ids
+        return build_proposer("draft-model", model=tiny_llama(1, vocab=64, context=512))
+    return build_proposer("parallel", model=tiny_llama(1, vocab=65, context=512), mask_token_id=64, block=3)
+
+
+@pytest.mark.parametrize("name", ["draft-model", "parallel"])
+def test_a_draft_model_catches_up_on_a_long_plain_stretch_completely(name):
+    """A draft model told of 150 plain-decoded tokens at once (what k="auto" does after a stretch of
+    plain steps) drafts what it drafts when the whole sequence is its prompt: it reads every pending
+    token (base.catch_up, FEED at a time), the prompt included; none is dropped. Beside it a row
+    deep into its sequence already: the catch-up window, padded for it, must not overflow its cache."""
+    proposer = catch_up_proposer(name)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 63, (5,), generator=g).tolist(), torch.randint(0, 63, (180,), generator=g).tolist()]
+    stretch = torch.randint(0, 63, (150,), generator=g).tolist()
+    told = proposer.start(240, 3, 2)
+    proposer.join(told, prompts, torch.zeros(2, 0, 1), [SamplingConfig()] * 2)
+    proposer.propose(told, torch.tensor([1, 1]), (1,) * 3, Draws())  # both rows read their prompts
+    proposer.observe(told, Outcome([0, 0], [stretch, stretch[:2] + [0] * 148], [150, 2], torch.zeros(2, 151, 1)))
+    fresh = proposer.start(240, 3, 2)
+    proposer.join(fresh, [prompts[0] + stretch, prompts[1] + stretch[:2]], torch.zeros(2, 0, 1), [SamplingConfig()] * 2)
+    after = proposer.propose(told, torch.tensor([3, 3]), (1,) * 3, Draws())
+    whole = proposer.propose(fresh, torch.tensor([3, 3]), (1,) * 3, Draws())
+    assert after.tokens.tolist() == whole.tokens.tolist()

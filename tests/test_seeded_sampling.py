@@ -16,7 +16,7 @@ import torch
 
 from specdec.decoding import sampling
 from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import Engine, Request
+from specdec.decoding.engine import Engine, Request, speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, gumbel
 from specdec.decoding.stopping import StopRule
@@ -176,3 +176,51 @@ def test_one_seed_gives_the_same_tokens_with_any_draft_k_tree_and_batch():
                 runs[(proposer_name, k, widths, batch)] = engine_tokens(proposer_name, k, widths, batch)
     wrong = {config: tokens for config, tokens in runs.items() if tokens != want}
     assert not wrong, (want, wrong)
+
+
+# ---- coupled drafts: a seeded row drafts with its verifier's noise ----
+
+SAMPLING_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block", "self")  # those that draw from a distribution
+TOY_PROMPTS = ["def add(a, b):\n", "import os\nfor path in", "class Stack:\n    def", "x = [i for i in",
+               "def main():\n    args ="]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    from specdec.api import TOY_TARGET, encode_prompts, load
+    target = load(TOY_TARGET)
+    prompts = encode_prompts(target, TOY_PROMPTS, 32)
+    plain = {seed: [r.tokens for r in plain_generate(target.model, prompts, StopRule(32), SamplingConfig(1.0, seed=seed),
+                                                     torch.Generator())[0]] for seed in (0, 1, 2)}
+    return target, prompts, plain
+
+
+def toy_run(target, proposer, prompts, seed, k, widths=None):
+    rows, metrics = speculative_generate(target.model, proposer, prompts, StopRule(32), SamplingConfig(1.0, seed=seed),
+                                         k, torch.Generator().manual_seed(1), widths=widths)
+    return [r.tokens for r in rows], metrics
+
+
+@pytest.mark.parametrize("name", SAMPLING_DRAFTERS)
+def test_a_seeded_row_drafts_with_its_verifiers_noise(toy, name):
+    """Every sampling drafter of the toy target at T=1, k=3, 5 prompts x 32 tokens: pooled over three
+    seeds, seeded α stays within 0.12 of unseeded α (drafts drawn as argmax(log draft_probs + the
+    noise of the position they are verified at) agree with the target's Gumbel-max draws about as
+    often as rejection sampling accepts: at least (1 - TV) / (1 + TV) where rejection sampling gets
+    1 - TV). Drafts drawn from an unrelated random stream agree with probability sum target_probs *
+    draft_probs: 0.05-0.06 here against 0.3-0.7 unseeded. The seeded tokens stay those of plain
+    seeded decoding, chains and a tree."""
+    from specdec.api import load_drafter
+    target, prompts, plain = toy
+    proposer = load_drafter(target, name)
+    _, unseeded = toy_run(target, proposer, prompts, None, 3)
+    accepted = proposed = 0
+    for seed in (0, 1, 2):
+        tokens, metrics = toy_run(target, proposer, prompts, seed, 3)
+        accepted, proposed = accepted + metrics.accepted, proposed + metrics.proposed
+        assert tokens == plain[seed]
+    coupled = accepted / proposed
+    print(f"\n{name}: α unseeded {unseeded.acceptance_rate:.3f}, seeded {coupled:.3f} ({accepted}/{proposed})")
+    assert coupled > unseeded.acceptance_rate - 0.12
+    if getattr(proposer, "trees", False):
+        assert toy_run(target, proposer, prompts, 0, 3, (2, 2, 1))[0] == plain[0]

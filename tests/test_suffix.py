@@ -10,7 +10,7 @@ import torch
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.protocol import Outcome
 from specdec.decoding.reference import reference_generate
-from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.proposers import PROPOSERS, build_proposer
@@ -69,7 +69,7 @@ def drafted(proposal, b: int) -> tuple[list[int], list[int] | None]:
 
 def propose_one(history, settings, limit, widths):
     proposer = build_proposer("suffix", **settings)
-    proposal = proposer.propose(start(proposer, [history]), torch.tensor([limit]), widths, None)
+    proposal = proposer.propose(start(proposer, [history]), torch.tensor([limit]), widths, Draws())
     assert proposal.draft_probs is None
     return drafted(proposal, 0)
 
@@ -85,7 +85,7 @@ def test_batch_equals_rows_one_by_one():
                                                                           "(3 of 4), 2 (1 of 4)"]]
     proposer = build_proposer("suffix", factor=3)
     widths, limits = (2, 2, 2), torch.tensor([3, 0, 2, 1, 3, 1])[:len(cases)]
-    proposal = proposer.propose(start(proposer, [c[0] for c in cases]), limits, widths, None)
+    proposal = proposer.propose(start(proposer, [c[0] for c in cases]), limits, widths, Draws())
     for b, (case, limit) in enumerate(zip(cases, limits.tolist())):
         assert drafted(proposal, b) == propose_one(case[0], {"factor": 3}, limit, widths)
 
@@ -99,7 +99,7 @@ def test_observe_extends_the_rows_tries_by_what_each_row_committed():
     proposer = build_proposer("suffix", factor=4, shared_nodes=0)
     state = start(proposer, histories)
     proposer.observe(state, Outcome(counts.tolist(), committed.tolist(), counts.tolist(), torch.zeros(3, 4, 1)))
-    proposal = proposer.propose(state, torch.tensor([4, 4, 4]), CHAIN, None)
+    proposal = proposer.propose(state, torch.tensor([4, 4, 4]), CHAIN, Draws())
     for b, (history, tokens, n) in enumerate(zip(histories, committed.tolist(), counts.tolist())):
         assert drafted(proposal, b) == propose_one(history + tokens[:n], {"factor": 4, "shared_nodes": 0}, 4,
                                                    CHAIN)
@@ -120,7 +120,7 @@ def test_the_shared_trie_lets_a_second_generation_draft_from_the_first_ones_text
         proposer = build_proposer("suffix", factor=2, shared_nodes=shared_nodes)
         generate_by_hand(proposer, [1, 2, 3], [5, 6, 7, 8, 9])
         # the prompt ends with "5 6", which only the first generation's output holds
-        second = proposer.propose(start(proposer, [[4, 5, 6]]), torch.tensor([3]), (1, 1, 1), None)
+        second = proposer.propose(start(proposer, [[4, 5, 6]]), torch.tensor([3]), (1, 1, 1), Draws())
         assert drafted(second, 0) == (expected, None)
 
 
@@ -131,7 +131,7 @@ def test_of_the_two_tries_the_tree_with_more_expected_accepted_drafts_wins():
     proposer = build_proposer("suffix", factor=2)
     generate_by_hand(proposer, [1, 2, 3], [5, 6, 7, 8, 9])
     state = start(proposer, [[4, 6, 9, 5, 6]] * 2)
-    proposal = proposer.propose(state, torch.tensor([3, 2]), (1, 1, 1), None)
+    proposal = proposer.propose(state, torch.tensor([3, 2]), (1, 1, 1), Draws())
     assert [drafted(proposal, b)[0] for b in range(2)] == [[7, 8, 9], [9, 5]]
 
 
@@ -145,7 +145,7 @@ def test_trees_keep_widths_limits_depth_order_and_follow_the_history():
         history = torch.randint(0, 5, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
         widths = tuple(torch.randint(1, 4, (4,), generator=g).tolist())
         limit = int(torch.randint(0, 5, (1,), generator=g))
-        tokens, parents = drafted(proposer.propose(start(proposer, [history]), torch.tensor([limit]), widths, None),
+        tokens, parents = drafted(proposer.propose(start(proposer, [history]), torch.tensor([limit]), widths, Draws()),
                                   0)
         parents = parents if parents is not None else list(range(-1, len(tokens) - 1))
         depths = []
@@ -172,7 +172,7 @@ def test_the_shared_trie_keeps_its_node_budget_and_relearns_after_a_flush():
     assert len(proposer.shared) == 10 and proposer.epoch == 1
 
     def second(prompt):
-        return drafted(proposer.propose(start(proposer, [prompt]), torch.tensor([2]), (1, 1), None), 0)[0]
+        return drafted(proposer.propose(start(proposer, [prompt]), torch.tensor([2]), (1, 1), Draws()), 0)[0]
     assert second([9, 1]) == second([9, 10]) == []  # gone with the flush
     assert second([9, 12]) == [13, 14]
 
@@ -243,7 +243,7 @@ def test_multi_draft_sampling_with_suffix_trees_matches_the_target_distribution(
         return build_proposer("suffix", trie_depth=6, max_match=3, factor=3)
 
     proposer = make()
-    first = proposer.propose(start(proposer, [prompt]), torch.tensor([3]), (2, 2, 2), None)
+    first = proposer.propose(start(proposer, [prompt]), torch.tensor([3]), (2, 2, 2), Draws())
     assert drafted(first, 0) == ([4, 9, 4, 2, 9, 4], [-1, -1, 0, 0, 2, 3])
     counts, later_siblings = test_tree.tree_counts(make, (2, 2, 2), SETTINGS[setting], prompt)
     result = distribution_test(counts, exact_joint(SETTINGS[setting], prompt))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.decoding.engine import speculative_generate
-from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.decoding.tree import caterpillar_layout, chain_parents, window_layout
 from specdec.decoding.verify import greedy_accept, rejection_sample, tree_rejection_sample
@@ -177,7 +177,7 @@ def test_a_dynamic_tree_keeps_the_best_scored_candidates_per_depth():
     def children_logits(tokens, parents, frontier):
         return torch.log(torch.tensor([[after[tokens[0, i].item()] for i in frontier[0].tolist()]]) + 1e-9)
 
-    proposal = grow_tree(root, children_logits, (2, 2), [2], None)
+    proposal = grow_tree(root, children_logits, (2, 2), [2], None, [SamplingConfig()], Draws())
     # depth 2 candidates: 5->1 (.30), 5->2 (.24), 7->2 (.27): the two best are 5->1 and 7->2
     assert proposal.tokens.tolist() == [[5, 7, 1, 2]] and proposal.parents.tolist() == [[-1, -1, 0, 1]]
 

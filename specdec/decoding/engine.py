@@ -45,7 +45,7 @@ from ..lm.interface import causal_lm, context_length, declared_features, layer_r
 from .adaptive import Adaptive
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
-from .sampling import RowGenerators, SamplingConfig, argmax, perturbed, row_probabilities, sample
+from .sampling import Draws, RowGenerators, SamplingConfig, argmax, perturbed, row_probabilities, sample
 from .stopping import Row, StopRule
 from .tree import depths, levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
@@ -137,7 +137,8 @@ class Engine:
         limit = draft_limits([r.row.budget for r in self.requests], depth)
         limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
         self.next_window = None
-        proposal = self.proposer.propose(self.state, limits, shape, self.generator()).trimmed()  # propose
+        draws = Draws(self.generator(), [c + 1 for c in self.cached])  # a seeded row's first draft: position cached + 1
+        proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()  # propose
         clock.mark("proposed")
         if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
             self.plain_left = 1

@@ -11,12 +11,14 @@ is a batch of rows, one per sequence; rows join and leave between steps (continu
     loop:
         proposer.leave(state, keep)                                        # only rows `keep` stay, in that order
         proposer.join(state, prompts, prompt_hidden, samplings)            # rows appended after them
-        proposal = proposer.propose(state, limits, widths, generator)     # up to limits[b] levels per row
+        proposal = proposer.propose(state, limits, widths, draws)         # up to limits[b] levels per row
         ... the target verifies, rows take their tokens ...
         proposer.observe(state, outcome)                                   # what was committed; roll back
 
-Each row has its own sampling settings (`samplings[b]`), and `generator` may be one generator or
-one per row (sampling.RowGenerators).
+Each row has its own sampling settings (`samplings[b]`). `draws` (sampling.Draws) says where random
+choices come from: its generator (one, or one per row: sampling.RowGenerators) for sampled rows, and
+for a seeded row the Gumbel noise of the positions its drafts will be verified at (`draws.positions`,
+from the engine), which couples its drafts to the target's draws.
 
 The target's features reach the proposer as arguments (`prompt_hidden` when rows join, after the
 target's prefill of their prompts; `Outcome.hidden` after each step), for heads that draft from
@@ -38,7 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .sampling import SamplingConfig
+from .sampling import Draws, SamplingConfig
 from .tree import chain_parents
 
 
@@ -120,8 +122,7 @@ class Proposer(Protocol):
     def leave(self, state: Any, keep: list[int]) -> None:
         """Keep only rows `keep`, in that order (finished or cancelled rows leave)."""
 
-    def propose(self, state: Any, limits: torch.Tensor, widths: tuple[int, ...],
-                generator: torch.Generator | None) -> Proposal:
+    def propose(self, state: Any, limits: torch.Tensor, widths: tuple[int, ...], draws: Draws) -> Proposal:
         """Draft at most limits[b] (B,) levels after each row's sequence (0: draft nothing), at
         most widths[d] nodes at depth d + 1 (len(widths) >= max(limits); all ones: a chain)."""
 

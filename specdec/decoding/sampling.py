@@ -186,13 +186,15 @@ def noise_keys(seeds: list[int], positions: list[list[int]]) -> np.ndarray:
     return _splitmix64(s ^ np.array(positions, dtype=np.uint64))           # (R, n)
 
 
-def gumbel(seeds: list[int], positions: list[list[int]], vocab: int) -> torch.Tensor:
+def gumbel(seeds: list[int], positions: list[list[int]], vocab: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """(R, n, V) float32 standard Gumbel noise on the CPU, element (r, i, v) a function of
     (seeds[r], positions[r][i], v) only: two rounds of a 32-bit hash keyed by the (seed, position)
-    key's halves, its top 23 bits as a uniform in the open interval (0, 1) (`open_uniform`), -log(-log(u))."""
+    key's halves, its top 23 bits as a uniform in the open interval (0, 1) (`open_uniform`), -log(-log(u)).
+    ids (N,): the noise of those token ids only, (R, n, N) (a draft vocabulary's columns)."""
     keys = noise_keys(seeds, positions)[..., None]                          # (R, n, 1)
     low, high = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), (keys >> np.uint64(32)).astype(np.uint32)
-    x = _mix32(np.arange(vocab, dtype=np.uint32) ^ low)                    # (R, n, V)
+    tokens = np.arange(vocab, dtype=np.uint32) if ids is None else ids.cpu().numpy().astype(np.uint32)
+    x = _mix32(tokens ^ low)                                               # (R, n, V)
     x ^= high
     x = _mix32(x)
     return torch.from_numpy(-np.log(-np.log(open_uniform(x))))
@@ -205,9 +207,42 @@ def open_uniform(x: np.ndarray) -> np.ndarray:
     return ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
 
 
-def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: list[list[int]]) -> torch.Tensor:
-    """(R, n, V) logits of seeded rows -> (R, n, V) log target_probs + Gumbel noise: its argmax at
-    [r, i] is row r's token at sequence position positions[r][i], an exact draw from
-    target_probs. Verification of a seeded row is greedy acceptance on these."""
-    noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1]).to(logits.device)
+def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: list[list[int]],
+              ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, n, V) logits of seeded rows -> (R, n, V) log probs + Gumbel noise: its argmax at [r, i]
+    is row r's token at sequence position positions[r][i], an exact draw from the probs.
+    Verification of a seeded row is greedy acceptance on the target's; a drafter draws a seeded
+    row's drafts from its own with the same noise (`Draws`). ids (V,): the target ids of the
+    columns (a draft vocabulary), whose noise is used."""
+    noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids).to(logits.device)
     return row_probabilities(logits, configs).log() + noise
+
+
+@dataclass
+class Draws:
+    """Where a proposal's random choices come from, per row (B,). A seeded row's draft at depth d
+    (1 = the first draft) is argmax(log draft_probs + g(seed, positions[b] + d - 1)): the noise its
+    verifier adds to the target's log-probabilities at that position, so that draft and target agree
+    whenever their perturbed argmaxes do (acceptance ~ sum min(target_probs, draft_probs), as with
+    rejection sampling; independent noise would give sum target_probs * draft_probs). Other sampled
+    rows draw from `generator` (one, or RowGenerators)."""
+    generator: torch.Generator | RowGenerators | None = None
+    positions: list[int] | None = None  # (B,) sequence position of each row's first draft; None: no seeded rows
+
+    def scores(self, logits: torch.Tensor, configs: list[SamplingConfig], depth: int,
+               ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """logits (B, ..., N) of depth `depth` (0-based) -> the seeded rows and their perturbed
+        log-probabilities (R, ..., N) (the same noise across the middle dimensions: the nodes of one
+        depth share a position); ([], None) without seeded rows. ids: as `perturbed`."""
+        rows = [b for b, cfg in enumerate(configs) if cfg.seeded]
+        if not rows:
+            return rows, None
+        if self.positions is None:
+            raise SpecdecError("a seeded row drafts with the noise of its positions: pass Draws(generator, "
+                               "positions) with each row's first draft position")
+        chosen = logits[torch.tensor(rows, device=logits.device)]
+        flat = chosen.reshape(len(rows), -1, chosen.shape[-1])                                   # (R, n, N)
+        noise = gumbel([configs[b].seed for b in rows], [[self.positions[b] + depth] for b in rows],
+                       logits.shape[-1], ids).to(logits.device)                                   # (R, 1, N)
+        probs = row_probabilities(flat, [configs[b] for b in rows])
+        return rows, (probs.log() + noise).view(chosen.shape)

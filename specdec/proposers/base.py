@@ -12,15 +12,16 @@ import itertools
 import torch
 
 from ..decoding.protocol import Proposal
-from ..decoding.sampling import SamplingConfig, argmax, row_probabilities, sample
+from ..decoding.sampling import Draws, SamplingConfig, argmax, row_probabilities, sample
 from ..decoding.tree import caterpillar_layout
 from ..errors import SpecdecError
+from ..lm.interface import next_positions
 from ..lm.model import frozen_linear
 
-# The most committed positions a proposer catches up on at one proposal (the older ones of a longer
-# stretch of plain steps are never read: its context has a hole there, still lossless, since the
-# target decides every token), so that a probe after a stretch costs what a drafting step costs.
-CATCH_UP = 32
+# The most pending tokens of a row a drafter with its own KV cache feeds in one forward when it
+# catches up (its whole history since it last drafted: a prompt, a stretch of plain steps), so that
+# its cache needs FEED entries of room past the longest sequence, whatever the other rows hold.
+FEED = 64
 
 
 def per_row(sampling: SamplingConfig | list[SamplingConfig], rows: int) -> list[SamplingConfig]:
@@ -58,6 +59,25 @@ class DraftVocabulary:
         return token_counts.cpu().topk(size).indices.sort().values.to(device)  # counts are kept on the host
 
 
+def catch_up(model, context: int, state, limit: list[int], keep: int) -> None:
+    """Feed each drafting row's (limit[b] > 0) pending tokens but its last `keep` into its draft KV
+    cache, at most FEED columns per forward of `model` (of `context` positions; rows with fewer are padded; the padding
+    is rolled back); they become committed. `state` has `pending` (per row, tokens not yet in the
+    cache), `committed` (per row, the cache's length) and `cache`."""
+    while True:
+        chunks = [p[:max(len(p) - keep, 0)][:FEED] if n else [] for p, n in zip(state.pending, limit)]
+        width = max(map(len, chunks), default=0)
+        if width == 0:
+            return
+        window = torch.tensor([c + [0] * (width - len(c)) for c in chunks], device=state.cache.lengths.device)
+        model(window, positions=next_positions(state.cache, width, context),
+              cache=state.cache, logits_index=torch.zeros(len(chunks), 1, dtype=torch.long, device=window.device))
+        for b, c in enumerate(chunks):
+            state.committed[b] += len(c)
+            state.pending[b] = state.pending[b][len(c):]
+        state.cache.rollback(state.committed)
+
+
 def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tuple[int, ...],
                       vocab: DraftVocabulary | None, vocab_size: int) -> Proposal:
     """A chain proposal (B, k) turned into the static tree of tree.caterpillar_layout: beside the
@@ -93,22 +113,31 @@ def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tu
 
 
 def grow_tree(root_logits: torch.Tensor, children_logits, widths: tuple[int, ...], limits: list[int],
-              vocab: DraftVocabulary | None) -> Proposal:
+              vocab: DraftVocabulary | None, samplings: list[SamplingConfig], draws: Draws) -> Proposal:
     """A dynamic draft tree (EAGLE-2): the widths[0] best tokens of root_logits (B, N) open it;
     then, depth by depth, every node of the newest level proposes its widths[d] best children and
     the widths[d] candidates of highest score (the product of the draft probabilities along their
     path) form the next level, wherever they hang. Row b grows limits[b] levels.
     children_logits(tokens (B, n), parents (B, n), frontier (B, f)) returns the draft logits
     (B, f, N) after the frontier nodes (node indices into tokens; padding nodes hang off the root).
-    The nodes are deterministic drafts (draft_probs None, one-hot for rejection sampling)."""
+    The nodes are deterministic drafts (draft_probs None, one-hot for rejection sampling). A seeded
+    row ranks by its perturbed log-probabilities (`Draws`): its best child is the draft it would draw."""
     B, depth, device = root_logits.shape[0], max(limits, default=0), root_logits.device
     if depth == 0:
         return Proposal.empty(B, device)
+
+    def ranked(logits: torch.Tensor, d: int) -> torch.Tensor:  # (B, f, N) -> log-probabilities to rank by
+        logp = torch.log_softmax(logits.float(), -1)
+        seeded, noisy = draws.scores(logits, samplings, d, None if vocab is None else vocab.ids)
+        if seeded:
+            logp[torch.tensor(seeded, device=device)] = noisy
+        return logp
+
     tokens = [[] for _ in range(B)]
     parents = [[] for _ in range(B)]
     scores = [[] for _ in range(B)]
     frontier = [[] for _ in range(B)]
-    logp = torch.log_softmax(root_logits.float(), -1)[:, None]                   # (B, 1, N)
+    logp = ranked(root_logits[:, None], 0)                                     # (B, 1, N)
     for d in range(depth):
         width = widths[d]
         best = logp.topk(min(width, logp.shape[-1]), dim=-1)                      # (B, f, w)
@@ -129,69 +158,75 @@ def grow_tree(root_logits: torch.Tensor, children_logits, widths: tuple[int, ...
                 scores[b].append(score)
         if d + 1 < depth:
             n, f = max(map(len, tokens)), max(map(len, frontier))
-            logp = torch.log_softmax(children_logits(
+            logp = ranked(children_logits(
                 torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=device),
                 torch.tensor([p + [-1] * (n - len(p)) for p in parents], device=device),
-                torch.tensor([fr + [0] * (f - len(fr)) for fr in frontier], device=device)).float(), -1)  # (B, f, N)
+                torch.tensor([fr + [0] * (f - len(fr)) for fr in frontier], device=device)), d + 1)  # (B, f, N)
     return Proposal.from_rows(tokens, parents, device)
 
 
-def draw(logits: torch.Tensor, samplings: list[SamplingConfig], generator, vocab: DraftVocabulary | None,
-         vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Draft logits (B, N) (N = V without a draft vocabulary) -> the distribution each row's draft
-    is drawn from under its own sampling settings, over the full vocabulary (B, V), and the drawn
-    target ids (B,). When every row is greedy: None (greedy verification reads no draft
-    distribution) and the argmax; a greedy row among sampled ones gets the one-hot of its argmax."""
+def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, depth: int,
+         vocab: DraftVocabulary | None, vocab_size: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Draft logits (B, N) (N = V without a draft vocabulary) at depth `depth` (0-based) -> the
+    distribution each row's draft is drawn from under its own sampling settings, over the full
+    vocabulary (B, V), the drawn target ids (B,), and the scores (B, N) that rank a depth's
+    alternatives (with_alternatives): the logits, a seeded row's perturbed by its noise, so that its
+    draft is their argmax (`Draws`). When every row is greedy: None (greedy verification reads no
+    draft distribution) and the argmax; a greedy row among sampled ones gets the one-hot of its argmax."""
     if all(cfg.greedy for cfg in samplings):
         token = argmax(logits)
-        return None, token if vocab is None else vocab.ids[token]
+        return None, token if vocab is None else vocab.ids[token], logits
     p = row_probabilities(logits, samplings)
-    token = sample(p, generator)
+    token = sample(p, draws.generator)
+    seeded, noisy = draws.scores(logits, samplings, depth, None if vocab is None else vocab.ids)
+    scores = logits
+    if seeded:
+        index = torch.tensor(seeded, device=logits.device)
+        token[index] = argmax(noisy).to(token.device)
+        scores = logits.float().index_copy(0, index, noisy)
     if vocab is None:
-        return p, token
-    return p.new_zeros(p.shape[0], vocab_size).index_copy_(1, vocab.ids, p), vocab.ids[token]
+        return p, token, scores
+    return p.new_zeros(p.shape[0], vocab_size).index_copy_(1, vocab.ids, p), vocab.ids[token], scores
 
 
-def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[SamplingConfig], generator,
+def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[SamplingConfig], draws: Draws,
                 vocab: DraftVocabulary | None, vocab_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Draft `steps` tokens one after another: d_1 is drawn (`draw`) from logits (B, N), and
     advance(j, d_{j+1}) returns the logits (B, N) draft j+2 is drawn from. Returns the drafts
     (B, steps), the distributions they were drawn from (B, steps, V) or None (all rows greedy), and
-    each step's logits (the scores of base.with_alternatives)."""
+    each step's scores (`draw`; those of base.with_alternatives)."""
     tokens, probs, scores = [], [], []
     for j in range(steps):
-        p, token = draw(logits, samplings, generator, vocab, vocab_size)  # (B, V) or None, (B,)
+        p, token, score = draw(logits, samplings, draws, j, vocab, vocab_size)  # (B, V) or None, (B,), (B, N)
         tokens.append(token)
         probs.append(p)
-        scores.append(logits)
+        scores.append(score)
         if j + 1 < steps:
             logits = advance(j, token)
     return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1), scores
 
 
-def draw_block(logits: torch.Tensor, samplings: list[SamplingConfig], generator, vocab: DraftVocabulary | None,
-               vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draw_block(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, vocab: DraftVocabulary | None,
+               vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """A parallel drafter's block: logits (B, m, N) of m slots from one forward -> the drafts (B, m),
-    each drawn from its own slot's distribution without seeing the others (`draw`), and those
-    distributions (B, m, V), or None when every row is greedy (one argmax over the whole block)."""
+    each drawn from its own slot's distribution without seeing the others (`draw`, slot j at depth
+    j), those distributions (B, m, V), or None when every row is greedy (one argmax over the whole
+    block), and each slot's scores (`draw`)."""
     if all(cfg.greedy for cfg in samplings):
         token = argmax(logits)
-        return token if vocab is None else vocab.ids[token], None
-    drawn = [draw(slot, samplings, generator, vocab, vocab_size) for slot in logits.unbind(1)]
-    return torch.stack([token for _, token in drawn], 1), torch.stack([p for p, _ in drawn], 1)
+        return token if vocab is None else vocab.ids[token], None, list(logits.unbind(1))
+    drawn = [draw(slot, samplings, draws, j, vocab, vocab_size) for j, slot in enumerate(logits.unbind(1))]
+    return (torch.stack([token for _, token, _ in drawn], 1), torch.stack([p for p, _, _ in drawn], 1),
+            [score for _, _, score in drawn])
 
 
 # --- the per-row target features and tokens a head has yet to read (MTP heads, EAGLE) ---
 
 def ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
-                        new_len: list[int], device: torch.device, cap: int | None = None
-                        ) -> tuple[torch.Tensor, list[int]]:
+                        new_len: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Columns of cat([old, new], 1) that give row b old[b, drop[b]:old_len[b]] then
-    new[b, :new_len[b]] — of those, the last `cap` at most (base.CATCH_UP) — left-aligned and
-    right-padded (padding: any column): (B, W'), lengths."""
-    if cap is not None:  # drop more of the oldest where a row would hold more than cap
-        drop = [max(d, n + m - cap) for n, d, m in zip(old_len, drop, new_len)]
+    new[b, :new_len[b]], left-aligned and right-padded (padding: any column): (B, W'), lengths."""
     total = [n - d + m for n, d, m in zip(old_len, drop, new_len)]
     width, last = max(total), old_width + new_width - 1
     index = [[min(d + c if c < n - d else old_width + c - (n - d), last) for c in range(width)]

@@ -92,18 +92,17 @@ class BlockProposer(EagleProposer):
         state.fed = True
         return head.logits(out, self.vocab.unembedding)
 
-    def propose(self, state: EagleState, limits, widths, generator) -> Proposal:
+    def propose(self, state: EagleState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
         B, m, W, device = len(limit), max(limit), state.features.shape[1], limits.device
         state.fed = False
         if m == 0 or W == 0:
             return Proposal.empty(B, device)
         logits = self.block_logits(state, m)                                             # (B, m, N)
-        scores = [logits[:, j] for j in range(m)]
-        tokens, probs = zip(*((token, p) for p, token in (draw(s, state.samplings, generator, self.vocab,
-                                                                 self.vocab_size) for s in scores)))
+        probs, tokens, scores = zip(*(draw(logits[:, j], state.samplings, draws, j, self.vocab, self.vocab_size)
+                                      for j in range(m)))
         # a one-token prompt has no features yet: no drafts
         lengths = torch.tensor([lim if n > 0 else 0 for lim, n in zip(limit, state.lengths)], device=device)
         probs = None if probs[0] is None else torch.stack(probs, 1)
-        return with_alternatives(Proposal(torch.stack(tokens, 1), lengths, probs), scores, widths, self.vocab,
+        return with_alternatives(Proposal(torch.stack(tokens, 1), lengths, probs), list(scores), widths, self.vocab,
                                  self.vocab_size)

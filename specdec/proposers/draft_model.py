@@ -23,7 +23,7 @@ from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import causal_lm, context_length, next_positions
 from ..lm.kv_cache import KVCache
-from .base import CATCH_UP, DraftVocabulary, draft_chain, grow_tree, with_alternatives
+from .base import FEED, DraftVocabulary, catch_up, draft_chain, grow_tree, with_alternatives
 
 
 @dataclass
@@ -81,9 +81,9 @@ class DraftModelProposer:
         return DraftState(cache, [], [], [])
 
     def new_cache(self, rows: int, max_len: int, k: int, nodes: int | None) -> KVCache:
-        # room for padding: a row may be written up to k + 1 slots past its longest sequence, a
-        # dynamic tree's nodes after its committed tokens
-        return self.model.new_cache(rows, max_len + max(k, nodes or 0) + 1)
+        # room past the longest sequence: a catch-up window of FEED tokens (padded for the other rows),
+        # k + 1 drafts, a dynamic tree's nodes after the committed tokens
+        return self.model.new_cache(rows, max_len + max(FEED, k, nodes or 0) + 1)
 
     def join(self, state: DraftState, prompts, prompt_hidden, samplings) -> None:
         """New rows start empty, their whole prompt pending: the draft reads it with its first
@@ -108,13 +108,15 @@ class DraftModelProposer:
                          logits_index=logits_index, **extra)
         return out.logits[:, -1]
 
-    def propose(self, state: DraftState, limits, widths, generator) -> Proposal:
+    def propose(self, state: DraftState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
         B, m = len(limit), max(limit)
         state.fed_drafts, state.chain = 0, None
         if m == 0:
             return Proposal.empty(B, limits.device)
-        # feed the pending tokens; rows that draft nothing keep theirs pending
+        # feed the pending tokens (all but the last FEED first, when more: catch_up); rows that draft
+        # nothing keep theirs pending
+        catch_up(self.model, self.context, state, limit, FEED)
         lengths = [len(p) for p in state.pending]
         width = max(lengths)
         # the window (B, W) and, where it is wider than 1, each row's last position (B, 1): one copy
@@ -128,9 +130,10 @@ class DraftModelProposer:
                 state.pending[b] = []
         state.cache.rollback(state.committed)
         if self.tree == "dynamic" and max(widths[:m]) > 1:
-            return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab)
+            return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab,
+                             state.samplings, draws)
         tokens, probs, scores = draft_chain(logits, m, lambda j, token: self.forward(token[:, None], state.cache),
-                                            state.samplings, generator, self.vocab, self.vocab_size)
+                                            state.samplings, draws, self.vocab, self.vocab_size)
         state.fed_drafts = m - 1
         proposal = with_alternatives(Proposal(tokens, limits.clone(), probs), scores, widths, self.vocab,
                                      self.vocab_size)
@@ -157,6 +160,6 @@ class DraftModelProposer:
         for b, (tokens, n, emitted) in enumerate(zip(outcome.tokens, chained, outcome.counts)):
             kept = min(n, state.fed_drafts, emitted)
             state.committed[b] += kept
-            state.pending[b] = (state.pending[b] + tokens[kept:emitted])[-CATCH_UP:]
+            state.pending[b] += tokens[kept:emitted]
         state.cache.rollback(state.committed)
         state.fed_drafts, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal

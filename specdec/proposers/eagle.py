@@ -36,7 +36,6 @@ from ..lm.interface import abilities, next_positions, pad_right
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
 from .base import (
-    CATCH_UP,
     DraftVocabulary,
     draft_chain,
     gather_rows,
@@ -113,8 +112,10 @@ class EagleProposer:
             raise SpecdecError(f"an EAGLE head drafts k >= 1 tokens per step, got k={k}: use k >= 1 (k = 0 is "
                                "plain decoding: leave out the draft)")
         cfg, (device, dtype) = self.target.config, placement(self.target)
-        # the longest row's entries stay below max_len; drafts and padded windows add < 2 (k + 1)
-        cache = KVCache(1, capacity, cfg.num_key_value_heads, cfg.head_dim, max_len + 2 * (k + 1), dtype=dtype,
+        # the longest row's entries stay below max_len; a window pads every row to the widest pending
+        # stretch (a prompt, the plain steps since the head last drafted: < max_len) and drafts add < 2 (k + 1);
+        # one layer's entries: the room costs little
+        cache = KVCache(1, capacity, cfg.num_key_value_heads, cfg.head_dim, 2 * max_len + 2 * (k + 1), dtype=dtype,
                         device=device)
         cache.regroup([])
         features = torch.zeros(0, 0, cfg.hidden_size * len(self.features), dtype=dtype, device=device)
@@ -139,7 +140,7 @@ class EagleProposer:
         state.samplings, state.committed, state.lengths = ([rows[b] for b in keep] for rows in (
             state.samplings, state.committed, state.lengths))
 
-    def propose(self, state: EagleState, limits, widths, generator) -> Proposal:
+    def propose(self, state: EagleState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
         B, m, W, device = len(limit), max(limit), state.features.shape[1], limits.device
         state.fed = False
@@ -169,7 +170,7 @@ class EagleProposer:
             state.cache.advance(1)
             return head.logits(prev[:, 0], self.vocab.unembedding)
 
-        tokens, probs, scores = draft_chain(logits.reshape(B, -1), m, advance, state.samplings, generator,
+        tokens, probs, scores = draft_chain(logits.reshape(B, -1), m, advance, state.samplings, draws,
                                             self.vocab, self.vocab_size)
         # a one-token prompt has no features yet: no drafts
         lengths = torch.tensor([lim if n > 0 else 0 for lim, n in zip(limit, state.lengths)], device=device)
@@ -182,7 +183,7 @@ class EagleProposer:
         drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
         tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
         index, state.lengths = ragged_concat_index(state.features.shape[1], tokens.shape[1],
-                                                    state.lengths, drop, outcome.counts, tokens.device, CATCH_UP)
+                                                    state.lengths, drop, outcome.counts, tokens.device)
         state.features = gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
         state.ahead = gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.fed = False  # consumed: a plain stretch's outcome follows no proposal

@@ -44,7 +44,6 @@ from ..lm.interface import abilities, next_positions, pad_right
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
 from .base import (
-    CATCH_UP,
     DraftVocabulary,
     draft_chain,
     gather_rows,
@@ -108,8 +107,9 @@ class MTPProposer:
                                "last head for later positions, as some engines do, drafts tokens it was never "
                                "trained to predict, so their acceptance would collapse.)")
         cfg, (device, dtype) = self.target.config, placement(self.target)
-        # positions written stay below max_len + the widest window after prefill (< 3 (k + 1))
-        cache = KVCache(k, capacity, cfg.num_key_value_heads, cfg.head_dim, max_len + 3 * (k + 1), dtype=dtype,
+        # positions written stay below max_len + the widest window (every row padded to the widest pending
+        # stretch: a prompt, the plain steps since the heads last drafted: < max_len) + 3 (k + 1)
+        cache = KVCache(k, capacity, cfg.num_key_value_heads, cfg.head_dim, 2 * max_len + 3 * (k + 1), dtype=dtype,
                         device=device)
         cache.regroup([])
         return MTPState([], k, cache, [], torch.zeros(0, 0, cfg.hidden_size, dtype=dtype, device=device),
@@ -134,7 +134,7 @@ class MTPProposer:
         state.samplings, state.first, state.lengths = ([rows[b] for b in keep] for rows in (
             state.samplings, state.first, state.lengths))
 
-    def propose(self, state: MTPState, limits, widths, generator) -> Proposal:
+    def propose(self, state: MTPState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
         B, m, W, device = len(limit), max(limit), state.hidden.shape[1], limits.device
         state.written, state.chain = 0, None
@@ -159,7 +159,7 @@ class MTPProposer:
             return head_logits(j + 1, heads.next_prev(state.hidden, out))
 
         # every head writes the window, even beyond m: they share the cache lengths
-        tokens, probs, scores = draft_chain(head_logits(0, state.hidden), k, advance, state.samplings, generator,
+        tokens, probs, scores = draft_chain(head_logits(0, state.hidden), k, advance, state.samplings, draws,
                                             self.vocab, self.vocab_size)
         state.cache.advance(W)
         state.written = W
@@ -189,7 +189,7 @@ class MTPProposer:
         state.first = keep_to
         tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
         index, state.lengths = ragged_concat_index(state.hidden.shape[1], tokens.shape[1], state.lengths,
-                                                    drop, counts, tokens.device, CATCH_UP)
+                                                    drop, counts, tokens.device)
         state.hidden = gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
         state.ahead = gather_rows(torch.cat([state.ahead, tokens], 1), index)
         state.written, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal

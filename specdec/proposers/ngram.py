@@ -117,7 +117,7 @@ class NgramProposer:
     def leave(self, state: NgramState, keep: list[int]) -> None:
         state.rows = [state.rows[b] for b in keep]
 
-    def propose(self, state: NgramState, limits, widths, generator) -> Proposal:
+    def propose(self, state: NgramState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
         m = max(limit)
         if m == 0:

@@ -29,7 +29,7 @@ from ..errors import SpecdecError
 from ..lm.interface import next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM
-from .base import CATCH_UP, DraftVocabulary, draw_block, with_alternatives
+from .base import FEED, DraftVocabulary, catch_up, draw_block, with_alternatives
 from .draft_model import DraftModelProposer, DraftState
 
 
@@ -70,15 +70,16 @@ class ParallelDraftProposer(DraftModelProposer):
         return super().start(max_len, k, capacity, nodes)
 
     def new_cache(self, rows: int, max_len: int, k: int, nodes: int | None) -> KVCache:
-        # a window is the pending tokens (< k + 2 after a step, a prompt on joining) and m - 1 masks, padded
-        return self.model.new_cache(rows, max_len + 2 * (k + 2))
+        # a window is the pending tokens (at most FEED: base.catch_up feeds older ones first) and m - 1 masks, padded
+        return self.model.new_cache(rows, max_len + FEED + 2 * (k + 2))
 
-    def propose(self, state: DraftState, limits, widths, generator) -> Proposal:
+    def propose(self, state: DraftState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
         B, m = len(limit), max(limit)
         state.fed_drafts, state.chain = 0, None
         if m == 0:
             return Proposal.empty(B, limits.device)
+        catch_up(self.model, self.context, state, limit, FEED)
         lengths = [len(p) for p in state.pending]
         width = max(lengths) + m - 1
         # per row: [pending, mask x (m-1), padding] and the m columns whose outputs are the block: one copy
@@ -102,13 +103,12 @@ class ParallelDraftProposer(DraftModelProposer):
                 state.pending[b] = []
         state.cache.rollback(state.committed)                               # the masks' entries dropped
         if not (self.native and greedy):
-            tokens, probs = draw_block(logits, state.samplings, generator, self.vocab, self.vocab_size)
-        else:
-            probs = None
-        scores = list(logits.unbind(1)) if tree else None
+            tokens, probs, scores = draw_block(logits, state.samplings, draws, self.vocab, self.vocab_size)
+        else:  # greedy in the kernel: the logits came back only for a tree's alternatives
+            probs, scores = None, list(logits.unbind(1)) if tree else None
         return with_alternatives(Proposal(tokens, limits.clone(), probs), scores, widths, self.vocab, self.vocab_size)
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
-        # no draft was written into the cache: every committed token is pending (the last CATCH_UP)
-        state.pending = [(pending + tokens[:emitted])[-CATCH_UP:]
+        # no draft was written into the cache: every committed token is pending
+        state.pending = [pending + tokens[:emitted]
                          for pending, tokens, emitted in zip(state.pending, outcome.tokens, outcome.counts)]

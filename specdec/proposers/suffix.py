@@ -222,7 +222,7 @@ class SuffixProposer:
                     best = tree
         return best[0], best[1]
 
-    def propose(self, state: SuffixState, limits, widths, generator) -> Proposal:
+    def propose(self, state: SuffixState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
         m = max(limit)
         if m == 0:
