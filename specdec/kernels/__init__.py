@@ -1,5 +1,5 @@
-"""Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1)
-and fp32 arithmetic (see cpu.cpp).
+"""Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1;
+as GGUF files store them also Q5_0, Q4_K, Q6_K) and fp32 arithmetic (see cpu.cpp).
 
 Built from cpu.cpp and isa.h by the machine's C++ compiler the first time they are needed (about a
 minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by `cache_key`). They run on AVX-512
@@ -43,7 +43,7 @@ from .. import SPIN_BOUNDED
 from ..errors import SpecdecError
 from . import blocks as quant
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "quant.h", "threads.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "quant.h", "kquant.h", "threads.h")]
 LANES = 16  # outputs per packed panel
 _EMPTY = torch.empty(0)
 
@@ -130,7 +130,9 @@ def _inference(*tensors: torch.Tensor) -> bool:
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-FORMATS = ("bf16",) + quant.QUANTIZED  # cpu.cpp's Format, in order
+FORMATS = ("bf16",) + quant.QUANTIZED  # the formats a weight can be stored in (Matrix.store)
+# every format a Matrix may hold -> cpu.cpp's Format (Q5_0 runs as Q8_0's bytes: blocks.pack)
+KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 1, "q4_k": 4, "q6_k": 5}
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -143,7 +145,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
-    or blocks of 32 quantized weights (blocks.py) packed for quant.h. What a model holds per Linear."""
+    or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
+    Q5_0 and the K-quants (kquant.h). What a model holds per Linear."""
 
     def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, blocks: quant.Blocks | None = None):
         self.format, self.shape, self.data = format, tuple(shape), data
@@ -164,6 +167,11 @@ class Matrix:
     @property
     def quantized(self) -> bool:
         return self.format != "bf16"
+
+    @property
+    def kernel_format(self) -> int:
+        """cpu.cpp's Format of the packed data."""
+        return KERNEL_FORMAT[self.format]
 
     @property
     def nbytes(self) -> int:
@@ -193,7 +201,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, stored: Matrix | None = None,
     times bf16 panels by the kernels; a quantized format always in its own arithmetic (the kernels,
     or blocks.linear where they cannot run: the same numbers)."""
     if stored is not None and x.dtype == torch.float32 and _inference(x) and compiled():
-        return compiled().linear(x, stored.data, FORMATS.index(stored.format), stored.shape[0], _EMPTY,
+        return compiled().linear(x, stored.data, stored.kernel_format, stored.shape[0], _EMPTY,
                                  _EMPTY if bias is None else bias.detach())
     if stored is not None and stored.quantized:
         return quant.linear(x, stored.blocks(), bias).to(x.dtype)
@@ -244,7 +252,7 @@ def stack(layers: list[LayerWeights], arch):
         weights.append({name: (_EMPTY if value is None else value.data if isinstance(value, Matrix)
                                else value.detach().float().contiguous())
                         for name, value in layer._asdict().items()})
-        formats.append({name: FORMATS.index(value.format) for name, value in layer._asdict().items()
+        formats.append({name: value.kernel_format for name, value in layer._asdict().items()
                         if isinstance(value, Matrix)})
     shape = compiled().Shape()
     shape.C, shape.H, shape.Hkv, shape.D, shape.F = (arch.hidden_size, arch.num_attention_heads,
@@ -299,11 +307,11 @@ def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, cache, positi
     cache.check_room(ids.shape[1])
     prev, embed_norm, prev_norm, proj = (_EMPTY, _EMPTY, _EMPTY, _EMPTY_BF16) if fuse is None else (
         fuse[0].contiguous(), _scale(fuse[1]), _scale(fuse[2]), fuse[3].data)
-    proj_format = 0 if fuse is None else FORMATS.index(fuse[3].format)
+    proj_format = 0 if fuse is None else fuse[3].kernel_format
     tokens, out, picked = compiled().draft_block(
         stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, proj_format, cache.keys,
         cache.values, cache.lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq,
-        columns.contiguous(), _scale(norm), norm.eps, unembedding.data, FORMATS.index(unembedding.format), vocab_ids,
+        columns.contiguous(), _scale(norm), norm.eps, unembedding.data, unembedding.kernel_format, vocab_ids,
         logits)
     cache.advance(ids.shape[1])
     return tokens, out if logits else None, picked

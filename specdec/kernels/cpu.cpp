@@ -38,9 +38,9 @@
 #include "threads.h"
 
 // How a matrix is stored (kernels.FORMATS): bf16 panels (isa.h) or blocks of 32 quantized weights (quant.h).
-enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
+enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5 };  // K-quants: kquant.h
 constexpr int64_t kBlock = 32;  // weights per quantized block, along K
-constexpr int64_t kPanelBlockBytes[4] = {0, 32 + 512, 32 + 256, 64 + 256};  // 16 outputs x 32 k (quant.h)
+constexpr int64_t kPanelBlockBytes[6] = {0, 32 + 512, 32 + 256, 64 + 256, 296, 548};  // 16 outputs x 32 k (quant.h)
 
 struct Mat {  // a packed matrix of N outputs from K inputs
   int format;
@@ -82,7 +82,7 @@ using QuantMatmul = void (*)(const QuantRows&, int64_t, const Mat&, float*, int6
                              int64_t, int64_t);
 struct QuantOps {
   const char* name;
-  QuantMatmul matmul;  // quant.h's qmatmul_panels
+  QuantMatmul matmul;  // kquant.h's kquant_matmul (quant.h's formats and the K-quants)
 };
 extern const QuantOps* g_quant;  // the quantized kernels chosen for this CPU (see dispatch)
 
@@ -242,6 +242,7 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
   static V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 };
 #include "quant.h"
+#include "kquant.h"
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
@@ -354,6 +355,7 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
 };
 #include "isa.h"
 #include "quant.h"
+#include "kquant.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -383,8 +385,8 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
-const QuantOps kQuantVnni{"avx512_vnni", avx512_vnni::qmatmul_panels};
-const QuantOps kQuantAvx2{"avx2", avx2::qmatmul_panels};
+const QuantOps kQuantVnni{"avx512_vnni", avx512_vnni::kquant_matmul};
+const QuantOps kQuantAvx2{"avx2", avx2::kquant_matmul};
 
 bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
@@ -419,8 +421,9 @@ Mat matrix(const torch::Tensor& w, int64_t format, int64_t N, int64_t K, const c
     check_packed(w, K, N, what);
     return {kBf16, bf16_data(w), N, K};
   }
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_1, what, ": unknown matrix format ", format);
-  TORCH_CHECK(K % kBlock == 0, what, ": a quantized matrix needs K a multiple of 32, got ", K);
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, what, ": unknown matrix format ", format);
+  const int64_t block = format >= kQ4_K ? 256 : kBlock;  // a K-quant's super-blocks (kquant.h)
+  TORCH_CHECK(K % block == 0, what, ": a matrix in this format needs K a multiple of ", block, ", got ", K);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == matrix_bytes(format, N, K), what,
               ": expected its packed blocks as ", matrix_bytes(format, N, K), " contiguous uint8 (kernels.Matrix)");
   return {static_cast<int>(format), w.data_ptr<uint8_t>(), N, K};
