@@ -1,10 +1,11 @@
-"""A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0 and Q4_1 tensors become the
-kernels' Matrix of each Linear of specdec's model, block for block, never dequantized and
+"""A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K
+tensors (what a Q4_K_M file holds) become the kernels' Matrix of each Linear of specdec's model, block for block, never dequantized and
 re-rounded (`--quantize gguf`). q, k and v are fused into qkv_proj and gate and up into
 gate_up_proj by stacking their rows (blocks run along a row, so this is exact); the blocks come
 from gguf.raw_tensors, which has already put Llama's q and k rows back in transformers' order.
 
-A matrix of another type (F16, Q6_K, ...), or a fused one with a part of another type, keeps the
+A matrix of another type (F16, Q5_K, ...), or a fused one with parts of different types (a Q4_K_M
+file's q, k in Q4_K and v in Q6_K in some layers), keeps the
 values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning; the
 embedding table holds the file's values exactly (fp32). This module
 knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or about decoding.
@@ -25,7 +26,8 @@ from .gguf import RawTensor, raw_tensors
 from .model import LlamaForCausalLM, store_matrices
 
 AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> kernels format
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k",
+           "Q6_K": "q6_k"}  # GGUF type name -> kernels format
 # a decoder layer's matrix (transformers' name) -> specdec's Linear holding it, and its part (row order)
 PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.qkv_proj": ("self_attn.qkv_proj", 0),
@@ -53,9 +55,8 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
             others[name] = "+".join(kinds)
             continue
         stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
-        mins = None if stored[0].mins is None else torch.cat([b.mins for b in stored])
-        given[name] = Matrix.from_blocks(Blocks(stored[0].format, torch.cat([b.codes for b in stored]),
-                                                torch.cat([b.scales for b in stored]), mins))
+        fields = [None if field[0] is None else torch.cat(field) for field in zip(*(b[1:] for b in stored))]
+        given[name] = Matrix.from_blocks(Blocks(stored[0].format, *fields))
     return given, others
 
 
