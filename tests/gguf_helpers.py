@@ -1,8 +1,8 @@
 """Small GGUF files written here with the `gguf` package from small transformers models, as
 llama.cpp's convert_hf_to_gguf.py writes them: its tensor names, Llama's q/k row permutation, norms
 and biases in F32 and the matrices in the types given (F32, F16, BF16, Q8_0, Q4_0, Q4_1 by default,
-cycled so every type occurs; Q4_K and Q6_K, which gguf.quants cannot make, by `quantize_any`), a byte-level BPE tokenizer with its special tokens marked as control
-tokens. Nothing is downloaded."""
+cycled so every type occurs; Q4_K and Q6_K, which gguf.quants cannot make, by `quantize_any`), a
+byte-level BPE tokenizer with its special tokens marked as control tokens. Nothing is downloaded."""
 from __future__ import annotations
 
 import json

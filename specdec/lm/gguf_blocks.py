@@ -1,14 +1,15 @@
 """A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K
-tensors (what a Q4_K_M file holds) become the kernels' Matrix of each Linear of specdec's model, block for block, never dequantized and
-re-rounded (`--quantize gguf`). q, k and v are fused into qkv_proj and gate and up into
-gate_up_proj by stacking their rows (blocks run along a row, so this is exact); the blocks come
-from gguf.raw_tensors, which has already put Llama's q and k rows back in transformers' order.
+tensors (what a Q4_K_M file holds) become the kernels' Matrix of each Linear of specdec's model,
+block for block, never dequantized and re-rounded (`--quantize gguf`). q, k and v are fused into
+qkv_proj and gate and up into gate_up_proj by stacking their rows (blocks run along a row, so this
+is exact); the blocks come from gguf.raw_tensors, which has already put Llama's q and k rows back
+in transformers' order.
 
 A matrix of another type (F16, Q5_K, ...), or a fused one with parts of different types (a Q4_K_M
-file's q, k in Q4_K and v in Q6_K in some layers), keeps the
-values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning; the
-embedding table holds the file's values exactly (fp32). This module
-knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or about decoding.
+file's q and k in Q4_K with v in Q6_K, in some layers), keeps the values of the file's converted
+checkpoint (bf16, gguf.folder), said once in a warning; the embedding table holds the file's values
+exactly (fp32). This module knows nothing about the rest of a GGUF file (its configuration, its
+vocabulary) or about decoding.
 """
 from __future__ import annotations
 
