@@ -3,7 +3,7 @@ blocks hold exactly what gguf.quants dequantizes (blocks gguf quantizes, Q5_0, o
 GGUF's layout, the K-quants; and blocks of random bytes: every code and scale), the kernels compute
 blocks.linear's very bits at every row count on each instruction set, blocks.linear is the product of
 the quantized activations and the weights, and a GGUF file in these types runs every matrix as
-stored, with speculative greedy equal to plain greedy."""
+stored, as a target and as a draft model, with speculative greedy equal to plain greedy."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from specdec import kernels
-from specdec.api import load
+from specdec.api import load, load_drafter
 from specdec.decoding.decode import plain_generate
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
@@ -156,3 +156,19 @@ def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
         for proposer, k in [(build_proposer("self", target=target), 3), (build_proposer("ngram"), 2)]:
             rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
             assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0, isa
+
+
+@needs_kernels
+def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
+    """The file as its own draft: as stored (the target's very arithmetic, so every draft is accepted);
+    beside a target run as its bf16 conversion, the draft is that conversion too."""
+    target = load(k_quant_file, quantize="gguf")
+    proposer = load_drafter(target, "draft-model", k_quant_file)
+    assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == {"q4_k", "q6_k", "q5_0"}
+    prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=16), SamplingConfig()
+    plain, _ = plain_generate(target.model, prompts, rule, greedy)
+    rows, metrics = speculative_generate(target.model, proposer, prompts, rule, greedy, 3)
+    assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.accepted == metrics.proposed > 0
+    unquantized = load(k_quant_file)
+    draft = load_drafter(unquantized, "draft-model", k_quant_file).model
+    assert {m.stored.format for m in draft.modules() if isinstance(m, Linear) and m.stored} <= {"bf16"}
