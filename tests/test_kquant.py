@@ -102,6 +102,30 @@ def test_each_row_of_the_kernel_equals_the_reference_exactly(format):
                     assert torch.equal(torch.cat(parts), add + reference), (isa, N, K, rows, make.__name__)
 
 
+@needs_kernels
+def test_runs_of_several_formats_compute_each_runs_reference_exactly():
+    """A fused matrix whose parts are stored in different types (Q4_K_M's q, k in Q4_K and v in Q6_K):
+    runs, run by run the bits of each part's blocks.linear."""
+    parts = [random_blocks("q4_k", 32, 512, 5)[0], random_blocks("q4_k", 16, 512, 6)[0],
+             random_blocks("q5_0", 16, 512, 7)[0], random_blocks("q6_k", 21, 512, 8)[0]]
+    matrix = kernels.Matrix.from_runs(parts)
+    assert matrix.format == "q4_k+q5_0+q6_k" and matrix.shape == (85, 512) and len(matrix.runs) == 3
+    assert torch.equal(matrix.dense(), torch.cat([p.dense() for p in parts]))
+    g = torch.Generator().manual_seed(5)
+    x, bias, add = torch.randn(7, 512, generator=g), torch.randn(85, generator=g), torch.randn(7, 85, generator=g)
+    reference = torch.cat([blocks.linear(x, p) for p in parts], dim=-1) + bias
+    assert torch.equal(matrix.reference(x, bias), reference)
+    for isa in on_each_isa():
+        for rows in (1, 2, 3, 7):
+            got = torch.cat([kernels.compiled().linear(x[i:i + rows], matrix.data, matrix.kernel_format, 85,
+                                                       add[i:i + rows], bias) for i in range(0, 7, rows)])
+            assert torch.equal(got, add + reference), (isa, rows)
+    with pytest.raises(ValueError, match="no rows to pick"):  # only an unembedding's rows are picked: never runs
+        matrix.rows(torch.tensor([84, 3]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.Matrix.from_runs([parts[3], parts[2]])  # a run of 21 outputs before another
+
+
 def test_a_k_quant_needs_rows_of_whole_super_blocks():
     assert "blocks of 256" in blocks.blocking_error("q4_k", 288)
     assert blocks.blocking_error("q6_k", 512) is None and blocks.blocking_error("q5_0", 288) is None
@@ -112,8 +136,9 @@ def test_a_k_quant_needs_rows_of_whole_super_blocks():
 # ---- a GGUF file in these types (Q4_K_M's), every matrix as stored ----
 
 # cycled over the matrices as written (the embedding, then q, k, v, o, gate, up, down of each layer):
-# the embedding and down in Q6_K, q/k/v and gate/up in Q4_K, o in Q5_0
-FILE_TYPES = (Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q5_0, Q.Q4_K, Q.Q4_K)
+# the embedding, v and down in Q6_K, q/k and gate/up in Q4_K, o in Q5_0 (q, k, v fused: runs)
+FILE_TYPES = (Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_K, Q.Q4_K)
+FILE_FORMATS = {"q4_k", "q6_k", "q5_0", "q4_k+q6_k"}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +154,7 @@ def k_quant_file(tmp_path_factory, gguf_cache):
 def test_a_files_k_quants_run_as_stored_near_the_exact_product(k_quant_file):
     target = load(k_quant_file, quantize="gguf").model
     formats = {name: m.stored.format for name, m in target.named_modules() if isinstance(m, Linear)}
-    assert set(formats.values()) == {"q4_k", "q6_k", "q5_0"} and target.stack is not None  # all in the kernels
+    assert set(formats.values()) == FILE_FORMATS and target.stack is not None  # all in the kernels
     raws = {raw.name: raw for raw in gguf.raw_tensors(k_quant_file)}
     down = raws["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(target.model.layers[1].mlp.down_proj.stored.dense(),
@@ -164,7 +189,7 @@ def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
     beside a target run as its bf16 conversion, the draft is that conversion too."""
     target = load(k_quant_file, quantize="gguf")
     proposer = load_drafter(target, "draft-model", k_quant_file)
-    assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == {"q4_k", "q6_k", "q5_0"}
+    assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == FILE_FORMATS
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=16), SamplingConfig()
     plain, _ = plain_generate(target.model, prompts, rule, greedy)
     rows, metrics = speculative_generate(target.model, proposer, prompts, rule, greedy, 3)

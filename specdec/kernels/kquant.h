@@ -2,7 +2,9 @@
 // times activation rows quantized per block of 32 to int8 as for the other quantized formats
 // (quantize_row in cpu.cpp): written once over the 16-lane int32 vector `VI` and included by
 // cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
-// format: the K-quants here, the others by quant.h (Q5_0 is packed as Q8_0's bytes, blocks.pack).
+// format: the K-quants here, the others by quant.h (Q5_0 is packed as Q8_0's bytes, blocks.pack), and a
+// matrix whose outputs come in runs of different formats (kMixed: a fused q/k/v whose v is stored in
+// another type than q and k, as Q4_K_M files do) run by run.
 //
 // The arithmetic (kernels/blocks.py's block_terms is the same in PyTorch): output n of row m is the
 // fp32 sum over blocks b of 32 k, in order from 0, one mul and one add at a time (no FMA), of
@@ -192,12 +194,34 @@ inline void kmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y
   }
 }
 
-// Every quantized format: the K-quants here, the others by quant.h.
+inline void kquant_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
+                          const float* bias, int64_t q0, int64_t q1);
+
+// A kMixed matrix: each run (its outputs' columns of Y, bias and add) for its panels within [q0, q1).
+inline void mixed_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
+                         const float* bias, int64_t q0, int64_t q1) {
+  const int32_t* head = static_cast<const int32_t*>(W.data);
+  const uint8_t* data = static_cast<const uint8_t*>(W.data) + kMixedHeader;
+  int64_t p = 0;  // the run's first panel
+  for (int32_t i = 0; i < head[0]; ++i) {
+    const int format = head[1 + 2 * i];
+    const int64_t n = head[2 + 2 * i], panels = (n + kLanes - 1) / kLanes;
+    const int64_t a = std::max(q0, p), b = std::min(q1, p + panels), c = p * kLanes;
+    if (a < b)
+      kquant_matmul(x, M, Mat{format, data, n, W.K}, Y + c, ldy, add ? add + c : nullptr, bias ? bias + c : nullptr,
+                    a - p, b - p);
+    data += panels * (W.K / kBlock) * kPanelBlockBytes[format];
+    p += panels;
+  }
+}
+
+// Every quantized format: the K-quants here, the others by quant.h, runs of several (kMixed) run by run.
 inline void kquant_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
                           const float* bias, int64_t q0, int64_t q1) {
   switch (W.format) {
     case kQ4_K: return kmatmul_format<0>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kQ6_K: return kmatmul_format<1>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kMixed: return mixed_matmul(x, M, W, Y, ldy, add, bias, q0, q1);
     default: return qmatmul_panels(x, M, W, Y, ldy, add, bias, q0, q1);
   }
 }

@@ -5,10 +5,12 @@ qkv_proj and gate and up into gate_up_proj by stacking their rows (blocks run al
 is exact); the blocks come from gguf.raw_tensors, which has already put Llama's q and k rows back
 in transformers' order.
 
-A matrix of another type (F16, Q5_K, ...), or a fused one with parts of different types (a Q4_K_M
-file's q and k in Q4_K with v in Q6_K, in some layers), keeps the values of the file's converted
-checkpoint (bf16, gguf.folder), said once in a warning; the embedding table holds the file's values
-exactly (fp32). This module knows nothing about the rest of a GGUF file (its configuration, its
+A fused matrix whose parts are stored in different types (a Q4_K_M file's q and k in Q4_K with v
+in Q6_K, in some layers) runs as runs of its parts' formats (kernels.Matrix.from_runs) where each
+part but the last is a whole number of panels of 16 outputs. A matrix of another type (F16, Q5_K,
+...), or whose parts do not cut into panels, keeps the values of the file's converted checkpoint
+(bf16, gguf.folder), said once in a warning; the embedding table holds the file's values exactly
+(fp32). This module knows nothing about the rest of a GGUF file (its configuration, its
 vocabulary) or about decoding.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..kernels import Matrix
-from ..kernels.blocks import Blocks, from_gguf
+from ..kernels.blocks import from_gguf
 from .device import placement
 from .gguf import RawTensor, raw_tensors
 from .model import LlamaForCausalLM, store_matrices
@@ -52,12 +54,14 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
     given, others = {}, {}
     for name, pieces in parts.items():
         kinds = sorted({raw.type for _, raw in pieces})
-        if len(kinds) > 1 or kinds[0] not in FORMATS:
+        if any(kind not in FORMATS for kind in kinds):
             others[name] = "+".join(kinds)
             continue
         stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
-        fields = [None if field[0] is None else torch.cat(field) for field in zip(*(b[1:] for b in stored))]
-        given[name] = Matrix.from_blocks(Blocks(stored[0].format, *fields))
+        try:
+            given[name] = Matrix.from_runs(stored)  # parts of different types: runs, each as stored
+        except ValueError:  # runs the kernels cannot cut into panels
+            others[name] = "+".join(kinds)
     return given, others
 
 
@@ -78,7 +82,8 @@ def store_gguf_matrices(model: LlamaForCausalLM, path: str | Path) -> dict[str, 
         kinds = sorted(set(others.values()))
         warnings.warn(f"specdec: {Path(path).name}: {len(others)} matrices run from the converted checkpoint's bf16 "
                       f"values, not as stored: they are stored as {', '.join(kinds)}, and the kernels run "
-                      f"{', '.join(FORMATS)} (a fused matrix: all its parts in the same one)", stacklevel=2)
+                      f"{', '.join(FORMATS)} (a fused matrix: its parts in these, each but the last whole panels of "
+                      "16 outputs)", stacklevel=2)
     store_matrices(model, None, given)
     if "lm_head.weight" in raws:  # an embedding of its own: its values exactly (tied, it is the unembedding's)
         embedding = raws["model.embed_tokens.weight"]
