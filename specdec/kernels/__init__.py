@@ -164,8 +164,9 @@ class Matrix:
 
     @classmethod
     def from_blocks(cls, blocks: quant.Blocks) -> Matrix:
-        """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
-        return cls(blocks.format, blocks.shape, quant.pack(blocks), blocks)
+        """Quantized weights as stored (a GGUF file's, say), repacked exactly. Only the packed data is
+        kept (`blocks()` unpacks it again where asked): Blocks hold a byte per code."""
+        return cls(blocks.format, blocks.shape, quant.pack(blocks))
 
     @classmethod
     def from_runs(cls, parts: list[quant.Blocks]) -> Matrix:
@@ -228,7 +229,8 @@ class Matrix:
             return self.data.transpose(1, 2).reshape(-1, self.shape[1])[:self.shape[0]]
         if self.runs is not None:
             return torch.cat([run.dense() for run in self.runs])
-        return self.blocks().dense()
+        held = self._blocks or quant.unpack(self.data, self.format, self.shape)  # not kept: a byte per code
+        return held.dense()
 
     def rows(self, ids: torch.Tensor) -> Matrix:
         """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
