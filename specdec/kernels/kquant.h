@@ -70,6 +70,88 @@ inline V scale_bytes(typename VI::Raw raw, int at, int32_t offset) {
   return VI::to_float(VI::sub(VI::dot(VI::zero(), raw, int32_t{1} << (8 * at)), offset));
 }
 
+// Where block b (the c-th of its super-block) of rows r0.. meets panels j of a K-quant matrix: the
+// rows' int8 values, each panel's super-block (`base`: its d, [dmin,] scales) and codes of block c.
+template <int R, int NB>
+struct KBlock {
+  const int8_t* xq[R];
+  const uint8_t* base[NB];
+  const uint8_t* codes[NB];
+  int64_t b, r0;
+  int c;
+};
+
+// Q4_K: acc[r][j] += ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum) for block k.b.
+template <int R, int NB>
+inline void q4_k_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const V (&dmin)[NB],
+                       V (&acc)[R][NB]) {
+  VI s[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
+  for (int i = 0; i < 4; ++i) {
+    typename VI::Raw lo[NB], hi[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* p = k.codes[j] + i * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
+      const auto v = VI::load(p);
+      lo[j] = VI::low_nibbles(v);
+      hi[j] = VI::high_nibbles(v);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t xlo = VI::quad(k.xq[r] + 4 * i), xhi = VI::quad(k.xq[r] + 16 + 4 * i);
+      for (int j = 0; j < NB; ++j) s[r][j] = VI::dot(VI::dot(s[r][j], lo[j], xlo), hi[j], xhi);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const auto raw = VI::load(k.base[j] + kScalesAt[0] + (k.c / 2) * 64);
+    const V scale = V::mul(d[j], scale_bytes(raw, 2 * (k.c % 2), 0));
+    const V low = V::mul(dmin[j], scale_bytes(raw, 2 * (k.c % 2) + 1, 0));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (k.r0 + r) * x.blocks + k.b;
+      const V dx = V::bcast(x.d[at]);
+      const V part = V::sub(V::mul(V::mul(scale, dx), VI::to_float(s[r][j])),
+                            V::mul(V::mul(low, dx), V::bcast(static_cast<float>(x.sums[at]))));
+      acc[r][j] = V::add(acc[r][j], part);
+    }
+  }
+}
+
+// Q6_K: acc[r][j] += (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c)) for block k.b.
+template <int R, int NB>
+inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t* halves, const V (&d)[NB],
+                       V (&acc)[R][NB]) {
+  VI sa[R][NB], sc[R][NB];  // sum u q over the block's first 16 k, its last 16
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) sa[r][j] = sc[r][j] = VI::zero();
+  for (int i = 0; i < 4; ++i) {
+    typename VI::Raw first[NB], second[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* p = k.codes[j] + i * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
+      first[j] = VI::load(p);
+      second[j] = VI::load(p + 256);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t xa = VI::quad(k.xq[r] + 4 * i), xc = VI::quad(k.xq[r] + 16 + 4 * i);
+      for (int j = 0; j < NB; ++j) {
+        sa[r][j] = VI::dot(sa[r][j], first[j], xa);
+        sc[r][j] = VI::dot(sc[r][j], second[j], xc);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const auto raw = VI::load(k.base[j] + kScalesAt[1] + (k.c / 2) * 64);
+    const V fa = scale_bytes(raw, 2 * (k.c % 2), 128), fc = scale_bytes(raw, 2 * (k.c % 2) + 1, 128);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (k.r0 + r) * x.blocks + k.b;
+      const int32_t qa = halves[at], qc = x.sums[at] - qa;
+      const V exact = V::add(V::mul(fa, VI::to_float(VI::sub(sa[r][j], 32 * qa))),
+                             V::mul(fc, VI::to_float(VI::sub(sc[r][j], 32 * qc))));
+      acc[r][j] = V::add(acc[r][j], V::mul(V::mul(d[j], V::bcast(x.d[at])), exact));
+    }
+  }
+}
+
 // Rows r0..r0+R-1 (quantized; halves: their first-16 sums, Q6_K) against panels p0..p0+NB-1 of a
 // K-quant matrix (I: 0 Q4_K, 1 Q6_K).
 template <int I, int R, int NB>
@@ -80,82 +162,23 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
   V acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
+  KBlock<R, NB> k{};
+  k.r0 = r0;
   for (int64_t sb = 0; sb < nsuper; ++sb) {
-    const uint8_t* base[NB];
     V d[NB], dmin[NB];
     for (int j = 0; j < NB; ++j) {
-      base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
-      d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(base[j]));
-      if constexpr (I == 0) dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(base[j] + 32));
+      k.base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
+      d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j]));
+      if constexpr (I == 0) dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
     }
-    for (int c = 0; c < 8; ++c) {
-      const int64_t b = sb * 8 + c;
-      const int8_t* xq[R];
-      for (int r = 0; r < R; ++r) xq[r] = x.q + (r0 + r) * x.ld + b * kBlock;
-      const uint8_t* codes[NB];
-      for (int j = 0; j < NB; ++j) codes[j] = base[j] + codes_at + c * kSuperCodes[I];
-      if constexpr (I == 0) {
-        VI s[R][NB];
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
-        for (int i = 0; i < 4; ++i) {
-          typename VI::Raw lo[NB], hi[NB];
-          for (int j = 0; j < NB; ++j) {
-            const uint8_t* p = codes[j] + i * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
-            const auto v = VI::load(p);
-            lo[j] = VI::low_nibbles(v);
-            hi[j] = VI::high_nibbles(v);
-          }
-          for (int r = 0; r < R; ++r) {
-            const int32_t xlo = VI::quad(xq[r] + 4 * i), xhi = VI::quad(xq[r] + 16 + 4 * i);
-            for (int j = 0; j < NB; ++j) s[r][j] = VI::dot(VI::dot(s[r][j], lo[j], xlo), hi[j], xhi);
-          }
-        }
-        for (int j = 0; j < NB; ++j) {
-          const auto raw = VI::load(base[j] + kScalesAt[I] + (c / 2) * 64);
-          const V scale = V::mul(d[j], scale_bytes(raw, 2 * (c % 2), 0));
-          const V low = V::mul(dmin[j], scale_bytes(raw, 2 * (c % 2) + 1, 0));
-          for (int r = 0; r < R; ++r) {
-            const int64_t at = (r0 + r) * x.blocks + b;
-            const V dx = V::bcast(x.d[at]);
-            const V part = V::sub(V::mul(V::mul(scale, dx), VI::to_float(s[r][j])),
-                                  V::mul(V::mul(low, dx), V::bcast(static_cast<float>(x.sums[at]))));
-            acc[r][j] = V::add(acc[r][j], part);
-          }
-        }
-      } else {
-        VI sa[R][NB], sc[R][NB];  // sum u q over the block's first 16 k, its last 16
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < NB; ++j) sa[r][j] = sc[r][j] = VI::zero();
-        for (int i = 0; i < 4; ++i) {
-          typename VI::Raw first[NB], second[NB];
-          for (int j = 0; j < NB; ++j) {
-            const uint8_t* p = codes[j] + i * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
-            first[j] = VI::load(p);
-            second[j] = VI::load(p + 256);
-          }
-          for (int r = 0; r < R; ++r) {
-            const int32_t xa = VI::quad(xq[r] + 4 * i), xc = VI::quad(xq[r] + 16 + 4 * i);
-            for (int j = 0; j < NB; ++j) {
-              sa[r][j] = VI::dot(sa[r][j], first[j], xa);
-              sc[r][j] = VI::dot(sc[r][j], second[j], xc);
-            }
-          }
-        }
-        for (int j = 0; j < NB; ++j) {
-          const auto raw = VI::load(base[j] + kScalesAt[I] + (c / 2) * 64);
-          const V fa = scale_bytes(raw, 2 * (c % 2), 128), fc = scale_bytes(raw, 2 * (c % 2) + 1, 128);
-          for (int r = 0; r < R; ++r) {
-            const int64_t at = (r0 + r) * x.blocks + b;
-            const int32_t qa = halves[(r0 + r) * x.blocks + b], qc = x.sums[at] - qa;
-            const V exact = V::add(V::mul(fa, VI::to_float(VI::sub(sa[r][j], 32 * qa))),
-                                   V::mul(fc, VI::to_float(VI::sub(sc[r][j], 32 * qc))));
-            acc[r][j] = V::add(acc[r][j], V::mul(V::mul(d[j], V::bcast(x.d[at])), exact));
-          }
-        }
-      }
+    for (k.c = 0; k.c < 8; ++k.c) {
+      k.b = sb * 8 + k.c;
+      for (int r = 0; r < R; ++r) k.xq[r] = x.q + (r0 + r) * x.ld + k.b * kBlock;
+      for (int j = 0; j < NB; ++j) k.codes[j] = k.base[j] + codes_at + k.c * kSuperCodes[I];
+      if constexpr (I == 0)
+        q4_k_block<R, NB>(k, x, d, dmin, acc);
+      else
+        q6_k_block<R, NB>(k, x, halves, d, acc);
     }
   }
   store_ktile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
