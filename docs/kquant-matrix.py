@@ -3,7 +3,8 @@
 A matrix of N x K weights (default 8960 x 1536: Qwen2.5-Coder-1.5B's gate or up half) in bf16, the
 formats specdec quantizes (q8_0, q4_0, q4_1) and those read from GGUF files (q5_0, q4_k, q6_k: blocks of
 random bytes with small fp16 scales, as a file may hold), times M activation rows, on each instruction
-set the kernels run here, in interleaved rounds (every format once per round); prints the median
+set the kernels run here, in interleaved rounds (every format once per round, so that each call
+reads its matrix from memory: together they are larger than a last-level cache); prints the median
 microseconds per call and the bytes each format reads.
 
     python docs/kquant-matrix.py [--rows 1 8] [--rounds 15] [--threads 1]
@@ -35,7 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], metavar=("N", "K"))
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     if kernels.compiled() is None:
@@ -55,9 +56,8 @@ def main() -> None:
             for _ in range(args.rounds):
                 for f, m in matrices.items():
                     t0 = time.perf_counter()
-                    for _ in range(5):
-                        kernels.linear(x, w, m)
-                    times[f].append((time.perf_counter() - t0) / 5 * 1e6)
+                    kernels.linear(x, w, m)
+                    times[f].append((time.perf_counter() - t0) * 1e6)
             for f, m in matrices.items():
                 print(f"{kernels.quant_isa() if isa == 'avx512' else isa:12s} M={M:<3d} {f:5s} "
                       f"{statistics.median(times[f]):9.0f} us  {m.nbytes / 1e6:6.1f} MB", flush=True)
