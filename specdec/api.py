@@ -46,7 +46,7 @@ from .decoding.sampling import SamplingConfig
 from .decoding.stopping import Row, StopRule
 from .decoding.text import TextStream
 from .errors import SpecdecError
-from .lm import gguf
+from .lm import gguf, packaged
 from .lm.checkpoint import load_model, load_token_counts
 from .lm.device import default_dtype, placement
 from .lm.device import resolve as resolve_device
@@ -83,17 +83,18 @@ class Result:
 
 def load(path: str | Path | None = None, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
          quantize: str | None = None) -> Loaded:
-    """A checkpoint folder or a .gguf file (default: SmolLM2-135M-Instruct) with its tokenizer, on
+    """A checkpoint folder, a .gguf file or a packaged model's short name (lm/packaged.py:
+    "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"; default: SmolLM2-135M-Instruct) with its tokenizer, on
     `device` ("cpu", the default, or "cuda"), computing in `dtype` (default: float32 on the CPU,
     bfloat16 on CUDA). The backend goes with the device and is fixed here (device.backend).
     quantize: "q8_0", "q4_0" or "q4_1", every matrix quantized at load (CPU, float32;
-    checkpoint.quantize_model); "gguf", a .gguf file's Q8_0/Q4_0/Q4_1 matrices as the file stores
+    checkpoint.quantize_model); "gguf", a .gguf file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K matrices as the file stores
     them (lm/gguf_blocks.py; default: a .gguf runs as its bf16 conversion, the checkpoint drafters
     are trained for)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
-    file = default_target() if path is None else path
+    file = default_target() if path is None else packaged.resolve(path)
     as_stored = quantize == AS_STORED
     if as_stored and not gguf.is_gguf(file):
         raise SpecdecError(f"--quantize {AS_STORED} runs a .gguf file's blocks as stored, and {file} is a checkpoint "
@@ -125,8 +126,8 @@ def default_target() -> Path:
 
 def checkpoint_folder(path: str | Path | None) -> Path:
     """The checkpoint folder a model is named by: a folder, a .gguf file's folder (converted once,
-    lm/gguf.py), or for None the default target's (SmolLM2-135M-Instruct)."""
-    path = default_target() if path is None else path
+    lm/gguf.py; a packaged model's short name: its file's), or for None the default target's (SmolLM2-135M-Instruct)."""
+    path = default_target() if path is None else packaged.resolve(path)
     return gguf.folder(path) if gguf.is_gguf(path) else Path(path)
 
 

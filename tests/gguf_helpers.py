@@ -1,8 +1,8 @@
 """Small GGUF files written here with the `gguf` package from small transformers models, as
 llama.cpp's convert_hf_to_gguf.py writes them: its tensor names, Llama's q/k row permutation, norms
 and biases in F32 and the matrices in the types given (F32, F16, BF16, Q8_0, Q4_0, Q4_1 by default,
-cycled so every type occurs), a byte-level BPE tokenizer with its special tokens marked as control
-tokens. Nothing is downloaded."""
+cycled so every type occurs; Q4_K and Q6_K, which gguf.quants cannot make, by `quantize_any`), a
+byte-level BPE tokenizer with its special tokens marked as control tokens. Nothing is downloaded."""
 from __future__ import annotations
 
 import json
@@ -118,13 +118,67 @@ def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bo
             value = permute(value, cfg.num_key_value_heads)
         qtype = Q.F32 if value.ndim == 1 else types[matrices % len(types)]
         matrices += value.ndim > 1
-        data = quantize(np.ascontiguousarray(value, dtype=np.float32), qtype)
+        data = quantize_any(np.ascontiguousarray(value, dtype=np.float32), qtype)
         w.add_tensor(gguf_name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def quantize_any(w: np.ndarray, qtype) -> np.ndarray:
+    """gguf.quants.quantize, and for Q4_K and Q6_K (which it cannot make) blocks built here following
+    GGUF's layout (plain rounding, not llama.cpp's search for the best scales)."""
+    if qtype == Q.Q4_K:
+        return q4_k_by_hand(w)
+    if qtype == Q.Q6_K:
+        return q6_k_by_hand(w)
+    return quantize(w, qtype)
+
+
+def _nearest(x: np.ndarray) -> np.ndarray:
+    return np.floor(x + 0.5)
+
+
+def q4_k_by_hand(w: np.ndarray) -> np.ndarray:
+    """(N, K) fp32, K a multiple of 256 -> (N, K/256 * 144) bytes of Q4_K: per sub-block of 32 its
+    range as a 6-bit scale and min of the super-block's d and dmin, 4-bit codes."""
+    N, K = w.shape
+    x = w.reshape(N, K // 256, 8, 32).astype(np.float32)
+    low = np.minimum(x.min(-1), 0)  # (N, S, 8)
+    scale = (x.max(-1) - low) / 15
+    d = (scale.max(-1) / 63).astype(np.float16)  # (N, S)
+    dmin = (-low.min(-1) / 63).astype(np.float16)
+    inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
+    sc = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(_nearest(-low * inv(dmin.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    u = np.clip(_nearest((x + (dmin.astype(np.float32)[..., None] * m)[..., None]) * inv(step)[..., None]), 0, 15)
+    u = u.astype(np.uint8).reshape(N, K // 256, 4, 2, 32)  # chunk c: k 64c..64c+31, then 64c+32..
+    qs = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).reshape(N, K // 256, 128)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)  # (N, S, 12)
+    head = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], axis=-1)
+    return np.concatenate([head, packed, qs], axis=-1).reshape(N, -1)
+
+
+def q6_k_by_hand(w: np.ndarray) -> np.ndarray:
+    """(N, K) fp32, K a multiple of 256 -> (N, K/256 * 210) bytes of Q6_K: per sub-block of 16 an int8
+    scale of the super-block's d, 6-bit codes u = round(x / (d sc)) + 32."""
+    N, K = w.shape
+    x = w.reshape(N, K // 256, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31  # (N, S, 16)
+    d = (scale.max(-1) / 127).astype(np.float16)
+    inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
+    sc = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[..., None] * sc
+    u = np.clip(_nearest(x * inv(step)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(N, K // 256, 2, 4, 32)
+    ql = np.concatenate([(u[:, :, :, 0] & 15) | ((u[:, :, :, 2] & 15) << 4),
+                         (u[:, :, :, 1] & 15) | ((u[:, :, :, 3] & 15) << 4)], axis=-1)  # (N, S, 2, 64)
+    qh = (u[:, :, :, 0] >> 4) | ((u[:, :, :, 1] >> 4) << 2) | ((u[:, :, :, 2] >> 4) << 4) | ((u[:, :, :, 3] >> 4) << 6)
+    return np.concatenate([ql.reshape(N, -1, 128), qh.reshape(N, -1, 64), sc.view(np.uint8),
+                           d[..., None].view(np.uint8)], axis=-1).reshape(N, -1)
 
 
 def add_tokenizer(w: GGUFWriter, tok: Tokenizer, add_bos: bool, bos: str | None, eos: str) -> None:

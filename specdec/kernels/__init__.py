@@ -1,5 +1,5 @@
-"""Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1)
-and fp32 arithmetic (see cpu.cpp).
+"""Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1;
+as GGUF files store them also Q5_0, Q4_K, Q6_K) and fp32 arithmetic (see cpu.cpp).
 
 Built from cpu.cpp and isa.h by the machine's C++ compiler the first time they are needed (about a
 minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by `cache_key`). They run on AVX-512
@@ -43,7 +43,7 @@ from .. import SPIN_BOUNDED
 from ..errors import SpecdecError
 from . import blocks as quant
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "quant.h", "threads.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "quant.h", "kquant.h", "threads.h")]
 LANES = 16  # outputs per packed panel
 _EMPTY = torch.empty(0)
 
@@ -130,7 +130,10 @@ def _inference(*tensors: torch.Tensor) -> bool:
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-FORMATS = ("bf16",) + quant.QUANTIZED  # cpu.cpp's Format, in order
+FORMATS = ("bf16",) + quant.QUANTIZED  # the formats a weight can be stored in (Matrix.store)
+# every format a Matrix may hold -> cpu.cpp's Format (Q5_0 runs as Q8_0's bytes: blocks.pack)
+KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 1, "q4_k": 4, "q6_k": 5}
+MIXED = 6  # cpu.cpp's kMixed: runs of outputs in different quantized formats (Matrix.from_runs)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -143,11 +146,14 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
-    or blocks of 32 quantized weights (blocks.py) packed for quant.h. What a model holds per Linear."""
+    or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
+    Q5_0 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
+    "q4_k+q6_k", say). What a model holds per Linear."""
 
-    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, blocks: quant.Blocks | None = None):
+    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, blocks: quant.Blocks | None = None,
+                 runs: list[quant.Blocks] | None = None):
         self.format, self.shape, self.data = format, tuple(shape), data
-        self._blocks = blocks
+        self._blocks, self.runs = blocks, runs
 
     @classmethod
     def store(cls, weight: torch.Tensor, format: str = "bf16") -> Matrix:
@@ -158,18 +164,61 @@ class Matrix:
 
     @classmethod
     def from_blocks(cls, blocks: quant.Blocks) -> Matrix:
-        """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
-        return cls(blocks.format, blocks.shape, quant.pack(blocks), blocks)
+        """Quantized weights as stored (a GGUF file's, say), repacked exactly. Only the packed data is
+        kept (`blocks()` unpacks it again where asked): Blocks hold a byte per code."""
+        return cls(blocks.format, blocks.shape, quant.pack(blocks))
+
+    @classmethod
+    def from_runs(cls, parts: list[quant.Blocks]) -> Matrix:
+        """The outputs of `parts` (each (N_i, K), quantized) one after another, each part as stored:
+        consecutive parts of a format are merged; parts of different formats become runs (cpu.cpp's
+        kMixed: a 64-byte header, int32 runs then (format, N) per run, then each run's panels), every
+        run but the last a whole number of panels of 16 outputs (else ValueError)."""
+        runs: list[quant.Blocks] = []
+        for part in parts:
+            if runs and runs[-1].format == part.format:
+                part = quant.Blocks(part.format, *[None if a is None else torch.cat((a, b))
+                                                   for a, b in zip(runs.pop()[1:], part[1:])])
+            runs.append(part)
+        if len(runs) == 1:
+            return cls.from_blocks(runs[0])
+        if len(runs) > 7 or any(run.shape[0] % LANES for run in runs[:-1]):
+            raise ValueError(f"runs of {[run.shape[0] for run in runs]} outputs: at most 7, each but the last a "
+                             f"multiple of {LANES}")
+        header = torch.zeros(16, dtype=torch.int32)
+        header[0] = len(runs)
+        for i, run in enumerate(runs):
+            header[1 + 2 * i], header[2 + 2 * i] = KERNEL_FORMAT[run.format], run.shape[0]
+        data = torch.cat([header.view(torch.uint8)] + [quant.pack(run).reshape(-1) for run in runs])
+        shape = (sum(run.shape[0] for run in runs), runs[0].shape[1])
+        return cls("+".join(run.format for run in runs), shape, data, runs=runs)
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., K) times the quantized matrix, transposed [+ bias], in PyTorch: blocks.linear's numbers
+        (each run's, side by side)."""
+        if self.runs is None:
+            return quant.linear(x, self.blocks(), bias)
+        ends = torch.tensor([run.shape[0] for run in self.runs]).cumsum(0).tolist()
+        return torch.cat([quant.linear(x, run, None if bias is None else bias[end - run.shape[0]:end])
+                          for run, end in zip(self.runs, ends)], dim=-1)
 
     @property
     def quantized(self) -> bool:
         return self.format != "bf16"
 
     @property
+    def kernel_format(self) -> int:
+        """cpu.cpp's Format of the packed data."""
+        return MIXED if self.runs is not None else KERNEL_FORMAT[self.format]
+
+    @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
     def blocks(self) -> quant.Blocks:
+        if self.runs is not None:
+            raise ValueError(f"a matrix of runs in {self.format} (a fused projection) has no single Blocks and "
+                             "no rows to pick: use its runs")
         if self._blocks is None:
             self._blocks = quant.unpack(self.data, self.format, self.shape)
         return self._blocks
@@ -178,7 +227,10 @@ class Matrix:
         """(N, K) the weights it holds, exactly: fp32 for a quantized format, bf16 otherwise."""
         if not self.quantized:
             return self.data.transpose(1, 2).reshape(-1, self.shape[1])[:self.shape[0]]
-        return self.blocks().dense()
+        if self.runs is not None:
+            return torch.cat([run.dense() for run in self.runs])
+        held = self._blocks or quant.unpack(self.data, self.format, self.shape)  # not kept: a byte per code
+        return held.dense()
 
     def rows(self, ids: torch.Tensor) -> Matrix:
         """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
@@ -193,10 +245,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, stored: Matrix | None = None,
     times bf16 panels by the kernels; a quantized format always in its own arithmetic (the kernels,
     or blocks.linear where they cannot run: the same numbers)."""
     if stored is not None and x.dtype == torch.float32 and _inference(x) and compiled():
-        return compiled().linear(x, stored.data, FORMATS.index(stored.format), stored.shape[0], _EMPTY,
+        return compiled().linear(x, stored.data, stored.kernel_format, stored.shape[0], _EMPTY,
                                  _EMPTY if bias is None else bias.detach())
     if stored is not None and stored.quantized:
-        return quant.linear(x, stored.blocks(), bias).to(x.dtype)
+        return stored.reference(x, bias).to(x.dtype)
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
 
 
@@ -244,7 +296,7 @@ def stack(layers: list[LayerWeights], arch):
         weights.append({name: (_EMPTY if value is None else value.data if isinstance(value, Matrix)
                                else value.detach().float().contiguous())
                         for name, value in layer._asdict().items()})
-        formats.append({name: FORMATS.index(value.format) for name, value in layer._asdict().items()
+        formats.append({name: value.kernel_format for name, value in layer._asdict().items()
                         if isinstance(value, Matrix)})
     shape = compiled().Shape()
     shape.C, shape.H, shape.Hkv, shape.D, shape.F = (arch.hidden_size, arch.num_attention_heads,
@@ -299,11 +351,11 @@ def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, cache, positi
     cache.check_room(ids.shape[1])
     prev, embed_norm, prev_norm, proj = (_EMPTY, _EMPTY, _EMPTY, _EMPTY_BF16) if fuse is None else (
         fuse[0].contiguous(), _scale(fuse[1]), _scale(fuse[2]), fuse[3].data)
-    proj_format = 0 if fuse is None else FORMATS.index(fuse[3].format)
+    proj_format = 0 if fuse is None else fuse[3].kernel_format
     tokens, out, picked = compiled().draft_block(
         stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, proj_format, cache.keys,
         cache.values, cache.lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq,
-        columns.contiguous(), _scale(norm), norm.eps, unembedding.data, FORMATS.index(unembedding.format), vocab_ids,
+        columns.contiguous(), _scale(norm), norm.eps, unembedding.data, unembedding.kernel_format, vocab_ids,
         logits)
     cache.advance(ids.shape[1])
     return tokens, out if logits else None, picked

@@ -1,12 +1,18 @@
-"""Block-quantized matrices (llama.cpp's Q8_0, Q4_0, Q4_1) in PyTorch: quantizing a weight, the
-kernels' packed layout (quant.h) both ways, and the arithmetic of the quantized kernels as a
-PyTorch reference that computes the very same fp32 numbers.
+"""Block-quantized matrices (llama.cpp's Q8_0, Q4_0, Q4_1, and as GGUF files store them Q5_0, Q4_K,
+Q6_K) in PyTorch: quantizing a weight (the first three), the kernels' packed layout (quant.h,
+kquant.h) both ways, and the arithmetic of the quantized kernels as a PyTorch reference that
+computes the very same fp32 numbers.
 
 A matrix (N, K) is cut along K into blocks of 32 weights; each block holds unsigned codes u and an
-fp16 scale d (Q4_1 also an fp16 min m): Q8_0 w = d (u - 128), Q4_0 w = d (u - 8), Q4_1 w = d u + m.
-(GGUF stores Q8_0's codes as signed int8; `from_gguf` turns a GGUF tensor's raw bytes into Blocks.)
-An activation row is quantized per block of 32 to int8 (`quantize_rows`), each output is the sum
-over blocks, in order, of an exact integer dot product times the two scales (quant.h).
+fp16 scale d (Q4_1 also an fp16 min m): Q8_0 w = d (u - 128), Q4_0 w = d (u - 8), Q4_1 w = d u + m,
+Q5_0 w = d (u - 16). The K-quants group 256 weights in a super-block with an fp16 scale d: Q4_K
+(also an fp16 dmin) holds 8 sub-blocks of 32 with 6-bit scale sc and min m each, w = (d sc) u - (dmin m),
+u 4-bit; Q6_K holds 16 sub-blocks of 16 with an int8 scale sc each, w = (d sc) (u - 32), u 6-bit.
+(`from_gguf` turns a GGUF tensor's raw bytes into Blocks.)
+An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
+format; each output is the sum over blocks of 32, in order, of an exact integer dot product times
+fp32 scales (quant.h, kquant.h). The K-quants thus use a finer activation scale than llama.cpp's
+Q8_K (one per 256): one quantized row serves every format, and the block terms stay exact.
 
 This module knows nothing about models or files.
 """
@@ -18,17 +24,22 @@ import numpy as np
 import torch
 
 BLOCK = 32
-QUANTIZED = ("q8_0", "q4_0", "q4_1")
-OFFSET = {"q8_0": 128, "q4_0": 8, "q4_1": 0}  # w = d (u - OFFSET) [+ m]
+SUPER = 256  # weights per K-quant super-block
+QUANTIZED = ("q8_0", "q4_0", "q4_1")  # formats `quantize` makes
+AS_STORED = ("q5_0", "q4_k", "q6_k")  # formats read from a file's blocks only
+OFFSET = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q6_k": 32, "q4_k": 0}  # u - OFFSET [+ m]
 LANES = 16
 
 
 class Blocks(NamedTuple):
-    """A quantized matrix (N, K): codes (N, K) uint8, scales (N, K/32) fp16, mins (N, K/32) fp16 (Q4_1)."""
+    """A quantized matrix (N, K): codes (N, K) uint8; scales fp16, (N, K/32) or per super-block (N, K/256)
+    (Q4_K, Q6_K); mins fp16 of the same shape (Q4_1; Q4_K's dmin) or None; sub the K-quants' sub-block
+    scales: Q4_K (N, K/32, 2) uint8 [sc, m], Q6_K (N, K/16) int8, else None."""
     format: str
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    sub: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -36,19 +47,35 @@ class Blocks(NamedTuple):
 
     def rows(self, ids: torch.Tensor) -> Blocks:
         """The output rows `ids` (exact: blocks run along K)."""
-        return Blocks(self.format, self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids])
+        return Blocks(self.format, self.codes[ids], self.scales[ids], None if self.mins is None else self.mins[ids],
+                      None if self.sub is None else self.sub[ids])
+
+    def sub_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The K-quants' fp32 scales per sub-block, exact (fp16 times a 6- or 8-bit integer): Q4_K
+        (d sc, dmin m) each (N, K/32), Q6_K (d sc (N, K/16), None)."""
+        if self.format == "q4_k":
+            d, dmin = (t.float().repeat_interleave(SUPER // BLOCK, 1) for t in (self.scales, self.mins))
+            return d * self.sub[..., 0].float(), dmin * self.sub[..., 1].float()
+        return self.scales.float().repeat_interleave(SUPER // 16, 1) * self.sub.float(), None
 
     def dense(self) -> torch.Tensor:
-        """(N, K) fp32: the weights the blocks hold, d (u - offset) [+ m] each in fp32."""
-        d = self.scales.float().repeat_interleave(BLOCK, 1)
-        w = d * (self.codes.float() - OFFSET[self.format])
+        """(N, K) fp32: the weights the blocks hold, each in fp32 as gguf.quants dequantizes them:
+        d (u - offset) [+ m]; Q4_K (d sc) u - (dmin m); Q6_K (d sc) (u - 32)."""
+        u = self.codes.float() - OFFSET[self.format]
+        if self.format == "q4_k":
+            scale, low = self.sub_scales()
+            return scale.repeat_interleave(BLOCK, 1) * u - low.repeat_interleave(BLOCK, 1)
+        if self.format == "q6_k":
+            return self.sub_scales()[0].repeat_interleave(16, 1) * u
+        w = self.scales.float().repeat_interleave(BLOCK, 1) * u
         return w if self.mins is None else w + self.mins.float().repeat_interleave(BLOCK, 1)
 
 
 def blocking_error(format: str, K: int) -> str | None:
     """Why a matrix with rows of K values cannot be stored in `format`, or None."""
-    if K % BLOCK:
-        return f"{format} stores rows in blocks of {BLOCK} values, and a row here has {K}"
+    size = SUPER if format in ("q4_k", "q6_k") else BLOCK
+    if K % size:
+        return f"{format} stores rows in blocks of {size} values, and a row here has {K}"
     return None
 
 
@@ -74,6 +101,9 @@ def quantize(weight: torch.Tensor, format: str) -> Blocks:
         inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
         q = ((x - lo[..., None]) * inv[..., None] + 0.5).trunc().clamp(0, 15)
         return Blocks(format, q.to(torch.uint8).reshape(N, K), d.half(), lo.half())
+    if format in AS_STORED:
+        raise ValueError(f"{format} matrices are read from a GGUF file as stored (--quantize gguf), not made here: "
+                         f"quantize to one of {', '.join(QUANTIZED)}")
     raise ValueError(f"unknown quantized format {format!r}: one of {', '.join(QUANTIZED)}")
 
 
@@ -82,67 +112,152 @@ def _round_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q4_k": 144, "q6_k": 210}
 
 
 def from_gguf(raw: np.ndarray, format: str, shape: tuple[int, int]) -> Blocks:
     """A GGUF tensor's raw blocks (bytes, in file order) of shape (N, K) as Blocks, exactly: Q8_0
     [d f16, 32 int8], Q4_0 [d f16, 16 bytes: k j in the low nibble of byte j, k 16 + j in its high],
-    Q4_1 [d f16, m f16, 16 bytes]."""
+    Q4_1 [d f16, m f16, 16 bytes], Q5_0 [d f16, 4 bytes: bit j the 5th bit of k j, 16 bytes as Q4_0];
+    the K-quants per 256: `_q4_k`, `_q6_k`."""
     N, K = shape
-    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // BLOCK, GGUF_BLOCK_BYTES[format])
+    size = SUPER if format in ("q4_k", "q6_k") else BLOCK
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // size, GGUF_BLOCK_BYTES[format])
+    if format == "q4_k":
+        return _q4_k(rows, N, K)
+    if format == "q6_k":
+        return _q6_k(rows, N, K)
     scales = torch.from_numpy(rows[..., 0:2].copy().view(np.float16)[..., 0])
     if format == "q8_0":
         codes = torch.from_numpy((rows[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
         return Blocks(format, codes.reshape(N, K), scales, None)
-    start = 2 if format == "q4_0" else 4
-    mins = None if format == "q4_0" else torch.from_numpy(rows[..., 2:4].copy().view(np.float16)[..., 0])
-    packed = torch.from_numpy(rows[..., start:].copy())  # (N, K/32, 16)
-    codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1)  # (N, K/32, 32): k 0-15, then 16-31
+    start = 4 if format == "q4_1" else 2 if format == "q4_0" else 6
+    mins = None if format != "q4_1" else torch.from_numpy(rows[..., 2:4].copy().view(np.float16)[..., 0])
+    codes = torch.from_numpy(_nibbles(rows[..., start:]))  # (N, K/32, 32): k 0-15, then 16-31
+    if format == "q5_0":
+        high = rows[..., 2:6].copy().view(np.uint32)  # (N, K/32, 1)
+        bits = (high >> np.arange(32, dtype=np.uint32)) & 1  # (N, K/32, 32)
+        codes = codes | torch.from_numpy((bits << 4).astype(np.uint8))
     return Blocks(format, codes.reshape(N, K), scales, mins)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """(..., n) bytes -> (..., 2n): the low nibbles, then the high ones."""
+    return np.concatenate((packed & 0x0F, packed >> 4), axis=-1)
+
+
+def _q4_k(rows: np.ndarray, N: int, K: int) -> Blocks:
+    """Q4_K super-blocks (N, K/256, 144): [d f16, dmin f16, 12 bytes of 6-bit (sc, m) x 8, 128 bytes]
+    where k 64c + j (j < 32) is the low nibble of byte 32c + j and k 64c + 32 + j its high nibble."""
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0]
+    dmin = rows[..., 2:4].copy().view(np.float16)[..., 0]
+    s = rows[..., 4:16].astype(np.uint8)  # (N, S, 12)
+    low, high, both = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # sub-blocks 0-3 in 0-7; 4-7 split over all
+    sc = np.concatenate((low & 63, (both & 0x0F) | ((low >> 6) << 4)), axis=-1)  # (N, S, 8)
+    m = np.concatenate((high & 63, (both >> 4) | ((high >> 6) << 4)), axis=-1)
+    qs = rows[..., 16:].reshape(N, -1, 4, 32)  # (N, S, chunk, 32)
+    codes = _nibbles(qs)  # (N, S, 4, 64): chunk c's k 64c .. 64c + 63
+    sub = torch.from_numpy(np.stack((sc, m), axis=-1).reshape(N, K // BLOCK, 2))
+    return Blocks("q4_k", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), torch.from_numpy(dmin), sub)
+
+
+def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
+    """Q6_K super-blocks (N, K/256, 210): [128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales,
+    d f16]; in half h (128 k), k 128h + 32g + j has the low (g < 2) or high (g >= 2) nibble of low-bits
+    byte 64h + 32 (g % 2) + j and bits 2g, 2g+1 of high-bits byte 32h + j."""
+    S = K // SUPER
+    ql = rows[..., 0:128].reshape(N, S, 2, 1, 64)
+    qh = rows[..., 128:192].reshape(N, S, 2, 1, 32)
+    lo = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(N, S, 2, 4, 32)
+    hi = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03  # (N, S, 2, 4, 32)
+    codes = (lo | (hi << 4)).astype(np.uint8)
+    sub = rows[..., 192:208].copy().view(np.int8).reshape(N, K // 16)
+    d = rows[..., 208:210].copy().view(np.float16)[..., 0]
+    return Blocks("q6_k", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), None, torch.from_numpy(sub))
 
 
 # ------------------------------------------------------------------------ the kernels' layout
 
-def pack(blocks: Blocks) -> torch.Tensor:
-    """The panels quant.h reads, as uint8: per panel of 16 outputs (zero past N) and block of 32 k,
-    16 fp16 scales, [16 fp16 mins,] then the codes, 4 consecutive k of an output per 4 bytes."""
-    N, K = blocks.shape
-    P, nb = -(-N // LANES), K // BLOCK
-    pad = P * LANES - N
+PANEL_BLOCK_BYTES = {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q5_0": 32 + 512,
+                     "q4_k": (64 + 256 + 8 * 256) // 8, "q6_k": (32 + 256 + 8 * 512) // 8}  # per 16 outputs x 32 k
 
-    def per_panel(t, dtype_bytes):  # (N, nb) fp16 -> (P, nb, 32) bytes
-        t = torch.nn.functional.pad(t, (0, 0, 0, pad)).reshape(P, LANES, nb).transpose(1, 2).contiguous()
-        return t.view(torch.uint8).reshape(P, nb, LANES * dtype_bytes)
-    head = [per_panel(blocks.scales, 2)] + ([] if blocks.mins is None else [per_panel(blocks.mins, 2)])
-    u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, pad)).reshape(P, LANES, nb, BLOCK)
-    if blocks.format == "q8_0":  # load j: k 4j..4j+3 of each output
-        codes = u.reshape(P, LANES, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(P, nb, 512)
-    else:  # load i: low nibbles k 4i..4i+3, high nibbles k 16+4i..16+4i+3
-        u = u.reshape(P, LANES, nb, 2, 4, 4)
-        both = u[:, :, :, 0] | (u[:, :, :, 1] << 4)  # (P, 16, nb, 4, 4)
-        codes = both.permute(0, 2, 3, 1, 4).reshape(P, nb, 256)
-    return torch.cat(head + [codes], dim=-1).contiguous()
+
+def _per_panel(t: torch.Tensor, P: int) -> torch.Tensor:
+    """(N, n[, e]) of any dtype -> (P, n, 16 x bytes): the 16 outputs of each panel side by side (zero past N)."""
+    N, n = t.shape[:2]
+    t = torch.nn.functional.pad(t.contiguous().view(torch.uint8).reshape(N, n, -1), (0, 0, 0, 0, 0, P * LANES - N))
+    return t.reshape(P, LANES, n, -1).transpose(1, 2).reshape(P, n, -1).contiguous()
+
+
+def _from_panel(t: torch.Tensor, N: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of _per_panel: (P, n, 16 x bytes) -> (N, n) of dtype."""
+    P, n, width = t.shape
+    t = t.reshape(P, n, LANES, width // LANES).transpose(1, 2).reshape(P * LANES, n, -1)[:N]
+    return t.contiguous().view(dtype).reshape(N, n)
+
+
+def _codes(u: torch.Tensor, nibbles: bool) -> torch.Tensor:
+    """(P, 16, nb, 32) codes -> (P, nb, 512 or 256) as the kernels load them, 64 bytes a load, 4 bytes per
+    output: bytes, load j = k 4j..4j+3; nibbles, load i = k 4i..4i+3 (low) and 16+4i..16+4i+3 (high)."""
+    P, _, nb, _ = u.shape
+    if not nibbles:
+        return u.reshape(P, LANES, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(P, nb, 512)
+    u = u.reshape(P, LANES, nb, 2, 4, 4)
+    return (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(P, nb, 256)
+
+
+def _uncodes(codes: torch.Tensor, nibbles: bool) -> torch.Tensor:
+    """Inverse of _codes: -> (P * 16, nb * 32)."""
+    P, nb, _ = codes.shape
+    if not nibbles:
+        return codes.reshape(P, nb, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(P * LANES, nb * BLOCK)
+    both = codes.reshape(P, nb, 4, LANES, 4).permute(0, 3, 1, 2, 4)  # (P, 16, nb, 4, 4)
+    return torch.stack((both & 0x0F, both >> 4), dim=3).reshape(P * LANES, nb * BLOCK)
+
+
+def pack(blocks: Blocks) -> torch.Tensor:
+    """The panels quant.h and kquant.h read, as uint8: per panel of 16 outputs (zero past N), per block of
+    32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes; Q8_0 and Q5_0 as bytes u + 128 -
+    OFFSET). The K-quants per super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 loads of sub-block
+    scales, 4 bytes per output (Q4_K: [sc, m] of 2 sub-blocks; Q6_K: sc + 128 of 4), then 8 blocks of
+    codes (Q4_K nibbles, Q6_K bytes)."""
+    N, K = blocks.shape
+    P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
+    u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
+    if f in ("q4_k", "q6_k"):
+        S = K // SUPER
+        sub = blocks.sub if f == "q4_k" else (blocks.sub.short() + 128).to(torch.uint8)
+        head = [_per_panel(blocks.scales, P)] + ([_per_panel(blocks.mins, P)] if f == "q4_k" else [])
+        head.append(_per_panel(sub.reshape(N, S * 4, 4), P).reshape(P, S, 256))
+        codes = _codes(u, nibbles=f == "q4_k").reshape(P, S, -1)
+        return torch.cat(head + [codes], dim=-1).contiguous()
+    if f == "q5_0":
+        u = u + (128 - OFFSET[f])
+    head = [_per_panel(blocks.scales, P)] + ([] if blocks.mins is None else [_per_panel(blocks.mins, P)])
+    return torch.cat(head + [_codes(u, nibbles=f in ("q4_0", "q4_1"))], dim=-1).contiguous()
 
 
 def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
     """Inverse of pack."""
     N, K = shape
     P, nb = -(-N // LANES), K // BLOCK
+    if format in ("q4_k", "q6_k"):
+        S, k4 = K // SUPER, format == "q4_k"
+        data = data.reshape(P, S, -1)
+        scales = _from_panel(data[..., :32], N, torch.float16)
+        mins = _from_panel(data[..., 32:64], N, torch.float16) if k4 else None
+        at = 64 if k4 else 32
+        sub = _from_panel(data[..., at:at + 256].reshape(P, S * 4, 64), N, torch.int32).view(torch.uint8)
+        sub = sub.reshape(N, K // BLOCK, 2) if k4 else (sub.reshape(N, K // 16).short() - 128).to(torch.int8)
+        codes = _uncodes(data[..., at + 256:].reshape(P, nb, -1), nibbles=k4)[:N]
+        return Blocks(format, codes.contiguous(), scales, mins, sub.contiguous())
     data = data.reshape(P, nb, -1)
-
-    def from_panel(t):  # (P, nb, 32) bytes -> (N, nb) fp16
-        return t.contiguous().view(torch.float16).reshape(P, nb, LANES).transpose(1, 2).reshape(P * LANES, nb)[:N]
-    scales = from_panel(data[..., :32])
-    mins = from_panel(data[..., 32:64]) if format == "q4_1" else None
-    codes = data[..., 64 if format == "q4_1" else 32:]
-    if format == "q8_0":
-        u = codes.reshape(P, nb, 8, LANES, 4).permute(0, 3, 1, 2, 4)
-    else:
-        both = codes.reshape(P, nb, 4, LANES, 4).permute(0, 3, 1, 2, 4)  # (P, 16, nb, 4, 4)
-        u = torch.stack((both & 0x0F, both >> 4), dim=3)  # (P, 16, nb, 2, 4, 4)
-    return Blocks(format, u.reshape(P * LANES, K)[:N].contiguous(), scales.contiguous(),
-                  None if mins is None else mins.contiguous())
+    scales = _from_panel(data[..., :32], N, torch.float16)
+    mins = _from_panel(data[..., 32:64], N, torch.float16) if format == "q4_1" else None
+    codes = _uncodes(data[..., 64 if format == "q4_1" else 32:], nibbles=format in ("q4_0", "q4_1"))[:N]
+    if format == "q5_0":
+        codes = codes - (128 - OFFSET[format])
+    return Blocks(format, codes.contiguous(), scales, mins)
 
 
 # ------------------------------------------------------------------- the kernels' arithmetic
@@ -161,21 +276,44 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) fp32 times the quantized matrix, transposed [+ bias]: the quantized kernels' numbers
-    exactly (quant.h): per block an exact integer dot product s, then the fp32 terms in block order."""
+    exactly (quant.h, kquant.h): per block of 32 an exact integer dot product, then fp32 terms in
+    block order (`block_terms`), one add at a time from 0, then the bias."""
     N, K = blocks.shape
     rows = x.detach().float().reshape(-1, K)
-    q, dx, qsum = quantize_rows(rows)
-    M, nb = rows.shape[0], K // BLOCK
-    # exact integer sums: every partial sum is an integer below 2^24, exact in float64
-    s = torch.einsum("mbk,nbk->bmn", q.double().reshape(M, nb, BLOCK),
-                     (blocks.codes.double() - OFFSET[blocks.format]).reshape(N, nb, BLOCK)).float()
-    d = blocks.scales.float()  # (N, nb)
-    acc = torch.zeros(M, N)
-    for b in range(nb):
-        term = (d[None, :, b] * dx[:, b, None]) * s[b]
-        if blocks.mins is not None:
-            term = term + (blocks.mins.float()[None, :, b] * dx[:, b, None]) * qsum[:, b, None].float()
+    terms = block_terms(rows, blocks)  # (K/32, M, N)
+    acc = torch.zeros(rows.shape[0], N)
+    for term in terms:
         acc = acc + term
     if bias is not None:
         acc = acc + bias.detach().float()
     return acc.reshape(*x.shape[:-1], N)
+
+
+def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """(K/32, M, N) fp32: block b's term of output n of row m, rows (M, K) quantized by quantize_rows
+    (q, dx, qsum per block), s the exact integer sum over the block of the weight's u - OFFSET times q:
+      Q8_0, Q4_0, Q5_0:  (d dx) s
+      Q4_1:              (d dx) s + (m dx) qsum
+      Q4_K:              ((d sc) dx) s - ((dmin m) dx) qsum            (d sc, dmin m exact in fp32)
+      Q6_K:              (d dx) (sc_a s_a + sc_c s_c)                  (sub-blocks a, c of 16: an exact integer)
+    each product rounded to fp32 in the order written."""
+    N, K = blocks.shape
+    q, dx, qsum = quantize_rows(rows)
+    M, nb, f = rows.shape[0], K // BLOCK, blocks.format
+    # exact integer sums: every partial sum is an integer below 2^24, exact in float64
+    width = 16 if f == "q6_k" else BLOCK
+    s = torch.einsum("mbk,nbk->bmn", q.double().reshape(M, K // width, width),
+                     (blocks.codes.double() - OFFSET[f]).reshape(N, K // width, width))  # (K/width, M, N)
+    dxb = dx.T[:, :, None]  # (nb, M, 1)
+    if f == "q4_k":
+        scale, low = (t.T[:, None, :] for t in blocks.sub_scales())  # (nb, 1, N)
+        return (scale * dxb) * s.float() - (low * dxb) * qsum.T[:, :, None].float()
+    if f == "q6_k":
+        exact = (s * blocks.sub.double().T[:, None, :]).reshape(nb, 2, M, N).sum(1)  # (nb, M, N)
+        d = blocks.scales.float().repeat_interleave(SUPER // BLOCK, 1).T[:, None, :]
+        return (d * dxb) * exact.float()
+    d = blocks.scales.float().T[:, None, :]  # (nb, 1, N)
+    terms = (d * dxb) * s.float()
+    if blocks.mins is not None:
+        terms = terms + (blocks.mins.float().T[:, None, :] * dxb) * qsum.T[:, :, None].float()
+    return terms

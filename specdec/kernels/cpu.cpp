@@ -38,9 +38,11 @@
 #include "threads.h"
 
 // How a matrix is stored (kernels.FORMATS): bf16 panels (isa.h) or blocks of 32 quantized weights (quant.h).
-enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3 };
+// K-quants and kMixed (runs of outputs in different quantized formats): kquant.h
+enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5, kMixed = 6 };
 constexpr int64_t kBlock = 32;  // weights per quantized block, along K
-constexpr int64_t kPanelBlockBytes[4] = {0, 32 + 512, 32 + 256, 64 + 256};  // 16 outputs x 32 k (quant.h)
+constexpr int64_t kPanelBlockBytes[6] = {0, 32 + 512, 32 + 256, 64 + 256, 296, 548};  // 16 outputs x 32 k (quant.h)
+constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
 
 struct Mat {  // a packed matrix of N outputs from K inputs
   int format;
@@ -82,7 +84,7 @@ using QuantMatmul = void (*)(const QuantRows&, int64_t, const Mat&, float*, int6
                              int64_t, int64_t);
 struct QuantOps {
   const char* name;
-  QuantMatmul matmul;  // quant.h's qmatmul_panels
+  QuantMatmul matmul;  // kquant.h's kquant_matmul (quant.h's formats and the K-quants)
 };
 extern const QuantOps* g_quant;  // the quantized kernels chosen for this CPU (see dispatch)
 
@@ -242,6 +244,7 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
   static V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 };
 #include "quant.h"
+#include "kquant.h"
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
@@ -354,6 +357,7 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
 };
 #include "isa.h"
 #include "quant.h"
+#include "kquant.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -383,8 +387,8 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
-const QuantOps kQuantVnni{"avx512_vnni", avx512_vnni::qmatmul_panels};
-const QuantOps kQuantAvx2{"avx2", avx2::qmatmul_panels};
+const QuantOps kQuantVnni{"avx512_vnni", avx512_vnni::kquant_matmul};
+const QuantOps kQuantAvx2{"avx2", avx2::kquant_matmul};
 
 bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
@@ -407,10 +411,40 @@ void check_packed(const torch::Tensor& w, int64_t K, int64_t N, const char* what
               w.size(1), ", 16), expected (", (N + 15) / 16, ", ", K, ", 16)");
 }
 
-// Bytes of a packed matrix of N outputs from K inputs in `format`.
+// Bytes of a packed matrix of N outputs from K inputs in `format` (not kMixed).
 int64_t matrix_bytes(int64_t format, int64_t N, int64_t K) {
   const int64_t panels = (N + 15) / 16;
   return format == kBf16 ? panels * K * 16 * 2 : panels * (K / kBlock) * kPanelBlockBytes[format];
+}
+
+// Bytes of a matrix's weights (kMixed: its runs').
+int64_t matrix_bytes(const Mat& W) {
+  if (W.format != kMixed) return matrix_bytes(W.format, W.N, W.K);
+  const int32_t* head = static_cast<const int32_t*>(W.data);
+  int64_t bytes = 0;
+  for (int32_t i = 0; i < head[0]; ++i) bytes += matrix_bytes(head[1 + 2 * i], head[2 + 2 * i], W.K);
+  return bytes;
+}
+
+// A kMixed matrix `w` with N outputs from K inputs, checked: 1 to 7 runs in quantized formats (not
+// kMixed), each but the last a whole number of panels, N outputs in all, the bytes they need.
+Mat mixed_matrix(const torch::Tensor& w, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() >= kMixedHeader, what,
+              ": expected a mixed matrix's header and runs as contiguous uint8 (kernels.Matrix)");
+  const int32_t* head = reinterpret_cast<const int32_t*>(w.data_ptr<uint8_t>());
+  TORCH_CHECK(head[0] >= 1 && head[0] <= 7, what, ": a mixed matrix has 1 to 7 runs, not ", head[0]);
+  int64_t n = 0, bytes = kMixedHeader;
+  for (int32_t i = 0; i < head[0]; ++i) {
+    const int32_t f = head[1 + 2 * i], rows = head[2 + 2 * i];
+    TORCH_CHECK(f >= kQ8_0 && f <= kQ6_K && rows > 0 && (i + 1 == head[0] || rows % 16 == 0), what,
+                ": run ", i, " of a mixed matrix is format ", f, " with ", rows, " outputs");
+    TORCH_CHECK(K % (f >= kQ4_K ? 256 : kBlock) == 0, what, ": run ", i, " cannot hold rows of ", K);
+    n += rows;
+    bytes += matrix_bytes(f, rows, K);
+  }
+  TORCH_CHECK(n == N && w.numel() == bytes, what, ": a mixed matrix's runs hold ", n, " outputs in ", bytes,
+              " bytes; expected ", N, " outputs in ", w.numel(), " bytes");
+  return {kMixed, w.data_ptr<uint8_t>(), N, K};
 }
 
 // The packed matrix `w` in `format` (kernels.FORMATS) with N outputs from K inputs, checked.
@@ -419,8 +453,10 @@ Mat matrix(const torch::Tensor& w, int64_t format, int64_t N, int64_t K, const c
     check_packed(w, K, N, what);
     return {kBf16, bf16_data(w), N, K};
   }
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ4_1, what, ": unknown matrix format ", format);
-  TORCH_CHECK(K % kBlock == 0, what, ": a quantized matrix needs K a multiple of 32, got ", K);
+  if (format == kMixed) return mixed_matrix(w, N, K, what);
+  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, what, ": unknown matrix format ", format);
+  const int64_t block = format >= kQ4_K ? 256 : kBlock;  // a K-quant's super-blocks (kquant.h)
+  TORCH_CHECK(K % block == 0, what, ": a matrix in this format needs K a multiple of ", block, ", got ", K);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == matrix_bytes(format, N, K), what,
               ": expected its packed blocks as ", matrix_bytes(format, N, K), " contiguous uint8 (kernels.Matrix)");
   return {static_cast<int>(format), w.data_ptr<uint8_t>(), N, K};
@@ -443,7 +479,7 @@ void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* 
   QuantBuffer xq(quantized ? M : 0, quantized ? W.K : 0);
   for (int64_t m = 0; quantized && m < M; ++m) quantize_row(X + m * W.K, W.K, xq.rows, m);
   const int64_t P = (W.N + 15) / 16;
-  const int nt = static_cast<int>(std::min<int64_t>(threads(matrix_bytes(W.format, W.N, W.K), M), P));
+  const int nt = static_cast<int>(std::min<int64_t>(threads(matrix_bytes(W), M), P));
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
@@ -586,7 +622,7 @@ struct Stack {
         TORCH_CHECK(it != layer.end() && f != formats[i].end(), "Stack: a layer has no '", name, "' or no format for it");
         owned.push_back(it->second);
         const Mat m = matrix(it->second, f->second, N, K, name);
-        total_bytes += matrix_bytes(m.format, N, K);
+        total_bytes += matrix_bytes(m);
         if (m.format != kBf16) quantized_k = std::max(quantized_k, K);
         return m;
       };

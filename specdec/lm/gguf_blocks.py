@@ -1,13 +1,17 @@
-"""A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0 and Q4_1 tensors become the
-kernels' Matrix of each Linear of specdec's model, block for block, never dequantized and
-re-rounded (`--quantize gguf`). q, k and v are fused into qkv_proj and gate and up into
-gate_up_proj by stacking their rows (blocks run along a row, so this is exact); the blocks come
-from gguf.raw_tensors, which has already put Llama's q and k rows back in transformers' order.
+"""A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K
+tensors (what a Q4_K_M file holds) become the kernels' Matrix of each Linear of specdec's model,
+block for block, never dequantized and re-rounded (`--quantize gguf`). q, k and v are fused into
+qkv_proj and gate and up into gate_up_proj by stacking their rows (blocks run along a row, so this
+is exact); the blocks come from gguf.raw_tensors, which has already put Llama's q and k rows back
+in transformers' order.
 
-A matrix of another type (F16, Q6_K, ...), or a fused one with a part of another type, keeps the
-values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning; the
-embedding table holds the file's values exactly (fp32). This module
-knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or about decoding.
+A fused matrix whose parts are stored in different types (a Q4_K_M file's q and k in Q4_K with v
+in Q6_K, in some layers) runs as runs of its parts' formats (kernels.Matrix.from_runs) where each
+part but the last is a whole number of panels of 16 outputs. A matrix of another type (F16, Q5_K,
+...), or whose parts do not cut into panels, keeps the values of the file's converted checkpoint
+(bf16, gguf.folder), said once in a warning; the embedding table holds the file's values exactly
+(fp32). This module knows nothing about the rest of a GGUF file (its configuration, its
+vocabulary) or about decoding.
 """
 from __future__ import annotations
 
@@ -19,13 +23,14 @@ import torch
 
 from ..errors import SpecdecError
 from ..kernels import Matrix
-from ..kernels.blocks import Blocks, from_gguf
+from ..kernels.blocks import from_gguf
 from .device import placement
 from .gguf import RawTensor, raw_tensors
 from .model import LlamaForCausalLM, store_matrices
 
 AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> kernels format
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k",
+           "Q6_K": "q6_k"}  # GGUF type name -> kernels format
 # a decoder layer's matrix (transformers' name) -> specdec's Linear holding it, and its part (row order)
 PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.qkv_proj": ("self_attn.qkv_proj", 0),
@@ -49,13 +54,14 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
     given, others = {}, {}
     for name, pieces in parts.items():
         kinds = sorted({raw.type for _, raw in pieces})
-        if len(kinds) > 1 or kinds[0] not in FORMATS:
+        if any(kind not in FORMATS for kind in kinds):
             others[name] = "+".join(kinds)
             continue
         stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
-        mins = None if stored[0].mins is None else torch.cat([b.mins for b in stored])
-        given[name] = Matrix.from_blocks(Blocks(stored[0].format, torch.cat([b.codes for b in stored]),
-                                                torch.cat([b.scales for b in stored]), mins))
+        try:
+            given[name] = Matrix.from_runs(stored)  # parts of different types: runs, each as stored
+        except ValueError:  # runs the kernels cannot cut into panels
+            others[name] = "+".join(kinds)
     return given, others
 
 
@@ -76,7 +82,8 @@ def store_gguf_matrices(model: LlamaForCausalLM, path: str | Path) -> dict[str, 
         kinds = sorted(set(others.values()))
         warnings.warn(f"specdec: {Path(path).name}: {len(others)} matrices run from the converted checkpoint's bf16 "
                       f"values, not as stored: they are stored as {', '.join(kinds)}, and the kernels run "
-                      f"{', '.join(FORMATS)} (a fused matrix: all its parts in the same one)", stacklevel=2)
+                      f"{', '.join(FORMATS)} (a fused matrix: its parts in these, each but the last whole panels of "
+                      "16 outputs)", stacklevel=2)
     store_matrices(model, None, given)
     if "lm_head.weight" in raws:  # an embedding of its own: its values exactly (tied, it is the unembedding's)
         embedding = raws["model.embed_tokens.weight"]

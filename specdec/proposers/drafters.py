@@ -21,9 +21,12 @@ from pathlib import Path
 
 from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
+from ..lm import gguf, packaged
 from ..lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_config, read_meta, sha256
 from ..lm.device import placement
+from ..lm.gguf_blocks import store_gguf_matrices
 from ..lm.interface import abilities
+from ..lm.model import Linear
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
 from .block_head import check_block_target, load_block
@@ -67,12 +70,13 @@ class Drafter:
     train: str = ""             # how to make one that fits
 
     def folder(self, path=None, target=None) -> Path | None:
-        """The folder read: `path`, else the shipped one trained for `target` (the first shipped one
-        where none fits, so that loading it says why), None for a lookup method."""
+        """The folder read: `path` (a packaged model's short name: its file, lm/packaged.py), else the
+        shipped one trained for `target` (the first shipped one where none fits, so that loading it says
+        why), None for a lookup method."""
         if not self.shipped:
             return None
         if path is not None:
-            return Path(path)
+            return Path(packaged.resolve(path))
         shipped = [MODELS / name for name in self.shipped]
         fitting = [f for f in shipped if target is not None and self.misfit_at(target, f) is None]
         return (fitting or shipped)[0]
@@ -123,6 +127,7 @@ class DraftModel(Drafter):
 
     def check(self, target, folder) -> None:
         super().check(target, folder)
+        folder = gguf.folder(folder) if gguf.is_gguf(folder) else folder  # a .gguf: its converted checkpoint
         read_config(folder)  # a checkpoint folder (not a heads folder, not nothing)
         if Tokenizer.load(folder).tok.get_vocab() != target.tokenizer.tok.get_vocab():
             raise SpecdecError(f"the draft model {folder} uses another tokenizer than the target {target.path}; "
@@ -130,10 +135,16 @@ class DraftModel(Drafter):
                                f"{target.path}/tokenizer.json)")
 
     def network(self, target, folder) -> DraftCheckpoint:
+        """The draft in the target's dtype and device; a .gguf draft of a target whose matrices run
+        quantized runs its file's blocks as stored too (gguf_blocks)."""
         self.check(target, folder)
         where = placement(target.model)
-        return DraftCheckpoint(load_model(folder, dtype=where.dtype, device=where.device), folder,
-                               load_token_counts(folder), read_meta(folder))
+        path = gguf.folder(folder) if gguf.is_gguf(folder) else folder
+        model = load_model(path, dtype=where.dtype, device=where.device)
+        if gguf.is_gguf(folder) and any(isinstance(m, Linear) and m.stored is not None and m.stored.quantized
+                                        for m in target.model.modules()):
+            store_gguf_matrices(model, folder)
+        return DraftCheckpoint(model, path, load_token_counts(path), read_meta(path))
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
         return DraftModelProposer(draft.model, draft_vocab(options, draft.token_counts), draft.token_counts,

@@ -1,0 +1,250 @@
+// Matrices in llama.cpp's K-quants as GGUF files store them (Q4_K, Q6_K: super-blocks of 256 weights),
+// times activation rows quantized per block of 32 to int8 as for the other quantized formats
+// (quantize_row in cpu.cpp): written once over the 16-lane int32 vector `VI` and included by
+// cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
+// format: the K-quants here, the others by quant.h (Q5_0 is packed as Q8_0's bytes, blocks.pack), and a
+// matrix whose outputs come in runs of different formats (kMixed: a fused q/k/v whose v is stored in
+// another type than q and k, as Q4_K_M files do) run by run.
+//
+// The arithmetic (kernels/blocks.py's block_terms is the same in PyTorch): output n of row m is the
+// fp32 sum over blocks b of 32 k, in order from 0, one mul and one add at a time (no FMA), of
+//   Q4_K:  ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum)     s = sum_k u q (u the 4-bit code)
+//   Q6_K:  (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c))  s_a = sum over the block's first
+//          16 k of (u - 32) q (u the 6-bit code), s_c over its last 16
+// with d, dmin the super-block's fp16 scales, sc, mn (6-bit) or sc_a, sc_c (int8) the sub-blocks'
+// scales, dx, qsum the activation block's scale and sum of q. d sc and dmin mn are exact in fp32
+// (11-bit times 6-bit significands); each |sc s| and their sum are integers below 2^24 (exact in
+// fp32): so only the fp32 steps written shape a result, the same on both instruction sets.
+//
+// Packed layout of a matrix (N, K), K a multiple of 256: panels of 16 outputs (zero past N); panel
+// p is K/256 super-blocks of kSuperBytes[format] bytes: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 vector
+// loads of sub-block scales, lane n (4 bytes) of load t holding output n's [sc, mn] of sub-blocks
+// 2t and 2t+1 (Q4_K) or sc + 128 of sub-blocks 4t..4t+3 (Q6_K, 16 k each), then 8 blocks of 32 k
+// of codes: Q4_K as quant.h's Q4_x (4 loads of nibbles), Q6_K as its Q8_0 (8 loads of bytes).
+// A lane's scale byte reaches an int32 lane as VI::dot against x4 = 1 in that byte's place.
+// Expects, defined before inclusion: what quant.h expects, and quant.h.
+
+constexpr int64_t kSuper = 256;                       // weights per super-block, along K
+constexpr int64_t kSuperBytes[2] = {2368, 4384};      // Q4_K, Q6_K: 16 outputs x 256 k
+constexpr int kScalesAt[2] = {64, 32};                // bytes before the sub-block scales
+constexpr int64_t kSuperCodes[2] = {256, 512};        // bytes of codes per block of 32 k
+
+// The sum of q over the first 16 k of each block of 32, rows [0, M) of x (Q6_K's first sub-block;
+// the second is the block's sum minus it), into `out` (M x x.blocks).
+inline void first_half_sums(const QuantRows& x, int64_t M, std::vector<int32_t>& out) {
+  out.resize(M * x.blocks);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      const int8_t* q = x.q + m * x.ld + b * kBlock;
+      int32_t sum = 0;
+      for (int k = 0; k < 16; ++k) sum += q[k];
+      out[m * x.blocks + b] = sum;
+    }
+}
+
+// Output tile (rows r0.., panels p0..): acc [+ bias] [+ add] stored, as quant.h's qtile does.
+template <int R, int NB>
+inline void store_ktile(V (&acc)[R][NB], int64_t p0, int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add,
+                        const float* bias) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n0 = (p0 + j) * kLanes;
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
+      V v = acc[r][j];
+      if (bias) {
+        alignas(64) float buf[kLanes] = {};
+        std::memcpy(buf, bias + n0, n * sizeof(float));
+        v = V::add(v, V::load(buf));
+      }
+      if (add) {
+        alignas(64) float buf[kLanes] = {};
+        std::memcpy(buf, add + (r0 + r) * ldy + n0, n * sizeof(float));
+        v = V::add(V::load(buf), v);
+      }
+      store_part(Y + (r0 + r) * ldy + n0, v, n);
+    }
+}
+
+// Byte `at` (0-3) of each lane of a scales load, as fp32 lanes (minus `offset`).
+inline V scale_bytes(typename VI::Raw raw, int at, int32_t offset) {
+  return VI::to_float(VI::sub(VI::dot(VI::zero(), raw, int32_t{1} << (8 * at)), offset));
+}
+
+// Where block b (the c-th of its super-block) of rows r0.. meets panels j of a K-quant matrix: the
+// rows' int8 values, each panel's super-block (`base`: its d, [dmin,] scales) and codes of block c.
+template <int R, int NB>
+struct KBlock {
+  const int8_t* xq[R];
+  const uint8_t* base[NB];
+  const uint8_t* codes[NB];
+  int64_t b, r0;
+  int c;
+};
+
+// Q4_K: acc[r][j] += ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum) for block k.b.
+template <int R, int NB>
+inline void q4_k_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const V (&dmin)[NB],
+                       V (&acc)[R][NB]) {
+  VI s[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
+  for (int i = 0; i < 4; ++i) {
+    typename VI::Raw lo[NB], hi[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* p = k.codes[j] + i * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
+      const auto v = VI::load(p);
+      lo[j] = VI::low_nibbles(v);
+      hi[j] = VI::high_nibbles(v);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t xlo = VI::quad(k.xq[r] + 4 * i), xhi = VI::quad(k.xq[r] + 16 + 4 * i);
+      for (int j = 0; j < NB; ++j) s[r][j] = VI::dot(VI::dot(s[r][j], lo[j], xlo), hi[j], xhi);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const auto raw = VI::load(k.base[j] + kScalesAt[0] + (k.c / 2) * 64);
+    const V scale = V::mul(d[j], scale_bytes(raw, 2 * (k.c % 2), 0));
+    const V low = V::mul(dmin[j], scale_bytes(raw, 2 * (k.c % 2) + 1, 0));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (k.r0 + r) * x.blocks + k.b;
+      const V dx = V::bcast(x.d[at]);
+      const V part = V::sub(V::mul(V::mul(scale, dx), VI::to_float(s[r][j])),
+                            V::mul(V::mul(low, dx), V::bcast(static_cast<float>(x.sums[at]))));
+      acc[r][j] = V::add(acc[r][j], part);
+    }
+  }
+}
+
+// Q6_K: acc[r][j] += (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c)) for block k.b.
+template <int R, int NB>
+inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t* halves, const V (&d)[NB],
+                       V (&acc)[R][NB]) {
+  VI sa[R][NB], sc[R][NB];  // sum u q over the block's first 16 k, its last 16
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) sa[r][j] = sc[r][j] = VI::zero();
+  for (int i = 0; i < 4; ++i) {
+    typename VI::Raw first[NB], second[NB];
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* p = k.codes[j] + i * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
+      first[j] = VI::load(p);
+      second[j] = VI::load(p + 256);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int32_t xa = VI::quad(k.xq[r] + 4 * i), xc = VI::quad(k.xq[r] + 16 + 4 * i);
+      for (int j = 0; j < NB; ++j) {
+        sa[r][j] = VI::dot(sa[r][j], first[j], xa);
+        sc[r][j] = VI::dot(sc[r][j], second[j], xc);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const auto raw = VI::load(k.base[j] + kScalesAt[1] + (k.c / 2) * 64);
+    const V fa = scale_bytes(raw, 2 * (k.c % 2), 128), fc = scale_bytes(raw, 2 * (k.c % 2) + 1, 128);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (k.r0 + r) * x.blocks + k.b;
+      const int32_t qa = halves[at], qc = x.sums[at] - qa;
+      const V exact = V::add(V::mul(fa, VI::to_float(VI::sub(sa[r][j], 32 * qa))),
+                             V::mul(fc, VI::to_float(VI::sub(sc[r][j], 32 * qc))));
+      acc[r][j] = V::add(acc[r][j], V::mul(V::mul(d[j], V::bcast(x.d[at])), exact));
+    }
+  }
+}
+
+// Rows r0..r0+R-1 (quantized; halves: their first-16 sums, Q6_K) against panels p0..p0+NB-1 of a
+// K-quant matrix (I: 0 Q4_K, 1 Q6_K).
+template <int I, int R, int NB>
+inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, int64_t nsuper, int64_t p0, int64_t r0,
+                  float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
+  const int64_t stride = nsuper * kSuperBytes[I];  // bytes of one panel
+  constexpr int64_t codes_at = kScalesAt[I] + 256;
+  V acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
+  KBlock<R, NB> k{};
+  k.r0 = r0;
+  for (int64_t sb = 0; sb < nsuper; ++sb) {
+    V d[NB], dmin[NB];
+    for (int j = 0; j < NB; ++j) {
+      k.base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
+      d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j]));
+      if constexpr (I == 0) dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
+    }
+    for (k.c = 0; k.c < 8; ++k.c) {
+      k.b = sb * 8 + k.c;
+      for (int r = 0; r < R; ++r) k.xq[r] = x.q + (r0 + r) * x.ld + k.b * kBlock;
+      for (int j = 0; j < NB; ++j) k.codes[j] = k.base[j] + codes_at + k.c * kSuperCodes[I];
+      if constexpr (I == 0)
+        q4_k_block<R, NB>(k, x, d, dmin, acc);
+      else
+        q6_k_block<R, NB>(k, x, halves, d, acc);
+    }
+  }
+  store_ktile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
+}
+
+template <int I, int R, int NB>
+inline void ktile_nb(int nb, const QuantRows& x, const int32_t* halves, const uint8_t* W, int64_t nsuper, int64_t p0,
+                     int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
+  if constexpr (NB >= 1) {
+    if (nb == NB) return ktile<I, R, NB>(x, halves, W, nsuper, p0, r0, Y, ldy, N, add, bias);
+    return ktile_nb<I, R, NB - 1>(nb, x, halves, W, nsuper, p0, r0, Y, ldy, N, add, bias);
+  }
+}
+
+// Y (M, N) = the product of x's M rows and the panels [q0, q1) of a K-quant W [+ bias] [+ add].
+template <int I>
+inline void kmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
+                           const float* bias, int64_t q0, int64_t q1) {
+  thread_local std::vector<int32_t> halves;
+  if constexpr (I == 1) first_half_sums(x, M, halves);
+  const int64_t blocks = (M + kMaxQRows - 1) / kMaxQRows, rows = (M + blocks - 1) / blocks;
+  const int G = qpanels_for(static_cast<int>(rows));
+  const uint8_t* data = static_cast<const uint8_t*>(W.data);
+  const int64_t nsuper = W.K / kSuper;
+  const int32_t* h = halves.data();
+  for (int64_t p = q0; p < q1; p += G) {
+    const int nb = static_cast<int>(std::min<int64_t>(G, q1 - p));
+    for (int64_t r0 = 0; r0 < M; r0 += rows) {
+      switch (static_cast<int>(std::min<int64_t>(rows, M - r0))) {
+        case 1: ktile_nb<I, 1, qpanels_for(1)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 2: ktile_nb<I, 2, qpanels_for(2)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 3: ktile_nb<I, 3, qpanels_for(3)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        default: ktile_nb<I, kMaxQRows, qpanels_for(kMaxQRows)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias);
+      }
+    }
+  }
+}
+
+inline void kquant_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
+                          const float* bias, int64_t q0, int64_t q1);
+
+// A kMixed matrix: each run (its outputs' columns of Y, bias and add) for its panels within [q0, q1).
+inline void mixed_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
+                         const float* bias, int64_t q0, int64_t q1) {
+  const int32_t* head = static_cast<const int32_t*>(W.data);
+  const uint8_t* data = static_cast<const uint8_t*>(W.data) + kMixedHeader;
+  int64_t p = 0;  // the run's first panel
+  for (int32_t i = 0; i < head[0]; ++i) {
+    const int format = head[1 + 2 * i];
+    const int64_t n = head[2 + 2 * i], panels = (n + kLanes - 1) / kLanes;
+    const int64_t a = std::max(q0, p), b = std::min(q1, p + panels), c = p * kLanes;
+    if (a < b)
+      kquant_matmul(x, M, Mat{format, data, n, W.K}, Y + c, ldy, add ? add + c : nullptr, bias ? bias + c : nullptr,
+                    a - p, b - p);
+    data += panels * (W.K / kBlock) * kPanelBlockBytes[format];
+    p += panels;
+  }
+}
+
+// Every quantized format: the K-quants here, the others by quant.h, runs of several (kMixed) run by run.
+inline void kquant_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
+                          const float* bias, int64_t q0, int64_t q1) {
+  switch (W.format) {
+    case kQ4_K: return kmatmul_format<0>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kQ6_K: return kmatmul_format<1>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kMixed: return mixed_matmul(x, M, W, Y, ldy, add, bias, q0, q1);
+    default: return qmatmul_panels(x, M, W, Y, ldy, add, bias, q0, q1);
+  }
+}

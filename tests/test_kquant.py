@@ -1,0 +1,199 @@
+"""The formats read from GGUF files as stored (kernels/blocks.py's Q5_0, Q4_K, Q6_K; kquant.h): the
+blocks hold exactly what gguf.quants dequantizes (blocks gguf quantizes, Q5_0, or built here following
+GGUF's layout, the K-quants; and blocks of random bytes: every code and scale), the kernels compute
+blocks.linear's very bits at every row count on each instruction set, blocks.linear is the product of
+the quantized activations and the weights, and a GGUF file in these types runs every matrix as
+stored, as a target and as a draft model, with speculative greedy equal to plain greedy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from specdec import kernels
+from specdec.api import load, load_drafter
+from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import speculative_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.kernels import blocks
+from specdec.lm import gguf
+from specdec.lm.model import Linear
+from specdec.proposers import build_proposer
+
+from .gguf_helpers import Q, byte_level_tokenizer, hf_model, quantize_any, write_gguf
+from .test_quant import needs_kernels, on_each_isa
+
+TYPES = {"q5_0": Q.Q5_0, "q4_k": Q.Q4_K, "q6_k": Q.Q6_K}
+SCALE_BYTES = {"q5_0": [(0, 2)], "q4_k": [(0, 2), (2, 4)], "q6_k": [(208, 210)]}  # fp16 scales in a GGUF block
+
+
+def stored(format: str, N: int, K: int, seed: int) -> tuple[blocks.Blocks, np.ndarray]:
+    """Weights (N, K) ~ N(0, 0.05) quantized in `format` as GGUF blocks: (Blocks, the raw bytes)."""
+    w = (np.random.default_rng(seed).standard_normal((N, K)) * 0.05).astype(np.float32)
+    raw = quantize_any(w, TYPES[format])
+    return blocks.from_gguf(raw, format, (N, K)), raw
+
+
+def random_blocks(format: str, N: int, K: int, seed: int) -> tuple[blocks.Blocks, np.ndarray]:
+    """GGUF blocks of random bytes (every code, every sub-block scale, Q6_K's -128 too), their fp16
+    scales random of either sign: blocks no quantizer makes, which a file may hold."""
+    rng = np.random.default_rng(seed)
+    size = 32 if format == "q5_0" else 256
+    raw = rng.integers(0, 256, (N, K // size, blocks.GGUF_BLOCK_BYTES[format]), dtype=np.uint8)
+    for a, b in SCALE_BYTES[format]:
+        raw[..., a:b] = (rng.standard_normal((N, K // size, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(N, -1)
+    return blocks.from_gguf(raw, format, (N, K)), raw
+
+
+@pytest.mark.parametrize("format", TYPES)
+def test_blocks_hold_what_gguf_dequantizes(format):
+    for make in (stored, random_blocks):
+        held, raw = make(format, 24, 512, 1)
+        assert torch.equal(held.dense(), torch.from_numpy(dequantize(raw, TYPES[format]))), make.__name__
+    w = (np.random.default_rng(1).standard_normal((24, 512)) * 0.05).astype(np.float32)
+    assert np.abs(stored(format, 24, 512, 1)[0].dense().numpy() - w).max() < 0.02  # a quantization of w
+
+
+@pytest.mark.parametrize("format", TYPES)
+def test_the_packed_layout_holds_the_blocks_exactly(format):
+    held, _ = random_blocks(format, 37, 768, 2)  # N not a multiple of 16
+    data = blocks.pack(held)
+    assert data.numel() == -(-37 // 16) * (768 // 32) * blocks.PANEL_BLOCK_BYTES[format]
+    again = blocks.unpack(data, format, held.shape)
+    for name, a, b in zip(held._fields[1:], held[1:], again[1:]):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    picked = kernels.Matrix.from_blocks(held).rows(torch.tensor([3, 0, 36]))  # a draft vocabulary's rows
+    assert torch.equal(picked.dense(), held.dense()[[3, 0, 36]])
+
+
+@pytest.mark.parametrize("format", TYPES)
+def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(format):
+    held, _ = random_blocks(format, 20, 512, 3)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    q, d, _ = blocks.quantize_rows(x)
+    xq = (q.double().reshape(3, 16, 32) * d.double()[..., None]).reshape(3, 512)
+    exact = xq @ held.dense().double().T
+    torch.testing.assert_close(blocks.linear(x, held).double(), exact, rtol=1e-5, atol=1e-4)
+    wrong = blocks.Blocks(format, held.codes.roll(1, dims=1), *held[2:])  # codes one k off: another product
+    assert (blocks.linear(x, wrong).double() - exact).abs().max() > 0.1
+
+
+@needs_kernels
+@pytest.mark.parametrize("format", TYPES)
+def test_each_row_of_the_kernel_equals_the_reference_exactly(format):
+    """N not a multiple of 16, one to three super-blocks, rows 1..16 in every split, bias and residual,
+    blocks of every code, both instruction sets: the same bits as blocks.linear."""
+    g = torch.Generator().manual_seed(4)
+    for seed, (N, K) in enumerate([(1, 256), (37, 512), (53, 768)]):
+        for make in (stored, random_blocks):
+            held, _ = make(format, N, K, seed)
+            matrix = kernels.Matrix.from_blocks(held)
+            x = torch.randn(16, K, generator=g) * 4
+            x[3, :32] = 0  # a block of zeros: scale 0
+            bias, add = torch.randn(N, generator=g), torch.randn(16, N, generator=g)
+            reference = blocks.linear(x, held, bias)
+            for isa in on_each_isa():
+                for rows in range(1, 17):
+                    parts = [kernels.compiled().linear(x[i:i + rows], matrix.data, matrix.kernel_format, N,
+                                                       add[i:i + rows], bias) for i in range(0, 16, rows)]
+                    assert torch.equal(torch.cat(parts), add + reference), (isa, N, K, rows, make.__name__)
+
+
+@needs_kernels
+def test_runs_of_several_formats_compute_each_runs_reference_exactly():
+    """A fused matrix whose parts are stored in different types (Q4_K_M's q, k in Q4_K and v in Q6_K):
+    runs, run by run the bits of each part's blocks.linear."""
+    parts = [random_blocks("q4_k", 32, 512, 5)[0], random_blocks("q4_k", 16, 512, 6)[0],
+             random_blocks("q5_0", 16, 512, 7)[0], random_blocks("q6_k", 21, 512, 8)[0]]
+    matrix = kernels.Matrix.from_runs(parts)
+    assert matrix.format == "q4_k+q5_0+q6_k" and matrix.shape == (85, 512) and len(matrix.runs) == 3
+    assert torch.equal(matrix.dense(), torch.cat([p.dense() for p in parts]))
+    g = torch.Generator().manual_seed(5)
+    x, bias, add = torch.randn(7, 512, generator=g), torch.randn(85, generator=g), torch.randn(7, 85, generator=g)
+    reference = torch.cat([blocks.linear(x, p) for p in parts], dim=-1) + bias
+    assert torch.equal(matrix.reference(x, bias), reference)
+    for isa in on_each_isa():
+        for rows in (1, 2, 3, 7):
+            got = torch.cat([kernels.compiled().linear(x[i:i + rows], matrix.data, matrix.kernel_format, 85,
+                                                       add[i:i + rows], bias) for i in range(0, 7, rows)])
+            assert torch.equal(got, add + reference), (isa, rows)
+    with pytest.raises(ValueError, match="no rows to pick"):  # only an unembedding's rows are picked: never runs
+        matrix.rows(torch.tensor([84, 3]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.Matrix.from_runs([parts[3], parts[2]])  # a run of 21 outputs before another
+
+
+def test_a_k_quant_needs_rows_of_whole_super_blocks():
+    assert "blocks of 256" in blocks.blocking_error("q4_k", 288)
+    assert blocks.blocking_error("q6_k", 512) is None and blocks.blocking_error("q5_0", 288) is None
+    with pytest.raises(ValueError, match="read from a GGUF file as stored"):
+        blocks.quantize(torch.randn(4, 256), "q4_k")
+
+
+# ---- a GGUF file in these types (Q4_K_M's), every matrix as stored ----
+
+# cycled over the matrices as written (the embedding, then q, k, v, o, gate, up, down of each layer):
+# the embedding, v and down in Q6_K, q/k and gate/up in Q4_K, o in Q5_0 (q, k, v fused: runs)
+FILE_TYPES = (Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_K, Q.Q4_K)
+FILE_FORMATS = {"q4_k", "q6_k", "q5_0", "q4_k+q6_k"}
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory, gguf_cache):
+    """A qwen2 model (rows of 256 and 512: whole super-blocks) written in FILE_TYPES, tied embeddings."""
+    model = hf_model("qwen2", tie_word_embeddings=True, hidden_size=256, intermediate_size=512)
+    return write_gguf(tmp_path_factory.mktemp("kquant") / "kq.gguf", model, byte_level_tokenizer(), "qwen2",
+                      types=FILE_TYPES)
+
+
+@needs_kernels
+@torch.no_grad()
+def test_a_files_k_quants_run_as_stored_near_the_exact_product(k_quant_file):
+    target = load(k_quant_file, quantize="gguf").model
+    formats = {name: m.stored.format for name, m in target.named_modules() if isinstance(m, Linear)}
+    assert set(formats.values()) == FILE_FORMATS and target.stack is not None  # all in the kernels
+    raws = {raw.name: raw for raw in gguf.raw_tensors(k_quant_file)}
+    down = raws["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(target.model.layers[1].mlp.down_proj.stored.dense(),
+                       torch.from_numpy(dequantize(down.data, Q.Q6_K)).reshape(down.shape))
+    ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(1))
+    ours = target(ids).logits
+    with torch.no_grad():  # the same weights with exact (fp32) activations: within int8 activation rounding
+        for m in target.modules():
+            if isinstance(m, Linear):
+                m.stored = None
+        target.stack = None
+        for layer in target.model.layers:
+            layer.stack = None
+        exact = target(ids).logits
+    assert (ours - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+@needs_kernels
+def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
+    target = load(k_quant_file, quantize="gguf").model
+    prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24), SamplingConfig()
+    for isa in on_each_isa():
+        plain, _ = plain_generate(target, prompts, rule, greedy)
+        for proposer, k in [(build_proposer("self", target=target), 3), (build_proposer("ngram"), 2)]:
+            rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
+            assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0, isa
+
+
+@needs_kernels
+def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
+    """The file as its own draft: as stored (the target's very arithmetic, so every draft is accepted);
+    beside a target run as its bf16 conversion, the draft is that conversion too."""
+    target = load(k_quant_file, quantize="gguf")
+    proposer = load_drafter(target, "draft-model", k_quant_file)
+    assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == FILE_FORMATS
+    prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=16), SamplingConfig()
+    plain, _ = plain_generate(target.model, prompts, rule, greedy)
+    rows, metrics = speculative_generate(target.model, proposer, prompts, rule, greedy, 3)
+    assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.accepted == metrics.proposed > 0
+    unquantized = load(k_quant_file)
+    draft = load_drafter(unquantized, "draft-model", k_quant_file).model
+    assert {m.stored.format for m in draft.modules() if isinstance(m, Linear) and m.stored} <= {"bf16"}
