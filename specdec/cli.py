@@ -829,7 +829,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve: concurrent streaming clients (and offline batch rows)")
     b.add_argument("--server-threads", type=int, help="serve: the server's kernel threads (default: torch's)")
     b.add_argument("--quick", action="store_true",
-                   help="the short plan (about 4 min on SmolLM2, 2 cores; default: the full plan)")
+                   help="the short plan: plain, the drafters that fit and transformers' peers, ~100 generations; "
+                        "each cell first says how long it will take here (default: the full plan)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
     b.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
