@@ -860,7 +860,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve: concurrent streaming clients (and offline batch rows)")
     b.add_argument("--server-threads", type=int, help="serve: the server's kernel threads (default: torch's)")
     b.add_argument("--quick", action="store_true",
-                   help="the short plan (about 4 min on SmolLM2, 2 cores; default: the full plan)")
+                   help="the short plan: plain, the drafters that fit and transformers' peers, ~100 generations; "
+                        "each cell first says how long it will take here (default: the full plan)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
     b.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
@@ -976,20 +977,68 @@ class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    terms = []
+class Stop:
+    """SIGTERM and Ctrl-C (SIGINT) for a command: a KeyboardInterrupt in the main thread, but never
+    inside an import. A KeyboardInterrupt there is lost or fatal later (numpy's import swallows it,
+    a half-imported torch or numpy aborts the process or refuses to load again), so a signal that
+    comes while importing waits: an interval timer (SIGALRM) delivers it again every RETRY seconds
+    until the import is over. `close` stops the timer and puts the previous handlers back."""
+    RETRY = 0.05
 
-    def terminated(signum, frame) -> None:  # SIGTERM as Ctrl-C: one line (below), not a traceback
-        terms.append(signum)
+    def __init__(self):
+        self.received: list[int] = []
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+
+    def handle(self, signum, frame) -> None:
+        if signum != signal.SIGALRM:
+            self.received.append(signum)
+        if not self.received:  # an alarm that is not ours: nothing to deliver
+            return
+        if importing(frame):
+            signal.setitimer(signal.ITIMER_REAL, self.RETRY)
+            return
+        signal.setitimer(signal.ITIMER_REAL, 0)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+    def close(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def importing(frame) -> bool:
+    """Whether the main thread, at `frame`, is inside an import (its stack crosses importlib)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; a SIGTERM or Ctrl-C at any moment once specdec runs (its imports included)
+    ends with one line naming the command and the signal, exit status 143 (SIGTERM) or 130 (Ctrl-C)."""
+    stop = Stop()  # before the heavy imports (torch, with the parser's presets)
     try:
-        status = args.func(args) or 0  # a command's own exit status (check's verdict), else 0
-    except KeyboardInterrupt:
-        print(f"specdec: {args.command} stopped by {'SIGTERM' if terms else 'Ctrl-C'}", file=sys.stderr)
-        return 143 if terms else 130
+        return run(argv)
+    except KeyboardInterrupt:  # ours, or the second signal of a command that handles the first (train)
+        for s in stop.previous:
+            signal.signal(s, signal.SIG_IGN)  # the line is the last word, whatever else arrives now
+        term = (stop.received[-1] if stop.received else signal.SIGINT) == signal.SIGTERM
+        words = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
+        print(f"specdec: {words[0] + ' ' if words else ''}stopped by {'SIGTERM' if term else 'Ctrl-C'}",
+              file=sys.stderr)
+        return 143 if term else 130
+    finally:
+        stop.close()
+
+
+def run(argv: list[str] | None) -> int:
+    """The command's own exit status (check's verdict), else 0; 2 with one line for a SpecdecError
+    or an unwritable or full disk."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
@@ -1001,9 +1050,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{'free some space or write elsewhere' if e.errno in FULL else 'use files and folders you may access'} "
               "(e.g. another --out)", file=sys.stderr)
         return 2
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return status
 
 
 if __name__ == "__main__":

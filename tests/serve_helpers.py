@@ -13,6 +13,7 @@ import httpx
 from .conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+HANG = 600  # seconds: a state that never comes fails the test instead of hanging it
 
 
 class Server:
@@ -28,7 +29,7 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *args],
                                      env={**self.environment(), **(env or {})}, stdout=log.open("w"),
                                      stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG  # a bound against a hang: loading takes long on a loaded machine
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"specdec serve exited with {self.proc.returncode}: {log.read_text()}")
@@ -39,7 +40,7 @@ class Server:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"specdec serve did not answer /health within 120 s: {log.read_text()}")
+        raise RuntimeError(f"specdec serve did not answer /health within {HANG} s: {log.read_text()}")
 
     @staticmethod
     def environment() -> dict:

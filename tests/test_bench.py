@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
 
 from specdec.bench.plots import PLOTS
 from specdec.bench.report import JSON_NAME, REPORT_NAME, cell_table, console_report, write_report
-from specdec.bench.runner import SCHEMA, Cell, Config, Plan, check_plan, lossless, run_bench
+from specdec.bench.runner import SCHEMA, Cell, Config, Plan, check_plan, lossless, quick_plan, run_bench
 from specdec.bench.verify_cost import MoESpec
 from specdec.cli import main
 from specdec.errors import SpecdecError
@@ -270,6 +271,8 @@ def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips
     skipped = {line.split()[3].rstrip(":"): line for line in err.splitlines()
                if line.startswith("specdec bench: skipped")}
     assert sorted(skipped) == sorted(SHIPPED_DRAFTERS)  # one line each, with the reason
+    # each cell says how long it will take here, from its warm-up, before its timed repeats
+    assert len(re.findall(r"specdec bench: .*: about \d+ s more here \(its warm-up", err)) == len(quick_plan().cells)
     assert "uses another tokenizer than the target" in skipped["draft-model"]
     assert "was trained for another target" in skipped["parallel"]
     assert all("pass the target" in skipped[name] and "trained for" in skipped[name] for name in ("mtp", "eagle", "block"))
@@ -284,6 +287,23 @@ def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips
         for r in cell["results"]:
             if r["method"] in ("ngram", "suffix") and cell["sampling"]["temperature"] == 0:
                 assert r["lossless"]["identical"] == r["lossless"]["prompts"]
+
+
+def test_the_quick_plan_keeps_the_evidence_in_a_quarter_of_the_tokens():
+    """`make run` (issue 34: at most 3 minutes on every machine kind): plain decoding, the drafters and
+    transformers' peers on the same greedy prompts (the lossless check), the loss side and sampling,
+    repeated 3 times; counted on the default target, where 4 drafters fit and 2 peers run."""
+    plan = quick_plan()
+    assert any(c.workload == "humaneval" and c.temperature == 0 and c.peer_k for c in plan.cells)
+    assert any(c.workload == "random-chars" for c in plan.cells) and any(c.temperature > 0 for c in plan.cells)
+    assert plan.repeats == 3
+
+    def generations(cell: Cell) -> int:  # warm-up, counted syncs (specdec only), repeats over the batches
+        batches = plan.repeats * -(-cell.prompts // cell.batch_size)
+        ours = (1 + 4 * (len(cell.ks) + len(cell.trees) + cell.auto)) * (2 + batches)
+        return ours + (2 * (1 + batches) if cell.peer_k and cell.batch_size == 1 else 0)
+    tokens = sum(map(generations, plan.cells)) * plan.max_new_tokens
+    assert tokens <= 5_000  # the plan before issue 34: 352 generations of 64 tokens, 22,528 tokens (4 min on AVX-512)
 
 
 def test_methods_named_run_without_the_shipped_draft_and_a_misfit_named_is_refused(own_model, tmp_path, capsys):

@@ -19,6 +19,9 @@ conversion follows transformers' own GGUF loading (modeling_gguf_pytorch_utils, 
   and the end-of-turn ids the file names (config.json's eos_token_id).
 
 The folder is written through atomic.atomic_dir: a killed conversion leaves nothing half-written.
+Processes using a file for the first time at once (a bench and a generate, two server workers):
+the first converts while holding the folder's lock (atomic.exclusive), the others wait for it and
+then read the folder it wrote.
 A truncated or corrupt file, an architecture specdec does not run, a tensor type the `gguf`
 package cannot dequantize: one SpecdecError line, checked before anything is written.
 
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import SpecdecError
-from .atomic import atomic_dir, recover
+from .atomic import atomic_dir, exclusive, recover, write_error
 from .checkpoint import CONFIG, META, WEIGHTS, sha256
 
 SUFFIX = ".gguf"
@@ -285,8 +288,16 @@ def folder(path: str | Path) -> Path:
         raise SpecdecError(f"no GGUF file at {path}: pass --model with an existing .gguf file or a checkpoint folder")
     dest = cache_root() / f"{sha256(path)[:16]}-v{FORMAT}" / path.stem  # named as the file: the model's name
     recover(dest)
-    if not (dest / CONFIG).exists():
-        convert(path, dest)
+    if (dest / CONFIG).exists():  # a folder appears there complete (renamed last) or not at all
+        return dest
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_error(dest, e) from None
+    # the first use converts; the others wait for it, then find the folder
+    with exclusive(dest, waiting=f"specdec: waiting for another process converting {path.name} ({dest})"):
+        if not (dest / CONFIG).exists():
+            convert(path, dest)
     return dest
 
 

@@ -269,32 +269,35 @@ def steps(run: Run, nets: Nets, params: list, opt, step: int, history: dict, t_s
     bar = tqdm(total=cfg.steps, initial=step, disable=run.rank != 0, desc="train", unit="step", dynamic_ncols=True)
     last = cfg.steps if cfg.stop_after is None else min(cfg.steps, step + cfg.stop_after)
     interrupt = Interrupt()  # a signal ends the loop after the step under way, its state saved
-    while step < last:
-        t0 = time.time()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        train_losses = accumulate(run, nets, step)
-        if run.world > 1:
-            _average_gradients(params, run.world)
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        cfg.objective.record(history, "train", step, train_losses)
-        if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-            cfg.objective.record(history, "valid", step, evaluate(cfg.objective, nets, valid_tokens, cfg.seq_len,
-                                                                  cfg.eval_windows))
-        tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
-        bar.set_postfix(**progress(history, nets.heads is not None), tok_s=f"{tok_s:.0f}", gnorm=f"{float(gnorm):.2f}")
-        bar.update(1)
-        if run.rank == 0 and (step % cfg.save_every == 0 or step == last or interrupt.received):
-            run.save_state(nets.model, nets.heads, opt, step, history, time.time() - t_start)
-        if run.world > 1:
-            dist.barrier()
-        if interrupt.received:
-            break
-    interrupt.restore()
-    bar.close()
+    try:
+        while step < last:
+            t0 = time.time()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(cfg, step)
+            train_losses = accumulate(run, nets, step)
+            if run.world > 1:
+                _average_gradients(params, run.world)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            cfg.objective.record(history, "train", step, train_losses)
+            if run.rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+                cfg.objective.record(history, "valid", step, evaluate(cfg.objective, nets, valid_tokens,
+                                                                      cfg.seq_len, cfg.eval_windows))
+            tok_s = cfg.batch_size * cfg.seq_len / (time.time() - t0)
+            bar.set_postfix(**progress(history, nets.heads is not None), tok_s=f"{tok_s:.0f}",
+                            gnorm=f"{float(gnorm):.2f}")
+            bar.update(1)
+            if run.rank == 0 and (step % cfg.save_every == 0 or step == last or interrupt.received):
+                run.save_state(nets.model, nets.heads, opt, step, history, time.time() - t_start)
+            if run.world > 1:
+                dist.barrier()
+            if interrupt.received:
+                break
+    finally:  # also when a second signal leaves at once: the bar's last state before the command's line
+        interrupt.restore()
+        bar.close()
     return step
 
 
@@ -356,10 +359,10 @@ def shown_recipe(cfg: TrainConfig) -> dict:
 
 
 class Interrupt:
-    """SIGINT or SIGTERM while training: the step under way finishes, the state is saved and the
-    loop leaves (`received`); a second signal leaves at once (KeyboardInterrupt). Installed on
-    creation (only the main thread takes signals; elsewhere this does nothing), `restore` puts
-    the previous handlers back."""
+    """SIGINT or SIGTERM while training: one line at once, then the step under way finishes, the
+    state is saved and the loop leaves (`received`); a second signal leaves at once (through the
+    handler it replaced, else KeyboardInterrupt). Installed on creation (only the main thread takes
+    signals; elsewhere this does nothing), `restore` puts the previous handlers back."""
 
     def __init__(self):
         self.received: int | None = None
@@ -368,9 +371,15 @@ class Interrupt:
             self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+            print(f"specdec: {'SIGTERM' if signum == signal.SIGTERM else 'Ctrl-C'}: stopping after the step under way, "
+                  "its state saved (again to leave at once)", file=sys.stderr, flush=True)
+            return
+        before = self.previous.get(signum)
+        if callable(before):  # the command's handler (cli.Stop): it names the signal in its line
+            return before(signum, frame)
+        raise KeyboardInterrupt
 
     def restore(self) -> None:
         for s, handler in self.previous.items():
