@@ -43,7 +43,7 @@ from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_joining
 from .adaptive import Adaptive
-from .constraint import Compiled
+from .constraint import Compiled, masked
 from .guided import Guide
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
@@ -210,7 +210,7 @@ class Engine:
         column set to -inf (guided.py), so that every acceptance rule sees the masked target."""
         if not self.guide.active:
             return logits
-        return logits.masked_fill(~self.guide.window_masks(proposal).to(logits.device), float("-inf"))
+        return masked(logits, self.guide.window_masks(proposal))
 
     def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int]
                ) -> tuple[list[list[int]], list[int]]:
@@ -247,8 +247,8 @@ class Engine:
         out = self.target(window, cache=self.cache, positions=next_positions(self.cache, 1, self.context),
                           **layer_request(self.features))
         t_forward = clock()
-        logits, masks = out.logits[:, -1], self.guide.next_masks()  # (B, V); masks: None without constraints
-        picked = self.pick(logits if masks is None else logits.masked_fill(~masks.to(logits.device), float("-inf")))
+        logits, masks = out.logits[:, -1], self.guide.next_masks()  # (B, V); masks (B, W): None without constraints
+        picked = self.pick(logits if masks is None else masked(logits, masks))
         tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
         self.guide.commit([[t] for t in tokens], counts, [0] * B)

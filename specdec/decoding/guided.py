@@ -15,7 +15,8 @@ Forced drafts. Where the grammar forces a run of tokens (llguidance's fast-forwa
 keys, punctuation and enum tails of a schema), that run replaces the drafter's proposal for the
 row: deterministic drafts, verified like any other, so nothing about the distribution changes; the
 drafter hears that none of its drafts were accepted and the committed tokens follow (as after a
-rejection). `forced_accepted` counts the emitted tokens that were forced drafts.
+rejection). Where the drafter's chain already begins with the forced run and goes further, it is
+kept as it is. `forced_accepted` counts the emitted tokens that were drafts of a forced run.
 
 The matcher of each row always stands at its committed sequence: the drafts it walks through to
 make masks are rolled back before the step ends, and the committed tokens are then consumed.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .constraint import Compiled, Matcher, allowed
+from .constraint import Compiled, Matcher
 from .protocol import Outcome, Proposal
 from .tree import chain_parents
 
@@ -39,6 +40,8 @@ class Guide:
         self.vocab, self.words, self.forced_drafts = vocab, (vocab + 31) // 32, forced_drafts
         self.matchers: list[Matcher | None] = []
         self.replaced: list[bool] = []     # (B,) rows whose drafts this step are the grammar's forced run
+        self.runs: list[int] = []          # (B,) length of the forced run at the head of each row's drafts
+        self.tree = False                  # whether the drafter proposed a tree this step
         self.forced_proposed = 0           # forced drafts proposed
         self.forced_accepted = 0           # of which emitted
 
@@ -48,35 +51,42 @@ class Guide:
 
     def join(self, constraints: list[Compiled | None]) -> None:
         self.matchers += [None if c is None else c.matcher() for c in constraints]
-        self.replaced = []
+        self.replaced, self.runs = [], []
 
     def leave(self, keep: list[int]) -> None:
         self.matchers = [self.matchers[b] for b in keep]
-        self.replaced = []
+        self.replaced, self.runs = [], []
 
-    def next_masks(self) -> torch.Tensor | None:
-        """(B, V) bool: the tokens each row may emit next (all, unconstrained); None without constraints."""
+    def next_masks(self) -> np.ndarray | None:
+        """(B, W) int32 bitmasks (constraint.py) of the tokens each row may emit next (all bits set:
+        unconstrained); None without constraints."""
         if not self.active:
             return None
         bits = np.full((len(self.matchers), self.words), -1, dtype=np.int32)
         for b, m in enumerate(self.matchers):
             if m is not None:
                 m.mask_into(bits[b])
-        return allowed(bits, self.vocab)
+        return bits
 
     def propose(self, proposal: Proposal, limits: list[int], cut: list[bool]) -> Proposal:
-        """The forced runs in place of the drafter's drafts (where there is one and forced drafts are
-        on), then each chain cut at its first draft the grammar refuses where `cut[b]` (module
+        """The forced runs in place of the drafter's drafts (where there is one, forced drafts are on,
+        and the drafter's chain does not already begin with it and go further), then each chain cut at its first draft the grammar refuses where `cut[b]` (module
         docstring: where cutting is exact). Returns the proposal to verify."""
         B = len(self.matchers)
         self.replaced = [False] * B
+        self.tree = proposal.parents is not None  # the drafter's proposal: it expects paths in its outcome
+        tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
         forced = [[] if m is None or not self.forced_drafts or not limit else m.forced()[:limit]
                   for m, limit in zip(self.matchers, limits)]
+        self.runs = list(map(len, forced))
+        if proposal.parents is None:  # a chain that begins with the forced run and goes on is kept
+            forced = [[] if n > len(run) and row[:len(run)] == run else run
+                      for run, row, n in zip(forced, tokens, lengths)]
         if any(forced):
             proposal = self.with_forced(proposal, forced)
+            tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
         if proposal.parents is not None or not any(cut):
             return proposal
-        tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
         kept = list(lengths)
         for b, m in enumerate(self.matchers):
             if m is None or not cut[b] or self.replaced[b]:
@@ -122,9 +132,9 @@ class Guide:
                 parents[b, :len(run)] = chain_parents(1, len(run), device)[0]
         return Proposal(tokens, lengths, probs, parents)
 
-    def window_masks(self, proposal: Proposal) -> torch.Tensor:
-        """(B, 1+m, V) bool: at each window column, the tokens the grammar allows after the row's
-        sequence and the drafts on the path to that column (all tokens in unconstrained rows)."""
+    def window_masks(self, proposal: Proposal) -> np.ndarray:
+        """(B, 1+m, W) int32 bitmasks: at each window column, the tokens the grammar allows after the
+        row's sequence and the drafts on the path to that column (all tokens in unconstrained rows)."""
         B, m = proposal.tokens.shape
         bits = np.full((B, 1 + m, self.words), -1, dtype=np.int32)
         tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
@@ -137,7 +147,7 @@ class Guide:
                 self.chain_masks(matcher, tokens[b][:lengths[b]], bits[b])
             else:
                 self.tree_masks(matcher, tokens[b][:lengths[b]], parents[b][:lengths[b]], bits[b])
-        return allowed(bits, self.vocab)
+        return bits
 
     @staticmethod
     def chain_masks(matcher: Matcher, drafts: list[int], bits: np.ndarray) -> None:
@@ -157,6 +167,10 @@ class Guide:
         path: list[int] = []   # the nodes the matcher has consumed, root first
         valid = [True] * len(drafts)
         for c, p in enumerate(parents):
+            if p >= 0 and not valid[p]:  # below a refused node: never reached
+                valid[c] = False
+                bits[c + 1] = bits[p + 1]
+                continue
             want = [] if p < 0 else path_to(parents, p)
             common = 0
             while common < min(len(path), len(want)) and path[common] == want[common]:
@@ -166,7 +180,7 @@ class Guide:
             for node in want[common:]:
                 matcher.advance([drafts[node]])
                 path.append(node)
-            if (p < 0 or valid[p]) and matcher.accepts(drafts[c]):
+            if matcher.accepts(drafts[c]):
                 path.append(c)
                 matcher.mask_into(bits[c + 1])
             else:
@@ -181,15 +195,20 @@ class Guide:
             if m is None or not n:
                 continue
             m.advance(run[:n])
-            if b < len(self.replaced) and self.replaced[b]:
-                self.forced_accepted += min(accepted[b], n)
+            if b < len(self.runs):
+                self.forced_accepted += min(accepted[b], self.runs[b], n)
 
     def outcome(self, outcome: Outcome) -> Outcome:
-        """What the drafter hears: rows that verified a forced run accepted none of its drafts."""
+        """What the drafter hears: rows that verified a forced run accepted none of its drafts; a
+        drafter that proposed a tree hears paths even where the verified proposal became a chain."""
         if not any(self.replaced):
             return outcome
         accepted = [0 if r else n for r, n in zip(self.replaced, outcome.accepted)]
-        paths = None if outcome.paths is None else [[] if r else p for r, p in zip(self.replaced, outcome.paths)]
+        paths = outcome.paths
+        if paths is None and self.tree:
+            paths = [list(range(n)) for n in outcome.accepted]  # a chain's accepted nodes: the tree's main chain
+        if paths is not None:
+            paths = [[] if r else p for r, p in zip(self.replaced, paths)]
         return Outcome(accepted, outcome.tokens, outcome.counts, outcome.hidden, paths)
 
 
