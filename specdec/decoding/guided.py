@@ -70,8 +70,9 @@ class Guide:
 
     def propose(self, proposal: Proposal, limits: list[int], cut: list[bool]) -> Proposal:
         """The forced runs in place of the drafter's drafts (where there is one, forced drafts are on,
-        and the drafter's chain does not already begin with it and go further), then each chain cut at its first draft the grammar refuses where `cut[b]` (module
-        docstring: where cutting is exact). Returns the proposal to verify."""
+        and the drafter's chain does not already begin with it and go further), then each chain cut at
+        its first draft the grammar refuses where `cut[b]` (module docstring: where cutting is exact).
+        Returns the proposal to verify."""
         B = len(self.matchers)
         self.replaced = [False] * B
         self.tree = proposal.parents is not None  # the drafter's proposal: it expects paths in its outcome
