@@ -7,6 +7,10 @@ properties / required / additionalProperties false, string with maxLength, integ
 minimum / maximum, boolean, enum, array of such items with maxItems), so the validity rate does not
 rely on the library that constrained the output.
 
+A number of unbounded precision lets a small model write digits until max_new_tokens (SmolLM2
+wrote 0.0000000001222222223333... for a confidence in [0, 1]), which ends with finish reason
+"length", exactly as it should; the classifications therefore ask for an integer percentage.
+
 This module knows nothing about the engine's internals: it calls api.generate.
 """
 from __future__ import annotations
@@ -72,9 +76,10 @@ def tasks() -> list[Task]:
             out.append(Task("tool-call", f"Call {tool} for this request, arguments as JSON: {question}", obj(params)))
     for field, labels, texts in LABELS:
         for text in texts:
-            out.append(Task("classification", f"Classify the {field} of this text as JSON. Text: {text}",
-                            obj({field: {"enum": labels}, "confidence": {"type": "number", "minimum": 0,
-                                                                          "maximum": 1}})))
+            out.append(Task("classification", f"Classify the {field} of this text as JSON, with your confidence in "
+                                              f"percent. Text: {text}",
+                            obj({field: {"enum": labels}, "confidence": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 100}})))
     return out
 
 
