@@ -271,3 +271,22 @@ def test_the_distribution_test_fails_when_the_mask_is_forgotten_at_one_column(mo
     result = distribution_test(counts, exact_masked_joint(sampling))
     print(f"\nmask forgotten at column 1: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
     assert not passes(result), result
+
+
+# ---- the command line ----
+
+def test_generate_takes_a_schema_a_regex_or_a_grammar_and_names_a_bad_one(capsys, tmp_path):
+    from specdec.cli import main
+    schema, grammar = tmp_path / "schema.json", tmp_path / "answer.gbnf"
+    schema.write_text(json.dumps(SCHEMA))
+    grammar.write_text('root ::= "yes" | "no"')
+    base = ["generate", "--model", str(api.TOY_TARGET), "--prompt", "x = ", "--max-new-tokens", "40", "--json"]
+    for option, check in [(["--json-schema", str(schema)], valid), (["--regex", "(yes|no), [a-z]{1,8}"],
+                                                                   lambda t: t.split(",")[0] in ("yes", "no")),
+                          (["--grammar", str(grammar)], lambda t: t in ("yes", "no")),
+                          (["--json-object", "--draft", "ngram", "-k", "3"], lambda t: t.startswith("{"))]:
+        assert main(base + option) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert check(out["text"]), (option, out["text"])
+    assert main(base + ["--regex", "a(b"]) != 0
+    assert "unclosed group" in capsys.readouterr().err
