@@ -160,7 +160,8 @@ class Engine:
         accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
         clock.mark("accepted")
         runs, counts = self.commit([row[3:] for row in read], accepted, verdict, next_tokens)  # commit
-        self.guide.commit(runs, counts, accepted)
+        if self.guide.active:
+            self.guide.commit(runs, counts, accepted)
         clock.mark("committed")
         self.proposer.observe(self.state, self.guide.outcome(Outcome(accepted, runs, counts, self.features_along(
             out, verdict), verdict.paths)))
@@ -251,7 +252,8 @@ class Engine:
         picked = self.pick(logits if masks is None else masked(logits, masks))
         tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
-        self.guide.commit([[t] for t in tokens], counts, [0] * B)
+        if masks is not None:
+            self.guide.commit([[t] for t in tokens], counts, [0] * B)
         self.next_window = picked[:, None] if all(counts) else None
         self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
         self.cached = [c + n for c, n in zip(self.cached, counts)]

@@ -42,20 +42,19 @@ class Guide:
         self.replaced: list[bool] = []     # (B,) rows whose drafts this step are the grammar's forced run
         self.runs: list[int] = []          # (B,) length of the forced run at the head of each row's drafts
         self.tree = False                  # whether the drafter proposed a tree this step
+        self.active = False                # whether any row is constrained (kept by join and leave)
         self.forced_proposed = 0           # forced drafts proposed
         self.forced_accepted = 0           # of which emitted
-
-    @property
-    def active(self) -> bool:
-        return any(m is not None for m in self.matchers)
 
     def join(self, constraints: list[Compiled | None]) -> None:
         self.matchers += [None if c is None else c.matcher() for c in constraints]
         self.replaced, self.runs = [], []
+        self.active = any(m is not None for m in self.matchers)
 
     def leave(self, keep: list[int]) -> None:
         self.matchers = [self.matchers[b] for b in keep]
         self.replaced, self.runs = [], []
+        self.active = any(m is not None for m in self.matchers)
 
     def next_masks(self) -> np.ndarray | None:
         """(B, W) int32 bitmasks (constraint.py) of the tokens each row may emit next (all bits set:
