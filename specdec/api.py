@@ -38,8 +38,10 @@ import torch
 
 from . import inputs, kernels
 from .decoding.adaptive import measure_ahead
+from .decoding.constraint import Constraint, compile_constraint
 from .decoding.decode import plain_generate
 from .decoding.engine import speculative_generate
+from .decoding.guided import GrammarDrafts
 from .decoding.healing import first_tokens
 from .decoding.prompts import encode, stop_rule
 from .decoding.sampling import SamplingConfig
@@ -190,7 +192,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
              stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | str | None = None,
              widths: tuple[int, ...] | None = None, messages: list[dict] | None = None,
              on_text: Callable[[int, str], None] | None = None, special_tokens: bool = False,
-             heal: bool = True) -> Result:
+             heal: bool = True, constraint: Constraint | None = None) -> Result:
     """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`);
     k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
     pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains).
@@ -200,7 +202,11 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     a prompt ending in whitespace is token-healed unless heal=False. With a seed, each prompt's
     sampled tokens depend only on the seed, the prompt and the target (sampling.py): prompts that
     share a seed share its noise. on_text(i, piece): called as prompt i's tokens are committed, with
-    text that is never taken back; prompt i's pieces add up to texts[i] (`Streamer`)."""
+    text that is never taken back; prompt i's pieces add up to texts[i] (`Streamer`).
+    constraint: structured output (decoding/constraint.py: JSON Schema, json_object, regex, grammar),
+    the target's distribution masked to it at every position; prompts are then not healed, and the
+    grammar's forced tokens are drafted (stats "forced"); plain decoding under it runs k = 0 with the
+    "grammar" proposer (GrammarDrafts), and that proposer with k >= 1 drafts the forced tokens alone."""
     if prompts is None and messages is None:
         raise SpecdecError("prompts must be a string or a list of strings (or give messages=[...] for a chat)")
     if prompts is not None and messages is not None:
@@ -210,6 +216,11 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     inputs.draft_length(k, proposer, widths)
     k = default_k(proposer) if k is None else k
     sampling = SamplingConfig(temperature, top_k, top_p, seed)
+    compiled = None if constraint is None else compile_constraint(constraint, target.tokenizer,
+                                                                  target.model.config.vocab_size)
+    if compiled is not None:
+        heal = False  # a healed prompt's first token would be chosen outside the grammar
+        proposer, k = (GrammarDrafts(), 0) if proposer is None else (proposer, k)
     if messages is not None:
         encoded = [encode(target.tokenizer, messages=messages)]
     else:
@@ -243,7 +254,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
         spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
     else:
         rows, metrics = speculative_generate(model, proposer, ids, rule, sampling, k, generator, widths=widths,
-                                             on_tokens=streamer)
+                                             on_tokens=streamer, constraint=compiled)
         spec = {"method": proposer.name, **metrics.to_dict(), "time_to_first_token": metrics.first_token_seconds}
     seconds = time.perf_counter() - t0
     if healing:

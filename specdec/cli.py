@@ -131,7 +131,7 @@ def cmd_generate(args) -> None:
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       stop=tuple(args.stop), proposer=proposer, k=k if proposer is not None else None,
                       widths=args.tree, messages=chat, on_text=show if streaming else None,
-                      special_tokens=args.special_tokens, heal=not args.no_heal)
+                      special_tokens=args.special_tokens, heal=not args.no_heal, constraint=constraint_of(args))
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
@@ -140,6 +140,26 @@ def cmd_generate(args) -> None:
     print("".join(pending) if streaming else result.texts[0] if chat else prompt + result.texts[0])
     print(f"\n--- {footer(s, k, args.temperature)}; target {target.path}; finish: {result.finish_reasons[0]}",
           file=sys.stderr)
+
+
+def constraint_of(args):
+    """The structured-output constraint of --json-schema FILE, --json-object, --regex R or
+    --grammar FILE (at most one: argparse's group), or None."""
+    from .decoding.constraint import Constraint
+    if args.json_schema is not None:
+        return Constraint.json_schema(read_text(args.json_schema, "--json-schema"))
+    if args.grammar is not None:
+        return Constraint.grammar(read_text(args.grammar, "--grammar"))
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    return Constraint.json_object() if args.json_object else None
+
+
+def read_text(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SpecdecError(f"{option}: cannot read {path} ({e.strerror}); give a readable UTF-8 file") from None
 
 
 def write(text: str) -> None:
@@ -778,6 +798,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the tokens of a prompt ending in whitespace as they are (default: token healing: its "
                         "last token is backed off and the first generated token must extend the prompt's text)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    structured = g.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema "
+                            "(structured output; the grammar's forced tokens are drafted, docs/structured.md)")
+    structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    structured.add_argument("--regex", metavar="R", help="the output matches this regular expression")
+    structured.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark, or GBNF)")
     g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     g.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
     add_quantize_argument(g)

@@ -67,9 +67,10 @@ class InProcess:
     """The app of `specdec serve` without the network: its engine loop on a thread, an event loop on
     another, requests through httpx's ASGI transport."""
 
-    def __init__(self, checkpoint, limits: Limits = Limits()):
+    def __init__(self, checkpoint, limits: Limits = Limits(), method: str = "plain", k: int = 0):
+        """method: "plain" (k = 0) or "ngram" (k drafts per step)."""
         target = api.load(checkpoint)
-        self.service = Service(target, build_proposer("ngram"), 0, "plain", 4, 8)
+        self.service = Service(target, build_proposer("ngram"), k, method, 4, 8)
         self.engine = threading.Thread(target=self.service.run, daemon=True)
         self.engine.start()
         self.loop = asyncio.new_event_loop()

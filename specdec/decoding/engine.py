@@ -43,6 +43,8 @@ from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_joining
 from .adaptive import Adaptive
+from .constraint import Compiled, masked
+from .guided import Guide
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
 from .sampling import Draws, RowGenerators, SamplingConfig, argmax, perturbed, row_probabilities, sample
@@ -62,6 +64,7 @@ class Request:
     sampling: SamplingConfig = SamplingConfig()
     generator: torch.Generator | None = None
     on_tokens: Callable[["Request", list[int], int], None] | None = None
+    constraint: Compiled | None = None  # structured output: the grammar the tokens must match (guided.py)
     cancelled: bool = False
     row: Row = field(init=False)
     steps: int = 0      # verifications of this row
@@ -79,13 +82,14 @@ class Request:
 class Engine:
     def __init__(self, target, proposer: Proposer, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
-                 tree_verify=tree_rejection_sample):
+                 tree_verify=tree_rejection_sample, forced_drafts: bool = True):
         """k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
         default all ones, a chain; with "auto", the tree tried beside chains). capacity: the most
         rows in the batch; max_len: the longest sequence (prompt + generated) a row may reach.
         `sampled_verify` and `tree_verify` are the acceptance rules of sampled rows for chains and
         trees (signatures of verify.rejection_sample and verify.tree_rejection_sample); tests
-        replace them to show a wrong rule is detected."""
+        replace them to show a wrong rule is detected. forced_drafts: constrained rows propose the
+        tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1)."""
         self.target = causal_lm(target, role="target")
         self.context = context_length(self.target)
         self.adaptive = None
@@ -110,6 +114,7 @@ class Engine:
         self.plain_left = 0  # steps left in the current stretch of plain decoding (inf: k = 0)
         self.plain = PlainStretch([])
         self.metrics = SpecMetrics(k=k, batch_size=capacity)
+        self.guide = Guide(self.target.config.vocab_size, forced_drafts)
         self.started = time.perf_counter()
 
     def submit(self, request: Request) -> None:
@@ -139,6 +144,9 @@ class Engine:
         self.next_window = None
         draws = Draws(self.generator(), [c + 1 for c in self.cached])  # a seeded row's first draft: position cached + 1
         proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()  # propose
+        if self.guide.active:  # forced runs in place of drafts; chains cut where they leave the grammar
+            proposal = self.guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
+                                                            or r.sampling.seeded for r in self.requests]).trimmed()
         clock.mark("proposed")
         if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
             self.plain_left = 1
@@ -146,19 +154,22 @@ class Engine:
             return
         window = torch.cat([last[:, None], proposal.tokens], 1)                 # (B, 1+m): [last, drafts]
         out = self.verify_forward(window, proposal, clock)                       # verify
-        verdict = self.verify(proposal, out.logits)                              # accept: logits (B, 1+m, V)
+        verdict = self.verify(proposal, self.masked(out.logits, proposal))       # accept: logits (B, 1+m, V)
         # what the host needs of the step, read from the device at once: (B, 3 + m)
         read = torch.cat([verdict.accepted[:, None], verdict.next_token[:, None], proposal.lengths[:, None],
                           proposal.tokens], 1).tolist()
         accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
         clock.mark("accepted")
         runs, counts = self.commit([row[3:] for row in read], accepted, verdict, next_tokens)  # commit
+        if self.guide.active:
+            self.guide.commit(runs, counts, accepted)
         clock.mark("committed")
-        self.proposer.observe(self.state, Outcome(accepted, runs, counts, self.features_along(out, verdict),
-                                                  verdict.paths))
+        self.proposer.observe(self.state, self.guide.outcome(Outcome(accepted, runs, counts, self.features_along(
+            out, verdict), verdict.paths)))
         clock.mark("observed")
         self.metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
                                  else levels_reached(proposal.parents, lengths, verdict.paths))
+        self.metrics.forced = self.guide.forced_accepted
         self.metrics.record_phases(clock)
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
         stream(self.requests, runs, counts, lengths, accepted)
@@ -196,6 +207,13 @@ class Engine:
         clock.mark("forward")
         return out
 
+    def masked(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """logits (B, 1+m, V) with the tokens each constrained row's grammar refuses at each window
+        column set to -inf (guided.py), so that every acceptance rule sees the masked target."""
+        if not self.guide.active:
+            return logits
+        return masked(logits, self.guide.window_masks(proposal))
+
     def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int]
                ) -> tuple[list[list[int]], list[int]]:
         """Emit each row's run (emit_runs), keep the target cache's entries of what was emitted
@@ -231,9 +249,12 @@ class Engine:
         out = self.target(window, cache=self.cache, positions=next_positions(self.cache, 1, self.context),
                           **layer_request(self.features))
         t_forward = clock()
-        picked = self.pick(out.logits[:, -1])  # (B,)
+        logits, masks = out.logits[:, -1], self.guide.next_masks()  # (B, V); masks (B, W): None without constraints
+        picked = self.pick(logits if masks is None else masked(logits, masks))
         tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
+        if masks is not None:
+            self.guide.commit([[t] for t in tokens], counts, [0] * B)
         self.next_window = picked[:, None] if all(counts) else None
         self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
         self.cached = [c + n for c, n in zip(self.cached, counts)]
@@ -283,6 +304,7 @@ class Engine:
             self.end_plain()  # the proposer's rows must be up to date before they regroup
         if len(keep) < len(self.requests):
             self.cache.regroup(keep)
+            self.guide.leave(keep)
             self.proposer.leave(self.state, keep)
             if self.adaptive:
                 self.adaptive.leave(keep)
@@ -302,6 +324,7 @@ class Engine:
                 self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
             if self.adaptive:
                 self.adaptive.join(len(joining))
+            self.guide.join([r.constraint for r in joining])
             self.requests += joining
             self.last += [p[-1] for p in prompts]
             self.cached += [len(p) - 1 for p in prompts]
@@ -426,19 +449,21 @@ class PlainStretch:
 def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule,
                          sampling: SamplingConfig, k: int | str, generator: torch.Generator | None = None,
                          *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
-                         tree_verify=tree_rejection_sample, on_tokens: Callable[[int, list[int]], None] | None = None
+                         tree_verify=tree_rejection_sample, on_tokens: Callable[[int, list[int]], None] | None = None,
+                         constraint: Compiled | None = None, forced_drafts: bool = True
                          ) -> tuple[list[Row], SpecMetrics]:
     """One closed batch through the engine: every prompt under the same settings, one generator.
-    k, widths, sampled_verify, tree_verify: as `Engine`; on_tokens(i, tokens): prompt i's tokens of
-    each step, as they are committed (a stream)."""
+    k, widths, sampled_verify, tree_verify, forced_drafts: as `Engine`; on_tokens(i, tokens): prompt
+    i's tokens of each step, as they are committed (a stream); constraint: the grammar every row's
+    tokens must match (constraint.py), or None."""
     t0 = time.perf_counter()
     target = causal_lm(target, role="target")
     check_inputs(target, proposer, prompts, rule, context_length(target))
     max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
     engine = Engine(target, proposer, k, len(prompts), max_len, widths=widths, sampled_verify=sampled_verify,
-                    tree_verify=tree_verify)
-    requests = [Request(p, rule, sampling, generator, None if on_tokens is None else partial(stream_to, on_tokens, i))
-                for i, p in enumerate(prompts)]
+                    tree_verify=tree_verify, forced_drafts=forced_drafts)
+    requests = [Request(p, rule, sampling, generator, None if on_tokens is None else partial(stream_to, on_tokens, i),
+                        constraint) for i, p in enumerate(prompts)]
     for request in requests:
         engine.submit(request)
     while engine.busy:

@@ -8,6 +8,7 @@ Counters (docs/design.md, "Metrics and conditions"), per run:
   batch size.
 - proposed: draft tokens proposed; accepted: draft tokens the target accepted (the verifier's
   count, including any that a stop condition then cut off); emitted: tokens appended to rows.
+- forced: emitted tokens that were drafts forced by a constraint's grammar (decoding/guided.py).
 - accepted_per_position[i] / reached_per_position[i]: steps where draft i+1 was accepted /
   steps where draft i+1 was proposed and drafts 1..i were all accepted. For a tree (tree.py),
   position i + 1 is depth i + 1: a node there was accepted / the accepted path reached depth i and
@@ -59,6 +60,7 @@ class SpecMetrics:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+    forced: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     reached_per_position: list[int] = field(default_factory=list)   # [k]
     prefill_seconds: float = 0.0
@@ -126,7 +128,7 @@ class SpecMetrics:
         return SpecMetrics(
             self.k, self.batch_size,
             **{name: getattr(self, name) + getattr(other, name)
-               for name in ("steps", "row_steps", "proposed", "accepted", "emitted", *PHASES,
+               for name in ("steps", "row_steps", "proposed", "accepted", "emitted", "forced", *PHASES,
                             "prefill_seconds", "other_seconds")},
             accepted_per_position=[a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)],
             reached_per_position=[a + b for a, b in zip(self.reached_per_position, other.reached_per_position)])
@@ -189,7 +191,7 @@ class SpecMetrics:
         return {
             "k": self.k, "batch_size": self.batch_size,
             "steps": self.steps, "row_steps": self.row_steps, "proposed": self.proposed,
-            "accepted": self.accepted, "emitted": self.emitted,
+            "accepted": self.accepted, "emitted": self.emitted, "forced": self.forced,
             "accepted_per_position": list(self.accepted_per_position),
             "reached_per_position": list(self.reached_per_position),
             "acceptance_rate": self.acceptance_rate,

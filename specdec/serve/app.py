@@ -30,7 +30,7 @@ from . import requests
 from .guard import Guard, Limits
 from .prometheus import CONTENT_TYPE
 from .requests import APIError, Parsed
-from .service import Closing, Event, Job, NoChat, QueueFull, Service
+from .service import BadConstraint, Closing, Event, Job, NoChat, QueueFull, Service
 
 PAGE = Path(__file__).with_name("static") / "index.html"
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # specdec's -> OpenAI's
@@ -145,6 +145,10 @@ async def run(service: Service, request: Request, parsed: Parsed, head: dict, ch
         service.finished(job, None, 0, False)
         raise APIError(503, str(e), code="unavailable", kind="server_error",
                        headers={"Retry-After": RETRY_AFTER}) from None
+    except BadConstraint as e:
+        service.finished(job, None, 0, False)
+        service.requests["invalid"] += 1
+        raise APIError(400, str(e), "response_format", "invalid_response_format") from None
     except SpecdecError as e:  # the prompt does not fit the context
         service.finished(job, None, 0, False)
         service.requests["invalid"] += 1

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 
 from .. import inputs
+from ..decoding.constraint import Constraint
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.chat import check_messages
@@ -25,14 +26,14 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 512
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
-COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", *SAMPLING}
+COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", "response_format", *SAMPLING}
 COMPLETION = COMMON | {"prompt", "special_tokens", "heal"}
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 # defined by OpenAI (or vLLM), not honoured by specdec: allowed only at a neutral value
 NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
            "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
            "best_of": (1,), "n": (1,), "min_p": (0, 0.0), "tools": ([],), "tool_choice": ("none",),
-           "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},), "min_tokens": (0,)}
+           "parallel_tool_calls": (False, True), "min_tokens": (0,)}
 
 
 class APIError(Exception):
@@ -63,6 +64,7 @@ class Params:
     stop: tuple[str, ...]
     special_tokens: bool = False  # the prompt's special-token text stands for the special tokens
     heal: bool = True             # a prompt ending in whitespace is token-healed
+    constraint: Constraint | None = None  # response_format json_object / json_schema (structured output)
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,9 @@ def completion(body, model: str) -> Parsed:
     if not isinstance(heal, bool):
         raise APIError(400, "heal must be true (a prompt ending in whitespace is token-healed, the default) or "
                             "false (its tokens are kept as they are)", "heal")
-    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special, heal), stream, usage)
+    constraint = response_format(body.get("response_format"))
+    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special, heal and constraint is None, constraint),
+                  stream, usage)
 
 
 def chat(body, model: str) -> Parsed:
@@ -197,4 +201,27 @@ def chat(body, model: str) -> Parsed:
         messages = check_messages(body.get("messages"))
     except SpecdecError as e:
         raise APIError(400, str(e), "messages") from None
-    return Parsed(Params(None, tuple(messages), max_tokens, sampling, stop), stream, usage)
+    return Parsed(Params(None, tuple(messages), max_tokens, sampling, stop,
+                         constraint=response_format(body.get("response_format"))), stream, usage)
+
+
+def response_format(v) -> Constraint | None:
+    """OpenAI's response_format: {"type": "text"} (or absent) -> None; {"type": "json_object"}; or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}. Whether
+    the schema compiles is checked with the tokenizer (service.py)."""
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, 'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., '
+                                '"schema": {a JSON Schema object}}', "response_format")
+        return Constraint.json_schema(schema)
+    raise APIError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                        '"json_schema": {"name": ..., "schema": {...}}}', "response_format")

@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..api import Loaded
+from ..decoding.constraint import Compiled, compile_constraint
 from ..decoding.engine import Engine, Request
 from ..decoding.healing import first_tokens
 from ..decoding.prompts import encode, stop_rule
@@ -55,6 +56,10 @@ class Closing(SpecdecError):
 
 class NoChat(SpecdecError):
     """The model has no chat template (HTTP 400)."""
+
+
+class BadConstraint(SpecdecError):
+    """The response_format does not compile: an invalid or unsupported schema (HTTP 400)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class Job:
     stop: tuple[str, ...] = ()     # stop strings the prompt brings (a chat template's end of turn)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
+    constraint: Compiled | None = None  # response_format, compiled against the target's tokenizer
     cancelled: bool = False
     ended: bool = False            # its final event is sent
     queued_at: float = field(default_factory=time.perf_counter)
@@ -160,6 +166,12 @@ class Service:
                                f"{prompt.length + p.max_tokens} tokens exceed the model's context of {self.context}. "
                                "Shorten the prompt or lower max_tokens")
         job.ids, job.healed, job.stop = prompt.ids, prompt.healed, prompt.stop
+        if p.constraint is not None:
+            try:
+                job.constraint = compile_constraint(p.constraint, self.target.tokenizer,
+                                                    self.target.model.config.vocab_size)
+            except SpecdecError as e:
+                raise BadConstraint(str(e)) from None
 
     def submit(self, job: Job) -> None:
         """Hand an encoded job to the engine (handlers' loop)."""
@@ -253,7 +265,7 @@ class Service:
         if job.healed and p.max_tokens > 0:
             first = first_tokens(self.target.model, tokenizer, [ids], [job.healed], p.sampling, generator)[0]
             ids = ids + [first]
-        job.request = Request(ids, rule, p.sampling, generator, on_tokens, cancelled=job.cancelled)
+        job.request = Request(ids, rule, p.sampling, generator, on_tokens, job.constraint, cancelled=job.cancelled)
         if first is not None:
             job.request.row.append(first)  # healing chose it: the row's first token, from the target
             on_tokens(job.request, [first], 0)

@@ -1,0 +1,247 @@
+"""The engine's hook for constrained rows (constraint.py): masks at every verified position, drafts
+cut where they leave the grammar, and the grammar's forced tokens proposed as free drafts.
+
+Exactness. The target's logits at a window column are masked to the tokens the grammar allows
+after [sequence, drafts before it] (-inf elsewhere), then the row's own sampling transform and
+acceptance rule run on them: the output is the target's distribution masked and renormalised at
+every position, with or without speculation. A draft the grammar refuses has masked probability 0,
+so no rule accepts it and the columns after it are never reached; the chain is cut there (saving
+their forward) where that changes nothing: the draft was deterministic (its q one-hot, so the
+residual after it is the masked target itself) or the row is greedy or seeded (argmax rules). A
+sampled draft of a model drafter stays (its residual max(0, p - q) needs it) and the unreachable
+columns after it get its column's mask. Trees are masked node by node along each node's path.
+
+Forced drafts. Where the grammar forces a run of tokens (llguidance's fast-forward tokens: the
+keys, punctuation and enum tails of a schema), that run replaces the drafter's proposal for the
+row: deterministic drafts, verified like any other, so nothing about the distribution changes; the
+drafter hears that none of its drafts were accepted and the committed tokens follow (as after a
+rejection). Where the drafter's chain already begins with the forced run and goes further, it is
+kept as it is. `forced_accepted` counts the emitted tokens that were drafts of a forced run.
+
+The matcher of each row always stands at its committed sequence: the drafts it walks through to
+make masks are rolled back before the step ends, and the committed tokens are then consumed.
+
+This module knows nothing about models, proposers or acceptance rules.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .constraint import Compiled, Matcher
+from .protocol import Outcome, Proposal
+from .tree import chain_parents
+
+
+class Guide:
+    """The constrained rows of the engine's batch, in cache order (None: unconstrained)."""
+
+    def __init__(self, vocab: int, forced_drafts: bool = True):
+        self.vocab, self.words, self.forced_drafts = vocab, (vocab + 31) // 32, forced_drafts
+        self.matchers: list[Matcher | None] = []
+        self.replaced: list[bool] = []     # (B,) rows whose drafts this step are the grammar's forced run
+        self.runs: list[int] = []          # (B,) length of the forced run at the head of each row's drafts
+        self.tree = False                  # whether the drafter proposed a tree this step
+        self.active = False                # whether any row is constrained (kept by join and leave)
+        self.forced_proposed = 0           # forced drafts proposed
+        self.forced_accepted = 0           # of which emitted
+
+    def join(self, constraints: list[Compiled | None]) -> None:
+        self.matchers += [None if c is None else c.matcher() for c in constraints]
+        self.replaced, self.runs = [], []
+        self.active = any(m is not None for m in self.matchers)
+
+    def leave(self, keep: list[int]) -> None:
+        self.matchers = [self.matchers[b] for b in keep]
+        self.replaced, self.runs = [], []
+        self.active = any(m is not None for m in self.matchers)
+
+    def next_masks(self) -> np.ndarray | None:
+        """(B, W) int32 bitmasks (constraint.py) of the tokens each row may emit next (all bits set:
+        unconstrained); None without constraints."""
+        if not self.active:
+            return None
+        bits = np.full((len(self.matchers), self.words), -1, dtype=np.int32)
+        for b, m in enumerate(self.matchers):
+            if m is not None:
+                m.mask_into(bits[b])
+        return bits
+
+    def propose(self, proposal: Proposal, limits: list[int], cut: list[bool]) -> Proposal:
+        """The forced runs in place of the drafter's drafts (where there is one, forced drafts are on,
+        and the drafter's chain does not already begin with it and go further), then each chain cut at
+        its first draft the grammar refuses where `cut[b]` (module docstring: where cutting is exact).
+        Returns the proposal to verify."""
+        B = len(self.matchers)
+        self.replaced = [False] * B
+        self.tree = proposal.parents is not None  # the drafter's proposal: it expects paths in its outcome
+        tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
+        forced = [[] if m is None or not self.forced_drafts or not limit else m.forced()[:limit]
+                  for m, limit in zip(self.matchers, limits)]
+        self.runs = list(map(len, forced))
+        if proposal.parents is None:  # a chain that begins with the forced run and goes on is kept
+            forced = [[] if n > len(run) and row[:len(run)] == run else run
+                      for run, row, n in zip(forced, tokens, lengths)]
+        if any(forced):
+            proposal = self.with_forced(proposal, forced)
+            tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
+        if proposal.parents is not None or not any(cut):
+            return proposal
+        kept = list(lengths)
+        for b, m in enumerate(self.matchers):
+            if m is None or not cut[b] or self.replaced[b]:
+                continue
+            n = 0
+            while n < lengths[b] and m.accepts(tokens[b][n]):
+                n += 1
+            m.rollback(n)
+            kept[b] = n + (n < lengths[b] and m.ends(tokens[b][n]))
+        if kept == lengths:
+            return proposal
+        return Proposal(proposal.tokens, torch.tensor(kept, device=proposal.lengths.device), proposal.draft_probs)
+
+    def with_forced(self, proposal: Proposal, forced: list[list[int]]) -> Proposal:
+        """Rows with a forced run take it as their drafts (deterministic: one-hot q where the drafter
+        gave distributions; a chain inside a tree)."""
+        B, m = proposal.tokens.shape
+        width = max(m, max(map(len, forced)))
+        device = proposal.tokens.device
+        tokens = torch.zeros(B, width, dtype=torch.long, device=device)
+        tokens[:, :m] = proposal.tokens
+        lengths = proposal.lengths.clone()
+        probs = parents = None
+        if proposal.draft_probs is not None:
+            probs = proposal.draft_probs.new_zeros(B, width, proposal.draft_probs.shape[-1])
+            probs[:, :m] = proposal.draft_probs
+        if proposal.parents is not None:
+            parents = torch.full((B, width), -1, dtype=torch.long, device=device)
+            parents[:, :m] = proposal.parents
+        for b, run in enumerate(forced):
+            if not run:
+                continue
+            self.replaced[b] = True
+            self.forced_proposed += len(run)
+            row = torch.tensor(run, device=device)
+            tokens[b], lengths[b] = 0, len(run)
+            tokens[b, :len(run)] = row
+            if probs is not None:
+                probs[b] = 0
+                probs[b, torch.arange(len(run), device=device), row] = 1
+            if parents is not None:
+                parents[b] = -1
+                parents[b, :len(run)] = chain_parents(1, len(run), device)[0]
+        return Proposal(tokens, lengths, probs, parents)
+
+    def window_masks(self, proposal: Proposal) -> np.ndarray:
+        """(B, 1+m, W) int32 bitmasks: at each window column, the tokens the grammar allows after the
+        row's sequence and the drafts on the path to that column (all tokens in unconstrained rows)."""
+        B, m = proposal.tokens.shape
+        bits = np.full((B, 1 + m, self.words), -1, dtype=np.int32)
+        tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
+        parents = None if proposal.parents is None else proposal.parents.tolist()
+        for b, matcher in enumerate(self.matchers):
+            if matcher is None:
+                continue
+            matcher.mask_into(bits[b, 0])
+            if parents is None:
+                self.chain_masks(matcher, tokens[b][:lengths[b]], bits[b])
+            else:
+                self.tree_masks(matcher, tokens[b][:lengths[b]], parents[b][:lengths[b]], bits[b])
+        return bits
+
+    @staticmethod
+    def chain_masks(matcher: Matcher, drafts: list[int], bits: np.ndarray) -> None:
+        """bits (1+m, W): column i + 1 after drafts[:i + 1]; from a refused draft on, its column's mask
+        (those columns are never reached)."""
+        n = 0
+        while n < len(drafts) and matcher.accepts(drafts[n]):
+            n += 1
+            matcher.mask_into(bits[n])
+        bits[n + 1:] = bits[n]
+        matcher.rollback(n)
+
+    @staticmethod
+    def tree_masks(matcher: Matcher, drafts: list[int], parents: list[int], bits: np.ndarray) -> None:
+        """bits (1+m, W): column c + 1 after the path of node c (parents precede their children);
+        a node the grammar refuses, and its subtree, get its parent's column (never reached)."""
+        path: list[int] = []   # the nodes the matcher has consumed, root first
+        valid = [True] * len(drafts)
+        for c, p in enumerate(parents):
+            if p >= 0 and not valid[p]:  # below a refused node: never reached
+                valid[c] = False
+                bits[c + 1] = bits[p + 1]
+                continue
+            want = [] if p < 0 else path_to(parents, p)
+            common = 0
+            while common < min(len(path), len(want)) and path[common] == want[common]:
+                common += 1
+            matcher.rollback(len(path) - common)
+            path = path[:common]
+            for node in want[common:]:
+                matcher.advance([drafts[node]])
+                path.append(node)
+            if matcher.accepts(drafts[c]):
+                path.append(c)
+                matcher.mask_into(bits[c + 1])
+            else:
+                valid[c] = False
+                bits[c + 1] = bits[p + 1]
+        matcher.rollback(len(path))
+
+    def commit(self, runs: list[list[int]], counts: list[int], accepted: list[int]) -> None:
+        """The rows' emitted tokens (runs[b][:counts[b]]) move their matchers on; count the forced
+        drafts emitted."""
+        for b, (m, run, n) in enumerate(zip(self.matchers, runs, counts)):
+            if m is None or not n:
+                continue
+            m.advance(run[:n])
+            if b < len(self.runs):
+                self.forced_accepted += min(accepted[b], self.runs[b], n)
+
+    def outcome(self, outcome: Outcome) -> Outcome:
+        """What the drafter hears: rows that verified a forced run accepted none of its drafts; a
+        drafter that proposed a tree hears paths even where the verified proposal became a chain."""
+        if not any(self.replaced):
+            return outcome
+        accepted = [0 if r else n for r, n in zip(self.replaced, outcome.accepted)]
+        paths = outcome.paths
+        if paths is None and self.tree:
+            paths = [list(range(n)) for n in outcome.accepted]  # a chain's accepted nodes: the tree's main chain
+        if paths is not None:
+            paths = [[] if r else p for r, p in zip(self.replaced, paths)]
+        return Outcome(accepted, outcome.tokens, outcome.counts, outcome.hidden, paths)
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root down to `node`."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+class GrammarDrafts:
+    """A proposer that drafts nothing itself: with forced drafts on, a constrained row's only drafts
+    are the runs its grammar forces (the "forced drafts alone" configuration; with k = 0, plain
+    constrained decoding through the engine)."""
+    name = "grammar"
+    vocab_size = None
+    trees = False
+    max_depth = None
+    features = ()
+
+    def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> list[int]:
+        return [0]  # the number of rows
+
+    def join(self, state: list[int], prompts: list[list[int]], prompt_hidden: torch.Tensor, samplings) -> None:
+        state[0] += len(prompts)
+
+    def leave(self, state: list[int], keep: list[int]) -> None:
+        state[0] = len(keep)
+
+    def propose(self, state: list[int], limits: torch.Tensor, widths: tuple[int, ...], generator) -> Proposal:
+        return Proposal.empty(state[0], limits.device)
+
+    def observe(self, state: list[int], outcome: Outcome) -> None:
+        """Nothing to learn: it keeps no history."""
