@@ -16,7 +16,7 @@ import torch
 
 from specdec import kernels
 from specdec.cli import main
-from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import plain_generate
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule

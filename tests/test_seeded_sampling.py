@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specdec.decoding import sampling
-from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import plain_generate
 from specdec.decoding.engine import Engine, Request
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, gumbel

@@ -24,7 +24,7 @@ from .. import kernels
 from ..api import encode_prompts, load
 from ..decoding.calibration import measure_verify_curve
 from ..decoding.costmodel import VerifyCurve, predicted_speedup
-from ..decoding.decode import plain_generate
+from ..decoding.engine import plain_generate
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import StopRule
 from ..errors import counted
@@ -204,8 +204,8 @@ def decoders(model, hfs: dict, cpps: dict, max_new_tokens: int) -> dict:
     rule, greedy = StopRule(max_new_tokens), SamplingConfig()
 
     def ours(ids):
-        rows, timing = plain_generate(model, [ids], rule, greedy)
-        return Decoded(rows[0].tokens, timing.decode_seconds)
+        rows, metrics = plain_generate(model, [ids], rule, greedy)
+        return Decoded(rows[0].tokens, metrics.total_seconds - metrics.first_token_seconds)
 
     def theirs(hf):
         def run(ids):

@@ -63,8 +63,7 @@ from ..api import encode_prompts, load
 from ..decoding.adaptive import AUTO_TREE, merge_summaries
 from ..decoding.calibration import measure_verify_curve
 from ..decoding.costmodel import predicted_speedup, speedup_limit
-from ..decoding.decode import plain_generate
-from ..decoding.engine import speculative_generate
+from ..decoding.engine import plain_generate, speculative_generate
 from ..decoding.metrics import SpecMetrics
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import StopRule
