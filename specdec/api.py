@@ -44,10 +44,10 @@ from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
 from .lm import gguf
 from .lm.checkpoint import load_model, load_token_counts
-from .lm.device import default_dtype, placement
+from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
 from .lm.gguf_blocks import AS_STORED, store_gguf_matrices
-from .lm.interface import abilities, causal_lm
+from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer
 from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
@@ -66,6 +66,10 @@ class Loaded:
     path: Path
     load_seconds: float | None = None  # reading the weights and one-time setup (None: not loaded by `load`)
     token_counts: torch.Tensor | None = None  # (V,) of its training tokens, where saved (a draft vocabulary's source)
+    lm: Admitted = field(init=False)  # the model admitted once: device, dtype, context, abilities (lm/interface.py)
+
+    def __post_init__(self):
+        self.lm = admit(self.model, role="target")
 
 
 @dataclass
@@ -131,8 +135,7 @@ def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     drafter = DRAFTERS["draft-model"]
     folder = drafter.folder(path, target)
     drafter.check(target, folder)
-    where = placement(target.model)
-    return load(folder, dtype=where.dtype, device=where.device)
+    return load(folder, dtype=target.lm.dtype, device=target.lm.device)
 
 
 def load_drafter(target: Loaded, name: str, path: str | Path | None = None, draft_vocab: int | None = None,
@@ -157,14 +160,15 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int, chat
     """Benchmark prompts as fixed token ids by the checkpoint's rules (pipeline.fixed_prompts): each
     prompt without its trailing whitespace, not healed, or with chat=True each one user message
     rendered by the checkpoint's chat template."""
-    return fixed_prompts(target.tokenizer, target.model.config.max_position_embeddings, inputs.prompts(prompts),
-                         max_new_tokens, chat)
+    return fixed_prompts(target.tokenizer, target.lm.context, inputs.prompts(prompts), max_new_tokens, chat)
 
 
-def weights_format(model) -> str:
+def weights_format(target: Loaded) -> str:
     """How a model's matrices are stored: specdec's own by format (lm.model.stored_formats), a
     transformers model's in its dtype."""
-    return stored_formats(model) if isinstance(model, LlamaForCausalLM) else str(placement(model).dtype).removeprefix("torch.")
+    if isinstance(target.model, LlamaForCausalLM):
+        return stored_formats(target.model)
+    return str(target.lm.dtype).removeprefix("torch.")
 
 
 def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tokens: int = 128,
@@ -192,18 +196,17 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     inputs.draft_length(k, proposer, widths)
     k = default_k(proposer) if k is None else k
     options = Options(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), stop, special_tokens, heal)
-    model = causal_lm(target.model, role="target")
-    context = model.config.max_position_embeddings
-    encoded = ([prepare(target.tokenizer, context, options, messages=messages)] if messages is not None else
-               [prepare(target.tokenizer, context, options, p, name=f"prompt {i}")
+    lm = target.lm
+    encoded = ([prepare(target.tokenizer, lm.context, options, messages=messages)] if messages is not None else
+               [prepare(target.tokenizer, lm.context, options, p, name=f"prompt {i}")
                 for i, p in enumerate(inputs.prompts(prompts))])
-    generator = options.sampling.generator(placement(target.model).device)
-    verify_cost = (measure_ahead(model, proposer, len(encoded), widths, target.path.name)  # first -k auto run here
+    generator = options.sampling.generator(lm.device)
+    verify_cost = (measure_ahead(lm, proposer, len(encoded), widths, target.path.name)  # first -k auto run here
                    if proposer is not None and k == "auto" else 0.0)
     longest = max(len(p.ids) for p in encoded) + max_new_tokens  # a healed prompt's first token is generated
-    engine = Engine(model, proposer, k, len(encoded), longest, widths=widths)
+    engine = Engine(lm, proposer, k, len(encoded), longest, widths=widths)
     t0 = time.perf_counter()
-    rows = requests(model, target.tokenizer, encoded, [options] * len(encoded), [generator] * len(encoded),
+    rows = requests(lm, target.tokenizer, encoded, [options] * len(encoded), [generator] * len(encoded),
                     [partial(send_text, on_text, i) if on_text else None for i in range(len(encoded))])
     healing_seconds = time.perf_counter() - t0
     metrics = engine.run(rows)
@@ -226,8 +229,8 @@ def send_text(on_text: Callable[[int, str], None], i: int, request: Request, pie
 
 def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
     """What `generate` reports besides the decoding method's figures: tokens, time, the setup."""
-    policy, (device, dtype) = kernels.thread_report(), placement(target.model)
+    policy, lm = kernels.thread_report(), target.lm
     return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
             "load_seconds": target.load_seconds, "threads": policy["threads"], "thread_policy": policy,
-            "dtype": str(dtype).removeprefix("torch."), "weights": weights_format(target.model), "device": str(device),
-            "backend": abilities(target.model).backend}
+            "dtype": str(lm.dtype).removeprefix("torch."), "weights": weights_format(target), "device": str(lm.device),
+            "backend": lm.abilities.backend}

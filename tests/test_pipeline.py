@@ -94,7 +94,7 @@ def test_every_option_reaches_the_engines_request(target):
     prompt = prepare(target.tokenizer, 256, options, "<|endoftext|>x")
     assert prompt.ids == target.tokenizer.prefix + target.tokenizer.encode("<|endoftext|>x", True)
     generator = torch.Generator()
-    [row] = requests(target.model, target.tokenizer, [prompt], [options], [generator], [None])
+    [row] = requests(target.lm, target.tokenizer, [prompt], [options], [generator], [None])
     assert (row.prompt, row.sampling, row.generator, row.on_tokens) == (prompt.ids, options.sampling, generator, None)
     assert row.rule == stop_rule(target.tokenizer, 7, ("\n\n",))
 
@@ -104,8 +104,8 @@ def test_healing_a_batch_is_healing_each_prompt_alone(target):
     texts = [INDENTED, "import os\n", "for x in y:\n        "]
     options = Options(5, SamplingConfig(1.0, seed=3))
     prompts = [encode(target.tokenizer, t) for t in texts]
-    together = requests(target.model, target.tokenizer, prompts, [options] * 3, [None] * 3, [None] * 3)
-    alone = [requests(target.model, target.tokenizer, [p], [options], [None], [None])[0] for p in prompts]
+    together = requests(target.lm, target.tokenizer, prompts, [options] * 3, [None] * 3, [None] * 3)
+    alone = [requests(target.lm, target.tokenizer, [p], [options], [None], [None])[0] for p in prompts]
     assert [r.row.tokens for r in together] == [r.row.tokens for r in alone]
     assert all(len(r.row.tokens) == 1 and r.prompt[-1] == r.row.tokens[0] for r in together)
 

@@ -40,8 +40,7 @@ from typing import Callable
 import torch
 
 from ..errors import SpecdecError
-from ..lm.device import placement
-from ..lm.interface import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_joining
+from ..lm.interface import admit, declared_features, layer_request, next_positions, prefill_joining
 from .adaptive import Adaptive
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
@@ -80,7 +79,8 @@ class Engine:
     def __init__(self, target, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                  tree_verify=tree_rejection_sample):
-        """proposer None: plain decoding (k must be 0; `NoDraft`).
+        """target: a causal LM, admitted here unless it comes admitted (lm.interface.admit); proposer
+        None: plain decoding (k must be 0; `NoDraft`).
         k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
         default all ones, a chain; with "auto", the tree tried beside chains). capacity: the most
         rows in the batch; max_len: the longest sequence (prompt + generated) a row may reach.
@@ -88,8 +88,8 @@ class Engine:
         trees (signatures of verify.rejection_sample and verify.tree_rejection_sample); tests
         replace them to show a wrong rule is detected."""
         self.started = time.perf_counter()  # first_token_seconds and other_seconds count from here
-        self.target = causal_lm(target, role="target")
-        self.context = context_length(self.target)
+        self.admitted = admit(target, role="target")
+        self.target, self.context = self.admitted.lm, self.admitted.context
         if proposer is None:
             if k != 0:
                 raise SpecdecError(f"plain decoding (no proposer) drafts nothing: k must be 0, got {k!r}; "
@@ -102,7 +102,7 @@ class Engine:
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
-        self.device = placement(self.target).device
+        self.device = self.admitted.device
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
@@ -467,8 +467,8 @@ def speculative_generate(target, proposer: Proposer | None, prompts: list[list[i
     """One closed batch of token ids through the engine: every prompt under the same settings, one
     generator (proposer None, k = 0: plain decoding). k, widths, sampled_verify, tree_verify: as
     `Engine`; on_tokens(i, tokens): prompt i's tokens of each step, as they are committed (a stream)."""
-    target = causal_lm(target, role="target")
-    check_inputs(target, prompts, rule, context_length(target))
+    target = admit(target, role="target")
+    check_inputs(target.lm, prompts, rule, target.context)
     max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
     engine = Engine(target, proposer, k, len(prompts), max_len, widths=widths, sampled_verify=sampled_verify,
                     tree_verify=tree_verify)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..lm.interface import Admitted
 from ..lm.tokenizer import Tokenizer
 from .engine import Request, check_fits
 from .healing import first_tokens
@@ -67,17 +68,18 @@ def fixed_prompts(tokenizer: Tokenizer, context: int, texts: list[str], max_new_
 
 
 @torch.inference_mode()
-def requests(model, tokenizer: Tokenizer, prompts: list[Prompt], options: list[Options],
+def requests(target: Admitted, tokenizer: Tokenizer, prompts: list[Prompt], options: list[Options],
              generators: list[torch.Generator | None], on_text: list[OnText | None]) -> list[Request]:
-    """The engine's requests for encoded prompts: healed prompts get their first token (one target
-    forward for all of them, emitted at once), every row its stop rule and, where on_text is given,
-    its text stream. generators: each row's (rows may share one)."""
+    """The engine's requests for encoded prompts: healed prompts get their first token (one forward
+    of the admitted target for all of them, emitted at once), every row its stop rule and, where
+    on_text is given, its text stream. generators: each row's (rows may share one)."""
     healing = [i for i, (p, o) in enumerate(zip(prompts, options)) if p.healed and o.max_new_tokens > 0]
     firsts = dict.fromkeys(healing)
     if healing:
         shared = all(generators[i] is generators[healing[0]] for i in healing)
         generator = generators[healing[0]] if shared else RowGenerators([generators[i] for i in healing])
-        chosen = first_tokens(model, tokenizer, [prompts[i].ids for i in healing], [prompts[i].healed for i in healing],
+        chosen = first_tokens(target, tokenizer, [prompts[i].ids for i in healing],
+                              [prompts[i].healed for i in healing],
                               [options[i].sampling for i in healing], generator)
         firsts = dict(zip(healing, chosen))
     return [request(tokenizer, p, o, g, firsts.get(i), t)

@@ -102,8 +102,8 @@ class Service:
         """proposer None (k = 0): plain decoding."""
         self.target, self.method, self.k = target, method, k
         self.name = name or target.path.name
-        self.context = target.model.config.max_position_embeddings
-        self.engine = Engine(target.model, proposer, k, capacity, self.context, widths=widths)
+        self.context = target.lm.context
+        self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths)
         self.capacity, self.max_queue = capacity, max_queue
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
@@ -232,8 +232,8 @@ class Service:
             self.outbox.append((job, Event(pieces, tokens, reason, request.steps, request.proposed,
                                            request.accepted)))
 
-        [job.request] = requests(self.engine.target, self.target.tokenizer, [job.prompt], [p.options],
-                                 [p.options.sampling.generator(self.engine.device)], [on_text])
+        [job.request] = requests(self.target.lm, self.target.tokenizer, [job.prompt], [p.options],
+                                 [p.options.sampling.generator(self.target.lm.device)], [on_text])
         job.request.cancelled = job.cancelled
         self.engine.submit(job.request)
 
