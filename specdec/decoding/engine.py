@@ -13,7 +13,8 @@ every node, with positions by depth and a tree attention mask, acceptance walks 
 cache keeps the accepted path's entries moved to follow each other (`KVCache.compact`).
 
 Depth 0 is plain decoding, lean one-token steps (`Engine.plain_step`); a stretch of them is told to
-the proposer once, at its end. k = "auto" chooses each step's depth (0 included) and shape
+the proposer once, at its end. An engine without a proposer (`NoDraft`, k = 0) is plain decoding
+itself: the one fast plain decoder (`plain_generate`; reference.py stays the simple oracle). k = "auto" chooses each step's depth (0 included) and shape
 from what pays (adaptive.py); the controller is told what each step accepted and cost.
 
 Everything the engine creates lives on the target's device. The host keeps the bookkeeping (each
@@ -22,8 +23,9 @@ target accepted, with the drafts, in one copy (syncs.py counts these points).
 
 Between steps (`Engine.regroup`) finished or cancelled rows leave and waiting requests join: the
 joining prompts are prefilled, and the target's cache, the proposer's state and the controller
-regroup their rows; caches are allocated once, for `capacity` rows. `speculative_generate` is the
-engine run on one closed batch.
+regroup their rows; caches are allocated once, for `capacity` rows. `Engine.run` runs one closed
+batch of requests; `speculative_generate` and `plain_generate` are it for token ids under one
+setting. Requests from text come through pipeline.py (encode, heal, stop rule, stream).
 
 This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py),
 model internals (lm/) or serving (serve/).
