@@ -30,7 +30,7 @@ def decode(path: str, seconds: float) -> None:
     """The decoding process: plain greedy decoding of 16 tokens at a time for `seconds`; prints JSON."""
     from specdec import kernels
     from specdec.api import load
-    from specdec.decoding.decode import plain_generate
+    from specdec.decoding.engine import plain_generate
     from specdec.decoding.sampling import SamplingConfig
     from specdec.decoding.stopping import StopRule
 
@@ -41,8 +41,8 @@ def decode(path: str, seconds: float) -> None:
     plain_generate(target.model, ids, StopRule(8), SamplingConfig())  # warm-up
     speeds, t0 = [], time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        _, timing = plain_generate(target.model, ids, StopRule(16), SamplingConfig())
-        speeds.append(15 / timing.decode_seconds)
+        _, metrics = plain_generate(target.model, ids, StopRule(16), SamplingConfig())
+        speeds.append(15 / (metrics.total_seconds - metrics.first_token_seconds))
     print(json.dumps({"tokens_per_s": statistics.median(speeds), "windows": len(speeds),
                       "threads": kernels.thread_report()}), flush=True)
 

@@ -12,7 +12,7 @@ import os
 import time
 
 from specdec import api, kernels
-from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import plain_generate
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule

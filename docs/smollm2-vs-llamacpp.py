@@ -30,7 +30,7 @@ from specdec import api, kernels
 from specdec.bench import llamacpp
 from specdec.bench.conditions import hardware, software
 from specdec.bench.workloads import humaneval_prompts
-from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import plain_generate
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule

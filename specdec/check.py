@@ -46,14 +46,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .decoding.decode import plain_generate
-from .decoding.engine import speculative_generate
+from .decoding.engine import check_fits, plain_generate, speculative_generate
 from .decoding.sampling import SamplingConfig, probabilities
 from .decoding.stopping import StopRule
 from .decoding.verify import Verdict, rejection_sample
 from .errors import SpecdecError, counted
-from .lm.device import placement
-from .lm.interface import causal_lm
+from .lm.interface import Admitted, admit
 from .proposers import Proposer
 
 FIRST_LEVEL = 0.02         # a first run with a p-value below this is followed by a second one
@@ -173,12 +171,8 @@ def check(target, proposer: Proposer, prompts: list[list[int]], sampling: Sampli
     if sequences < 1 or max_new_tokens < 1 or batch_size < 1:
         raise SpecdecError(f"sequences, max_new_tokens and batch_size must be >= 1, got {sequences}, "
                            f"{max_new_tokens}, {batch_size}")
-    lm = causal_lm(target, role="target")
-    context = lm.config.max_position_embeddings
-    longest = max(map(len, prompts))
-    if longest + max_new_tokens > context:
-        raise SpecdecError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
-                           f"target's context of {context}: shorten the prompts or lower max_new_tokens")
+    lm = admit(target, role="target")
+    check_fits(max(map(len, prompts)), max_new_tokens, lm.context, "the longest prompt")
     t0 = time.perf_counter()
     chosen = [prompts[i % len(prompts)] for i in range(sequences)]
     runs, status = [], None
@@ -208,12 +202,12 @@ def check(target, proposer: Proposer, prompts: list[list[int]], sampling: Sampli
     return CheckResult(status, sampled, greedy, conditions)
 
 
-def sampled_run(lm, proposer: Proposer, prompts: list[list[int]], sampling: SamplingConfig, k: int | str,
+def sampled_run(lm: Admitted, proposer: Proposer, prompts: list[list[int]], sampling: SamplingConfig, k: int | str,
                 max_new_tokens: int, batch_size: int, seed: int, widths: tuple[int, ...] | None, sampled_verify,
                 label: str) -> dict:
     """One run of the sampled check: a continuation of each prompt by speculative decoding (seed
     `seed`), each token's randomized PIT under the target (seed `seed` + 1), their KS test."""
-    device = placement(lm).device
+    device = lm.device
     rule = StopRule(max_new_tokens)
     generator = torch.Generator(device).manual_seed(seed)
     pit_generator = torch.Generator().manual_seed(seed + 1)
@@ -226,7 +220,7 @@ def sampled_run(lm, proposer: Proposer, prompts: list[list[int]], sampling: Samp
             accepted, proposed = accepted + metrics.accepted, proposed + metrics.proposed
             for prompt, row in zip(batch, rows):
                 ids = torch.tensor([prompt + row.tokens], device=device)                # (1, P + n)
-                logits = lm(ids).logits[0, len(prompt) - 1:-1]                           # (n, V)
+                logits = lm.lm(ids).logits[0, len(prompt) - 1:-1]                        # (n, V)
                 u, bad = randomized_pit(probabilities(logits, sampling).cpu(), torch.tensor(row.tokens),
                                         pit_generator)
                 us.append(u)
@@ -237,7 +231,7 @@ def sampled_run(lm, proposer: Proposer, prompts: list[list[int]], sampling: Samp
             "accepted": accepted, "proposed": proposed}
 
 
-def greedy_check(lm, proposer: Proposer, prompts: list[list[int]], rule: StopRule, k: int | str,
+def greedy_check(lm: Admitted, proposer: Proposer, prompts: list[list[int]], rule: StopRule, k: int | str,
                  widths: tuple[int, ...] | None) -> dict:
     """Greedy speculative decoding of each prompt against plain decoding, one prompt at a time."""
     greedy, identical, near, wrong, first_wrong = SamplingConfig(), 0, 0, 0, None
@@ -249,7 +243,7 @@ def greedy_check(lm, proposer: Proposer, prompts: list[list[int]], rule: StopRul
             identical += 1
             continue
         j = next((t for t, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        logits = lm(torch.tensor([prompt + expected[:j]], device=placement(lm).device)).logits[0, -1].float()
+        logits = lm.lm(torch.tensor([prompt + expected[:j]], device=lm.device)).logits[0, -1].float()
         top2 = logits.topk(2).values
         if float(top2[0] - top2[1]) < NEAR_TIE:
             near += 1

@@ -15,8 +15,7 @@ from .errors import SpecdecError, counted
 
 
 def cmd_train(args) -> None:
-    from .lm import gguf
-    from .train.config import TrainConfig
+    from .train.config import TrainConfig, gguf_converted
     from .train.loop import stopped_at, train
     from .train.presets import DEFAULT_TARGET, defaults, described
     from .train.presets import preset as recipe
@@ -40,12 +39,7 @@ def cmd_train(args) -> None:
     if getattr(objective, "target", None) == DEFAULT_TARGET:
         from .api import default_target
         objective = dataclasses.replace(objective, target=str(default_target()))
-    models = {"init_from": preset.get("init_from"), **{f.name: getattr(objective, f.name) for f in dataclasses.fields(
-        objective) if f.name in ("frozen_trunk", "teacher", "target")}}
-    gguf_models = {name: str(gguf.folder(path)) for name, path in models.items() if path and gguf.is_gguf(path)}
-    if "init_from" in gguf_models:  # a .gguf model: its converted folder
-        preset["init_from"] = gguf_models.pop("init_from")
-    preset["objective"] = dataclasses.replace(objective, **gguf_models)
+    preset["init_from"], preset["objective"] = gguf_converted(preset.get("init_from"), objective)
     data = preset.pop("selfdistill", None)
     if data is not None and not args.corpus:  # the target's own answers, generated first (resumable)
         from .train.selfdistill import corpus_for
@@ -190,7 +184,6 @@ def cmd_serve(args) -> None:
     from . import inputs
     from .api import default_k, load
     from .decoding.adaptive import measure_ahead
-    from .proposers import build_proposer
     from .serve.app import create_app
     from .serve.guard import Limits, protocol
     from .serve.service import Service
@@ -213,10 +206,8 @@ def cmd_serve(args) -> None:
     method = proposer.name if proposer is not None and k != 0 else "plain"
     name = args.served_model_name or target.path.name
     if k == "auto":  # before the server listens, so that no request waits for it
-        measure_ahead(target.model, proposer, args.max_batch, args.tree, name)
-    # plain decoding is the same engine proposing nothing (k = 0)
-    service = Service(target, proposer or build_proposer("ngram"), k, method, args.max_batch, args.max_queue,
-                      name=name, widths=args.tree)
+        measure_ahead(target.lm, proposer, args.max_batch, args.tree, name)
+    service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree)
     limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                     idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
                     key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))
@@ -302,6 +293,12 @@ def add_quantize_argument(p: argparse.ArgumentParser) -> None:
                         "conversion)")
 
 
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    """--dtype and --device: where the models run and in which arithmetic."""
+    p.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
+    p.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+
+
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
 
@@ -334,15 +331,23 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 
 def make_proposer(args, target):
-    """The proposer --draft names for `target`, from --draft-model or --heads (default: the shipped
-    one) with the draft options, through the drafter registry (None: plain decoding)."""
-    from .proposers import DraftOptions, build_drafter
+    """The proposer --draft names for `target` with the draft options (None: plain decoding)."""
+    from .proposers import DraftOptions
 
     if args.draft == "none":
         return None
-    path = args.draft_model if args.draft in ("draft-model", "parallel") else args.heads
-    return build_drafter(args.draft, target, path, DraftOptions(args.draft_vocab, dynamic_tree=args.dynamic_tree,
-                                                               ngram_max=args.ngram_max, ngram_min=args.ngram_min))
+    return drafter(target, args.draft, args.draft_model, args.heads,
+                   DraftOptions(args.draft_vocab, dynamic_tree=args.dynamic_tree, ngram_max=args.ngram_max,
+                                ngram_min=args.ngram_min))
+
+
+def drafter(target, name: str, draft_model: str | None, heads: str | None, options=None):
+    """The proposer `name` for `target` through the drafter registry, its network from the folder
+    flag the registry names for it (--draft-model or --heads; default: the shipped one)."""
+    from .proposers import DRAFTERS, DraftOptions, build_drafter
+
+    path = {"--draft-model": draft_model, "--heads": heads}.get(DRAFTERS[name].path_flag)
+    return build_drafter(name, target, path, options or DraftOptions())
 
 
 def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> None:
@@ -407,7 +412,6 @@ def tree_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
-DRAFTS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block", "self")
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
               "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
@@ -434,49 +438,13 @@ def cmd_bench(args) -> None:
     inputs.bench(args.prompts, args.repeats, args.max_new_tokens, args.ks, args.temperatures, args.batch_sizes)
     set_threads(args.threads)
     if args.mode == "serve":
-        from .api import default_k, load
-        from .bench.serve import bench_serve, format_serve, write
-
-        for c in args.clients:
-            inputs.integer("--clients values", c, low=1)
-        method = (args.methods or ["draft-model"])[0]
-        args.draft, args.draft_vocab, args.ngram_max, args.ngram_min, args.dynamic_tree = method, None, None, None, False
-        target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
-        proposer = make_proposer(args, target)
-        k = args.ks[0] if args.ks else default_k(proposer)
-        serve_args = ["--device", args.device, "--draft", method, "-k", str(k)]
-        serve_args += ["--dtype", args.dtype] if args.dtype else []
-        serve_args += ["--threads", str(args.server_threads)] if args.server_threads else []
-        serve_args += ["--draft-model", args.draft_model] if args.draft_model and method == "draft-model" else []
-        serve_args += ["--heads", args.heads] if args.heads and method == "mtp" else []
-        result = bench_serve(target, method, serve_args, proposer, k, args.clients, args.prompts or 32,
-                             args.max_new_tokens or 64, args.repeats or 3)
-        result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
-        print(format_serve(result))
-        if args.out:
-            write(result, args.out)
+        bench_serve_mode(args)
         return
     if args.quantize and args.mode != "plain":
         raise SpecdecError("--quantize measures plain decoding (`specdec bench plain --quantize ...`); the other "
                            "benchmarks run the checkpoints as stored")
     if args.mode == "plain":
-        from .bench.plain import bench_plain, format_plain
-
-        if args.device != "cpu":
-            raise SpecdecError("`specdec bench plain` compares CPU engines (specdec's kernels, transformers, "
-                               "llama.cpp) and the memory bandwidth; on a GPU run `specdec bench --device cuda`")
-        if args.size and args.model:
-            raise SpecdecError("give --model or --size, not both")
-        sized = args.size is not None  # smaller defaults: a ~1B model decodes ~20 tokens/s here
-        result = bench_plain(args.model, n_prompts=args.prompts or (2 if sized else 10),
-                             repeats=args.repeats or (3 if sized else 5),
-                             max_new_tokens=args.max_new_tokens or (32 if sized else 128), dtype=torch_dtype(args.dtype),
-                             llama_cpp=not args.no_llamacpp, size=args.size, quantize=args.quantize)
-        result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
-        print(format_plain(result))
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "plain.json").write_text(json.dumps(result, indent=1))
+        bench_plain_mode(args)
         return
     from .bench.report import console_report, write_report
     from .bench.runner import run_bench
@@ -487,6 +455,53 @@ def cmd_bench(args) -> None:
                        skip_misfits=args.methods is None)
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
+
+
+def bench_serve_mode(args) -> None:
+    """`specdec bench serve`: the server against the same engine offline, plain vs the first of --methods."""
+    from . import inputs
+    from .api import default_k, load
+    from .bench.serve import bench_serve, format_serve, write
+
+    for c in args.clients:
+        inputs.integer("--clients values", c, low=1)
+    method = (args.methods or ["draft-model"])[0]
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    proposer = drafter(target, method, args.draft_model, args.heads)
+    k = args.ks[0] if args.ks else default_k(proposer)
+    serve_args = ["--device", args.device, "--draft", method, "-k", str(k)]
+    serve_args += ["--dtype", args.dtype] if args.dtype else []
+    serve_args += ["--threads", str(args.server_threads)] if args.server_threads else []
+    serve_args += ["--draft-model", args.draft_model] if args.draft_model and method == "draft-model" else []
+    serve_args += ["--heads", args.heads] if args.heads and method == "mtp" else []
+    result = bench_serve(target, method, serve_args, proposer, k, args.clients, args.prompts or 32,
+                         args.max_new_tokens or 64, args.repeats or 3)
+    result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
+    print(format_serve(result))
+    if args.out:
+        write(result, args.out)
+
+
+def bench_plain_mode(args) -> None:
+    """`specdec bench plain`: specdec's plain decoding against transformers and llama.cpp, and the bandwidth."""
+    from .bench.plain import bench_plain, format_plain
+
+    if args.device != "cpu":
+        raise SpecdecError("`specdec bench plain` compares CPU engines (specdec's kernels, transformers, "
+                           "llama.cpp) and the memory bandwidth; on a GPU run `specdec bench --device cuda`")
+    if args.size and args.model:
+        raise SpecdecError("give --model or --size, not both")
+    sized = args.size is not None  # smaller defaults: a ~1B model decodes ~20 tokens/s here
+    result = bench_plain(args.model, n_prompts=args.prompts or (2 if sized else 10),
+                         repeats=args.repeats or (3 if sized else 5),
+                         max_new_tokens=args.max_new_tokens or (32 if sized else 128),
+                         dtype=torch_dtype(args.dtype), llama_cpp=not args.no_llamacpp, size=args.size,
+                         quantize=args.quantize)
+    result["command"] = ["specdec", *sys.argv[1:]]  # with conditions.software.git: how to rerun it
+    print(format_plain(result))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "plain.json").write_text(json.dumps(result, indent=1))
 
 
 def bench_plan(args):
@@ -517,22 +532,21 @@ def cmd_calibrate(args) -> None:
     from .bench.conditions import hardware
     from .decoding.calibration import cached_verify_curve, machine
     from .lm.checkpoint import shown_path
-    from .lm.interface import abilities
 
     set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     curves = {}
     for batch in args.batch_sizes:
-        curve, _ = cached_verify_curve(target.model, batch, args.max_tokens, remeasure=True,
+        curve, _ = cached_verify_curve(target.lm, batch, args.max_tokens, remeasure=True,
                                        points=list(range(1, args.max_tokens + 1)))
         curves[batch] = curve.seconds
         row = "  ".join(f"t({n})={1000 * s:.3f}" for n, s in sorted(curve.seconds.items()))
         print(f"batch {batch}: {row} ms")
-    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {abilities(target.model).backend}")
+    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {target.lm.abilities.backend}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "schema": "specdec-verify-curve/1", "target": shown_path(target.path),
-            "backend": abilities(target.model).backend,
+            "backend": target.lm.abilities.backend,
             "hardware": hardware(target.model.lm_head.weight.device), "machine": machine(),
             "note": "seconds of one target forward over n new tokens per row, the fastest of 5 repeats, "
                     "made non-decreasing in n", "seconds": curves}, indent=1))
@@ -580,15 +594,14 @@ def cmd_simulate(args) -> None:
         from .api import load
         from .bench.conditions import hardware
         from .decoding.calibration import measure_verify_curve
-        from .lm.interface import abilities
 
         set_threads(args.threads)
         target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
-        curve = measure_verify_curve(target.model, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
+        curve = measure_verify_curve(target.lm, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
         source = (f"the verify curve of target {target.path.name} measured now with "
-                  f"{abilities(target.model).backend}"
+                  f"{target.lm.abilities.backend}"
                   + (f", on {h['cpu']}, {h['threads']} threads" if args.device == "cpu" else ""))
     if args.moe_experts is not None:
         curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)
@@ -645,7 +658,7 @@ def cmd_check(args) -> int:
     verify = {"sampled_verify": WRONG_VERIFIERS[args.wrong_verifier]} if args.wrong_verifier else {}
     k = args.k if args.k is not None else len(args.tree) if args.tree else 3
     if k == "auto":  # this machine's verify cost, measured (once) before the check's phases
-        measure_ahead(target.model, proposer, args.batch_size, args.tree, target.path.name)
+        measure_ahead(target.lm, proposer, args.batch_size, args.tree, target.path.name)
     result = check(target.model, proposer, prompts, SamplingConfig(args.temperature, args.top_k, args.top_p),
                    k=k, sequences=args.sequences,
                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed or 0,
@@ -704,6 +717,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"specdec {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
+    add_train_parser(sub)
+    add_generate_parser(sub)
+    add_calibrate_parser(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_simulate_parser(sub)
+    add_check_parser(sub)
+    add_export_parser(sub)
+    add_pair_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = ShownDefaults
+    return p
+
+
+def add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
     from .train.presets import PRESETS
     t.add_argument("--preset", choices=list(PRESETS),
@@ -736,6 +764,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave after N more steps of this invocation, counted from where it starts (0 on a new "
                         "run, the saved step on a resumed one), checkpointed; rerun to resume. Ctrl-C or SIGTERM "
                         "also stops after the step under way, saving it")
+    add_objective_arguments(t)
+    t.set_defaults(func=cmd_train)
+
+
+def add_objective_arguments(t: argparse.ArgumentParser) -> None:
+    """`specdec train`'s objective and each objective's settings (OBJECTIVE_OPTIONS)."""
     t.add_argument("--objective",
                    choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
@@ -782,8 +816,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train only MTP heads on this checkpoint, its weights frozen (its tokenizer is used)")
     t.add_argument("--naive-mtp-order", action="store_true",
                    help="one backward over all heads (more memory) instead of head by head")
-    t.set_defaults(func=cmd_train)
 
+
+def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="complete a prompt with the target")
     g.add_argument("--model", help="checkpoint folder or .gguf file " + DEFAULT_MODEL)
     g.add_argument("--prompt", help="text to continue")
@@ -804,8 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
     structured.add_argument("--regex", metavar="R", help="the output matches this regular expression")
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark, or GBNF)")
-    g.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    g.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_placement_arguments(g)
     add_quantize_argument(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
@@ -820,13 +854,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(g)
     g.set_defaults(func=cmd_generate)
 
+
+def add_calibrate_parser(sub) -> None:
     c = sub.add_parser("calibrate", help="measure the target's verify-cost curve on this machine for -k auto",
                        description="Re-measure t(n), the seconds of one target forward over n tokens per row, at "
                                    "each batch size, and store it where -k auto reads it (it measures once by "
                                    "itself on first use; run this on a quiet machine after a change).")
     c.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
-    c.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    c.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_placement_arguments(c)
     c.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16], help="batch sizes (default 1 4 16)")
     c.add_argument("--max-tokens", type=int, default=14, help="tokens per row measured, every n up to this "
                                                               "(default 14: the widest window of -k auto)")
@@ -835,6 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(c)
     c.set_defaults(func=cmd_calibrate)
 
+
+def add_serve_parser(sub) -> None:
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
                        description="POST /v1/completions and /v1/chat/completions (OpenAI's formats, streaming "
                                    "with SSE), GET /v1/models, "
@@ -846,8 +883,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the checkpoint folder's name)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=8000, help="TCP port")
-    v.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    v.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_placement_arguments(v)
     add_quantize_argument(v)
     add_draft_arguments(v)
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
@@ -875,6 +911,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections at most; more are closed at once")
     v.set_defaults(func=cmd_serve)
 
+
+def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
                        description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
                                    "peers on the same prompts, interleaved; writes bench.json, report.md and plots.")
@@ -895,8 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
     b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
-    b.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    b.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_placement_arguments(b)
     add_quantize_argument(b)
     b.add_argument("--methods", nargs="+",
                    help="speculative methods, each of which must fit the target (default: every drafter that fits "
@@ -923,6 +960,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(b)
     b.set_defaults(func=cmd_bench)
 
+
+def add_simulate_parser(sub) -> None:
     s = sub.add_parser("simulate", help="predict speculative decoding's speedup with the cost model",
                        description="Predicted speedup = E x t_verify(1) / (t_draft + t_verify(k+1)), with E from "
                                    "the acceptance and t_verify the measured verify-cost curve.")
@@ -939,8 +978,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify-curve", metavar="FILE", help="the verify curve of `specdec calibrate --out FILE` "
                                                           "(measured on other hardware, a GPU say), at --batch-size")
     s.add_argument("--model", help="target to measure the curve on, a folder or .gguf file " + DEFAULT_MODEL)
-    s.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    s.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_placement_arguments(s)
     s.add_argument("--moe-experts", type=int, help="estimate an MoE target with this many experts per layer")
     s.add_argument("--moe-top-k", type=int, default=2, help="experts per token (MoE estimate)")
     s.add_argument("--expert-fraction", type=float, default=0.6,
@@ -948,6 +986,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(s)
     s.set_defaults(func=cmd_simulate)
 
+
+def add_check_parser(sub) -> None:
     ch = sub.add_parser("check", help="test that speculative decoding of your target and draft is lossless",
                         description="Samples continuations by speculative decoding and tests each token's randomized "
                                     "probability-integral transform under the target's own processed distribution "
@@ -958,8 +998,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "test's power and the conditions. Exit status: 0 PASS, 1 FAIL, 3 UNDECIDED (no "
                                     "draft was proposed), 2 the check could not run.")
     ch.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
-    ch.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    ch.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
+    add_placement_arguments(ch)
     add_draft_arguments(ch, k_default="3, or the --tree's depth: fixed, so that every step verifies drafts")
     ch.add_argument("--prompt", action="append", help="a prompt (repeat for more; default: HumanEval's first --prompts)")
     ch.add_argument("--prompts", type=int, default=8, help="HumanEval prompts used without --prompt")
@@ -976,6 +1015,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(ch)
     ch.set_defaults(func=cmd_check)
 
+
+def add_export_parser(sub) -> None:
     x = sub.add_parser("export", help="write a draft in a serving engine's format (vLLM: speculators)",
                        description="Export a draft for vLLM's speculative decoding: a draft model, or an EAGLE head "
                                    "trained in the eagle3 layout (--eagle-layout eagle3). MTP heads and EAGLE heads in "
@@ -987,10 +1028,6 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--verifier", help="the target it drafts for: checkpoint folder or hub name (an EAGLE head: "
                                       "the folder; default: the teacher or target its metadata names)")
     x.set_defaults(func=cmd_export)
-    add_pair_parser(sub)
-    for command in sub.choices.values():
-        command.formatter_class = ShownDefaults
-    return p
 
 
 class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):

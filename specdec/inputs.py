@@ -12,6 +12,7 @@ from numbers import Integral, Real
 
 from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
+from .proposers.drafters import DRAFTERS, option_owners
 
 MAX_SEED = 2 ** 63 - 1
 
@@ -135,17 +136,14 @@ def draft_length(k, proposer, widths=None) -> None:
     integer("k (draft tokens per step)", k, low=0)
     if proposer is None and k > 0:
         raise SpecdecError(f"k={k} draft tokens per step needs a proposer: pass proposer=build_proposer(...) "
-                           "(command line: --draft draft-model|parallel|ngram|mtp|suffix|eagle|block), or leave k out for plain decoding")
+                           f"(command line: --draft {'|'.join(DRAFTERS)}), or leave k out for plain decoding")
 
 
 def draft_options(draft: str, given: dict[str, object]) -> None:
-    """Command-line draft options: each belongs to one --draft choice; `given` maps the option
-    names set on the command line (e.g. "--heads") to their values."""
-    every = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block", "self")
-    owners = {"-k": every, "--tree": every, "--dynamic-tree": ("draft-model", "self"),
-              "--draft-model": ("draft-model", "parallel"), "--heads": ("mtp", "eagle", "block"),
-              "--draft-vocab": ("mtp", "draft-model", "parallel", "eagle", "block", "self"), "--ngram-max": ("ngram",),
-              "--ngram-min": ("ngram",)}
+    """Command-line draft options: each belongs to the --draft choices the drafter registry says
+    take it (drafters.option_owners); `given` maps the option names set on the command line (e.g.
+    "--heads") to their values."""
+    owners = option_owners()
     for option, value in given.items():
         if value is not None and draft not in owners[option]:
             raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from specdec import kernels
-from specdec.api import Loaded, generate, healed_row, load
+from specdec.api import Loaded, generate, load
 from specdec.decoding.healing import back_off
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
@@ -63,23 +63,6 @@ def test_speculative_decoding_of_healed_prompts_equals_plain(target, k):
     spec = generate(target, prompts, max_new_tokens=10, proposer=build_proposer("ngram"), k=k)
     assert spec.tokens == plain.tokens and spec.texts == plain.texts
     assert all(len(t) == 10 for t in plain.tokens) and plain.stats["healed_prompts"] == 2
-
-
-def test_a_stop_string_inside_the_healed_first_token_cuts_there(target):
-    """The first token of a healed row covers the prompt's trailing whitespace and may carry
-    more text: a stop string starting in that extra text ends the row at that very token."""
-    healed = back_off(target.tokenizer, INDENTED)
-    table = target.tokenizer.token_bytes
-    first = next(i for i, b in enumerate(table) if b and b.startswith(healed.text.encode())
-                 and len(b) > len(healed.text.encode()))  # e.g. a deeper indentation
-    extra = table[first][len(healed.text.encode()):].decode()
-    rest = target.tokenizer.encode(" = 1\n")
-    row = healed_row(first, rest, len(healed.text), 8, (extra[:1],), target.tokenizer)
-    assert row.finish_reason == "stop" and row.tokens == [first] and row.text() == ""
-    row = healed_row(first, rest, len(healed.text), 8, ("= 1",), target.tokenizer)
-    assert row.tokens == [first, *rest[:len(row.tokens) - 1]] and row.text() == extra + " "
-    row = healed_row(first, rest, len(healed.text), 2, (), target.tokenizer)
-    assert row.finish_reason == "length" and row.text() == target.tokenizer.decode([first, rest[0]])[len(healed.text):]
 
 
 def test_generate_never_touches_the_global_random_generator(target):
@@ -173,15 +156,3 @@ def test_streamed_pieces_add_up_to_the_text(target, method):
     result = generate(target, "def f(x):\n    ", stop=(stop,), on_text=lambda i, piece: pieces.append(piece),
                       **settings)
     assert len(pieces) > 3 and "".join(pieces) == result.texts[0] == whole[:whole.index(stop)]
-
-
-def test_a_character_split_across_tokens_is_streamed_whole(target):
-    from specdec.api import Streamer
-    ids = target.tokenizer.encode("aé€b")
-    assert len(ids) > len("aé€b")                                           # bytes of é and € in separate tokens
-    pieces: list[str] = []
-    streamer = Streamer(lambda i, piece: pieces.append(piece), [0], 20, (), target.tokenizer.decode, (EOS_ID,))
-    for token in ids:
-        streamer(0, [token])
-    streamer.close(["aé€b"])
-    assert "".join(pieces) == "aé€b" and all("\ufffd" not in p for p in pieces) and "a" in pieces

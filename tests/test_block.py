@@ -15,8 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import speculative_generate
+from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.protocol import Outcome
 from specdec.decoding.sampling import row_probabilities
 from specdec.decoding.stopping import StopRule

@@ -69,7 +69,7 @@ def test_broken_checkpoints_are_clear_errors(capsys, broken, kind, message):
 
 @pytest.mark.parametrize("extra, message", [
     (["--prompt", ""], "empty"),
-    (["--prompt", "x " * 400], "exceeds the model's context"),
+    (["--prompt", "x " * 400], "positions but the model's context is"),
     (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
     (["--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),

@@ -19,8 +19,7 @@ import warnings
 import pytest
 import torch
 
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import speculative_generate
+from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.decoding.syncs import count_host_syncs

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import plain_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule

@@ -13,8 +13,7 @@ import json
 import pytest
 import torch
 
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import speculative_generate
+from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError

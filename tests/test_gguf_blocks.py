@@ -15,8 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from specdec.api import load
 from specdec.cli import main
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import speculative_generate
+from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError

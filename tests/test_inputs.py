@@ -166,3 +166,20 @@ def test_simulate_warns_about_an_impossible_verify_curve(capsys):
     assert code == 0 and "| 2 |" in out and "noisy verify curve" in err and "n=2: 0.23x" in err
     code, out, err = run_cli(capsys, "simulate", "--alpha", "0.5", "--ks", "2", "--verify-ms", "1", "1.2", "1.4")
     assert code == 0 and "noisy" not in err
+
+
+def test_the_registry_says_which_drafter_takes_which_option():
+    """The draft options' owners and the drafters a message lists come from the registry: none is
+    forgotten (the self-draft once was)."""
+    from specdec import inputs
+    from specdec.cli import draft_options_given
+    from specdec.proposers.drafters import DRAFTERS, option_owners
+
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert set(draft_options_given(args)) == set(option_owners())
+    with pytest.raises(SpecdecError) as refused:
+        inputs.draft_length(3, None, None)
+    assert all(name in str(refused.value) for name in DRAFTERS)
+    inputs.draft_options("self", {"--draft-vocab": 64, "--dynamic-tree": True})
+    with pytest.raises(SpecdecError, match="--heads applies to --draft mtp or eagle or block"):
+        inputs.draft_options("self", {"--heads": "x"})

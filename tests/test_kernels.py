@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import kernels
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import speculative_generate
+from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm.checkpoint import load_model, save_model

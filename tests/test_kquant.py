@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from specdec import kernels
 from specdec.api import load, load_drafter
-from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import plain_generate
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule

@@ -14,7 +14,7 @@ import torch
 from specdec.api import load
 from specdec.bench import llamacpp
 from specdec.bench.plain import bench_plain, format_plain, llama_cpp_peers
-from specdec.decoding.decode import plain_generate
+from specdec.decoding.engine import plain_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError

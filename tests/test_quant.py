@@ -16,15 +16,15 @@ import torch
 
 from specdec import kernels
 from specdec.cli import main
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import speculative_generate
+from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.kernels import blocks
 from specdec.lm.checkpoint import quantize_model
 from specdec.lm.model import Linear, store_matrices
-from specdec.proposers import build_proposer
+from specdec.api import Loaded
+from specdec.proposers import DRAFTERS, build_drafter, build_proposer
 
 from .conftest import TINY, tiny_model
 from .spec_helpers import tiny_llama
@@ -217,3 +217,15 @@ def test_a_matrix_in_no_kernel_format_keeps_its_layers_on_pytorch_operators():
     assert model.model.layers[0].stack is not None and model.model.layers[1].stack is None
     rows, _ = plain_generate(model, PROMPTS, StopRule(max_new_tokens=5), SamplingConfig())
     assert all(len(r.tokens) == 5 for r in rows)
+
+
+def test_a_self_draft_that_cannot_quantize_the_target_says_so_before_reading_a_weight(tmp_path):
+    """A hidden size of 48 does not cut into blocks of 32: the registry refuses the self-draft with the
+    reason (bench skips it by that reason) instead of failing inside the quantizer."""
+    target = Loaded(tiny_llama(0, hidden=48, heads=4, kv_heads=2), None, tmp_path)
+    reason = DRAFTERS["self"].misfit(target)
+    assert reason is not None and "blocks of 32" in reason and "hidden size" in reason
+    with pytest.raises(SpecdecError, match="another drafter"):
+        build_drafter("self", target)
+    assert DRAFTERS["self"].misfit(Loaded(tiny_llama(0), None, tmp_path)) is None
+

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from specdec.decoding import sampling
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import Engine, Request, speculative_generate
+from specdec.decoding.engine import Engine, Request, plain_generate, speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, gumbel
 from specdec.decoding.stopping import StopRule

@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.decoding.decode import plain_generate
-from specdec.decoding.engine import speculative_generate
+from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule

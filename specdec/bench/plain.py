@@ -24,12 +24,11 @@ from .. import kernels
 from ..api import encode_prompts, load
 from ..decoding.calibration import measure_verify_curve
 from ..decoding.costmodel import VerifyCurve, predicted_speedup
-from ..decoding.decode import plain_generate
+from ..decoding.engine import plain_generate
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import StopRule
 from ..errors import counted
 from ..lm.checkpoint import load_model, shown_path
-from ..lm.device import placement
 from ..lm.model import Linear
 from . import llamacpp, sizes
 from .conditions import hardware, model_info, software, spread
@@ -100,7 +99,7 @@ VERIFY_POINTS = [1, 2, 3, 4, 5, 6, 7, 8]
 @torch.inference_mode()
 def verify_curve(target) -> dict:
     """t(n) of the target (seconds, the median of 7 interleaved repeats after 128 cached tokens) and t(n)/t(1)."""
-    curve = measure_verify_curve(target.model, VERIFY_POINTS)
+    curve = measure_verify_curve(target.lm, VERIFY_POINTS)
     return {"seconds": curve.seconds, "relative": curve.relative()}
 
 
@@ -147,7 +146,7 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
     if size is not None:
         target_path = sizes.build(size)
     target = load(target_path, dtype=dtype, quantize=quantize)
-    same = placement(target.model).dtype
+    same = target.lm.dtype
     peers = {f"transformers.generate {short(d)}": d for d in dict.fromkeys([same, torch.bfloat16])}
     hfs = {}
     for name, d in peers.items():
@@ -204,8 +203,8 @@ def decoders(model, hfs: dict, cpps: dict, max_new_tokens: int) -> dict:
     rule, greedy = StopRule(max_new_tokens), SamplingConfig()
 
     def ours(ids):
-        rows, timing = plain_generate(model, [ids], rule, greedy)
-        return Decoded(rows[0].tokens, timing.decode_seconds)
+        rows, metrics = plain_generate(model, [ids], rule, greedy)
+        return Decoded(rows[0].tokens, metrics.total_seconds - metrics.first_token_seconds)
 
     def theirs(hf):
         def run(ids):

@@ -63,8 +63,7 @@ from ..api import encode_prompts, load
 from ..decoding.adaptive import AUTO_TREE, merge_summaries
 from ..decoding.calibration import measure_verify_curve
 from ..decoding.costmodel import predicted_speedup, speedup_limit
-from ..decoding.decode import plain_generate
-from ..decoding.engine import speculative_generate
+from ..decoding.engine import plain_generate, speculative_generate
 from ..decoding.metrics import SpecMetrics
 from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import StopRule
@@ -72,8 +71,6 @@ from ..decoding.syncs import count_host_syncs
 from ..decoding.verify import greedy_accept, rejection_sample
 from ..errors import SpecdecError
 from ..lm.checkpoint import shown_path
-from ..lm.device import placement
-from ..lm.interface import abilities
 from ..proposers import DRAFTERS, DraftOptions, build_proposer
 from ..proposers.drafters import DraftCheckpoint
 from .conditions import UNKNOWN, hardware, model_info, roofline, software, spread
@@ -223,7 +220,7 @@ class Bench:
                  peer_dtype: torch.dtype = PEER_DTYPE, device: str | torch.device | None = None,
                  skip_misfits: bool = False):
         self.target = load(target_path, dtype=dtype, device=device)
-        self.device = placement(self.target.model).device
+        self.device = self.target.lm.device
         paths = paths or {}
         misfits = {name: DRAFTERS[name].misfit(self.target, paths.get(name)) for name in plan.methods} \
             if skip_misfits else {}
@@ -313,7 +310,7 @@ def run_bench(plan: Plan, target_path=None, paths: dict | None = None, dtype: to
             "mtp_heads": bench.method_info.get("mtp", "not used"),
             "eagle_head": bench.method_info.get("eagle", "not used"),
             "block_head": bench.method_info.get("block", "not used"),
-            "hardware": hardware(bench.device), "backend": abilities(bench.target.model).backend,
+            "hardware": hardware(bench.device), "backend": bench.target.lm.abilities.backend,
             # the CPU's roofs (its kernels' FMA peak, its memory bandwidth) where the models run on it
             "roofline": roofline(measured_read_bandwidth() / 1e9) if bench.device.type == "cpu" else "not measured: "
                         "the models run on the GPU (see hardware.device_used)",
@@ -403,7 +400,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
     bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
     # at the cell's typical context: its median prompt plus half the new tokens (attention grows with it)
     context = int(statistics.median(map(len, prompts))) + plan.max_new_tokens // 2
-    curve = measure_verify_curve(bench.target.model, curve_tokens, cell.batch_size, context_tokens=context)
+    curve = measure_verify_curve(bench.target.lm, curve_tokens, cell.batch_size, context_tokens=context)
     implausible = implausible_verify_points(curve.seconds)
     workload_info = {"name": wl.name, "description": wl.description, "prompts": len(prompts),
                      "prompt_tokens": spread([len(p) for p in prompts]), "max_new_tokens": plan.max_new_tokens,

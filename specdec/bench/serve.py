@@ -125,11 +125,9 @@ def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
 
 def bench_serve(target: Loaded, method: str, serve_args: list[str], proposer, k: int,
                 concurrencies: list[int], n_prompts: int, max_tokens: int, repeats: int) -> dict:
-    from ..proposers import build_proposer
-
     prompts = [p.rstrip() for p in humaneval_prompts(n_prompts)]
     ids = encode_prompts(target, prompts, max_tokens)
-    methods = {"plain": (build_proposer("ngram"), 0, []), method: (proposer, k, serve_args)}
+    methods = {"plain": (None, 0, []), method: (proposer, k, serve_args)}
     model_args = ["--model", str(target.path)]
     offline(target, proposer, k, ids[:2], 8, 2)  # warm-up: kernels, allocator
     cells = []

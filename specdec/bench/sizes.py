@@ -61,10 +61,6 @@ def cache_root() -> Path:
     return Path(base) / "specdec" / "sizes"
 
 
-def size_names() -> list[str]:
-    return list(SIZES)
-
-
 def parameters(cfg: Arch) -> int:
     C, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     layer = C * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D + cfg.num_attention_heads * D * C

@@ -26,14 +26,13 @@ import torch
 from tqdm import tqdm
 
 from .. import kernels
-from ..lm.device import placement, synchronize
-from ..lm.interface import abilities, causal_lm
+from ..lm.device import synchronize
+from ..lm.interface import Admitted, admit
 from .costmodel import VerifyCurve
 
 CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
 
 
-@torch.inference_mode()
 def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
                          context_tokens: int = CONTEXT_TOKENS, reduce=statistics.median,
                          progress=None) -> VerifyCurve:
@@ -41,10 +40,15 @@ def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, 
     tokens_per_row) at `batch_size` rows, after `context_tokens` cached ones; the n values are
     interleaved repeat by repeat and the cache is rolled back after each forward, so every forward
     sees the same context. `progress(1)` is called after each forward, when given."""
-    lm = causal_lm(model, role="target")
-    vocab = lm.config.vocab_size
-    context_tokens = min(context_tokens, lm.config.max_position_embeddings - max(tokens_per_row))
-    g, device = torch.Generator().manual_seed(0), placement(lm).device
+    return _measure(admit(model, role="target"), tokens_per_row, batch_size, repeats, context_tokens, reduce, progress)
+
+
+@torch.inference_mode()
+def _measure(target: Admitted, tokens_per_row: list[int], batch_size: int, repeats: int, context_tokens: int,
+             reduce, progress) -> VerifyCurve:
+    lm, vocab = target.lm, target.lm.config.vocab_size
+    context_tokens = min(context_tokens, target.context - max(tokens_per_row))
+    g, device = torch.Generator().manual_seed(0), target.device
     cache = lm.new_cache(batch_size, context_tokens + max(tokens_per_row))
     lm(torch.randint(0, vocab, (batch_size, context_tokens), generator=g).to(device), cache=cache)
     windows = {n: torch.randint(0, vocab, (batch_size, n), generator=g).to(device) for n in tokens_per_row}
@@ -78,20 +82,21 @@ def verify_curves(model, batch_sizes: list[int], max_tokens: int, name: str = "t
     stored. Measuring says so first, once, on stderr ("measuring this machine's verify cost for
     NAME, once, ~N s"), then shows a progress bar. Returns the curves by batch size and the seconds
     spent measuring (0 when every curve was stored)."""
-    curves = {} if remeasure else {b: c for b in batch_sizes if (c := _stored(model, b, max_tokens)) is not None}
+    target = admit(model, role="target")  # once for every curve
+    curves = {} if remeasure else {b: c for b in batch_sizes if (c := _stored(target, b, max_tokens)) is not None}
     missing = [b for b in batch_sizes if b not in curves]
     if not missing:
         return curves, 0.0
     t0 = time.perf_counter()
     points = points or curve_points(max_tokens)
     if not remeasure:  # `specdec calibrate` asked for it: no news
-        seconds = estimate(model, missing, points, repeats)
+        seconds = _estimate(target, missing, points, repeats)
         print(f"measuring this machine's verify cost for {name}, once, ~{seconds:.0f} s (stored for later runs; "
               "not part of any timing)", file=sys.stderr, flush=True)
     with tqdm(total=(repeats + 1) * len(points) * len(missing), desc="verify cost", unit="forward", leave=False,
               file=sys.stderr) as bar:
         for batch in missing:
-            curves[batch] = _measure_and_store(model, batch, points, repeats, bar.update)
+            curves[batch] = _measure_and_store(target, batch, points, repeats, bar.update)
     return curves, time.perf_counter() - t0
 
 
@@ -103,9 +108,9 @@ def cached_verify_curve(model, batch_size: int, max_tokens: int, remeasure: bool
     return curves[batch_size], seconds > 0
 
 
-def _stored(model, batch_size: int, max_tokens: int) -> VerifyCurve | None:
+def _stored(target: Admitted, batch_size: int, max_tokens: int) -> VerifyCurve | None:
     """The curve measured for this model, batch size and machine before, if it reaches max_tokens."""
-    path = _cache_dir() / f"{_key(model, batch_size)}.json"
+    path = _cache_dir() / f"{_key(target, batch_size)}.json"
     if path not in _LOADED and path.exists():
         stored = json.loads(path.read_text())
         _LOADED[path] = VerifyCurve({int(n): s for n, s in stored["seconds"].items()}, stored["batch_size"])
@@ -113,13 +118,13 @@ def _stored(model, batch_size: int, max_tokens: int) -> VerifyCurve | None:
     return curve if curve is not None and max(curve.seconds) >= max_tokens else None
 
 
-def _measure_and_store(model, batch_size: int, points: list[int], repeats: int, progress) -> VerifyCurve:
+def _measure_and_store(target: Admitted, batch_size: int, points: list[int], repeats: int, progress) -> VerifyCurve:
     # the fastest of the repeats, made non-decreasing in n (more tokens never cost less): a stored
     # curve outlives the moment it was measured in, so a busy moment must not bend it
-    fastest = measure_verify_curve(model, points, batch_size, repeats=repeats, reduce=min, progress=progress)
+    fastest = _measure(target, points, batch_size, repeats, CONTEXT_TOKENS, min, progress)
     points = sorted(fastest.seconds)
     curve = VerifyCurve({n: min(fastest.seconds[m] for m in points if m >= n) for n in points}, batch_size)
-    path = _cache_dir() / f"{_key(model, batch_size)}.json"
+    path = _cache_dir() / f"{_key(target, batch_size)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")  # written whole, then renamed: never half a file
     tmp.write_text(json.dumps({"seconds": curve.seconds, "batch_size": batch_size, "machine": machine()}, indent=1))
@@ -128,13 +133,16 @@ def _measure_and_store(model, batch_size: int, points: list[int], repeats: int, 
     return curve
 
 
-@torch.inference_mode()
 def estimate(model, batch_sizes: list[int], points: list[int], repeats: int) -> float:
     """Seconds `verify_curves` will take to measure these batch sizes: two forwards timed now (one
     token, and as many as its largest forward carries), the cost linear in the tokens in between."""
-    lm = causal_lm(model, role="target")
-    device = placement(lm).device
-    largest = min(max(batch_sizes) * max(points), lm.config.max_position_embeddings)
+    return _estimate(admit(model, role="target"), batch_sizes, points, repeats)
+
+
+@torch.inference_mode()
+def _estimate(target: Admitted, batch_sizes: list[int], points: list[int], repeats: int) -> float:
+    lm, device = target.lm, target.device
+    largest = min(max(batch_sizes) * max(points), target.context)
     seconds = {}
     for n in (1, largest):
         synchronize(device)
@@ -158,24 +166,24 @@ def machine() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def _key(model, batch_size: int) -> str:
-    lm = causal_lm(model, role="target")
-    text = json.dumps([_model_identity(lm), batch_size, machine()], sort_keys=True, default=str)
+def _key(target: Admitted, batch_size: int) -> str:
+    text = json.dumps([_model_identity(target), batch_size, machine()], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 _IDENTITIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _model_identity(lm) -> list:
+def _model_identity(target: Admitted) -> list:
     """The config, a fingerprint of the weights (a sum over the unembedding) and the backend, computed
     once per model object: a generation asks for it every time."""
+    lm = target.lm
     inner = getattr(lm, "model", lm)
     if inner not in _IDENTITIES:
         weights = lm.lm_head.weight if hasattr(lm, "lm_head") else next(lm.parameters())
         fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
         config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
-        _IDENTITIES[inner] = [config, fingerprint, abilities(lm).backend]
+        _IDENTITIES[inner] = [config, fingerprint, target.abilities.backend]
     return _IDENTITIES[inner]
 
 

@@ -13,7 +13,8 @@ every node, with positions by depth and a tree attention mask, acceptance walks 
 cache keeps the accepted path's entries moved to follow each other (`KVCache.compact`).
 
 Depth 0 is plain decoding, lean one-token steps (`Engine.plain_step`); a stretch of them is told to
-the proposer once, at its end. k = "auto" chooses each step's depth (0 included) and shape
+the proposer once, at its end. An engine without a proposer (`NoDraft`, k = 0) is plain decoding
+itself: the one fast plain decoder (`plain_generate`; reference.py stays the simple oracle). k = "auto" chooses each step's depth (0 included) and shape
 from what pays (adaptive.py); the controller is told what each step accepted and cost.
 
 Everything the engine creates lives on the target's device. The host keeps the bookkeeping (each
@@ -22,11 +23,12 @@ target accepted, with the drafts, in one copy (syncs.py counts these points).
 
 Between steps (`Engine.regroup`) finished or cancelled rows leave and waiting requests join: the
 joining prompts are prefilled, and the target's cache, the proposer's state and the controller
-regroup their rows; caches are allocated once, for `capacity` rows. `speculative_generate` is the
-engine run on one closed batch.
+regroup their rows; caches are allocated once, for `capacity` rows. `Engine.run` runs one closed
+batch of requests; `speculative_generate` and `plain_generate` are it for token ids under one
+setting. Requests from text come through pipeline.py (encode, heal, stop rule, stream).
 
 This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py),
-model internals (lm.py) or serving (serve/).
+model internals (lm/) or serving (serve/).
 """
 from __future__ import annotations
 
@@ -40,14 +42,13 @@ from typing import Callable
 import torch
 
 from ..errors import SpecdecError
-from ..lm.device import placement
-from ..lm.interface import causal_lm, context_length, declared_features, layer_request, next_positions, prefill_joining
+from ..lm.interface import admit, declared_features, layer_request, next_positions, prefill_joining
 from .adaptive import Adaptive
 from .constraint import Compiled, masked
 from .guided import Guide
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
-from .sampling import Draws, RowGenerators, SamplingConfig, argmax, perturbed, row_probabilities, sample
+from .sampling import Draws, RowGenerators, SamplingConfig, perturbed, pick_rows, row_probabilities
 from .stopping import Row, StopRule
 from .tree import depths, levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
@@ -80,18 +81,26 @@ class Request:
 
 
 class Engine:
-    def __init__(self, target, proposer: Proposer, k: int | str, capacity: int, max_len: int,
+    def __init__(self, target, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                  tree_verify=tree_rejection_sample, forced_drafts: bool = True):
-        """k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
+        """target: a causal LM, admitted here unless it comes admitted (lm.interface.admit); proposer
+        None: plain decoding (k must be 0; `NoDraft`).
+        k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
         default all ones, a chain; with "auto", the tree tried beside chains). capacity: the most
         rows in the batch; max_len: the longest sequence (prompt + generated) a row may reach.
         `sampled_verify` and `tree_verify` are the acceptance rules of sampled rows for chains and
         trees (signatures of verify.rejection_sample and verify.tree_rejection_sample); tests
         replace them to show a wrong rule is detected. forced_drafts: constrained rows propose the
         tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1)."""
-        self.target = causal_lm(target, role="target")
-        self.context = context_length(self.target)
+        self.started = time.perf_counter()  # first_token_seconds and other_seconds count from here
+        self.admitted = admit(target, role="target")
+        self.target, self.context = self.admitted.lm, self.admitted.context
+        if proposer is None:
+            if k != 0:
+                raise SpecdecError(f"plain decoding (no proposer) drafts nothing: k must be 0, got {k!r}; "
+                                   "give a proposer to draft")
+            proposer = NoDraft()
         self.adaptive = None
         if k == "auto":
             check_setup(self.target, proposer, 0, None)
@@ -99,7 +108,7 @@ class Engine:
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
-        self.device = placement(self.target).device
+        self.device = self.admitted.device
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
@@ -115,7 +124,6 @@ class Engine:
         self.plain = PlainStretch([])
         self.metrics = SpecMetrics(k=k, batch_size=capacity)
         self.guide = Guide(self.target.config.vocab_size, forced_drafts)
-        self.started = time.perf_counter()
 
     def submit(self, request: Request) -> None:
         """Queue a request (any thread); it joins the batch at the next step with room."""
@@ -126,6 +134,21 @@ class Engine:
     @property
     def busy(self) -> bool:
         return bool(self.requests or self.waiting)
+
+    def run(self, requests: list[Request]) -> SpecMetrics:
+        """A closed batch: submit the requests, step until every one is done; the run's metrics
+        (other_seconds: the time since the engine was made not spent in a counted phase)."""
+        for request in requests:
+            self.submit(request)
+        while self.busy:
+            self.step()
+        metrics = self.metrics
+        metrics.batch_size = len(requests)
+        metrics.other_seconds = time.perf_counter() - self.started - metrics.total_seconds
+        if self.adaptive:
+            self.adaptive.remember()
+            metrics.adaptive = self.adaptive.summary()
+        return metrics
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -337,21 +360,10 @@ class Engine:
         return RowGenerators(generators)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits -> (B,) each row's next token under its own sampling settings; a seeded
-        row's by Gumbel-max at its next position (sampling.perturbed)."""
-        tokens = argmax(logits)
-        seeded = [b for b, r in enumerate(self.requests) if r.sampling.seeded]
-        sampled = [b for b, r in enumerate(self.requests) if not (r.sampling.greedy or r.sampling.seeded)]
-        if seeded:
-            s = torch.tensor(seeded, device=self.device)
-            tokens[s] = argmax(perturbed(logits[s][:, None], [self.requests[b].sampling for b in seeded],
-                                         [[self.cached[b] + 1] for b in seeded]))[:, 0].to(tokens.device)
-        if sampled:
-            generator = self.generator()
-            s = torch.tensor(sampled, device=self.device)
-            tokens[s] = sample(row_probabilities(logits[s], [self.requests[b].sampling for b in sampled]),
-                               generator.select(sampled) if isinstance(generator, RowGenerators) else generator)
-        return tokens
+        """(B, V) logits -> (B,) each row's next token under its own sampling settings (sampling.pick_rows;
+        a seeded row's noise is that of its next position)."""
+        return pick_rows(logits, [r.sampling for r in self.requests], self.generator(),
+                         [n + 1 for n in self.cached])
 
     def verify(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """Greedy rows by greedy acceptance; seeded rows by greedy acceptance on their perturbed
@@ -407,6 +419,33 @@ class Engine:
         return Verdict(accepted, next_token, paths)
 
 
+class NoDraft:
+    """The proposer of plain decoding (`Engine(target, None, 0, ...)`): it proposes nothing and
+    keeps no state, so every step is a plain step of the target."""
+    name = "plain"
+    vocab_size = None
+    trees = False
+    max_depth = 0
+    features = ()
+
+    def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> None:
+        return None
+
+    def join(self, state: None, prompts: list[list[int]], prompt_hidden: torch.Tensor,
+             samplings: list[SamplingConfig]) -> None:
+        return None
+
+    def leave(self, state: None, keep: list[int]) -> None:
+        return None
+
+    def propose(self, state: None, limits: torch.Tensor, widths: tuple[int, ...],
+                generator: torch.Generator | None) -> Proposal:
+        return Proposal.empty(limits.shape[0], limits.device)
+
+    def observe(self, state: None, outcome: Outcome) -> None:
+        return None
+
+
 class Clock:
     """The clock readings of one step, by the name of the phase just ended ("chosen", "proposed",
     "window", "forward", "accepted", "committed", "observed"); the step's start is "start"."""
@@ -446,35 +485,31 @@ class PlainStretch:
 
 
 @torch.inference_mode()
-def speculative_generate(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule,
+def speculative_generate(target, proposer: Proposer | None, prompts: list[list[int]], rule: StopRule,
                          sampling: SamplingConfig, k: int | str, generator: torch.Generator | None = None,
                          *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                          tree_verify=tree_rejection_sample, on_tokens: Callable[[int, list[int]], None] | None = None,
                          constraint: Compiled | None = None, forced_drafts: bool = True
                          ) -> tuple[list[Row], SpecMetrics]:
-    """One closed batch through the engine: every prompt under the same settings, one generator.
-    k, widths, sampled_verify, tree_verify, forced_drafts: as `Engine`; on_tokens(i, tokens): prompt
-    i's tokens of each step, as they are committed (a stream); constraint: the grammar every row's
-    tokens must match (constraint.py), or None."""
-    t0 = time.perf_counter()
-    target = causal_lm(target, role="target")
-    check_inputs(target, proposer, prompts, rule, context_length(target))
+    """One closed batch of token ids through the engine: every prompt under the same settings, one
+    generator (proposer None, k = 0: plain decoding). k, widths, sampled_verify, tree_verify,
+    forced_drafts: as `Engine`; on_tokens(i, tokens): prompt i's tokens of each step, as they are
+    committed (a stream); constraint: the grammar every row's tokens must match (constraint.py), or None."""
+    target = admit(target, role="target")
+    check_inputs(target.lm, prompts, rule, target.context)
     max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
     engine = Engine(target, proposer, k, len(prompts), max_len, widths=widths, sampled_verify=sampled_verify,
                     tree_verify=tree_verify, forced_drafts=forced_drafts)
     requests = [Request(p, rule, sampling, generator, None if on_tokens is None else partial(stream_to, on_tokens, i),
                         constraint) for i, p in enumerate(prompts)]
-    for request in requests:
-        engine.submit(request)
-    while engine.busy:
-        engine.step()
-    metrics = engine.metrics
-    metrics.batch_size = len(prompts)
-    metrics.other_seconds = time.perf_counter() - t0 - metrics.total_seconds
-    if engine.adaptive:
-        engine.adaptive.remember()
-        metrics.adaptive = engine.adaptive.summary()
-    return [r.row for r in requests], metrics
+    return [r.row for r in requests], engine.run(requests)
+
+
+def plain_generate(target, prompts: list[list[int]], rule: StopRule, sampling: SamplingConfig,
+                   generator: torch.Generator | None = None,
+                   on_tokens: Callable[[int, list[int]], None] | None = None) -> tuple[list[Row], SpecMetrics]:
+    """Plain decoding of a closed batch: the engine without a proposer (one token per row per step)."""
+    return speculative_generate(target, None, prompts, rule, sampling, 0, generator, on_tokens=on_tokens)
 
 
 def stream_to(on_tokens: Callable[[int, list[int]], None], i: int, request: Request, tokens: list[int],
@@ -543,13 +578,20 @@ def check_prompt(prompt: list[int], rule: StopRule, vocab: int, context: int, na
         raise SpecdecError(f"{name} needs at least one token")
     if max(prompt) >= vocab or min(prompt) < 0:
         raise SpecdecError(f"{name} holds token ids outside the target's vocabulary (0..{vocab - 1})")
-    if len(prompt) + rule.max_new_tokens - 1 > context:
-        raise SpecdecError(f"{name} has {len(prompt)} tokens; with max_new_tokens={rule.max_new_tokens} "
-                           f"it needs {len(prompt) + rule.max_new_tokens - 1} positions but the target's "
-                           f"context is {context}: shorten the prompt or lower max_new_tokens")
+    check_fits(len(prompt), rule.max_new_tokens, context, name)
 
 
-def check_inputs(target, proposer: Proposer, prompts: list[list[int]], rule: StopRule, context: int) -> None:
+def check_fits(length: int, max_new_tokens: int, context: int, name: str, budget: str = "max_new_tokens") -> None:
+    """The one context rule: a row of `length` prompt tokens needs length + max_new_tokens - 1
+    positions in the cache (every generated token but the last is fed back), at most `context`.
+    budget: what the caller names max_new_tokens (a server request's max_tokens)."""
+    needed = length + max_new_tokens - 1
+    if needed > context:
+        raise SpecdecError(f"{name} has {length} tokens; with {budget}={max_new_tokens} it needs {needed} positions "
+                           f"but the model's context is {context}: shorten the prompt or lower {budget}")
+
+
+def check_inputs(target, prompts: list[list[int]], rule: StopRule, context: int) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SpecdecError("every prompt needs at least one token (and at least one prompt is needed)")
     for b, p in enumerate(prompts):

@@ -240,7 +240,7 @@ class GrammarDrafts:
     def leave(self, state: list[int], keep: list[int]) -> None:
         state[0] = len(keep)
 
-    def propose(self, state: list[int], limits: torch.Tensor, widths: tuple[int, ...], generator) -> Proposal:
+    def propose(self, state: list[int], limits: torch.Tensor, widths: tuple[int, ...], draws) -> Proposal:
         return Proposal.empty(state[0], limits.device)
 
     def observe(self, state: list[int], outcome: Outcome) -> None:

@@ -12,7 +12,7 @@ their argmax; sampling: the same temperature / top-k / top-p transform on the re
 logits); everything after it is ordinary decoding of the target. The backed-off token itself is
 always allowed, so healing never leaves the model without a choice.
 
-This module knows nothing about drafting or stopping; prompts.py and api.py call it.
+This module knows nothing about drafting or stopping; prompts.py and pipeline.py call it.
 """
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..lm.device import placement
-from ..lm.interface import causal_lm, pad_right
+from ..lm.interface import Admitted, pad_right
 from ..lm.tokenizer import Tokenizer
-from .sampling import SamplingConfig, pick
+from .sampling import RowGenerators, SamplingConfig, pick_rows
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,13 @@ def allowed(tokenizer: Tokenizer, text: str, vocab_size: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def first_tokens(model, tokenizer: Tokenizer, prompts: list[list[int]], texts: list[str],
-                 sampling: SamplingConfig, generator: torch.Generator | None) -> list[int]:
+def first_tokens(target: Admitted, tokenizer: Tokenizer, prompts: list[list[int]], texts: list[str],
+                 samplings: list[SamplingConfig], generator: torch.Generator | RowGenerators | None) -> list[int]:
     """The first generated token of each prompt (its ids already backed off), restricted to the
-    tokens that start with its backed-off text: one target forward over all of them."""
-    model = causal_lm(model, role="target")
-    device = placement(model).device
-    tokens, lengths = pad_right(prompts, device=device)                           # (B, T), (B,)
-    logits = model(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]      # (B, V)
-    masks = torch.stack([allowed(tokenizer, t, logits.shape[-1]) for t in texts]).to(device)  # (B, V)
-    return pick(logits.masked_fill(~masks, float("-inf")), sampling, generator, list(map(len, prompts))).tolist()
+    tokens that start with its backed-off text, under its own sampling settings: one forward of the
+    admitted target over all of them."""
+    tokens, lengths = pad_right(prompts, device=target.device)                         # (B, T), (B,)
+    logits = target.lm(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]       # (B, V)
+    masks = torch.stack([allowed(tokenizer, t, logits.shape[-1]) for t in texts]).to(target.device)  # (B, V)
+    return pick_rows(logits.masked_fill(~masks, float("-inf")), samplings, generator,
+                     list(map(len, prompts))).tolist()

@@ -146,21 +146,36 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
+def pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | RowGenerators | None,
          positions: list[int] | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B,) next tokens under the sampling settings; a seeded config draws by
-    Gumbel-max at `positions` (B,), the sequence positions of the tokens chosen."""
-    if cfg.greedy:
-        return argmax(logits)
-    if cfg.seeded and positions is not None:
-        return argmax(perturbed(logits[:, None], [cfg] * len(positions), [[t] for t in positions]))[:, 0]
-    return sample(probabilities(logits, cfg), generator)
+    """(B, V) logits -> (B,) next tokens, every row under the same sampling settings (`pick_rows`)."""
+    return pick_rows(logits, [cfg] * logits.shape[0], generator, positions)
+
+
+def pick_rows(logits: torch.Tensor, configs: list[SamplingConfig], generator: torch.Generator | RowGenerators | None,
+              positions: list[int] | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens, row b under configs[b]: greedy rows their argmax, seeded
+    rows by Gumbel-max at positions[b] (the sequence position of the token chosen; without
+    positions a seeded row is sampled from the generator), other rows one draw each from the
+    generator (RowGenerators: row b's own)."""
+    tokens = argmax(logits)                                                          # (B,)
+    if all(cfg.greedy for cfg in configs):
+        return tokens
+    seeded = [b for b, cfg in enumerate(configs) if cfg.seeded and positions is not None]
+    sampled = [b for b, cfg in enumerate(configs) if not cfg.greedy and b not in seeded]
+    if seeded:
+        s = torch.tensor(seeded, device=logits.device)
+        noisy = perturbed(logits[s][:, None], [configs[b] for b in seeded], [[positions[b]] for b in seeded])
+        tokens[s.to(tokens.device)] = argmax(noisy)[:, 0].to(tokens.device)
+    if sampled:
+        s = torch.tensor(sampled, device=logits.device)
+        rows = generator.select(sampled) if isinstance(generator, RowGenerators) else generator
+        drawn = sample(row_probabilities(logits[s], [configs[b] for b in sampled]), rows)
+        tokens[s.to(tokens.device)] = drawn.to(tokens.device)
+    return tokens
 
 
 # ---- Gumbel-max with noise fixed by (seed, position) ----
-
-M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     """uint64 -> uint64, a bijection that mixes every bit (SplitMix64's finaliser; numpy wraps)."""

@@ -1,5 +1,5 @@
 """A transformers causal LM (LlamaForCausalLM, GPT2LMHeadModel, ...) behind specdec's model
-interface (see lm.py), so it can serve as target or draft model, at any batch size.
+interface (see interface.py), so it can serve as target or draft model, at any batch size.
 
 Each row has its own transformers `DynamicCache`, since one holds a single length for all its
 rows while a batch's rows commit different numbers of tokens; rollback crops a row's cache. With a

@@ -6,13 +6,17 @@ layer outputs, draft vocabularies, batching, fixed when the model is loaded or w
 `lengths` (B,) on the model's device, the same on the host as `held` (list) with `longest`, and
 `rollback(lengths)`, and `model(tokens, positions=, cache=, logits_index=)`
 returning `.logits` and `.hidden` (final hidden states). transformers causal LMs are admitted
-through `hf_adapter.HFCausalLM`; anything else is refused with a clear error.
+through `hf_adapter.HFCausalLM`; anything else is refused with a clear error. A model is admitted
+once, when it is loaded (`admit`): the `Admitted` handle carries it with its device, dtype, context
+and abilities to the engine and the request path.
 
 This module knows nothing about drafting, verification or stopping.
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +49,27 @@ def causal_lm(model, role: str = "model"):
     raise SpecdecError(
         f"the {role} ({type(model).__name__}) is not a causal language model: pass specdec's "
         "LlamaForCausalLM or a transformers decoder-only *ForCausalLM / *LMHeadModel")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A causal LM admitted once (`admit`, at load): the model as the engine calls it and the facts
+    the request path needs, fixed then, so that nobody asks the model again."""
+    lm: Any                 # specdec's LlamaForCausalLM, or a transformers model behind HFCausalLM
+    device: torch.device    # where it computes and what the engine creates goes
+    dtype: torch.dtype      # its compute dtype
+    context: int            # the longest sequence it can hold (config.max_position_embeddings)
+    abilities: Abilities    # trees, layers, draft vocabularies, batching, and its backend (kernels or not)
+
+
+def admit(model, role: str = "model") -> Admitted:
+    """`model` admitted as a causal LM (`causal_lm`) with its placement, context and abilities, once;
+    an Admitted is returned as it is."""
+    if isinstance(model, Admitted):
+        return model
+    lm = causal_lm(model, role)
+    device, dtype = placement(lm)
+    return Admitted(lm, device, dtype, context_length(lm), lm.abilities)
 
 
 NO_ABILITIES = Abilities(trees=False, layers=False, draft_vocab=False, batch=False, backend="none")

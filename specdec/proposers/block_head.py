@@ -48,7 +48,7 @@ from ..lm.checkpoint import read_config
 from ..lm.model import DecoderLayer, Linear, RMSNorm, StackedLayers, Window
 from .eagle_head import check_head_fits as check_eagle_head_fits
 from .eagle_head import check_layer_ids
-from .heads import check_trained_for, loaded_head, read_head_meta, read_head_state, write_head_folder
+from .heads import HeadFolder, check_head_target, load_head, read_head_meta, write_head_folder
 
 KIND = "block"
 
@@ -182,27 +182,30 @@ def read_block_meta(path: str | Path) -> dict:
         "heads: --draft mtp)")
 
 
-def check_block_target(path: str | Path, target: str | Path) -> dict:
-    """The metadata of the head in `path`, refused unless it was trained for the target checkpoint
-    folder `target` (its layers, the sha256 of its model.safetensors); no weight is read."""
-    meta = read_block_meta(path)
+def build_block(meta: dict, state: dict) -> BlockHead:
+    return BlockHead(Arch.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"], meta["block"],
+                     meta["num_layers"], meta["attention"] == "causal")
+
+
+def target_has_layers(meta: dict, target: str | Path) -> None:
+    """The target folder's model has every decoder layer the head reads."""
     check_layers(meta["layer_ids"], read_config(target).get("num_hidden_layers", 0), target)
-    check_trained_for(Path(path), target, meta, "the block head in {path} belongs", "train a head for this target "
-                      "(specdec train --objective block --target ...), or pass the target it was trained for")
-    return meta
+
+
+BLOCK_FOLDER = HeadFolder(read_block_meta, "the block head in {path} belongs",
+                          "train a head for this target (specdec train --objective block --target ...), or pass the "
+                          "target it was trained for", "retrain the head", build_block, target_has_layers)
+
+
+def check_block_target(path: str | Path, target: str | Path) -> dict:
+    """A block head's metadata, checked against the target folder (heads.check_head_target)."""
+    return check_head_target(BLOCK_FOLDER, path, target)
 
 
 def load_block(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> BlockHead:
-    """Load the head in `path` for the target checkpoint folder `target`; refuse a head trained for
-    any other target (compared by the sha256 of its model.safetensors)."""
-    path = Path(path)
-    meta = check_block_target(path, target)
-    state = read_head_state(path, "retrain the head")
-    config = Arch.from_dict(meta["target_config"])
-    head = BlockHead(config, meta["layer_ids"], state["draft_ids"], meta["block"], meta["num_layers"],
-                     meta["attention"] == "causal")
-    return loaded_head(head, state, path, meta, dtype, device)
+    """A block head loaded for the target folder (heads.load_head)."""
+    return load_head(BLOCK_FOLDER, path, target, dtype, device)
 
 
 def check_layers(layer_ids, layers: int, target) -> None:

@@ -7,7 +7,7 @@ the newest one); a proposal feeds the pending tokens and then its own drafts 1..
 verification the cache is rolled back to the committed part, keeping the accepted drafts.
 
 Works with specdec's LlamaForCausalLM at any batch size and with a transformers causal LM at
-batch size 1 (see lm.py). It needs the target's token ids (same tokenizer); the engine checks
+batch size 1 (see lm/interface.py). It needs the target's token ids (same tokenizer); the engine checks
 the vocabulary sizes agree.
 """
 from __future__ import annotations

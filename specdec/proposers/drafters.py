@@ -8,8 +8,9 @@ proposer of it with the options a caller gives (`DraftOptions`). The command lin
 check, bench), the API and the benchmark all call `build_drafter`; `build_proposer` makes one from
 networks already in hand.
 
-A target is a loaded checkpoint: anything with `model` (a causal LM, lm/interface.py), `path` (its
-checkpoint folder) and `tokenizer` (api.Loaded).
+A target is a loaded checkpoint: anything with `model` (a causal LM), `lm` (it admitted:
+lm/interface.Admitted, its device, dtype and abilities), `path` (its checkpoint folder) and
+`tokenizer` (api.Loaded).
 
 Dispatch happens once, here; the engine only ever calls the protocol's methods. This module knows
 nothing about the command line, benchmarks or serving.
@@ -21,22 +22,23 @@ from pathlib import Path
 
 from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
+from ..kernels.blocks import blocking_error
 from ..lm import gguf, packaged
 from ..lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_config, read_meta, sha256
-from ..lm.device import placement
 from ..lm.gguf_blocks import store_gguf_matrices
-from ..lm.interface import abilities
-from ..lm.model import Linear
+from ..lm.model import Linear, LlamaForCausalLM
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
-from .block_head import check_block_target, load_block
+from .block_head import BLOCK_FOLDER
 from .draft_model import DraftModelProposer
 from .eagle import EagleProposer
-from .eagle_head import check_eagle_target, load_eagle
-from .heads import check_heads_target, load_heads
+from .eagle_head import EAGLE_FOLDER
+from .heads import MTP_FOLDER, check_head_target, load_head
 from .mtp import MTPProposer
 from .ngram import NgramProposer
 from .parallel import ParallelDraftProposer
+from .self_draft import FORMAT as SELF_FORMAT
+from .self_draft import HEAD_FORMAT as SELF_HEAD_FORMAT
 from .self_draft import SelfDraftProposer
 from .suffix import SuffixProposer
 
@@ -68,6 +70,8 @@ class Drafter:
     shipped: tuple[str, ...] = ()  # its folders under models/, one per target it was trained for (none: it reads no folder)
     what: str = ""              # how messages name it
     train: str = ""             # how to make one that fits
+    path_flag: str | None = None  # the command-line flag naming its folder (None: it reads no folder)
+    flags: tuple[str, ...] = ()   # the draft options it takes besides -k and --tree (DraftOptions' fields)
 
     def folder(self, path=None, target=None) -> Path | None:
         """The folder read: `path` (a packaged model's short name: its file, lm/packaged.py), else the
@@ -123,12 +127,16 @@ def draft_vocab(options: DraftOptions, token_counts) -> int | None:
 
 class DraftModel(Drafter):
     name, cls, shipped, what = "draft-model", DraftModelProposer, ("draft",), "draft model"
+    path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab", "--dynamic-tree")
     train = "train one with `specdec train --preset draft` (it must share the target's tokenizer)"
 
     def check(self, target, folder) -> None:
         super().check(target, folder)
         folder = gguf.folder(folder) if gguf.is_gguf(folder) else folder  # a .gguf: its converted checkpoint
         read_config(folder)  # a checkpoint folder (not a heads folder, not nothing)
+        self.check_tokenizer(target, folder)
+
+    def check_tokenizer(self, target, folder) -> None:
         if Tokenizer.load(folder).tok.get_vocab() != target.tokenizer.tok.get_vocab():
             raise SpecdecError(f"the draft model {folder} uses another tokenizer than the target {target.path}; "
                                "a draft must share the target's tokenizer (train it with --tokenizer "
@@ -138,9 +146,8 @@ class DraftModel(Drafter):
         """The draft in the target's dtype and device; a .gguf draft of a target whose matrices run
         quantized runs its file's blocks as stored too (gguf_blocks)."""
         self.check(target, folder)
-        where = placement(target.model)
         path = gguf.folder(folder) if gguf.is_gguf(folder) else folder
-        model = load_model(path, dtype=where.dtype, device=where.device)
+        model = load_model(path, dtype=target.lm.dtype, device=target.lm.device)
         if gguf.is_gguf(folder) and any(isinstance(m, Linear) and m.stored is not None and m.stored.quantized
                                         for m in target.model.modules()):
             store_gguf_matrices(model, folder)
@@ -156,6 +163,7 @@ class DraftModel(Drafter):
 
 class ParallelDraft(DraftModel):
     name, cls, shipped, what = "parallel", ParallelDraftProposer, ("parallel-draft",), "parallel draft"
+    path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab")
     train = "train one with `specdec train --objective parallel --init-from DRAFT --teacher TARGET`"
 
     def check(self, target, folder) -> None:
@@ -171,7 +179,7 @@ class ParallelDraft(DraftModel):
             raise SpecdecError(f"the parallel draft {folder} was trained for another target (model.safetensors "
                                f"sha256 {parallel['target_sha256'][:12]}..., not {target.path}'s): train one for "
                                "this target")
-        DraftModel.check(self, target, folder)
+        self.check_tokenizer(target, folder)
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
         parallel = draft.meta["parallel"]
@@ -185,6 +193,7 @@ class ParallelDraft(DraftModel):
 
 class Ngram(Drafter):
     name, cls, what = "ngram", NgramProposer, "n-gram lookup"
+    flags = ("--ngram-max", "--ngram-min")
 
     def proposer(self, network, target, options) -> Proposer:
         sizes = {"max_n": options.ngram_max, "min_n": options.ngram_min}
@@ -202,8 +211,26 @@ class Suffix(Drafter):
 
 
 class SelfDraft(Drafter):
-    """The target's own weights, quantized, as its draft model: no folder, fits specdec's own target."""
+    """The target's own weights, quantized, as its draft model: no folder, fits specdec's own target
+    whose matrices cut into the quantized formats' blocks."""
     name, cls, what = "self", SelfDraftProposer, "self-draft"
+    flags = ("--draft-vocab", "--dynamic-tree")
+
+    def check(self, target, folder) -> None:
+        """specdec's own model, every matrix's rows (hidden size, attention output, intermediate
+        size) a whole number of quantization blocks: said from the config, before a weight is read."""
+        super().check(target, folder)
+        if not isinstance(target.model, LlamaForCausalLM):
+            raise SpecdecError(f"the self-draft quantizes specdec's own target, not {type(target.model).__name__}: "
+                               "load the checkpoint with specdec (api.load), or use another drafter")
+        cfg = target.model.config
+        for what, K in (("hidden size", cfg.hidden_size), ("attention width", cfg.num_attention_heads * cfg.head_dim),
+                        ("intermediate size", cfg.intermediate_size)):
+            for format in (SELF_FORMAT, SELF_HEAD_FORMAT):
+                why = blocking_error(format, K)
+                if why is not None:
+                    raise SpecdecError(f"the self-draft quantizes the target's matrices ({why}: its {what}); "
+                                       "this target needs another drafter")
 
     def proposer(self, network, target, options) -> Proposer:
         return SelfDraftProposer(target.model, draft_vocab=draft_vocab(options, target.token_counts),
@@ -213,20 +240,19 @@ class SelfDraft(Drafter):
 
 class Head(Drafter):
     """A head trained on one target's features: its folder names that target's hash."""
-    check_target = staticmethod(check_heads_target)  # the folder's metadata, checked against a target folder
-    read = staticmethod(load_heads)                    # the head, loaded for a target folder
+    path_flag, flags = "--heads", ("--heads", "--draft-vocab")
+    kind = MTP_FOLDER  # its folder's kind: read by the one head loader (heads.check_head_target, heads.load_head)
 
     def check(self, target, folder) -> None:
         super().check(target, folder)
-        if not abilities(target.model).layers:
+        if not target.lm.abilities.layers:
             raise SpecdecError(f"the {self.what} draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target.model).__name__}")
-        self.check_target(folder, target.path)
+        check_head_target(self.kind, folder, target.path)
 
     def network(self, target, folder):
         Drafter.check(self, target, folder)  # the loader checks the rest
-        where = placement(target.model)
-        return self.read(folder, target.path, dtype=where.dtype, device=where.device)
+        return load_head(self.kind, folder, target.path, dtype=target.lm.dtype, device=target.lm.device)
 
     def proposer(self, head, target, options) -> Proposer:
         return self.cls(head, target.model, draft_vocab(options, head.token_counts))
@@ -247,7 +273,7 @@ class MTP(Head):
 class Eagle(Head):
     name, cls, shipped, what = "eagle", EagleProposer, ("eagle", "smollm2-eagle3"), "EAGLE head"
     train = "train one with `specdec train --objective eagle --target TARGET`"
-    check_target, read = staticmethod(check_eagle_target), staticmethod(load_eagle)
+    kind = EAGLE_FOLDER
 
     def describe(self, head, proposer, options) -> dict:
         """Its own draft vocabulary, or the smaller one it drafts over."""
@@ -259,7 +285,7 @@ class Eagle(Head):
 class Block(Head):
     name, cls, shipped, what = "block", BlockProposer, ("block-head",), "block head"
     train = "train one with `specdec train --objective block --target TARGET`"
-    check_target, read = staticmethod(check_block_target), staticmethod(load_block)
+    kind = BLOCK_FOLDER
 
     def describe(self, head, proposer, options) -> dict:
         """It drafts over its own draft vocabulary."""
@@ -270,6 +296,15 @@ class Block(Head):
 DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),
                                                     Eagle(), Block(), SelfDraft())}
 PROPOSERS = {name: d.cls for name, d in DRAFTERS.items()}  # each drafter's proposer class
+
+
+def option_owners() -> dict[str, tuple[str, ...]]:
+    """Each command-line draft option and the drafters that take it (-k and --tree: every one)."""
+    owners = {"-k": tuple(DRAFTERS), "--tree": tuple(DRAFTERS)}
+    for d in DRAFTERS.values():
+        for flag in d.flags:
+            owners[flag] = owners.get(flag, ()) + (d.name,)
+    return owners
 
 
 def drafter(name: str) -> Drafter:

@@ -52,7 +52,7 @@ from ..lm.arch import Arch
 from ..lm.checkpoint import hf_config
 from ..lm.device import placement
 from ..lm.model import MLP, Attention, DecoderLayer, Linear, RMSNorm, Window, apply_rotary, rotary
-from .heads import check_trained_for, loaded_head, read_head_meta, read_head_state, write_head_folder
+from .heads import HeadFolder, check_head_target, load_head, read_head_meta, write_head_folder
 
 KIND = "eagle3"
 LAYOUTS = ("specdec", "eagle3")
@@ -259,25 +259,25 @@ def read_eagle_meta(path: str | Path) -> dict:
         f"not an EAGLE head ({KIND}); load it with the proposer made for that kind (MTP heads: --draft mtp)")
 
 
+def build_eagle(meta: dict, state: dict) -> EagleHead:
+    return EagleHead(Arch.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"],
+                     meta.get("layout", "specdec"))  # folders from before layouts: specdec's
+
+
+EAGLE_FOLDER = HeadFolder(read_eagle_meta, "the EAGLE head in {path} belongs",
+                          "train a head for this target (specdec train --objective eagle --target ...), or pass the "
+                          "target it was trained for", "retrain the head", build_eagle)
+
+
 def check_eagle_target(path: str | Path, target: str | Path) -> dict:
-    """The metadata of the head in `path`, refused unless it was trained for the target checkpoint
-    folder `target` (the sha256 of its model.safetensors); no weight is read."""
-    meta = read_eagle_meta(path)
-    check_trained_for(Path(path), target, meta, "the EAGLE head in {path} belongs", "train a head for this target "
-                      "(specdec train --objective eagle --target ...), or pass the target it was trained for")
-    return meta
+    """An EAGLE head's metadata, checked against the target folder (heads.check_head_target)."""
+    return check_head_target(EAGLE_FOLDER, path, target)
 
 
 def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> EagleHead:
-    """Load the head in `path` for the target checkpoint folder `target`; refuse a head trained for
-    any other target (compared by the sha256 of its model.safetensors)."""
-    path = Path(path)
-    meta = check_eagle_target(path, target)
-    state = read_head_state(path, "retrain the head")
-    head = EagleHead(Arch.from_dict(meta["target_config"]), meta["layer_ids"], state["draft_ids"],
-                     meta.get("layout", "specdec"))  # folders from before layouts: specdec's
-    return loaded_head(head, state, path, meta, dtype, device)
+    """An EAGLE head loaded for the target folder (heads.load_head)."""
+    return load_head(EAGLE_FOLDER, path, target, dtype, device)
 
 
 def check_head_fits(head, target, what: str = "EAGLE head", loader: str = "load_eagle") -> None:

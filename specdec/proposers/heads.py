@@ -25,6 +25,8 @@ This module knows nothing about losses, optimisers, drafting or verification.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -188,24 +190,55 @@ def read_heads_meta(path: str | Path) -> dict:
         f"not MTP heads ({', '.join(HEAD_KINDS)}); load it with the proposer made for that kind")
 
 
-def check_heads_target(path: str | Path, target: str | Path) -> dict:
-    """The metadata of the heads in `path`, refused unless they were trained for the target
-    checkpoint folder `target` (the sha256 of its model.safetensors); no weight is read."""
-    meta = read_heads_meta(path)
-    check_trained_for(Path(path), target, meta, "the MTP heads in {path} belong", "train heads for this target, or "
-                      "pass the target they were trained for")
+@dataclass(frozen=True)
+class HeadFolder:
+    """What tells one kind of head folder (MTP heads, an EAGLE head, a block head) from another;
+    reading any of them is `check_head_target` and `load_head`."""
+    read_meta: Callable[[str | Path], dict]        # its metadata, refused unless the folder is of this kind
+    belongs: str                                   # the subject of the other-target error, formatted with path
+    train: str                                     # what to do about a head of another target
+    retrain: str                                   # what to do about a corrupt weights file
+    build: Callable[[dict, dict], nn.Module]       # (metadata, tensors) -> the module its weights load into
+    check: Callable[[dict, str | Path], None] | None = None  # (metadata, target folder): what else must fit
+
+
+def check_head_target(kind: HeadFolder, path: str | Path, target: str | Path) -> dict:
+    """The metadata of the head folder `path`, refused unless it is of this kind and was trained for
+    the target checkpoint folder `target` (the sha256 of its model.safetensors); no weight is read."""
+    meta = kind.read_meta(path)
+    if kind.check is not None:
+        kind.check(meta, target)
+    check_trained_for(Path(path), target, meta, kind.belongs, kind.train)
     return meta
+
+
+def load_head(kind: HeadFolder, path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
+              device: str | torch.device = "cpu") -> nn.Module:
+    """Load the head in `path` for the target checkpoint folder `target` (check_head_target first)."""
+    path = Path(path)
+    meta = check_head_target(kind, path, target)
+    state = read_head_state(path, kind.retrain)
+    return loaded_head(kind.build(meta, state), state, path, meta, dtype, device)
+
+
+def build_from_meta(meta: dict, state: dict) -> MTPHeads:
+    return build_heads(meta["kind"], Arch.from_dict(meta["target_config"]), meta["depth"])
+
+
+MTP_FOLDER = HeadFolder(read_heads_meta, "the MTP heads in {path} belong",
+                        "train heads for this target, or pass the target they were trained for", "retrain the heads",
+                        build_from_meta)
+
+
+def check_heads_target(path: str | Path, target: str | Path) -> dict:
+    """MTP heads' metadata, checked against the target folder (check_head_target)."""
+    return check_head_target(MTP_FOLDER, path, target)
 
 
 def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> MTPHeads:
-    """Load the heads in `path` for the target checkpoint folder `target`; refuse heads trained
-    for any other target (check_heads_target)."""
-    path = Path(path)
-    meta = check_heads_target(path, target)
-    state = read_head_state(path, "retrain the heads")
-    heads = build_heads(meta["kind"], Arch.from_dict(meta["target_config"]), meta["depth"])
-    return loaded_head(heads, state, path, meta, dtype, device)
+    """MTP heads loaded for the target folder (load_head)."""
+    return load_head(MTP_FOLDER, path, target, dtype, device)
 
 
 # --- the folder of a drafter trained on a target: MTP heads here, an EAGLE head (eagle.py) ---

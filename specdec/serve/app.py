@@ -104,7 +104,7 @@ def create_app(service: Service, limits: Limits = Limits()):
 
 
 def add_error_handlers(app) -> None:
-    """Every error as the API's JSON error (errors.py): raised ones, malformed requests, unknown routes
+    """Every error as the API's JSON error (requests.APIError): raised ones, malformed requests, unknown routes
     and methods."""
     app.add_exception_handler(APIError, lambda request, e: error_response(e))
     app.add_exception_handler(RequestValidationError, lambda request, e: error_response(
@@ -160,7 +160,7 @@ async def run(service: Service, request: Request, parsed: Parsed, head: dict, ch
 
 
 def usage_of(job: Job, completion: int) -> dict:
-    prompt = len(job.ids) + bool(job.healed)
+    prompt = job.prompt.length
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

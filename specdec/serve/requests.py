@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .. import inputs
 from ..decoding.constraint import Constraint
+from ..decoding.pipeline import Options
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.chat import check_messages
@@ -65,6 +66,11 @@ class Params:
     special_tokens: bool = False  # the prompt's special-token text stands for the special tokens
     heal: bool = True             # a prompt ending in whitespace is token-healed
     constraint: Constraint | None = None  # response_format json_object / json_schema (structured output)
+
+    @property
+    def options(self) -> Options:
+        """The request's settings as the pipeline carries them to the engine (decoding/pipeline.py)."""
+        return Options(self.max_tokens, self.sampling, self.stop, self.special_tokens, self.heal)
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,14 @@ main thread has one (loading the model starts regions), and a second team on ano
 more OpenMP threads than cores, so libgomp stops spinning at barriers and sleeps instead: measured,
 a forward run from a second thread took 1.5 ms instead of 0.6 ms on 2 cores.
 
-A job's prompt is encoded as `specdec generate` encodes it, by the checkpoint's rules
-(decoding/prompts.py: its prefix, special-token text as text unless the request asks otherwise,
-chat messages through its chat template), and a prompt ending in whitespace is token-healed (its
-first token chosen on this thread, one target forward, then the rest decoded by the engine) unless
-the request says "heal": false; generation ends at the checkpoint's EOS ids. So greedy output over
-HTTP equals the command's. Encoding runs on a worker thread, never on
-the handlers' loop or the engine's thread, and is bounded: a prompt longer than the context times
-the longest token is refused without being encoded.
+A job takes the one request path (decoding/pipeline.py), as `specdec generate` and the API do:
+its prompt encoded by the checkpoint's rules (its prefix, special-token text as text unless the
+request asks otherwise, chat messages through its chat template), the one context rule, a prompt
+ending in whitespace token-healed (its first token chosen on this thread, one target forward)
+unless the request says "heal": false, its own stop rule and text stream. So greedy output over
+HTTP equals the command's. Encoding runs on a worker thread, never on the handlers' loop or the
+engine's thread, and is bounded: a prompt longer than the context times the longest token is
+refused without being encoded.
 
 Admission: at most max_batch + max_queue jobs are in the server at once (running, queued or being
 encoded); more get QueueFull (429).
@@ -32,14 +32,13 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..api import Loaded
 from ..decoding.constraint import Compiled, compile_constraint
 from ..decoding.engine import Engine, Request
-from ..decoding.healing import first_tokens
-from ..decoding.prompts import encode, stop_rule
-from ..decoding.text import TextStream
+from ..decoding.pipeline import prepare, requests
+from ..decoding.prompts import Prompt
 from ..errors import SpecdecError
 from ..lm.chat import has_template
 from .prometheus import Metrics
@@ -82,9 +81,7 @@ def merged(events: list[Event]) -> Event:
 @dataclass(eq=False)
 class Job:
     params: Params
-    ids: list[int] = field(default_factory=list)  # the prompt's ids (prompts.Prompt: the last backed off when healing)
-    healed: str = ""               # text the first token must start with ("" = no healing)
-    stop: tuple[str, ...] = ()     # stop strings the prompt brings (a chat template's end of turn)
+    prompt: Prompt | None = None   # the encoded prompt (its last token backed off when healing)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
     constraint: Compiled | None = None  # response_format, compiled against the target's tokenizer
@@ -108,10 +105,11 @@ class Job:
 class Service:
     def __init__(self, target: Loaded, proposer, k: int | str, method: str, capacity: int = 16, max_queue: int = 64,
                  name: str | None = None, widths: tuple[int, ...] | None = None):
+        """proposer None (k = 0): plain decoding."""
         self.target, self.method, self.k = target, method, k
         self.name = name or target.path.name
-        self.context = target.model.config.max_position_embeddings
-        self.engine = Engine(target.model, proposer, k, capacity, self.context, widths=widths)
+        self.context = target.lm.context
+        self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths)
         self.capacity, self.max_queue = capacity, max_queue
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
@@ -150,22 +148,15 @@ class Service:
         return job
 
     def encode(self, job: Job) -> None:
-        """The job's prompt ids and healed text (a worker thread), refused when prompt + max_tokens
-        exceed the context."""
+        """The job's prompt (a worker thread; decoding/pipeline.py), refused when it and max_tokens do
+        not fit the context."""
         p = job.params
-        if p.messages is not None:
-            prompt = encode(self.target.tokenizer, messages=list(p.messages))
-        else:
-            if len(p.prompt) > self.max_prompt_chars:
-                raise SpecdecError(f"the prompt has {len(p.prompt)} characters, more than the model's context of "
-                                   f"{self.context} tokens can hold. Shorten the prompt")
-            with self.encoding:
-                prompt = encode(self.target.tokenizer, p.prompt, special_tokens=p.special_tokens, heal=p.heal)
-        if prompt.length + p.max_tokens > self.context:
-            raise SpecdecError(f"the prompt has {prompt.length} tokens and max_tokens is {p.max_tokens}: "
-                               f"{prompt.length + p.max_tokens} tokens exceed the model's context of {self.context}. "
-                               "Shorten the prompt or lower max_tokens")
-        job.ids, job.healed, job.stop = prompt.ids, prompt.healed, prompt.stop
+        if p.messages is None and len(p.prompt) > self.max_prompt_chars:
+            raise SpecdecError(f"the prompt has {len(p.prompt)} characters, more than the model's context of "
+                               f"{self.context} tokens can hold. Shorten the prompt")
+        with self.encoding:
+            job.prompt = prepare(self.target.tokenizer, self.context, p.options, p.prompt,
+                                 None if p.messages is None else list(p.messages), budget="max_tokens")
         if p.constraint is not None:
             try:
                 job.constraint = compile_constraint(p.constraint, self.target.tokenizer,
@@ -177,7 +168,7 @@ class Service:
         """Hand an encoded job to the engine (handlers' loop)."""
         if self.closing:
             raise Closing("the server is shutting down; retry on another instance")
-        self.prompt_tokens += len(job.ids) + bool(job.healed)
+        self.prompt_tokens += job.prompt.length
         with self.wake:
             self.intake.append(job)
             self.wake.notify()
@@ -241,34 +232,22 @@ class Service:
             self.loop.call_soon_threadsafe(_deliver, batch)
 
     def _admit(self, job: Job) -> None:
-        """Heal the prompt when needed (its first token, emitted at once), then queue the request."""
+        """The job's request through the pipeline (healing: its first token, emitted at once), queued
+        for the engine."""
         p = job.params
-        generator = p.sampling.generator(self.engine.device)
-        tokenizer = self.target.tokenizer
-        skip = len(job.healed)
-        stop = p.stop + job.stop
-        rule = stop_rule(tokenizer, p.max_tokens, stop, skip)
-        stream = TextStream(tokenizer.decode, stop, skip)
 
-        def on_tokens(request: Request, tokens: list[int], drafted: int) -> None:
+        def on_text(request: Request, pieces: list[tuple[str, str]], tokens: list[int]) -> None:
             if job.ended:
                 return
-            row = request.row
-            final = row.text() if row.done else None
-            reason = row.finish_reason or ("error" if self.failure else None)
+            reason = request.row.finish_reason or ("error" if self.failure else None)
             job.ended = reason is not None
-            self.outbox.append((job, Event(stream.add(tokens, drafted, final), tokens, reason, request.steps,
-                                           request.proposed, request.accepted)))
+            self.outbox.append((job, Event(pieces, tokens, reason, request.steps, request.proposed,
+                                           request.accepted)))
 
-        ids = job.ids
-        first = None
-        if job.healed and p.max_tokens > 0:
-            first = first_tokens(self.target.model, tokenizer, [ids], [job.healed], p.sampling, generator)[0]
-            ids = ids + [first]
-        job.request = Request(ids, rule, p.sampling, generator, on_tokens, job.constraint, cancelled=job.cancelled)
-        if first is not None:
-            job.request.row.append(first)  # healing chose it: the row's first token, from the target
-            on_tokens(job.request, [first], 0)
+        options = replace(p.options, constraint=job.constraint)
+        [job.request] = requests(self.target.lm, self.target.tokenizer, [job.prompt], [options],
+                                 [options.sampling.generator(self.target.lm.device)], [on_text])
+        job.request.cancelled = job.cancelled
         self.engine.submit(job.request)
 
     def begin_close(self, timeout: float) -> None:

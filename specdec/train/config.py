@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import SpecdecError
+from ..lm import gguf
 from ..lm.arch import Arch
 from ..lm.checkpoint import TOKENIZER, read_config
 from .objectives import NextToken, Objective
@@ -66,6 +67,16 @@ class TrainConfig:
     def recipe(self) -> dict:
         """The settings as plain data (the objective as its name and settings), as saved with a run."""
         return {**asdict(self), "objective": {"name": self.objective.name, **asdict(self.objective)}}
+
+
+def gguf_converted(init_from: str | None, objective: Objective) -> tuple[str | None, Objective]:
+    """--init-from and the objective's models (frozen trunk, teacher, target) with each .gguf file
+    replaced by its converted checkpoint folder (lm/gguf.py: converted once, then reused)."""
+    def folder(path):
+        return str(gguf.folder(path)) if path and gguf.is_gguf(path) else path
+    models = {f.name: folder(getattr(objective, f.name)) for f in dataclasses.fields(objective)
+              if f.name in ("frozen_trunk", "teacher", "target")}
+    return folder(init_from), dataclasses.replace(objective, **models)
 
 
 def prepared(cfg: TrainConfig) -> TrainConfig:

@@ -76,6 +76,12 @@ class Where:
     rank: int
     micro: int
 
+    def anchors(self) -> torch.Generator:
+        """The generator of this micro-batch's random anchors, its seed one number per (seed, step,
+        rank, micro-batch): distinct for steps below 1,000,003 and ranks and micro-batches below 1009."""
+        return torch.Generator().manual_seed(((self.seed * 1_000_003 + self.step) * 1009 + self.rank) * 1009
+                                             + self.micro)
+
 
 class Objective:
     name: ClassVar[str]
@@ -343,8 +349,7 @@ class Parallel(PerPosition):
 
     def layout(self, seq_len: int, at: Where, device) -> BlockLayout:
         """The training layout of a micro-batch: random anchors, a pure function of where it stands."""
-        generator = torch.Generator().manual_seed(at.seed * 1_000_003 + at.step * 1_009 + at.rank * 1_000 + at.micro)
-        return block_layout(seq_len, random_anchors(seq_len, self.block, self.anchors, generator, device), self.block)
+        return block_layout(seq_len, random_anchors(seq_len, self.block, self.anchors, at.anchors(), device), self.block)
 
     def backward(self, nets, batch, scale, cfg, at):
         return parallel_backward(nets.model, nets.teacher, batch, self.layout(cfg.seq_len, at, batch.device),
@@ -386,7 +391,7 @@ class TargetHead(PerPosition):
     """A head trained on a frozen target's features (its settings `target` and `layers`) over a draft
     vocabulary of the `draft_vocab` ids most frequent in the training tokens."""
     evaluates_start: ClassVar[bool] = True
-    frozen_tokenizer: ClassVar[tuple[str, str]] = ("the EAGLE head must use the target's tokenizer",
+    frozen_tokenizer: ClassVar[tuple[str, str]] = ("a head drafting for a target must use the target's tokenizer",
                                                    "the target's tokenizer")
 
     @property
@@ -520,8 +525,7 @@ class Block(TargetHead):
 
     def backward(self, nets, batch, scale, cfg, at):
         # the anchors, like the batches, a pure function of (seed, step, rank, micro-batch)
-        anchors = torch.Generator().manual_seed(((at.seed * 1_000_003 + at.step) * 1009 + at.rank) * 1009 + at.micro)
-        return block_backward(nets.model, nets.heads, batch, self.anchors, scale, anchors)
+        return block_backward(nets.model, nets.heads, batch, self.anchors, scale, at.anchors())
 
     def metrics(self, nets, batch, seq_len, anchors):
         return block_metrics(nets.model, nets.heads, batch, BLOCK_EVAL_ANCHORS, anchors)

@@ -12,7 +12,7 @@ Prompts, both made here and deterministic:
 
 Each prompt is answered greedily and at temperature `temperature` (seeded, so the answer depends
 only on the seed, the prompt and the target) by specdec's batched plain decoding
-(decoding/decode.plain_generate). Each answer is one jsonl line {"text": prompt text + answer
+(decoding/engine.plain_generate). Each answer is one jsonl line {"text": prompt text + answer
 text, "kind", "temperature", "answer_tokens", "batch"}: the "text" field is what `specdec train --corpus`
 reads (corpus.py). The file is appended one batch at a time and a rerun resumes after its last
 complete batch, so an interrupted generation loses at most one batch.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.decode import plain_generate
+from ..decoding.engine import plain_generate
 from ..decoding.prompts import Prompt as Encoded
 from ..decoding.prompts import encode, stop_rule
 from ..decoding.sampling import SamplingConfig
