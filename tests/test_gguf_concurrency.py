@@ -81,7 +81,7 @@ def test_concurrent_first_uses_all_get_the_one_finished_folder(gguf_file, refere
     assert len(folders) == 1
     folder = Path(folders.pop())
     assert same(contents(folder), reference)
-    assert sum("converting tiny.gguf" in err for _, err in results) == 1  # converted once, the others waited
+    assert sum("converting tiny.gguf to a checkpoint folder" in err for _, err in results) == 1  # once; others waited
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no lock, copy or leftover beside it
 
 
@@ -140,4 +140,4 @@ def test_threads_of_one_process_share_the_lock_as_processes_do(gguf_file, refere
     with ThreadPoolExecutor(PROCESSES) as pool:
         folders = set(pool.map(lambda _: first_use(), range(PROCESSES)))
     assert len(folders) == 1 and same(contents(folders.pop()), reference)
-    assert capsys.readouterr().err.count("converting tiny.gguf") == 1
+    assert capsys.readouterr().err.count("converting tiny.gguf to a checkpoint folder") == 1
