@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.decoding.costmodel import expected_tokens_iid
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
@@ -23,6 +24,7 @@ from specdec.proposers.eagle_head import load_eagle, read_eagle_meta
 from specdec.train import longrun
 from specdec.train.longrun import EVAL_KINDS, LongRun, acceptance, curve, encoded, heldout_groups, prompt_seed
 from specdec.train.losses import eagle_metrics
+from specdec.train.plots import plot_learning_curve
 from specdec.train.prompt_pool import HELD_OUT_PERCENT, PoolPrompt, held_out
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,12 +100,24 @@ def test_a_run_trains_resumes_and_snapshots(chat_target, tmp_path):
     assert [p["tokens_seen"] for p in curve(out)][:2] == [1_024_000, first.tokens_seen]
     assert curve(out)[-1]["step"] == second.step
 
+    text = longrun.table(curve(out))  # the docs' table and plot
+    assert text.count("\n") == 1 + len(curve(out)) and "| 1.02M | 0 |" in text
+    plot_learning_curve(curve(out), tmp_path / "curve.png", "test", longrun.break_even())
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+
     dest = longrun.snapshot(out, tmp_path / "heads", config(chat_target, 1_024_300, 1_024_600), "test")
     meta = read_eagle_meta(dest)
     assert (meta["tokens_seen"], meta["steps"], meta["heldout"]["latest"]["step"]) == (
         second.tokens_seen, second.step, second.step)
     head = load_eagle(dest, chat_target)
     assert head.token_counts.sum() > 0 and meta["data"]["shards"] == len(list((out / "shards").glob("*.json")))
+
+
+def test_break_even_alpha_is_the_cost_models():
+    # at the break-even α, E(α, k) equals the cost of a step in target forwards: k draft steps and the verify
+    for name, alpha in longrun.break_even(0.1, {2: 1.05, 5: 1.2}).items():
+        k = int(name[2:])
+        assert expected_tokens_iid(alpha, k) == pytest.approx(k * 0.1 + {1: 1.05, 4: 1.2}[k])
 
 
 def test_heldout_greedy_alpha_is_eagle_metrics_alpha(chat_target, tmp_path):

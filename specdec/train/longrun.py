@@ -515,6 +515,30 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
     return save_eagle(head, dest, target_sha, meta=meta)
 
 
+# the cost model's SmolLM2 figures on this project's CPU (docs/methods/eagle.md): one draft step of the head
+# costs 0.12 of a target forward; verifying 2 and 5 tokens costs 1.04 and 1.15 single-token forwards
+DRAFT_COST, VERIFY_RATIO = 0.12, {2: 1.04, 5: 1.15}
+
+
+def break_even(draft_cost: float = DRAFT_COST, verify_ratio: dict[int, float] = VERIFY_RATIO) -> dict[str, float]:
+    """The i.i.d. α below which a chain of k drafts loses (costmodel.break_even_alpha), for each
+    k + 1 of `verify_ratio` (t_verify(k+1) / t(1)) with `draft_cost` per draft step."""
+    from ..decoding.costmodel import break_even_alpha
+    return {f"k={n - 1}": break_even_alpha(n - 1, (n - 1) * draft_cost + ratio) for n, ratio in verify_ratio.items()}
+
+
+def table(points: list[dict]) -> str:
+    """The curve as a markdown table: tokens seen, steps, then α_1..α_4 of each evaluation group."""
+    names = list(points[0]["groups"])
+    lines = ["| tokens seen | steps | " + " | ".join(f"{n} α_1..α_4" for n in names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for p in points:
+        cells = [" ".join(f"{a:.2f}" for a in p["groups"][n]["greedy_alpha" if "T=0" in n else "t1_alpha"])
+                 for n in names]
+        lines.append(f"| {p['tokens_seen'] / 1e6:.2f}M | {p['step']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """python -m specdec.train.longrun {run,snapshot} [--preset NAME] [--out DIR] [--to DIR]"""
     import argparse
@@ -526,6 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="smollm2-eagle3", choices=list(LONG_RUNS))
     parser.add_argument("--out", help="the run folder (default: runs/longrun-PRESET under the repository)")
     parser.add_argument("--to", help="snapshot: the head folder written (default: the preset's init folder)")
+    parser.add_argument("--plot", help="curve: draw the learning curve into this .png as well")
     args = parser.parse_args(argv)
     cfg, default_out = long_run(args.preset)
     out = Path(args.out or default_out)
@@ -537,7 +562,15 @@ def main(argv: list[str] | None = None) -> None:
             dest = snapshot(out, args.to or cfg.init, cfg, f"python -m specdec.train.longrun run --preset {args.preset}")
             print(f"the head of {out} written to {dest}")
         else:
-            print("\n".join(json.dumps(p) for p in curve(out)))
+            points = curve(out)
+            if not points:
+                raise SpecdecError(f"{out} has no evaluation point yet (curve.jsonl); let the run reach its first one")
+            lines = break_even()
+            print(table(points) + "\n\nbreak-even α (cost model): " + ", ".join(
+                f"{k} {a:.2f}" for k, a in lines.items()))
+            if args.plot:
+                from .plots import plot_learning_curve
+                plot_learning_curve(points, Path(args.plot), f"{args.preset}: held-out α against tokens seen", lines)
     except SpecdecError as e:
         sys.exit(f"specdec: {e}")
 
