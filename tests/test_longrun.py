@@ -7,8 +7,11 @@ one losses.eagle_metrics computes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from specdec.decoding.costmodel import expected_tokens_iid
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
+from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model
 from specdec.lm.tokenizer import Tokenizer
 from specdec.proposers.eagle_head import load_eagle, read_eagle_meta
@@ -100,6 +104,9 @@ def test_a_run_trains_resumes_and_snapshots(chat_target, tmp_path):
     assert [p["tokens_seen"] for p in curve(out)][:2] == [1_024_000, first.tokens_seen]
     assert curve(out)[-1]["step"] == second.step
 
+    with pytest.raises(SpecdecError, match="other held-out settings"):  # one held-out set per curve
+        longrun.run(out, dataclasses.replace(config(chat_target, 1_024_600), heldout_prompts=1), log=lambda line: None)
+
     text = longrun.table(curve(out))  # the docs' table and plot
     assert text.count("\n") == 1 + len(curve(out)) and "| 1.02M | 0 |" in text
     plot_learning_curve(curve(out), tmp_path / "curve.png", "test", longrun.break_even())
@@ -111,6 +118,22 @@ def test_a_run_trains_resumes_and_snapshots(chat_target, tmp_path):
         second.tokens_seen, second.step, second.step)
     head = load_eagle(dest, chat_target)
     assert head.token_counts.sum() > 0 and meta["data"]["shards"] == len(list((out / "shards").glob("*.json")))
+
+
+def test_sigterm_stops_after_the_step_under_way_with_the_state_saved(chat_target, tmp_path):
+    out = tmp_path / "run"
+    write_prompts(out)
+
+    def log(line: str) -> None:  # the signal arrives while step 10 is logged
+        if line.startswith("step 10:"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = longrun.run(out, config(chat_target, 2_000_000), log=log)
+    assert stopped.step == 10
+    saved = json.loads((out / "state" / "state.json").read_text())["progress"]
+    assert (saved["step"], saved["tokens_seen"]) == (10, 1_024_000 + 10 * 64)
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler given back
 
 
 def test_break_even_alpha_is_the_cost_models():

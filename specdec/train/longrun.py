@@ -61,7 +61,7 @@ class LongRun:
     init: str                            # the committed head folder the run starts from
     target: str | None = None            # the target checkpoint folder (None: specdec's default target)
     seed: int = 0                        # the prompt order and the training windows
-    shard_prompts: int = 96              # prompts per data shard (each answered greedily and sampled)
+    shard_prompts: int = 48              # prompts per data shard (each answered greedily and sampled)
     capacity: int = 32                   # rows the engine decodes together
     max_new_tokens: int = 256            # per answer
     temperature: float = 0.8             # the sampled answer's
@@ -76,7 +76,7 @@ class LongRun:
     grad_clip: float = 1.0
     decay: float = 0.8                   # draft step j's loss weight is decay^j
     steps: int = 4                       # draft steps unrolled in training and evaluated
-    heldout_prompts: int = 12            # held-out prompts per group of EVAL_KINDS
+    heldout_prompts: int = 32            # held-out prompts per group of EVAL_KINDS
     heldout_new_tokens: int = 192
     eval_at: tuple[int, ...] = (300_000, 500_000, 750_000, 1_000_000, 1_500_000, 2_000_000, 3_000_000,
                                 5_000_000, 7_500_000, 10_000_000)  # tokens seen (the init head's included)
@@ -200,15 +200,23 @@ def windows(tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int) 
 # --- held-out evaluation ------------------------------------------------------------------------
 
 def heldout_rows(out: Path, model, tokenizer: Tokenizer, held: list[PoolPrompt], cfg: LongRun) -> list[dict]:
-    """The held-out answers (heldout/answers.jsonl, made once): for each group of EVAL_KINDS, its first
-    `heldout_prompts` held-out prompts of that kind answered at that temperature."""
-    path = out / "heldout" / "answers.jsonl"
+    """The held-out answers (heldout/answers.jsonl, made once, with the settings they were made with
+    beside them): for each group of EVAL_KINDS, its first `heldout_prompts` held-out prompts of that
+    kind answered at that temperature. Answers made with other settings are refused: the curve's
+    points must be measured on one set."""
+    path, about = out / "heldout" / "answers.jsonl", out / "heldout" / "answers.json"
+    settings = {"heldout_prompts": cfg.heldout_prompts, "heldout_new_tokens": cfg.heldout_new_tokens,
+                "quantize": cfg.quantize, "seed": cfg.seed, "kinds": [list(k) for k in EVAL_KINDS]}
+    if path.exists() and (not about.exists() or json.loads(about.read_text()) != settings):
+        raise SpecdecError(f"{path} was answered with other held-out settings than {settings}; the curve's points "
+                           "must share one held-out set: keep the run's settings, or start another --out")
     if not path.exists():
         rows = []
         for kind, temperature in EVAL_KINDS:
             picked = [p for p in held if p.kind == kind][:cfg.heldout_prompts]
             rows += answer_all(model, tokenizer, picked, (temperature,), cfg, cfg.heldout_new_tokens)[0]
         path.parent.mkdir(parents=True, exist_ok=True)
+        about.write_text(json.dumps(settings))
         tmp = path.with_suffix(".tmp")
         tmp.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         os.replace(tmp, path)
@@ -224,20 +232,14 @@ class HeldOut:
 
 @torch.no_grad()
 def heldout_groups(target, head: EagleHead, rows: list[dict], cfg: LongRun, eos: int) -> list[HeldOut]:
-    """The held-out answers cut into windows of seq_len + 1 (each answer from its prompt's start; the
-    last window of an answer overlaps the one before it), by group, with the target's features
+    """The held-out answers of each group, one after another with their EOS (as training reads its
+    shards), cut into windows of seq_len + 1 that share their edge tokens, with the target's features
     and probabilities over the draft vocabulary computed once (the target is frozen)."""
     groups = []
     for kind, temperature in EVAL_KINDS:
-        cut = []
-        for r in rows:
-            if r["kind"] == kind and r["temperature"] == temperature:
-                ids = r["ids"] if r["ids"][-1] == eos else [*r["ids"], eos]
-                n = cfg.seq_len + 1
-                cut += [ids[i:i + n] for i in range(0, max(1, len(ids) - n + 1), cfg.seq_len)]
-                if len(ids) > n and (len(ids) - n) % cfg.seq_len:
-                    cut.append(ids[-n:])
-        cut = [w for w in cut if len(w) == cfg.seq_len + 1]
+        stream = documents([r for r in rows if r["kind"] == kind and r["temperature"] == temperature], eos).tolist()
+        n = cfg.seq_len + 1
+        cut = [stream[i:i + n] for i in range(0, len(stream) - n + 1, cfg.seq_len)]
         batches = []
         for i in range(0, len(cut), 8):
             batch = torch.tensor(cut[i:i + 8])                                    # (B, S+1)
