@@ -243,9 +243,8 @@ def heldout_groups(target, head: EagleHead, rows: list[dict], cfg: LongRun, eos:
         batches = []
         for i in range(0, len(cut), 8):
             batch = torch.tensor(cut[i:i + 8])                                    # (B, S+1)
-            targets = eagle_targets(target, head, batch, cfg.steps)
-            logits = target(batch[:, :-1]).logits.float()                          # (B, S, V)
-            batches.append((batch, targets, F.softmax(logits, -1)[..., head.draft_ids]))
+            targets, logits = eagle_targets(target, head, batch, cfg.steps, with_logits=True)  # logits (B, S, V)
+            batches.append((batch, targets, F.softmax(logits.float(), -1)[..., head.draft_ids]))
         groups.append(HeldOut(f"{kind} T={temperature:g}", batches))
     return groups
 
