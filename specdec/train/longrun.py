@@ -502,7 +502,8 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
                           f"{cfg.steps} draft steps on its own outputs (training-time test), step j weighted "
                           f"{cfg.decay}^j"),
             "tokens_seen": progress.tokens_seen, "steps": progress.step, "init_tokens_seen": progress.init_tokens,
-            "training_seconds": round(progress.seconds, 1),
+            "training_seconds": round(float(init_meta.get("training_seconds") or 0) + progress.seconds, 1),
+            "longrun_seconds": round(progress.seconds, 1),
             "data": {"recipe": "longrun.py: prompt_pool.py prompts answered greedily and at T="
                                f"{cfg.temperature:g} by the engine on the {cfg.quantize or 'unquantized'} target",
                      "shards": data.shards, "answer_tokens": data.generated(), "pool_tokens": int(len(data.tokens))},
