@@ -34,7 +34,8 @@ from specdec.train.prompt_pool import HELD_OUT_PERCENT, PoolPrompt, held_out
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
-CODE = ["def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"", "def first(items):\n    \"\"\"The first item.\"\"\"",
+CODE = ["def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"",
+        "def first(items):\n    \"\"\"The first item.\"\"\"",
         "def mean(xs):\n    \"\"\"The mean of xs.\"\"\"", "def squares(n):\n    \"\"\"The first n squares.\"\"\""]
 CHAT = ["Explain recursion.", "Write a poem about bridges.", "List three facts about the moon.", "What is JSON?"]
 
@@ -58,7 +59,8 @@ def write_prompts(out: Path) -> None:
     """A small prompt list in the run folder, as `prompt_file` keeps the pool's."""
     out.mkdir(parents=True, exist_ok=True)
     train = [PoolPrompt(k, t) for pair in zip(CODE, CHAT) for k, t in zip(("code", "chat"), pair)]
-    held = [PoolPrompt("code", "def last(items):\n    \"\"\"The last item.\"\"\""), PoolPrompt("chat", "What is a map?")]
+    held = [PoolPrompt("code", "def last(items):\n    \"\"\"The last item.\"\"\""),
+            PoolPrompt("chat", "What is a map?")]
     (out / "prompts.json").write_text(json.dumps({"seed": 0, "train": [p.__dict__ for p in train],
                                                   "heldout": [p.__dict__ for p in held]}))
 

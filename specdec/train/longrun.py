@@ -156,7 +156,8 @@ def write_shard(out: Path, index: int, rows: list[dict], seconds: float, eos: in
                           (".npy", lambda f: np.save(f, tokens)),
                           (".json", lambda f: f.write(json.dumps({
                               "answers": len(rows), "generated_tokens": generated, "tokens": int(len(tokens)),
-                              "seconds": round(seconds, 1), "generated_tokens_per_second": round(generated / seconds, 1),
+                              "seconds": round(seconds, 1),
+                              "generated_tokens_per_second": round(generated / seconds, 1),
                               "load_average_1min": load}).encode()))):
         tmp = stem.with_suffix(suffix + ".tmp")
         with tmp.open("wb") as f:
@@ -561,7 +562,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.action == "run":
             run(out, cfg, log=lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
         elif args.action == "snapshot":
-            dest = snapshot(out, args.to or cfg.init, cfg, f"python -m specdec.train.longrun run --preset {args.preset}")
+            command = f"python -m specdec.train.longrun run --preset {args.preset}"
+            dest = snapshot(out, args.to or cfg.init, cfg, command)
             print(f"the head of {out} written to {dest}")
         else:
             points = curve(out)
