@@ -399,7 +399,8 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
     interrupt = Interrupt()
     saved, t_last = time.time(), time.time()
     while not interrupt.received and progress.tokens_seen < cfg.eval_at[-1]:
-        if not data.shards or progress.tokens_seen - progress.init_tokens >= cfg.passes * len(data.tokens):
+        short = len(data.tokens) <= cfg.seq_len + 1  # not one window yet
+        if short or progress.tokens_seen - progress.init_tokens >= cfg.passes * len(data.tokens):
             shard(out, parts, train_prompts, data.shards, cfg, log)
             data.refresh()
         else:
