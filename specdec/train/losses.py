@@ -227,11 +227,13 @@ class EagleTargets:
 
 
 @torch.no_grad()
-def eagle_targets(target, head: EagleHead, batch: torch.Tensor, steps: int) -> EagleTargets:
+def eagle_targets(target, head: EagleHead, batch: torch.Tensor, steps: int, with_logits: bool = False):
+    """The EagleTargets of a batch; with_logits: and the target's logits (B, S, V) of the same forward."""
     out = target(batch[:, :-1], output_layers=head.layer_ids)
     features = torch.cat([out.layers[i] for i in head.layer_ids], -1)
     log_probs = F.log_softmax(out.logits.float()[..., head.draft_ids], -1)
-    return EagleTargets(features, log_probs, out.logits.argmax(-1), F.pad(batch[:, 1:], (0, steps - 1)))
+    targets = EagleTargets(features, log_probs, out.logits.argmax(-1), F.pad(batch[:, 1:], (0, steps - 1)))
+    return (targets, out.logits) if with_logits else targets
 
 
 def eagle_step_losses(target, head: EagleHead, targets: EagleTargets, steps: int):

@@ -55,6 +55,23 @@ def plot_history(history: dict, path: Path, title: str, train_label: str = "trai
     _save(fig, ax, path)
 
 
+def plot_learning_curve(points: list[dict], path: Path, title: str, break_even: dict[str, float]) -> None:
+    """Held-out α_1 and the last α_i of each evaluation group against tokens seen (longrun.py's curve.jsonl
+    points), with horizontal lines at the cost model's break-even α (`break_even`: label -> α)."""
+    fig, ax = _figure((7, 4.5))
+    tokens = [p["tokens_seen"] / 1e6 for p in points]
+    for name in points[0]["groups"]:
+        key = "greedy_alpha" if "T=0" in name else "t1_alpha"
+        last = len(points[0]["groups"][name][key]) - 1
+        for i, style in ((0, "-"), (last, ":")):
+            ax.plot(tokens, [p["groups"][name][key][i] for p in points], marker="o", markersize=3, linestyle=style,
+                    label=f"{name} α_{i + 1}")
+    for (label, alpha), color in zip(break_even.items(), ("black", "grey", "tab:red", "tab:brown")):
+        ax.axhline(alpha, color=color, linestyle="--", linewidth=1, label=f"break-even α, {label}")
+    ax.set(xlabel="tokens seen (millions)", ylabel="held-out α_i", ylim=(0, 1), title=title)
+    _save(fig, ax, path, loc="upper left", fontsize=7, ncol=2)
+
+
 def _figure(size: tuple[float, float]):
     """A figure and its axes for a training curve, drawn without a display."""
     import matplotlib

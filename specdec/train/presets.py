@@ -11,6 +11,7 @@ from pathlib import Path
 from ..lm.arch import Arch
 from .objectives import MTP, Block, Distill, Eagle, Parallel
 from .selfdistill import Recipe
+from .longrun import LongRun
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("tokenizer", "init_from")  # recipe entries naming files or folders
@@ -122,3 +123,18 @@ def preset(name: str) -> dict:
                  and not Path(getattr(objective, key)).is_absolute()}
         recipe["objective"] = dataclasses.replace(objective, **paths)
     return recipe
+
+
+# long runs (longrun.py): a head that keeps learning in the background over many sittings, from the committed
+# head onwards; `python -m specdec.train.longrun run --preset NAME` starts or resumes it in runs/longrun-NAME
+LONG_RUNS = {
+    # SmolLM2-135M-Instruct's EAGLE-3 head (models/smollm2-eagle3): data from the Q8_0 target by the batched engine
+    "smollm2-eagle3": LongRun(init="models/smollm2-eagle3"),
+}
+
+
+def long_run(name: str) -> tuple[LongRun, Path]:
+    """The long run `name` with its init folder made absolute, and its default run folder."""
+    cfg = LONG_RUNS[name]
+    init = cfg.init if Path(cfg.init).is_absolute() else str(ROOT / cfg.init)
+    return dataclasses.replace(cfg, init=init), ROOT / "runs" / f"longrun-{name}"
