@@ -122,7 +122,7 @@ def test_greedy_constrained_output_is_the_same_at_every_k_tree_and_drafter(toy, 
     expected = [r.tokens for r in plain]
     assert all(r.finish_reason == "eos" and valid(r.text()) for r in plain)
     assert plain_metrics.forced == 0 and plain_metrics.row_steps == plain_metrics.emitted  # one token a step
-    draft = api.load(api.DEFAULT_DRAFT).model
+    draft = api.load(api.MODELS / "draft").model
     cases = {"forced alone k=4": (GrammarDrafts(), 4, None, True),
              "ngram + forced k=3": (build_proposer("ngram"), 3, None, True),
              "ngram, no forced drafts k=5": (build_proposer("ngram"), 5, None, False),
@@ -157,7 +157,7 @@ def test_seeded_constrained_rows_are_the_same_for_every_drafter(toy, schema):
     sampling = SamplingConfig(temperature=1.0, seed=11)
     expected = [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=sampling)[0]]
     for proposer, k in [(GrammarDrafts(), 3), (build_proposer("ngram"), 4),
-                        (build_proposer("draft-model", model=api.load(api.DEFAULT_DRAFT).model), 3)]:
+                        (build_proposer("draft-model", model=api.load(api.MODELS / "draft").model), 3)]:
         rows, _ = run(toy, schema, proposer, k, sampling=sampling)
         assert [r.tokens for r in rows] == expected, proposer.name
         assert all(valid(r.text()) for r in rows)
