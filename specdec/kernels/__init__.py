@@ -1,12 +1,13 @@
 """Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1)
 and fp32 arithmetic (see cpu.cpp).
 
-Built from cpu.cpp and isa.h by the machine's C++ compiler the first time they are needed (about a
-minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by `cache_key`). They run on AVX-512
-where the CPU has it and on AVX2 + FMA otherwise, with bit-identical results (SPECDEC_ISA=avx2
-forces AVX2; SPECDEC_KERNELS=0 turns the kernels off). Where they cannot run (no AVX2, no
-compiler, gradients needed, other dtypes or devices) PyTorch operators compute the same
-arithmetic, so a result never depends on whether they were built beyond fp32 rounding.
+Built from cpu.cpp and its headers (SOURCES) by the machine's C++ compiler the first time they are
+needed (about a minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by
+`cache_key`). They run on AVX-512 where the CPU has it and on AVX2 + FMA otherwise, with
+bit-identical results (SPECDEC_ISA=avx2 forces AVX2; SPECDEC_KERNELS=0 turns the kernels off).
+Where they cannot run (no AVX2, no compiler, gradients needed, other dtypes or devices) PyTorch
+operators compute the same arithmetic, so a result never depends on whether they were built beyond
+fp32 rounding.
 
 The seam with the model: a weight is stored once, at load, as a `Matrix` (its format, shape and
 the panels the kernels read); a model hands its decoder layers over as `LayerWeights` and gets one
@@ -18,7 +19,7 @@ where the kernels cannot.
 Threads (threads.h): by default ("auto") each call runs on the cores other processes leave free,
 measured from /proc every ~0.2 s, at most torch's thread count; `set_threads(N)` fixes N
 (`--threads N`). `thread_report()` says what was done, for the stats. Independently, the OpenMP
-threads' spinning at barriers is bounded (GOMP_SPINCOUNT, set by specdec/__init__.py before torch
+threads' spinning at barriers is bounded (GOMP_SPINCOUNT, set by specdec/openmp.py before torch
 loads libgomp) so that a thread waiting for a late one soon yields its core.
 """
 from __future__ import annotations
@@ -39,11 +40,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import SPIN_BOUNDED
+from ..openmp import SPIN_BOUNDED
 from ..errors import SpecdecError
-from . import blocks as quant
+from . import blocks
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "quant.h", "threads.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "types.h", "vectors.h", "isa.h", "quant.h",
+                                                        "threads.h")]
 LANES = 16  # outputs per packed panel
 _EMPTY = torch.empty(0)
 
@@ -100,8 +102,8 @@ def _load_or_build():
             if not built.exists():
                 for stale in root.glob(f"{key}.build-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-                print(f"specdec: building the CPU kernels (once per machine and version, about a minute) in {root / key}",
-                      file=sys.stderr)
+                print("specdec: building the CPU kernels (once per machine and version, about a minute) in "
+                      f"{root / key}", file=sys.stderr)
                 from torch.utils import cpp_extension
                 work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
                 cpp_extension.load(name="specdec_cpu", sources=[str(SOURCES[0])], build_directory=str(work),
@@ -130,7 +132,7 @@ def _inference(*tensors: torch.Tensor) -> bool:
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-FORMATS = ("bf16",) + quant.QUANTIZED  # cpu.cpp's Format, in order
+FORMATS = ("bf16",) + blocks.QUANTIZED  # cpu.cpp's Format, in order
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -145,21 +147,21 @@ class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
     or blocks of 32 quantized weights (blocks.py) packed for quant.h. What a model holds per Linear."""
 
-    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, blocks: quant.Blocks | None = None):
+    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, stored: blocks.Blocks | None = None):
         self.format, self.shape, self.data = format, tuple(shape), data
-        self._blocks = blocks
+        self._blocks = stored
 
     @classmethod
     def store(cls, weight: torch.Tensor, format: str = "bf16") -> Matrix:
         """weight (N, K) in `format` (quantized with llama.cpp's rounding: blocks.quantize)."""
         if format == "bf16":
             return cls(format, weight.shape, pack(weight.detach().to(torch.bfloat16)))
-        return cls.from_blocks(quant.quantize(weight, format))
+        return cls.from_blocks(blocks.quantize(weight, format))
 
     @classmethod
-    def from_blocks(cls, blocks: quant.Blocks) -> Matrix:
+    def from_blocks(cls, stored: blocks.Blocks) -> Matrix:
         """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
-        return cls(blocks.format, blocks.shape, quant.pack(blocks), blocks)
+        return cls(stored.format, stored.shape, blocks.pack(stored), stored)
 
     @property
     def quantized(self) -> bool:
@@ -169,9 +171,9 @@ class Matrix:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def blocks(self) -> quant.Blocks:
+    def blocks(self) -> blocks.Blocks:
         if self._blocks is None:
-            self._blocks = quant.unpack(self.data, self.format, self.shape)
+            self._blocks = blocks.unpack(self.data, self.format, self.shape)
         return self._blocks
 
     def dense(self) -> torch.Tensor:
@@ -187,6 +189,17 @@ class Matrix:
         return Matrix.from_blocks(self.blocks().rows(ids))
 
 
+def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None = None) -> str | None:
+    """Why a Linear's weight (N, K) cannot be stored in `format`, or its `given` Matrix (a file's
+    blocks) run as stored, or None. bf16 (or None, nothing to store) takes any weight; a quantized
+    format refuses rows that do not cut into blocks and values that are not finite."""
+    if given is not None:
+        return blocks.stored_error(given.blocks()) if given.quantized else None
+    if format is None or format == "bf16":
+        return None
+    return blocks.quantizing_error(format, weight)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, stored: Matrix | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T [+ bias] for nn.Linear's weight layout. With `stored`, w as the kernels hold it: fp32 x
@@ -196,7 +209,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, stored: Matrix | None = None,
         return compiled().linear(x, stored.data, FORMATS.index(stored.format), stored.shape[0], _EMPTY,
                                  _EMPTY if bias is None else bias.detach())
     if stored is not None and stored.quantized:
-        return quant.linear(x, stored.blocks(), bias).to(x.dtype)
+        return blocks.linear(x, stored.blocks(), bias).to(x.dtype)
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
 
 
