@@ -1,4 +1,4 @@
-"""The quantized verify curve, old kernels against new in one process: t(n), the CPU time of one target
+r"""The quantized verify curve, old kernels against new in one process: t(n), the CPU time of one target
 forward over n = 1, 4, 8 new tokens after 120 cached ones, on one thread, for SmolLM2-135M-Instruct
 from its Q4_1 GGUF file (`gguf`: the file's Q4_1 layers and Q8_0 unembedding as stored) or
 quantized at load (`q8_0`), and t(n)/t(1).
@@ -8,12 +8,16 @@ an old checkout's built under another module name), and their forwards alternate
 old n=4, ...), so that whatever else the machine runs weighs on both alike. The time is the thread's
 CPU time (everything runs on the calling thread), the least of the repeats: on a shared machine that
 leaves out the time spent waiting for a core, not what a busy sibling hyperthread or the memory
-traffic of other jobs adds. Build the old kernels once, from a checkout of the old version in OLD:
+traffic of other jobs adds. Build the old kernels once, from a checkout of the old version in OLD,
+its C++ types renamed (pybind11 registers a C++ type once per process) and under another module name:
 
+    cp -r OLD/specdec/kernels /tmp/oldsrc
+    TYPES='Shape|Stack|LayerWeights|Window|Cache|Scratch|QuantRows|Mat|QuantOps|Ops'
+    sed -i -E "s/(^|[^\"A-Za-z_])($TYPES)\b/\1Old\2/g" /tmp/oldsrc/cpu.cpp /tmp/oldsrc/isa.h /tmp/oldsrc/quant.h
     python -c "from torch.utils import cpp_extension as c; c.load(name='specdec_cpu_old',
-        sources=['OLD/specdec/kernels/cpu.cpp'], build_directory='/tmp/old', is_python_module=False,
+        sources=['/tmp/oldsrc/cpu.cpp'], build_directory='/tmp/old', is_python_module=False,
         extra_cflags=['-O3', '-fopenmp', '-ffp-contract=off'], extra_ldflags=['-fopenmp'])"
-    python docs/quant-curve.py gguf avx2 8 /tmp/old/specdec_cpu_old.so
+    PYTHONPATH=. python docs/quant-curve.py gguf avx2 8 /tmp/old/specdec_cpu_old.so
 
 Prints one JSON line: t(n) in ms and the ratios, old and new, and t_old(1) / t_new(1).
 """
