@@ -186,12 +186,13 @@ def test_weights_that_are_not_finite_are_refused_naming_the_matrix():
     model = tiny_model(0)
     with torch.no_grad():
         model.model.layers[1].self_attn.o_proj.weight[3, 7] = float("inf")
-    with pytest.raises(SpecdecError, match=r"quantize to q8_0 model\.layers\.1\.self_attn\.o_proj .*1 of its weights "
-                                           r"are not finite \(the first at \(3, 7\): inf\)"):
+    with pytest.raises(SpecdecError, match=r"quantize model\.layers\.1\.self_attn\.o_proj \(\d+ x \d+\) to q8_0: 1 of "
+                                           r"its weights are not finite \(the first at \(3, 7\): inf\)"):
         quantize_model(model, "q8_0")
     b = blocks.quantize(tiny_model(0).model.layers[0].mlp.down_proj.weight, "q4_1")
     b.scales[2, 1] = float("nan")  # a file's block
-    with pytest.raises(SpecdecError, match=r"run as stored \(q4_1\) model\.layers\.0\.mlp\.down_proj .*block scales"):
+    with pytest.raises(SpecdecError, match=r"run model\.layers\.0\.mlp\.down_proj .* as stored \(q4_1\): "
+                                           r".*block scales"):
         store_matrices(tiny_model(0), None, {"model.layers.0.mlp.down_proj": kernels.Matrix.from_blocks(b)})
 
 

@@ -101,8 +101,10 @@ def store_matrices(module: nn.Module, format: str | None = "bf16",
         if isinstance(m, Linear) and (name in given or format is not None):
             why = kernels.storing_error(m.weight, format, given.get(name))
             if why is not None:
-                how = f"run as stored ({given[name].format})" if name in given else f"quantize to {format}"
-                raise SpecdecError(f"cannot {how} {name} ({m.out_features} x {m.in_features}): {why}")
+                shape = f"{name} ({m.out_features} x {m.in_features})"
+                what = f"run {shape} as stored ({given[name].format})" if name in given else \
+                    f"quantize {shape} to {format}"
+                raise SpecdecError(f"cannot {what}: {why}")
             m.store(format, given.get(name))
     if isinstance(module, LlamaForCausalLM) and module.config.tie_word_embeddings and module.lm_head.stored is not None \
             and module.lm_head.stored.quantized:
