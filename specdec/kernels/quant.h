@@ -146,11 +146,13 @@ inline void qtile(const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t
   store_tile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
 }
 
-// Tile shapes, measured (SmolLM2-135M's matrices, one thread): AVX2's 16 registers hold the int16
-// sums of 4 rows x 1 panel and that panel's codes; AVX-512's 32 hold 4 rows x 4 panels, or 8 rows x 1
-// (more panels at 8 rows spill the sums). The fp32 sums, touched once per block, may live in L1.
+// Tile shapes, measured (SmolLM2-135M's matrices, one thread): one panel per tile, whose codes stream
+// through the cache once per tile (on AVX-512 four panels at a time read a matrix that does not fit in
+// L2 40% slower at 1 and 4 rows); rows per tile as many as the registers hold the int sums of:
+// AVX2's 16 the int16 sums of 4 rows (two registers each) beside the panel's codes, AVX-512's 32 those of 8.
+// The fp32 sums, touched once per block, may live in L1.
 constexpr int kMaxQRows = kRegs >= 32 ? 8 : 4;
-constexpr int qpanels_for(int R) { return kRegs < 32 || R > 4 ? 1 : 4; }
+constexpr int qpanels_for(int) { return 1; }
 
 template <int F, int R, int NB>
 inline void qtile_nb(int nb, const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t p0, int64_t r0, float* Y,
