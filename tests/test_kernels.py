@@ -5,6 +5,8 @@ token, with no near-tie allowance at all."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,6 +91,29 @@ def test_rms_norm_matches_pytorch(isa):
     for C in (40, 64, 100):
         x, w = torch.randn(3, 5, C, generator=g), torch.randn(C, generator=g)
         torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (C,), w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+ZERO_ROWS = """
+import torch
+from specdec import kernels
+for isa in ["avx2"] + (["avx512"] if kernels.isa() == "avx512" else []):
+    kernels.compiled().set_isa(isa)
+    for format in kernels.FORMATS:
+        m = kernels.Matrix.store(torch.randn(40, 64), format)
+        y = kernels.compiled().linear(torch.empty(0, 64), m.data, kernels.FORMATS.index(format), 40, torch.empty(0),
+                                      torch.randn(40))
+        assert y.shape == (0, 40), (format, y.shape)
+        assert kernels.linear(torch.empty(2, 0, 64), m.dense(), m).shape == (2, 0, 40)
+    assert kernels.rms_norm(torch.empty(3, 0), torch.empty(0), 1e-5).shape == (3, 0)
+    assert kernels.rms_norm(torch.empty(0, 64), torch.ones(64), 1e-5).shape == (0, 64)
+print("empty results")
+"""
+
+
+def test_zero_rows_give_an_empty_result_on_every_format_and_instruction_set():
+    """Run in a process of its own: a kernel that divides by the row count dies of SIGFPE there."""
+    run = subprocess.run([sys.executable, "-c", ZERO_ROWS], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "empty results", (run.returncode, run.stderr[-3000:])
 
 
 def test_kernels_step_aside_for_gradients_and_other_dtypes():

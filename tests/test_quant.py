@@ -11,6 +11,7 @@ import json
 import os
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,61 @@ def test_activation_rows_are_quantized_as_the_reference_quantizes_them():
         assert torch.equal(got, want)
 
 
+@needs_kernels
+def test_tiny_and_denormal_blocks_quantize_as_if_scaled_up_and_as_the_reference_does():
+    """Blocks whose largest magnitude is below 2^-64 (1 / dx overflows below ~3.7e-37; denormal
+    values; a denormal dx): their q are those of the block scaled up by a power of two, on both
+    instruction sets and in blocks.quantize_rows, bit for bit, and so is a quantized matrix times them."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 160, generator=g)
+    x[0, :32] = torch.randint(-1000, 1001, (32,), generator=g) * 2.0 ** -135  # exact, max 2.3e-38
+    x[1, 32:64] *= 1e-44  # denormals (a few multiples of 2^-149)
+    x[2, 64:96] *= 2e-36  # dx denormal, 1 / dx finite
+    x[3, 96:128] = 0
+    x[4] *= 2.0 ** -100
+    x[5, 128:] = torch.randint(-127, 128, (32,), generator=g) * 2.0 ** -149  # denormal values only
+    up = x.clone()
+    up[0, :32] *= 2.0 ** 100
+    up[5, 128:] *= 2.0 ** 70
+    up[5, 128:] *= 2.0 ** 70  # (2^140 itself is no float32)
+    ref, ref_up = blocks.quantize_rows(x), blocks.quantize_rows(up)
+    assert torch.equal(ref[0][0, :32], ref_up[0][0, :32]) and torch.equal(ref[0][5, 128:], ref_up[0][5, 128:])
+    assert ref[0][0, :32].abs().max() == 127 and torch.equal(ref[0][3, 96:128], torch.zeros(32, dtype=torch.int8))
+    matrices = [kernels.Matrix.store(torch.randn(37, 160, generator=g), format) for format in FORMATS]
+    for isa in on_each_isa():
+        for got, want in zip(kernels.compiled().quantize_rows(x), ref):
+            assert torch.equal(got, want), isa
+        for m in matrices:
+            assert torch.equal(kernels.linear(x, m.dense(), m), blocks.linear(x, m.blocks())), (isa, m.format)
+
+
+@needs_kernels
+@pytest.mark.parametrize("format", FORMATS)
+def test_an_activation_that_is_not_finite_makes_its_row_nan_and_leaves_the_others(format):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 96, generator=g)
+    x[1, 40], x[2, 3] = float("inf"), float("nan")
+    m = kernels.Matrix.store(torch.randn(20, 96, generator=g), format)
+    want = blocks.linear(x, m.blocks())
+    assert want[1:3].isnan().all() and not want[[0, 3]].isnan().any()
+    for isa in on_each_isa():
+        got = kernels.linear(x, m.dense(), m)
+        assert got[1:3].isnan().all() and torch.equal(got[[0, 3]], want[[0, 3]]), isa
+
+
+def test_a_weight_block_too_small_for_the_reciprocal_of_its_scale_gets_the_codes_of_zeros():
+    """llama.cpp's quantizers compute 1 / d, infinite for such a block (fp16 keeps its scale as 0 anyway):
+    codes of zeros, the dequantized values gguf.quants gives (zeros, Q4_1's min)."""
+    w = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    w[1, :32] *= 2.0 ** -130
+    for format, qtype in GGUF_TYPES.items():
+        b = blocks.quantize(w, format)
+        assert (b.codes[1, :32].int() == (0 if format == "q4_1" else blocks.OFFSET[format])).all(), format
+        with np.errstate(over="ignore", invalid="ignore"):  # gguf.quants' own 1 / d overflows there
+            raw = gguf.quants.quantize(w.numpy(), qtype)
+        assert torch.equal(b.dense(), torch.from_numpy(gguf.quants.dequantize(raw, qtype))), format
+
+
 def test_the_reference_is_the_product_of_the_dequantized_values():
     """blocks.linear is the dot product of the quantized activations and weights (up to fp32 rounding)."""
     g = torch.Generator().manual_seed(2)
@@ -124,6 +180,20 @@ def test_a_row_length_that_does_not_cut_into_blocks_is_refused_naming_the_matrix
     model = tiny_model(0, dataclasses.replace(TINY, intermediate_size=80))
     with pytest.raises(SpecdecError, match=r"model\.layers\.\d\.mlp\.down_proj .*blocks of 32"):
         quantize_model(model, "q4_0")
+
+
+def test_weights_that_are_not_finite_are_refused_naming_the_matrix():
+    model = tiny_model(0)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[3, 7] = float("inf")
+    with pytest.raises(SpecdecError, match=r"quantize model\.layers\.1\.self_attn\.o_proj \(\d+ x \d+\) to q8_0: 1 of "
+                                           r"its weights are not finite \(the first at \(3, 7\): inf\)"):
+        quantize_model(model, "q8_0")
+    b = blocks.quantize(tiny_model(0).model.layers[0].mlp.down_proj.weight, "q4_1")
+    b.scales[2, 1] = float("nan")  # a file's block
+    with pytest.raises(SpecdecError, match=r"run model\.layers\.0\.mlp\.down_proj .* as stored \(q4_1\): "
+                                           r".*block scales"):
+        store_matrices(tiny_model(0), None, {"model.layers.0.mlp.down_proj": kernels.Matrix.from_blocks(b)})
 
 
 PROMPTS = [[5, 9, 2], [7, 1, 2, 3, 1, 2, 3, 1, 2], list(range(20, 37))]

@@ -1,12 +1,13 @@
 """Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1;
 as GGUF files store them also Q5_0, Q4_K, Q6_K) and fp32 arithmetic (see cpu.cpp).
 
-Built from cpu.cpp and isa.h by the machine's C++ compiler the first time they are needed (about a
-minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by `cache_key`). They run on AVX-512
-where the CPU has it and on AVX2 + FMA otherwise, with bit-identical results (SPECDEC_ISA=avx2
-forces AVX2; SPECDEC_KERNELS=0 turns the kernels off). Where they cannot run (no AVX2, no
-compiler, gradients needed, other dtypes or devices) PyTorch operators compute the same
-arithmetic, so a result never depends on whether they were built beyond fp32 rounding.
+Built from cpu.cpp and its headers (SOURCES) by the machine's C++ compiler the first time they are
+needed (about a minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by
+`cache_key`). They run on AVX-512 where the CPU has it and on AVX2 + FMA otherwise, with
+bit-identical results (SPECDEC_ISA=avx2 forces AVX2; SPECDEC_KERNELS=0 turns the kernels off).
+Where they cannot run (no AVX2, no compiler, gradients needed, other dtypes or devices) PyTorch
+operators compute the same arithmetic, so a result never depends on whether they were built beyond
+fp32 rounding.
 
 The seam with the model: a weight is stored once, at load, as a `Matrix` (its format, shape and
 the panels the kernels read); a model hands its decoder layers over as `LayerWeights` and gets one
@@ -18,7 +19,7 @@ where the kernels cannot.
 Threads (threads.h): by default ("auto") each call runs on the cores other processes leave free,
 measured from /proc every ~0.2 s, at most torch's thread count; `set_threads(N)` fixes N
 (`--threads N`). `thread_report()` says what was done, for the stats. Independently, the OpenMP
-threads' spinning at barriers is bounded (GOMP_SPINCOUNT, set by specdec/__init__.py before torch
+threads' spinning at barriers is bounded (GOMP_SPINCOUNT, set by specdec/openmp.py before torch
 loads libgomp) so that a thread waiting for a late one soon yields its core.
 """
 from __future__ import annotations
@@ -39,11 +40,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import SPIN_BOUNDED
+from ..openmp import SPIN_BOUNDED
 from ..errors import SpecdecError
-from . import blocks as quant
+from . import blocks
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "isa.h", "quant.h", "kquant.h", "threads.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "types.h", "vectors.h", "isa.h", "quant.h",
+                                                        "kquant.h", "threads.h")]
 LANES = 16  # outputs per packed panel
 _EMPTY = torch.empty(0)
 
@@ -100,8 +102,8 @@ def _load_or_build():
             if not built.exists():
                 for stale in root.glob(f"{key}.build-*"):
                     shutil.rmtree(stale, ignore_errors=True)
-                print(f"specdec: building the CPU kernels (once per machine and version, about a minute) in {root / key}",
-                      file=sys.stderr)
+                print("specdec: building the CPU kernels (once per machine and version, about a minute) in "
+                      f"{root / key}", file=sys.stderr)
                 from torch.utils import cpp_extension
                 work = Path(tempfile.mkdtemp(dir=root, prefix=f"{key}.build-"))
                 cpp_extension.load(name="specdec_cpu", sources=[str(SOURCES[0])], build_directory=str(work),
@@ -130,7 +132,7 @@ def _inference(*tensors: torch.Tensor) -> bool:
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-FORMATS = ("bf16",) + quant.QUANTIZED  # the formats a weight can be stored in (Matrix.store)
+FORMATS = ("bf16",) + blocks.QUANTIZED  # the formats a weight can be stored in (Matrix.store)
 # every format a Matrix may hold -> cpu.cpp's Format (Q5_0 runs as Q8_0's bytes: blocks.pack)
 KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 1, "q4_k": 4, "q6_k": 5}
 MIXED = 6  # cpu.cpp's kMixed: runs of outputs in different quantized formats (Matrix.from_runs)
@@ -150,34 +152,34 @@ class Matrix:
     Q5_0 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
     "q4_k+q6_k", say). What a model holds per Linear."""
 
-    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, blocks: quant.Blocks | None = None,
-                 runs: list[quant.Blocks] | None = None):
+    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, stored: blocks.Blocks | None = None,
+                 runs: list[blocks.Blocks] | None = None):
         self.format, self.shape, self.data = format, tuple(shape), data
-        self._blocks, self.runs = blocks, runs
+        self._blocks, self.runs = stored, runs
 
     @classmethod
     def store(cls, weight: torch.Tensor, format: str = "bf16") -> Matrix:
         """weight (N, K) in `format` (quantized with llama.cpp's rounding: blocks.quantize)."""
         if format == "bf16":
             return cls(format, weight.shape, pack(weight.detach().to(torch.bfloat16)))
-        return cls.from_blocks(quant.quantize(weight, format))
+        return cls.from_blocks(blocks.quantize(weight, format))
 
     @classmethod
-    def from_blocks(cls, blocks: quant.Blocks) -> Matrix:
+    def from_blocks(cls, stored: blocks.Blocks) -> Matrix:
         """Quantized weights as stored (a GGUF file's, say), repacked exactly. Only the packed data is
         kept (`blocks()` unpacks it again where asked): Blocks hold a byte per code."""
-        return cls(blocks.format, blocks.shape, quant.pack(blocks))
+        return cls(stored.format, stored.shape, blocks.pack(stored))
 
     @classmethod
-    def from_runs(cls, parts: list[quant.Blocks]) -> Matrix:
+    def from_runs(cls, parts: list[blocks.Blocks]) -> Matrix:
         """The outputs of `parts` (each (N_i, K), quantized) one after another, each part as stored:
         consecutive parts of a format are merged; parts of different formats become runs (cpu.cpp's
         kMixed: a 64-byte header, int32 runs then (format, N) per run, then each run's panels), every
         run but the last a whole number of panels of 16 outputs (else ValueError)."""
-        runs: list[quant.Blocks] = []
+        runs: list[blocks.Blocks] = []
         for part in parts:
             if runs and runs[-1].format == part.format:
-                part = quant.Blocks(part.format, *[None if a is None else torch.cat((a, b))
+                part = blocks.Blocks(part.format, *[None if a is None else torch.cat((a, b))
                                                    for a, b in zip(runs.pop()[1:], part[1:])])
             runs.append(part)
         if len(runs) == 1:
@@ -189,7 +191,7 @@ class Matrix:
         header[0] = len(runs)
         for i, run in enumerate(runs):
             header[1 + 2 * i], header[2 + 2 * i] = KERNEL_FORMAT[run.format], run.shape[0]
-        data = torch.cat([header.view(torch.uint8)] + [quant.pack(run).reshape(-1) for run in runs])
+        data = torch.cat([header.view(torch.uint8)] + [blocks.pack(run).reshape(-1) for run in runs])
         shape = (sum(run.shape[0] for run in runs), runs[0].shape[1])
         return cls("+".join(run.format for run in runs), shape, data, runs=runs)
 
@@ -197,9 +199,9 @@ class Matrix:
         """x (..., K) times the quantized matrix, transposed [+ bias], in PyTorch: blocks.linear's numbers
         (each run's, side by side)."""
         if self.runs is None:
-            return quant.linear(x, self.blocks(), bias)
+            return blocks.linear(x, self.blocks(), bias)
         ends = torch.tensor([run.shape[0] for run in self.runs]).cumsum(0).tolist()
-        return torch.cat([quant.linear(x, run, None if bias is None else bias[end - run.shape[0]:end])
+        return torch.cat([blocks.linear(x, run, None if bias is None else bias[end - run.shape[0]:end])
                           for run, end in zip(self.runs, ends)], dim=-1)
 
     @property
@@ -215,12 +217,12 @@ class Matrix:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def blocks(self) -> quant.Blocks:
+    def blocks(self) -> blocks.Blocks:
         if self.runs is not None:
             raise ValueError(f"a matrix of runs in {self.format} (a fused projection) has no single Blocks and "
                              "no rows to pick: use its runs")
         if self._blocks is None:
-            self._blocks = quant.unpack(self.data, self.format, self.shape)
+            self._blocks = blocks.unpack(self.data, self.format, self.shape)
         return self._blocks
 
     def dense(self) -> torch.Tensor:
@@ -229,7 +231,7 @@ class Matrix:
             return self.data.transpose(1, 2).reshape(-1, self.shape[1])[:self.shape[0]]
         if self.runs is not None:
             return torch.cat([run.dense() for run in self.runs])
-        held = self._blocks or quant.unpack(self.data, self.format, self.shape)  # not kept: a byte per code
+        held = self._blocks or blocks.unpack(self.data, self.format, self.shape)  # not kept: a byte per code
         return held.dense()
 
     def rows(self, ids: torch.Tensor) -> Matrix:
@@ -237,6 +239,20 @@ class Matrix:
         if not self.quantized:
             return Matrix.store(self.dense()[ids])
         return Matrix.from_blocks(self.blocks().rows(ids))
+
+
+def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None = None) -> str | None:
+    """Why a Linear's weight (N, K) cannot be stored in `format`, or its `given` Matrix (a file's
+    blocks) run as stored, or None. bf16 (or None, nothing to store) takes any weight; a quantized
+    format refuses rows that do not cut into blocks and values that are not finite."""
+    if given is not None:
+        if not given.quantized:
+            return None
+        parts = given.runs if given.runs is not None else [given.blocks()]  # a fused matrix: each run
+        return next((why for why in map(blocks.stored_error, parts) if why), None)
+    if format is None or format == "bf16":
+        return None
+    return blocks.quantizing_error(format, weight)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, stored: Matrix | None = None,

@@ -29,6 +29,7 @@ QUANTIZED = ("q8_0", "q4_0", "q4_1")  # formats `quantize` makes
 AS_STORED = ("q5_0", "q4_k", "q6_k")  # formats read from a file's blocks only
 OFFSET = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q6_k": 32, "q4_k": 0}  # u - OFFSET [+ m]
 LANES = 16
+TINY = 2.0 ** -64  # quantize_rows scales a block whose largest magnitude is below this by 1 / TINY
 
 
 class Blocks(NamedTuple):
@@ -79,32 +80,62 @@ def blocking_error(format: str, K: int) -> str | None:
     return None
 
 
+def quantizing_error(format: str, weight: torch.Tensor) -> str | None:
+    """Why `weight` (N, K) cannot be quantized to `format`, or None: rows that do not cut into blocks,
+    or values that are not finite (a block holding inf or NaN quantizes to NaN or inf weights, and
+    its outputs become NaN)."""
+    blocking = blocking_error(format, weight.shape[-1])
+    if blocking:
+        return blocking + ": use bf16 (no --quantize)"
+    return _nonfinite_error(weight.detach(), "weights")
+
+
+def stored_error(blocks: Blocks) -> str | None:
+    """Why quantized blocks as a file stores them cannot run, or None: scales or mins that are not finite."""
+    return _nonfinite_error(blocks.scales, "block scales") or (
+        None if blocks.mins is None else _nonfinite_error(blocks.mins, "block mins"))
+
+
+def _nonfinite_error(t: torch.Tensor, what: str) -> str | None:
+    bad = ~torch.isfinite(t)
+    if not bad.any():
+        return None
+    first = [int(i) for i in bad.nonzero()[0]]
+    return (f"{int(bad.sum())} of its {what} are not finite (the first at {tuple(first)}: {float(t[tuple(first)])}); "
+            "quantized arithmetic would turn whole blocks of outputs into NaN: the weights are damaged")
+
+
 def quantize(weight: torch.Tensor, format: str) -> Blocks:
-    """weight (N, K), K a multiple of 32, in `format`, rounded as llama.cpp's reference quantizers do
-    (ggml-quants.c: quantize_row_q8_0_ref, _q4_0_ref, _q4_1_ref)."""
+    """weight (N, K), K a multiple of 32 and every value finite (quantizing_error), in `format`,
+    rounded as llama.cpp's reference quantizers do (ggml-quants.c: quantize_row_q8_0_ref, _q4_0_ref,
+    _q4_1_ref). A block whose scale d is so small that 1 / d overflows (|w| below ~4e-37; its fp16
+    scale is 0 anyway) gets the codes of zeros, as every block whose d is 0 does."""
     N, K = weight.shape
     x = weight.detach().float().reshape(N, K // BLOCK, BLOCK)
     if format == "q8_0":
         d = x.abs().amax(-1) / 127
-        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-        q = _round_away(x * inv[..., None])  # in [-127, 127]
+        q = _round_away(x * _reciprocal(d)[..., None])  # in [-127, 127]
         return Blocks(format, (q + 128).to(torch.uint8).reshape(N, K), d.half(), None)
     if format == "q4_0":
         at = x.abs().argmax(-1, keepdim=True)  # the value of largest magnitude, its sign kept
         d = x.gather(-1, at)[..., 0] / -8
-        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-        q = (x * inv[..., None] + 8.5).trunc().clamp(0, 15)
+        q = (x * _reciprocal(d)[..., None] + 8.5).trunc().clamp(0, 15)
         return Blocks(format, q.to(torch.uint8).reshape(N, K), d.half(), None)
     if format == "q4_1":
         lo, hi = x.amin(-1), x.amax(-1)
         d = (hi - lo) / 15
-        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-        q = ((x - lo[..., None]) * inv[..., None] + 0.5).trunc().clamp(0, 15)
+        q = ((x - lo[..., None]) * _reciprocal(d)[..., None] + 0.5).trunc().clamp(0, 15)
         return Blocks(format, q.to(torch.uint8).reshape(N, K), d.half(), lo.half())
     if format in AS_STORED:
         raise ValueError(f"{format} matrices are read from a GGUF file as stored (--quantize gguf), not made here: "
                          f"quantize to one of {', '.join(QUANTIZED)}")
     raise ValueError(f"unknown quantized format {format!r}: one of {', '.join(QUANTIZED)}")
+
+
+def _reciprocal(d: torch.Tensor) -> torch.Tensor:
+    """1 / d where that is finite, else 0 (d = 0, or so small that 1 / d overflows)."""
+    inv = 1 / d
+    return torch.where(torch.isfinite(inv), inv, torch.zeros_like(d))
 
 
 def _round_away(x: torch.Tensor) -> torch.Tensor:
@@ -263,15 +294,23 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
 # ------------------------------------------------------------------- the kernels' arithmetic
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) fp32 per block of 32 as cpu.cpp's quantize_row: dx = max|x| / 127, q = round half to
-    even of x (1 / dx) in [-127, 127]. Returns q (M, K) int8, dx (M, K/32) fp32, sum of q (M, K/32)."""
+    """x (M, K) fp32 per block of 32 as quant.h's quantize_row: dx = max|x| / 127, q = round half to
+    even of x (1 / dx) (0 where dx is 0). A block whose largest magnitude is below 2^-64 is scaled by
+    2^64 first (exact; where dx is a normal float this changes no bit), so that 1 / dx never
+    overflows; a block holding inf or NaN gets q = 0 and dx = NaN (its row's outputs are NaN).
+    Returns q (M, K) int8, dx (M, K/32) fp32, sum of q (M, K/32) int32."""
     M, K = x.shape
     xb = x.reshape(M, K // BLOCK, BLOCK)
-    amax = xb.abs().amax(-1)
+    amax = xb.abs().amax(-1)  # NaN where the block holds one
+    finite = torch.isfinite(amax)
     d = torch.div(amax, torch.full_like(amax, 127.0))  # IEEE divisions, as the C++ does
-    inv = torch.where(d != 0, torch.div(torch.ones_like(d), d), torch.zeros_like(d))
-    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
-    return q.to(torch.int8).reshape(M, K), d, q.sum(-1).to(torch.int32)
+    live = finite & (d != 0)
+    scale = torch.where(amax < TINY, torch.full_like(amax, 1 / TINY), torch.ones_like(amax))
+    inv = torch.where(live, torch.div(torch.ones_like(d), torch.div(amax * scale, torch.full_like(amax, 127.0))),
+                      torch.zeros_like(d))
+    q = torch.where(live[..., None], torch.round((xb * scale[..., None]) * inv[..., None]), torch.zeros_like(xb))
+    return q.to(torch.int8).reshape(M, K), torch.where(finite, d, torch.full_like(d, torch.nan)), \
+        q.sum(-1).to(torch.int32)
 
 
 def linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,6 +8,11 @@
 // (isa.h), a tile of up to 8 rows (6 on AVX2) x up to 8 panels lives in registers, and a model's decoder
 // layers run in one call and one OpenMP parallel region (`Stack`).
 //
+// The files: types.h (the plain structs every part shares), vectors.h (the 16-lane vector types of
+// each instruction set), isa.h (the kernels over them: matrices, attention, the decoder layers),
+// quant.h (the quantized matrices), threads.h (how many threads a call runs on); this file compiles
+// isa.h and quant.h once per instruction set, picks one at run time and binds them to Python.
+//
 // The arithmetic contract (what makes greedy speculative decoding exact): every output of a row
 // is computed alone, by the same sequence of IEEE fp32 operations whatever else shares the call.
 // - matrices: output n of row m is x[m] . W[n] summed over k in order, one FMA at a time in its
@@ -36,178 +41,13 @@
 #include <vector>
 
 #include "threads.h"
-
-// How a matrix is stored (kernels.FORMATS): bf16 panels (isa.h) or blocks of 32 quantized weights (quant.h).
-// K-quants and kMixed (runs of outputs in different quantized formats): kquant.h
-enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5, kMixed = 6 };
-constexpr int64_t kBlock = 32;  // weights per quantized block, along K
-constexpr int64_t kPanelBlockBytes[6] = {0, 32 + 512, 32 + 256, 64 + 256, 296, 548};  // 16 outputs x 32 k (quant.h)
-constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
-
-struct Mat {  // a packed matrix of N outputs from K inputs
-  int format;
-  const void* data;
-  int64_t N, K;
-};
-
-// Activation rows quantized per block of 32 for a quantized matrix: row m's values q + m ld (int8),
-// its blocks' scales d + m blocks and sums of q sums + m blocks.
-struct QuantRows {
-  int8_t* q;
-  float* d;
-  int32_t* sums;
-  int64_t ld, blocks;
-};
-
-// Row m's first K values (K a multiple of 32) into `rows`: per block, dx = max|x| / 127 and
-// q = round_half_even(x * (1 / dx)) (0 where dx is 0) in [-127, 127], scalar so that every
-// instruction set (and kernels.quantize_rows in PyTorch) gets the very same integers.
-inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64_t m) {
-  int8_t* q = rows.q + m * rows.ld;
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[j] * inv)));
-      q[b * kBlock + j] = static_cast<int8_t>(v);
-      sum += static_cast<int32_t>(v);
-    }
-    rows.d[m * rows.blocks + b] = d;
-    rows.sums[m * rows.blocks + b] = sum;
-  }
-}
-
-using QuantMatmul = void (*)(const QuantRows&, int64_t, const Mat&, float*, int64_t, const float*, const float*,
-                             int64_t, int64_t);
-struct QuantOps {
-  const char* name;
-  QuantMatmul matmul;  // kquant.h's kquant_matmul (quant.h's formats and the K-quants)
-};
-extern const QuantOps* g_quant;  // the quantized kernels chosen for this CPU (see dispatch)
-
-// What the decoder layers read and write, shared by both instruction sets. Biases and q/k norms
-// are null where the architecture has none.
-struct LayerWeights {
-  const float* norm1;       // (C,) the input norm's scale (its offset added: Gemma's 1 + w)
-  Mat qkv;                  // E = (H + 2 Hkv) D outputs from C
-  const float* qkv_bias;    // (E,)
-  Mat o;                    // C outputs from H D
-  const float* o_bias;      // (C,)
-  const float* norm2;       // (C,)
-  Mat gate_up;              // 2F outputs from C: F gate, then F up
-  const float* gate_up_bias;  // (2F,)
-  Mat down;                 // C outputs from F
-  const float* down_bias;   // (C,)
-  const float* q_norm;      // (D,) per-head RMSNorm of queries before rotation (Qwen3)
-  const float* k_norm;      // (D,) of keys
-};
-
-// The architecture's arithmetic (model.Arch, filled in by kernels.stack).
-struct Shape {
-  int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0;
-  int64_t R = 0;              // rotated dims of each head (its first ones; D but for partial rotary)
-  float eps = 0;
-  float rotary_factor = 1.f;  // on cos and sin (yarn's attention factor)
-  int64_t activation = 0;     // of the gate: 0 silu, 1 gelu (tanh approximation)
-};
-
-struct Window {  // the new tokens of one forward and where their keys and values go
-  int64_t B, T;
-  const int64_t* lengths;    // (B,) committed cache entries per row: new token t goes to slot lengths[b] + t
-  const int64_t* positions;  // (B, T) rotary positions; null: lengths[b] + t
-  const bool* tree;          // (B, T, T) which new tokens each new token sees (itself included); null: causal
-  const float* inv_freq;     // (R/2,)
-};
-
-struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each
-  float* k;
-  float* v;
-  int64_t S;
-};
-
-struct Scratch {  // one forward's intermediate rows (see isa.h's decoder_layers)
-  float *h, *qkv, *y, *gu, *act, *rope, *p;
-  int64_t p_stride;
-  QuantRows xq;  // a quantized matrix's input rows
-};
-
-// The sum of 8 lanes by a fixed tree (lanes i and i+4, then i and i+2, then 0 and 1), shared by
-// both instruction sets (AVX-512 first folds its 16 lanes to 8 the same way AVX2 does).
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-#pragma GCC pop_options
+#include "types.h"
+#include "vectors.h"
 
 // ---------------------------------------------------------------------------------- AVX-512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
 namespace avx512 {
-constexpr int kRegs = 32, kRegsPerV = 1;
-
-struct V {
-  __m512 v;
-  static V zero() { return {_mm512_setzero_ps()}; }
-  static V bcast(float a) { return {_mm512_set1_ps(a)}; }
-  static V load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static void store(float* p, V a) { _mm512_storeu_ps(p, a.v); }
-  static V load_bf16(const uint16_t* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
-  }
-  static V load_f16(const uint16_t* p) {
-    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
-  }
-  static V fma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-  static V fnma(V a, V b, V c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a b
-  static V add(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
-  static V sub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
-  static V mul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
-  static V div(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
-  static V max(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
-  static V ge_mask(V a, V b) {
-    return {_mm512_castsi512_ps(_mm512_movm_epi32(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GE_OQ)))};
-  }
-  static V and_mask(V a, V m) { return {_mm512_and_ps(a.v, m.v)}; }
-  static V round_nearest(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
-  static V pow2i(V n) {
-    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
-  }
-  static V neg_abs(V a) { return {_mm512_or_ps(a.v, _mm512_set1_ps(-0.f))}; }
-  static V lt_zero_select(V g, V if_negative, V otherwise) {
-    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(g.v, _mm512_setzero_ps(), _CMP_LT_OQ), otherwise.v,
-                                 if_negative.v)};
-  }
-  static float hsum(V a) {
-    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1)));
-  }
-  static float hmax(V a) { return _mm512_reduce_max_ps(a.v); }
-  // out[j] = hsum(a[j]) for 16 vectors at once: the same additions as hsum (lanes i and i+8, then
-  // i and i+4, i and i+2, i and i+1) done for 16 sums in parallel by transposing as it folds.
-  static void hsum16(const V* a, float* out) {
-    __m512 t[8], u[4], v[2];
-    for (int m = 0; m < 8; ++m)  // fold 8: two sums per vector, 8 lanes each
-      t[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m].v, a[2 * m + 1].v, 0x44),
-                           _mm512_shuffle_f32x4(a[2 * m].v, a[2 * m + 1].v, 0xEE));
-    for (int m = 0; m < 4; ++m)  // fold 4: quarter c of u[m] is sum 4m + c
-      u[m] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0x88),
-                           _mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0xDD));
-    for (int m = 0; m < 2; ++m)  // fold 2, within each quarter
-      v[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44), _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xEE));
-    // fold 1: element 4q + e is sum 4e + q; put sum j at element j
-    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s));
-  }
-};
 #include "isa.h"
 }  // namespace avx512
 #pragma GCC pop_options
@@ -216,33 +56,7 @@ struct V {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")
 namespace avx512_vnni {
-using avx512::kLanes;
-using avx512::kPrefetch;
-using avx512::store_part;
-using avx512::V;
-constexpr int kRegs = 32, kRegsPerV = 1;
-
-struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k) per lane
-  __m512i v;
-  using Raw = __m512i;
-  using Wide = __m512i;
-  static constexpr int kWideOffset = 128;  // dot_wide sums u q for the stored u = w + 128
-  static VI zero() { return {_mm512_setzero_si512()}; }
-  static Raw load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static Raw low_nibbles(Raw a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
-  static Raw high_nibbles(Raw a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
-  static Wide wide(Raw a) { return a; }
-  static int32_t quad(const int8_t* p) {
-    int32_t q;
-    std::memcpy(&q, p, 4);
-    return q;
-  }
-  // lane n += sum over its 4 bytes u (unsigned) times the 4 signed bytes of x4
-  static VI dot(VI acc, Raw u, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, u, _mm512_set1_epi32(x4))}; }
-  static VI dot_wide(VI acc, Wide u, int32_t x4) { return dot(acc, u, x4); }
-  static VI sub(VI a, int32_t c) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(c))}; }
-  static V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
-};
+using avx512::store_tile;
 #include "quant.h"
 #include "kquant.h"
 }  // namespace avx512_vnni
@@ -252,109 +66,6 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-constexpr int kRegs = 16, kRegsPerV = 2;
-
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-struct V {  // lanes 0-7 in lo, 8-15 in hi
-  __m256 lo, hi;
-  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static V bcast(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
-  static V load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static void store(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
-  static V load_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
-  static V load_f16(const uint16_t* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-  }
-  static V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-  static V fnma(V a, V b, V c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
-  static V add(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-  static V sub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-  static V mul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-  static V div(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
-  static V max(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-  static V ge_mask(V a, V b) { return {_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ)}; }
-  static V and_mask(V a, V m) { return {_mm256_and_ps(a.lo, m.lo), _mm256_and_ps(a.hi, m.hi)}; }
-  static V round_nearest(V a) {
-    constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
-  }
-  static __m256 pow2i8(__m256 n) {
-    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-  }
-  static V pow2i(V n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
-  static V neg_abs(V a) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    return {_mm256_or_ps(a.lo, sign), _mm256_or_ps(a.hi, sign)};
-  }
-  static V lt_zero_select(V g, V if_negative, V otherwise) {
-    const __m256 z = _mm256_setzero_ps();
-    return {_mm256_blendv_ps(otherwise.lo, if_negative.lo, _mm256_cmp_ps(g.lo, z, _CMP_LT_OQ)),
-            _mm256_blendv_ps(otherwise.hi, if_negative.hi, _mm256_cmp_ps(g.hi, z, _CMP_LT_OQ))};
-  }
-  static float hsum(V a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
-  static float hmax(V a) {
-    const __m256 m = _mm256_max_ps(a.lo, a.hi);
-    __m128 b = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-    b = _mm_max_ss(b, _mm_movehdup_ps(b));
-    return _mm_cvtss_f32(b);
-  }
-  static void hsum16(const V* a, float* out) {
-    for (int j = 0; j < 16; ++j) out[j] = hsum(a[j]);
-  }
-};
-
-struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
-  __m256i lo, hi;
-  struct Raw {
-    __m256i lo, hi;
-  };
-  struct Wide {  // int8 codes w = u - 128 as |w| and w, for maddubs' unsigned x signed bytes
-    __m256i abs_lo, abs_hi, w_lo, w_hi;
-  };
-  static constexpr int kWideOffset = 0;  // dot_wide sums w q directly
-  static VI zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-  static Raw load(const uint8_t* p) {
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-  }
-  static __m256i nib(__m256i a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
-  static Raw low_nibbles(Raw a) { return {nib(a.lo), nib(a.hi)}; }
-  static Raw high_nibbles(Raw a) { return {nib(_mm256_srli_epi16(a.lo, 4)), nib(_mm256_srli_epi16(a.hi, 4))}; }
-  static Wide wide(Raw a) {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    const __m256i lo = _mm256_xor_si256(a.lo, flip), hi = _mm256_xor_si256(a.hi, flip);
-    return {_mm256_abs_epi8(lo), _mm256_abs_epi8(hi), lo, hi};
-  }
-  static int32_t quad(const int8_t* p) {
-    int32_t q;
-    std::memcpy(&q, p, 4);
-    return q;
-  }
-  // 8 lanes += the sums of 4 products u x (u unsigned, x signed, each pair's sum below 2^15: no saturation)
-  static __m256i dot8(__m256i acc, __m256i u, __m256i x) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-  }
-  static VI dot(VI acc, Raw u, int32_t x4) {  // u <= 15
-    const __m256i x = _mm256_set1_epi32(x4);
-    return {dot8(acc.lo, u.lo, x), dot8(acc.hi, u.hi, x)};
-  }
-  static VI dot_wide(VI acc, const Wide& w, int32_t x4) {  // |w| <= 128, |x| <= 127: w x = |w| (x signed by w)
-    const __m256i x = _mm256_set1_epi32(x4);
-    return {dot8(acc.lo, w.abs_lo, _mm256_sign_epi8(x, w.w_lo)), dot8(acc.hi, w.abs_hi, _mm256_sign_epi8(x, w.w_hi))};
-  }
-  static VI sub(VI a, int32_t c) {
-    const __m256i v = _mm256_set1_epi32(c);
-    return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
-  }
-  static V to_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-};
 #include "isa.h"
 #include "quant.h"
 #include "kquant.h"
@@ -387,8 +98,8 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
-const QuantOps kQuantVnni{"avx512_vnni", avx512_vnni::kquant_matmul};
-const QuantOps kQuantAvx2{"avx2", avx2::kquant_matmul};
+const QuantOps kQuantVnni{"avx512_vnni", avx512_vnni::kquant_matmul, avx512_vnni::quantize_row};
+const QuantOps kQuantAvx2{"avx2", avx2::kquant_matmul, avx2::quantize_row};
 
 bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 
@@ -402,7 +113,9 @@ int threads(int64_t bytes, int64_t rows) {
   return bytes * rows < (int64_t{1} << 20) ? 1 : thread_policy::threads(std::max(1, at::get_num_threads()));
 }
 
-const uint16_t* bf16_data(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+const uint16_t* bf16_data(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
 
 void check_packed(const torch::Tensor& w, int64_t K, int64_t N, const char* what) {
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 3 && w.size(2) == 16 && w.is_contiguous(),
@@ -475,10 +188,11 @@ struct QuantBuffer {
 
 // Y (M, N) = X (M, K) W^T [+ bias (N,)] [+ add (M, N)] on the threads the weight traffic calls for.
 void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* add, const float* bias) {
+  const int64_t P = (W.N + 15) / 16;
+  if (M == 0 || P == 0) return;  // nothing to compute (and no thread to run it on)
   const bool quantized = W.format != kBf16;
   QuantBuffer xq(quantized ? M : 0, quantized ? W.K : 0);
-  for (int64_t m = 0; quantized && m < M; ++m) quantize_row(X + m * W.K, W.K, xq.rows, m);
-  const int64_t P = (W.N + 15) / 16;
+  for (int64_t m = 0; quantized && m < M; ++m) g_quant->quantize_row(X + m * W.K, W.K, xq.rows, m);
   const int nt = static_cast<int>(std::min<int64_t>(threads(matrix_bytes(W), M), P));
 #pragma omp parallel num_threads(nt)
   {
@@ -513,8 +227,8 @@ void set_isa(const std::string& name) {
 }
 
 // y = x (..., K) @ W^T for a packed W in `format` with N outputs [+ bias (N,)] [+ add, same shape as y], fp32.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t format, int64_t N, const torch::Tensor& add,
-                     const torch::Tensor& bias) {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t format, int64_t N,
+                     const torch::Tensor& add, const torch::Tensor& bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "linear: x must be float32");
   const auto xs = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = xs.size(0), K = xs.size(1);
@@ -540,7 +254,8 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
               "quantize_rows: x must be (M, K) float32 with K a multiple of 32");
   const auto xs = x.contiguous();
   QuantBuffer out(xs.size(0), xs.size(1));
-  for (int64_t m = 0; m < xs.size(0); ++m) quantize_row(xs.data_ptr<float>() + m * xs.size(1), xs.size(1), out.rows, m);
+  for (int64_t m = 0; m < xs.size(0); ++m)
+    g_quant->quantize_row(xs.data_ptr<float>() + m * xs.size(1), xs.size(1), out.rows, m);
   return {out.q, out.d, out.sums};
 }
 
@@ -550,7 +265,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: w must have x's last dimension");
   const auto xs = x.contiguous();
   const auto ws = w.contiguous();
-  const int64_t K = xs.size(-1), M = xs.numel() / K;
+  const int64_t K = xs.size(-1), M = K ? xs.numel() / K : 0;
   auto y = torch::empty_like(xs);
   const float *X = xs.data_ptr<float>(), *Wt = ws.data_ptr<float>();
   float* Y = y.data_ptr<float>();
@@ -619,7 +334,8 @@ struct Stack {
       auto packed = [&](const char* name, int64_t K, int64_t N) -> Mat {
         const auto it = layer.find(name);
         const auto f = formats[i].find(name);
-        TORCH_CHECK(it != layer.end() && f != formats[i].end(), "Stack: a layer has no '", name, "' or no format for it");
+        TORCH_CHECK(it != layer.end() && f != formats[i].end(), "Stack: a layer has no '", name,
+                    "' or no format for it");
         owned.push_back(it->second);
         const Mat m = matrix(it->second, f->second, N, K, name);
         total_bytes += matrix_bytes(m);
@@ -648,7 +364,8 @@ struct Stack {
                                      const torch::Tensor& inv_freq, const torch::Tensor& tree,
                                      const std::vector<int64_t>& keep) {
     const auto& s = shape;
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.size(2) == s.C, "Stack: x must be (B, T, C) float32");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.size(2) == s.C,
+                "Stack: x must be (B, T, C) float32");
     const int64_t B = x.size(0), T = x.size(1), M = B * T, nl = static_cast<int64_t>(layers.size());
     for (const auto* c : {&k_cache, &v_cache})
       TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->is_contiguous() && c->dim() == 5 && c->size(1) == B &&
@@ -657,7 +374,8 @@ struct Stack {
     TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() && lengths.numel() == B,
                 "Stack: lengths must be (B,) int64");
     const bool given = positions.numel() > 0;
-    TORCH_CHECK(!given || (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == M),
+    TORCH_CHECK(!given ||
+                    (positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == M),
                 "Stack: positions must be (B, T) int64, or empty for each row's length + 0..T-1");
     TORCH_CHECK(inv_freq.scalar_type() == torch::kFloat32 && inv_freq.is_contiguous() && inv_freq.numel() == s.R / 2,
                 "Stack: inv_freq must be (R/2,) float32");
@@ -689,7 +407,8 @@ struct Stack {
     std::vector<Cache> caches;
     const int64_t per_layer = B * s.Hkv * S * s.D;
     for (int64_t l = 0; l < nl; ++l)
-      caches.push_back({k_cache.data_ptr<float>() + (layer0 + l) * per_layer, v_cache.data_ptr<float>() + (layer0 + l) * per_layer, S});
+      caches.push_back({k_cache.data_ptr<float>() + (layer0 + l) * per_layer,
+                        v_cache.data_ptr<float>() + (layer0 + l) * per_layer, S});
     const Window w{B, T, len, given ? positions.data_ptr<int64_t>() : nullptr, treed ? tree.data_ptr<bool>() : nullptr,
                          inv_freq.data_ptr<float>()};
     const Scratch scratch{h.data_ptr<float>(), qkv.data_ptr<float>(), y.data_ptr<float>(), gu.data_ptr<float>(),
@@ -721,7 +440,8 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
   const int64_t C = stack.shape.C;
   TORCH_CHECK(table.scalar_type() == torch::kFloat32 && table.is_contiguous() && table.dim() == 2 && table.size(1) == C,
               "draft_block: the embedding must be (V, C) contiguous float32");
-  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2, "draft_block: ids must be (B, W) int64");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && ids.dim() == 2,
+              "draft_block: ids must be (B, W) int64");
   TORCH_CHECK(columns.scalar_type() == torch::kInt64 && columns.is_contiguous() && columns.dim() == 2 &&
               columns.size(0) == ids.size(0), "draft_block: columns must be (B, m) int64");
   for (const auto* w : {&norm, &embed_norm, &prev_norm})
@@ -791,7 +511,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set the kernels run on: avx512 or avx2");
   m.def("quant_isa", &quant_isa, "the instruction set the quantized kernels run on: avx512_vnni or avx2");
   m.def("set_isa", &set_isa, "run on avx512 or avx2 (same results; for tests and measurements)");
-  m.def("linear", &linear, "x (..., K) fp32 times a packed matrix (format) with N outputs, transposed [+ bias] [+ add]");
+  m.def("linear", &linear,
+        "x (..., K) fp32 times a packed matrix (format) with N outputs, transposed [+ bias] [+ add]");
   m.def("quantize_rows", &quantize_rows, "x (M, K) quantized per block of 32 as the quantized kernels do: q, d, sums");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
   m.def("fma_peak", &fma_peak, "measured fp32 FMA GFLOP/s with N threads (the compute roof)");

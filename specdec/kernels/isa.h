@@ -1,13 +1,11 @@
-// The kernels, written once over a 16-lane fp32 vector `V` and included twice by cpu.cpp: once
-// compiled for AVX-512 (V = one zmm register), once for AVX2 + FMA (V = two ymm registers).
+// The kernels, written once over a 16-lane fp32 vector `V` and included twice by cpu.cpp: once in
+// namespace avx512 (V = one zmm register), once in namespace avx2 (V = two ymm registers), each
+// namespace's V, kRegs (vector registers) and kRegsPerV coming from vectors.h; the plain structs
+// (LayerWeights, Shape, Window, Cache, Scratch, Mat) from types.h, included before at file scope.
 //
 // Every value is computed by the same sequence of IEEE operations on both instruction sets, so
 // their results are bit-identical, and each output row is computed alone (see cpu.cpp). The
 // lane of an element is its index mod 16 in the loop that reduces it, whichever ISA runs.
-// Expects, defined before inclusion: the structs LayerWeights, Shape, Window and Cache, a vector
-// type V of 16 fp32 lanes (see cpu.cpp), kRegs (vector registers) and kRegsPerV.
-
-constexpr int kLanes = 16;
 
 // ------------------------------------------------------------------------------ elementwise
 
@@ -44,7 +42,8 @@ inline V silu_mul(V g, V u) { return V::mul(V::mul(g, sigmoid(g)), u); }
 
 // gelu_tanh(g) * u for 16 lanes: 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3).
 inline V gelu_tanh_mul(V g, V u) {
-  const V two_z = V::mul(g, V::fma(V::mul(g, g), V::bcast(1.5957691216057308f * 0.044715f), V::bcast(1.5957691216057308f)));
+  const V c = V::bcast(1.5957691216057308f), c3 = V::bcast(1.5957691216057308f * 0.044715f);
+  const V two_z = V::mul(g, V::fma(V::mul(g, g), c3, c));
   return V::mul(V::mul(g, sigmoid(two_z)), u);
 }
 
@@ -84,12 +83,34 @@ inline void rms_norm_row(const float* x, const float* w, float eps, int64_t K, f
 
 // ------------------------------------------------------------------------------ matrices
 
-constexpr int kPrefetch = 48;  // cache lines ahead in each panel stream
-
 // A packed matrix holds the bf16 weight W (N, K) as panels of 16 outputs: panel p is (K, 16),
 // element [k][l] = W[16 p + l][k] (zero past N). Output n of row m is the sum over k = 0..K-1,
 // in that order, of x[m][k] * W[n][k], one FMA at a time in its own lane: its value depends on
 // nothing but x[m] and W[n] — not on the row count, the tile shape, the thread split or the ISA.
+
+// A tile's sums (rows r0.., panels p0..) to Y: acc + bias, then add + that (the projection's bias
+// and the residual, each after the whole sum), the outputs past N left out.
+template <int R, int NB>
+inline void store_tile(const V (&acc)[R][NB], int64_t p0, int64_t r0, float* Y, int64_t ldy, int64_t N,
+                       const float* add, const float* bias) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n0 = (p0 + j) * kLanes;
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
+      V v = acc[r][j];
+      if (bias) {
+        alignas(64) float buf[kLanes] = {};
+        std::memcpy(buf, bias + n0, n * sizeof(float));
+        v = V::add(v, V::load(buf));
+      }
+      if (add) {
+        alignas(64) float buf[kLanes] = {};
+        std::memcpy(buf, add + (r0 + r) * ldy + n0, n * sizeof(float));
+        v = V::add(V::load(buf), v);
+      }
+      store_part(Y + (r0 + r) * ldy + n0, v, n);
+    }
+}
 
 // Rows r0..r0+R-1 of X against panels p0..p0+NB-1: R x NB accumulators held in registers, so
 // each weight load serves R rows and each row load serves NB panels.
@@ -112,24 +133,7 @@ inline void tile(const float* X, int64_t ldx, const uint16_t* W, int64_t K, int6
       for (int j = 0; j < NB; ++j) acc[r][j] = V::fma(xb, w[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n0 = (p0 + j) * kLanes;
-      const int n = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
-      float* y = Y + (r0 + r) * ldy + n0;
-      V v = acc[r][j];
-      if (bias) {  // the projection's bias: (x W^T)[m][n] + bias[n], after the whole sum
-        alignas(64) float buf[kLanes] = {};
-        std::memcpy(buf, bias + n0, n * sizeof(float));
-        v = V::add(v, V::load(buf));
-      }
-      if (add) {  // residual: add[m][n] + (x W^T)[m][n], after the whole sum
-        alignas(64) float buf[kLanes] = {};
-        std::memcpy(buf, add + (r0 + r) * ldy + n0, n * sizeof(float));
-        v = V::add(V::load(buf), v);
-      }
-      store_part(y, v, n);
-    }
+  store_tile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
 }
 
 // Panels per tile for a block of R rows: as many accumulators as the registers hold.
@@ -160,6 +164,7 @@ inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t
                           float* Y, int64_t ldy, const float* add, const float* bias, int64_t q0, int64_t q1) {
   // rows in blocks of nearly equal size (8 = 4 + 4, not 6 + 2), panels per tile as many as the
   // registers hold for the largest block; the row blocks of a tile reuse its panels from cache
+  if (M == 0) return;
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, rows = (M + blocks - 1) / blocks;
   const int G = panels_for(static_cast<int>(rows));
   for (int64_t p = q0; p < q1; p += G) {
@@ -265,23 +270,9 @@ inline void matmul(const Mat& W, const float* X, int64_t ldx, const QuantRows& x
     g_quant->matmul(xq, M, W, Y, ldy, add, bias, q0, q1);
 }
 
-// Runs `layers` over x (B*T, C) in place, inside an OpenMP parallel region (every thread calls
-// it; the steps are separated by barriers). kept[l], if not null, receives x after layer l.
-// Scratch (struct Scratch): h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, R) cos then
-// sin halves (R: the rotated dims of a head, its first ones), p (threads, p_stride) with p_stride >= S
-// rounded up to 16, plus T; and a quantized matrix's input rows (xq).
-inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, const Window& w,
-                           const Cache* caches, float* x, float* const* kept, const Scratch& sc) {
-  const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-  const int64_t M = w.B * w.T, C = s.C, D = s.D, half = s.R / 2, G = s.H / s.Hkv;
-  const int64_t E = (s.H + 2 * s.Hkv) * D, HD = s.H * D, F2 = 2 * s.F;
-  float *h = sc.h, *qkv = sc.qkv, *y = sc.y, *gu = sc.gu, *act = sc.act, *rope = sc.rope;
-  float* p = sc.p + tid * sc.p_stride;
-  int* visible = reinterpret_cast<int*>(p + sc.p_stride - w.T);  // new tokens a query sees (<= T ints)
-  const QuantRows& xq = sc.xq;
-  auto quantize = [&](const Mat& W, const float* row, int64_t m) {  // row m as W's quantized input
-    if (W.format != kBf16) quantize_row(row, W.K, xq, m);
-  };
+// The rotary table of the window's rows: rope (M, R), cos then sin halves, times the rotary factor.
+inline void rope_table(const Shape& s, const Window& w, float* rope) {
+  const int64_t M = w.B * w.T, half = s.R / 2;
 #pragma omp for schedule(static)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < half; ++i) {
@@ -290,75 +281,114 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
       rope[m * s.R + i] = std::cos(a) * s.rotary_factor;
       rope[m * s.R + half + i] = std::sin(a) * s.rotary_factor;
     }
+}
+
+// qkv (M, E) in place: [q/k norms,] rotary positions on queries and keys; keys and values to the cache.
+inline void rotate_and_cache(const LayerWeights& L, const Shape& s, const Window& w, const Cache& cache, float* qkv,
+                             const float* rope) {
+  const int64_t M = w.B * w.T, D = s.D, half = s.R / 2, E = (s.H + 2 * s.Hkv) * D;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = m / w.T, t = m % w.T, slot = w.lengths[b] + t;
+    const float *c = rope + m * s.R, *sn = rope + m * s.R + half;
+    for (int64_t hd = 0; hd < s.H + s.Hkv; ++hd) {
+      float* v = qkv + m * E + hd * D;
+      if (L.q_norm) rms_norm_row(v, hd < s.H ? L.q_norm : L.k_norm, s.eps, D, v);  // in place: x read before y written
+      for (int64_t i = 0; i < half; ++i) {
+        const float lo = v[i], hi = v[i + half];
+        v[i] = lo * c[i] - hi * sn[i];
+        v[i + half] = hi * c[i] + lo * sn[i];
+      }
+    }
+    for (int64_t kv = 0; kv < s.Hkv; ++kv) {
+      const int64_t at = ((b * s.Hkv + kv) * cache.S + slot) * D;
+      std::memcpy(cache.k + at, qkv + m * E + (s.H + kv) * D, D * sizeof(float));
+      std::memcpy(cache.v + at, qkv + m * E + (s.H + s.Hkv + kv) * D, D * sizeof(float));
+    }
+  }
+}
+
+// y (M, H D) = each query head's attention over its committed keys and the new ones it sees. p: this
+// thread's scratch (Scratch.p), its last T ints the new tokens a query sees.
+inline void attend(const Shape& s, const Window& w, const Cache& cache, const float* qkv, float* y, float* p,
+                   int64_t p_stride) {
+  const int64_t M = w.B * w.T, D = s.D, G = s.H / s.Hkv, E = (s.H + 2 * s.Hkv) * D, HD = s.H * D;
+  int* visible = reinterpret_cast<int*>(p + p_stride - w.T);
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < M * s.H; ++item) {  // (b, t, kv head, group member)
+    const int64_t m = item / s.H, head = item % s.H, kv = head / G, b = m / w.T, t = m % w.T;
+    const int64_t committed = w.lengths[b];
+    int64_t n_new = 0;
+    for (int64_t u = 0; u < w.T; ++u)
+      if (w.tree ? w.tree[(b * w.T + t) * w.T + u] : u <= t) visible[n_new++] = static_cast<int>(u);
+    const float* kb = cache.k + (b * s.Hkv + kv) * cache.S * D;
+    const float* vb = cache.v + (b * s.Hkv + kv) * cache.S * D;
+    auto key = [&](const float* base) {
+      return [=](int64_t i) { return base + (i < committed ? i : committed + visible[i - committed]) * D; };
+    };
+    attend_row(qkv + m * E + head * D, D, committed + n_new, key(kb), key(vb), 1.f / std::sqrt(static_cast<float>(D)),
+               p, y + m * HD + head * D);
+  }
+}
+
+// Row m of a matrix's input, quantized for W where W is quantized (Scratch.xq).
+inline void quantize_input(const Mat& W, const float* row, const QuantRows& xq, int64_t m) {
+  if (W.format != kBf16) g_quant->quantize_row(row, W.K, xq, m);
+}
+
+// x += the gated MLP of RMSNorm(x) (+ biases), for rows (M, C) of x.
+inline void mlp(const LayerWeights& L, const Shape& s, int64_t M, float* x, const Scratch& sc, int tid, int nt) {
+  const int64_t C = s.C, F2 = 2 * s.F;
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    rms_norm_row(x + m * C, L.norm2, s.eps, C, sc.h + m * C);
+    quantize_input(L.gate_up, sc.h + m * C, sc.xq, m);
+  }
+  matmul(L.gate_up, sc.h, C, sc.xq, M, sc.gu, F2, nullptr, L.gate_up_bias, tid, nt);
+#pragma omp barrier
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = sc.gu + m * F2;
+    blocks16(g, s.F, [&](int64_t c, V gv, int n) {
+      alignas(64) float ub[kLanes] = {};
+      std::memcpy(ub, g + s.F + c, n * sizeof(float));
+      store_part(sc.act + m * s.F + c, s.activation == 0 ? silu_mul(gv, V::load(ub)) : gelu_tanh_mul(gv, V::load(ub)),
+                 n);
+    });
+    quantize_input(L.down, sc.act + m * s.F, sc.xq, m);
+  }
+  matmul(L.down, sc.act, s.F, sc.xq, M, x, C, x, L.down_bias, tid, nt);  // x += act W_down^T [+ b_down]
+#pragma omp barrier
+}
+
+// Runs `layers` over x (B*T, C) in place, inside an OpenMP parallel region (every thread calls
+// it; the steps are separated by barriers). kept[l], if not null, receives x after layer l.
+// Scratch (struct Scratch): h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, R) cos then
+// sin halves (R: the rotated dims of a head, its first ones), p (threads, p_stride) with p_stride >= S
+// rounded up to 16, plus T; and a quantized matrix's input rows (xq).
+inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, const Window& w,
+                           const Cache* caches, float* x, float* const* kept, const Scratch& sc) {
+  const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+  const int64_t M = w.B * w.T, C = s.C, E = (s.H + 2 * s.Hkv) * s.D, HD = s.H * s.D;
+  rope_table(s, w, sc.rope);
   for (int l = 0; l < nl; ++l) {
     const LayerWeights& L = layers[l];
-    const Cache& cache = caches[l];
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
-      rms_norm_row(x + m * C, L.norm1, s.eps, C, h + m * C);
-      quantize(L.qkv, h + m * C, m);
+      rms_norm_row(x + m * C, L.norm1, s.eps, C, sc.h + m * C);
+      quantize_input(L.qkv, sc.h + m * C, sc.xq, m);
     }
-    matmul(L.qkv, h, C, xq, M, qkv, E, nullptr, L.qkv_bias, tid, nt);
+    matmul(L.qkv, sc.h, C, sc.xq, M, sc.qkv, E, nullptr, L.qkv_bias, tid, nt);
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {  // [q/k norms,] rotary positions on queries and keys; keys and values to the cache
-      const int64_t b = m / w.T, t = m % w.T, slot = w.lengths[b] + t;
-      const float *c = rope + m * s.R, *sn = rope + m * s.R + half;
-      for (int64_t hd = 0; hd < s.H + s.Hkv; ++hd) {
-        float* v = qkv + m * E + hd * D;
-        if (L.q_norm) rms_norm_row(v, hd < s.H ? L.q_norm : L.k_norm, s.eps, D, v);  // in place: x read before y written
-        for (int64_t i = 0; i < half; ++i) {
-          const float lo = v[i], hi = v[i + half];
-          v[i] = lo * c[i] - hi * sn[i];
-          v[i + half] = hi * c[i] + lo * sn[i];
-        }
-      }
-      for (int64_t kv = 0; kv < s.Hkv; ++kv) {
-        const int64_t at = ((b * s.Hkv + kv) * cache.S + slot) * D;
-        std::memcpy(cache.k + at, qkv + m * E + (s.H + kv) * D, D * sizeof(float));
-        std::memcpy(cache.v + at, qkv + m * E + (s.H + s.Hkv + kv) * D, D * sizeof(float));
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < M * s.H; ++item) {  // (b, t, kv head, group member)
-      const int64_t m = item / s.H, head = item % s.H, kv = head / G, b = m / w.T, t = m % w.T;
-      const int64_t committed = w.lengths[b];
-      int64_t n_new = 0;
-      for (int64_t u = 0; u < w.T; ++u)
-        if (w.tree ? w.tree[(b * w.T + t) * w.T + u] : u <= t) visible[n_new++] = static_cast<int>(u);
-      const float* kb = cache.k + (b * s.Hkv + kv) * cache.S * D;
-      const float* vb = cache.v + (b * s.Hkv + kv) * cache.S * D;
-      auto key = [&](const float* base) {
-        return [=](int64_t i) { return base + (i < committed ? i : committed + visible[i - committed]) * D; };
-      };
-      attend_row(qkv + m * E + head * D, D, committed + n_new, key(kb), key(vb), 1.f / std::sqrt(static_cast<float>(D)),
-                 p, y + m * HD + head * D);
-    }
+    rotate_and_cache(L, s, w, caches[l], sc.qkv, sc.rope);
+    attend(s, w, caches[l], sc.qkv, sc.y, sc.p + tid * sc.p_stride, sc.p_stride);
     if (L.o.format != kBf16) {
 #pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) quantize(L.o, y + m * HD, m);
+      for (int64_t m = 0; m < M; ++m) quantize_input(L.o, sc.y + m * HD, sc.xq, m);
     }
-    matmul(L.o, y, HD, xq, M, x, C, x, L.o_bias, tid, nt);  // x += y W_o^T [+ b_o]
+    matmul(L.o, sc.y, HD, sc.xq, M, x, C, x, L.o_bias, tid, nt);  // x += y W_o^T [+ b_o]
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      rms_norm_row(x + m * C, L.norm2, s.eps, C, h + m * C);
-      quantize(L.gate_up, h + m * C, m);
-    }
-    matmul(L.gate_up, h, C, xq, M, gu, F2, nullptr, L.gate_up_bias, tid, nt);
-#pragma omp barrier
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      const float* g = gu + m * F2;
-      blocks16(g, s.F, [&](int64_t c, V gv, int n) {
-        alignas(64) float ub[kLanes] = {};
-        std::memcpy(ub, g + s.F + c, n * sizeof(float));
-        store_part(act + m * s.F + c, s.activation == 0 ? silu_mul(gv, V::load(ub)) : gelu_tanh_mul(gv, V::load(ub)), n);
-      });
-      quantize(L.down, act + m * s.F, m);
-    }
-    matmul(L.down, act, s.F, xq, M, x, C, x, L.down_bias, tid, nt);  // x += act W_down^T [+ b_down]
-#pragma omp barrier
+    mlp(L, s, M, x, sc, tid, nt);
     if (kept[l]) {
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) std::memcpy(kept[l] + m * C, x + m * C, C * sizeof(float));

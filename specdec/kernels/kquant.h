@@ -1,6 +1,6 @@
 // Matrices in llama.cpp's K-quants as GGUF files store them (Q4_K, Q6_K: super-blocks of 256 weights),
 // times activation rows quantized per block of 32 to int8 as for the other quantized formats
-// (quantize_row in cpu.cpp): written once over the 16-lane int32 vector `VI` and included by
+// (quantize_row in quant.h): written once over the 16-lane int32 vector `VI` and included by
 // cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
 // format: the K-quants here, the others by quant.h (Q5_0 is packed as Q8_0's bytes, blocks.pack), and a
 // matrix whose outputs come in runs of different formats (kMixed: a fused q/k/v whose v is stored in
@@ -39,29 +39,6 @@ inline void first_half_sums(const QuantRows& x, int64_t M, std::vector<int32_t>&
       int32_t sum = 0;
       for (int k = 0; k < 16; ++k) sum += q[k];
       out[m * x.blocks + b] = sum;
-    }
-}
-
-// Output tile (rows r0.., panels p0..): acc [+ bias] [+ add] stored, as quant.h's qtile does.
-template <int R, int NB>
-inline void store_ktile(V (&acc)[R][NB], int64_t p0, int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add,
-                        const float* bias) {
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n0 = (p0 + j) * kLanes;
-      const int n = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
-      V v = acc[r][j];
-      if (bias) {
-        alignas(64) float buf[kLanes] = {};
-        std::memcpy(buf, bias + n0, n * sizeof(float));
-        v = V::add(v, V::load(buf));
-      }
-      if (add) {
-        alignas(64) float buf[kLanes] = {};
-        std::memcpy(buf, add + (r0 + r) * ldy + n0, n * sizeof(float));
-        v = V::add(V::load(buf), v);
-      }
-      store_part(Y + (r0 + r) * ldy + n0, v, n);
     }
 }
 
@@ -181,7 +158,7 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
         q6_k_block<R, NB>(k, x, halves, d, acc);
     }
   }
-  store_ktile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
+  store_tile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
 }
 
 template <int I, int R, int NB>
@@ -193,14 +170,22 @@ inline void ktile_nb(int nb, const QuantRows& x, const int32_t* halves, const ui
   }
 }
 
+// The K-quant tiles' shape: panels per tile for R rows (a float and an int accumulator per (row,
+// panel), one code vector (two for the nibbles) per panel), and the most rows per tile.
+constexpr int kpanels_for(int R) {
+  const int n = (kRegs - 4) / ((2 * R + 2) * kRegsPerV);
+  return n < 1 ? 1 : n > 4 ? 4 : n;
+}
+constexpr int kMaxKRows = kRegs >= 32 ? 4 : 2;
+
 // Y (M, N) = the product of x's M rows and the panels [q0, q1) of a K-quant W [+ bias] [+ add].
 template <int I>
 inline void kmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
                            const float* bias, int64_t q0, int64_t q1) {
   thread_local std::vector<int32_t> halves;
   if constexpr (I == 1) first_half_sums(x, M, halves);
-  const int64_t blocks = (M + kMaxQRows - 1) / kMaxQRows, rows = (M + blocks - 1) / blocks;
-  const int G = qpanels_for(static_cast<int>(rows));
+  const int64_t blocks = (M + kMaxKRows - 1) / kMaxKRows, rows = (M + blocks - 1) / blocks;
+  const int G = kpanels_for(static_cast<int>(rows));
   const uint8_t* data = static_cast<const uint8_t*>(W.data);
   const int64_t nsuper = W.K / kSuper;
   const int32_t* h = halves.data();
@@ -208,10 +193,10 @@ inline void kmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y
     const int nb = static_cast<int>(std::min<int64_t>(G, q1 - p));
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
       switch (static_cast<int>(std::min<int64_t>(rows, M - r0))) {
-        case 1: ktile_nb<I, 1, qpanels_for(1)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
-        case 2: ktile_nb<I, 2, qpanels_for(2)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
-        case 3: ktile_nb<I, 3, qpanels_for(3)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
-        default: ktile_nb<I, kMaxQRows, qpanels_for(kMaxQRows)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias);
+        case 1: ktile_nb<I, 1, kpanels_for(1)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 2: ktile_nb<I, 2, kpanels_for(2)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 3: ktile_nb<I, 3, kpanels_for(3)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        default: ktile_nb<I, kMaxKRows, kpanels_for(kMaxKRows)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias);
       }
     }
   }

@@ -1,11 +1,12 @@
 // Matrices stored in blocks of 32 quantized weights along K (llama.cpp's Q8_0, Q4_0, Q4_1), times
-// activation rows quantized per block to int8: written once over a 16-lane int32 vector `VI` and
-// included by cpu.cpp for AVX-512 VNNI and for AVX2.
+// activation rows quantized per block to int8: written once over the 16-lane vectors V and VI of
+// the including namespace (vectors.h: AVX-512 VNNI, AVX2) and included by cpu.cpp for each; the
+// plain structs (Mat, QuantRows) from types.h; store_tile from isa.h.
 //
 // The arithmetic (what makes a row's result independent of everything but that row and the
 // matrix, and identical on both instruction sets): row m's block b of 32 inputs is quantized to
-// q[m][k] = round_half_even(x[m][k] / dx) in [-127, 127], dx = max|x| / 127 (quantize_row in
-// cpu.cpp, scalar and shared). Output n of row m is the fp32 sum over blocks b = 0.. in order of
+// q[m][k] = round_half_even(x[m][k] / dx) in [-127, 127], dx = max|x| / 127 (quantize_row).
+// Output n of row m is the fp32 sum over blocks b = 0.. in order of
 //   Q8_0, Q4_0:  (d[n][b] * dx[m][b]) * float(s)                        s = sum_k w[n][k] q[m][k]
 //   Q4_1:        (d[n][b] * dx[m][b]) * float(s) + (mn[n][b] * dx[m][b]) * float(sum_k q[m][k])
 // one mul and one add at a time (no FMA), starting from 0; w is the signed weight (Q8_0: int8,
@@ -14,106 +15,144 @@
 // The kernels compute s as sum_k u q - o sum_k q from the stored unsigned codes u = w + o.
 //
 // Packed layout of a matrix (N, K): panels of 16 outputs (zero past N); panel p is K/32 blocks of
-// kBlockBytes[format] bytes: 16 fp16 scales d, [Q4_1: 16 fp16 mins mn,] then the codes, 64 bytes
+// kPanelBlockBytes[format] bytes: 16 fp16 scales d, [Q4_1: 16 fp16 mins mn,] then the codes, 64 bytes
 // per vector load where lane n (4 bytes) holds 4 consecutive k of output n:
 //   Q8_0: 8 loads, load j = k 4j..4j+3 of the block, u = w + 128
 //   Q4_x: 4 loads, load i: low nibbles k 4i..4i+3, high nibbles k 16+4i..16+4i+3
-// Expects, defined before inclusion: V, VI (see cpu.cpp), kLanes, store_part, kRegs, kRegsPerV.
+//
+// A tile is R rows x NB panels: each block's codes are loaded and unpacked once per tile and serve
+// its R rows; a row's 4 activation bytes are broadcast once and serve its NB panels. On AVX2 a Q4
+// block's products are summed in int16 lanes and widened once per block (vectors.h: VI::Sum).
 
 constexpr int kPanelHeader[4] = {0, 32, 32, 64};  // bytes of scales (and mins) per panel block
+
+// Row m of `rows` from x (K values, K a multiple of 32), per block of 32: dx = max|x| / 127 and
+// q = round_half_even(x (1 / dx)) (0 where dx is 0), as kernels/blocks.py's quantize_rows. A block
+// whose largest magnitude is below 2^-64 is first scaled by 2^64 (exact), so that 1 / dx neither
+// overflows nor comes from a denormal: its q are round_half_even((2^64 x) (1 / ((2^64 max|x|) / 127)))
+// and its dx stays max|x| / 127. Where dx is a normal float the scaling cancels exactly: the q are
+// those of the unscaled formula. Every 1 / dx is thus that of a normal float, |x (1 / dx)| <= 127
+// (1 + 2^-22) rounds to at most 127, and q needs no clamp. A block holding inf or NaN gets q = 0
+// and dx = NaN, so its row's outputs are NaN, as fp32 arithmetic would make them.
+inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64_t m) {
+  int8_t* q = rows.q + m * rows.ld;
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const V lo = V::load(x + b * kBlock), hi = V::load(x + b * kBlock + kLanes);
+    const int32_t top = VI::max_abs_bits(lo, hi);
+    const bool finite = top < 0x7F800000;
+    float amax;
+    std::memcpy(&amax, &top, sizeof amax);
+    const float d = finite ? amax / 127.f : NAN;
+    int32_t sum = 0;
+    if (finite && d != 0.f) {
+      const float scale = amax < 0x1p-64f ? 0x1p64f : 1.f;
+      const V s = V::bcast(scale), inv = V::bcast(1.f / (amax * scale / 127.f));
+      sum = VI::to_int8(V::mul(V::mul(lo, s), inv), q + b * kBlock) +
+            VI::to_int8(V::mul(V::mul(hi, s), inv), q + b * kBlock + kLanes);
+    } else {
+      std::memset(q + b * kBlock, 0, kBlock);
+    }
+    rows.d[m * rows.blocks + b] = d;
+    rows.sums[m * rows.blocks + b] = sum;
+  }
+}
+
+// The exact integer sums s[r][j] of one block: rows xq[0..R-1] (their 32 int8 of this block) against
+// the codes of NB panels at block + j stride.
+template <int F, int R, int NB>
+inline void qsums(const uint8_t* block, int64_t stride, const int8_t* const (&xq)[R], VI (&s)[R][NB]) {
+  if constexpr (F == kQ8_0) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
+    for (int i = 0; i < 8; ++i) {
+      typename VI::Wide w[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = block + j * stride + kPanelHeader[F] + i * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
+        w[j] = VI::wide(VI::load(p));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t x4 = VI::quad(xq[r] + 4 * i);
+        for (int j = 0; j < NB; ++j) s[r][j] = VI::dot_wide(s[r][j], w[j], x4);
+      }
+    }
+  } else {
+    typename VI::Sum t[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) t[r][j] = VI::sum_zero();
+#pragma GCC unroll 1  // unrolled, GCC reassociates the int16 sums and spills every product
+    for (int i = 0; i < 4; ++i) {
+      typename VI::Raw lo[NB], hi[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = block + j * stride + kPanelHeader[F] + i * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
+        const auto v = VI::load(p);
+        lo[j] = VI::low_nibbles(v);
+        hi[j] = VI::high_nibbles(v);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t xlo = VI::quad(xq[r] + 4 * i), xhi = VI::quad(xq[r] + 16 + 4 * i);
+        for (int j = 0; j < NB; ++j) t[r][j] = VI::dot_nibbles(VI::dot_nibbles(t[r][j], lo[j], xlo), hi[j], xhi);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) s[r][j] = VI::finish(t[r][j]);
+  }
+}
+
+// acc[r][j] += block b's fp32 term (see the top) for rows r0.. and the panels whose headers (scales,
+// Q4_1's mins) are at block + j stride.
+template <int F, int R, int NB>
+inline void qterms(const uint8_t* block, int64_t stride, const QuantRows& x, int64_t r0, int64_t b,
+                   const VI (&s)[R][NB], V (&acc)[R][NB]) {
+  constexpr int offset = F == kQ8_0 ? VI::kWideOffset : F == kQ4_0 ? 8 : 0;  // o in s = sum u q - o sum q
+  for (int j = 0; j < NB; ++j) {
+    const uint8_t* head = block + j * stride;
+    const V d = V::load_f16(reinterpret_cast<const uint16_t*>(head));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * x.blocks + b;
+      const V dx = V::bcast(x.d[at]);
+      const int32_t qsum = x.sums[at];
+      if constexpr (F == kQ4_1) {
+        const V mn = V::load_f16(reinterpret_cast<const uint16_t*>(head + 32));
+        const V part = V::add(V::mul(V::mul(d, dx), VI::to_float(s[r][j])),
+                              V::mul(V::mul(mn, dx), V::bcast(static_cast<float>(qsum))));
+        acc[r][j] = V::add(acc[r][j], part);
+      } else {
+        const VI exact = offset ? VI::sub(s[r][j], offset * qsum) : s[r][j];
+        acc[r][j] = V::add(acc[r][j], V::mul(V::mul(d, dx), VI::to_float(exact)));
+      }
+    }
+  }
+}
 
 // Rows r0..r0+R-1 (quantized) against panels p0..p0+NB-1 of a matrix in format F.
 template <int F, int R, int NB>
 inline void qtile(const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t p0, int64_t r0, float* Y,
                   int64_t ldy, int64_t N, const float* add, const float* bias) {
   constexpr int64_t PB = kPanelBlockBytes[F];
-  constexpr int offset = F == kQ8_0 ? VI::kWideOffset : F == kQ4_0 ? 8 : 0;  // o in s = sum u q - o sum q
   const int64_t stride = nblocks * PB;  // bytes of one panel
   V acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* block = W + p0 * stride + b * PB;
-    VI s[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
     const int8_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = x.q + (r0 + r) * x.ld + b * kBlock;
-    if constexpr (F == kQ8_0) {
-      for (int i = 0; i < 8; ++i) {
-        typename VI::Wide w[NB];
-        for (int j = 0; j < NB; ++j) {
-          const uint8_t* p = block + j * stride + kPanelHeader[F] + i * 64;
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
-          w[j] = VI::wide(VI::load(p));
-        }
-        for (int r = 0; r < R; ++r) {
-          const int32_t x4 = VI::quad(xq[r] + 4 * i);
-          for (int j = 0; j < NB; ++j) s[r][j] = VI::dot_wide(s[r][j], w[j], x4);
-        }
-      }
-    } else {
-      for (int i = 0; i < 4; ++i) {
-        typename VI::Raw lo[NB], hi[NB];
-        for (int j = 0; j < NB; ++j) {
-          const uint8_t* p = block + j * stride + kPanelHeader[F] + i * 64;
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
-          const auto v = VI::load(p);
-          lo[j] = VI::low_nibbles(v);
-          hi[j] = VI::high_nibbles(v);
-        }
-        for (int r = 0; r < R; ++r) {
-          const int32_t xlo = VI::quad(xq[r] + 4 * i), xhi = VI::quad(xq[r] + 16 + 4 * i);
-          for (int j = 0; j < NB; ++j) s[r][j] = VI::dot(VI::dot(s[r][j], lo[j], xlo), hi[j], xhi);
-        }
-      }
-    }
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* head = block + j * stride;
-      const V d = V::load_f16(reinterpret_cast<const uint16_t*>(head));
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (r0 + r) * x.blocks + b;
-        const V dx = V::bcast(x.d[at]);
-        const int32_t qsum = x.sums[at];
-        if constexpr (F == kQ4_1) {
-          const V mn = V::load_f16(reinterpret_cast<const uint16_t*>(head + 32));
-          const V part = V::add(V::mul(V::mul(d, dx), VI::to_float(s[r][j])),
-                                V::mul(V::mul(mn, dx), V::bcast(static_cast<float>(qsum))));
-          acc[r][j] = V::add(acc[r][j], part);
-        } else {
-          const VI exact = offset ? VI::sub(s[r][j], offset * qsum) : s[r][j];
-          acc[r][j] = V::add(acc[r][j], V::mul(V::mul(d, dx), VI::to_float(exact)));
-        }
-      }
-    }
+    VI s[R][NB];
+    qsums<F, R, NB>(block, stride, xq, s);
+    qterms<F, R, NB>(block, stride, x, r0, b, s, acc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) {
-      const int64_t n0 = (p0 + j) * kLanes;
-      const int n = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
-      float* y = Y + (r0 + r) * ldy + n0;
-      V v = acc[r][j];
-      if (bias) {
-        alignas(64) float buf[kLanes] = {};
-        std::memcpy(buf, bias + n0, n * sizeof(float));
-        v = V::add(v, V::load(buf));
-      }
-      if (add) {
-        alignas(64) float buf[kLanes] = {};
-        std::memcpy(buf, add + (r0 + r) * ldy + n0, n * sizeof(float));
-        v = V::add(V::load(buf), v);
-      }
-      store_part(y, v, n);
-    }
+  store_tile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
 }
 
-// Panels per tile for R rows: a float and an int accumulator per (row, panel), one code vector
-// (two for the nibbles) per panel.
-constexpr int qpanels_for(int R) {
-  const int n = (kRegs - 4) / ((2 * R + 2) * kRegsPerV);
-  return n < 1 ? 1 : n > 4 ? 4 : n;
-}
-constexpr int kMaxQRows = kRegs >= 32 ? 4 : 2;  // rows per block: AVX2's 16 registers hold 2 rows' accumulators
+// Tile shapes, measured (SmolLM2-135M's matrices, one thread): one panel per tile, whose codes stream
+// through the cache once per tile (on AVX-512 four panels at a time read a matrix that does not fit in
+// L2 40% slower at 1 and 4 rows); rows per tile as many as the registers hold the int sums of:
+// AVX2's 16 the int16 sums of 4 rows (two registers each) beside the panel's codes, AVX-512's 32 those of 8.
+// The fp32 sums, touched once per block, may live in L1.
+constexpr int kMaxQRows = kRegs >= 32 ? 8 : 4;
+constexpr int qpanels_for(int) { return 1; }
 
 template <int F, int R, int NB>
 inline void qtile_nb(int nb, const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t p0, int64_t r0, float* Y,
@@ -124,24 +163,30 @@ inline void qtile_nb(int nb, const QuantRows& x, const uint8_t* W, int64_t nbloc
   }
 }
 
+// A tile of `rows` rows (1..R) and `nb` panels (1..qpanels_for(rows)).
+template <int F, int R>
+inline void qtile_rows(int rows, int nb, const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t p0,
+                       int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
+  if constexpr (R >= 1) {
+    if (rows == R) return qtile_nb<F, R, qpanels_for(R)>(nb, x, W, nblocks, p0, r0, Y, ldy, N, add, bias);
+    return qtile_rows<F, R - 1>(rows, nb, x, W, nblocks, p0, r0, Y, ldy, N, add, bias);
+  }
+}
+
 // Y (M, N) = the quantized product of x's M rows and the panels [q0, q1) of W [+ bias] [+ add].
 template <int F>
 inline void qmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
                            const float* bias, int64_t q0, int64_t q1) {
+  if (M == 0) return;
   const int64_t blocks = (M + kMaxQRows - 1) / kMaxQRows, rows = (M + blocks - 1) / blocks;
   const int G = qpanels_for(static_cast<int>(rows));
   const uint8_t* data = static_cast<const uint8_t*>(W.data);
   const int64_t nblocks = W.K / kBlock;
   for (int64_t p = q0; p < q1; p += G) {
     const int nb = static_cast<int>(std::min<int64_t>(G, q1 - p));
-    for (int64_t r0 = 0; r0 < M; r0 += rows) {
-      switch (static_cast<int>(std::min<int64_t>(rows, M - r0))) {
-        case 1: qtile_nb<F, 1, qpanels_for(1)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias); break;
-        case 2: qtile_nb<F, 2, qpanels_for(2)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias); break;
-        case 3: qtile_nb<F, 3, qpanels_for(3)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias); break;
-        default: qtile_nb<F, kMaxQRows, qpanels_for(kMaxQRows)>(nb, x, data, nblocks, p, r0, Y, ldy, W.N, add, bias);
-      }
-    }
+    for (int64_t r0 = 0; r0 < M; r0 += rows)
+      qtile_rows<F, kMaxQRows>(static_cast<int>(std::min<int64_t>(rows, M - r0)), nb, x, data, nblocks, p, r0, Y, ldy,
+                               W.N, add, bias);
   }
 }
 

@@ -99,10 +99,12 @@ def store_matrices(module: nn.Module, format: str | None = "bf16",
     given = given or {}
     for name, m in module.named_modules():
         if isinstance(m, Linear) and (name in given or format is not None):
-            why = None if format == "bf16" or name in given else kernels.quant.blocking_error(format, m.in_features)
+            why = kernels.storing_error(m.weight, format, given.get(name))
             if why is not None:
-                raise SpecdecError(f"cannot quantize {name} ({m.out_features} x {m.in_features}) to {format}: {why}; "
-                                   "use bf16 (no --quantize) for this model")
+                shape = f"{name} ({m.out_features} x {m.in_features})"
+                what = f"run {shape} as stored ({given[name].format})" if name in given else \
+                    f"quantize {shape} to {format}"
+                raise SpecdecError(f"cannot {what}: {why}")
             m.store(format, given.get(name))
     if isinstance(module, LlamaForCausalLM) and module.config.tie_word_embeddings and module.lm_head.stored is not None \
             and module.lm_head.stored.quantized:

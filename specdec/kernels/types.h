@@ -1,0 +1,88 @@
+// What the kernels share whatever instruction set runs them: how a matrix is stored, the rows a
+// quantized matrix multiplies, a model's decoder layers, the window of new tokens and its cache.
+// Plain data, no vector types: cpu.cpp includes it once at file scope, before the vector types
+// (vectors.h) and the kernels written over them (isa.h, quant.h).
+#pragma once
+
+#include <cstdint>
+
+constexpr int kLanes = 16;     // fp32 lanes of a vector V, outputs per packed panel (kernels.LANES)
+constexpr int kPrefetch = 48;  // cache lines ahead in each stream of packed weights
+
+// How a matrix is stored (kernels.FORMATS): bf16 panels (isa.h) or blocks of 32 quantized weights (quant.h).
+// K-quants and kMixed (runs of outputs in different quantized formats): kquant.h
+enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5, kMixed = 6 };
+constexpr int64_t kBlock = 32;  // weights per quantized block, along K
+constexpr int64_t kPanelBlockBytes[6] = {0, 32 + 512, 32 + 256, 64 + 256, 296, 548};  // 16 outputs x 32 k (quant.h)
+constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
+
+struct Mat {  // a packed matrix of N outputs from K inputs
+  int format;
+  const void* data;
+  int64_t N, K;
+};
+
+// Activation rows quantized per block of 32 for a quantized matrix: row m's values q + m ld (int8),
+// its blocks' scales d + m blocks and sums of q sums + m blocks.
+struct QuantRows {
+  int8_t* q;
+  float* d;
+  int32_t* sums;
+  int64_t ld, blocks;
+};
+
+// The quantized kernels of one instruction set (quant.h), chosen for this CPU (cpu.cpp's dispatch).
+struct QuantOps {
+  const char* name;
+  // Y (M, N) = the rows x (quantized) times the panels [q0, q1) of W [+ bias (N,)] [+ add (M, N)]
+  void (*matmul)(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
+                 const float* bias, int64_t q0, int64_t q1);
+  // row m of `rows` from the first K values (K a multiple of 32) at x
+  void (*quantize_row)(const float* x, int64_t K, const QuantRows& rows, int64_t m);
+};
+extern const QuantOps* g_quant;
+
+// What the decoder layers read and write. Biases and q/k norms are null where the architecture has none.
+struct LayerWeights {
+  const float* norm1;       // (C,) the input norm's scale (its offset added: Gemma's 1 + w)
+  Mat qkv;                  // E = (H + 2 Hkv) D outputs from C
+  const float* qkv_bias;    // (E,)
+  Mat o;                    // C outputs from H D
+  const float* o_bias;      // (C,)
+  const float* norm2;       // (C,)
+  Mat gate_up;              // 2F outputs from C: F gate, then F up
+  const float* gate_up_bias;  // (2F,)
+  Mat down;                 // C outputs from F
+  const float* down_bias;   // (C,)
+  const float* q_norm;      // (D,) per-head RMSNorm of queries before rotation (Qwen3)
+  const float* k_norm;      // (D,) of keys
+};
+
+// The architecture's arithmetic (model.Arch, filled in by kernels.stack).
+struct Shape {
+  int64_t C = 0, H = 0, Hkv = 0, D = 0, F = 0;
+  int64_t R = 0;              // rotated dims of each head (its first ones; D but for partial rotary)
+  float eps = 0;
+  float rotary_factor = 1.f;  // on cos and sin (yarn's attention factor)
+  int64_t activation = 0;     // of the gate: 0 silu, 1 gelu (tanh approximation)
+};
+
+struct Window {  // the new tokens of one forward and where their keys and values go
+  int64_t B, T;
+  const int64_t* lengths;    // (B,) committed cache entries per row: new token t goes to slot lengths[b] + t
+  const int64_t* positions;  // (B, T) rotary positions; null: lengths[b] + t
+  const bool* tree;          // (B, T, T) which new tokens each new token sees (itself included); null: causal
+  const float* inv_freq;     // (R/2,)
+};
+
+struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each
+  float* k;
+  float* v;
+  int64_t S;
+};
+
+struct Scratch {  // one forward's intermediate rows (see isa.h's decoder_layers)
+  float *h, *qkv, *y, *gu, *act, *rope, *p;
+  int64_t p_stride;
+  QuantRows xq;  // a quantized matrix's input rows
+};
