@@ -498,7 +498,7 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
     counts = torch.from_numpy(np.bincount(data.tokens, minlength=head.config.vocab_size)).to(torch.int64)
     head.token_counts = counts if head.token_counts is None else head.token_counts.to(torch.int64) + counts
     points = curve(out)
-    meta = {"recipe": {"longrun": asdict(cfg), "init": shown_path(Path(cfg.init))}, "recipe_command": command,
+    meta = {"recipe": {"longrun": {**asdict(cfg), "init": shown_path(Path(cfg.init))}}, "recipe_command": command,
             "target": shown_path(folder), "speculators": speculators_metadata(head, shown_path(folder), cfg.steps),
             "objective": (f"KL(target || head) over the {head.draft_vocab_size}-token draft vocabulary, unrolled "
                           f"{cfg.steps} draft steps on its own outputs (training-time test), step j weighted "
