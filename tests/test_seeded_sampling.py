@@ -189,8 +189,9 @@ def toy():
     from specdec.api import TOY_TARGET, encode_prompts, load
     target = load(TOY_TARGET)
     prompts = encode_prompts(target, TOY_PROMPTS, 32)
-    plain = {seed: [r.tokens for r in plain_generate(target.model, prompts, StopRule(32), SamplingConfig(1.0, seed=seed),
-                                                     torch.Generator())[0]] for seed in (0, 1, 2)}
+    plain = {seed: [r.tokens for r in plain_generate(target.model, prompts, StopRule(32),
+                                                     SamplingConfig(1.0, seed=seed), torch.Generator())[0]]
+             for seed in (0, 1, 2)}
     return target, prompts, plain
 
 

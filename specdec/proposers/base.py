@@ -61,9 +61,9 @@ class DraftVocabulary:
 
 def catch_up(model, context: int, state, limit: list[int], keep: int) -> None:
     """Feed each drafting row's (limit[b] > 0) pending tokens but its last `keep` into its draft KV
-    cache, at most FEED columns per forward of `model` (of `context` positions; rows with fewer are padded; the padding
-    is rolled back); they become committed. `state` has `pending` (per row, tokens not yet in the
-    cache), `committed` (per row, the cache's length) and `cache`."""
+    cache, at most FEED columns per forward of `model` (of `context` positions; rows with fewer are
+    padded, the padding rolled back); they become committed. `state` has `pending` (per row, tokens
+    not yet in the cache), `committed` (per row, the cache's length) and `cache`."""
     while True:
         chunks = [p[:max(len(p) - keep, 0)][:FEED] if n else [] for p, n in zip(state.pending, limit)]
         width = max(map(len, chunks), default=0)
