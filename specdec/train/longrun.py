@@ -48,39 +48,12 @@ from ..lm.tokenizer import Tokenizer
 from ..proposers.eagle_head import EagleHead, check_eagle_target, save_eagle, speculators_metadata
 from ..proposers.heads import read_head_state
 from ..proposers.ngram import NgramProposer
+from .config import LongRun
 from .losses import eagle_backward, eagle_step_losses, eagle_targets
 from .loop import Interrupt
 from .prompt_pool import PoolPrompt, pool
 
 EVAL_KINDS = (("chat", 0.0), ("chat", 1.0), ("code", 0.0), ("code", 1.0))  # held-out groups: (kind, temperature)
-
-
-@dataclass(frozen=True)
-class LongRun:
-    """One long run's settings; recorded in its state and in every snapshot."""
-    init: str                            # the committed head folder the run starts from
-    target: str | None = None            # the target checkpoint folder (None: specdec's default target)
-    seed: int = 0                        # the prompt order and the training windows
-    shard_prompts: int = 48              # prompts per data shard (each answered greedily and sampled)
-    capacity: int = 32                   # rows the engine decodes together
-    max_new_tokens: int = 256            # per answer
-    temperature: float = 0.8             # the sampled answer's
-    quantize: str | None = "q8_0"        # the data generator's target (the head trains on the full target)
-    lookup: bool = False                 # n-gram lookup speculation while generating (k chosen where it pays)
-    passes: float = 3.0                  # tokens trained on per token generated
-    seq_len: int = 256
-    batch_size: int = 8                  # windows per optimizer step
-    lr: float = 1e-3
-    warmup: int = 20                     # steps of this run's warmup (it starts from a trained head)
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    decay: float = 0.8                   # draft step j's loss weight is decay^j
-    steps: int = 4                       # draft steps unrolled in training and evaluated
-    heldout_prompts: int = 32            # held-out prompts per group of EVAL_KINDS
-    heldout_new_tokens: int = 192
-    eval_at: tuple[int, ...] = (300_000, 500_000, 750_000, 1_000_000, 1_500_000, 2_000_000, 3_000_000,
-                                5_000_000, 7_500_000, 10_000_000)  # tokens seen (the init head's included)
-    save_seconds: float = 240.0
 
 
 # --- data ---------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ import dataclasses
 from pathlib import Path
 
 from ..lm.arch import Arch
+from .config import LongRun
 from .objectives import MTP, Block, Distill, Eagle, Parallel
 from .selfdistill import Recipe
-from .longrun import LongRun
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("tokenizer", "init_from")  # recipe entries naming files or folders
