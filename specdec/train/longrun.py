@@ -50,7 +50,7 @@ from ..proposers.heads import read_head_state
 from ..proposers.ngram import NgramProposer
 from .config import LongRun
 from .losses import eagle_backward, eagle_step_losses, eagle_targets
-from .loop import Interrupt
+from .loop import Interrupt, load_optimizer_tensors, optimizer_tensors
 from .prompt_pool import PoolPrompt, pool
 
 EVAL_KINDS = (("chat", 0.0), ("chat", 1.0), ("code", 0.0), ("code", 1.0))  # held-out groups: (kind, temperature)
@@ -280,10 +280,7 @@ class Progress:
 
 def save_state(out: Path, head: EagleHead, opt, progress: Progress, cfg: LongRun, identity: dict) -> None:
     tensors = {f"head.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
-    for i, st in opt.state_dict()["state"].items():
-        for name, value in st.items():
-            tensors[f"opt.{i}.{name}"] = value.detach().reshape(-1).contiguous() if value.dim() == 0 \
-                else value.detach().contiguous()
+    tensors.update(optimizer_tensors(opt))
     with atomic_dir(out / "state") as tmp:
         save_file(tensors, tmp / "state.safetensors")
         (tmp / "state.json").write_text(json.dumps({"progress": asdict(progress), "config": asdict(cfg),
@@ -304,14 +301,7 @@ def load_state(out: Path, head: EagleHead, opt, identity: dict) -> Progress | No
                            "or give another --out")
     tensors = load_file(folder / "state.safetensors")
     head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")}, strict=True)
-    opt_state: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, i, name = k.split(".", 2)
-            opt_state.setdefault(int(i), {})[name] = v.reshape(()) if name == "step" else v
-    sd = opt.state_dict()
-    sd["state"] = opt_state
-    opt.load_state_dict(sd)
+    load_optimizer_tensors(opt, tensors)
     return Progress(**meta["progress"])
 
 

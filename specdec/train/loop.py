@@ -153,10 +153,7 @@ class Run:
             tensors.update({f"model.{k}": v.detach().contiguous() for k, v in model.hf_state_dict().items()})
         if heads is not None:
             tensors.update({f"heads.{k}": v.detach().contiguous() for k, v in heads.state_dict().items()})
-        for i, st in opt.state_dict()["state"].items():
-            for name, value in st.items():
-                tensors[f"opt.{i}.{name}"] = value.detach().reshape(-1).contiguous() if value.dim() == 0 \
-                    else value.detach().contiguous()
+        tensors.update(optimizer_tensors(opt))
         with atomic_dir(self.work / "state") as tmp:
             save_file(tensors, tmp / "state.safetensors")
             (tmp / "state.json").write_text(json.dumps(
@@ -182,14 +179,7 @@ class Run:
             model.load_hf_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         if heads is not None:
             heads.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("heads.")})
-        opt_state: dict = {}
-        for k, v in tensors.items():
-            if k.startswith("opt."):
-                _, i, name = k.split(".", 2)
-                opt_state.setdefault(int(i), {})[name] = v.reshape(()) if name == "step" else v
-        sd = opt.state_dict()
-        sd["state"] = opt_state
-        opt.load_state_dict(sd)
+        load_optimizer_tensors(opt, tensors)
         return meta["step"], meta["history"], meta["elapsed"]
 
 
@@ -408,3 +398,23 @@ def _mean_over_ranks(x: float, distributed: bool, device: torch.device) -> float
     t = torch.tensor([x], dtype=torch.float64, device=device)  # where the process group's backend reduces
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
+
+
+def optimizer_tensors(opt) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as flat tensors "opt.{i}.{name}" (safetensors keeps no 0-d
+    tensors: those as 1-element), for a checkpoint; `load_optimizer_tensors` reads them back."""
+    return {f"opt.{i}.{name}": value.detach().reshape(-1).contiguous() if value.dim() == 0
+            else value.detach().contiguous()
+            for i, st in opt.state_dict()["state"].items() for name, value in st.items()}
+
+
+def load_optimizer_tensors(opt, tensors: dict[str, torch.Tensor]) -> None:
+    """Restore the state `optimizer_tensors` wrote (the other keys of `tensors` are ignored)."""
+    state: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, i, name = k.split(".", 2)
+            state.setdefault(int(i), {})[name] = v.reshape(()) if name == "step" else v
+    sd = opt.state_dict()
+    sd["state"] = state
+    opt.load_state_dict(sd)
