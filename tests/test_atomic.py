@@ -34,6 +34,20 @@ JSON_PKG = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
 WORK_FILES = {"prepared.json", "tokenizer.json", "tokens-train.npy", "tokens-valid.npy", "tokens-test.npy", "state"}
 
 
+def dying_at(n: int):
+    """A wrapper of file-system calls for a child process: call n (counting from 0) across every call
+    it wraps ends the process with KILLED before it happens."""
+    count = [0]
+
+    def kill_point(real):
+        def op(*args, **kwargs):
+            if count[0] == n:
+                os._exit(KILLED)
+            count[0] += 1
+            return real(*args, **kwargs)
+        return op
+    return kill_point
+
 def cfg(out: Path) -> TrainConfig:
     preset = dict(PRESETS["tiny"])
     preset.update(corpus=[JSON_PKG], eval_windows=2, steps=4, save_every=2, eval_every=100)
@@ -238,15 +252,7 @@ def test_a_recovery_killed_at_every_step_still_ends_with_the_newest_copy(tmp_pat
             dest = layout(tmp_path / f"{with_dest}-{n}", with_dest)
 
             def body():
-                count = [0]
-
-                def kill_point(real):
-                    def op(*args, **kwargs):
-                        if count[0] == n:
-                            os._exit(KILLED)
-                        count[0] += 1
-                        return real(*args, **kwargs)
-                    return op
+                kill_point = dying_at(n)
                 os.replace, shutil.rmtree = kill_point(os.replace), kill_point(shutil.rmtree)
                 recover(dest)
             status = in_child(body)

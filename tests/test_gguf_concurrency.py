@@ -26,7 +26,7 @@ from specdec.lm import gguf
 from specdec.lm.checkpoint import CONFIG, META, WEIGHTS
 
 from .gguf_helpers import byte_level_tokenizer, hf_model, write_gguf
-from .test_atomic import KILLED, in_child
+from .test_atomic import KILLED, dying_at, in_child
 
 REPO = Path(__file__).resolve().parent.parent
 PROCESSES = 4
@@ -89,15 +89,7 @@ def conversion_killed_at(gguf_file: Path, root: Path, n: int) -> int:
     """Convert in a child that dies right before its n-th file-system write (a file written, a file
     fsynced, a rename, a delete); KILLED if it died, 0 if the conversion finished first."""
     def body():
-        count = [0]
-
-        def kill_point(real):
-            def op(*args, **kwargs):
-                if count[0] == n:
-                    os._exit(KILLED)
-                count[0] += 1
-                return real(*args, **kwargs)
-            return op
+        kill_point = dying_at(n)
         gguf.cache_root = lambda: root
         safetensors.torch.save_file = kill_point(safetensors.torch.save_file)
         pathlib.Path.write_text = kill_point(pathlib.Path.write_text)
