@@ -245,19 +245,24 @@ class Draws:
     positions: list[int] | None = None  # (B,) sequence position of each row's first draft; None: no seeded rows
 
     def scores(self, logits: torch.Tensor, configs: list[SamplingConfig], depth: int,
-               ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+               ids: torch.Tensor | None = None, probs: torch.Tensor | None = None
+               ) -> tuple[list[int], torch.Tensor | None]:
         """logits (B, ..., N) of depth `depth` (0-based) -> the seeded rows and their perturbed
         log-probabilities (R, ..., N) (the same noise across the middle dimensions: the nodes of one
-        depth share a position); ([], None) without seeded rows. ids: as `perturbed`."""
+        depth share a position); ([], None) without seeded rows. ids: as `perturbed`; probs: the rows'
+        processed probabilities (row_probabilities of logits) where the caller has them already."""
         rows = [b for b, cfg in enumerate(configs) if cfg.seeded]
         if not rows:
             return rows, None
         if self.positions is None:
             raise SpecdecError("a seeded row drafts with the noise of its positions: pass Draws(generator, "
                                "positions) with each row's first draft position")
-        chosen = logits[torch.tensor(rows, device=logits.device)]
-        flat = chosen.reshape(len(rows), -1, chosen.shape[-1])                                   # (R, n, N)
+        index = torch.tensor(rows, device=logits.device)
+        shape = (len(rows), *logits.shape[1:])
         noise = gumbel([configs[b].seed for b in rows], [[self.positions[b] + depth] for b in rows],
                        logits.shape[-1], ids).to(logits.device)                                   # (R, 1, N)
-        probs = row_probabilities(flat, [configs[b] for b in rows])
-        return rows, (probs.log() + noise).view(chosen.shape)
+        if probs is None:
+            probs = row_probabilities(logits[index], [configs[b] for b in rows])
+        else:
+            probs = probs[index]
+        return rows, (probs.reshape(len(rows), -1, shape[-1]).log() + noise).view(shape)

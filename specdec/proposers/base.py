@@ -178,7 +178,7 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
         return None, token if vocab is None else vocab.ids[token], logits
     p = row_probabilities(logits, samplings)
     token = sample(p, draws.generator)
-    seeded, noisy = draws.scores(logits, samplings, depth, None if vocab is None else vocab.ids)
+    seeded, noisy = draws.scores(logits, samplings, depth, None if vocab is None else vocab.ids, p)
     scores = logits
     if seeded:
         index = torch.tensor(seeded, device=logits.device)
