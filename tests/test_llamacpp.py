@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from specdec.api import load
-from specdec.bench import llamacpp
+from specdec.bench import llamacpp, llamacpp_native
 from specdec.bench.plain import bench_plain, format_plain, llama_cpp_peers
 from specdec.decoding.engine import plain_generate
 from specdec.decoding.sampling import SamplingConfig
@@ -201,3 +202,29 @@ def test_bench_plain_runs_llama_cpp_beside_specdec(checkpoint, cache, monkeypatc
     assert r["identical_outputs"]["llama.cpp f32"] == "2/2"
     assert r["llama_cpp"]["models"]["llama.cpp f32"]["max_abs_logit_diff_vs_specdec"] <= 1e-4
     assert "| llama.cpp f32 |" in format_plain(r)
+
+
+# --- llama.cpp's own programs (bench/llamacpp_native.py) ------------------------------------------
+
+def test_the_speculative_programs_statistics_are_read_and_a_missing_figure_is_named():
+    printed = ("\n\nencoded   42 tokens in    0.120 seconds, speed:  350.000 t/s\n"
+               "decoded  128 tokens in    2.500 seconds, speed:   51.200 t/s\n\n"
+               "n_draft   = 5\nn_predict = 128\nn_drafted = 110\nn_accept  = 77\naccept    = 70.000%\n")
+    spec = llamacpp_native.parse_speculative(printed)
+    assert (spec.decoded, spec.seconds, spec.drafted, spec.accepted) == (128, 2.5, 110, 77)
+    assert spec.tokens_per_s == pytest.approx(51.2)
+    with pytest.raises(SpecdecError, match="printed no drafted, accepted"):
+        llamacpp_native.parse_speculative(printed.split("n_draft ")[0])
+
+
+def test_a_missing_llama_cpp_build_says_how_to_make_one(tmp_path, monkeypatch):
+    monkeypatch.delenv(llamacpp_native.ENV, raising=False)
+    with pytest.raises(SpecdecError, match="GGML_NATIVE=ON"):
+        llamacpp_native.binaries()
+    with pytest.raises(SpecdecError, match="has no llama-bench"):
+        llamacpp_native.binaries(tmp_path)
+
+
+def test_a_failing_program_is_an_error_with_its_exit_status(tmp_path):
+    with pytest.raises(SpecdecError, match=r"false failed \(exit status 1\)"):
+        llamacpp_native.run(Path("/bin/false"), [])

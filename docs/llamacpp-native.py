@@ -1,0 +1,159 @@
+"""specdec against llama.cpp's own programs (its native build), interleaved, in one run.
+
+    python docs/llamacpp-native.py --llama-cpp LLAMA_BUILD/bin [--rounds 3] [--new-tokens 128]
+    python docs/llamacpp-native.py --llama-cpp LLAMA_BUILD/bin --pair [--prompts 3] [--draft-max 5]
+
+Default: SmolLM2-135M-Instruct in three forms (the pip file's Q4_1 blocks as stored, Q8_0, bf16).
+Decoding speed as `llama-bench -p 0 -n N` measures it: N tokens from an empty context (specdec: from
+the BOS token, greedy, EOS ignored), one run per round per decoder, rounds interleaved, median.
+llama.cpp reads the same Q4_1 file, a bf16 file written from the same weights and its own Q8_0 of
+that bf16 file (`llama-quantize`); specdec reads the Q4_1 file as stored and quantizes its bf16
+conversion to Q8_0 at load.
+
+--pair: Qwen2.5-Coder-1.5B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct (`specdec pair install`),
+both as stored (Q4_K_M). Decoding speed as above, then HumanEval prompts greedy: llama.cpp's
+speculative decoding (`llama-speculative-simple`, drafts up to --draft-max) against specdec plain and
+specdec's draft-model speculation (`-k auto` and k = --draft-max), decoding time only, prompts'
+encoding excluded on both sides. Greedy outputs are checked against plain decoding.
+
+Prints a markdown table and writes docs/evidence/llamacpp-native[-pair].json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import api, kernels
+from specdec.bench import llamacpp, llamacpp_native
+from specdec.bench.conditions import hardware, software
+from specdec.bench.workloads import humaneval_prompts
+from specdec.decoding.engine import plain_generate, speculative_generate
+from specdec.decoding.sampling import SamplingConfig
+from specdec.decoding.stopping import StopRule
+from specdec.lm import packaged
+
+EVIDENCE = Path(__file__).resolve().parent / "evidence"
+GREEDY = SamplingConfig()
+
+
+def specdec_decode_speed(target, n: int) -> float:
+    """Tokens/s of n greedy tokens after the BOS token (the one-token prefill included: ~1/n)."""
+    bos = target.tokenizer.bos_id if target.tokenizer.bos_id is not None else target.tokenizer.eos_id
+    t0 = time.perf_counter()
+    plain_generate(target.model, [[bos]], StopRule(n), GREEDY)
+    return n / (time.perf_counter() - t0)
+
+
+def rounds(runners: dict, count: int) -> dict:
+    """Every runner once per round, rounds interleaved; the median and range of each."""
+    speeds = {name: [] for name in runners}
+    for r in range(count):
+        for name, run in runners.items():
+            speeds[name].append(run())
+            print(f"round {r + 1}/{count} {name}: {speeds[name][-1]:.1f} tok/s", flush=True)
+    return {name: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
+            for name, v in speeds.items()}
+
+
+def smollm2(bin_dir: Path, threads: int, n: int, count: int) -> dict:
+    gguf = api.default_target()
+    bf16 = api.load(gguf)
+    bf16_file = llamacpp.convert(bf16.path, "bf16")
+    files = {"q4_1 (the file)": Path(gguf), "q8_0": llamacpp_native.quantize(
+        bin_dir, bf16_file, bf16_file.with_name(bf16_file.stem + "-q8_0-native.gguf")), "bf16": bf16_file}
+    targets = {"q4_1 (the file)": api.load(gguf, quantize="gguf"), "q8_0": api.load(gguf, quantize="q8_0"),
+               "bf16": bf16}
+    runners = {}
+    for fmt in files:
+        target, path = targets[fmt], files[fmt]
+        specdec_decode_speed(target, 8)  # warm-up: kernels built
+        runners[f"specdec {fmt}"] = lambda t=target: specdec_decode_speed(t, n)
+        runners[f"llama.cpp {fmt}"] = lambda p=path: llamacpp_native.decode_speed(bin_dir, p, threads, n)
+    result = rounds(runners, count)
+    table = [(fmt, result[f"specdec {fmt}"]["median"] / result[f"llama.cpp {fmt}"]["median"]) for fmt in files]
+    return {"tokens_per_s": result, "specdec / llama.cpp": dict(table)}
+
+
+def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_max: int) -> dict:
+    target_file, draft_file = packaged.resolve("qwen2.5-coder-1.5b"), packaged.resolve("qwen2.5-coder-0.5b")
+    target = api.load("qwen2.5-coder-1.5b", quantize="gguf")
+    proposer = api.load_drafter(target, "draft-model", "qwen2.5-coder-0.5b")
+    specdec_decode_speed(target, 4)
+    speeds = rounds({"specdec plain": lambda: specdec_decode_speed(target, n),
+                     "llama.cpp plain": lambda: llamacpp_native.decode_speed(bin_dir, Path(target_file), threads, n)},
+                    count)
+    texts = humaneval_prompts(prompts)
+    ids = [target.tokenizer.encode(t) for t in texts]
+    rule = StopRule(n)
+
+    def ours(k, i):
+        """specdec's tokens and decoding seconds: the time of the whole request less that of a
+        one-token request (the prompt's prefill and first token), as llama.cpp reports it."""
+        drafter = proposer if k else None
+        timed = []
+        for rule_ in (StopRule(1), rule):
+            t0 = time.perf_counter()
+            rows, m = speculative_generate(target.model, drafter, [ids[i]], rule_, GREEDY, k)
+            timed.append(time.perf_counter() - t0)
+        return rows[0].tokens, timed[1] - timed[0], m.accepted, m.proposed
+
+    results, outputs = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(count):
+            for i, text in enumerate(texts):
+                prompt_file = Path(tmp) / f"prompt{i}.txt"
+                prompt_file.write_text(text)
+                spec = llamacpp_native.speculative(bin_dir, Path(target_file), Path(draft_file), prompt_file, n,
+                                                   draft_max, threads)
+                results.setdefault("llama.cpp speculative", []).append(
+                    (spec.decoded, spec.seconds, spec.accepted, spec.drafted))
+                for name, k in (("specdec plain", 0), ("specdec draft-model auto", "auto"),
+                                (f"specdec draft-model k={draft_max}", draft_max)):
+                    tokens, seconds, accepted, proposed = ours(k, i)
+                    outputs[name, i] = tokens
+                    results.setdefault(name, []).append((len(tokens) - 1, seconds, accepted, proposed))
+                print(f"round {r + 1}/{count} prompt {i}: " + ", ".join(
+                    f"{name} {v[-1][0] / v[-1][1]:.2f} tok/s" for name, v in results.items()), flush=True)
+    per_round = {name: [sum(t for t, *_ in v[r * prompts:(r + 1) * prompts]) /
+                        sum(s for _, s, *_ in v[r * prompts:(r + 1) * prompts]) for r in range(count)]
+                 for name, v in results.items()}
+    identical = {name: all(outputs[name, i] == outputs["specdec plain", i] for i in range(prompts))
+                 for name, _ in outputs if name != "specdec plain"}
+    return {"decode tokens_per_s": speeds,
+            "humaneval tokens_per_s": {name: {"median": statistics.median(v), "all": v} for name, v in per_round.items()},
+            "acceptance": {name: [sum(a for *_, a, _ in v), sum(p for *_, p in v)] for name, v in results.items()},
+            "greedy identical to specdec plain": identical,
+            "files": {"target": str(Path(target_file).name), "draft": str(Path(draft_file).name)}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--llama-cpp", help=f"llama.cpp's build/bin folder (default ${llamacpp_native.ENV})")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--pair", action="store_true")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--draft-max", type=int, default=5)
+    args = p.parse_args()
+    bin_dir, threads = llamacpp_native.binaries(args.llama_cpp), torch.get_num_threads()
+    if args.pair:
+        figures = pair(bin_dir, threads, args.new_tokens, args.rounds, args.prompts, args.draft_max)
+    else:
+        figures = smollm2(bin_dir, threads, args.new_tokens, args.rounds)
+    conditions = {"hardware": hardware(), "software": software(), "threads": threads, "kernels": kernels.isa(),
+                  "quant kernels": kernels.quant_isa(), "llama.cpp": "its own programs, native build (GGML_NATIVE=ON)",
+                  "new tokens": args.new_tokens, "rounds": args.rounds}
+    out = EVIDENCE / f"llamacpp-native{'-pair' if args.pair else ''}.json"
+    out.write_text(json.dumps({"conditions": conditions, **figures}, indent=1))
+    print(json.dumps(figures, indent=1))
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()

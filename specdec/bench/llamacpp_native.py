@@ -1,0 +1,104 @@
+"""llama.cpp's own programs as a peer: `llama-bench` for decoding speed, `llama-speculative-simple`
+for its speculative decoding with a draft model, `llama-quantize` for its quantized files.
+
+The Python binding (bench/llamacpp.py) is one build of llama.cpp; its own binaries, built natively
+on the machine that runs them (`cmake -DGGML_NATIVE=ON`, the default), are its best. They are found
+in the folder named by `--llama-cpp DIR` or the environment variable SPECDEC_LLAMA_CPP (a build's
+`bin/` folder), never downloaded. Each function runs one program once and returns its own figures;
+interleaving and repeats are the caller's.
+
+This module knows nothing about specdec's model classes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpecdecError
+
+ENV = "SPECDEC_LLAMA_CPP"
+BUILD_HINT = ("build llama.cpp natively (cmake -B build -DGGML_NATIVE=ON && cmake --build build --target "
+              "llama-bench llama-speculative-simple llama-quantize) and pass its build/bin folder")
+
+
+def binaries(folder: str | Path | None = None) -> Path:
+    """The folder of llama.cpp's programs: `folder`, else $SPECDEC_LLAMA_CPP."""
+    folder = folder or os.environ.get(ENV)
+    if not folder:
+        raise SpecdecError(f"no llama.cpp build named: pass --llama-cpp DIR or set {ENV} ({BUILD_HINT})")
+    folder = Path(folder).expanduser()
+    if not (folder / "llama-bench").is_file():
+        raise SpecdecError(f"{folder} has no llama-bench: {BUILD_HINT}")
+    return folder
+
+
+def run(program: Path, args: list[str]) -> str:
+    """stdout + stderr of one run; a failure (a crash included) is an error naming the exit status."""
+    done = subprocess.run([str(program), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SpecdecError(f"{program.name} failed (exit status {done.returncode}): "
+                           f"{(done.stderr or done.stdout).strip()[-400:]}")
+    return done.stdout + done.stderr
+
+
+def decode_speed(bin_dir: Path, model: Path, threads: int, new_tokens: int) -> float:
+    """llama-bench's decoding speed (tokens/s) of `new_tokens` tokens from an empty context, one run."""
+    out = run(bin_dir / "llama-bench", ["-m", str(model), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
+                                        "-r", "1", "-o", "json"])
+    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    return float(rows[0]["avg_ts"])
+
+
+@dataclass
+class Speculative:
+    """One `llama-speculative-simple` run: its decoding time and counts, as it prints them."""
+    decoded: int            # tokens decoded (the prompt excluded)
+    seconds: float          # decoding time, the prompt's encoding excluded
+    drafted: int
+    accepted: int
+    text: str               # what it printed between the prompt and its statistics
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decoded / self.seconds
+
+
+SPEC_FIGURES = {"decoded": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", "drafted": r"n_drafted\s*=\s*(\d+)",
+                "accepted": r"n_accept\s*=\s*(\d+)"}
+
+
+def parse_speculative(out: str) -> Speculative:
+    """The figures of llama-speculative-simple's closing statistics."""
+    found = {key: re.search(pattern, out) for key, pattern in SPEC_FIGURES.items()}
+    missing = [key for key, m in found.items() if m is None]
+    if missing:
+        raise SpecdecError(f"llama-speculative-simple printed no {', '.join(missing)}: {out.strip()[-300:]}")
+    return Speculative(int(found["decoded"].group(1)), float(found["decoded"].group(2)),
+                       int(found["drafted"].group(1)), int(found["accepted"].group(1)), out)
+
+
+def speculative(bin_dir: Path, target: Path, draft: Path, prompt_file: Path, new_tokens: int, draft_max: int,
+                threads: int) -> Speculative:
+    """Greedy speculative decoding of the prompt in `prompt_file` by llama.cpp, drafts of up to
+    `draft_max` tokens (its other speculative settings at their defaults, e.g. it stops a draft
+    whose probability falls below its p_min)."""
+    return parse_speculative(run(bin_dir / "llama-speculative-simple", [
+        "-m", str(target), "-md", str(draft), "-f", str(prompt_file), "-n", str(new_tokens), "-t", str(threads),
+        "-td", str(threads), "--temp", "0", "--spec-draft-n-max", str(draft_max), "-c", "4096",
+        "--no-warmup"]))
+
+
+def quantize(bin_dir: Path, source: Path, out: Path, kind: str = "Q8_0") -> Path:
+    """llama.cpp's quantization of a GGUF file, written once (atomically) and then reused."""
+    if not out.exists():
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            run(bin_dir / "llama-quantize", [str(source), str(tmp), kind])
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
