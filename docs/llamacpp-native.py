@@ -4,8 +4,8 @@
     python docs/llamacpp-native.py --llama-cpp LLAMA_BUILD/bin --pair [--prompts 3] [--draft-max 5]
 
 Default: SmolLM2-135M-Instruct in three forms (the pip file's Q4_1 blocks as stored, Q8_0, bf16).
-Decoding speed as `llama-bench -p 0 -n N` measures it: N tokens from an empty context (specdec: from
-the BOS token, greedy, EOS ignored), one run per round per decoder, rounds interleaved, median.
+Decoding speed as `llama-bench -p 0 -n N` measures it: N tokens from an empty context (specdec: after
+a one-token prompt, greedy, EOS ignored), one run per round per decoder, rounds interleaved, median.
 llama.cpp reads the same Q4_1 file, a bf16 file written from the same weights and its own Q8_0 of
 that bf16 file (`llama-quantize`); specdec reads the Q4_1 file as stored and quantizes its bf16
 conversion to Q8_0 at load.
@@ -43,10 +43,10 @@ GREEDY = SamplingConfig()
 
 
 def specdec_decode_speed(target, n: int) -> float:
-    """Tokens/s of n greedy tokens after the BOS token (the one-token prefill included: ~1/n)."""
-    bos = target.tokenizer.bos_id if target.tokenizer.bos_id is not None else target.tokenizer.eos_id
+    """Tokens/s of n greedy tokens after a one-token prompt (its prefill included: ~1/n)."""
+    first = target.tokenizer.encode("def")[:1]
     t0 = time.perf_counter()
-    plain_generate(target.model, [[bos]], StopRule(n), GREEDY)
+    plain_generate(target.model, [first], StopRule(n), GREEDY)
     return n / (time.perf_counter() - t0)
 
 
