@@ -83,13 +83,14 @@ def parse_speculative(out: str) -> Speculative:
 
 def speculative(bin_dir: Path, target: Path, draft: Path, prompt_file: Path, new_tokens: int, draft_max: int,
                 threads: int) -> Speculative:
-    """Greedy speculative decoding of the prompt in `prompt_file` by llama.cpp, drafts of up to
-    `draft_max` tokens (its other speculative settings at their defaults, e.g. it stops a draft
+    """Greedy speculative decoding of the prompt in `prompt_file` by llama.cpp with the draft model
+    (`--spec-type draft-simple`: it infers no type from a plain GGUF draft), drafts of up to
+    `draft_max` tokens, its other speculative settings at their defaults (e.g. it ends a draft
     whose probability falls below its p_min)."""
     return parse_speculative(run(bin_dir / "llama-speculative-simple", [
         "-m", str(target), "-md", str(draft), "-f", str(prompt_file), "-n", str(new_tokens), "-t", str(threads),
-        "-td", str(threads), "--temp", "0", "--spec-draft-n-max", str(draft_max), "-c", "4096",
-        "--no-warmup"]))
+        "-td", str(threads), "--temp", "0", "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
+        "-c", "4096"]))
 
 
 def quantize(bin_dir: Path, source: Path, out: Path, kind: str = "Q8_0") -> Path:
