@@ -275,7 +275,7 @@ class Progress:
     tokens_seen: int = 0          # window tokens trained on, the init head's included
     init_tokens: int = 0          # of which the init head had seen before this run
     seconds: float = 0.0          # training and generation time of this run, over its sittings
-    evaluated: list = dataclasses.field(default_factory=list)  # the eval_at points reached
+    evaluated: list = dataclasses.field(default_factory=list)  # the points of the curve recorded
 
 
 def save_state(out: Path, head: EagleHead, opt, progress: Progress, cfg: LongRun, identity: dict) -> None:
@@ -355,7 +355,8 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
         f"{progress.tokens_seen} tokens seen")
     groups = heldout_groups(parts.target, head, heldout_rows(out, parts.generator, parts.tokenizer, held, cfg),
                             cfg, parts.eos)
-    if not progress.evaluated:  # the starting point of the curve
+    if not progress.evaluated:  # the starting point of the curve, which stands for the points it is past
+        progress.evaluated = [progress.tokens_seen, *(x for x in cfg.eval_at if x <= progress.tokens_seen)]
         record(out, parts, groups, progress, cfg, Pool(out), log)
     data = Pool(out)
     data.refresh()
