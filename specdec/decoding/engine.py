@@ -165,7 +165,8 @@ class Engine:
         limit = draft_limits([r.row.budget for r in self.requests], depth)
         limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
         self.next_window = None
-        draws = Draws(self.generator(), [c + 1 for c in self.cached])  # a seeded row's first draft: position cached + 1
+        # a seeded row's first draft: position cached + 1; constrained rows draft under their grammars
+        draws = Draws(self.generator(), [c + 1 for c in self.cached], self.guide.drafting())
         proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()  # propose
         if self.guide.active:  # forced runs in place of drafts; chains cut where they leave the grammar
             proposal = self.guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy

@@ -13,11 +13,15 @@ and the target, never on the draft, k, the batch or the load (Daliri, Musco, Sur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..errors import SpecdecError
+
+if TYPE_CHECKING:
+    from .guided import DraftGrammar
 
 MIN_TEMPERATURE = 1e-4  # the smallest temperature for which logits / temperature stays finite in float32
 
@@ -240,9 +244,11 @@ class Draws:
     verifier adds to the target's log-probabilities at that position, so that draft and target agree
     whenever their perturbed argmaxes do (acceptance ~ sum min(target_probs, draft_probs), as with
     rejection sampling; independent noise would give sum target_probs * draft_probs). Other sampled
-    rows draw from `generator` (one, or RowGenerators)."""
+    rows draw from `generator` (one, or RowGenerators). Under structured output, `grammar` masks each
+    constrained row's draft logits to its grammar, depth by depth (guided.DraftGrammar)."""
     generator: torch.Generator | RowGenerators | None = None
     positions: list[int] | None = None  # (B,) sequence position of each row's first draft; None: no seeded rows
+    grammar: "DraftGrammar | None" = None  # the rows' grammars walked through their drafts; None: unconstrained
 
     def scores(self, logits: torch.Tensor, configs: list[SamplingConfig], depth: int,
                ids: torch.Tensor | None = None, probs: torch.Tensor | None = None
