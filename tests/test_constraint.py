@@ -2,8 +2,9 @@
 wrong; greedy constrained output is the same with and without speculation (k, trees, batches,
 drafters, forced drafts); a drafter's drafts stay inside the grammar (it draws under the mask) and
 are accepted more often than unmasked ones; sampled output is distributed as the masked target, enumerated exactly on
-a 16-token vocabulary, and the same test fails when the mask is forgotten at one window column or
-when a drafter reports its q before the mask.
+a 16-token vocabulary (a draft model, forced drafts alone: windows judged from one column, n-gram
+lookup with forced drafts), and the same test fails when the mask is forgotten at one window column
+or when a drafter reports its q before the mask.
 
 The distribution test is test_engine_sampling.py's (chi-square at ALPHA = 1e-3 with small cells
 pooled, a sample in a cell of probability 0 fails outright, and a total-variation bound exceeded by
@@ -165,6 +166,23 @@ def test_seeded_constrained_rows_are_the_same_for_every_drafter(toy, schema):
         assert all(valid(r.text()) for r in rows)
 
 
+def test_a_window_of_forced_drafts_alone_computes_one_column_of_logits(monkeypatch, toy, schema):
+    """Forced drafts alone, greedy and seeded: the windows whose drafts are all forced are judged
+    from the logits of the column after them (Engine.after_forced), and the output is plain
+    constrained decoding's."""
+    widths = []
+    after_forced = Engine.after_forced
+    monkeypatch.setattr(Engine, "after_forced",
+                        lambda self, proposal, logits: widths.append(logits.shape[1]) or after_forced(self, proposal,
+                                                                                                      logits))
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=4)):
+        plain = [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=sampling)[0]]
+        widths.clear()
+        rows, metrics = run(toy, schema, GrammarDrafts(), 4, sampling=sampling)
+        assert [r.tokens for r in rows] == plain and metrics.forced > 0.2 * metrics.emitted
+        assert len(widths) > 5 and set(widths) == {1}
+
+
 def test_only_eos_ends_the_row_and_max_new_tokens_inside_a_value_is_length(toy):
     vocab = toy.model.config.vocab_size
     short = compile_constraint(Constraint.regex("ok"), toy.tokenizer, vocab)
@@ -298,6 +316,7 @@ def constrained_counts(proposer, sampling: SamplingConfig, k: int) -> tuple[torc
 
 
 SAMPLED = {"draft model T=1 k=3": (lambda: build_proposer("draft-model", model=DRAFT), SamplingConfig(1.0), 3),
+           "forced alone T=1 k=2": (GrammarDrafts, SamplingConfig(1.0), 2),  # windows of forced drafts alone
            "ngram + forced T=0.7 top-k 8 k=2": (lambda: build_proposer("ngram"),
                                                 SamplingConfig(0.7, top_k=8), 2)}
 

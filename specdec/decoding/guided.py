@@ -118,6 +118,13 @@ class Guide:
             return proposal
         return Proposal(proposal.tokens, torch.tensor(kept, device=proposal.lengths.device), proposal.draft_probs)
 
+    def forced_only(self, proposal: Proposal) -> bool:
+        """Whether the proposal (a chain) holds forced runs and no other drafts: each is then the one
+        token its grammar allows, accepted with probability 1 under every rule, and only the column
+        after each row's run needs the target's logits (Engine.after_forced)."""
+        return (self.active and proposal.parents is None and any(self.replaced)
+                and all(r or n == 0 for r, n in zip(self.replaced, proposal.lengths.tolist())))
+
     def with_forced(self, proposal: Proposal, forced: list[list[int]]) -> Proposal:
         """Rows with a forced run take it as their drafts (deterministic: one-hot q where the drafter
         gave distributions; a chain inside a tree)."""
