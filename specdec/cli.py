@@ -940,7 +940,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("mode", choices=["all", "plain", "serve", "structured"], nargs="?", default="all",
                    help="all: the benchmark (default); plain: specdec vs transformers generate (and llama.cpp "
                         "when installed) and bandwidth; serve: `specdec serve` vs the same engine offline, plain vs "
-                        "speculative (the first of --methods, default draft-model; k: the first of --ks), at --clients; "
+                        "speculative (the first of --methods, default draft-model; k: the first of --ks), at "
+                        "--clients; "
                         "structured: the JSON-Schema workload (docs/structured.md), plain constrained decoding vs "
                         "forced drafts alone and with each of --methods (default ngram) at --ks (default 6) and auto, "
                         "--temperatures (default 0 1), --prompts tasks of 54 (default all)")

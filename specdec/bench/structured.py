@@ -256,7 +256,8 @@ def format_structured(result: dict) -> str:
                      f"**{r['speedup']:.2f}x** ({min(r['speedups']):.2f}-{max(r['speedups']):.2f}) |")
     m, c = result["mask"], result["conditions"]
     lines.append(f"\nmask {m['mask_per_token_ms']:.2f} ms per token against a plain step of {m['plain_step_ms']:.1f} "
-                 f"ms ({m['mask_share_of_step']:.1%}). {c['target']['name']} ({c['target']['dtype']}), {c['workload']}, batch 1, "
+                 f"ms ({m['mask_share_of_step']:.1%}). {c['target']['name']} ({c['target']['dtype']}), "
+                 f"{c['workload']}, batch 1, "
                  f"max_new_tokens {c['max_new_tokens']}, {c['sampling']}, median of {c['repeats']} interleaved "
                  f"repeat(s); baseline: {c['baseline']}; {c['hardware']['cpu']}, {c['torch_threads']} threads")
     return "\n".join(lines) + "\n" + json.dumps(result)
