@@ -16,7 +16,10 @@ keys, punctuation and enum tails of a schema), that run replaces the drafter's p
 row: deterministic drafts, verified like any other, so nothing about the distribution changes; the
 drafter hears that none of its drafts were accepted and the committed tokens follow (as after a
 rejection). Where the drafter's chain already begins with the forced run and goes further, it is
-kept as it is. `forced_accepted` counts the emitted tokens that were drafts of a forced run.
+kept as it is. `forced_accepted` counts the emitted tokens that were drafts of a forced run. A
+proposal of forced runs alone (`forced_only`) needs no acceptance decision: each draft is the one
+token its grammar allows (masked probability 1), so the engine computes the target's logits only
+at the column after each run.
 
 Masked drafts. A drafter that draws from logits (proposers/base.py's `draw`: draft models, the
 self-draft, EAGLE and MTP chains, parallel and block drafts) draws under the grammar
