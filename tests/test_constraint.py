@@ -3,8 +3,9 @@ wrong; greedy constrained output is the same with and without speculation (k, tr
 drafters, forced drafts); a drafter's drafts stay inside the grammar (it draws under the mask) and
 are accepted more often than unmasked ones; sampled output is distributed as the masked target, enumerated exactly on
 a 16-token vocabulary (a draft model, forced drafts alone: windows judged from one column, n-gram
-lookup with forced drafts), and the same test fails when the mask is forgotten at one window column
-or when a drafter reports its q before the mask.
+lookup with forced drafts), and the same test fails when the mask is forgotten at one window column,
+when the token after a window of forced drafts is picked unmasked, or when a drafter reports its q
+before the mask.
 
 The distribution test is test_engine_sampling.py's (chi-square at ALPHA = 1e-3 with small cells
 pooled, a sample in a cell of probability 0 fails outright, and a total-variation bound exceeded by
@@ -351,6 +352,30 @@ def test_the_distribution_test_fails_when_the_mask_is_forgotten_at_one_column(mo
     counts, _ = constrained_counts(make(), sampling, k)
     result = distribution_test(counts, exact_masked_joint(sampling))
     print(f"\nmask forgotten at column 1: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
+    assert not passes(result), result
+
+
+def test_the_distribution_test_fails_when_a_forced_window_picks_from_the_unmasked_target(monkeypatch):
+    """Wrong: after a window of forced drafts alone, the next token is picked from the target's
+    logits without the grammar's mask (the matcher then goes on past what it refused)."""
+    from specdec.decoding.sampling import pick_rows
+    from specdec.decoding.verify import Verdict
+
+    def unmasked(self, proposal, logits):
+        lengths = proposal.lengths.tolist()
+        picked = pick_rows(logits[:, 0], [r.sampling for r in self.requests], self.generator(),
+                           [c + 1 + n for c, n in zip(self.cached, lengths)])
+        return Verdict(proposal.lengths, picked)
+
+    def lenient(self, tokens):
+        self.m.consume_tokens(tokens)
+
+    monkeypatch.setattr(Engine, "after_forced", unmasked)
+    monkeypatch.setattr(Matcher, "advance", lenient)
+    make, sampling, k = SAMPLED["forced alone T=1 k=2"]
+    counts, _ = constrained_counts(make(), sampling, k)
+    result = distribution_test(counts, exact_masked_joint(sampling))
+    print(f"\nforced window picked unmasked: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
     assert not passes(result), result
 
 
