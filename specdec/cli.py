@@ -440,6 +440,9 @@ def cmd_bench(args) -> None:
     if args.mode == "serve":
         bench_serve_mode(args)
         return
+    if args.mode == "structured":
+        bench_structured_mode(args)
+        return
     if args.quantize and args.mode != "plain":
         raise SpecdecError("--quantize measures plain decoding (`specdec bench plain --quantize ...`); the other "
                            "benchmarks run the checkpoints as stored")
@@ -480,6 +483,24 @@ def bench_serve_mode(args) -> None:
     print(format_serve(result))
     if args.out:
         write(result, args.out)
+
+
+def bench_structured_mode(args) -> None:
+    """`specdec bench structured`: the structured workload, plain constrained decoding against forced
+    drafts alone and with each of --methods (default ngram), at each of --ks (default 6) and auto."""
+    from .api import load
+    from .bench.structured import bench_structured, configurations, format_structured, spread_tasks
+
+    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    drafters = {m: drafter(target, m, args.draft_model, args.heads) for m in args.methods or ["ngram"]}
+    result = bench_structured(target, configurations(drafters, args.ks or [6], not args.no_auto),
+                              args.temperatures or [0.0, 1.0], spread_tasks(args.prompts), args.max_new_tokens or 96,
+                              args.repeats or 1)
+    result["conditions"]["command"] = ["specdec", *sys.argv[1:]]
+    print(format_structured(result))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "structured.json").write_text(json.dumps(result, indent=1))
 
 
 def bench_plain_mode(args) -> None:
@@ -916,10 +937,14 @@ def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",
                        description="Plain decoding, the draft model, n-gram and MTP proposers and transformers' "
                                    "peers on the same prompts, interleaved; writes bench.json, report.md and plots.")
-    b.add_argument("mode", choices=["all", "plain", "serve"], nargs="?", default="all",
+    b.add_argument("mode", choices=["all", "plain", "serve", "structured"], nargs="?", default="all",
                    help="all: the benchmark (default); plain: specdec vs transformers generate (and llama.cpp "
                         "when installed) and bandwidth; serve: `specdec serve` vs the same engine offline, plain vs "
-                        "speculative (the first of --methods, default draft-model; k: the first of --ks), at --clients")
+                        "speculative (the first of --methods, default draft-model; k: the first of --ks), at "
+                        "--clients; "
+                        "structured: the JSON-Schema workload (docs/structured.md), plain constrained decoding vs "
+                        "forced drafts alone and with each of --methods (default ngram) at --ks (default 6) and auto, "
+                        "--temperatures (default 0 1), --prompts tasks of 54 (default all)")
     b.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16],
                    help="serve: concurrent streaming clients (and offline batch rows)")
     b.add_argument("--server-threads", type=int, help="serve: the server's kernel threads (default: torch's)")

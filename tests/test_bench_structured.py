@@ -40,3 +40,25 @@ def test_a_run_reports_validity_forced_share_and_alpha():
                  chat=False)
     assert result["tasks"] == 2 and result["validity"] == (result["tasks"] - result["hit_length"]) / 2
     assert 0 < result["forced_share"] < 1 and result["alpha"] is not None
+
+
+def test_bench_structured_prints_each_configuration_against_plain_constrained_decoding(capsys, tmp_path):
+    """`specdec bench structured` on the toy target: the baseline, forced drafts alone and forced +
+    n-gram, greedy and T=1, each with validity, tokens/s, forced share, α and its speedup; the
+    conditions and one JSON line."""
+    from specdec.cli import main
+    assert main(["bench", "structured", "--model", str(api.TOY_TARGET), "--prompts", "2", "--ks", "3",
+                 "--no-auto", "--max-new-tokens", "40", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table, line = out.rsplit("\n", 2)[0], out.rsplit("\n", 2)[1]
+    result = json.loads(line)
+    assert json.loads((tmp_path / "structured.json").read_text()) == result
+    names = ["plain constrained (k=0)", "forced k=3", "forced + ngram k=3"]
+    assert [(r["configuration"], r["temperature"]) for r in result["rows"]] == [(n, t) for t in (0, 1) for n in names]
+    for r in result["rows"]:
+        assert r["tasks"] == 2 and r["tokens"] > 0 and f"| {r['configuration']} | {r['temperature']:g} |" in table
+        assert (r["configuration"] == names[0]) == (r["forced_share"] == 0 and r["speedup"] == 1.0)
+    plain, forced = result["rows"][:2]
+    assert forced["tokens"] == plain["tokens"] and forced["steps"] < plain["steps"]  # same output, fewer steps
+    assert result["mask"]["mask_share_of_step"] > 0 and "baseline: plain constrained decoding" in table
+    assert result["conditions"]["workload"].startswith("structured: 2 of the 54 tasks")

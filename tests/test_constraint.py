@@ -1,7 +1,11 @@
 """Structured output (decoding/constraint.py, decoding/guided.py): constraints compile or say what is
 wrong; greedy constrained output is the same with and without speculation (k, trees, batches,
-drafters, forced drafts); sampled output is distributed as the masked target, enumerated exactly on
-a 16-token vocabulary, and the same test fails when the mask is forgotten at one window column.
+drafters, forced drafts); a drafter's drafts stay inside the grammar (it draws under the mask) and
+are accepted more often than unmasked ones; sampled output is distributed as the masked target, enumerated exactly on
+a 16-token vocabulary (a draft model, forced drafts alone: windows judged from one column, n-gram
+lookup with forced drafts), and the same test fails when the mask is forgotten at one window column,
+when the token after a window of forced drafts is picked unmasked, or when a drafter reports its q
+before the mask.
 
 The distribution test is test_engine_sampling.py's (chi-square at ALPHA = 1e-3 with small cells
 pooled, a sample in a cell of probability 0 fails outright, and a total-variation bound exceeded by
@@ -163,6 +167,23 @@ def test_seeded_constrained_rows_are_the_same_for_every_drafter(toy, schema):
         assert all(valid(r.text()) for r in rows)
 
 
+def test_a_window_of_forced_drafts_alone_computes_one_column_of_logits(monkeypatch, toy, schema):
+    """Forced drafts alone, greedy and seeded: the windows whose drafts are all forced are judged
+    from the logits of the column after them (Engine.after_forced), and the output is plain
+    constrained decoding's."""
+    widths = []
+    after_forced = Engine.after_forced
+    monkeypatch.setattr(Engine, "after_forced",
+                        lambda self, proposal, logits: widths.append(logits.shape[1]) or after_forced(self, proposal,
+                                                                                                      logits))
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=4)):
+        plain = [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=sampling)[0]]
+        widths.clear()
+        rows, metrics = run(toy, schema, GrammarDrafts(), 4, sampling=sampling)
+        assert [r.tokens for r in rows] == plain and metrics.forced > 0.2 * metrics.emitted
+        assert len(widths) > 5 and set(widths) == {1}
+
+
 def test_only_eos_ends_the_row_and_max_new_tokens_inside_a_value_is_length(toy):
     vocab = toy.model.config.vocab_size
     short = compile_constraint(Constraint.regex("ok"), toy.tokenizer, vocab)
@@ -171,6 +192,65 @@ def test_only_eos_ends_the_row_and_max_new_tokens_inside_a_value_is_length(toy):
     long = compile_constraint(Constraint.regex('"[a-z]{50}"'), toy.tokenizer, vocab)
     rows, _ = run(toy, long, build_proposer("ngram"), 3, max_new_tokens=6)
     assert all(r.finish_reason == "length" and len(r.tokens) == 6 for r in rows)
+
+
+# ---- a drafter draws under the mask ----
+
+def drafts_refused(monkeypatch, toy, schema, proposer, k, sampling=SamplingConfig(), masked_drafts=True,
+                   forced=False):
+    """Run PROMPTS under the schema, checking every proposal the drafter makes against each row's
+    grammar: returns the drafts its grammar refused (an EOS it allows ends the check: nothing after it
+    is emitted), the drafts proposed, the rows and the metrics. masked_drafts False: the drafter
+    drafts without the grammar (its draws get none)."""
+    counts = [0, 0]
+    propose = Guide.propose
+
+    def checking(self, proposal, limits, cut):
+        if self.drafts is not None:
+            self.drafts.release()  # the matchers back at the committed sequences
+        for m, row, n in zip(self.matchers, proposal.tokens.tolist(), proposal.lengths.tolist()):
+            walked = 0
+            while walked < n and m.accepts(row[walked]):
+                walked += 1
+            counts[0] += 0 if walked == n or m.ends(row[walked]) else n - walked
+            counts[1] += n
+            m.rollback(walked)
+        return propose(self, proposal, limits, cut)
+
+    monkeypatch.setattr(Guide, "propose", checking)
+    if not masked_drafts:
+        monkeypatch.setattr(Guide, "drafting", lambda self: None)
+    rows, metrics = run(toy, schema, proposer, k, sampling=sampling, forced=forced)
+    monkeypatch.undo()
+    return counts[0], counts[1], rows, metrics
+
+
+def test_a_drafter_drafts_only_what_the_grammar_allows_and_is_accepted_more(monkeypatch, toy, schema):
+    """The draft model and the self-draft, greedy, sampled and seeded: no draft leaves the grammar,
+    and the output is the same as without speculation; without the mask the same draft model drafts
+    refused tokens, and its acceptance rate is lower."""
+    draft = api.load(api.MODELS / "draft").model
+    plain = {s: [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=s)[0]]
+             for s in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3))}
+    cases = {"draft model greedy k=4": (build_proposer("draft-model", model=draft), 4, SamplingConfig()),
+             "draft model T=1 k=3": (build_proposer("draft-model", model=draft), 3, SamplingConfig(1.0)),
+             "draft model seeded k=3": (build_proposer("draft-model", model=draft), 3,
+                                        SamplingConfig(temperature=1.0, seed=3)),
+             "self-draft greedy k=4": (build_proposer("self", target=toy.model), 4, SamplingConfig())}
+    for name, (proposer, k, sampling) in cases.items():
+        refused, proposed, rows, _ = drafts_refused(monkeypatch, toy, schema, proposer, k, sampling)
+        assert refused == 0 and proposed > 50, (name, refused, proposed)
+        assert all(r.finish_reason == "eos" and valid(r.text()) for r in rows), name
+        if sampling in plain:
+            assert [r.tokens for r in rows] == plain[sampling], name
+    proposer = build_proposer("draft-model", model=draft)
+    _, _, rows, masked_metrics = drafts_refused(monkeypatch, toy, schema, proposer, 4)
+    refused, proposed, free_rows, free_metrics = drafts_refused(monkeypatch, toy, schema, proposer, 4,
+                                                                masked_drafts=False)
+    assert refused > 0.1 * proposed, (refused, proposed)
+    assert [r.tokens for r in free_rows] == [r.tokens for r in rows] == plain[SamplingConfig()]
+    assert masked_metrics.acceptance_rate > free_metrics.acceptance_rate + 0.1, (
+        masked_metrics.acceptance_rate, free_metrics.acceptance_rate)
 
 
 # ---- sampling: the masked target's distribution, exactly ----
@@ -237,6 +317,7 @@ def constrained_counts(proposer, sampling: SamplingConfig, k: int) -> tuple[torc
 
 
 SAMPLED = {"draft model T=1 k=3": (lambda: build_proposer("draft-model", model=DRAFT), SamplingConfig(1.0), 3),
+           "forced alone T=1 k=2": (GrammarDrafts, SamplingConfig(1.0), 2),  # windows of forced drafts alone
            "ngram + forced T=0.7 top-k 8 k=2": (lambda: build_proposer("ngram"),
                                                 SamplingConfig(0.7, top_k=8), 2)}
 
@@ -271,6 +352,49 @@ def test_the_distribution_test_fails_when_the_mask_is_forgotten_at_one_column(mo
     counts, _ = constrained_counts(make(), sampling, k)
     result = distribution_test(counts, exact_masked_joint(sampling))
     print(f"\nmask forgotten at column 1: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
+    assert not passes(result), result
+
+
+def test_the_distribution_test_fails_when_a_forced_window_picks_from_the_unmasked_target(monkeypatch):
+    """Wrong: after a window of forced drafts alone, the next token is picked from the target's
+    logits without the grammar's mask (the matcher then goes on past what it refused)."""
+    from specdec.decoding.sampling import pick_rows
+    from specdec.decoding.verify import Verdict
+
+    def unmasked(self, proposal, logits):
+        lengths = proposal.lengths.tolist()
+        picked = pick_rows(logits[:, 0], [r.sampling for r in self.requests], self.generator(),
+                           [c + 1 + n for c, n in zip(self.cached, lengths)])
+        return Verdict(proposal.lengths, picked)
+
+    def lenient(self, tokens):
+        self.m.consume_tokens(tokens)
+
+    monkeypatch.setattr(Engine, "after_forced", unmasked)
+    monkeypatch.setattr(Matcher, "advance", lenient)
+    make, sampling, k = SAMPLED["forced alone T=1 k=2"]
+    counts, _ = constrained_counts(make(), sampling, k)
+    result = distribution_test(counts, exact_masked_joint(sampling))
+    print(f"\nforced window picked unmasked: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
+    assert not passes(result), result
+
+
+def test_the_distribution_test_fails_when_the_drafter_reports_its_unmasked_q(monkeypatch):
+    """Wrong: the drafts are drawn under the grammar, but the q reported for rejection sampling is
+    the draft model's distribution before the mask."""
+    from specdec.proposers import base
+    draw = base.draw
+
+    def unmasked_q(logits, samplings, draws, depth, vocab, vocab_size):
+        q = probabilities(logits, samplings[0])
+        _, token, scores = draw(logits, samplings, draws, depth, vocab, vocab_size)
+        return q, token, scores
+
+    monkeypatch.setattr(base, "draw", unmasked_q)
+    make, sampling, k = SAMPLED["draft model T=1 k=3"]
+    counts, _ = constrained_counts(make(), sampling, k)
+    result = distribution_test(counts, exact_masked_joint(sampling))
+    print(f"\nunmasked q reported: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
     assert not passes(result), result
 
 

@@ -86,6 +86,26 @@ def test_seeded_tokens_lie_inside_top_k_and_top_p_over_many_seeds():
         assert bool(allowed.gather(-1, tokens[..., None]).all())
 
 
+def test_masked_columns_draw_what_the_dense_noise_draws_and_a_single_token_column_needs_none(monkeypatch):
+    """Logits masked by a grammar (-inf outside it): the columns with more than one token get the
+    dense computation's values exactly; a column with one token keeps it, without noise."""
+    logits = torch.randn(3, 6, 300, generator=torch.Generator().manual_seed(2))
+    logits[0, 1] = logits[2, 4] = float("-inf")
+    logits[0, 1, 17] = logits[2, 4, 250] = 0.3   # one token allowed
+    logits[1, 2, 40:] = float("-inf")             # 40 allowed
+    configs = [SamplingConfig(temperature=1.0, seed=1), SamplingConfig(temperature=0.7, top_k=5, seed=2),
+               SamplingConfig(temperature=1.3, top_p=0.9, seed=3)]
+    positions = [[10 + i for i in range(6)], [3 + i for i in range(6)], [7] * 6]
+    dense = sampling.row_probabilities(logits, configs).log() + gumbel([1, 2, 3], positions, 300)
+    free = torch.ones(3, 6, dtype=torch.bool)
+    free[0, 1] = free[2, 4] = False
+    noised = []
+    monkeypatch.setattr(sampling, "gumbel", lambda seeds, *rest: noised.append(len(seeds)) or gumbel(seeds, *rest))
+    got = sampling.perturbed(logits, configs, positions)
+    assert torch.equal(got[free], dense[free]) and torch.equal(got.argmax(-1), dense.argmax(-1))
+    assert noised == [16]  # the 18 columns but the two with one token
+
+
 def test_noise_is_the_hash_of_seed_position_and_token():
     seeds, positions = [0, 7, 2 ** 63 - 1], [[0, 5], [1023, 3], [2, 2]]
     noise = gumbel(seeds, positions, 300)  # (3, 2, 300)

@@ -1,16 +1,22 @@
 """Structured output through the server: OpenAI's response_format (json_schema, json_object) on
 completions and chat, whole and streamed, answers what api.generate(constraint=...) answers; a bad
 schema is a 400 naming the problem (param "response_format") and the server keeps serving.
-The server drafts with n-gram lookup (k = 4), so the grammar's forced tokens are drafted too."""
+The in-process server drafts with n-gram lookup (k = 4), so the grammar's forced tokens are drafted
+too. A real `specdec serve` process, drafting with a draft model under the mask, answers a sample of
+the structured workload (bench/structured.py) with valid JSON, greedy and T=1, eight requests at once."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from specdec import api
+from specdec.bench.structured import tasks, validate
 from specdec.decoding.constraint import Constraint
 
+from .serve_helpers import HANG, Server
 from .test_serve_chat import MESSAGES, chat_checkpoint  # noqa: F401 (a fixture)
 from .test_serve_fuzz import InProcess, error_of
 
@@ -81,3 +87,33 @@ def test_a_bad_response_format_is_a_400_naming_it_and_others_are_served(app, res
     assert message in error_of(r, 400, "response_format")["message"]
     good = post(app, "/v1/completions", {"prompt": "x", "response_format": FORMAT, **GREEDY})
     assert good.status_code == 200 and json.loads(good.json()["choices"][0]["text"])["label"]
+
+
+def test_a_real_server_answers_the_structured_workload_with_valid_json(chat_checkpoint, draft_checkpoint,  # noqa: F811
+                                                                       tmp_path):
+    """`specdec serve` with a draft model (k = 3) drafting under the mask: a sample of the workload
+    (4 tasks of each kind; no unbounded numbers, which a random model may write until max_tokens),
+    greedy and T=1 (seeded), 8 requests at once: every answer ends ("stop") and validates against
+    its schema (bench/structured.py's validator)."""
+    sample = [t for kind in ("extraction", "tool-call", "classification")
+              for t in [t for t in tasks() if t.kind == kind and "number" not in json.dumps(t.schema)][:4]]
+    server = Server("--model", str(chat_checkpoint), "--draft", "draft-model", "--draft-model", str(draft_checkpoint),
+                    "-k", "3", "--max-batch", "8", log=tmp_path / "serve.log")
+
+    def ask(task, temperature: float) -> dict:
+        body = {"messages": [{"role": "user", "content": task.prompt}], "max_tokens": 120, "seed": 5,
+                "temperature": temperature, "response_format": {"type": "json_schema", "json_schema": {
+                    "name": task.kind, "schema": task.schema}}}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=HANG)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = {t: list(pool.map(ask, sample, [t] * len(sample))) for t in (0.0, 1.0)}
+    finally:
+        assert server.stop(), server.log.read_text()
+    for temperature, choices in answers.items():
+        for task, choice in zip(sample, choices):
+            text = choice["message"]["content"]
+            assert choice["finish_reason"] == "stop" and validate(json.loads(text), task.schema), (temperature, text)

@@ -208,9 +208,10 @@ def allowed(bits: np.ndarray, vocab: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(flags(bits, vocab)))
 
 
-def masked(logits: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
-    """logits (..., V) with -inf where the bitmasks bits (..., W) refuse the token."""
-    ok = flags(bits, logits.shape[-1])
+def masked(logits: torch.Tensor, bits: np.ndarray, ids: np.ndarray | None = None) -> torch.Tensor:
+    """logits (..., V) with -inf where the bitmasks bits (..., W) refuse the token; ids (N,): the
+    logits are those of these token ids only, (..., N) (a draft vocabulary)."""
+    ok = flags(bits, logits.shape[-1]) if ids is None else flags(bits, 32 * bits.shape[-1])[..., ids]
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.where(ok, logits.numpy(), np.float32(-np.inf)))
     return torch.where(torch.from_numpy(np.ascontiguousarray(ok)).to(logits.device), logits, float("-inf"))

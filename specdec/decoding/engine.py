@@ -165,7 +165,8 @@ class Engine:
         limit = draft_limits([r.row.budget for r in self.requests], depth)
         limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
         self.next_window = None
-        draws = Draws(self.generator(), [c + 1 for c in self.cached])  # a seeded row's first draft: position cached + 1
+        # a seeded row's first draft: position cached + 1; constrained rows draft under their grammars
+        draws = Draws(self.generator(), [c + 1 for c in self.cached], self.guide.drafting())
         proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()  # propose
         if self.guide.active:  # forced runs in place of drafts; chains cut where they leave the grammar
             proposal = self.guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
@@ -176,8 +177,10 @@ class Engine:
             self.plain_step()
             return
         window = torch.cat([last[:, None], proposal.tokens], 1)                 # (B, 1+m): [last, drafts]
-        out = self.verify_forward(window, proposal, clock)                       # verify
-        verdict = self.verify(proposal, self.masked(out.logits, proposal))       # accept: logits (B, 1+m, V)
+        forced = self.guide.forced_only(proposal)  # every draft forced: certain, only the column after them decides
+        out = self.verify_forward(window, proposal, clock, proposal.lengths[:, None] if forced else None)  # verify
+        verdict = (self.after_forced(proposal, out.logits) if forced                     # accept: logits (B, 1, V)
+                   else self.verify(proposal, self.masked(out.logits, proposal)))        # or (B, 1+m, V)
         # what the host needs of the step, read from the device at once: (B, 3 + m)
         read = torch.cat([verdict.accepted[:, None], verdict.next_token[:, None], proposal.lengths[:, None],
                           proposal.tokens], 1).tolist()
@@ -217,16 +220,18 @@ class Engine:
                 r.on_tokens is not None or r.finished for r in self.requests):
             self.plain_step()
 
-    def verify_forward(self, window: torch.Tensor, proposal: Proposal, clock: "Clock"):
+    def verify_forward(self, window: torch.Tensor, proposal: Proposal, clock: "Clock",
+                       logits_index: torch.Tensor | None = None):
         """The target's forward over [last, drafts] (B, 1+m): a chain at the default positions, a tree
-        with positions by depth and its attention mask; the declared layers come back with it."""
+        with positions by depth and its attention mask; the declared layers come back with it.
+        logits_index (B, N): the columns whose logits are computed (default all)."""
         if proposal.parents is None:
             positions, tree = next_positions(self.cache, window.shape[1], self.context), None
         else:
             positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
         clock.mark("window")
         out = self.target(window, positions=positions, cache=self.cache, attention_mask=tree,
-                          **layer_request(self.features))
+                          logits_index=logits_index, **layer_request(self.features))
         clock.mark("forward")
         return out
 
@@ -236,6 +241,17 @@ class Engine:
         if not self.guide.active:
             return logits
         return masked(logits, self.guide.window_masks(proposal))
+
+    def after_forced(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
+        """The verdict on a window of forced drafts alone (guided.py): each is the one token its row's
+        grammar allows, so every acceptance rule accepts it (its masked probability is 1); the token
+        after them is picked, as in a plain step, from the logits (B, 1, V) of the column after each
+        row's drafts, masked (a seeded row's noise: that column's position)."""
+        lengths = proposal.lengths.tolist()
+        masks = self.guide.window_masks(proposal)[range(len(lengths)), lengths]  # (B, W)
+        picked = pick_rows(masked(logits[:, 0], masks), [r.sampling for r in self.requests], self.generator(),
+                           [c + 1 + n for c, n in zip(self.cached, lengths)])
+        return Verdict(proposal.lengths, picked.to(self.device))
 
     def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int]
                ) -> tuple[list[list[int]], list[int]]:

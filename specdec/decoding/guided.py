@@ -16,7 +16,17 @@ keys, punctuation and enum tails of a schema), that run replaces the drafter's p
 row: deterministic drafts, verified like any other, so nothing about the distribution changes; the
 drafter hears that none of its drafts were accepted and the committed tokens follow (as after a
 rejection). Where the drafter's chain already begins with the forced run and goes further, it is
-kept as it is. `forced_accepted` counts the emitted tokens that were drafts of a forced run.
+kept as it is. `forced_accepted` counts the emitted tokens that were drafts of a forced run. A
+proposal of forced runs alone (`forced_only`) needs no acceptance decision: each draft is the one
+token its grammar allows (masked probability 1), so the engine computes the target's logits only
+at the column after each run.
+
+Masked drafts. A drafter that draws from logits (proposers/base.py's `draw`: draft models, the
+self-draft, EAGLE and MTP chains, parallel and block drafts) draws under the grammar
+(`DraftGrammar`): at each depth its logits are masked to what the row's grammar allows after its
+drafts so far and renormalised, so its drafts stay inside the grammar, and the q it reports is the
+one it drew from (exact as any q). Dynamic trees (EAGLE-2) rank unmasked nodes: the window masks
+refuse what they must.
 
 The matcher of each row always stands at its committed sequence: the drafts it walks through to
 make masks are rolled back before the step ends, and the committed tokens are then consumed.
@@ -28,7 +38,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .constraint import Compiled, Matcher
+from ..errors import SpecdecError
+from .constraint import Compiled, Matcher, flags, masked
 from .protocol import Outcome, Proposal
 from .tree import chain_parents
 
@@ -42,6 +53,7 @@ class Guide:
         self.replaced: list[bool] = []     # (B,) rows whose drafts this step are the grammar's forced run
         self.runs: list[int] = []          # (B,) length of the forced run at the head of each row's drafts
         self.tree = False                  # whether the drafter proposed a tree this step
+        self.drafts: DraftGrammar | None = None  # the grammar the drafter drew this step's drafts under
         self.active = False                # whether any row is constrained (kept by join and leave)
         self.forced_proposed = 0           # forced drafts proposed
         self.forced_accepted = 0           # of which emitted
@@ -67,11 +79,20 @@ class Guide:
                 m.mask_into(bits[b])
         return bits
 
+    def drafting(self) -> "DraftGrammar | None":
+        """The grammar the drafter draws this step's drafts under (None without constraints); `propose`
+        rolls its walk back."""
+        self.drafts = DraftGrammar(self.matchers, self.words) if self.active else None
+        return self.drafts
+
     def propose(self, proposal: Proposal, limits: list[int], cut: list[bool]) -> Proposal:
         """The forced runs in place of the drafter's drafts (where there is one, forced drafts are on,
         and the drafter's chain does not already begin with it and go further), then each chain cut at
         its first draft the grammar refuses where `cut[b]` (module docstring: where cutting is exact).
         Returns the proposal to verify."""
+        if self.drafts is not None:  # the matchers back at the committed sequences
+            self.drafts.release()
+            self.drafts = None
         B = len(self.matchers)
         self.replaced = [False] * B
         self.tree = proposal.parents is not None  # the drafter's proposal: it expects paths in its outcome
@@ -99,6 +120,13 @@ class Guide:
         if kept == lengths:
             return proposal
         return Proposal(proposal.tokens, torch.tensor(kept, device=proposal.lengths.device), proposal.draft_probs)
+
+    def forced_only(self, proposal: Proposal) -> bool:
+        """Whether the proposal (a chain) holds forced runs and no other drafts: each is then the one
+        token its grammar allows, accepted with probability 1 under every rule, and only the column
+        after each row's run needs the target's logits (Engine.after_forced)."""
+        return (self.active and proposal.parents is None and any(self.replaced)
+                and all(r or n == 0 for r, n in zip(self.replaced, proposal.lengths.tolist())))
 
     def with_forced(self, proposal: Proposal, forced: list[list[int]]) -> Proposal:
         """Rows with a forced run take it as their drafts (deterministic: one-hot q where the drafter
@@ -210,6 +238,53 @@ class Guide:
         if paths is not None:
             paths = [[] if r else p for r, p in zip(self.replaced, paths)]
         return Outcome(accepted, outcome.tokens, outcome.counts, outcome.hidden, paths)
+
+
+class DraftGrammar:
+    """The grammar as a drafter sees it while it draws one proposal, depth by depth (proposers/base.py's
+    `draw`): each constrained row's draft logits are masked to the tokens its grammar allows after
+    the row's drafts so far, and its draft then moves its matcher on; `release` rolls the matchers
+    back. Masked and renormalised, a drafter's q never leaves the grammar; the q it reports is the
+    one it drew from, so the verifier stays exact. A row is no longer masked after a draft its
+    grammar does not consume (an EOS: nothing after it is emitted) or where none of the tokens the
+    drafter can draw is allowed (a draft vocabulary without them); its drafts are then the
+    drafter's own, and the verifier's masks refuse what they must."""
+
+    def __init__(self, matchers: list[Matcher | None], words: int):
+        self.matchers, self.words = matchers, words
+        self.following = [m is not None for m in matchers]  # (B,) rows whose drafts are masked
+        self.walked = [0] * len(matchers)                     # (B,) drafts each matcher consumed
+        self.depth = 0                                        # the depth of the next drafts
+
+    def masked(self, logits: torch.Tensor, depth: int, ids: torch.Tensor | None) -> torch.Tensor:
+        """Draft logits (B, N) at depth `depth` (0-based) over the token ids `ids` (N,) (None: all)
+        -> the same with -inf where each row's grammar refuses the token."""
+        if depth != self.depth:
+            raise SpecdecError(f"drafts under a grammar are drawn depth by depth: depth {depth} came after "
+                               f"{self.depth} drafts; draw each depth once, in order")
+        bits = np.full((len(self.matchers), self.words), -1, dtype=np.int32)   # (B, W)
+        for b, m in enumerate(self.matchers):
+            if self.following[b]:
+                m.mask_into(bits[b])
+        columns = None if ids is None else ids.cpu().numpy()
+        if columns is not None:
+            for b in np.flatnonzero(~flags(bits, 32 * self.words)[:, columns].any(1)):
+                bits[b], self.following[b] = -1, False
+        return masked(logits, bits, columns)
+
+    def took(self, tokens: torch.Tensor, depth: int) -> None:
+        """The drafts (B,) drawn at depth `depth` move the matchers of the rows still followed on."""
+        for b, token in enumerate(tokens.tolist()):
+            if self.following[b]:
+                self.following[b] = self.matchers[b].accepts(token)
+                self.walked[b] += self.following[b]
+        self.depth = depth + 1
+
+    def release(self) -> None:
+        for m, n in zip(self.matchers, self.walked):
+            if m is not None:
+                m.rollback(n)
+        self.walked = [0] * len(self.matchers)
 
 
 def path_to(parents: list[int], node: int) -> list[int]:

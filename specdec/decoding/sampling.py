@@ -13,11 +13,15 @@ and the target, never on the draft, k, the batch or the load (Daliri, Musco, Sur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..errors import SpecdecError
+
+if TYPE_CHECKING:
+    from .guided import DraftGrammar
 
 MIN_TEMPERATURE = 1e-4  # the smallest temperature for which logits / temperature stays finite in float32
 
@@ -228,9 +232,30 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
     is row r's token at sequence position positions[r][i], an exact draw from the probs.
     Verification of a seeded row is greedy acceptance on the target's; a drafter draws a seeded
     row's drafts from its own with the same noise (`Draws`). ids (V,): the target ids of the
-    columns (a draft vocabulary), whose noise is used."""
-    noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids).to(logits.device)
-    return row_probabilities(logits, configs).log() + noise
+    columns (a draft vocabulary), whose noise is used. A column with one finite logit (where a
+    grammar allows one token: structured output's forced tokens) is returned as it is: its argmax
+    is that token whatever the noise, which is not computed (a forced run's window costs one
+    column's noise, not one per token)."""
+    free = finite_counts(logits) > 1                                                      # (R, n)
+    if bool(free.all()):
+        noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids).to(logits.device)
+        return row_probabilities(logits, configs).log() + noise
+    r, i = free.nonzero(as_tuple=True)
+    rows, columns = r.tolist(), i.tolist()
+    out = logits.float().clone()
+    if rows:
+        chosen = [configs[a] for a in rows]
+        noise = gumbel([cfg.seed for cfg in chosen], [[positions[a][b]] for a, b in zip(rows, columns)],
+                       logits.shape[-1], ids).to(logits.device)                            # (F, 1, V)
+        out[r, i] = (row_probabilities(logits[r, i][:, None], chosen).log() + noise)[:, 0]
+    return out
+
+
+def finite_counts(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) the finite logits of each row (in NumPy on the CPU: one pass, no thread pool)."""
+    if logits.device.type == "cpu" and not logits.requires_grad:
+        return torch.from_numpy(np.isfinite(logits.float().numpy()).sum(-1))
+    return torch.isfinite(logits).sum(-1)
 
 
 @dataclass
@@ -240,9 +265,11 @@ class Draws:
     verifier adds to the target's log-probabilities at that position, so that draft and target agree
     whenever their perturbed argmaxes do (acceptance ~ sum min(target_probs, draft_probs), as with
     rejection sampling; independent noise would give sum target_probs * draft_probs). Other sampled
-    rows draw from `generator` (one, or RowGenerators)."""
+    rows draw from `generator` (one, or RowGenerators). Under structured output, `grammar` masks each
+    constrained row's draft logits to its grammar, depth by depth (guided.DraftGrammar)."""
     generator: torch.Generator | RowGenerators | None = None
     positions: list[int] | None = None  # (B,) sequence position of each row's first draft; None: no seeded rows
+    grammar: "DraftGrammar | None" = None  # the rows' grammars walked through their drafts; None: unconstrained
 
     def scores(self, logits: torch.Tensor, configs: list[SamplingConfig], depth: int,
                ids: torch.Tensor | None = None, probs: torch.Tensor | None = None

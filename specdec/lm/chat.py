@@ -15,6 +15,7 @@ This module knows nothing about models, sampling or serving.
 from __future__ import annotations
 
 import json
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -77,9 +78,19 @@ class ChatTemplate:
                                                        add_generation_prompt=True, sanitize_control_tokens=True))
 
 
-@lru_cache(maxsize=8)
+# transformers imports its classes lazily, and not thread-safely: the server encodes requests on
+# several threads, and concurrent first chat requests saw "cannot import name 'AutoTokenizer'"
+LOADING = threading.Lock()
+
+
 def template(folder: str | Path) -> ChatTemplate:
-    """The folder's template, read once."""
+    """The folder's template, read once, by one thread at a time."""
+    with LOADING:
+        return read_template(folder)
+
+
+@lru_cache(maxsize=8)
+def read_template(folder: str | Path) -> ChatTemplate:
     return ChatTemplate(folder)
 
 

@@ -172,21 +172,29 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
     vocabulary (B, V), the drawn target ids (B,), and the scores (B, N) that rank a depth's
     alternatives (with_alternatives): the logits, a seeded row's perturbed by its noise, so that its
     draft is their argmax (`Draws`). When every row is greedy: None (greedy verification reads no
-    draft distribution) and the argmax; a greedy row among sampled ones gets the one-hot of its argmax."""
+    draft distribution) and the argmax; a greedy row among sampled ones gets the one-hot of its argmax.
+    Under a grammar (draws.grammar) the logits are first masked to each row's grammar after its
+    drafts so far, and the drafts drawn move it on: depths are drawn once each, in order."""
+    ids = None if vocab is None else vocab.ids
+    if draws.grammar is not None:
+        logits = draws.grammar.masked(logits, depth, ids)
+    p, scores = None, logits
     if all(cfg.greedy for cfg in samplings):
         token = argmax(logits)
-        return None, token if vocab is None else vocab.ids[token], logits
-    p = row_probabilities(logits, samplings)
-    token = sample(p, draws.generator)
-    seeded, noisy = draws.scores(logits, samplings, depth, None if vocab is None else vocab.ids, p)
-    scores = logits
-    if seeded:
-        index = torch.tensor(seeded, device=logits.device)
-        token[index] = argmax(noisy).to(token.device)
-        scores = logits.float().index_copy(0, index, noisy)
-    if vocab is None:
-        return p, token, scores
-    return p.new_zeros(p.shape[0], vocab_size).index_copy_(1, vocab.ids, p), vocab.ids[token], scores
+    else:
+        p = row_probabilities(logits, samplings)
+        token = sample(p, draws.generator)
+        seeded, noisy = draws.scores(logits, samplings, depth, ids, p)
+        if seeded:
+            index = torch.tensor(seeded, device=logits.device)
+            token[index] = argmax(noisy).to(token.device)
+            scores = logits.float().index_copy(0, index, noisy)
+        if vocab is not None:
+            p = p.new_zeros(p.shape[0], vocab_size).index_copy_(1, vocab.ids, p)
+    token = token if vocab is None else vocab.ids[token]
+    if draws.grammar is not None:
+        draws.grammar.took(token, depth)
+    return p, token, scores
 
 
 def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[SamplingConfig], draws: Draws,
@@ -212,13 +220,13 @@ def draw_block(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Dra
     """A parallel drafter's block: logits (B, m, N) of m slots from one forward -> the drafts (B, m),
     each drawn from its own slot's distribution without seeing the others (`draw`, slot j at depth
     j), those distributions (B, m, V), or None when every row is greedy (one argmax over the whole
-    block), and each slot's scores (`draw`)."""
-    if all(cfg.greedy for cfg in samplings):
+    block, without a grammar), and each slot's scores (`draw`)."""
+    if all(cfg.greedy for cfg in samplings) and draws.grammar is None:
         token = argmax(logits)
         return token if vocab is None else vocab.ids[token], None, list(logits.unbind(1))
     drawn = [draw(slot, samplings, draws, j, vocab, vocab_size) for j, slot in enumerate(logits.unbind(1))]
-    return (torch.stack([token for _, token, _ in drawn], 1), torch.stack([p for p, _, _ in drawn], 1),
-            [score for _, _, score in drawn])
+    probs = None if drawn[0][0] is None else torch.stack([p for p, _, _ in drawn], 1)
+    return torch.stack([token for _, token, _ in drawn], 1), probs, [score for _, _, score in drawn]
 
 
 # --- the per-row target features and tokens a head has yet to read (MTP heads, EAGLE) ---
