@@ -200,32 +200,31 @@ inline float fma_loop(int64_t reps) {
 
 // ------------------------------------------------------------------------------ attention
 
+// The 16 lanes of q . k over D floats: lane l sums the products of the columns l mod 16, in order.
+inline V key_dot(const float* q, const float* k, int64_t D) {
+  V acc = V::zero();
+  for (int64_t c = 0; c < D; c += kLanes) acc = V::fma(V::load(q + c), V::load(k + c), acc);
+  return acc;
+}
+
 // One query row q (D floats) over `n` visible keys given by key(i) -> row pointer in the cache
 // (i = 0..n-1, in key order): out = softmax(q k^T * scale) v. The score of key i lives in lane
 // i mod 16 of the softmax sum, whatever other keys the cache holds: a row's output depends only
 // on its own visible keys (so a token verified in a window, or a tree node, gets what it gets
-// decoded alone). p: scratch of at least n rounded up to 16 floats.
+// decoded alone). p: scratch of at least n rounded up to 16 floats. Each key's sums are computed
+// alone (key_dot), so that on AVX2 too they stay in registers.
 template <class KeyRow>
 inline void attend_row(const float* q, int64_t D, int64_t n, KeyRow krow, KeyRow vrow, float scale,
                        float* p, float* out) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {  // 16 keys at a time, their 16 sums reduced together
     V acc[kLanes];
-    for (int j = 0; j < kLanes; ++j) acc[j] = V::zero();
-    for (int64_t c = 0; c < D; c += kLanes) {
-      const V qc = V::load(q + c);
-      for (int j = 0; j < kLanes; ++j) acc[j] = V::fma(qc, V::load(krow(i + j) + c), acc[j]);
-    }
+    for (int j = 0; j < kLanes; ++j) acc[j] = key_dot(q, krow(i + j), D);
     alignas(64) float sums[kLanes];
     V::hsum16(acc, sums);
     for (int j = 0; j < kLanes; ++j) p[i + j] = sums[j] * scale;
   }
-  for (; i < n; ++i) {
-    const float* kr = krow(i);
-    V acc = V::zero();
-    for (int64_t c = 0; c < D; c += kLanes) acc = V::fma(V::load(q + c), V::load(kr + c), acc);
-    p[i] = V::hsum(acc) * scale;
-  }
+  for (; i < n; ++i) p[i] = V::hsum(key_dot(q, krow(i), D)) * scale;
   const int64_t n16 = (n + kLanes - 1) / kLanes * kLanes;
   for (int64_t i = n; i < n16; ++i) p[i] = -INFINITY;
   V top = V::bcast(-INFINITY);
@@ -336,14 +335,19 @@ inline void quantize_input(const Mat& W, const float* row, const QuantRows& xq, 
   if (W.format != kBf16) g_quant->quantize_row(row, W.K, xq, m);
 }
 
+// sc.h (M, C) = RMSNorm(x) with scale w, each row quantized for W, the matrix it enters (Scratch.xq).
+inline void norm_rows(const float* x, const float* w, const Shape& s, int64_t M, const Mat& W, const Scratch& sc) {
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m) {
+    rms_norm_row(x + m * s.C, w, s.eps, s.C, sc.h + m * s.C);
+    quantize_input(W, sc.h + m * s.C, sc.xq, m);
+  }
+}
+
 // x += the gated MLP of RMSNorm(x) (+ biases), for rows (M, C) of x.
 inline void mlp(const LayerWeights& L, const Shape& s, int64_t M, float* x, const Scratch& sc, int tid, int nt) {
   const int64_t C = s.C, F2 = 2 * s.F;
-#pragma omp for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    rms_norm_row(x + m * C, L.norm2, s.eps, C, sc.h + m * C);
-    quantize_input(L.gate_up, sc.h + m * C, sc.xq, m);
-  }
+  norm_rows(x, L.norm2, s, M, L.gate_up, sc);
   matmul(L.gate_up, sc.h, C, sc.xq, M, sc.gu, F2, nullptr, L.gate_up_bias, tid, nt);
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -373,11 +377,7 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
   rope_table(s, w, sc.rope);
   for (int l = 0; l < nl; ++l) {
     const LayerWeights& L = layers[l];
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      rms_norm_row(x + m * C, L.norm1, s.eps, C, sc.h + m * C);
-      quantize_input(L.qkv, sc.h + m * C, sc.xq, m);
-    }
+    norm_rows(x, L.norm1, s, M, L.qkv, sc);
     matmul(L.qkv, sc.h, C, sc.xq, M, sc.qkv, E, nullptr, L.qkv_bias, tid, nt);
 #pragma omp barrier
     rotate_and_cache(L, s, w, caches[l], sc.qkv, sc.rope);

@@ -63,22 +63,7 @@ template <int R, int NB>
 inline void q4_k_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const V (&dmin)[NB],
                        V (&acc)[R][NB]) {
   VI s[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
-  for (int i = 0; i < 4; ++i) {
-    typename VI::Raw lo[NB], hi[NB];
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* p = k.codes[j] + i * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
-      const auto v = VI::load(p);
-      lo[j] = VI::low_nibbles(v);
-      hi[j] = VI::high_nibbles(v);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int32_t xlo = VI::quad(k.xq[r] + 4 * i), xhi = VI::quad(k.xq[r] + 16 + 4 * i);
-      for (int j = 0; j < NB; ++j) s[r][j] = VI::dot(VI::dot(s[r][j], lo[j], xlo), hi[j], xhi);
-    }
-  }
+  qsums<kQ4_1, R, NB>(k.codes, k.xq, s);  // quant.h: Q4_K's codes are laid out as Q4_1's
   for (int j = 0; j < NB; ++j) {
     const auto raw = VI::load(k.base[j] + kScalesAt[0] + (k.c / 2) * 64);
     const V scale = V::mul(d[j], scale_bytes(raw, 2 * (k.c % 2), 0));

@@ -58,16 +58,16 @@ inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64
 }
 
 // The exact integer sums s[r][j] of one block: rows xq[0..R-1] (their 32 int8 of this block) against
-// the codes of NB panels at block + j stride.
+// the codes at codes[j] (Q8_0's 8 loads of bytes, or 4 loads of nibbles: Q4_0, Q4_1, kquant.h's Q4_K).
 template <int F, int R, int NB>
-inline void qsums(const uint8_t* block, int64_t stride, const int8_t* const (&xq)[R], VI (&s)[R][NB]) {
+inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R], VI (&s)[R][NB]) {
   if constexpr (F == kQ8_0) {
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
     for (int i = 0; i < 8; ++i) {
       typename VI::Wide w[NB];
       for (int j = 0; j < NB; ++j) {
-        const uint8_t* p = block + j * stride + kPanelHeader[F] + i * 64;
+        const uint8_t* p = codes[j] + i * 64;
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
         w[j] = VI::wide(VI::load(p));
       }
@@ -84,7 +84,7 @@ inline void qsums(const uint8_t* block, int64_t stride, const int8_t* const (&xq
     for (int i = 0; i < 4; ++i) {
       typename VI::Raw lo[NB], hi[NB];
       for (int j = 0; j < NB; ++j) {
-        const uint8_t* p = block + j * stride + kPanelHeader[F] + i * 64;
+        const uint8_t* p = codes[j] + i * 64;
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
         const auto v = VI::load(p);
         lo[j] = VI::low_nibbles(v);
@@ -139,8 +139,10 @@ inline void qtile(const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t
     const uint8_t* block = W + p0 * stride + b * PB;
     const int8_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = x.q + (r0 + r) * x.ld + b * kBlock;
+    const uint8_t* codes[NB];
+    for (int j = 0; j < NB; ++j) codes[j] = block + j * stride + kPanelHeader[F];
     VI s[R][NB];
-    qsums<F, R, NB>(block, stride, xq, s);
+    qsums<F, R, NB>(codes, xq, s);
     qterms<F, R, NB>(block, stride, x, r0, b, s, acc);
   }
   store_tile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
