@@ -180,7 +180,9 @@ def _model_identity(target: Admitted) -> list:
     lm = target.lm
     inner = getattr(lm, "model", lm)
     if inner not in _IDENTITIES:
-        weights = lm.lm_head.weight if hasattr(lm, "lm_head") else next(lm.parameters())
+        head = getattr(lm, "lm_head", None)
+        weights = next(lm.parameters()) if head is None else head.weight if head.weight is not None else \
+            head.stored.data  # a quantized unembedding: its packed blocks
         fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
         config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
         _IDENTITIES[inner] = [config, fingerprint, target.abilities.backend]
