@@ -47,6 +47,7 @@ from . import blocks
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "types.h", "vectors.h", "isa.h", "quant.h",
                                                         "kquant.h", "threads.h")]
 LANES = 16  # outputs per packed panel
+SLICE = 4096  # rows of a GGUF tensor unpacked at a time (Matrix.from_gguf): a whole number of panels
 _EMPTY = torch.empty(0)
 
 
@@ -168,6 +169,16 @@ class Matrix:
     def from_blocks(cls, stored: blocks.Blocks) -> Matrix:
         """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
         return cls(stored.format, stored.shape, blocks.pack(stored))
+
+    @classmethod
+    def from_gguf(cls, raw, format: str, shape: tuple[int, int]) -> Matrix:
+        """A GGUF tensor's raw blocks (N rows of bytes, blocks.from_gguf) packed exactly, SLICE rows at a
+        time: what is unpacked at once (a byte per code, and its copies) stays small beside a table of
+        V rows."""
+        N, K = shape
+        return cls(format, shape, torch.cat([blocks.pack(blocks.from_gguf(raw[i:i + SLICE], format,
+                                                                          (min(SLICE, N - i), K)))
+                                             for i in range(0, N, SLICE)]))
 
     @classmethod
     def from_runs(cls, parts: list[blocks.Blocks]) -> Matrix:

@@ -65,6 +65,9 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
         if any(kind not in FORMATS for kind in kinds):
             others[name] = "+".join(kinds)
             continue
+        if len(pieces) == 1:  # one tensor (an unembedding of V rows, say): packed a slice of rows at a time
+            given[name] = Matrix.from_gguf(pieces[0][1].data, FORMATS[pieces[0][1].type], pieces[0][1].shape)
+            continue
         stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
         try:
             given[name] = Matrix.from_runs(stored)  # parts of different types: runs, each as stored
@@ -130,4 +133,4 @@ def embedding_blocks(raws: dict[str, RawTensor]) -> Matrix | None:
     raw = raws["model.embed_tokens.weight"]
     if "lm_head.weight" not in raws or raw.type not in FORMATS:
         return None
-    return Matrix.from_blocks(from_gguf(raw.data, FORMATS[raw.type], raw.shape))
+    return Matrix.from_gguf(raw.data, FORMATS[raw.type], raw.shape)
