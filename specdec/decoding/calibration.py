@@ -181,9 +181,11 @@ def _model_identity(target: Admitted) -> list:
     inner = getattr(lm, "model", lm)
     if inner not in _IDENTITIES:
         head = getattr(lm, "lm_head", None)
-        weights = next(lm.parameters()) if head is None else head.weight if head.weight is not None else \
-            head.stored.data  # a quantized unembedding: its packed blocks
-        fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
+        if head is not None and head.weight is None:  # a quantized unembedding: a sum of its packed bytes
+            fingerprint = int(head.stored.data.sum()), head.stored.shape, head.stored.format
+        else:
+            weights = next(lm.parameters()) if head is None else head.weight
+            fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
         config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
         _IDENTITIES[inner] = [config, fingerprint, target.abilities.backend]
     return _IDENTITIES[inner]
