@@ -181,3 +181,9 @@ def test_a_model_run_as_stored_holds_about_its_files_bytes(tied, tmp_path, gguf_
         target.model.embed(torch.tensor([[320]]))
     with pytest.raises(SpecdecError, match="as quantized blocks only.*not saved as a checkpoint"):
         target.hf_state_dict()
+    draft = build_proposer("self", target=target)  # requantized from the blocks' values; the embedding shared
+    shared = draft.model.lm_head.stored if tied else target.model.embed_tokens.stored
+    assert draft.model.model.embed_tokens.stored is shared and draft.model.held_as_blocks()
+    prompts, rule, greedy = [[5, 9, 2, 5, 9]], StopRule(max_new_tokens=12), SamplingConfig()
+    rows, metrics = speculative_generate(target, draft, prompts, rule, greedy, 3)
+    assert rows[0].tokens == plain_generate(target, prompts, rule, greedy)[0][0].tokens and metrics.proposed > 0
