@@ -123,8 +123,8 @@ def store_matrices(module: nn.Module, format: str | None = "bf16",
     in `given` as given (a GGUF file's quantized tensors; format None: the others are left as they
     are, on PyTorch operators). bf16 is exact for weights that hold bf16 values; a quantized format
     rounds them (llama.cpp's Q8_0, Q4_0, Q4_1). A tied unembedding stays tied to the embedding (which
-    looks its rows up in the unembedding's blocks). Where the kernels run, every run of decoder layers whose matrices are all
-    stored then becomes one kernel call (decided here, once, at load)."""
+    looks its rows up in the unembedding's blocks). Where the kernels run, every run of decoder layers
+    whose matrices are all stored then becomes one kernel call (decided here, once, at load)."""
     given = given or {}
     for name, m in module.named_modules():
         if isinstance(m, Linear) and (name in given or format is not None):
