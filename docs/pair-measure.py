@@ -38,7 +38,7 @@ def main() -> None:
     target = api.load(args.model, quantize="gguf")
     size = os.path.getsize(packaged.resolve(args.model))
     print(f"{args.model}: loaded in {time.time() - t0:.0f} s; file {size / 1e9:.2f} GB; {memory()}; weights "
-          f"{api.weights_format(target.model)}; one kernel stack: {target.model.stack is not None}; "
+          f"{api.weights_format(target)}; one kernel stack: {target.model.stack is not None}; "
           f"{kernels.quant_isa()}", flush=True)
     ids = target.tokenizer.encode(PROMPT)
     rule, greedy = StopRule(max_new_tokens=args.max_new_tokens), SamplingConfig()

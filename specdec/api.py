@@ -48,7 +48,7 @@ from .lm import gguf, packaged
 from .lm.checkpoint import load_model, load_token_counts
 from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
-from .lm.gguf_blocks import AS_STORED, store_gguf_matrices
+from .lm.gguf_blocks import AS_STORED, load_as_stored
 from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer
@@ -101,9 +101,7 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
         raise SpecdecError(f"--quantize {AS_STORED} runs a .gguf file's blocks as stored, and {file} is a checkpoint "
                            "folder: pass a .gguf file, or quantize the folder at load (--quantize q8_0|q4_0|q4_1)")
     path = checkpoint_folder(file)
-    model = load_model(path, dtype=dtype, device=device, quantize=None if as_stored else quantize)
-    if as_stored:
-        store_gguf_matrices(model, file)
+    model = load_as_stored(file, dtype, device) if as_stored else load_model(path, dtype, device, quantize)
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -568,7 +568,7 @@ def cmd_calibrate(args) -> None:
         Path(args.out).write_text(json.dumps({
             "schema": "specdec-verify-curve/1", "target": shown_path(target.path),
             "backend": target.lm.abilities.backend,
-            "hardware": hardware(target.model.lm_head.weight.device), "machine": machine(),
+            "hardware": hardware(target.lm.device), "machine": machine(),
             "note": "seconds of one target forward over n new tokens per row, the fastest of 5 repeats, "
                     "made non-decreasing in n", "seconds": curves}, indent=1))
         print(f"written to {args.out} (specdec simulate --verify-curve {args.out} predicts from it)")

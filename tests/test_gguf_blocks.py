@@ -3,7 +3,8 @@ written here as llama.cpp writes them (tests/gguf_helpers.py) load with each Lin
 file's blocks, and compute the logits of transformers' model whose every matrix is the PyTorch
 reference of those blocks (kernels/blocks.py) on weights quantized here in transformers' own row
 order; Phi-3 (fused projections) and Qwen3 files run every matrix as stored; speculative greedy
-equals plain greedy; a matrix of another type is named and runs."""
+equals plain greedy; a matrix of another type is named and runs; a model run as stored holds its blocks
+and nothing beside them (within 1.3x of the file's tensor bytes)."""
 from __future__ import annotations
 
 import json
@@ -77,7 +78,7 @@ def test_each_matrix_holds_the_files_blocks_and_computes_the_reference_logits(wr
     layer, theirs = target.model.model.layers[0], reference.model.layers[0]
     qkv = torch.cat([theirs.self_attn.q_proj.dense, theirs.self_attn.k_proj.dense, theirs.self_attn.v_proj.dense])
     assert torch.equal(layer.self_attn.qkv_proj.stored.dense(), qkv)  # fused, q and k rows as transformers'
-    assert torch.equal(target.model.lm_head.weight, reference.lm_head.dense)
+    assert torch.equal(target.model.lm_head.dense(), reference.lm_head.dense)
     ids = torch.randint(3, 300, (4, 8), generator=torch.Generator().manual_seed(1))
     ours = target.model(ids).logits
     error = (ours - reference(ids).logits).abs().amax(-1)  # (4, 8) per position
@@ -107,7 +108,7 @@ def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(fa
     target = load(path, quantize="gguf").model
     assert {m.stored.format for m in target.modules() if isinstance(m, Linear)} == {"q8_0"} and target.stack
     embedding = next(raw for raw in gguf.raw_tensors(path) if raw.name == "model.embed_tokens.weight")
-    assert torch.equal(target.model.embed_tokens.weight, torch.from_numpy(dequantize(embedding.data, Q.Q8_0)))
+    assert torch.equal(target.model.embed_tokens.dense(), torch.from_numpy(dequantize(embedding.data, Q.Q8_0)))
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
     assert (target(ids).logits - load(path).model(ids).logits).abs().max() < 0.25  # 8-bit rounding apart
 
@@ -141,3 +142,49 @@ def test_generate_names_the_formats(written, capsys):
     assert stats["weights"] in ("q8_0 + q4_1", "q4_1 + q8_0") and "stored" in stats["backend"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["weights"] == "bf16"  # the default: the bf16 conversion
+
+
+def held_bytes(model) -> int:
+    """The bytes of every tensor a model holds, each once: parameters, buffers and the kernels' matrices
+    (a module's `stored`, the packed data its runs share) and anything unpacked from them."""
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    for m in model.modules():
+        stored = getattr(m, "stored", None)
+        if stored is not None:
+            held[stored.data.data_ptr()] = stored.nbytes
+            for b in getattr(stored, "_reference", None) or []:
+                held.update({t.data_ptr(): t.numel() * t.element_size() for t in b[1:] if t is not None})
+    return sum(held.values())
+
+
+# Q4_K_M's types: most matrices in Q4_K, v and down (and so the fused qkv's last run) in Q6_K
+MEDIUM = (Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@torch.no_grad()
+def test_a_model_run_as_stored_holds_about_its_files_bytes(tied, tmp_path, gguf_cache):
+    """Each matrix as its packed blocks and nothing beside them, the embedding's rows dequantized from
+    blocks at lookup (the file's own, or the tied unembedding's): within 1.3x of the file's tensors."""
+    model = hf_model("qwen2", tie_word_embeddings=tied, hidden_size=256, intermediate_size=512)
+    path = write_gguf(tmp_path / "medium.gguf", model, byte_level_tokenizer(), "qwen2", types=MEDIUM)
+    target = load(path, quantize="gguf").model
+    file_bytes = sum(t.n_bytes for t in gguf.open_file(path).tensors)
+    assert held_bytes(target) <= 1.3 * file_bytes, (held_bytes(target), file_bytes)
+    assert not any(t.is_meta for t in [*target.parameters(), *target.buffers()])
+    raws = {raw.name: raw for raw in gguf.raw_tensors(path)}
+    table = raws["model.embed_tokens.weight"]
+    ids = torch.tensor([[319, 0, 17], [5, 5, 300]])
+    values = torch.from_numpy(dequantize(table.data, Q[table.type])).reshape(table.shape)
+    assert torch.equal(target.model.embed(ids), values[ids])  # the file's values, exactly
+    assert target.num_parameters() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(IndexError, match="outside a matrix of 320 rows"):
+        target.model.embed(torch.tensor([[320]]))
+    with pytest.raises(SpecdecError, match="as quantized blocks only.*not saved as a checkpoint"):
+        target.hf_state_dict()
+    draft = build_proposer("self", target=target)  # requantized from the blocks' values; the embedding shared
+    shared = draft.model.lm_head.stored if tied else target.model.embed_tokens.stored
+    assert draft.model.model.embed_tokens.stored is shared and draft.model.held_as_blocks()
+    prompts, rule, greedy = [[5, 9, 2, 5, 9]], StopRule(max_new_tokens=12), SamplingConfig()
+    rows, metrics = speculative_generate(target, draft, prompts, rule, greedy, 3)
+    assert rows[0].tokens == plain_generate(target, prompts, rule, greedy)[0][0].tokens and metrics.proposed > 0

@@ -70,6 +70,16 @@ def test_the_packed_layout_holds_the_blocks_exactly(format):
 
 
 @pytest.mark.parametrize("format", TYPES)
+def test_a_files_tensor_packed_a_slice_of_rows_at_a_time_is_packed_exactly(format, monkeypatch):
+    held, raw = random_blocks(format, 37, 512, 4)
+    monkeypatch.setattr(kernels, "SLICE", 16)  # 3 slices, the last of 5 rows
+    matrix = kernels.Matrix.from_gguf(raw, format, (37, 512))
+    assert torch.equal(matrix.data, blocks.pack(held))
+    ids = torch.tensor([36, 0, 17, 17, 5])  # rows looked up from their panels only (an embedding's)
+    assert torch.equal(matrix.row_blocks(ids).dense(), held.dense()[ids])
+
+
+@pytest.mark.parametrize("format", TYPES)
 def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(format):
     held, _ = random_blocks(format, 20, 512, 3)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
@@ -164,7 +174,7 @@ def test_a_files_k_quants_run_as_stored_near_the_exact_product(k_quant_file):
     with torch.no_grad():  # the same weights with exact (fp32) activations: within int8 activation rounding
         for m in target.modules():
             if isinstance(m, Linear):
-                m.stored = None
+                m.weight, m.stored = torch.nn.Parameter(m.dense()), None
         target.stack = None
         for layer in target.model.layers:
             layer.stack = None

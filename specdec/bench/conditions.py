@@ -94,7 +94,7 @@ def roofline(read_bandwidth_GBps: float) -> dict:
 def matrix_parameters(model) -> int:
     """Parameters of the matrices a forward multiplies by (every Linear; not the embedding table)."""
     from ..lm.model import Linear
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear))
 
 
 def model_info(model, path: Path) -> dict:

@@ -51,10 +51,12 @@ def measured_read_bandwidth(megabytes: int = 512, repeats: int = 7) -> float:
 def weight_bytes_per_token(model) -> int:
     """The weight bytes one token reads: each matrix as the kernels store it (bf16 panels or
     quantized blocks), the rest as held; the embedding table only where it is the unembedding."""
-    stored = {id(m.weight): m.stored.nbytes for m in model.modules() if isinstance(m, Linear) and m.stored is not None}
-    embed = model.model.embed_tokens.weight
+    matrices = [m for m in model.modules() if isinstance(m, Linear) and m.stored is not None]
+    stored = {id(m.weight): m.stored.nbytes for m in matrices if m.weight is not None}
     total = sum(stored.get(id(p), p.numel() * p.element_size()) for p in model.parameters())
-    return total - (0 if model.lm_head.weight is embed else embed.numel() * embed.element_size())
+    total += sum(m.stored.nbytes for m in matrices if m.weight is None)  # held as blocks only
+    embed = model.model.embed_tokens.weight  # None: held as blocks, not among the parameters
+    return total - (0 if embed is None or model.lm_head.weight is embed else embed.numel() * embed.element_size())
 
 
 @dataclass

@@ -180,8 +180,12 @@ def _model_identity(target: Admitted) -> list:
     lm = target.lm
     inner = getattr(lm, "model", lm)
     if inner not in _IDENTITIES:
-        weights = lm.lm_head.weight if hasattr(lm, "lm_head") else next(lm.parameters())
-        fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
+        head = getattr(lm, "lm_head", None)
+        if head is not None and head.weight is None:  # a quantized unembedding: a sum of its packed bytes
+            fingerprint = int(head.stored.data.sum()), head.stored.shape, head.stored.format
+        else:
+            weights = next(lm.parameters()) if head is None else head.weight
+            fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
         config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
         _IDENTITIES[inner] = [config, fingerprint, target.abilities.backend]
     return _IDENTITIES[inner]

@@ -47,6 +47,7 @@ from . import blocks
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "types.h", "vectors.h", "isa.h", "quant.h",
                                                         "kquant.h", "threads.h")]
 LANES = 16  # outputs per packed panel
+SLICE = 4096  # rows of a GGUF tensor unpacked at a time (Matrix.from_gguf): a whole number of panels
 _EMPTY = torch.empty(0)
 
 
@@ -150,12 +151,12 @@ class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
     or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
     Q5_0 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
-    "q4_k+q6_k", say). What a model holds per Linear."""
+    "q4_k+q6_k", say). What a model holds per Linear: the packed data alone (a run of a mixed one is a
+    Matrix over its part of that data), the Blocks (a byte per code) unpacked where asked for."""
 
-    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, stored: blocks.Blocks | None = None,
-                 runs: list[blocks.Blocks] | None = None):
-        self.format, self.shape, self.data = format, tuple(shape), data
-        self._blocks, self.runs = stored, runs
+    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, runs: list[Matrix] | None = None):
+        self.format, self.shape, self.data, self.runs = format, tuple(shape), data, runs
+        self._reference: list[blocks.Blocks] | None = None  # unpacked by the first `reference` call, then kept
 
     @classmethod
     def store(cls, weight: torch.Tensor, format: str = "bf16") -> Matrix:
@@ -166,9 +167,18 @@ class Matrix:
 
     @classmethod
     def from_blocks(cls, stored: blocks.Blocks) -> Matrix:
-        """Quantized weights as stored (a GGUF file's, say), repacked exactly. Only the packed data is
-        kept (`blocks()` unpacks it again where asked): Blocks hold a byte per code."""
+        """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
         return cls(stored.format, stored.shape, blocks.pack(stored))
+
+    @classmethod
+    def from_gguf(cls, raw, format: str, shape: tuple[int, int]) -> Matrix:
+        """A GGUF tensor's raw blocks (N rows of bytes, blocks.from_gguf) packed exactly, SLICE rows at a
+        time: what is unpacked at once (a byte per code, and its copies) stays small beside a table of
+        V rows."""
+        N, K = shape
+        return cls(format, shape, torch.cat([blocks.pack(blocks.from_gguf(raw[i:i + SLICE], format,
+                                                                          (min(SLICE, N - i), K)))
+                                             for i in range(0, N, SLICE)]))
 
     @classmethod
     def from_runs(cls, parts: list[blocks.Blocks]) -> Matrix:
@@ -191,18 +201,23 @@ class Matrix:
         header[0] = len(runs)
         for i, run in enumerate(runs):
             header[1 + 2 * i], header[2 + 2 * i] = KERNEL_FORMAT[run.format], run.shape[0]
-        data = torch.cat([header.view(torch.uint8)] + [blocks.pack(run).reshape(-1) for run in runs])
+        packed = [blocks.pack(run) for run in runs]
+        data = torch.cat([header.view(torch.uint8)] + [p.reshape(-1) for p in packed])
+        ends = (header.numel() * 4 + torch.tensor([p.numel() for p in packed]).cumsum(0)).tolist()
+        views = [cls(run.format, run.shape, data[end - p.numel():end].view(p.shape))
+                 for run, p, end in zip(runs, packed, ends)]
         shape = (sum(run.shape[0] for run in runs), runs[0].shape[1])
-        return cls("+".join(run.format for run in runs), shape, data, runs=runs)
+        return cls("+".join(run.format for run in runs), shape, data, runs=views)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., K) times the quantized matrix, transposed [+ bias], in PyTorch: blocks.linear's numbers
-        (each run's, side by side)."""
-        if self.runs is None:
-            return blocks.linear(x, self.blocks(), bias)
-        ends = torch.tensor([run.shape[0] for run in self.runs]).cumsum(0).tolist()
+        (each run's, side by side). The blocks are unpacked by the first call and kept: only where the
+        kernels cannot run does anything call this."""
+        if self._reference is None:
+            self._reference = [run.blocks() for run in self.runs or [self]]
+        ends = torch.tensor([run.shape[0] for run in self._reference]).cumsum(0).tolist()
         return torch.cat([blocks.linear(x, run, None if bias is None else bias[end - run.shape[0]:end])
-                          for run, end in zip(self.runs, ends)], dim=-1)
+                          for run, end in zip(self._reference, ends)], dim=-1)
 
     @property
     def quantized(self) -> bool:
@@ -218,12 +233,25 @@ class Matrix:
         return self.data.numel() * self.data.element_size()
 
     def blocks(self) -> blocks.Blocks:
+        """The blocks it holds, unpacked anew (not kept: a byte per code)."""
+        self._single()
+        return blocks.unpack(self.data, self.format, self.shape)
+
+    def _single(self) -> None:
         if self.runs is not None:
             raise ValueError(f"a matrix of runs in {self.format} (a fused projection) has no single Blocks and "
                              "no rows to pick: use its runs")
-        if self._blocks is None:
-            self._blocks = blocks.unpack(self.data, self.format, self.shape)
-        return self._blocks
+
+    def row_blocks(self, ids: torch.Tensor) -> blocks.Blocks:
+        """The Blocks of the output rows `ids` (n,) of a quantized matrix, unpacking only the panels that
+        hold them (an embedding's lookup, a draft vocabulary's rows); an id outside 0..N-1 is an IndexError."""
+        self._single()
+        N, K = self.shape
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= N):
+            raise IndexError(f"row ids {int(ids.min())}..{int(ids.max())} outside a matrix of {N} rows")
+        panels = self.data.reshape(-(-N // LANES), -1)[ids // LANES]  # (n, bytes of a panel of 16 rows)
+        held = blocks.unpack(panels, self.format, (len(ids) * LANES, K))
+        return held.rows(torch.arange(len(ids)) * LANES + ids % LANES)
 
     def dense(self) -> torch.Tensor:
         """(N, K) the weights it holds, exactly: fp32 for a quantized format, bf16 otherwise."""
@@ -231,14 +259,13 @@ class Matrix:
             return self.data.transpose(1, 2).reshape(-1, self.shape[1])[:self.shape[0]]
         if self.runs is not None:
             return torch.cat([run.dense() for run in self.runs])
-        held = self._blocks or blocks.unpack(self.data, self.format, self.shape)  # not kept: a byte per code
-        return held.dense()
+        return self.blocks().dense()
 
     def rows(self, ids: torch.Tensor) -> Matrix:
         """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
         if not self.quantized:
             return Matrix.store(self.dense()[ids])
-        return Matrix.from_blocks(self.blocks().rows(ids))
+        return Matrix.from_blocks(self.row_blocks(ids))
 
 
 def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None = None) -> str | None:
@@ -248,8 +275,8 @@ def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None
     if given is not None:
         if not given.quantized:
             return None
-        parts = given.runs if given.runs is not None else [given.blocks()]  # a fused matrix: each run
-        return next((why for why in map(blocks.stored_error, parts) if why), None)
+        parts = given.runs or [given]  # a fused matrix: each run
+        return next((why for why in (blocks.stored_error(part.blocks()) for part in parts) if why), None)
     if format is None or format == "bf16":
         return None
     return blocks.quantizing_error(format, weight)

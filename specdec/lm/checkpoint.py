@@ -176,10 +176,19 @@ def quantized_copy(model: LlamaForCausalLM, format: str, head_format: str | None
                            f"not {type(model).__name__}")
     with torch.device("meta"):
         twin = LlamaForCausalLM(model.config)
-    twin.load_state_dict({name: value.detach() for name, value in model.state_dict().items()}, assign=True)
+    embedding = model.model.embed_tokens.stored  # an embedding held as blocks is shared, not copied
+    if embedding is not None:
+        twin.model.embed_tokens.weight = None
+    state = {name: value.detach() for name, value in model.state_dict().items()}
+    state.update({f"{name}.weight": model.get_submodule(name).dense() for name in model.held_as_blocks()
+                  if name != "model.embed_tokens"})  # matrices held as blocks: their values, quantized again
+    twin.load_state_dict(state, assign=True)
     place(twin, next(model.parameters()).device)
     head = {} if head_format is None else {"lm_head": kernels.Matrix.store(twin.lm_head.weight, head_format)}
-    return quantize_model(twin.eval(), format, head)
+    twin = quantize_model(twin.eval(), format, head)
+    if embedding is not None and not model.config.tie_word_embeddings:  # tied: the new unembedding's blocks
+        twin.model.embed_tokens.store(embedding)
+    return twin
 
 
 def keep_bf16_matrices(module: torch.nn.Module, stored: torch.dtype | None) -> None:

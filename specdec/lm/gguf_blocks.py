@@ -9,9 +9,16 @@ A fused matrix whose parts are stored in different types (a Q4_K_M file's q and 
 in Q6_K, in some layers) runs as runs of its parts' formats (kernels.Matrix.from_runs) where each
 part but the last is a whole number of panels of 16 outputs. A matrix of another type (F16, Q5_K,
 ...), or whose parts do not cut into panels, keeps the values of the file's converted checkpoint
-(bf16, gguf.folder), said once in a warning; the embedding table holds the file's values exactly
-(fp32). This module knows nothing about the rest of a GGUF file (its configuration, its
-vocabulary) or about decoding.
+(bf16, gguf.folder), said once in a warning. The embedding table is the file's blocks too (a tied
+one, the unembedding's), each looked-up row dequantized to the file's values exactly; of another type,
+those values in fp32.
+
+The model holds what it runs and nothing beside it (`load_as_stored`): built on the meta device and
+filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
+holds about the file's size (a Q4_K_M file: ~1.1x, Q6_K's and Q5_0's codes being a byte each in the
+kernels' layout). The file's converted checkpoint gives the architecture and the tokenizer only.
+This module knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or
+about decoding.
 """
 from __future__ import annotations
 
@@ -21,12 +28,13 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..errors import SpecdecError
 from ..kernels import Matrix
 from ..kernels.blocks import from_gguf
-from .device import placement
-from .gguf import RawTensor, raw_tensors
-from .model import LlamaForCausalLM, store_matrices
+from .checkpoint import read_arch
+from .gguf import RawTensor, dequantized, folder, raw_tensors
+from .model import LlamaForCausalLM, place, store_matrices
 
 AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
 FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k",
@@ -57,6 +65,9 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
         if any(kind not in FORMATS for kind in kinds):
             others[name] = "+".join(kinds)
             continue
+        if len(pieces) == 1:  # one tensor (an unembedding of V rows, say): packed a slice of rows at a time
+            given[name] = Matrix.from_gguf(pieces[0][1].data, FORMATS[pieces[0][1].type], pieces[0][1].shape)
+            continue
         stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
         try:
             given[name] = Matrix.from_runs(stored)  # parts of different types: runs, each as stored
@@ -65,17 +76,18 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
     return given, others
 
 
-def store_gguf_matrices(model: LlamaForCausalLM, path: str | Path) -> dict[str, str]:
-    """`model` (loaded for float32 on the CPU from the converted checkpoint of the GGUF file at
-    `path`) with each matrix the file stores in a kernel format run as stored (gguf_matrices) and
-    the embedding table the file's values in fp32; the other matrices keep the converted
-    checkpoint's bf16 values, said once in a warning. Returns those others: {Linear name: GGUF type}."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    if placement(model).dtype != torch.float32 or any(p.device.type != "cpu" for p in model.parameters()):
+def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """The model of the GGUF file at `path` (its architecture from the file's converted checkpoint,
+    gguf.folder) holding what it runs: each matrix the file stores in a kernel format as its blocks
+    (gguf_matrices), the others as the converted checkpoint's bf16 values (said once in a warning), the
+    embedding as the file's blocks where they are in a kernel format (a tied one: the unembedding's), else
+    its values in fp32, the norms and biases in fp32. Built on the meta device and filled tensor by
+    tensor, so that no float copy of the model is ever made: it holds about the file's size."""
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
         raise SpecdecError("a GGUF file's blocks as stored (--quantize gguf) run on the CPU in float32: drop "
                            "--dtype/--device, or --quantize")
+    cfg = read_arch(folder(path))
     raws = {raw.name: raw for raw in raw_tensors(path)}
     given, others = gguf_matrices(raws)
     if others:
@@ -84,9 +96,41 @@ def store_gguf_matrices(model: LlamaForCausalLM, path: str | Path) -> dict[str, 
                       f"values, not as stored: they are stored as {', '.join(kinds)}, and the kernels run "
                       f"{', '.join(FORMATS)} (a fused matrix: its parts in these, each but the last whole panels of "
                       "16 outputs)", stacklevel=2)
-    store_matrices(model, None, given)
-    if "lm_head.weight" in raws:  # an embedding of its own: its values exactly (tied, it is the unembedding's)
-        embedding = raws["model.embed_tokens.weight"]
-        values = dequantize(embedding.data, GGMLQuantizationType[embedding.type]).reshape(embedding.shape)
-        model.model.embed_tokens.weight = torch.nn.Parameter(torch.from_numpy(values).float(), requires_grad=False)
-    return others
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    embedding = embedding_blocks(raws)
+    tied_to_blocks = "lm_head.weight" not in raws and "lm_head" in given
+    held = set(given) | ({"model.embed_tokens"} if embedding is not None or tied_to_blocks else set())
+    for name in held:  # filled below from their blocks
+        model.get_submodule(name).weight = None
+    model.load_hf_state_dict({name: dequantized(raw) for name, raw in raws.items()
+                              if not (name.endswith(".weight") and holder(name) in held)}, assign=True)
+    if embedding is not None:
+        model.model.embed_tokens.store(embedding)
+    elif model.model.embed_tokens.weight is not None:  # the file's values, or a tied bf16 unembedding's
+        model.model.embed_tokens.weight = torch.nn.Parameter(model.model.embed_tokens.weight.float(),
+                                                             requires_grad=False)
+    for name in others:  # bf16 values for fp32 arithmetic, as load_model holds a bf16 checkpoint's matrices
+        linear = model.get_submodule(name)
+        if kernels.can_store_bf16():
+            linear.store("bf16")
+        else:
+            linear.weight = torch.nn.Parameter(linear.weight.float(), requires_grad=False)
+    return store_matrices(place(model, "cpu").eval(), None, given)
+
+
+def holder(name: str) -> str:
+    """The module of specdec's model holding a tensor (transformers' name): q, k and v's is qkv_proj..."""
+    stem = name.rpartition(".")[0]
+    if (m := re.fullmatch(r"(model\.layers\.\d+)\.(.+)", stem)) and m[2] in PARTS:
+        return f"{m[1]}.{PARTS[m[2]][0]}"
+    return stem
+
+
+def embedding_blocks(raws: dict[str, RawTensor]) -> Matrix | None:
+    """The file's own embedding table as its blocks, where they are in a kernel format (None for a tied
+    one: the unembedding's blocks serve both)."""
+    raw = raws["model.embed_tokens.weight"]
+    if "lm_head.weight" not in raws or raw.type not in FORMATS:
+        return None
+    return Matrix.from_gguf(raw.data, FORMATS[raw.type], raw.shape)

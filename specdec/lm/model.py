@@ -12,6 +12,7 @@ This module knows nothing about decoding strategies, sampling or files.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from functools import cached_property
 from typing import NamedTuple
@@ -61,7 +62,8 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear whose weight may be stored for inference as a kernels.Matrix (`stored`: bf16 panels
-    or a quantized format) while activations are fp32 (see kernels)."""
+    or a quantized format) while activations are fp32 (see kernels). A quantized one holds its blocks
+    only: `weight` is None, and `dense()` makes the values for whatever needs them."""
     stored: kernels.Matrix | None = None
 
     def forward(self, x):
@@ -70,13 +72,40 @@ class Linear(nn.Linear):
     def store(self, format: str = "bf16", matrix: kernels.Matrix | None = None) -> None:
         """Freeze the weight for inference in `format` (kernels.FORMATS), or as `matrix` (quantized
         weights as a file stores them). bf16: `weight` in bf16, its panels where the kernels run; a
-        quantized format: `weight` becomes the fp32 values its blocks hold, exactly."""
+        quantized format: the blocks alone (`weight` None)."""
         if matrix is None and format == "bf16":
             self.weight = nn.Parameter(self.weight.detach().to(torch.bfloat16), requires_grad=False)
             self.stored = kernels.Matrix.store(self.weight) if kernels.can_store_bf16() else None
             return
         self.stored = matrix if matrix is not None else kernels.Matrix.store(self.weight, format)
-        self.weight = nn.Parameter(self.stored.dense(), requires_grad=False)
+        self.weight = None
+
+    def dense(self) -> torch.Tensor:
+        """(N, K) the weight's values: the parameter, or a quantized matrix's blocks in fp32, exactly
+        (made anew on each call)."""
+        return self.weight if self.weight is not None else self.stored.dense()
+
+    def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n, K) the values of the output rows ids (n,), exactly (a quantized matrix's: only theirs unpacked)."""
+        return self.weight[ids] if self.weight is not None else self.stored.row_blocks(ids).dense()
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be held as a quantized kernels.Matrix (`stored`: a tied
+    unembedding's blocks, or a file's), each looked-up row dequantized exactly: `weight` is then None."""
+    stored: kernels.Matrix | None = None
+
+    def forward(self, tokens):
+        if self.stored is None:
+            return super().forward(tokens)
+        return self.stored.row_blocks(tokens.reshape(-1)).dense().reshape(*tokens.shape, -1)
+
+    def store(self, matrix: kernels.Matrix) -> None:
+        self.stored, self.weight = matrix, None
+
+    def dense(self) -> torch.Tensor:
+        """(V, C) the table's values (a quantized one's made anew on each call)."""
+        return self.weight if self.weight is not None else self.stored.dense()
 
 
 def frozen_linear(weight: torch.Tensor) -> Linear:
@@ -93,9 +122,9 @@ def store_matrices(module: nn.Module, format: str | None = "bf16",
     """Freeze every Linear of a model or head for inference in `format` (Linear.store), those named
     in `given` as given (a GGUF file's quantized tensors; format None: the others are left as they
     are, on PyTorch operators). bf16 is exact for weights that hold bf16 values; a quantized format
-    rounds them (llama.cpp's Q8_0, Q4_0, Q4_1). A tied unembedding stays tied to the embedding (both
-    the quantized values). Where the kernels run, every run of decoder layers whose matrices are all
-    stored then becomes one kernel call (decided here, once, at load)."""
+    rounds them (llama.cpp's Q8_0, Q4_0, Q4_1). A tied unembedding stays tied to the embedding (which
+    looks its rows up in the unembedding's blocks). Where the kernels run, every run of decoder layers
+    whose matrices are all stored then becomes one kernel call (decided here, once, at load)."""
     given = given or {}
     for name, m in module.named_modules():
         if isinstance(m, Linear) and (name in given or format is not None):
@@ -108,7 +137,7 @@ def store_matrices(module: nn.Module, format: str | None = "bf16",
             m.store(format, given.get(name))
     if isinstance(module, LlamaForCausalLM) and module.config.tie_word_embeddings and module.lm_head.stored is not None \
             and module.lm_head.stored.quantized:
-        module.model.embed_tokens.weight = module.lm_head.weight
+        module.model.embed_tokens.store(module.lm_head.stored)
     if kernels.can_store_bf16() and placement(module).dtype == torch.float32:
         for m in module.modules():
             if isinstance(m, StackedLayers):
@@ -122,7 +151,7 @@ def stored_formats(module: nn.Module) -> str:
     counts: dict[str, int] = {}
     for m in module.modules():
         if isinstance(m, Linear) and m.stored is not None:
-            counts[m.stored.format] = counts.get(m.stored.format, 0) + m.weight.numel()
+            counts[m.stored.format] = counts.get(m.stored.format, 0) + m.in_features * m.out_features
     return " + ".join(sorted(counts, key=counts.get, reverse=True)) or "unstored"
 
 
@@ -327,7 +356,7 @@ class Trunk(nn.Module):
 
     def __init__(self, cfg: Arch):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.embedding_scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
@@ -388,7 +417,7 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
                        max_len or cfg.max_position_embeddings, dtype=placement(self).dtype,
-                       device=self.lm_head.weight.device)
+                       device=placement(self).device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
@@ -432,6 +461,9 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under transformers' names for the architecture: q/k/v and gate/up split
         (kept fused where the checkpoint fuses them: Phi-3), a tied lm_head left out."""
+        if blocks := self.held_as_blocks():
+            raise SpecdecError(f"{blocks[0]} holds its weights as quantized blocks only: a model whose matrices run "
+                               "quantized is not saved as a checkpoint; save the model it was loaded from")
         cfg, out = self.config, {}
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         for name, value in self.state_dict().items():
@@ -470,13 +502,22 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
                 value = torch.cat([value, state[f"{base}up_proj.{kind}"]])
                 name = f"{base}gate_up_proj.{kind}"
             fused[name] = value
-        if self.config.tie_word_embeddings:
+        tied = self.config.tie_word_embeddings and "model.embed_tokens.weight" in fused  # not when held as blocks
+        if tied:
             fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
         self.load_state_dict(fused, strict=True, assign=assign)
-        if self.config.tie_word_embeddings:
+        if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def held_as_blocks(self) -> list[str]:
+        """The Linear and Embedding modules whose weight is held as quantized blocks only (`weight` None)."""
+        return [name for name, m in self.named_modules() if isinstance(m, (Linear, Embedding)) and m.weight is None]
+
     def num_parameters(self) -> int:
-        """Distinct parameters; a tied lm_head counts once even when stored apart in bf16."""
+        """Distinct weights, those held as blocks included; a tied lm_head counts once even when stored
+        apart in bf16."""
+        sizes = {name: p.numel() for name, p in self.named_parameters()}
+        sizes.update({f"{name}.weight": math.prod(self.get_submodule(name).stored.shape)
+                      for name in self.held_as_blocks()})
         tied = self.config.tie_word_embeddings
-        return sum(p.numel() for name, p in self.named_parameters() if not (tied and name == "lm_head.weight"))
+        return sum(n for name, n in sizes.items() if not (tied and name == "lm_head.weight"))

@@ -16,7 +16,7 @@ from ..decoding.sampling import Draws, SamplingConfig, argmax, row_probabilities
 from ..decoding.tree import caterpillar_layout
 from ..errors import SpecdecError
 from ..lm.interface import next_positions
-from ..lm.model import frozen_linear
+from ..lm.model import Linear, frozen_linear
 
 # The most pending tokens of a row a drafter with its own KV cache feeds in one forward when it
 # catches up (its whole history since it last drafted: a prompt, a stretch of plain steps), so that
@@ -34,9 +34,9 @@ class DraftVocabulary:
     map back to target ids. Lossless: the draft's probability is 0 outside the N ids, which the
     acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V)."""
 
-    def __init__(self, ids: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, lm_head: Linear):
         self.ids = ids                                              # (N,) sorted target ids
-        self.unembedding = frozen_linear(lm_head_weight[ids])       # (N, C) rows of the lm_head
+        self.unembedding = frozen_linear(lm_head.dense_rows(ids))   # (N, C) rows of the lm_head
 
     @classmethod
     def trained(cls, ids: torch.Tensor, unembedding: torch.nn.Module) -> "DraftVocabulary":

@@ -156,7 +156,7 @@ def initial_head(target, layer_ids, draft_ids: torch.Tensor, block: int, num_lay
             nn.init.normal_(p, std=0.02)
     with torch.no_grad():
         nn.init.normal_(head.mask, std=0.02)
-        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids].float())
+        head.lm_head.weight.copy_(target.lm_head.dense_rows(head.draft_ids).float())
         head.norm.weight.copy_(target.model.norm.weight.float())
     return head
 

@@ -64,7 +64,7 @@ class DraftModelProposer:
             placement(self.model).device)
         if ids is not None and not self.model.abilities.draft_vocab:
             raise SpecdecError("a draft vocabulary needs specdec's own LlamaForCausalLM as the draft model")
-        self.vocab = None if ids is None else DraftVocabulary(ids, self.model.lm_head.weight)
+        self.vocab = None if ids is None else DraftVocabulary(ids, self.model.lm_head)
 
     @property
     def draft_ids(self) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ from ..errors import SpecdecError
 from ..kernels.blocks import blocking_error
 from ..lm import gguf, packaged
 from ..lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_config, read_meta, sha256
-from ..lm.gguf_blocks import store_gguf_matrices
+from ..lm.gguf_blocks import load_as_stored
 from ..lm.model import Linear, LlamaForCausalLM
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
@@ -147,10 +147,11 @@ class DraftModel(Drafter):
         quantized runs its file's blocks as stored too (gguf_blocks)."""
         self.check(target, folder)
         path = gguf.folder(folder) if gguf.is_gguf(folder) else folder
-        model = load_model(path, dtype=target.lm.dtype, device=target.lm.device)
         if gguf.is_gguf(folder) and any(isinstance(m, Linear) and m.stored is not None and m.stored.quantized
                                         for m in target.model.modules()):
-            store_gguf_matrices(model, folder)
+            model = load_as_stored(folder, target.lm.dtype, target.lm.device)
+        else:
+            model = load_model(path, dtype=target.lm.dtype, device=target.lm.device)
         return DraftCheckpoint(model, path, load_token_counts(path), read_meta(path))
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:

@@ -87,12 +87,12 @@ class EagleProposer:
         self.native = self.runs_natively()
 
     def runs_natively(self) -> bool:
-        """Decided once: each step as one kernel call, where the head's layer runs as one and its
-        matrices are packed."""
-        head = self.head
+        """Decided once: each step as one kernel call, where the head's layer runs as one, its
+        matrices are packed and the target's embedding is a float table (not held as blocks)."""
+        head, trunk = self.head, self.target.model
         return (head.layout == "specdec" and getattr(head.layer, "stack", None) is not None
                 and head.proj.stored is not None and self.vocab.unembedding.stored is not None
-                and self.target.model.embedding_scale is None)
+                and trunk.embedding_scale is None and trunk.embed_tokens.weight is not None)
 
     def native_step(self, ahead, prev, cache, positions, columns):
         """The head's step as ONE kernel call (kernels.draft_block): ahead (B, W) tokens, prev (B, W, C)

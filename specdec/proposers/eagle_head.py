@@ -209,7 +209,7 @@ def initial_head(target, layer_ids, draft_ids: torch.Tensor, layout: str = "spec
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
     with torch.no_grad():
-        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_ids].float())
+        head.lm_head.weight.copy_(target.lm_head.dense_rows(head.draft_ids).float())
         head.norm.weight.copy_(target.model.norm.weight.float())
     return head
 

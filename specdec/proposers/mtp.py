@@ -86,9 +86,9 @@ class MTPProposer:
             draft_vocab, V, heads.token_counts,
             "these MTP heads were saved without their training token counts, so no draft vocabulary can be "
             "chosen: draft over the full vocabulary, or retrain the heads with this version of specdec",
-            target.lm_head.weight.device)
-        self.vocab = None if ids is None else DraftVocabulary(ids, target.lm_head.weight)
-        self.unembedding = frozen_linear(target.lm_head.weight) if ids is None else self.vocab.unembedding
+            placement(target).device)
+        self.vocab = None if ids is None else DraftVocabulary(ids, target.lm_head)
+        self.unembedding = frozen_linear(target.lm_head.dense()) if ids is None else self.vocab.unembedding
 
     @property
     def max_depth(self) -> int:

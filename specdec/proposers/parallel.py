@@ -26,6 +26,7 @@ import torch
 from .. import kernels
 from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
+from ..lm.device import placement
 from ..lm.interface import next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM
@@ -55,13 +56,14 @@ class ParallelDraftProposer(DraftModelProposer):
         ids = DraftVocabulary.ids_for(
             draft_vocab, self.vocab_size, token_counts,
             "this parallel draft was saved without the token counts of its training data, so no draft "
-            "vocabulary can be chosen: draft over the full vocabulary", model.lm_head.weight.device)
+            "vocabulary can be chosen: draft over the full vocabulary", placement(model).device)
         if ids is None:  # every target id: the unembedding without the mask token's row
-            ids = torch.arange(self.vocab_size, device=model.lm_head.weight.device)
-        self.vocab = DraftVocabulary(ids, model.lm_head.weight)
-        # decided once: the step as one kernel call where the layers run as one and the unembedding is packed
+            ids = torch.arange(self.vocab_size, device=placement(model).device)
+        self.vocab = DraftVocabulary(ids, model.lm_head)
+        # decided once: the step as one kernel call where the layers run as one, the unembedding is packed
+        # and the embedding a float table
         self.native = (model.stack is not None and self.vocab.unembedding.stored is not None
-                       and model.model.embedding_scale is None)
+                       and model.model.embedding_scale is None and model.model.embed_tokens.weight is not None)
 
     def start(self, max_len, k, capacity, nodes=None) -> DraftState:
         if k > self.max_depth:
