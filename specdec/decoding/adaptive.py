@@ -7,16 +7,22 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
 
 - E_b(s, d) = 1 + Σ_{i<=d} Π_{j<=i} q_bj: q_bj is row b's chance that a draft at depth j is
   accepted once the accepted path got to depth j - 1 and the step allowed depth j (decayed counts
-  per row with a prior). It folds the cost model's proposal rate p_j and acceptance α_j into one
+  per row with a prior: PRIOR at depth 1, deeper the estimate one level up, so that depths seldom
+  reached are not drafted on the prior's hope alone). It folds the cost model's proposal rate p_j and acceptance α_j into one
   (costmodel.predicted_speedup), per shape: a tree's alternatives raise it.
 - t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
   leave), measured on this machine once per batch size (powers of two) and cached
   (calibration.py); n(s, d) the window such a step really carried (a running mean; it starts at
-  1 + Σ widths[:d], what a full proposal would carry).
+  1 + Σ widths[:d], what a full proposal would carry). The curve is scaled by what this run's
+  forwards took against it, for plain and drafting steps apart: a draft's work between forwards
+  (weights evicted from the caches), the features a drafter asks for or a busier machine than when
+  the curve was measured make the same forward dearer, and the choice must see it.
 - draft(d): the proposer's seconds per step at depth d, overhead: the engine's own seconds per
   step (running means of what the steps took; a depth not yet measured is scaled from the nearest
   one that was, in proportion to d; draft(d) is the median of its latest five steps, or the
-  fewest seconds of its first two, so one spike does not keep a depth from being drafted).
+  fewest seconds of its first two, so one spike does not keep a depth from being drafted; a probe
+  after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count only
+  for a depth not yet measured otherwise).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
 this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the rows'
@@ -26,7 +32,12 @@ rows start from what the earlier ones taught.
 The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
 steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
 level drafted, cycling through the shapes; each probe that does not change the verdict doubles the
-next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. When
+next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. Where
+no option would pay even at the plausible upper bounds of q (PLAUSIBLE standard errors above the
+estimates), the stretches keep doubling past MAX_STRETCH (a probe after as many steps as came
+before: their cost per token vanishes, and a text turning predictable is still found); where none
+would pay with every draft accepted (the draft's cost alone decides), there is no probe at all until
+the batch changes (`summary()["stopped_probing"]`). When
 a one-level probe is predicted to cost less than CHEAP of the throughput (n-gram lookup under greedy
 decoding), it comes after every plain step instead, since such matches come in bursts. While drafting pays, every
 PROBE_EVERY steps one level deeper than the best is drafted instead, so the estimates of levels
@@ -37,6 +48,7 @@ This module knows nothing about models or tokens: the engine reports each step's
 """
 from __future__ import annotations
 
+import math
 import statistics
 import weakref
 from collections import Counter, deque
@@ -58,6 +70,7 @@ MAX_STRETCH = 256
 REMEMBERED_WEIGHT = 2.0               # pseudo-steps a remembered q counts for in a new row
 REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
+PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -119,6 +132,8 @@ class Adaptive:
         self.probes = 0
         self.held = 0                                         # steps the current choice still holds
         self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [1:] of a drafting step
+        self.forward_scale = np.ones(2)  # the run's forwards / the curve's: [0] plain steps, [1] drafting steps
+        self.stopped = False             # plain decoding without probes: nothing would pay, every draft accepted
         self.steps = 0        # steps decided (a plain stretch counts each of its steps)
         self.evaluations = 0  # times the options were weighed
         self.chosen: tuple[int, int] = (0, 0)
@@ -154,7 +169,7 @@ class Adaptive:
     def recall(self, learned: dict | None) -> None:
         if learned is None:
             return
-        for name in ("draft_seconds", "draft_measured", "overhead_seconds", "window"):
+        for name in ("draft_seconds", "draft_measured", "overhead_seconds", "forward_scale", "window"):
             setattr(self, name, learned[name].copy())
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
@@ -171,7 +186,7 @@ class Adaptive:
         self.memory[self.memory_key] = {
             "q": q, "seen": offered > 0, "stretch": self.stretch,
             **{name: getattr(self, name).copy() for name in ("draft_seconds", "draft_measured", "overhead_seconds",
-                                                             "window")}}
+                                                             "forward_scale", "window")}}
 
     def join(self, rows: int) -> None:
         """Rows appended to the batch: they start from the remembered acceptance, if any."""
@@ -189,14 +204,44 @@ class Adaptive:
         """The most nodes per depth any option drafts (for the room a cache needs)."""
         return tuple(max(w) for w in zip(*self.shapes))
 
-    def rates(self) -> np.ndarray:
-        """(S, K+1) predicted tokens per second of each option over the batch's rows."""
-        q = (self.accepted + PRIOR * PRIOR_WEIGHT) / (self.offered + PRIOR_WEIGHT)          # (S, B, K)
+    def acceptance(self, bound: str = "estimate") -> np.ndarray:
+        """(S, B, K) each row's q by shape and depth. "estimate": the decayed counts with a prior
+        whose mean is PRIOR at depth 1 and, deeper, the estimate one level up (capped at PRIOR), so
+        a depth seldom reached is judged like the one above it, not by the prior alone; "upper":
+        the estimate plus PLAUSIBLE standard errors (capped at 1), what q may plausibly be;
+        "certain": 1, every draft accepted."""
+        if bound == "certain":
+            return np.ones_like(self.accepted)
+        q = np.empty_like(self.accepted)
+        prior = np.full(q.shape[:2], PRIOR)                                                  # (S, B)
+        for j in range(q.shape[2]):
+            n = self.offered[..., j] + PRIOR_WEIGHT
+            q[..., j] = (self.accepted[..., j] + prior * PRIOR_WEIGHT) / n
+            prior = np.minimum(q[..., j], PRIOR)
+            if bound == "upper":
+                q[..., j] = np.minimum(q[..., j] + PLAUSIBLE * np.sqrt(q[..., j] * (1 - q[..., j]) / n), 1.0)
+        return q
+
+    def rates(self, bound: str = "estimate") -> np.ndarray:
+        """(S, K+1) predicted tokens per second of each option over the batch's rows, with q at
+        `bound` (`acceptance`)."""
+        q = self.acceptance(bound)                                                           # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
-        curve = self.curves(q.shape[1])
+        return E.sum(1) / (self.forward_estimates(q.shape[1]) + self.draft_estimates() + self.overhead_seconds)
+
+    def forward_estimates(self, rows: int) -> np.ndarray:
+        """(S, K+1) seconds of each option's target forward: the verify curve at the option's
+        window, scaled by what the run's forwards took against the curve (plain and drafting steps
+        apart: a draft's work between forwards, the features a drafter reads, or a busier machine
+        than when the curve was measured slow them down)."""
+        scale = np.where(np.arange(self.depth + 1) == 0, self.forward_scale[0], self.forward_scale[1])
+        return self.curve_at(rows, self.window) * scale
+
+    def curve_at(self, rows: int, width):
+        """The verify curve at `rows` rows, interpolated at `width` tokens per row (a number or an array)."""
+        curve = self.curves(rows)
         points = sorted(curve.seconds)
-        forward = np.interp(self.window, points, [curve.seconds[n] for n in points])          # (S, K+1)
-        return E.sum(1) / (forward + self.draft_estimates() + self.overhead_seconds)
+        return np.interp(width, points, [curve.seconds[n] for n in points])
 
     def draft_estimates(self) -> np.ndarray:
         """(K+1,) draft seconds per step by depth: measured, else scaled from the nearest measured depth."""
@@ -207,11 +252,15 @@ class Adaptive:
         nearest = measured[np.abs(depths[:, None] - measured[None]).argmin(1)]
         return np.where(self.draft_measured, self.draft_seconds, self.draft_seconds[nearest] * depths / nearest)
 
-    def choose(self) -> tuple[int, tuple[int, ...], int]:
+    def choose(self) -> tuple[int, tuple[int, ...], int | float]:
         """The depth to draft next, the widths per depth to draft it with, and for how many steps
         (1 when drafting; plain decoding: up to the next probe). A drafting choice holds for HOLD
         steps before the options are weighed again (between probes): weighing costs tens of
-        microseconds, and the estimates move slowly."""
+        microseconds, and the estimates move slowly. While plain decoding wins, each probe that
+        does not change the verdict doubles the next stretch: up to MAX_STRETCH, without a cap
+        where no option would pay even at the plausible upper bounds of q (`acceptance`), and no
+        probe at all (math.inf steps, until the batch changes) where none would pay with every
+        draft accepted: then its costs alone decide, and a probe cannot change the verdict."""
         if self.held and (self.steps + 1) % PROBE_EVERY:
             self.held -= 1
             return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
@@ -219,18 +268,23 @@ class Adaptive:
         self.predicted_sum += rates / rates[0, 0]
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
-        steps = 1
+        steps, cap, self.stopped = 1, MAX_STRETCH, False
+        if d == 0 and self.rates("upper")[:, 1:].max() < rates[0, 0]:  # acceptance known too low to pay
+            cap = math.inf
+            self.stopped = self.rates("certain")[:, 1:].max() < rates[0, 0]
         # a probe predicted to cost less than CHEAP of the throughput (n-gram lookup, greedy) comes
         # after every plain step: such matches come in bursts
         stretch = 1 if rates[:, 1].max() >= (1 - CHEAP) * rates[0, 0] else self.stretch
-        if d == 0 and self.plain_run < stretch:
+        if self.stopped:
+            steps = math.inf
+        elif d == 0 and self.plain_run < stretch:
             steps = stretch - self.plain_run
         elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best
             s = self.probes % len(self.shapes)
             d = min(self.depth, int(rates[s].argmax()) + 1)
             self.probes += 1
             if self.plain_run:
-                self.stretch = min(2 * self.stretch, MAX_STRETCH)
+                self.stretch = min(2 * self.stretch, cap)
         else:
             self.stretch, self.held = PROBE_EVERY, HOLD - 1
         self.chosen = (int(s), int(d))
@@ -242,6 +296,7 @@ class Adaptive:
         window the target verified, and the seconds spent drafting, in the whole step and in the
         target's forward."""
         s, d = self.chosen
+        rows = len(limits)
         self.steps += 1
         self.choices[self.label(s, d)] += 1
         levels = np.arange(self.depth)[None]                                   # (1, K)
@@ -250,13 +305,18 @@ class Adaptive:
         self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
         self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
         self.window[s, d] += SMOOTHING * (width - self.window[s, d])
-        # robust to the spikes of a first step (lazy set-up, cold caches), a busy machine or a
-        # catch-up after a long stretch: the fewest seconds of up to 2 samples, the median of 3..5
-        samples = self.draft_samples[d]
-        samples.append(draft_seconds)
-        self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
-        self.draft_measured[d] = True
+        # robust to the spikes of a first step (lazy set-up, cold caches) or a busy machine: the
+        # fewest seconds of up to 2 samples, the median of 3..5. A step after a plain stretch also fed
+        # the proposer what the stretch committed (its catch-up, proposers/base.py): its seconds count
+        # for a depth only while nothing else was measured there
+        if not (self.plain_run and self.draft_measured[d]):
+            samples = self.draft_samples[d]
+            samples.append(draft_seconds)
+            self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
+            self.draft_measured[d] = True
         self.plain_run = 0
+        scale = forward_seconds / float(self.curve_at(rows, width))
+        self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
         other = step_seconds - forward_seconds - draft_seconds
         self.overhead_seconds[1:] += SMOOTHING * (other - self.overhead_seconds[1:])
 
@@ -268,6 +328,8 @@ class Adaptive:
         if steps:
             other = (seconds - forward_seconds) / steps
             self.overhead_seconds[0] += SMOOTHING * (other - self.overhead_seconds[0])
+            scale = forward_seconds / steps / float(self.curve_at(self.accepted.shape[1], 1))
+            self.forward_scale[0] += SMOOTHING * (scale - self.forward_scale[0])
 
     def label(self, s: int, d: int) -> str:
         return "plain" if d == 0 else f"{self.names[s]}:{d}"
@@ -279,7 +341,7 @@ class Adaptive:
                      for s in range(len(self.shapes)) for d in range(self.depth + 1) if d or s == 0}
         return {"shapes": dict(zip(self.names, self.shapes)), "choices": dict(self.choices),
                 "predicted_speedup": predicted, "probe_every": PROBE_EVERY,
-                "note": self.note}
+                "stopped_probing": bool(self.stopped), "note": self.note}
 
 
 def merge_summaries(summaries: list[dict | None]) -> dict | None:
