@@ -16,6 +16,7 @@ from specdec.decoding.engine import speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
+from specdec.lm.interface import admit
 from specdec.proposers import build_proposer
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
@@ -199,6 +200,16 @@ def test_the_stored_curve_is_measured_once_and_never_decreases():
     assert measured and not measured_again and again.seconds == curve.seconds
     times = [curve.seconds[n] for n in sorted(curve.seconds)]
     assert times == sorted(times) and max(curve.seconds) >= 6
+
+
+def test_a_target_with_quantized_matrices_has_a_curve_of_its_own():
+    """The stored curve is keyed by the target's backend, which names the formats its matrices are
+    stored in: the same weights with one layer's matrices in Q8_0 (the unembedding unchanged) cost
+    another forward, so k=auto never prices a quantized target by its bf16 curve."""
+    plain, quantized = tiny_llama(0), tiny_llama(0)
+    quantized.model.layers[0].mlp.gate_up_proj.store("q8_0")
+    keys = [calibration._key(admit(m, role="target"), 1) for m in (plain, quantized)]
+    assert keys[0] != keys[1]
 
 
 def proposers(target):
