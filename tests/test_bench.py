@@ -13,7 +13,8 @@ import torch
 
 from specdec.bench.plots import PLOTS
 from specdec.bench.report import JSON_NAME, REPORT_NAME, cell_table, console_report, write_report
-from specdec.bench.runner import SCHEMA, Cell, Config, Plan, check_plan, lossless, quick_plan, run_bench
+from specdec.bench.runner import (SCHEMA, Cell, Config, Plan, acceptance_agreement, check_plan, lossless,
+                                  quick_plan, run_bench)
 from specdec.bench.verify_cost import MoESpec
 from specdec.cli import main
 from specdec.errors import SpecdecError
@@ -171,6 +172,30 @@ def test_report_files_and_printed_table(result, tmp_path):
     rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| humaneval | ")]
     assert [row[1] for row in rows] == ["draft-model", "parallel", "mtp", "eagle", "block"]
     assert [row[3] for row in rows] == ["unknown", "0.00M", "unknown", "unknown", "unknown"]
+
+
+def test_sampling_cells_show_seeded_and_unseeded_acceptance_side_by_side(result, tmp_path):
+    """Each method's first fixed-k chain of a sampling cell runs once more without a seed; the
+    JSON and the report hold both α and say whether they agree. Greedy cells have no such run."""
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            u = r["unseeded_acceptance"]
+            if cell["sampling"]["temperature"] == 0 or r["method"] not in METHODS or r["k"] == "auto":
+                assert u is None
+                continue
+            assert u["proposed"] > 0 and 0 <= u["acceptance_rate"] <= 1 and u["standard_error"] >= 0
+            assert u["difference"] == pytest.approx(r["acceptance_rate"] - u["acceptance_rate"])
+    report = (write_report(result, tmp_path) / REPORT_NAME).read_text()
+    assert "## Seeded vs unseeded acceptance" in report and "| random-chars T=1 B=1 | ngram k=2 | " in report
+
+
+@pytest.mark.parametrize("seeded, unseeded, agree", [
+    ((300, 1000), (310, 1000), True),    # 0.30 vs 0.31: one standard error (0.02) apart
+    ((300, 1000), (400, 1000), False),   # 0.30 vs 0.40: five apart
+    ((3, 10), (6, 10), True),            # few drafts: a wide error
+])
+def test_seeded_and_unseeded_acceptance_agree_within_noise(seeded, unseeded, agree):
+    assert acceptance_agreement(*seeded, *unseeded)["agree"] is agree
 
 
 def test_printed_mismatch(result):
