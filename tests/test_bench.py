@@ -343,3 +343,24 @@ def test_methods_named_run_without_the_shipped_draft_and_a_misfit_named_is_refus
                                                                   "hf-prompt-lookup k=2"]
     code = main([*base, "--methods", "eagle", "--out", str(tmp_path / "refused")])
     assert code == 2 and "the EAGLE head in" in capsys.readouterr().err
+
+
+def test_auto_only_runs_plain_and_k_auto_in_every_cell_and_says_the_lowest(models, tmp_path, capsys):
+    """`--auto-only`: every cell holds plain decoding and each method at k=auto, nothing else; the
+    report gives auto against plain per cell and the lowest of them."""
+    out = tmp_path / "auto"
+    code = main(["bench", "--model", str(models / "target"), "--draft-model", str(models / "draft"), "--methods",
+                 "ngram", "draft-model", "--workloads", "humaneval", "--temperatures", "0", "1", "--batch-sizes", "1",
+                 "2", "--prompts", "2", "--max-new-tokens", "4", "--repeats", "1", "--auto-only", "--no-moe", "--out",
+                 str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((out / JSON_NAME).read_text())
+    assert len(result["cells"]) == 4
+    for cell in result["cells"]:
+        assert [r["label"] for r in cell["results"]] == ["plain", "ngram k=auto", "draft-model k=auto"]
+    report = (out / REPORT_NAME).read_text()
+    assert "| humaneval T=1 B=2 | draft-model | " in report and "k=auto against plain decoding: lowest" in report
+    assert not (out / "speedup_vs_k.png").exists()  # no fixed k to plot
+    capsys.readouterr()
+    assert main(["bench", "--auto-only", "--no-auto", "--workloads", "humaneval"]) == 2
+    assert "--auto-only runs each method with -k auto alone" in capsys.readouterr().err

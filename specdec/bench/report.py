@@ -226,6 +226,9 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"batch effect, {b['label']} ({b['workload']}, {b['prompts']} prompts, "
                      f"temperature {b['temperature']:g}): "
                      f"{by_batch} -> {verdict}")
+    auto = auto_floor_line(result)
+    if auto:
+        lines.append(auto)
     differ = seeded_disagreements(result)
     if differ:
         lines.append(f"seeded and unseeded α DIFFER beyond noise: {'; '.join(differ)}")
@@ -246,16 +249,34 @@ def adaptive_lines(result: dict) -> list[str]:
         for method in dict.fromkeys(r["method"] for r in cell["results"]):
             auto = next((r for r in cell["results"] if r["method"] == method and r["k"] == "auto"), None)
             fixed = [r for r in cell["results"] if r["method"] == method and r["k"] != "auto"]
-            if auto is None or not fixed:
+            if auto is None:
                 continue
-            best = max(fixed, key=lambda r: r["speedup"]["median"])
+            best = max(fixed, key=lambda r: r["speedup"]["median"]) if fixed else None
+            versus = (f"{best['speedup']['median']:.2f}x ({best['label']}) | "
+                      f"{auto['speedup']['median'] / best['speedup']['median']:.2f}") if best else "- | -"
             chosen = sorted(auto["adaptive"]["choices"].items(), key=lambda c: -c[1])[:4]
             lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
                          f"{method} | {auto['speedup']['median']:.2f}x{' NOISY' if auto['noise'] else ''} | "
-                         f"{best['speedup']['median']:.2f}x ({best['label']}) | "
-                         f"{auto['speedup']['median'] / best['speedup']['median']:.2f} | "
-                         f"{', '.join(f'{label} {n}' for label, n in chosen)} |")
+                         f"{versus} | {', '.join(f'{label} {n}' for label, n in chosen)} |")
     return lines if len(lines) > 2 else []
+
+
+AUTO_FLOOR = 0.95  # -k auto's goal: at least this share of plain decoding's speed in every cell
+
+
+def auto_floor_line(result: dict) -> str | None:
+    """-k auto against plain decoding over every cell and method: the lowest median speedup and
+    the configurations below AUTO_FLOOR (None without a -k auto configuration)."""
+    autos = [(r["speedup"]["median"], f"{r['method']} ({cell['workload']['name']} T={cell['sampling']['temperature']:g} "
+                                      f"B={cell['batch_size']})", r["noise"])
+             for cell in result["cells"] for r in cell["results"] if r["k"] == "auto"]
+    if not autos:
+        return None
+    below = [f"{name} {speedup:.2f}x{' NOISY' if noise else ''}" for speedup, name, noise in sorted(autos)
+             if speedup < AUTO_FLOOR]
+    lowest = min(autos)
+    return (f"k=auto against plain decoding: lowest {lowest[0]:.2f}x ({lowest[1]}) over {len(autos)} configurations; "
+            + (f"below {AUTO_FLOOR}x: {', '.join(below)}" if below else f"none below {AUTO_FLOOR}x"))
 
 
 def seeded_lines(result: dict) -> list[str]:

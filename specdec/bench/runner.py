@@ -178,14 +178,14 @@ def check_plan(plan: Plan) -> None:
                                "raise --prompts")
         if cell.temperature < 0:
             raise SpecdecError(f"temperature must be >= 0, got {cell.temperature}")
-        if not cell.ks or min(cell.ks) < 1:
-            raise SpecdecError(f"draft lengths k must be >= 1, got {list(cell.ks)}")
+        if not (cell.ks or cell.auto) or min(cell.ks, default=1) < 1:
+            raise SpecdecError(f"draft lengths k must be >= 1 (or none, with k=auto), got {list(cell.ks)}")
 
 
 def check_mtp_ks(plan: Plan, depth: int) -> None:
     """MTP runs at the plan's k <= depth (its heads draft one token each); a cell with none is refused."""
     for cell in plan.cells:
-        if min(cell.ks) > depth:
+        if cell.ks and min(cell.ks) > depth:
             raise SpecdecError(f"the MTP heads draft at most {depth} tokens per step, but the ks {list(cell.ks)} "
                                f"are all larger: include a k <= {depth} or drop mtp from --methods")
 
