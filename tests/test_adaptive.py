@@ -193,6 +193,20 @@ def test_rows_joining_start_from_what_earlier_rows_taught():
     assert fresh.accepted.shape == (1, 1, 6)
 
 
+def test_a_closed_batch_remembers_what_its_rows_taught_after_they_left():
+    """A run ends when its last rows have left the batch: what they taught must outlive them (the
+    remembered q was the prior's 0.7, as if nothing had been seen, so every run explored afresh)."""
+    controller = run_controller(FLAT, accept=False, steps=100, level=3e-4)
+    controller.leave([])
+    controller.memory, controller.memory_key = {}, "key"
+    controller.remember()
+    fresh = Adaptive(FLAT, 0, {"chain": (1,) * 6})
+    fresh.recall(controller.memory["key"])
+    fresh.join(2)
+    assert fresh.acceptance()[0, :, 0].max() < 0.25
+    assert fresh.choose()[0] == 0  # plain from the start, no exploring on the prior's hope
+
+
 def test_the_stored_curve_is_measured_once_and_never_decreases():
     model = tiny_llama(0)
     curve, measured = calibration.cached_verify_curve(model, 2, 6, repeats=1)

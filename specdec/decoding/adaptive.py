@@ -25,9 +25,9 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   for a depth not yet measured otherwise).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the rows'
-mean q per shape and depth. A benchmark thus stops exploring what it already knows; a server's
-rows start from what the earlier ones taught.
+this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the mean q
+per shape and depth of every row it decoded, those that left included. A benchmark thus stops
+exploring what it already knows; a server's rows start from what the earlier ones taught.
 
 The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
 steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
@@ -67,7 +67,7 @@ SMOOTHING = 0.2                       # running means of costs and windows
 PROBE_EVERY = 16
 HOLD = 4
 MAX_STRETCH = 256
-REMEMBERED_WEIGHT = 2.0               # pseudo-steps a remembered q counts for in a new row
+REMEMBERED_WEIGHT = 4.0               # pseudo-steps a remembered q counts for in a new row (the prior: 1)
 REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
@@ -122,7 +122,7 @@ class Adaptive:
         S = len(self.shapes)
         self.accepted = np.zeros((S, rows, K))  # per shape and row: decayed counts by depth
         self.offered = np.zeros((S, rows, K))
-        self.prior = None  # (accepted, offered) (S, K) a joining row starts with; None: nothing
+        self.taught = np.zeros((2, S, K))  # (accepted, offered) counts of rows gone and of earlier runs
         self.window = np.array([[1.0 + sum(w[:d]) for d in range(K + 1)] for w in self.shapes])  # (S, K+1)
         self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
         self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
@@ -175,28 +175,33 @@ class Adaptive:
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
         self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
         seen = learned["seen"]
-        self.prior = np.where(seen, learned["q"] * REMEMBERED_WEIGHT, 0.0), np.where(seen, REMEMBERED_WEIGHT, 0.0)
+        self.taught = np.stack([np.where(seen, learned["q"] * REMEMBERED_WEIGHT, 0.0),
+                                np.where(seen, REMEMBERED_WEIGHT, 0.0)])
 
     def remember(self) -> None:
         """Keep what this run learned for the next run (see the module docstring)."""
         if self.memory is None:
             return
-        offered = self.offered.sum(1)                                           # (S, K)
-        q = (self.accepted.sum(1) + PRIOR * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
+        accepted, offered = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (S, K) each
+        q = (accepted + PRIOR * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
         self.memory[self.memory_key] = {
             "q": q, "seen": offered > 0, "stretch": self.stretch,
             **{name: getattr(self, name).copy() for name in ("draft_seconds", "draft_measured", "overhead_seconds",
                                                              "forward_scale", "window")}}
 
     def join(self, rows: int) -> None:
-        """Rows appended to the batch: they start from the remembered acceptance, if any."""
-        S, _, K = self.accepted.shape
-        accepted, offered = self.prior if self.prior is not None else (np.zeros((S, K)), np.zeros((S, K)))
+        """Rows appended to the batch: they start from what the rows gone before them taught (in this
+        run and, remembered, in earlier ones), at REMEMBERED_WEIGHT pseudo-steps, where anything."""
+        seen = self.taught[1] > 0                                                   # (S, K)
+        q = self.taught[0] / np.where(seen, self.taught[1], 1.0)
+        accepted, offered = np.where(seen, q * REMEMBERED_WEIGHT, 0.0), np.where(seen, REMEMBERED_WEIGHT, 0.0)
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
         self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)
 
     def leave(self, keep: list[int]) -> None:
-        """Only rows `keep` stay, in that order."""
+        """Only rows `keep` stay, in that order; what the others taught is kept for rows to come."""
+        gone = np.setdiff1d(np.arange(self.accepted.shape[1]), keep)
+        self.taught += np.stack([self.accepted[:, gone].sum(1), self.offered[:, gone].sum(1)])
         self.accepted, self.offered = self.accepted[:, keep], self.offered[:, keep]
 
     @property
