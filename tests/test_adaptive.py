@@ -33,10 +33,11 @@ def private_curve_cache(tmp_path, monkeypatch):
 
 
 def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None, level: float = 3e-4,
-                   controller: Adaptive | None = None, slower: float = 1.0) -> Adaptive:
+                   controller: Adaptive | None = None, slower: float = 1.0, overhead: float = 1e-4) -> Adaptive:
     """Feed the controller steps at batch 2, up to `steps` in all, in which every draft is accepted
-    (or none); drafting costs `level` seconds per level, a plain step 1.05 ms (1 ms of it the
-    forward, the curve's t(1)), a drafting step's forward `slower` times the curve's."""
+    (or none); drafting costs `level` seconds per level and the engine `overhead` per drafting step,
+    a plain step 1.05 ms (1 ms of it the forward, the curve's t(1)), a drafting step's forward
+    `slower` times the curve's."""
     controller = controller or Adaptive(curve, 2, shapes or {"chain": (1,) * 6})
     while controller.steps < steps:
         depth, _, stretch = controller.choose()
@@ -47,7 +48,7 @@ def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=Non
         accepted = [depth if accept else 0] * 2
         forward = curve.at(1 + depth) * slower
         controller.observe([depth] * 2, accepted, 1 + depth, level * depth,
-                           forward + level * depth + 1e-4, forward)
+                           forward + level * depth + overhead, forward)
     return controller
 
 
@@ -62,7 +63,7 @@ def test_rejected_drafts_and_a_steep_curve_choose_plain_decoding():
 
 
 def test_a_probe_that_costs_next_to_nothing_comes_after_every_plain_step():
-    controller = run_controller(FLAT, accept=False, steps=60, level=1e-6)
+    controller = run_controller(FLAT, accept=False, steps=60, level=1e-6, overhead=5e-5)  # a plain step's
     assert controller.choose()[2] == 1  # plain for one step at a time
     assert controller.choices["plain"] < 40
 
@@ -77,7 +78,7 @@ def test_probes_draft_one_level_and_back_off_while_plain_decoding_wins():
     # drafts at a tenth of a forward per level: rejected, they lose; accepted, they would pay
     controller = run_controller(FLAT, accept=False, steps=8, level=1e-4)
     stretches, probes = [], []
-    for _ in range(12):
+    for _ in range(16):
         depth, widths, steps = controller.choose()
         if depth == 0:
             stretches.append(steps)
@@ -86,7 +87,7 @@ def test_probes_draft_one_level_and_back_off_while_plain_decoding_wins():
             probes.append((depth, widths))
             controller.observe([depth] * 2, [0, 0], 1 + depth, 1e-4, 1.22e-3, 1.02e-3)
     assert probes and all(p == (1, (1,)) for p in probes)
-    assert stretches[1:] == sorted(stretches[1:]) and max(stretches) == MAX_STRETCH
+    assert stretches[1:] == sorted(stretches[1:]) and max(stretches) >= MAX_STRETCH
     assert not controller.summary()["stopped_probing"]
 
 
@@ -121,12 +122,12 @@ def test_a_free_drafter_whose_first_draft_is_rejected_does_not_draft_deeper():
 
 def test_probes_thin_out_and_still_find_drafts_that_turn_good():
     """A drafter whose drafts are rejected for 4000 steps costs ever fewer probes (exponential
-    spacing: at most a few percent of the steps); when the text turns predictable, a probe finds
-    it within one stretch of MAX_STRETCH steps and drafting resumes."""
+    spacing: a handful over 4000 steps); when the text turns predictable, a probe finds it within as
+    many steps as came before (the stretches at most double) and drafting resumes."""
     controller = run_controller(FLAT, accept=False, steps=4000, level=1e-4)
-    assert drafting_steps(controller) <= 0.02 * controller.steps
+    assert drafting_steps(controller) <= 0.005 * controller.steps
     before = drafting_steps(controller)
-    run_controller(FLAT, accept=True, steps=4000 + MAX_STRETCH + 2 * PROBE_EVERY, level=1e-4, controller=controller)
+    run_controller(FLAT, accept=True, steps=8000 + 2 * PROBE_EVERY, level=1e-4, controller=controller)
     assert drafting_steps(controller) - before > PROBE_EVERY and controller.chosen[1] > 1
 
 
@@ -334,3 +335,16 @@ def test_auto_stops_probing_a_draft_that_costs_more_than_the_target():
     _, metrics = speculative_generate(target, proposer, [[3, 9, 4, 3, 9]], StopRule(max_new_tokens=300),
                                       SamplingConfig(), "auto")
     assert metrics.adaptive["stopped_probing"] and proposer.proposals <= 5
+
+
+def test_the_engines_overhead_is_weighed_by_depth():
+    """A sampled row's verification costs more the more tokens it verifies (its noise and
+    probabilities per column): the overhead is kept per depth, an unmeasured depth taking the
+    nearest measured one's, not one mean for every depth."""
+    controller = Adaptive(FLAT, 1, {"chain": (1,) * 6})
+    for depth, other in ((1, 1e-4), (4, 1e-3)):
+        controller.chosen = (0, depth)
+        controller.observe([depth], [0], 1 + depth, 1e-5, FLAT.at(1 + depth) + 1e-5 + other, FLAT.at(1 + depth))
+    overhead = controller.overhead_estimates()
+    assert overhead[0] == 0 and overhead[1] == pytest.approx(1e-4) and overhead[2] == pytest.approx(1e-4)
+    assert overhead[4] == overhead[6] == pytest.approx(1e-3)

@@ -8,7 +8,7 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
 - E_b(s, d) = 1 + Σ_{i<=d} Π_{j<=i} q_bj: q_bj is row b's chance that a draft at depth j is
   accepted once the accepted path got to depth j - 1 and the step allowed depth j (decayed counts
   per row with a prior: PRIOR at depth 1, deeper the estimate one level up, so that depths seldom
-  reached are not drafted on the prior's hope alone). It folds the cost model's proposal rate p_j and acceptance α_j into one
+  reached are not drafted on the prior's hope alone; its weight fades with the evidence). It folds the cost model's proposal rate p_j and acceptance α_j into one
   (costmodel.predicted_speedup), per shape: a tree's alternatives raise it.
 - t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
   leave), measured on this machine once per batch size (powers of two) and cached
@@ -17,9 +17,10 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   forwards took against it, for plain and drafting steps apart: a draft's work between forwards
   (weights evicted from the caches), the features a drafter asks for or a busier machine than when
   the curve was measured make the same forward dearer, and the choice must see it.
-- draft(d): the proposer's seconds per step at depth d, overhead: the engine's own seconds per
-  step (running means of what the steps took; a depth not yet measured is scaled from the nearest
-  one that was, in proportion to d; draft(d) is the median of its latest five steps, or the
+- draft(d): the proposer's seconds per step at depth d, overhead(d): the engine's own seconds per
+  step at depth d (running means of what the steps took, by depth: a sampled row's verification
+  costs more the more tokens it verifies; a depth not yet measured is taken from the nearest one
+  that was, the draft's scaled in proportion to d; draft(d) is the median of its latest five steps, or the
   fewest seconds of its first two, so one spike does not keep a depth from being drafted; a probe
   after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count only
   for a depth not yet measured otherwise).
@@ -71,6 +72,8 @@ REMEMBERED_WEIGHT = 4.0               # pseudo-steps a remembered q counts for i
 REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
+
+LEARNED = ("draft_seconds", "draft_measured", "overhead_seconds", "overhead_measured", "forward_scale", "window")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -131,7 +134,8 @@ class Adaptive:
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
         self.probes = 0
         self.held = 0                                         # steps the current choice still holds
-        self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [1:] of a drafting step
+        self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [d] of a drafting step at depth d
+        self.overhead_measured = np.zeros(K + 1, dtype=bool)
         self.forward_scale = np.ones(2)  # the run's forwards / the curve's: [0] plain steps, [1] drafting steps
         self.stopped = False             # plain decoding without probes: nothing would pay, every draft accepted
         self.steps = 0        # steps decided (a plain stretch counts each of its steps)
@@ -169,7 +173,7 @@ class Adaptive:
     def recall(self, learned: dict | None) -> None:
         if learned is None:
             return
-        for name in ("draft_seconds", "draft_measured", "overhead_seconds", "forward_scale", "window"):
+        for name in LEARNED:
             setattr(self, name, learned[name].copy())
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
@@ -186,8 +190,7 @@ class Adaptive:
         q = (accepted + PRIOR * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
         self.memory[self.memory_key] = {
             "q": q, "seen": offered > 0, "stretch": self.stretch,
-            **{name: getattr(self, name).copy() for name in ("draft_seconds", "draft_measured", "overhead_seconds",
-                                                             "forward_scale", "window")}}
+            **{name: getattr(self, name).copy() for name in LEARNED}}
 
     def join(self, rows: int) -> None:
         """Rows appended to the batch: they start from what the rows gone before them taught (in this
@@ -212,7 +215,10 @@ class Adaptive:
     def acceptance(self, bound: str = "estimate") -> np.ndarray:
         """(S, B, K) each row's q by shape and depth. "estimate": the decayed counts with a prior
         whose mean is PRIOR at depth 1 and, deeper, the estimate one level up (capped at PRIOR), so
-        a depth seldom reached is judged like the one above it, not by the prior alone; "upper":
+        a depth seldom reached is judged like the one above it, not by the prior alone, and whose
+        weight fades as the counts grow (the decayed counts stay near 1 / (1 - DECAY): a prior of
+        constant weight would keep q of drafts never accepted at 7%, which pays for a free draft
+        on a flat curve); "upper":
         the estimate plus PLAUSIBLE standard errors (capped at 1), what q may plausibly be;
         "certain": 1, every draft accepted."""
         if bound == "certain":
@@ -220,8 +226,9 @@ class Adaptive:
         q = np.empty_like(self.accepted)
         prior = np.full(q.shape[:2], PRIOR)                                                  # (S, B)
         for j in range(q.shape[2]):
-            n = self.offered[..., j] + PRIOR_WEIGHT
-            q[..., j] = (self.accepted[..., j] + prior * PRIOR_WEIGHT) / n
+            weight = PRIOR_WEIGHT / (1 + self.offered[..., j])  # the prior fades as evidence comes
+            n = self.offered[..., j] + weight
+            q[..., j] = (self.accepted[..., j] + prior * weight) / n
             prior = np.minimum(q[..., j], PRIOR)
             if bound == "upper":
                 q[..., j] = np.minimum(q[..., j] + PLAUSIBLE * np.sqrt(q[..., j] * (1 - q[..., j]) / n), 1.0)
@@ -232,7 +239,7 @@ class Adaptive:
         `bound` (`acceptance`)."""
         q = self.acceptance(bound)                                                           # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
-        return E.sum(1) / (self.forward_estimates(q.shape[1]) + self.draft_estimates() + self.overhead_seconds)
+        return E.sum(1) / (self.forward_estimates(q.shape[1]) + self.draft_estimates() + self.overhead_estimates())
 
     def forward_estimates(self, rows: int) -> np.ndarray:
         """(S, K+1) seconds of each option's target forward: the verify curve at the option's
@@ -256,6 +263,17 @@ class Adaptive:
         depths = np.arange(self.depth + 1)
         nearest = measured[np.abs(depths[:, None] - measured[None]).argmin(1)]
         return np.where(self.draft_measured, self.draft_seconds, self.draft_seconds[nearest] * depths / nearest)
+
+    def overhead_estimates(self) -> np.ndarray:
+        """(K+1,) the engine's own seconds per step by depth (a sampled row's verification costs more
+        the more tokens it verifies): measured, else a drafting depth takes the nearest measured
+        drafting depth's; else 0."""
+        estimates = np.where(self.overhead_measured, self.overhead_seconds, 0.0)
+        measured = np.flatnonzero(self.overhead_measured[1:]) + 1
+        if measured.size:
+            depths = np.arange(1, self.depth + 1)
+            estimates[1:] = self.overhead_seconds[measured[np.abs(depths[:, None] - measured[None]).argmin(1)]]
+        return estimates
 
     def choose(self) -> tuple[int, tuple[int, ...], int | float]:
         """The depth to draft next, the widths per depth to draft it with, and for how many steps
@@ -323,7 +341,7 @@ class Adaptive:
         scale = forward_seconds / float(self.curve_at(rows, width))
         self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
         other = step_seconds - forward_seconds - draft_seconds
-        self.overhead_seconds[1:] += SMOOTHING * (other - self.overhead_seconds[1:])
+        self.running_overhead(d, other)
 
     def observe_plain(self, steps: int, seconds: float, forward_seconds: float) -> None:
         """A plain stretch of `steps` steps took `seconds`, `forward_seconds` of them in forwards."""
@@ -331,10 +349,16 @@ class Adaptive:
         self.plain_run += steps
         self.choices["plain"] += steps
         if steps:
-            other = (seconds - forward_seconds) / steps
-            self.overhead_seconds[0] += SMOOTHING * (other - self.overhead_seconds[0])
+            self.running_overhead(0, (seconds - forward_seconds) / steps)
             scale = forward_seconds / steps / float(self.curve_at(self.accepted.shape[1], 1))
             self.forward_scale[0] += SMOOTHING * (scale - self.forward_scale[0])
+
+    def running_overhead(self, d: int, seconds: float) -> None:
+        """The overhead at depth d: its first measurement, then a running mean."""
+        if self.overhead_measured[d]:
+            self.overhead_seconds[d] += SMOOTHING * (seconds - self.overhead_seconds[d])
+        else:
+            self.overhead_seconds[d], self.overhead_measured[d] = seconds, True
 
     def label(self, s: int, d: int) -> str:
         return "plain" if d == 0 else f"{self.names[s]}:{d}"
