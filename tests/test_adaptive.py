@@ -203,6 +203,7 @@ def test_a_closed_batch_remembers_what_its_rows_taught_after_they_left():
     controller.remember()
     fresh = Adaptive(FLAT, 0, {"chain": (1,) * 6})
     fresh.recall(controller.memory["key"])
+    assert fresh.taught[1].max() <= adaptive.REMEMBERED_WEIGHT  # an earlier run is soon outweighed
     fresh.join(2)
     assert fresh.acceptance()[0, :, 0].max() < 0.25
     assert fresh.choose()[0] == 0  # plain from the start, no exploring on the prior's hope

@@ -26,8 +26,10 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   for a depth not yet measured otherwise).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the mean q
-per shape and depth of every row it decoded, those that left included. A benchmark thus stops
+this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the
+acceptance counts per shape and depth of every row it decoded, those that left included (an earlier
+run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that the rows of this run soon outweigh
+them). A benchmark thus stops
 exploring what it already knows; a server's rows start from what the earlier ones taught.
 
 The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
@@ -68,7 +70,7 @@ SMOOTHING = 0.2                       # running means of costs and windows
 PROBE_EVERY = 16
 HOLD = 4
 MAX_STRETCH = 256
-REMEMBERED_WEIGHT = 4.0               # pseudo-steps a remembered q counts for in a new row (the prior: 1)
+REMEMBERED_WEIGHT = 4.0               # the most pseudo-steps what earlier rows taught counts for in a new row
 REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
@@ -178,26 +180,25 @@ class Adaptive:
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
         self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
-        seen = learned["seen"]
-        self.taught = np.stack([np.where(seen, learned["q"] * REMEMBERED_WEIGHT, 0.0),
-                                np.where(seen, REMEMBERED_WEIGHT, 0.0)])
+        # earlier runs count for at most REMEMBERED_WEIGHT pseudo-steps, so this run's rows soon outweigh
+        # them (a benchmark's next cell may sample at another temperature, with another acceptance)
+        taught = learned["taught"]
+        self.taught = taught * np.minimum(1.0, REMEMBERED_WEIGHT / np.maximum(taught[1], 1e-12))
 
     def remember(self) -> None:
         """Keep what this run learned for the next run (see the module docstring)."""
         if self.memory is None:
             return
-        accepted, offered = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (S, K) each
-        q = (accepted + PRIOR * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
-        self.memory[self.memory_key] = {
-            "q": q, "seen": offered > 0, "stretch": self.stretch,
-            **{name: getattr(self, name).copy() for name in LEARNED}}
+        taught = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (2, S, K)
+        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch,
+                                        **{name: getattr(self, name).copy() for name in LEARNED}}
 
     def join(self, rows: int) -> None:
         """Rows appended to the batch: they start from what the rows gone before them taught (in this
-        run and, remembered, in earlier ones), at REMEMBERED_WEIGHT pseudo-steps, where anything."""
-        seen = self.taught[1] > 0                                                   # (S, K)
-        q = self.taught[0] / np.where(seen, self.taught[1], 1.0)
-        accepted, offered = np.where(seen, q * REMEMBERED_WEIGHT, 0.0), np.where(seen, REMEMBERED_WEIGHT, 0.0)
+        run and, remembered, in earlier ones), as at most REMEMBERED_WEIGHT pseudo-steps (fewer where
+        there was less evidence: a depth seldom reached)."""
+        offered = np.minimum(self.taught[1], REMEMBERED_WEIGHT)                     # (S, K)
+        accepted = self.taught[0] / np.maximum(self.taught[1], 1e-12) * offered
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
         self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)
 
