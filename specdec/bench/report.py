@@ -261,14 +261,17 @@ def adaptive_lines(result: dict) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def cell_label(cell: dict) -> str:
+    return f"{cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']}"
+
+
 AUTO_FLOOR = 0.95  # -k auto's goal: at least this share of plain decoding's speed in every cell
 
 
 def auto_floor_line(result: dict) -> str | None:
     """-k auto against plain decoding over every cell and method: the lowest median speedup and
     the configurations below AUTO_FLOOR (None without a -k auto configuration)."""
-    autos = [(r["speedup"]["median"], f"{r['method']} ({cell['workload']['name']} T={cell['sampling']['temperature']:g} "
-                                      f"B={cell['batch_size']})", r["noise"])
+    autos = [(r["speedup"]["median"], f"{r['method']} ({cell_label(cell)})", r["noise"])
              for cell in result["cells"] for r in cell["results"] if r["k"] == "auto"]
     if not autos:
         return None

@@ -3,13 +3,14 @@ whether as a chain or a tree, from what pays on this machine; 0 levels is plain 
 
 The predicted rate of an option (shape s, depth d) is tokens per second over the batch:
 
-    rate(s, d) = Σ_rows E_b(s, d) / (t_B(n(s, d)) + draft(d) + overhead)
+    rate(s, d) = Σ_rows E_b(s, d) / (t_B(n(s, d)) + draft(d) + overhead(d))
 
 - E_b(s, d) = 1 + Σ_{i<=d} Π_{j<=i} q_bj: q_bj is row b's chance that a draft at depth j is
   accepted once the accepted path got to depth j - 1 and the step allowed depth j (decayed counts
   per row with a prior: PRIOR at depth 1, deeper the estimate one level up, so that depths seldom
-  reached are not drafted on the prior's hope alone; its weight fades with the evidence). It folds the cost model's proposal rate p_j and acceptance α_j into one
-  (costmodel.predicted_speedup), per shape: a tree's alternatives raise it.
+  reached are not drafted on the prior's hope alone; its weight fades with the evidence). It folds
+  the cost model's proposal rate p_j and acceptance α_j into one (costmodel.predicted_speedup), per
+  shape: a tree's alternatives raise it.
 - t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
   leave), measured on this machine once per batch size (powers of two) and cached
   (calibration.py); n(s, d) the window such a step really carried (a running mean; it starts at
@@ -20,10 +21,10 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
 - draft(d): the proposer's seconds per step at depth d, overhead(d): the engine's own seconds per
   step at depth d (running means of what the steps took, by depth: a sampled row's verification
   costs more the more tokens it verifies; a depth not yet measured is taken from the nearest one
-  that was, the draft's scaled in proportion to d; draft(d) is the median of its latest five steps, or the
-  fewest seconds of its first two, so one spike does not keep a depth from being drafted; a probe
-  after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count only
-  for a depth not yet measured otherwise).
+  that was, the draft's scaled in proportion to d; draft(d) is the median of its latest five steps,
+  or the fewest seconds of its first two, so one spike does not keep a depth from being drafted; a
+  probe after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count
+  only for a depth not yet measured otherwise).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
 this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the
