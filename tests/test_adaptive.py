@@ -68,6 +68,24 @@ def test_a_probe_that_costs_next_to_nothing_comes_after_every_plain_step():
     assert controller.choices["plain"] < 40
 
 
+def test_probes_after_every_plain_step_take_the_shape_that_pays_best():
+    """Nearly free probes (one after every plain step) go to the depth-1 shape predicted to pay
+    best, here the chain (a tree of 3 verifies 4 tokens for the same rejected drafts), not to every
+    shape in turn."""
+    controller = run_controller(FLAT, accept=False, steps=200, level=1e-6, overhead=5e-5,
+                                shapes={"chain": (1,) * 3, "tree": (3, 1, 1)})
+    probes = []
+    for _ in range(40):
+        depth, widths, steps = controller.choose()
+        if depth == 0:
+            controller.observe_plain(steps, steps * 1.05e-3, steps * 1e-3)
+        else:
+            probes.append(widths)
+            controller.observe([depth], [0], 1 + sum(widths), 1e-6, FLAT.at(1 + sum(widths)) + 5e-5,
+                               FLAT.at(1 + sum(widths)))
+    assert probes.count((1,)) > 15 and probes.count((3,)) <= 2  # in turn: as many trees as chains
+
+
 def test_accepted_drafts_and_a_flat_curve_choose_the_deepest_chain():
     controller = run_controller(FLAT, accept=True, level=1e-5)
     assert controller.chosen == (0, 6)

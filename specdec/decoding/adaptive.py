@@ -305,7 +305,8 @@ class Adaptive:
         elif d == 0 and self.plain_run < stretch:
             steps = stretch - self.plain_run
         elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best
-            s = self.probes % len(self.shapes)
+            # cycling through the shapes, but a probe after every plain step in the shape that pays best
+            s = self.probes % len(self.shapes) if stretch > 1 else int(rates[:, 1].argmax())
             d = min(self.depth, int(rates[s].argmax()) + 1)
             self.probes += 1
             if self.plain_run:
