@@ -535,10 +535,15 @@ def bench_plan(args):
     else:
         plan = quick_plan() if args.quick else full_plan()
     prompts = args.prompts  # validated: None (the plan's) or >= 1
+    if args.auto_only and args.no_auto:
+        raise SpecdecError("--auto-only runs each method with -k auto alone; --no-auto leaves it out: give one of them")
     trees = {} if args.trees is None else {"trees": tuple(args.trees)}
+    only = {"ks": (), "trees": ()} if args.auto_only else {}
     changes = {"cells": tuple(dataclasses.replace(c, prompts=c.prompts if prompts is None else prompts,
-                                                  peer_k=None if args.no_peers else c.peer_k,
-                                                  auto=c.auto and not args.no_auto, **trees) for c in plan.cells)}
+                                                  peer_k=None if args.no_peers or args.auto_only else c.peer_k,
+                                                  auto=args.auto_only or c.auto and not args.no_auto,
+                                                  **{**trees, **only})
+                              for c in plan.cells)}
     for name in ("methods", "repeats", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None:
@@ -969,6 +974,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--trees", nargs="+", type=tree_widths, metavar="W1,W2,..",
                    help="static draft trees each method also runs in every cell (default: the plan's)")
     b.add_argument("--no-auto", action="store_true", help="leave out the -k auto configuration of each method")
+    b.add_argument("--auto-only", action="store_true",
+                   help="each method with -k auto alone (no fixed k, trees or peers): -k auto against plain decoding "
+                        "in every cell of the plan, the report saying where it falls below 0.95x")
     b.add_argument("--temperatures", nargs="+", type=float, help="grid: sampling temperatures (0 = greedy)")
     b.add_argument("--batch-sizes", nargs="+", type=int, help="grid: batch sizes")
     b.add_argument("--prompts", type=int, help="prompts per cell (overrides the plan)")

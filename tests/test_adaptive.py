@@ -4,16 +4,19 @@ it is cheap), probes deeper options, says what it chose and why; the engine with
 lossless (greedy token for token, sampling in distribution)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from specdec.decoding import adaptive, calibration
-from specdec.decoding.adaptive import MAX_STRETCH, Adaptive
+from specdec.decoding.adaptive import MAX_STRETCH, PROBE_EVERY, Adaptive
 from specdec.decoding.costmodel import VerifyCurve
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
+from specdec.lm.interface import admit
 from specdec.proposers import build_proposer
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
@@ -29,20 +32,28 @@ def private_curve_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_cache_dir", lambda: tmp_path / "curves")
 
 
-def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None, level: float = 3e-4) -> Adaptive:
-    """Feed the controller `steps` steps at batch 2 in which every draft is accepted (or none);
-    drafting costs `level` seconds per level."""
-    controller = Adaptive(curve, 2, shapes or {"chain": (1,) * 6})
+def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None, level: float = 3e-4,
+                   controller: Adaptive | None = None, slower: float = 1.0, overhead: float = 1e-4) -> Adaptive:
+    """Feed the controller steps at batch 2, up to `steps` in all, in which every draft is accepted
+    (or none); drafting costs `level` seconds per level and the engine `overhead` per drafting step,
+    a plain step 1.05 ms (1 ms of it the forward, the curve's t(1)), a drafting step's forward
+    `slower` times the curve's."""
+    controller = controller or Adaptive(curve, 2, shapes or {"chain": (1,) * 6})
     while controller.steps < steps:
         depth, _, stretch = controller.choose()
         if depth == 0:
-            controller.observe_plain(stretch, stretch * 1.05e-3, stretch * 1e-3)
+            plain = min(stretch, steps - controller.steps)  # a stretch without probes (inf) runs to the end
+            controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
             continue
         accepted = [depth if accept else 0] * 2
-        forward = curve.at(1 + depth)
+        forward = curve.at(1 + depth) * slower
         controller.observe([depth] * 2, accepted, 1 + depth, level * depth,
-                           forward + level * depth + 1e-4, forward)
+                           forward + level * depth + overhead, forward)
     return controller
+
+
+def drafting_steps(controller: Adaptive) -> int:
+    return controller.steps - controller.choices["plain"]
 
 
 def test_rejected_drafts_and_a_steep_curve_choose_plain_decoding():
@@ -52,9 +63,27 @@ def test_rejected_drafts_and_a_steep_curve_choose_plain_decoding():
 
 
 def test_a_probe_that_costs_next_to_nothing_comes_after_every_plain_step():
-    controller = run_controller(FLAT, accept=False, steps=60, level=1e-6)
+    controller = run_controller(FLAT, accept=False, steps=60, level=1e-6, overhead=5e-5)  # a plain step's
     assert controller.choose()[2] == 1  # plain for one step at a time
     assert controller.choices["plain"] < 40
+
+
+def test_probes_after_every_plain_step_take_the_shape_that_pays_best():
+    """Nearly free probes (one after every plain step) go to the depth-1 shape predicted to pay
+    best, here the chain (a tree of 3 verifies 4 tokens for the same rejected drafts), not to every
+    shape in turn."""
+    controller = run_controller(FLAT, accept=False, steps=200, level=1e-6, overhead=5e-5,
+                                shapes={"chain": (1,) * 3, "tree": (3, 1, 1)})
+    probes = []
+    for _ in range(40):
+        depth, widths, steps = controller.choose()
+        if depth == 0:
+            controller.observe_plain(steps, steps * 1.05e-3, steps * 1e-3)
+        else:
+            probes.append(widths)
+            controller.observe([depth], [0], 1 + sum(widths), 1e-6, FLAT.at(1 + sum(widths)) + 5e-5,
+                               FLAT.at(1 + sum(widths)))
+    assert probes.count((1,)) > 15 and probes.count((3,)) <= 2  # in turn: as many trees as chains
 
 
 def test_accepted_drafts_and_a_flat_curve_choose_the_deepest_chain():
@@ -64,18 +93,89 @@ def test_accepted_drafts_and_a_flat_curve_choose_the_deepest_chain():
 
 
 def test_probes_draft_one_level_and_back_off_while_plain_decoding_wins():
-    controller = run_controller(STEEP, accept=False, steps=8)
+    # drafts at a tenth of a forward per level: rejected, they lose; accepted, they would pay
+    controller = run_controller(FLAT, accept=False, steps=8, level=1e-4)
     stretches, probes = [], []
-    for _ in range(12):
+    for _ in range(16):
         depth, widths, steps = controller.choose()
         if depth == 0:
             stretches.append(steps)
             controller.observe_plain(steps, steps * 1.05e-3, steps * 1e-3)
         else:
             probes.append((depth, widths))
-            controller.observe([depth] * 2, [0, 0], 1 + depth, 3e-4, 2.4e-3, 2e-3)
+            controller.observe([depth] * 2, [0, 0], 1 + depth, 1e-4, 1.22e-3, 1.02e-3)
     assert probes and all(p == (1, (1,)) for p in probes)
-    assert stretches[1:] == sorted(stretches[1:]) and max(stretches) == MAX_STRETCH
+    assert stretches[1:] == sorted(stretches[1:]) and max(stretches) >= MAX_STRETCH
+    assert not controller.summary()["stopped_probing"]
+
+
+def test_a_drafter_that_cannot_pay_even_when_always_accepted_is_not_probed_again():
+    """Drafts that cost as much as the target's forward cannot pay on a steep verify curve whatever
+    their acceptance: once that is known (the first steps), auto decodes plainly without a probe,
+    not one every MAX_STRETCH steps."""
+    controller = run_controller(STEEP, accept=False, steps=100, level=1e-3)
+    learned = drafting_steps(controller)
+    assert controller.choose()[2] == float("inf") and controller.summary()["stopped_probing"]
+    run_controller(STEEP, accept=False, steps=20_000, level=1e-3, controller=controller)
+    assert drafting_steps(controller) == learned <= 8
+
+
+def test_probes_of_a_drafter_known_not_to_pay_thin_out_without_bound():
+    """Drafts at 30% of a forward per level, always rejected: no acceptance the evidence allows
+    would pay, so the stretches between probes keep doubling past MAX_STRETCH (a probe after as many
+    steps as were decoded before it: a few dozen over 20000 steps, not one every MAX_STRETCH)."""
+    controller = run_controller(FLAT, accept=False, steps=20_000, level=3e-4)
+    assert not controller.summary()["stopped_probing"]
+    assert controller.probes <= 20 and drafting_steps(controller) <= 30
+
+
+def test_a_free_drafter_whose_first_draft_is_rejected_does_not_draft_deeper():
+    """A lookup that costs nothing (n-gram) whose first drafts are rejected: the depths it never
+    reaches are judged like the first, not by the optimistic prior, so it does not draft deep
+    chains on the hope that later drafts would be accepted."""
+    controller = run_controller(FLAT, accept=False, steps=400, level=1e-6)
+    deep = sum(n for label, n in controller.choices.items() if label != "plain" and int(label.split(":")[1]) > 1)
+    assert deep <= 0.05 * controller.steps
+
+
+def test_probes_thin_out_and_still_find_drafts_that_turn_good():
+    """A drafter whose drafts are rejected for 4000 steps costs ever fewer probes (exponential
+    spacing: a handful over 4000 steps); when the text turns predictable, a probe finds it within as
+    many steps as came before (the stretches at most double) and drafting resumes."""
+    controller = run_controller(FLAT, accept=False, steps=4000, level=1e-4)
+    assert drafting_steps(controller) <= 0.005 * controller.steps
+    before = drafting_steps(controller)
+    run_controller(FLAT, accept=True, steps=8000 + 2 * PROBE_EVERY, level=1e-4, controller=controller)
+    assert drafting_steps(controller) - before > PROBE_EVERY and controller.chosen[1] > 1
+
+
+def test_forwards_slowed_by_drafting_count_against_it():
+    """The controller weighs the target's forward by what the run's forwards took against the
+    verify curve: drafts accepted half the time pay on the curve, but not when every drafting
+    step's forward takes twice the curve's time (a draft evicting the target's weights from the
+    caches, a drafter's features, a busy machine)."""
+    half = Adaptive(FLAT, 2, {"chain": (1,)})
+    while half.steps < 200:
+        depth, _, stretch = half.choose()
+        if depth == 0:
+            plain = min(stretch, 200 - half.steps)
+            half.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
+        else:
+            half.observe([1, 1], [1, 0], 2, 1e-4, 2 * FLAT.at(2) + 2e-4, 2 * FLAT.at(2))
+    assert half.choices["plain"] > 0.8 * half.steps
+    assert run_controller(FLAT, accept=True, steps=60, level=1e-4, shapes={"chain": (1,)}).chosen[1] == 1
+
+
+def test_a_probes_catch_up_does_not_count_as_drafting_cost():
+    """A step after a plain stretch also feeds the proposer the stretch (its catch-up): once a depth
+    has a cost measured away from such steps, a probe's seconds do not raise it."""
+    controller = run_controller(FLAT, accept=True, steps=10, level=1e-4, shapes={"chain": (1,)})
+    cost = controller.draft_estimates()[1]
+    for _ in range(5):
+        controller.observe_plain(64, 64 * 1.05e-3, 64 * 1e-3)
+        controller.chosen = (0, 1)
+        controller.observe([1, 1], [1, 1], 2, 50 * cost, 1.1e-3 + 50 * cost, 1.02e-3)
+    assert controller.draft_estimates()[1] == cost
 
 
 def test_accepted_probes_bring_drafting_back():
@@ -112,6 +212,21 @@ def test_rows_joining_start_from_what_earlier_rows_taught():
     assert fresh.accepted.shape == (1, 1, 6)
 
 
+def test_a_closed_batch_remembers_what_its_rows_taught_after_they_left():
+    """A run ends when its last rows have left the batch: what they taught must outlive them (the
+    remembered q was the prior's 0.7, as if nothing had been seen, so every run explored afresh)."""
+    controller = run_controller(FLAT, accept=False, steps=100, level=3e-4)
+    controller.leave([])
+    controller.memory, controller.memory_key = {}, "key"
+    controller.remember()
+    fresh = Adaptive(FLAT, 0, {"chain": (1,) * 6})
+    fresh.recall(controller.memory["key"])
+    assert fresh.taught[1].max() <= adaptive.REMEMBERED_WEIGHT  # an earlier run is soon outweighed
+    fresh.join(2)
+    assert fresh.acceptance()[0, :, 0].max() < 0.25
+    assert fresh.choose()[0] == 0  # plain from the start, no exploring on the prior's hope
+
+
 def test_the_stored_curve_is_measured_once_and_never_decreases():
     model = tiny_llama(0)
     curve, measured = calibration.cached_verify_curve(model, 2, 6, repeats=1)
@@ -119,6 +234,16 @@ def test_the_stored_curve_is_measured_once_and_never_decreases():
     assert measured and not measured_again and again.seconds == curve.seconds
     times = [curve.seconds[n] for n in sorted(curve.seconds)]
     assert times == sorted(times) and max(curve.seconds) >= 6
+
+
+def test_a_target_with_quantized_matrices_has_a_curve_of_its_own():
+    """The stored curve is keyed by the target's backend, which names the formats its matrices are
+    stored in: the same weights with one layer's matrices in Q8_0 (the unembedding unchanged) cost
+    another forward, so k=auto never prices a quantized target by its bf16 curve."""
+    plain, quantized = tiny_llama(0), tiny_llama(0)
+    quantized.model.layers[0].mlp.gate_up_proj.store("q8_0")
+    keys = [calibration._key(admit(m, role="target"), 1) for m in (plain, quantized)]
+    assert keys[0] != keys[1]
 
 
 def proposers(target):
@@ -182,3 +307,63 @@ def test_auto_sampling_matches_the_target_distribution(monkeypatch):
     counts = torch.bincount(first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2], minlength=V ** 3).double()
     assert passes(distribution_test(counts, exact_joint(SETTINGS["T=1"])))
     assert metrics.accepted > 0.01 * N
+
+
+class Counted:
+    """A proposer that counts its proposals and sleeps `delay` seconds per level it drafts (a draft
+    dearer than the target's forward: it can never pay)."""
+
+    def __init__(self, inner, delay: float = 0.0):
+        self.inner, self.delay, self.proposals = inner, delay, 0
+        self.name, self.vocab_size, self.trees, self.max_depth = "counted", inner.vocab_size, False, None
+
+    def start(self, *args, **kwargs):
+        return self.inner.start(*args, **kwargs)
+
+    def join(self, *args):
+        self.inner.join(*args)
+
+    def leave(self, *args):
+        self.inner.leave(*args)
+
+    def propose(self, state, limits, widths, draws):
+        self.proposals += 1
+        time.sleep(self.delay * int(limits.max()))
+        return self.inner.propose(state, limits, (1,) * len(widths), draws)
+
+    def observe(self, state, outcome):
+        self.inner.observe(state, outcome)
+
+
+def test_auto_asks_the_proposer_only_on_drafting_steps():
+    """Plain steps call no proposer (a stretch is told to it once, at its end, with `observe`):
+    with auto, the proposals are the drafting steps."""
+    target = tiny_llama(0)
+    proposer = Counted(build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)))
+    _, metrics = speculative_generate(target, proposer, [[3, 9, 4, 3, 9], [5, 1, 2]], StopRule(max_new_tokens=40),
+                                      SamplingConfig(), "auto")
+    assert proposer.proposals == metrics.steps - metrics.adaptive["choices"].get("plain", 0) > 0
+
+
+def test_auto_stops_probing_a_draft_that_costs_more_than_the_target():
+    """A draft that costs 50 ms per level beside a target forward of a fraction of that cannot pay
+    with every draft accepted: after the first weighing, auto decodes plainly without probing
+    (the old schedule probed after 16, 48, 112 and 240 plain steps)."""
+    target = tiny_llama(0, context=512)
+    proposer = Counted(build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)), delay=0.05)
+    _, metrics = speculative_generate(target, proposer, [[3, 9, 4, 3, 9]], StopRule(max_new_tokens=300),
+                                      SamplingConfig(), "auto")
+    assert metrics.adaptive["stopped_probing"] and proposer.proposals <= 5
+
+
+def test_the_engines_overhead_is_weighed_by_depth():
+    """A sampled row's verification costs more the more tokens it verifies (its noise and
+    probabilities per column): the overhead is kept per depth, an unmeasured depth taking the
+    nearest measured one's, not one mean for every depth."""
+    controller = Adaptive(FLAT, 1, {"chain": (1,) * 6})
+    for depth, other in ((1, 1e-4), (4, 1e-3)):
+        controller.chosen = (0, depth)
+        controller.observe([depth], [0], 1 + depth, 1e-5, FLAT.at(1 + depth) + 1e-5 + other, FLAT.at(1 + depth))
+    overhead = controller.overhead_estimates()
+    assert overhead[0] == 0 and overhead[1] == pytest.approx(1e-4) and overhead[2] == pytest.approx(1e-4)
+    assert overhead[4] == overhead[6] == pytest.approx(1e-3)

@@ -13,7 +13,8 @@ import torch
 
 from specdec.bench.plots import PLOTS
 from specdec.bench.report import JSON_NAME, REPORT_NAME, cell_table, console_report, write_report
-from specdec.bench.runner import SCHEMA, Cell, Config, Plan, check_plan, lossless, quick_plan, run_bench
+from specdec.bench.runner import (SCHEMA, Cell, Config, Plan, acceptance_agreement, check_plan, lossless,
+                                  quick_plan, run_bench)
 from specdec.bench.verify_cost import MoESpec
 from specdec.cli import main
 from specdec.errors import SpecdecError
@@ -173,6 +174,30 @@ def test_report_files_and_printed_table(result, tmp_path):
     assert [row[3] for row in rows] == ["unknown", "0.00M", "unknown", "unknown", "unknown"]
 
 
+def test_sampling_cells_show_seeded_and_unseeded_acceptance_side_by_side(result, tmp_path):
+    """Each method's first fixed-k chain of a sampling cell runs once more without a seed; the
+    JSON and the report hold both α and say whether they agree. Greedy cells have no such run."""
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            u = r["unseeded_acceptance"]
+            if cell["sampling"]["temperature"] == 0 or r["method"] not in METHODS or r["k"] == "auto":
+                assert u is None
+                continue
+            assert u["proposed"] > 0 and 0 <= u["acceptance_rate"] <= 1 and u["standard_error"] >= 0
+            assert u["difference"] == pytest.approx(r["acceptance_rate"] - u["acceptance_rate"])
+    report = (write_report(result, tmp_path) / REPORT_NAME).read_text()
+    assert "## Seeded vs unseeded acceptance" in report and "| random-chars T=1 B=1 | ngram k=2 | " in report
+
+
+@pytest.mark.parametrize("seeded, unseeded, agree", [
+    ((300, 1000), (310, 1000), True),    # 0.30 vs 0.31: one standard error (0.02) apart
+    ((300, 1000), (400, 1000), False),   # 0.30 vs 0.40: five apart
+    ((3, 10), (6, 10), True),            # few drafts: a wide error
+])
+def test_seeded_and_unseeded_acceptance_agree_within_noise(seeded, unseeded, agree):
+    assert acceptance_agreement(*seeded, *unseeded)["agree"] is agree
+
+
 def test_printed_mismatch(result):
     cell = json.loads(json.dumps(result["cells"][0]))
     cell["results"][2]["lossless"].update(identical=1, mismatches=[{"prompt": 1, "first_difference": 4}])
@@ -318,3 +343,24 @@ def test_methods_named_run_without_the_shipped_draft_and_a_misfit_named_is_refus
                                                                   "hf-prompt-lookup k=2"]
     code = main([*base, "--methods", "eagle", "--out", str(tmp_path / "refused")])
     assert code == 2 and "the EAGLE head in" in capsys.readouterr().err
+
+
+def test_auto_only_runs_plain_and_k_auto_in_every_cell_and_says_the_lowest(models, tmp_path, capsys):
+    """`--auto-only`: every cell holds plain decoding and each method at k=auto, nothing else; the
+    report gives auto against plain per cell and the lowest of them."""
+    out = tmp_path / "auto"
+    code = main(["bench", "--model", str(models / "target"), "--draft-model", str(models / "draft"), "--methods",
+                 "ngram", "draft-model", "--workloads", "humaneval", "--temperatures", "0", "1", "--batch-sizes", "1",
+                 "2", "--prompts", "2", "--max-new-tokens", "4", "--repeats", "1", "--auto-only", "--no-moe", "--out",
+                 str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((out / JSON_NAME).read_text())
+    assert len(result["cells"]) == 4
+    for cell in result["cells"]:
+        assert [r["label"] for r in cell["results"]] == ["plain", "ngram k=auto", "draft-model k=auto"]
+    report = (out / REPORT_NAME).read_text()
+    assert "| humaneval T=1 B=2 | draft-model | " in report and "k=auto against plain decoding: lowest" in report
+    assert not (out / "speedup_vs_k.png").exists()  # no fixed k to plot
+    capsys.readouterr()
+    assert main(["bench", "--auto-only", "--no-auto", "--workloads", "humaneval"]) == 2
+    assert "--auto-only runs each method with -k auto alone" in capsys.readouterr().err

@@ -63,8 +63,14 @@ def finish_panel(ax, cell: dict, xs: list[int], **labels) -> None:
     ax.legend(fontsize=8)
 
 
+def batch1_chains(result: dict) -> bool:
+    """Whether a batch-1 cell ran a speculative method at a fixed k (a chain): what the k plots show."""
+    return any(r["method"] in SPEC_METHODS and isinstance(r["k"], int) and not r.get("widths")
+               for c in result["cells"] if c["batch_size"] == 1 for r in c["results"])
+
+
 def speedup_vs_k(result: dict, path: Path) -> bool:
-    if not any(c["batch_size"] == 1 for c in result["cells"]):
+    if not batch1_chains(result):
         return False
     fig, plotted = batch1_panels(result)
     for ax, cell, by_method in plotted:
@@ -81,7 +87,7 @@ def speedup_vs_k(result: dict, path: Path) -> bool:
 
 
 def acceptance_per_position(result: dict, path: Path) -> bool:
-    if not any(c["batch_size"] == 1 for c in result["cells"]):
+    if not batch1_chains(result):
         return False
     fig, plotted = batch1_panels(result)
     for ax, cell, by_method in plotted:

@@ -226,6 +226,12 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"batch effect, {b['label']} ({b['workload']}, {b['prompts']} prompts, "
                      f"temperature {b['temperature']:g}): "
                      f"{by_batch} -> {verdict}")
+    auto = auto_floor_line(result)
+    if auto:
+        lines.append(auto)
+    differ = seeded_disagreements(result)
+    if differ:
+        lines.append(f"seeded and unseeded α DIFFER beyond noise: {'; '.join(differ)}")
     moe = result["moe"]
     if moe:
         rel = ", ".join(f"{n}: {m:.2f}/{d:.2f}" for n, m, d in zip(moe["tokens"], moe["moe_relative"],
@@ -243,16 +249,62 @@ def adaptive_lines(result: dict) -> list[str]:
         for method in dict.fromkeys(r["method"] for r in cell["results"]):
             auto = next((r for r in cell["results"] if r["method"] == method and r["k"] == "auto"), None)
             fixed = [r for r in cell["results"] if r["method"] == method and r["k"] != "auto"]
-            if auto is None or not fixed:
+            if auto is None:
                 continue
-            best = max(fixed, key=lambda r: r["speedup"]["median"])
+            best = max(fixed, key=lambda r: r["speedup"]["median"]) if fixed else None
+            versus = (f"{best['speedup']['median']:.2f}x ({best['label']}) | "
+                      f"{auto['speedup']['median'] / best['speedup']['median']:.2f}") if best else "- | -"
             chosen = sorted(auto["adaptive"]["choices"].items(), key=lambda c: -c[1])[:4]
             lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
                          f"{method} | {auto['speedup']['median']:.2f}x{' NOISY' if auto['noise'] else ''} | "
-                         f"{best['speedup']['median']:.2f}x ({best['label']}) | "
-                         f"{auto['speedup']['median'] / best['speedup']['median']:.2f} | "
-                         f"{', '.join(f'{label} {n}' for label, n in chosen)} |")
+                         f"{versus} | {', '.join(f'{label} {n}' for label, n in chosen)} |")
     return lines if len(lines) > 2 else []
+
+
+def cell_label(cell: dict) -> str:
+    return f"{cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']}"
+
+
+AUTO_FLOOR = 0.95  # -k auto's goal: at least this share of plain decoding's speed in every cell
+
+
+def auto_floor_line(result: dict) -> str | None:
+    """-k auto against plain decoding over every cell and method: the lowest median speedup and
+    the configurations below AUTO_FLOOR (None without a -k auto configuration)."""
+    autos = [(r["speedup"]["median"], f"{r['method']} ({cell_label(cell)})", r["noise"])
+             for cell in result["cells"] for r in cell["results"] if r["k"] == "auto"]
+    if not autos:
+        return None
+    below = [f"{name} {speedup:.2f}x{' NOISY' if noise else ''}" for speedup, name, noise in sorted(autos)
+             if speedup < AUTO_FLOOR]
+    lowest = min(autos)
+    return (f"k=auto against plain decoding: lowest {lowest[0]:.2f}x ({lowest[1]}) over {len(autos)} configurations; "
+            + (f"below {AUTO_FLOOR}x: {', '.join(below)}" if below else f"none below {AUTO_FLOOR}x"))
+
+
+def seeded_lines(result: dict) -> list[str]:
+    """Per sampling cell and method: α of the seeded repeats beside one unseeded generation."""
+    lines = ["| cell | method | α seeded | α unseeded | difference (± standard error) | verdict |",
+             "|---|---|---|---|---|---|"]
+    for cell in result["cells"]:
+        for r in cell["results"]:
+            u = r.get("unseeded_acceptance")
+            if not u or u["difference"] is None:
+                continue
+            verdict = "agree" if u["agree"] else "DIFFER beyond noise"
+            lines.append(f"| {cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']} | "
+                         f"{r['label']} | {r['acceptance_rate']:.3f} ({r['counters']['proposed']}) | "
+                         f"{u['acceptance_rate']:.3f} ({u['proposed']}) | {u['difference']:+.3f} "
+                         f"(± {u['standard_error']:.3f}) | {verdict} |")
+    return lines if len(lines) > 2 else []
+
+
+def seeded_disagreements(result: dict) -> list[str]:
+    """The configurations whose seeded and unseeded α differ beyond noise."""
+    return [f"{r['label']} ({cell['workload']['name']} T={cell['sampling']['temperature']:g} B={cell['batch_size']}): "
+            f"seeded {r['acceptance_rate']:.3f}, unseeded {r['unseeded_acceptance']['acceptance_rate']:.3f}"
+            for cell in result["cells"] for r in cell["results"]
+            if r.get("unseeded_acceptance") and r["unseeded_acceptance"]["agree"] is False]
 
 
 def tree_lines(result: dict) -> list[str]:
@@ -313,6 +365,14 @@ def markdown_report(result: dict, plots: list[str]) -> str:
                   "Each method with `-k auto` (specdec/decoding/adaptive.py) against the best fixed k or tree of the same "
                   "cell, measured in the same repeats; *chosen*: the options it drafted, in steps "
                   "(plain: plain decoding).", "", *adaptive, ""], heading=0)]
+    seeded = seeded_lines(result)
+    if seeded:
+        lines += ["## Seeded vs unseeded acceptance", "", *marked("seeded", [
+                  "Sampling cells run seeded (`--seed`): a seeded row's drafts are drawn with the noise its "
+                  "verifier draws with (sampling.Draws), an unseeded row's from a generator, verified by rejection "
+                  "sampling. Both must accept drafts alike; each method's first fixed-k chain ran once more "
+                  "without a seed (untimed) to show it. α (proposed drafts); *DIFFER*: the difference exceeds "
+                  "3 standard errors (each draft taken as an independent trial).", "", *seeded, ""], heading=0)]
     trees = tree_lines(result)
     if trees:
         lines += ["## Trees vs chains at equal verified tokens (batch 1)", "", *marked("trees", [

@@ -37,6 +37,10 @@ Output JSON (schema "specdec-bench/1"):
             (S_limit), efficiency (speedup / S_limit),
             lossless {checked, reference, identical, prompts, mismatches[{prompt, first_difference}]}
                 (checked false under sampling, with the reason),
+            unseeded_acceptance (sampling cells, each method's first fixed-k chain; else null): {acceptance_rate,
+                proposed, accepted} of one untimed generation of the cell's prompts without a seed (rejection
+                sampling), difference (the seeded repeats' α minus it), standard_error, agree (|difference| <=
+                SEED_AGREEMENT standard errors),
             conditions {target, method (full config), workload, sampling, batch_size, hardware,
                 software, repeats, baseline}
         (speculative-only fields are null for plain decoding and the peers)
@@ -98,6 +102,7 @@ BENCH_OPTIONS = {"draft-model": DraftOptions(DRAFT_VOCAB, counted_only=True),
                  "mtp": DraftOptions(MTP_DRAFT_VOCAB, counted_only=True),
                  "eagle": DraftOptions(EAGLE_DRAFT_VOCAB, counted_only=True)}  # the others: DraftOptions()
 CURVE_EXTRA_TOKENS = 16  # the batch-1 verify curve also reaches this many tokens (for the plot)
+SEED_AGREEMENT = 3.0     # seeded and unseeded α agree within this many standard errors of their difference
 
 
 @dataclass(frozen=True)
@@ -173,14 +178,14 @@ def check_plan(plan: Plan) -> None:
                                "raise --prompts")
         if cell.temperature < 0:
             raise SpecdecError(f"temperature must be >= 0, got {cell.temperature}")
-        if not cell.ks or min(cell.ks) < 1:
-            raise SpecdecError(f"draft lengths k must be >= 1, got {list(cell.ks)}")
+        if not (cell.ks or cell.auto) or min(cell.ks, default=1) < 1:
+            raise SpecdecError(f"draft lengths k must be >= 1 (or none, with k=auto), got {list(cell.ks)}")
 
 
 def check_mtp_ks(plan: Plan, depth: int) -> None:
     """MTP runs at the plan's k <= depth (its heads draft one token each); a cell with none is refused."""
     for cell in plan.cells:
-        if min(cell.ks) > depth:
+        if cell.ks and min(cell.ks) > depth:
             raise SpecdecError(f"the MTP heads draft at most {depth} tokens per step, but the ks {list(cell.ks)} "
                                f"are all larger: include a k <= {depth} or drop mtp from --methods")
 
@@ -395,6 +400,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
                 summed = sum(metrics[1:], metrics[0])
                 summed.adaptive = merge_summaries([m.adaptive for m in metrics])
                 cfg.metrics.append(summed)
+    unseeded = unseeded_acceptance(bench, configs, batches, cell.temperature, rule) if cell.temperature > 0 else {}
     window = max(cfg.window for cfg in configs if cfg.method not in PEERS)
     curve_tokens = sorted(set(range(1, window + 1)) | ({CURVE_EXTRA_TOKENS} if cell.batch_size == 1 else set()))
     bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
@@ -429,6 +435,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
             "noise": result_noise(spread(cfg.tokens_per_s), speedup, bool(implausible),
                                   prediction["predicted_speedup"] is not None),
             "lossless": lossless(cfg, reference, cell.temperature),
+            "unseeded_acceptance": unseeded.get(cfg.label),
             "conditions": {**{k: run_conditions[k] for k in ("target", "hardware", "software", "repeats", "baseline")},
                            "method": method, **cell_conditions},
         })
@@ -438,6 +445,42 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
                              "implausible": [[n, ratio] for n, ratio in implausible]},
             "noisy": bool(implausible) or any(r["noise"] for r in results),
             "results": results}
+
+
+def unseeded_acceptance(bench: Bench, configs: list[Config], batches: list[list[list[int]]], temperature: float,
+                        rule: StopRule) -> dict[str, dict]:
+    """By label, for each method's first fixed-k chain: α of one untimed generation of the cell's
+    prompts without a seed (rejection sampling, drafts drawn from a generator) beside its seeded
+    repeats' α (drafts drawn with the verifier's Gumbel noise, sampling.Draws): the two must agree
+    (docs/design.md, "Randomness"). The standard error treats every proposed draft as an independent
+    trial (drafts of one step are not quite: it is a little small)."""
+    out, seen = {}, set()
+    for cfg in configs:
+        if cfg.method in PEERS or cfg.method == "plain" or cfg.k == "auto" or cfg.widths or cfg.method in seen:
+            continue
+        seen.add(cfg.method)
+        bench.forget(cfg)
+        generator = SamplingConfig(temperature, seed=bench.plan.seed).generator(bench.device)  # reproducible
+        proposed = accepted = 0
+        for batch in batches:
+            _, m = speculative_generate(bench.target.model, bench.proposers[cfg.method], batch, rule,
+                                        SamplingConfig(temperature), cfg.k, generator)
+            proposed, accepted = proposed + m.proposed, accepted + m.accepted
+        out[cfg.label] = acceptance_agreement(cfg.metrics[-1].accepted, cfg.metrics[-1].proposed, accepted, proposed)
+    return out
+
+
+def acceptance_agreement(seeded_accepted: int, seeded_proposed: int, accepted: int, proposed: int) -> dict:
+    """The unseeded α against the seeded one: their difference, its standard error (pooled
+    binomial) and whether it is within SEED_AGREEMENT of them."""
+    if not proposed or not seeded_proposed:
+        return {"acceptance_rate": None, "proposed": proposed, "accepted": accepted, "difference": None,
+                "standard_error": None, "agree": None}
+    pooled = (seeded_accepted + accepted) / (seeded_proposed + proposed)
+    error = (pooled * (1 - pooled) * (1 / seeded_proposed + 1 / proposed)) ** 0.5
+    difference = seeded_accepted / seeded_proposed - accepted / proposed
+    return {"acceptance_rate": accepted / proposed, "proposed": proposed, "accepted": accepted,
+            "difference": difference, "standard_error": error, "agree": abs(difference) <= SEED_AGREEMENT * error}
 
 
 LOSSLESS_RULES = (greedy_accept, rejection_sample)  # verify.py: the rules of docs/design.md's "The lossless contract"

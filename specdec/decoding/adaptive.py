@@ -3,30 +3,45 @@ whether as a chain or a tree, from what pays on this machine; 0 levels is plain 
 
 The predicted rate of an option (shape s, depth d) is tokens per second over the batch:
 
-    rate(s, d) = Σ_rows E_b(s, d) / (t_B(n(s, d)) + draft(d) + overhead)
+    rate(s, d) = Σ_rows E_b(s, d) / (t_B(n(s, d)) + draft(d) + overhead(d))
 
 - E_b(s, d) = 1 + Σ_{i<=d} Π_{j<=i} q_bj: q_bj is row b's chance that a draft at depth j is
   accepted once the accepted path got to depth j - 1 and the step allowed depth j (decayed counts
-  per row with a prior). It folds the cost model's proposal rate p_j and acceptance α_j into one
-  (costmodel.predicted_speedup), per shape: a tree's alternatives raise it.
+  per row with a prior: PRIOR at depth 1, deeper the estimate one level up, so that depths seldom
+  reached are not drafted on the prior's hope alone; its weight fades with the evidence). It folds
+  the cost model's proposal rate p_j and acceptance α_j into one (costmodel.predicted_speedup), per
+  shape: a tree's alternatives raise it.
 - t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
   leave), measured on this machine once per batch size (powers of two) and cached
   (calibration.py); n(s, d) the window such a step really carried (a running mean; it starts at
-  1 + Σ widths[:d], what a full proposal would carry).
-- draft(d): the proposer's seconds per step at depth d, overhead: the engine's own seconds per
-  step (running means of what the steps took; a depth not yet measured is scaled from the nearest
-  one that was, in proportion to d; draft(d) is the median of its latest five steps, or the
-  fewest seconds of its first two, so one spike does not keep a depth from being drafted).
+  1 + Σ widths[:d], what a full proposal would carry). The curve is scaled by what this run's
+  forwards took against it, for plain and drafting steps apart: a draft's work between forwards
+  (weights evicted from the caches), the features a drafter asks for or a busier machine than when
+  the curve was measured make the same forward dearer, and the choice must see it.
+- draft(d): the proposer's seconds per step at depth d, overhead(d): the engine's own seconds per
+  step at depth d (running means of what the steps took, by depth: a sampled row's verification
+  costs more the more tokens it verifies; a depth not yet measured is taken from the nearest one
+  that was, the draft's scaled in proportion to d; draft(d) is the median of its latest five steps,
+  or the fewest seconds of its first two, so one spike does not keep a depth from being drafted; a
+  probe after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count
+  only for a depth not yet measured otherwise).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the rows'
-mean q per shape and depth. A benchmark thus stops exploring what it already knows; a server's
-rows start from what the earlier ones taught.
+this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the
+acceptance counts per shape and depth of every row it decoded, those that left included (an earlier
+run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that the rows of this run soon outweigh
+them). A benchmark thus stops
+exploring what it already knows; a server's rows start from what the earlier ones taught.
 
 The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
 steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
 level drafted, cycling through the shapes; each probe that does not change the verdict doubles the
-next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. When
+next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. Where
+no option would pay even at the plausible upper bounds of q (PLAUSIBLE standard errors above the
+estimates), the stretches keep doubling past MAX_STRETCH (a probe after as many steps as came
+before: their cost per token vanishes, and a text turning predictable is still found); where none
+would pay with every draft accepted (the draft's cost alone decides), there is no probe at all until
+the batch changes (`summary()["stopped_probing"]`). When
 a one-level probe is predicted to cost less than CHEAP of the throughput (n-gram lookup under greedy
 decoding), it comes after every plain step instead, since such matches come in bursts. While drafting pays, every
 PROBE_EVERY steps one level deeper than the best is drafted instead, so the estimates of levels
@@ -37,6 +52,7 @@ This module knows nothing about models or tokens: the engine reports each step's
 """
 from __future__ import annotations
 
+import math
 import statistics
 import weakref
 from collections import Counter, deque
@@ -55,9 +71,12 @@ SMOOTHING = 0.2                       # running means of costs and windows
 PROBE_EVERY = 16
 HOLD = 4
 MAX_STRETCH = 256
-REMEMBERED_WEIGHT = 2.0               # pseudo-steps a remembered q counts for in a new row
+REMEMBERED_WEIGHT = 4.0               # the most pseudo-steps what earlier rows taught counts for in a new row
 REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
+PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
+
+LEARNED = ("draft_seconds", "draft_measured", "overhead_seconds", "overhead_measured", "forward_scale", "window")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -109,7 +128,7 @@ class Adaptive:
         S = len(self.shapes)
         self.accepted = np.zeros((S, rows, K))  # per shape and row: decayed counts by depth
         self.offered = np.zeros((S, rows, K))
-        self.prior = None  # (accepted, offered) (S, K) a joining row starts with; None: nothing
+        self.taught = np.zeros((2, S, K))  # (accepted, offered) counts of rows gone and of earlier runs
         self.window = np.array([[1.0 + sum(w[:d]) for d in range(K + 1)] for w in self.shapes])  # (S, K+1)
         self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
         self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
@@ -118,7 +137,10 @@ class Adaptive:
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
         self.probes = 0
         self.held = 0                                         # steps the current choice still holds
-        self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [1:] of a drafting step
+        self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [d] of a drafting step at depth d
+        self.overhead_measured = np.zeros(K + 1, dtype=bool)
+        self.forward_scale = np.ones(2)  # the run's forwards / the curve's: [0] plain steps, [1] drafting steps
+        self.stopped = False             # plain decoding without probes: nothing would pay, every draft accepted
         self.steps = 0        # steps decided (a plain stretch counts each of its steps)
         self.evaluations = 0  # times the options were weighed
         self.chosen: tuple[int, int] = (0, 0)
@@ -154,34 +176,37 @@ class Adaptive:
     def recall(self, learned: dict | None) -> None:
         if learned is None:
             return
-        for name in ("draft_seconds", "draft_measured", "overhead_seconds", "window"):
+        for name in LEARNED:
             setattr(self, name, learned[name].copy())
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
         self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
-        seen = learned["seen"]
-        self.prior = np.where(seen, learned["q"] * REMEMBERED_WEIGHT, 0.0), np.where(seen, REMEMBERED_WEIGHT, 0.0)
+        # earlier runs count for at most REMEMBERED_WEIGHT pseudo-steps, so this run's rows soon outweigh
+        # them (a benchmark's next cell may sample at another temperature, with another acceptance)
+        taught = learned["taught"]
+        self.taught = taught * np.minimum(1.0, REMEMBERED_WEIGHT / np.maximum(taught[1], 1e-12))
 
     def remember(self) -> None:
         """Keep what this run learned for the next run (see the module docstring)."""
         if self.memory is None:
             return
-        offered = self.offered.sum(1)                                           # (S, K)
-        q = (self.accepted.sum(1) + PRIOR * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
-        self.memory[self.memory_key] = {
-            "q": q, "seen": offered > 0, "stretch": self.stretch,
-            **{name: getattr(self, name).copy() for name in ("draft_seconds", "draft_measured", "overhead_seconds",
-                                                             "window")}}
+        taught = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (2, S, K)
+        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch,
+                                        **{name: getattr(self, name).copy() for name in LEARNED}}
 
     def join(self, rows: int) -> None:
-        """Rows appended to the batch: they start from the remembered acceptance, if any."""
-        S, _, K = self.accepted.shape
-        accepted, offered = self.prior if self.prior is not None else (np.zeros((S, K)), np.zeros((S, K)))
+        """Rows appended to the batch: they start from what the rows gone before them taught (in this
+        run and, remembered, in earlier ones), as at most REMEMBERED_WEIGHT pseudo-steps (fewer where
+        there was less evidence: a depth seldom reached)."""
+        offered = np.minimum(self.taught[1], REMEMBERED_WEIGHT)                     # (S, K)
+        accepted = self.taught[0] / np.maximum(self.taught[1], 1e-12) * offered
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
         self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)
 
     def leave(self, keep: list[int]) -> None:
-        """Only rows `keep` stay, in that order."""
+        """Only rows `keep` stay, in that order; what the others taught is kept for rows to come."""
+        gone = np.setdiff1d(np.arange(self.accepted.shape[1]), keep)
+        self.taught += np.stack([self.accepted[:, gone].sum(1), self.offered[:, gone].sum(1)])
         self.accepted, self.offered = self.accepted[:, keep], self.offered[:, keep]
 
     @property
@@ -189,14 +214,48 @@ class Adaptive:
         """The most nodes per depth any option drafts (for the room a cache needs)."""
         return tuple(max(w) for w in zip(*self.shapes))
 
-    def rates(self) -> np.ndarray:
-        """(S, K+1) predicted tokens per second of each option over the batch's rows."""
-        q = (self.accepted + PRIOR * PRIOR_WEIGHT) / (self.offered + PRIOR_WEIGHT)          # (S, B, K)
+    def acceptance(self, bound: str = "estimate") -> np.ndarray:
+        """(S, B, K) each row's q by shape and depth. "estimate": the decayed counts with a prior
+        whose mean is PRIOR at depth 1 and, deeper, the estimate one level up (capped at PRIOR), so
+        a depth seldom reached is judged like the one above it, not by the prior alone, and whose
+        weight fades as the counts grow (the decayed counts stay near 1 / (1 - DECAY): a prior of
+        constant weight would keep q of drafts never accepted at 7%, which pays for a free draft
+        on a flat curve); "upper":
+        the estimate plus PLAUSIBLE standard errors (capped at 1), what q may plausibly be;
+        "certain": 1, every draft accepted."""
+        if bound == "certain":
+            return np.ones_like(self.accepted)
+        q = np.empty_like(self.accepted)
+        prior = np.full(q.shape[:2], PRIOR)                                                  # (S, B)
+        for j in range(q.shape[2]):
+            weight = PRIOR_WEIGHT / (1 + self.offered[..., j])  # the prior fades as evidence comes
+            n = self.offered[..., j] + weight
+            q[..., j] = (self.accepted[..., j] + prior * weight) / n
+            prior = np.minimum(q[..., j], PRIOR)
+            if bound == "upper":
+                q[..., j] = np.minimum(q[..., j] + PLAUSIBLE * np.sqrt(q[..., j] * (1 - q[..., j]) / n), 1.0)
+        return q
+
+    def rates(self, bound: str = "estimate") -> np.ndarray:
+        """(S, K+1) predicted tokens per second of each option over the batch's rows, with q at
+        `bound` (`acceptance`)."""
+        q = self.acceptance(bound)                                                           # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
-        curve = self.curves(q.shape[1])
+        return E.sum(1) / (self.forward_estimates(q.shape[1]) + self.draft_estimates() + self.overhead_estimates())
+
+    def forward_estimates(self, rows: int) -> np.ndarray:
+        """(S, K+1) seconds of each option's target forward: the verify curve at the option's
+        window, scaled by what the run's forwards took against the curve (plain and drafting steps
+        apart: a draft's work between forwards, the features a drafter reads, or a busier machine
+        than when the curve was measured slow them down)."""
+        scale = np.where(np.arange(self.depth + 1) == 0, self.forward_scale[0], self.forward_scale[1])
+        return self.curve_at(rows, self.window) * scale
+
+    def curve_at(self, rows: int, width):
+        """The verify curve at `rows` rows, interpolated at `width` tokens per row (a number or an array)."""
+        curve = self.curves(rows)
         points = sorted(curve.seconds)
-        forward = np.interp(self.window, points, [curve.seconds[n] for n in points])          # (S, K+1)
-        return E.sum(1) / (forward + self.draft_estimates() + self.overhead_seconds)
+        return np.interp(width, points, [curve.seconds[n] for n in points])
 
     def draft_estimates(self) -> np.ndarray:
         """(K+1,) draft seconds per step by depth: measured, else scaled from the nearest measured depth."""
@@ -207,11 +266,26 @@ class Adaptive:
         nearest = measured[np.abs(depths[:, None] - measured[None]).argmin(1)]
         return np.where(self.draft_measured, self.draft_seconds, self.draft_seconds[nearest] * depths / nearest)
 
-    def choose(self) -> tuple[int, tuple[int, ...], int]:
+    def overhead_estimates(self) -> np.ndarray:
+        """(K+1,) the engine's own seconds per step by depth (a sampled row's verification costs more
+        the more tokens it verifies): measured, else a drafting depth takes the nearest measured
+        drafting depth's; else 0."""
+        estimates = np.where(self.overhead_measured, self.overhead_seconds, 0.0)
+        measured = np.flatnonzero(self.overhead_measured[1:]) + 1
+        if measured.size:
+            depths = np.arange(1, self.depth + 1)
+            estimates[1:] = self.overhead_seconds[measured[np.abs(depths[:, None] - measured[None]).argmin(1)]]
+        return estimates
+
+    def choose(self) -> tuple[int, tuple[int, ...], int | float]:
         """The depth to draft next, the widths per depth to draft it with, and for how many steps
         (1 when drafting; plain decoding: up to the next probe). A drafting choice holds for HOLD
         steps before the options are weighed again (between probes): weighing costs tens of
-        microseconds, and the estimates move slowly."""
+        microseconds, and the estimates move slowly. While plain decoding wins, each probe that
+        does not change the verdict doubles the next stretch: up to MAX_STRETCH, without a cap
+        where no option would pay even at the plausible upper bounds of q (`acceptance`), and no
+        probe at all (math.inf steps, until the batch changes) where none would pay with every
+        draft accepted: then its costs alone decide, and a probe cannot change the verdict."""
         if self.held and (self.steps + 1) % PROBE_EVERY:
             self.held -= 1
             return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
@@ -219,18 +293,24 @@ class Adaptive:
         self.predicted_sum += rates / rates[0, 0]
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
-        steps = 1
+        steps, cap, self.stopped = 1, MAX_STRETCH, False
+        if d == 0 and self.rates("upper")[:, 1:].max() < rates[0, 0]:  # acceptance known too low to pay
+            cap = math.inf
+            self.stopped = self.rates("certain")[:, 1:].max() < rates[0, 0]
         # a probe predicted to cost less than CHEAP of the throughput (n-gram lookup, greedy) comes
         # after every plain step: such matches come in bursts
         stretch = 1 if rates[:, 1].max() >= (1 - CHEAP) * rates[0, 0] else self.stretch
-        if d == 0 and self.plain_run < stretch:
+        if self.stopped:
+            steps = math.inf
+        elif d == 0 and self.plain_run < stretch:
             steps = stretch - self.plain_run
         elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best
-            s = self.probes % len(self.shapes)
+            # cycling through the shapes, but a probe after every plain step in the shape that pays best
+            s = self.probes % len(self.shapes) if stretch > 1 else int(rates[:, 1].argmax())
             d = min(self.depth, int(rates[s].argmax()) + 1)
             self.probes += 1
             if self.plain_run:
-                self.stretch = min(2 * self.stretch, MAX_STRETCH)
+                self.stretch = min(2 * self.stretch, cap)
         else:
             self.stretch, self.held = PROBE_EVERY, HOLD - 1
         self.chosen = (int(s), int(d))
@@ -242,6 +322,7 @@ class Adaptive:
         window the target verified, and the seconds spent drafting, in the whole step and in the
         target's forward."""
         s, d = self.chosen
+        rows = len(limits)
         self.steps += 1
         self.choices[self.label(s, d)] += 1
         levels = np.arange(self.depth)[None]                                   # (1, K)
@@ -250,15 +331,20 @@ class Adaptive:
         self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
         self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
         self.window[s, d] += SMOOTHING * (width - self.window[s, d])
-        # robust to the spikes of a first step (lazy set-up, cold caches), a busy machine or a
-        # catch-up after a long stretch: the fewest seconds of up to 2 samples, the median of 3..5
-        samples = self.draft_samples[d]
-        samples.append(draft_seconds)
-        self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
-        self.draft_measured[d] = True
+        # robust to the spikes of a first step (lazy set-up, cold caches) or a busy machine: the
+        # fewest seconds of up to 2 samples, the median of 3..5. A step after a plain stretch also fed
+        # the proposer what the stretch committed (its catch-up, proposers/base.py): its seconds count
+        # for a depth only while nothing else was measured there
+        if not (self.plain_run and self.draft_measured[d]):
+            samples = self.draft_samples[d]
+            samples.append(draft_seconds)
+            self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
+            self.draft_measured[d] = True
         self.plain_run = 0
+        scale = forward_seconds / float(self.curve_at(rows, width))
+        self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
         other = step_seconds - forward_seconds - draft_seconds
-        self.overhead_seconds[1:] += SMOOTHING * (other - self.overhead_seconds[1:])
+        self.running_overhead(d, other)
 
     def observe_plain(self, steps: int, seconds: float, forward_seconds: float) -> None:
         """A plain stretch of `steps` steps took `seconds`, `forward_seconds` of them in forwards."""
@@ -266,8 +352,16 @@ class Adaptive:
         self.plain_run += steps
         self.choices["plain"] += steps
         if steps:
-            other = (seconds - forward_seconds) / steps
-            self.overhead_seconds[0] += SMOOTHING * (other - self.overhead_seconds[0])
+            self.running_overhead(0, (seconds - forward_seconds) / steps)
+            scale = forward_seconds / steps / float(self.curve_at(self.accepted.shape[1], 1))
+            self.forward_scale[0] += SMOOTHING * (scale - self.forward_scale[0])
+
+    def running_overhead(self, d: int, seconds: float) -> None:
+        """The overhead at depth d: its first measurement, then a running mean."""
+        if self.overhead_measured[d]:
+            self.overhead_seconds[d] += SMOOTHING * (seconds - self.overhead_seconds[d])
+        else:
+            self.overhead_seconds[d], self.overhead_measured[d] = seconds, True
 
     def label(self, s: int, d: int) -> str:
         return "plain" if d == 0 else f"{self.names[s]}:{d}"
@@ -279,7 +373,7 @@ class Adaptive:
                      for s in range(len(self.shapes)) for d in range(self.depth + 1) if d or s == 0}
         return {"shapes": dict(zip(self.names, self.shapes)), "choices": dict(self.choices),
                 "predicted_speedup": predicted, "probe_every": PROBE_EVERY,
-                "note": self.note}
+                "stopped_probing": bool(self.stopped), "note": self.note}
 
 
 def merge_summaries(summaries: list[dict | None]) -> dict | None:
