@@ -14,6 +14,7 @@ from specdec.decoding.engine import speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
+from specdec.lm.interface import admit
 from specdec.proposers import build_proposer
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
@@ -113,7 +114,7 @@ def test_rows_joining_start_from_what_earlier_rows_taught():
 
 
 def test_the_stored_curve_is_measured_once_and_never_decreases():
-    model = tiny_llama(0)
+    model = admit(tiny_llama(0))
     curve, measured = calibration.cached_verify_curve(model, 2, 6, repeats=1)
     again, measured_again = calibration.cached_verify_curve(model, 2, 6)
     assert measured and not measured_again and again.seconds == curve.seconds

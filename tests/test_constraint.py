@@ -142,7 +142,7 @@ def test_a_batch_mixes_constrained_and_free_rows_and_each_matches_its_own_run(to
                                toy.model.config.vocab_size)
     constraints = [schema, None, regex]
     alone = [run(toy, c, GrammarDrafts(), 0, prompts=[p])[0][0].tokens for c, p in zip(constraints, PROMPTS)]
-    engine = Engine(toy.model, build_proposer("ngram"), 4, 3, 200)
+    engine = Engine(toy.lm, build_proposer("ngram"), 4, 3, 200)
     rule = StopRule(48, toy.tokenizer.eos_ids, decode=toy.tokenizer.decode)
     requests = [Request(toy.tokenizer.encode(p), rule, constraint=c) for p, c in zip(PROMPTS, constraints)]
     for r in requests:

@@ -19,6 +19,7 @@ from specdec.decoding.engine import Engine, Request, plain_generate, speculative
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, gumbel
 from specdec.decoding.stopping import StopRule
+from specdec.lm.interface import admit
 from specdec.proposers import build_proposer
 
 from .spec_helpers import noisy_copy, tiny_llama
@@ -104,7 +105,7 @@ def seeded_counts(setting: str, proposer, k: int) -> tuple[torch.Tensor, object]
     """N requests of PROMPT, request i seeded i, through one engine batch: counts of their first
     three tokens (V^3,)."""
     rule = StopRule(max_new_tokens=max(3, k + 1))
-    engine = Engine(TARGET, proposer, k, N, len(PROMPT) + rule.max_new_tokens)
+    engine = Engine(admit(TARGET), proposer, k, N, len(PROMPT) + rule.max_new_tokens)
     generator = torch.Generator().manual_seed(1)  # the draft model's draws (the target's are the noise)
     requests = [Request(PROMPT, rule, replace(SETTINGS[setting], seed=i), generator) for i in range(N)]
     for request in requests:
@@ -152,7 +153,7 @@ def engine_tokens(proposer_name: str | None, k, widths=None, batch: bool = False
     rule = StopRule(max_new_tokens=40)
     proposer = (None if proposer_name is None else build_proposer("draft-model", model=BIG_DRAFT)
                 if proposer_name == "draft-model" else build_proposer("ngram", max_n=2, min_n=1))
-    engine = Engine(BIG, proposer or build_proposer("ngram"), k, 8, 96, widths=widths)
+    engine = Engine(admit(BIG), proposer or build_proposer("ngram"), k, 8, 96, widths=widths)
     g = torch.Generator().manual_seed(0)
     mine = Request(ALONE, rule, CONFIG, g)
     others = [Request(p, StopRule(max_new_tokens=10 + 3 * i), SamplingConfig(1.0, seed=i) if i % 3 else
