@@ -81,7 +81,7 @@ class BlockProposer(EagleProposer):
             visible[W:, W:] = True                                                        # the whole block
         visible = visible[None].repeat(B, 1, 1)
         visible[:, W:, :W] = steps[None, None, :W] < n[:, None, None]                    # masks: the real pending
-        x = torch.cat([head.encode(self.target.model.embed_tokens(state.ahead), state.features),
+        x = torch.cat([head.encode(self.target.token_embeddings(state.ahead), state.features),
                        head.mask_inputs(B, M)], 1)                                       # (B, W+M, C)
         h = head(x, head.window(positions.clamp(max=self.context - 1), visible, cache))  # (B, W+M, C)
         slots = torch.cat([(n.clamp(min=1) - 1)[:, None],                                 # (B, drafts)

@@ -114,9 +114,9 @@ class BlockHead(StackedLayers, nn.Module):
     def forward(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         """The layers over a window of inputs (B, T, C) -> (B, T, C) h; with the head's KV cache and
         the kernels, one call."""
-        if self.stack is not None and window.cache is not None and not torch.is_grad_enabled():
-            return self.stack.forward(x.contiguous(), window.cache.keys, window.cache.values, 0,
-                                      *window.kernel_args(), [])[0]
+        stacked = self.stacked_forward(x, window)
+        if stacked is not None:
+            return stacked[0]
         for i, layer in enumerate(self.layers):
             x = layer(x, i, window)
         return x

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
 from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
@@ -90,17 +89,14 @@ class EagleProposer:
         """Decided once: each step as one kernel call, where the head's layer runs as one and its
         matrices are packed."""
         head = self.head
-        return (head.layout == "specdec" and getattr(head.layer, "stack", None) is not None
-                and head.proj.stored is not None and self.vocab.unembedding.stored is not None
-                and self.target.model.embedding_scale is None)
+        return (head.layout == "specdec" and head.proj.stored is not None
+                and self.vocab.unembedding.stored is not None and self.target.drafts_in_one_call(head))
 
     def native_step(self, ahead, prev, cache, positions, columns):
-        """The head's step as ONE kernel call (kernels.draft_block): ahead (B, W) tokens, prev (B, W, C)
-        g or its own output -> (argmax, logits (B, m, N), output (B, m, C)) at columns (B, m)."""
-        head = self.head
-        return kernels.draft_block(head.layer.stack, self.target.model.embed_tokens.weight, ahead, cache, positions,
-                                   head.inv_freq, columns, head.norm, self.vocab.unembedding.stored, self.vocab.ids, True,
-                                   fuse=(prev, head.embed_norm, head.hidden_norm, head.proj.stored))
+        """The head's step as ONE kernel call (LlamaForCausalLM.draft_block): ahead (B, W) tokens, prev
+        (B, W, C) g or its own output -> (argmax, logits (B, m, N), output (B, m, C)) at columns (B, m)."""
+        return self.target.draft_block(ahead, cache, positions, columns, self.vocab.unembedding.stored, self.vocab.ids,
+                                       True, head=self.head, prev=prev)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -146,7 +142,7 @@ class EagleProposer:
         state.fed = False
         if m == 0 or W == 0:
             return Proposal.empty(B, device)
-        head, embed = self.head, self.target.model.embed_tokens
+        head, embed = self.head, self.target.token_embeddings
         positions = next_positions(state.cache, W, self.context)
         last = torch.tensor([max(n, 1) - 1 for n in state.lengths], device=device)[:, None]  # (B, 1)
         if self.native:  # the head over the pending positions, its norm and unembedding at the last: one call

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
 from ..lm.interface import next_positions
@@ -60,8 +59,7 @@ class ParallelDraftProposer(DraftModelProposer):
             ids = torch.arange(self.vocab_size, device=model.lm_head.weight.device)
         self.vocab = DraftVocabulary(ids, model.lm_head.weight)
         # decided once: the step as one kernel call where the layers run as one and the unembedding is packed
-        self.native = (model.stack is not None and self.vocab.unembedding.stored is not None
-                       and model.model.embedding_scale is None)
+        self.native = self.vocab.unembedding.stored is not None and model.drafts_in_one_call()
 
     def start(self, max_len, k, capacity, nodes=None) -> DraftState:
         if k > self.max_depth:
@@ -90,10 +88,8 @@ class ParallelDraftProposer(DraftModelProposer):
         greedy = all(cfg.greedy for cfg in state.samplings)
         tree = max(widths[:m], default=1) > 1
         if self.native:  # the whole step in one kernel call
-            model = self.model
-            tokens, logits, _ = kernels.draft_block(model.stack, model.model.embed_tokens.weight, window, state.cache,
-                                                    positions, model.inv_freq, columns, model.model.norm,
-                                                    self.vocab.unembedding.stored, self.vocab.ids, not greedy or tree)
+            tokens, logits, _ = self.model.draft_block(window, state.cache, positions, columns,
+                                                       self.vocab.unembedding.stored, self.vocab.ids, not greedy or tree)
         else:
             logits = self.model(window, positions=positions, cache=state.cache, logits_index=columns,
                                 unembedding=self.vocab.unembedding).logits   # (B, m, N)
