@@ -299,6 +299,16 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser, temperature: float, about_temperature: str,
+                           about_seed: str) -> None:
+    """--temperature (default `temperature`), --top-k, --top-p and --seed (its help: `about_seed`)."""
+    p.add_argument("--temperature", type=float, default=temperature, help=about_temperature)
+    p.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this "
+                                               "probability mass (default: 1, all)")
+    p.add_argument("--seed", type=int, help=about_seed)
+
+
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
 
@@ -841,11 +851,7 @@ def add_generate_parser(sub) -> None:
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark, or GBNF)")
     add_placement_arguments(g)
     add_quantize_argument(g)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
-    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this "
-                                               "probability mass (default: 1, all)")
-    g.add_argument("--seed", type=int, help="seed of the sampling (default: a fresh random seed)")
+    add_sampling_arguments(g, 0.0, "0 = greedy", "seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object, at the end")
     g.add_argument("--stream", action="store_true",
@@ -1005,10 +1011,7 @@ def add_check_parser(sub) -> None:
     ch.add_argument("--sequences", type=int, default=128, help="continuations sampled (taken from the prompts in turn)")
     ch.add_argument("--max-new-tokens", type=int, default=32, help="tokens per continuation (EOS does not stop it)")
     ch.add_argument("--batch-size", type=int, default=16, help="continuations decoded together")
-    ch.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
-    ch.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
-    ch.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1, all)")
-    ch.add_argument("--seed", type=int, help="seed of the sampling and of the PIT (default 0)")
+    add_sampling_arguments(ch, 1.0, "sampling temperature (> 0)", "seed of the sampling and of the PIT (default 0)")
     ch.add_argument("--wrong-verifier", choices=["accept-always"],
                     help="run the check with a deliberately wrong verifier, to see it fail on your pair")
     ch.add_argument("--json", action="store_true", help="print one JSON object")

@@ -94,10 +94,9 @@ class BlockProposer(EagleProposer):
 
     def propose(self, state: EagleState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
-        B, m, W, device = len(limit), max(limit), state.features.shape[1], limits.device
-        state.fed = False
-        if m == 0 or W == 0:
-            return Proposal.empty(B, device)
+        if not self.drafts(state, limit):
+            return Proposal.empty(len(limit), limits.device)
+        B, m, device = len(limit), max(limit), limits.device
         logits = self.block_logits(state, m)                                             # (B, m, N)
         probs, tokens, scores = zip(*(draw(logits[:, j], state.samplings, draws, j, self.vocab, self.vocab_size)
                                       for j in range(m)))

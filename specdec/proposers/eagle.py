@@ -31,17 +31,10 @@ from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.device import placement
-from ..lm.interface import abilities, next_positions, pad_right
+from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
-from .base import (
-    DraftVocabulary,
-    draft_chain,
-    gather_rows,
-    ragged_concat_index,
-    stack_rows,
-    with_alternatives,
-)
+from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, with_alternatives
 from .eagle_head import EagleHead, check_head_fits
 
 
@@ -121,13 +114,11 @@ class EagleProposer:
         """New rows: their prompts' features are pending (read with their first proposal)."""
         if not prompts:
             return
-        ahead, _ = pad_right([p[1:] for p in prompts], device=state.ahead.device)  # (n, P-1)
         state.cache.regroup(list(range(len(state.committed))), empty=len(prompts))
         state.samplings += samplings
         state.committed += [0] * len(prompts)
-        state.features = stack_rows(state.features, prompt_hidden.to(state.features.dtype))
-        state.ahead = stack_rows(state.ahead, ahead)
-        state.lengths += [len(p) - 1 for p in prompts]
+        state.features, state.ahead, state.lengths = joined_pending(state.features, state.ahead, state.lengths,
+                                                                    prompts, prompt_hidden)
 
     def leave(self, state: EagleState, keep: list[int]) -> None:
         state.cache.regroup(keep)
@@ -136,12 +127,17 @@ class EagleProposer:
         state.samplings, state.committed, state.lengths = ([rows[b] for b in keep] for rows in (
             state.samplings, state.committed, state.lengths))
 
+    def drafts(self, state: EagleState, limit: list[int]) -> bool:
+        """A proposal's start: whether any row drafts and features are pending (none before a
+        prompt's second token)."""
+        state.fed = False
+        return max(limit) > 0 and state.features.shape[1] > 0
+
     def propose(self, state: EagleState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
+        if not self.drafts(state, limit):
+            return Proposal.empty(len(limit), limits.device)
         B, m, W, device = len(limit), max(limit), state.features.shape[1], limits.device
-        state.fed = False
-        if m == 0 or W == 0:
-            return Proposal.empty(B, device)
         head, embed = self.head, self.target.token_embeddings
         positions = next_positions(state.cache, W, self.context)
         last = torch.tensor([max(n, 1) - 1 for n in state.lengths], device=device)[:, None]  # (B, 1)
@@ -177,9 +173,6 @@ class EagleProposer:
         predicted the emitted tokens, which become pending (after the unfed ones, if any)."""
         state.cache.rollback(state.committed)  # drop the draft entries
         drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
-        tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
-        index, state.lengths = ragged_concat_index(state.features.shape[1], tokens.shape[1],
-                                                    state.lengths, drop, outcome.counts, tokens.device)
-        state.features = gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
-        state.ahead = gather_rows(torch.cat([state.ahead, tokens], 1), index)
+        state.features, state.ahead, state.lengths = appended_pending(state.features, state.ahead, state.lengths,
+                                                                      drop, outcome)
         state.fed = False  # consumed: a plain stretch's outcome follows no proposal
