@@ -342,22 +342,29 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 def make_proposer(args, target):
     """The proposer --draft names for `target` with the draft options (None: plain decoding)."""
-    from .proposers import DraftOptions
-
     if args.draft == "none":
         return None
-    return drafter(target, args.draft, args.draft_model, args.heads,
-                   DraftOptions(args.draft_vocab, dynamic_tree=args.dynamic_tree, ngram_max=args.ngram_max,
-                                ngram_min=args.ngram_min))
+    return drafter(target, args.draft, args.draft_model, args.heads, draft_options(args.draft, args))
+
+
+def draft_options(name: str, args):
+    """The options of the drafter `name`, of its own type (the registry's), from the flags that set them."""
+    from .proposers import DRAFTERS
+
+    options = DRAFTERS[name].options
+    flags = {"draft_vocab": args.draft_vocab, "dynamic_tree": args.dynamic_tree, "max_n": args.ngram_max,
+             "min_n": args.ngram_min}
+    return options(**{f.name: flags[f.name] for f in dataclasses.fields(options) if f.name in flags})
 
 
 def drafter(target, name: str, draft_model: str | None, heads: str | None, options=None):
     """The proposer `name` for `target` through the drafter registry, its network from the folder
-    flag the registry names for it (--draft-model or --heads; default: the shipped one)."""
-    from .proposers import DRAFTERS, DraftOptions, build_drafter
+    flag the registry names for it (--draft-model or --heads; default: the shipped one); options:
+    the drafter's own (None: its defaults)."""
+    from .proposers import DRAFTERS, build_drafter
 
     path = {"--draft-model": draft_model, "--heads": heads}.get(DRAFTERS[name].path_flag)
-    return build_drafter(name, target, path, options or DraftOptions())
+    return build_drafter(name, target, path, options)
 
 
 def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> None:

@@ -19,7 +19,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, save_model, sha256
 from specdec.lm.kv_cache import KVCache
-from specdec.proposers import base, build_proposer
+from specdec.proposers import VocabOptions, base, build_proposer
 from specdec.proposers.eagle_head import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
 from specdec.proposers.heads import load_heads
 from specdec.train.losses import eagle_backward, eagle_metrics
@@ -290,7 +290,7 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
     from specdec.decoding.sampling import Draws, SamplingConfig
     from specdec.lm.interface import prefill_joining
     target = load(TOY_TARGET)
-    native = load_drafter(target, "eagle", draft_vocab=1024)
+    native = load_drafter(target, "eagle", options=VocabOptions(1024))
     separate = build_proposer("eagle", head=native.head, target=target.model, draft_vocab=1024)
     separate.native = False
     assert native.native

@@ -6,7 +6,8 @@ import torch
 
 from specdec.decoding.protocol import Outcome
 from specdec.decoding.sampling import Draws, SamplingConfig
-from specdec.proposers import PROPOSERS, build_proposer
+from specdec.errors import SpecdecError
+from specdec.proposers import DRAFTERS, PROPOSERS, DraftModelOptions, NgramOptions, VocabOptions, build_proposer
 
 # history, max_n, min_n, limit, proposal
 NGRAM_CASES = {
@@ -57,6 +58,14 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
 def test_registry_builds_each_proposer_by_name():
     assert {"draft-model", "ngram"} <= set(PROPOSERS)
     assert build_proposer("ngram").name == "ngram"
+
+
+@pytest.mark.parametrize("name, options", [("ngram", VocabOptions(8)), ("eagle", DraftModelOptions(8)),
+                                           ("suffix", NgramOptions(3))])
+def test_a_drafter_refuses_another_drafters_options(name, options):
+    assert DRAFTERS[name].checked(None) == DRAFTERS[name].options()
+    with pytest.raises(SpecdecError, match=f"the {name} drafter takes {DRAFTERS[name].options.__name__}"):
+        DRAFTERS[name].checked(options)
 
 
 def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens():

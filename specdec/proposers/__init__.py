@@ -4,7 +4,16 @@ drafters.py is their registry (a name maps to how it is built, from a folder or 
 from __future__ import annotations
 
 from ..decoding.protocol import Outcome, Proposal, Proposer
-from .drafters import DRAFTERS, PROPOSERS, DraftOptions, build_drafter, build_proposer
+from .drafters import (
+    DRAFTERS,
+    PROPOSERS,
+    DraftModelOptions,
+    NgramOptions,
+    NoOptions,
+    VocabOptions,
+    build_drafter,
+    build_proposer,
+)
 
-__all__ = ["DRAFTERS", "PROPOSERS", "DraftOptions", "Outcome", "Proposal", "Proposer", "build_drafter",
-           "build_proposer"]
+__all__ = ["DRAFTERS", "PROPOSERS", "DraftModelOptions", "NgramOptions", "NoOptions", "Outcome", "Proposal", "Proposer",
+           "VocabOptions", "build_drafter", "build_proposer"]
