@@ -16,7 +16,7 @@
 Prompts follow the checkpoint's rules (tokenizer.py): specdec's own models see the document
 separator <|endoftext|> first, as every training document was; another checkpoint its BOS where
 its tokenizer config adds it, and generation ends at any of its EOS ids. A
-prompt ending in whitespace is token-healed (healing.py): its last token is backed off and the
+prompt ending in whitespace is token-healed (decoding/pipeline.py): its last token is backed off and the
 first generated token must extend the prompt's text, so the completion of a prompt P is always
 P + result.texts[i]; the first of result.tokens[i] then also covers P's trailing whitespace.
 

@@ -11,7 +11,7 @@ import transformers
 
 from specdec import kernels
 from specdec.api import Loaded, generate, load
-from specdec.decoding.healing import back_off
+from specdec.decoding.pipeline import encode
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
@@ -33,23 +33,24 @@ def target(tiny_checkpoint):
 
 
 def test_a_prompt_ending_in_whitespace_is_healed_not_stripped(target):
-    healed = back_off(target.tokenizer, INDENTED)
-    assert healed.text and INDENTED.endswith(healed.text)
-    assert target.tokenizer.decode(healed.ids) + healed.text == INDENTED
+    prompt = encode(target.tokenizer, INDENTED)
+    ids, healed = prompt.ids[len(target.tokenizer.prefix):], prompt.healed
+    assert healed and INDENTED.endswith(healed)
+    assert target.tokenizer.decode(ids) + healed == INDENTED
     result = generate(target, INDENTED, max_new_tokens=12)
     first = result.tokens[0][0]
-    assert target.tokenizer.token_bytes[first].startswith(healed.text.encode())
+    assert target.tokenizer.token_bytes[first].startswith(healed.encode())
     # the completion extends the prompt exactly: prompt + text is the decoded token sequence
-    assert INDENTED + result.texts[0] == target.tokenizer.decode(healed.ids + result.tokens[0])
+    assert INDENTED + result.texts[0] == target.tokenizer.decode(ids + result.tokens[0])
     assert result.stats["healed_prompts"] == 1
     assert result.stats["prompt_tokens"] == [1 + len(target.tokenizer.encode(INDENTED))]
 
 
 def test_healed_greedy_output_is_the_constrained_argmax_then_the_reference(target):
-    healed = back_off(target.tokenizer, INDENTED)
-    prefix = [EOS_ID] + healed.ids
+    prompt = encode(target.tokenizer, INDENTED)
+    prefix, healed = prompt.ids, prompt.healed
     logits = target.model(torch.tensor([prefix])).logits[0, -1]
-    allowed = [i for i, b in enumerate(target.tokenizer.token_bytes) if b and b.startswith(healed.text.encode())]
+    allowed = [i for i, b in enumerate(target.tokenizer.token_bytes) if b and b.startswith(healed.encode())]
     first = max(allowed, key=lambda i: logits[i].item())
     rest = reference_generate(target.model, prefix + [first], StopRule(11, EOS_ID), SamplingConfig())
     result = generate(target, INDENTED, max_new_tokens=12)

@@ -8,9 +8,7 @@ import torch
 
 from specdec.api import generate, load
 from specdec.decoding.engine import Engine, Request, plain_generate
-from specdec.decoding.healing import back_off
-from specdec.decoding.pipeline import Options, prepare, request, requests
-from specdec.decoding.prompts import Prompt, encode, stop_rule
+from specdec.decoding.pipeline import Options, Prompt, encode, prepare, request, requests, stop_rule
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import RowGenerators, SamplingConfig, pick, pick_rows
 from specdec.decoding.stopping import StopRule
@@ -63,18 +61,18 @@ def healed_row(target, first: int, rest: list[int], max_new_tokens: int, stop: t
 def test_a_stop_string_inside_the_healed_first_token_cuts_there(target):
     """The first token of a healed row covers the prompt's trailing whitespace and may carry
     more text: a stop string starting in that extra text ends the row at that very token."""
-    healed = back_off(target.tokenizer, INDENTED)
+    healed = encode(target.tokenizer, INDENTED).healed
     table = target.tokenizer.token_bytes
-    first = next(i for i, b in enumerate(table) if b and b.startswith(healed.text.encode())
-                 and len(b) > len(healed.text.encode()))  # e.g. a deeper indentation
-    extra = table[first][len(healed.text.encode()):].decode()
+    first = next(i for i, b in enumerate(table) if b and b.startswith(healed.encode())
+                 and len(b) > len(healed.encode()))  # e.g. a deeper indentation
+    extra = table[first][len(healed.encode()):].decode()
     rest = target.tokenizer.encode(" = 1\n")
     row = healed_row(target, first, rest, 8, (extra[:1],))
     assert row.finish_reason == "stop" and row.tokens == [first] and row.text() == ""
     row = healed_row(target, first, rest, 8, ("= 1",))
     assert row.tokens == [first, *rest[:len(row.tokens) - 1]] and row.text() == extra + " "
     row = healed_row(target, first, rest, 2, ())
-    assert row.finish_reason == "length" and row.text() == target.tokenizer.decode([first, rest[0]])[len(healed.text):]
+    assert row.finish_reason == "length" and row.text() == target.tokenizer.decode([first, rest[0]])[len(healed):]
 
 
 def test_a_character_split_across_tokens_is_streamed_whole(target):

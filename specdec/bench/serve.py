@@ -29,7 +29,7 @@ import torch
 
 from ..api import Loaded, encode_prompts
 from ..decoding.engine import Engine, Request
-from ..decoding.prompts import stop_rule
+from ..decoding.pipeline import stop_rule
 from .conditions import hardware, software
 from .workloads import humaneval_prompts
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..decoding.engine import Engine, Request
-from ..decoding.prompts import encode, stop_rule
+from ..decoding.pipeline import encode, stop_rule
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.atomic import atomic_dir, recover
