@@ -15,7 +15,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm.interface import admit
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, MTPProposer, NgramProposer
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
 from .test_engine_sampling import DRAFT, PROMPT, SETTINGS, TARGET, N, distribution_test, exact_joint, passes
@@ -123,9 +123,9 @@ def test_the_stored_curve_is_measured_once_and_never_decreases():
 
 
 def proposers(target):
-    return {"draft-model": lambda: build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)),
-            "mtp": lambda: build_proposer("mtp", heads=tiny_heads(target, "mtp-sequential", 3), target=target),
-            "ngram": lambda: build_proposer("ngram")}
+    return {"draft-model": lambda: DraftModelProposer(model=noisy_copy(target, 0.05, seed=1)),
+            "mtp": lambda: MTPProposer(heads=tiny_heads(target, "mtp-sequential", 3), target=target),
+            "ngram": lambda: NgramProposer()}
 
 
 @pytest.mark.parametrize("name", ["draft-model", "mtp", "ngram"])
@@ -166,7 +166,7 @@ def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
             self.inner.observe(state, outcome)
 
     target = tiny_llama(0)
-    _, metrics = speculative_generate(target, ChainsOnly(build_proposer("ngram")), [[1, 2, 1, 2]],
+    _, metrics = speculative_generate(target, ChainsOnly(NgramProposer()), [[1, 2, 1, 2]],
                                       StopRule(max_new_tokens=8), SamplingConfig(), "auto")
     assert "chains only" in metrics.adaptive["note"] and list(metrics.adaptive["shapes"]) == ["chain"]
 
@@ -176,7 +176,7 @@ def test_auto_sampling_matches_the_target_distribution(monkeypatch):
     monkeypatch.setattr(adaptive, "cached_verify_curve", lambda model, batch, tokens: (
         VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, batch), False))
     rule = StopRule(max_new_tokens=3)
-    rows, metrics = speculative_generate(TARGET, build_proposer("draft-model", model=DRAFT), [PROMPT] * N, rule,
+    rows, metrics = speculative_generate(TARGET, DraftModelProposer(model=DRAFT), [PROMPT] * N, rule,
                                          SETTINGS["T=1"], "auto", torch.Generator().manual_seed(5))
     first3 = torch.tensor([row.tokens[:3] for row in rows])
     V = TARGET.config.vocab_size

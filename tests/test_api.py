@@ -18,7 +18,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import hf_config, sha256
 from specdec.lm.tokenizer import EOS_ID
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.proposers.heads import build_heads, save_heads
 from specdec.train.objectives import init_weights
 
@@ -61,7 +61,7 @@ def test_healed_greedy_output_is_the_constrained_argmax_then_the_reference(targe
 def test_speculative_decoding_of_healed_prompts_equals_plain(target, k):
     prompts = [INDENTED, "import os\n", "x = 1"]  # healed, healed, not healed: one batch
     plain = generate(target, prompts, max_new_tokens=10)
-    spec = generate(target, prompts, max_new_tokens=10, proposer=build_proposer("ngram"), k=k)
+    spec = generate(target, prompts, max_new_tokens=10, proposer=NgramProposer(), k=k)
     assert spec.tokens == plain.tokens and spec.texts == plain.texts
     assert all(len(t) == 10 for t in plain.tokens) and plain.stats["healed_prompts"] == 2
 
@@ -134,14 +134,14 @@ def test_the_first_auto_run_measures_the_verify_cost_once_outside_its_timing(tin
     target = load(tiny_checkpoint)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no curve measured before (set after the kernels load)
     t0 = time.perf_counter()
-    first = generate(target, "def f(x):", max_new_tokens=16, proposer=build_proposer("ngram"), k="auto").stats
+    first = generate(target, "def f(x):", max_new_tokens=16, proposer=NgramProposer(), k="auto").stats
     wall = time.perf_counter() - t0
     err = capsys.readouterr().err
     assert err.count(f"measuring this machine's verify cost for {tiny_checkpoint.name}, once, ~") == 1
     assert "verify cost:" in err                                            # the progress bar
     assert first["verify_curve_seconds"] > 0
     assert first["seconds"] + first["verify_curve_seconds"] <= wall         # two intervals, one after the other
-    second = generate(target, "def g(y):", max_new_tokens=16, proposer=build_proposer("ngram"), k="auto").stats
+    second = generate(target, "def g(y):", max_new_tokens=16, proposer=NgramProposer(), k="auto").stats
     assert second["verify_curve_seconds"] == 0 and "verify cost" not in capsys.readouterr().err
 
 
@@ -149,7 +149,7 @@ def test_the_first_auto_run_measures_the_verify_cost_once_outside_its_timing(tin
 def test_streamed_pieces_add_up_to_the_text(target, method):
     """on_text's pieces arrive as tokens are committed (many pieces, none taken back) and add up to
     the text, through token healing and a stop string."""
-    proposer = None if method == "plain" else build_proposer("draft-model", model=target.model)
+    proposer = None if method == "plain" else DraftModelProposer(model=target.model)
     settings = {"max_new_tokens": 40, "temperature": 0.8, "seed": 3, "proposer": proposer}
     whole = generate(target, "def f(x):\n    ", **settings).texts[0]
     stop = re.search(r"[a-zA-Z]{2}", whole[len(whole) // 2:]).group()      # a stop string that occurs

@@ -17,7 +17,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.lm.interface import admit
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
@@ -25,8 +25,8 @@ from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
 TARGET = tiny_llama(0)  # vocab 64, context 64
 GREEDY = SamplingConfig()
 PROPOSERS = {
-    "draft-model": lambda: build_proposer("draft-model", model=noisy_copy(TARGET, 0.02, seed=1)),
-    "ngram": lambda: build_proposer("ngram"),
+    "draft-model": lambda: DraftModelProposer(model=noisy_copy(TARGET, 0.02, seed=1)),
+    "ngram": lambda: NgramProposer(),
 }
 CASES = [([5], 20), ([1, 2, 3, 1, 2, 3, 1], 9), (list(range(7, 19)), 24), ([3, 3, 3, 3], 3), ([9, 8], 30),
          ([4, 4, 1], 1), ([2, 7, 2, 7, 2], 16), ([11], 12)]

@@ -7,7 +7,7 @@ how to read its network for a target (in the target's dtype, on its device) and 
 proposer of it with the options a caller gives: each drafter's own small dataclass (`options`:
 `VocabOptions`, `DraftModelOptions`, `NgramOptions`, `NoOptions`), refused when it is another's. The
 command line (generate, serve, check, bench), the API and the benchmark all call `build_drafter`;
-`build_proposer` makes one from networks already in hand.
+from networks already in hand, the proposer's class makes one (typed by its own signature).
 
 A target is a loaded checkpoint: anything with `model` (a causal LM), `lm` (it admitted:
 lm/interface.Admitted, its device, dtype and abilities), `path` (its checkpoint folder) and
@@ -350,9 +350,3 @@ def build_drafter(name: str, target, path=None, options=None) -> Proposer:
     reason and what to do where it does not fit."""
     return drafter(name).load(target, path, options)
 
-
-def build_proposer(name: str, **kwargs) -> Proposer:
-    """The proposer `name` from networks in hand: build_proposer("draft-model", model=...),
-    build_proposer("ngram", max_n=3, min_n=1), build_proposer("mtp", heads=..., target=...),
-    build_proposer("eagle", head=..., target=...) or build_proposer("block", head=..., target=...)."""
-    return drafter(name).cls(**kwargs)
