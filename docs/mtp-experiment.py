@@ -34,7 +34,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import load_model, read_meta
 from specdec.lm.tokenizer import EOS_ID, Tokenizer
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, MTPProposer
 from specdec.proposers.heads import load_heads
 from specdec.train.config import TrainConfig
 from specdec.train.loop import build, train
@@ -101,7 +101,7 @@ def acceptance(out: Path, name: str) -> dict:
                                   ("T=1, drafts sampled from the heads", SamplingConfig(1.0), None),
                                   ("T=1, greedy drafts", SamplingConfig(1.0), GreedyDrafts)):
         for k in range(1, DEPTH + 1):
-            proposer = build_proposer("mtp", heads=heads, target=target)
+            proposer = MTPProposer(heads=heads, target=target)
             _, m = speculative_generate(target, wrap(proposer) if wrap else proposer, prompts, StopRule(MAX_NEW),
                                         sampling, k, torch.Generator().manual_seed(k))
             result[f"{label}, k={k}"] = {"alpha": m.acceptance_rate, "alpha_i": m.acceptance_per_position,
@@ -220,8 +220,8 @@ def shipped() -> dict:
         "acceptance": {"prompts": f"HumanEval 0..{PROMPTS - 1}", "max_new_tokens": MAX_NEW,
                        "batch_size": len(prompts), "dtype": "bfloat16"},
     }
-    draft = build_proposer("draft-model", model=load_model(models / "draft"))
-    mtp = build_proposer("mtp", heads=heads, target=target)
+    draft = DraftModelProposer(model=load_model(models / "draft"))
+    mtp = MTPProposer(heads=heads, target=target)
     for label, proposer, sampling, k in [("mtp greedy", mtp, SamplingConfig(), 1), ("mtp greedy", mtp, SamplingConfig(), 2),
                                          ("mtp greedy", mtp, SamplingConfig(), 3),
                                          ("mtp T=1, sampled drafts", mtp, SamplingConfig(1.0), 3),

@@ -16,7 +16,7 @@ import json
 
 from specdec import api
 from specdec.bench.workloads import humaneval_prompt
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 
 def run(target, proposer, prompts, seeded: bool, max_new: int) -> dict:
@@ -37,8 +37,8 @@ def main() -> None:
     args = p.parse_args()
     target = api.load()
     draft = api.load_draft_model(target)
-    proposers = {"draft-model": lambda: build_proposer("draft-model", model=draft.model),
-                 "ngram": lambda: build_proposer("ngram")}
+    proposers = {"draft-model": lambda: DraftModelProposer(model=draft.model),
+                 "ngram": lambda: NgramProposer()}
     prompts = [humaneval_prompt(i) for i in range(args.prompts)]
     result = {}
     for name, proposer in proposers.items():

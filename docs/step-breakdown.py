@@ -27,7 +27,7 @@ from specdec.api import MODELS, load, load_drafter
 from specdec.decoding.metrics import SpecMetrics
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 PARTS = ("propose", "forward", "acceptance", "commit", "observe", "metrics", "other")
 TIMERS: dict[str, float] = defaultdict(float)
@@ -64,8 +64,8 @@ def main() -> None:
     args = parser.parse_args()
     target = load()
     prompts = [[2] + target.tokenizer.encode(p["prompt"].rstrip()) for p in list(read_problems().values())[:5]]
-    configs = {"plain (engine, k=0)": (build_proposer("ngram"), 0), "ngram k=3": (build_proposer("ngram"), 3),
-               "draft-model k=3": (build_proposer("draft-model", model=load(MODELS / "draft").model), 3),
+    configs = {"plain (engine, k=0)": (NgramProposer(), 0), "ngram k=3": (NgramProposer(), 3),
+               "draft-model k=3": (DraftModelProposer(model=load(MODELS / "draft").model), 3),
                "mtp k=1": (load_drafter(target, "mtp"), 1), "mtp k=3": (load_drafter(target, "mtp"), 3)}
     model = target.model
     t1 = one_token_forward_ms(model)

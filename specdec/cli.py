@@ -299,6 +299,16 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_name, default="cpu", help=DEVICE_HELP)
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser, temperature: float, about_temperature: str,
+                           about_seed: str) -> None:
+    """--temperature (default `temperature`), --top-k, --top-p and --seed (its help: `about_seed`)."""
+    p.add_argument("--temperature", type=float, default=temperature, help=about_temperature)
+    p.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this "
+                                               "probability mass (default: 1, all)")
+    p.add_argument("--seed", type=int, help=about_seed)
+
+
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help=THREADS_HELP)
 
@@ -332,22 +342,29 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 def make_proposer(args, target):
     """The proposer --draft names for `target` with the draft options (None: plain decoding)."""
-    from .proposers import DraftOptions
-
     if args.draft == "none":
         return None
-    return drafter(target, args.draft, args.draft_model, args.heads,
-                   DraftOptions(args.draft_vocab, dynamic_tree=args.dynamic_tree, ngram_max=args.ngram_max,
-                                ngram_min=args.ngram_min))
+    return drafter(target, args.draft, args.draft_model, args.heads, draft_options(args.draft, args))
+
+
+def draft_options(name: str, args):
+    """The options of the drafter `name`, of its own type (the registry's), from the flags that set them."""
+    from .proposers import DRAFTERS
+
+    options = DRAFTERS[name].options
+    flags = {"draft_vocab": args.draft_vocab, "dynamic_tree": args.dynamic_tree, "max_n": args.ngram_max,
+             "min_n": args.ngram_min}
+    return options(**{f.name: flags[f.name] for f in dataclasses.fields(options) if f.name in flags})
 
 
 def drafter(target, name: str, draft_model: str | None, heads: str | None, options=None):
     """The proposer `name` for `target` through the drafter registry, its network from the folder
-    flag the registry names for it (--draft-model or --heads; default: the shipped one)."""
-    from .proposers import DRAFTERS, DraftOptions, build_drafter
+    flag the registry names for it (--draft-model or --heads; default: the shipped one); options:
+    the drafter's own (None: its defaults)."""
+    from .proposers import DRAFTERS, build_drafter
 
     path = {"--draft-model": draft_model, "--heads": heads}.get(DRAFTERS[name].path_flag)
-    return build_drafter(name, target, path, options or DraftOptions())
+    return build_drafter(name, target, path, options)
 
 
 def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> None:
@@ -867,11 +884,7 @@ def add_generate_parser(sub) -> None:
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark, or GBNF)")
     add_placement_arguments(g)
     add_quantize_argument(g)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
-    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens holding this "
-                                               "probability mass (default: 1, all)")
-    g.add_argument("--seed", type=int, help="seed of the sampling (default: a fresh random seed)")
+    add_sampling_arguments(g, 0.0, "0 = greedy", "seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object, at the end")
     g.add_argument("--stream", action="store_true",
@@ -1038,10 +1051,7 @@ def add_check_parser(sub) -> None:
     ch.add_argument("--sequences", type=int, default=128, help="continuations sampled (taken from the prompts in turn)")
     ch.add_argument("--max-new-tokens", type=int, default=32, help="tokens per continuation (EOS does not stop it)")
     ch.add_argument("--batch-size", type=int, default=16, help="continuations decoded together")
-    ch.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
-    ch.add_argument("--top-k", type=int, help="sample from the K most likely tokens only (default: all)")
-    ch.add_argument("--top-p", type=float, help="nucleus sampling mass (default: 1, all)")
-    ch.add_argument("--seed", type=int, help="seed of the sampling and of the PIT (default 0)")
+    add_sampling_arguments(ch, 1.0, "sampling temperature (> 0)", "seed of the sampling and of the PIT (default 0)")
     ch.add_argument("--wrong-verifier", choices=["accept-always"],
                     help="run the check with a deliberately wrong verifier, to see it fail on your pair")
     ch.add_argument("--json", action="store_true", help="print one JSON object")

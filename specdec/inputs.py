@@ -122,7 +122,7 @@ def draft_length(k, proposer, widths=None) -> None:
     widths: a draft tree's most nodes per depth (one per level: len k)."""
     if widths is not None:
         if proposer is None:
-            raise SpecdecError("a draft tree needs a proposer: pass proposer=build_proposer(...) "
+            raise SpecdecError("a draft tree needs a proposer: pass a proposer (api.load_drafter) "
                                "(command line: --draft ...)")
         for w in widths:
             integer("a draft tree's width", w, low=1)
@@ -135,7 +135,7 @@ def draft_length(k, proposer, widths=None) -> None:
         return
     integer("k (draft tokens per step)", k, low=0)
     if proposer is None and k > 0:
-        raise SpecdecError(f"k={k} draft tokens per step needs a proposer: pass proposer=build_proposer(...) "
+        raise SpecdecError(f"k={k} draft tokens per step needs a proposer: pass a proposer (api.load_drafter) "
                            f"(command line: --draft {'|'.join(DRAFTERS)}), or leave k out for plain decoding")
 
 

@@ -17,7 +17,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm.interface import admit
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, MTPProposer, NgramProposer
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
 from .test_engine_sampling import DRAFT, PROMPT, SETTINGS, TARGET, N, distribution_test, exact_joint, passes
@@ -228,7 +228,7 @@ def test_a_closed_batch_remembers_what_its_rows_taught_after_they_left():
 
 
 def test_the_stored_curve_is_measured_once_and_never_decreases():
-    model = tiny_llama(0)
+    model = admit(tiny_llama(0))
     curve, measured = calibration.cached_verify_curve(model, 2, 6, repeats=1)
     again, measured_again = calibration.cached_verify_curve(model, 2, 6)
     assert measured and not measured_again and again.seconds == curve.seconds
@@ -247,9 +247,9 @@ def test_a_target_with_quantized_matrices_has_a_curve_of_its_own():
 
 
 def proposers(target):
-    return {"draft-model": lambda: build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)),
-            "mtp": lambda: build_proposer("mtp", heads=tiny_heads(target, "mtp-sequential", 3), target=target),
-            "ngram": lambda: build_proposer("ngram")}
+    return {"draft-model": lambda: DraftModelProposer(model=noisy_copy(target, 0.05, seed=1)),
+            "mtp": lambda: MTPProposer(heads=tiny_heads(target, "mtp-sequential", 3), target=target),
+            "ngram": lambda: NgramProposer()}
 
 
 @pytest.mark.parametrize("name", ["draft-model", "mtp", "ngram"])
@@ -290,7 +290,7 @@ def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
             self.inner.observe(state, outcome)
 
     target = tiny_llama(0)
-    _, metrics = speculative_generate(target, ChainsOnly(build_proposer("ngram")), [[1, 2, 1, 2]],
+    _, metrics = speculative_generate(target, ChainsOnly(NgramProposer()), [[1, 2, 1, 2]],
                                       StopRule(max_new_tokens=8), SamplingConfig(), "auto")
     assert "chains only" in metrics.adaptive["note"] and list(metrics.adaptive["shapes"]) == ["chain"]
 
@@ -300,7 +300,7 @@ def test_auto_sampling_matches_the_target_distribution(monkeypatch):
     monkeypatch.setattr(adaptive, "cached_verify_curve", lambda model, batch, tokens: (
         VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, batch), False))
     rule = StopRule(max_new_tokens=3)
-    rows, metrics = speculative_generate(TARGET, build_proposer("draft-model", model=DRAFT), [PROMPT] * N, rule,
+    rows, metrics = speculative_generate(TARGET, DraftModelProposer(model=DRAFT), [PROMPT] * N, rule,
                                          SETTINGS["T=1"], "auto", torch.Generator().manual_seed(5))
     first3 = torch.tensor([row.tokens[:3] for row in rows])
     V = TARGET.config.vocab_size
@@ -339,7 +339,7 @@ def test_auto_asks_the_proposer_only_on_drafting_steps():
     """Plain steps call no proposer (a stretch is told to it once, at its end, with `observe`):
     with auto, the proposals are the drafting steps."""
     target = tiny_llama(0)
-    proposer = Counted(build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)))
+    proposer = Counted(DraftModelProposer(model=noisy_copy(target, 0.05, seed=1)))
     _, metrics = speculative_generate(target, proposer, [[3, 9, 4, 3, 9], [5, 1, 2]], StopRule(max_new_tokens=40),
                                       SamplingConfig(), "auto")
     assert proposer.proposals == metrics.steps - metrics.adaptive["choices"].get("plain", 0) > 0
@@ -350,7 +350,7 @@ def test_auto_stops_probing_a_draft_that_costs_more_than_the_target():
     with every draft accepted: after the first weighing, auto decodes plainly without probing
     (the old schedule probed after 16, 48, 112 and 240 plain steps)."""
     target = tiny_llama(0, context=512)
-    proposer = Counted(build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)), delay=0.05)
+    proposer = Counted(DraftModelProposer(model=noisy_copy(target, 0.05, seed=1)), delay=0.05)
     _, metrics = speculative_generate(target, proposer, [[3, 9, 4, 3, 9]], StopRule(max_new_tokens=300),
                                       SamplingConfig(), "auto")
     assert metrics.adaptive["stopped_probing"] and proposer.proposals <= 5

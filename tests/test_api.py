@@ -11,14 +11,14 @@ import transformers
 
 from specdec import kernels
 from specdec.api import Loaded, generate, load
-from specdec.decoding.healing import back_off
+from specdec.decoding.pipeline import encode
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import hf_config, sha256
 from specdec.lm.tokenizer import EOS_ID
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 from specdec.proposers.heads import build_heads, save_heads
 from specdec.train.objectives import init_weights
 
@@ -33,23 +33,24 @@ def target(tiny_checkpoint):
 
 
 def test_a_prompt_ending_in_whitespace_is_healed_not_stripped(target):
-    healed = back_off(target.tokenizer, INDENTED)
-    assert healed.text and INDENTED.endswith(healed.text)
-    assert target.tokenizer.decode(healed.ids) + healed.text == INDENTED
+    prompt = encode(target.tokenizer, INDENTED)
+    ids, healed = prompt.ids[len(target.tokenizer.prefix):], prompt.healed
+    assert healed and INDENTED.endswith(healed)
+    assert target.tokenizer.decode(ids) + healed == INDENTED
     result = generate(target, INDENTED, max_new_tokens=12)
     first = result.tokens[0][0]
-    assert target.tokenizer.token_bytes[first].startswith(healed.text.encode())
+    assert target.tokenizer.token_bytes[first].startswith(healed.encode())
     # the completion extends the prompt exactly: prompt + text is the decoded token sequence
-    assert INDENTED + result.texts[0] == target.tokenizer.decode(healed.ids + result.tokens[0])
+    assert INDENTED + result.texts[0] == target.tokenizer.decode(ids + result.tokens[0])
     assert result.stats["healed_prompts"] == 1
     assert result.stats["prompt_tokens"] == [1 + len(target.tokenizer.encode(INDENTED))]
 
 
 def test_healed_greedy_output_is_the_constrained_argmax_then_the_reference(target):
-    healed = back_off(target.tokenizer, INDENTED)
-    prefix = [EOS_ID] + healed.ids
+    prompt = encode(target.tokenizer, INDENTED)
+    prefix, healed = prompt.ids, prompt.healed
     logits = target.model(torch.tensor([prefix])).logits[0, -1]
-    allowed = [i for i, b in enumerate(target.tokenizer.token_bytes) if b and b.startswith(healed.text.encode())]
+    allowed = [i for i, b in enumerate(target.tokenizer.token_bytes) if b and b.startswith(healed.encode())]
     first = max(allowed, key=lambda i: logits[i].item())
     rest = reference_generate(target.model, prefix + [first], StopRule(11, EOS_ID), SamplingConfig())
     result = generate(target, INDENTED, max_new_tokens=12)
@@ -60,7 +61,7 @@ def test_healed_greedy_output_is_the_constrained_argmax_then_the_reference(targe
 def test_speculative_decoding_of_healed_prompts_equals_plain(target, k):
     prompts = [INDENTED, "import os\n", "x = 1"]  # healed, healed, not healed: one batch
     plain = generate(target, prompts, max_new_tokens=10)
-    spec = generate(target, prompts, max_new_tokens=10, proposer=build_proposer("ngram"), k=k)
+    spec = generate(target, prompts, max_new_tokens=10, proposer=NgramProposer(), k=k)
     assert spec.tokens == plain.tokens and spec.texts == plain.texts
     assert all(len(t) == 10 for t in plain.tokens) and plain.stats["healed_prompts"] == 2
 
@@ -133,14 +134,14 @@ def test_the_first_auto_run_measures_the_verify_cost_once_outside_its_timing(tin
     target = load(tiny_checkpoint)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no curve measured before (set after the kernels load)
     t0 = time.perf_counter()
-    first = generate(target, "def f(x):", max_new_tokens=16, proposer=build_proposer("ngram"), k="auto").stats
+    first = generate(target, "def f(x):", max_new_tokens=16, proposer=NgramProposer(), k="auto").stats
     wall = time.perf_counter() - t0
     err = capsys.readouterr().err
     assert err.count(f"measuring this machine's verify cost for {tiny_checkpoint.name}, once, ~") == 1
     assert "verify cost:" in err                                            # the progress bar
     assert first["verify_curve_seconds"] > 0
     assert first["seconds"] + first["verify_curve_seconds"] <= wall         # two intervals, one after the other
-    second = generate(target, "def g(y):", max_new_tokens=16, proposer=build_proposer("ngram"), k="auto").stats
+    second = generate(target, "def g(y):", max_new_tokens=16, proposer=NgramProposer(), k="auto").stats
     assert second["verify_curve_seconds"] == 0 and "verify cost" not in capsys.readouterr().err
 
 
@@ -148,7 +149,7 @@ def test_the_first_auto_run_measures_the_verify_cost_once_outside_its_timing(tin
 def test_streamed_pieces_add_up_to_the_text(target, method):
     """on_text's pieces arrive as tokens are committed (many pieces, none taken back) and add up to
     the text, through token healing and a stop string."""
-    proposer = None if method == "plain" else build_proposer("draft-model", model=target.model)
+    proposer = None if method == "plain" else DraftModelProposer(model=target.model)
     settings = {"max_new_tokens": 40, "temperature": 0.8, "seed": 3, "proposer": proposer}
     whole = generate(target, "def f(x):\n    ", **settings).texts[0]
     stop = re.search(r"[a-zA-Z]{2}", whole[len(whole) // 2:]).group()      # a stop string that occurs

@@ -21,7 +21,7 @@ from specdec.decoding.sampling import row_probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import save_model, sha256
-from specdec.proposers import build_proposer
+from specdec.proposers import BlockProposer
 from specdec.proposers.block import BlockProposer
 from specdec.proposers.block_head import BlockHead, initial_head, load_block, save_block
 from specdec.train.anchors import block_layout
@@ -58,7 +58,7 @@ def distilled(target=TARGET, layer_ids=(0, 1), draft_vocab: int | None = None, s
 
 
 def proposer(target=TARGET, **kw) -> BlockProposer:
-    return build_proposer("block", head=distilled(target, **kw), target=target)
+    return BlockProposer(head=distilled(target, **kw), target=target)
 
 
 def features_of(head, target, tokens):
@@ -76,7 +76,7 @@ def test_drafting_with_the_cache_computes_what_one_training_forward_gives(attent
     forward over the whole window, to float32 rounding; then again after an observed step whose
     accepted tokens join the cache (committed entries and new pending ones)."""
     head = distilled(attention=attention, layers=layers)
-    p = build_proposer("block", head=head, target=TARGET)
+    p = BlockProposer(head=head, target=TARGET)
     S = 24
     x = torch.randint(0, 64, (2, S + 1), generator=torch.Generator().manual_seed(3))
     features = features_of(head, TARGET, x[:, :S])                                    # (2, S, nC)
@@ -287,11 +287,11 @@ def test_bad_input_is_refused_with_the_fix():
     with pytest.raises(SpecdecError, match="drafts 1..8 tokens per step .* k=9 was asked: use -k 1..8"):
         speculative_generate(TARGET, proposer(), PROMPTS, RULE, GREEDY, 9)
     with pytest.raises(SpecdecError, match=r"decoder layers \[0, 1\], but the target LlamaForCausalLM has 1"):
-        build_proposer("block", head=distilled(), target=tiny_llama(0, layers=1))
+        BlockProposer(head=distilled(), target=tiny_llama(0, layers=1))
     with pytest.raises(SpecdecError, match="built for another target"):
-        build_proposer("block", head=distilled(), target=tiny_llama(0, hidden=64))
+        BlockProposer(head=distilled(), target=tiny_llama(0, hidden=64))
     with pytest.raises(SpecdecError, match="specdec's own LlamaForCausalLM"):
-        build_proposer("block", head=distilled(), target=torch.nn.Linear(4, 4))
+        BlockProposer(head=distilled(), target=torch.nn.Linear(4, 4))
 
 
 # ---- training through `specdec train --objective block` ----

@@ -27,7 +27,7 @@ from specdec.check import (
 from specdec.cli import main
 from specdec.decoding.sampling import SamplingConfig
 from specdec.errors import SpecdecError
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 from .spec_helpers import noisy_copy, tiny_llama
 
@@ -59,7 +59,7 @@ def test_the_ks_p_value_matches_scipy():
 
 
 def test_a_correct_pair_passes_and_greedy_equals_plain():
-    result = check(TARGET, build_proposer("draft-model", model=DRAFT), PROMPTS, SAMPLING, k=3, sequences=96,
+    result = check(TARGET, DraftModelProposer(model=DRAFT), PROMPTS, SAMPLING, k=3, sequences=96,
                    max_new_tokens=24)
     print("\n" + result.verdict())
     assert result.passed, result.verdict()
@@ -70,7 +70,7 @@ def test_a_correct_pair_passes_and_greedy_equals_plain():
 
 
 def test_a_deliberately_wrong_verifier_fails():
-    result = check(TARGET, build_proposer("draft-model", model=DRAFT), PROMPTS, SAMPLING, k=3, sequences=96,
+    result = check(TARGET, DraftModelProposer(model=DRAFT), PROMPTS, SAMPLING, k=3, sequences=96,
                    max_new_tokens=24, sampled_verify=WRONG_VERIFIERS["accept-always"])
     print("\n" + result.verdict())
     assert result.status == "FAIL"
@@ -85,7 +85,7 @@ def test_the_command_prints_its_verdict_and_refuses_greedy(tmp_path, capsys):
     target = save_model(big, tmp_path / "t", tokenizer, dtype=torch.float32)
     draft = save_model(noisy_copy(big, 0.2, seed=8), tmp_path / "d", tokenizer, dtype=torch.float32)
     with pytest.raises(SpecdecError, match="temperature > 0"):
-        check(TARGET, build_proposer("ngram"), PROMPTS, SamplingConfig(), k=2)
+        check(TARGET, NgramProposer(), PROMPTS, SamplingConfig(), k=2)
     command = ["check", "--model", str(target), "--draft", "draft-model", "--draft-model", str(draft),
                "--prompt", "def f(x):", "--sequences", "16", "--max-new-tokens", "8", "-k", "2",
                "--temperature", "1", "--top-k", "20", "--threads", "1"]
@@ -150,7 +150,7 @@ def test_a_subtly_wrong_residual_fails_on_the_p_value_alone(monkeypatch):
         return diff / diff.sum(-1, keepdim=True)
 
     plain = SamplingConfig(temperature=1.0)  # no top-k / top-p: every token is possible, only the PIT can tell
-    proposer = build_proposer("draft-model", model=DRAFT)
+    proposer = DraftModelProposer(model=DRAFT)
     assert check(TARGET, proposer, PROMPTS, plain, k=3, sequences=96, max_new_tokens=24).passed
     monkeypatch.setattr(verify, "residual", residual_without_max)
     result = check(TARGET, proposer, PROMPTS, plain, k=3, sequences=96, max_new_tokens=24)

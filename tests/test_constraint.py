@@ -32,7 +32,7 @@ from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.tokenizer import Tokenizer
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer, SelfDraftProposer
 
 from .spec_helpers import noisy_copy, tiny_llama
 from .test_default_target import needs_smollm2
@@ -128,12 +128,12 @@ def test_greedy_constrained_output_is_the_same_at_every_k_tree_and_drafter(toy, 
     assert plain_metrics.forced == 0 and plain_metrics.row_steps == plain_metrics.emitted  # one token a step
     draft = api.load(api.MODELS / "draft").model
     cases = {"forced alone k=4": (GrammarDrafts(), 4, None, True),
-             "ngram + forced k=3": (build_proposer("ngram"), 3, None, True),
-             "ngram, no forced drafts k=5": (build_proposer("ngram"), 5, None, False),
-             "draft model + forced k=1": (build_proposer("draft-model", model=draft), 1, None, True),
-             "draft model + forced k=4": (build_proposer("draft-model", model=draft), 4, None, True),
-             "draft-model tree (2, 2, 1)": (build_proposer("draft-model", model=draft), 3, (2, 2, 1), False),
-             "draft-model tree + forced": (build_proposer("draft-model", model=draft), 3, (2, 2, 1), True)}
+             "ngram + forced k=3": (NgramProposer(), 3, None, True),
+             "ngram, no forced drafts k=5": (NgramProposer(), 5, None, False),
+             "draft model + forced k=1": (DraftModelProposer(model=draft), 1, None, True),
+             "draft model + forced k=4": (DraftModelProposer(model=draft), 4, None, True),
+             "draft-model tree (2, 2, 1)": (DraftModelProposer(model=draft), 3, (2, 2, 1), False),
+             "draft-model tree + forced": (DraftModelProposer(model=draft), 3, (2, 2, 1), True)}
     for name, (proposer, k, widths, forced) in cases.items():
         rows, metrics = run(toy, schema, proposer, k, widths=widths, forced=forced)
         assert [r.tokens for r in rows] == expected, name
@@ -146,7 +146,7 @@ def test_a_batch_mixes_constrained_and_free_rows_and_each_matches_its_own_run(to
                                toy.model.config.vocab_size)
     constraints = [schema, None, regex]
     alone = [run(toy, c, GrammarDrafts(), 0, prompts=[p])[0][0].tokens for c, p in zip(constraints, PROMPTS)]
-    engine = Engine(toy.model, build_proposer("ngram"), 4, 3, 200)
+    engine = Engine(toy.lm, NgramProposer(), 4, 3, 200)
     rule = StopRule(48, toy.tokenizer.eos_ids, decode=toy.tokenizer.decode)
     requests = [Request(toy.tokenizer.encode(p), rule, constraint=c) for p, c in zip(PROMPTS, constraints)]
     for r in requests:
@@ -160,8 +160,8 @@ def test_a_batch_mixes_constrained_and_free_rows_and_each_matches_its_own_run(to
 def test_seeded_constrained_rows_are_the_same_for_every_drafter(toy, schema):
     sampling = SamplingConfig(temperature=1.0, seed=11)
     expected = [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=sampling)[0]]
-    for proposer, k in [(GrammarDrafts(), 3), (build_proposer("ngram"), 4),
-                        (build_proposer("draft-model", model=api.load(api.MODELS / "draft").model), 3)]:
+    for proposer, k in [(GrammarDrafts(), 3), (NgramProposer(), 4),
+                        (DraftModelProposer(model=api.load(api.MODELS / "draft").model), 3)]:
         rows, _ = run(toy, schema, proposer, k, sampling=sampling)
         assert [r.tokens for r in rows] == expected, proposer.name
         assert all(valid(r.text()) for r in rows)
@@ -187,10 +187,10 @@ def test_a_window_of_forced_drafts_alone_computes_one_column_of_logits(monkeypat
 def test_only_eos_ends_the_row_and_max_new_tokens_inside_a_value_is_length(toy):
     vocab = toy.model.config.vocab_size
     short = compile_constraint(Constraint.regex("ok"), toy.tokenizer, vocab)
-    rows, _ = run(toy, short, build_proposer("ngram"), 3)
+    rows, _ = run(toy, short, NgramProposer(), 3)
     assert all(r.text() == "ok" and r.finish_reason == "eos" and r.tokens[-1] in toy.tokenizer.eos_ids for r in rows)
     long = compile_constraint(Constraint.regex('"[a-z]{50}"'), toy.tokenizer, vocab)
-    rows, _ = run(toy, long, build_proposer("ngram"), 3, max_new_tokens=6)
+    rows, _ = run(toy, long, NgramProposer(), 3, max_new_tokens=6)
     assert all(r.finish_reason == "length" and len(r.tokens) == 6 for r in rows)
 
 
@@ -232,18 +232,18 @@ def test_a_drafter_drafts_only_what_the_grammar_allows_and_is_accepted_more(monk
     draft = api.load(api.MODELS / "draft").model
     plain = {s: [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=s)[0]]
              for s in (SamplingConfig(), SamplingConfig(temperature=1.0, seed=3))}
-    cases = {"draft model greedy k=4": (build_proposer("draft-model", model=draft), 4, SamplingConfig()),
-             "draft model T=1 k=3": (build_proposer("draft-model", model=draft), 3, SamplingConfig(1.0)),
-             "draft model seeded k=3": (build_proposer("draft-model", model=draft), 3,
+    cases = {"draft model greedy k=4": (DraftModelProposer(model=draft), 4, SamplingConfig()),
+             "draft model T=1 k=3": (DraftModelProposer(model=draft), 3, SamplingConfig(1.0)),
+             "draft model seeded k=3": (DraftModelProposer(model=draft), 3,
                                         SamplingConfig(temperature=1.0, seed=3)),
-             "self-draft greedy k=4": (build_proposer("self", target=toy.model), 4, SamplingConfig())}
+             "self-draft greedy k=4": (SelfDraftProposer(target=toy.model), 4, SamplingConfig())}
     for name, (proposer, k, sampling) in cases.items():
         refused, proposed, rows, _ = drafts_refused(monkeypatch, toy, schema, proposer, k, sampling)
         assert refused == 0 and proposed > 50, (name, refused, proposed)
         assert all(r.finish_reason == "eos" and valid(r.text()) for r in rows), name
         if sampling in plain:
             assert [r.tokens for r in rows] == plain[sampling], name
-    proposer = build_proposer("draft-model", model=draft)
+    proposer = DraftModelProposer(model=draft)
     _, _, rows, masked_metrics = drafts_refused(monkeypatch, toy, schema, proposer, 4)
     refused, proposed, free_rows, free_metrics = drafts_refused(monkeypatch, toy, schema, proposer, 4,
                                                                 masked_drafts=False)
@@ -316,9 +316,9 @@ def constrained_counts(proposer, sampling: SamplingConfig, k: int) -> tuple[torc
     return torch.bincount(index, minlength=V ** 3).double(), metrics
 
 
-SAMPLED = {"draft model T=1 k=3": (lambda: build_proposer("draft-model", model=DRAFT), SamplingConfig(1.0), 3),
+SAMPLED = {"draft model T=1 k=3": (lambda: DraftModelProposer(model=DRAFT), SamplingConfig(1.0), 3),
            "forced alone T=1 k=2": (GrammarDrafts, SamplingConfig(1.0), 2),  # windows of forced drafts alone
-           "ngram + forced T=0.7 top-k 8 k=2": (lambda: build_proposer("ngram"),
+           "ngram + forced T=0.7 top-k 8 k=2": (lambda: NgramProposer(),
                                                 SamplingConfig(0.7, top_k=8), 2)}
 
 

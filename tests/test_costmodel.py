@@ -99,11 +99,11 @@ def test_with_measured_proposal_rates_e_is_the_measured_tau():
     from specdec.decoding.engine import speculative_generate
     from specdec.decoding.sampling import SamplingConfig
     from specdec.decoding.stopping import StopRule
-    from specdec.proposers import build_proposer
+    from specdec.proposers import NgramProposer
 
     from .spec_helpers import tiny_llama
     prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 5, 6], list(range(7, 19))]
-    _, m = speculative_generate(tiny_llama(0), build_proposer("ngram"), prompts, StopRule(40), SamplingConfig(), 4)
+    _, m = speculative_generate(tiny_llama(0), NgramProposer(), prompts, StopRule(40), SamplingConfig(), 4)
     rates = m.proposal_rate_per_position
     assert min(rates) < 1 and m.proposed < 4 * m.row_steps  # n-gram lookup really drafted less than k
     reached = [a * p for a, p in zip(m.acceptance_per_position, rates)]

@@ -26,7 +26,7 @@ from specdec.decoding.syncs import count_host_syncs
 from specdec.errors import SpecdecError
 from specdec.lm.device import placement
 from specdec.lm.model import place
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, EagleProposer, MTPProposer, NgramProposer, SuffixProposer
 
 from . import test_eagle, test_mtp
 from .spec_helpers import NEAR_TIE as FP32_NEAR_TIE
@@ -69,12 +69,12 @@ def target_on(device: str, dtype: torch.dtype):
 def proposers(device: str, dtype: torch.dtype) -> dict:
     target = target_on(device, dtype)
     return {
-        "draft-model": lambda: build_proposer("draft-model", model=on(noisy_copy(TARGET, 0.02, seed=1), device, dtype)),
-        "ngram": lambda: build_proposer("ngram", max_n=3, min_n=1),
-        "suffix": lambda: build_proposer("suffix"),
-        "mtp": lambda: build_proposer("mtp", heads=on(test_mtp.distilled("mtp-sequential"), device, dtype),
+        "draft-model": lambda: DraftModelProposer(model=on(noisy_copy(TARGET, 0.02, seed=1), device, dtype)),
+        "ngram": lambda: NgramProposer(max_n=3, min_n=1),
+        "suffix": lambda: SuffixProposer(),
+        "mtp": lambda: MTPProposer(heads=on(test_mtp.distilled("mtp-sequential"), device, dtype),
                                       target=target),
-        "eagle": lambda: build_proposer("eagle", head=on(test_eagle.distilled(), device, dtype), target=target),
+        "eagle": lambda: EagleProposer(head=on(test_eagle.distilled(), device, dtype), target=target),
     }
 
 
@@ -122,7 +122,7 @@ def test_sampled_output_keeps_the_exact_joint_distribution(device, monkeypatch):
     for wrong in (False, True):
         if wrong:
             monkeypatch.setattr(verify, "residual", s.residual_without_max)
-        rows, _ = speculative_generate(target, build_proposer("draft-model", model=draft), [s.PROMPT] * s.N,
+        rows, _ = speculative_generate(target, DraftModelProposer(model=draft), [s.PROMPT] * s.N,
                                        StopRule(max_new_tokens=4), sampling, 3,
                                        torch.Generator(device).manual_seed(1234))
         first3 = torch.tensor([row.tokens[:3] for row in rows])
@@ -141,7 +141,7 @@ def test_load_generate_and_the_command_line_on_the_device(device, tiny_checkpoin
     target = load(tiny_checkpoint, device=device)
     assert placement(target.model).device.type == device
     assert placement(target.model).dtype == (torch.bfloat16 if device == "cuda" else torch.float32)
-    draft = build_proposer("draft-model", model=load_draft_model(target, draft_checkpoint).model)
+    draft = DraftModelProposer(model=load_draft_model(target, draft_checkpoint).model)
     plain = generate(target, "def f(x):", max_new_tokens=16)
     spec = generate(target, "def f(x):", max_new_tokens=16, proposer=draft, k=3)
     assert spec.stats["device"].startswith(device)
@@ -204,7 +204,7 @@ def test_a_greedy_step_syncs_with_the_host_a_bounded_number_of_times(device):
     does not sync. The prefill and the regroups add less than one per step here. On CUDA, every
     synchronisation torch reports is one the counter saw."""
     target = target_on(device, torch.float32)
-    proposer = build_proposer("ngram", max_n=3, min_n=1)
+    proposer = NgramProposer(max_n=3, min_n=1)
     speculative_generate(target, proposer, PROMPTS, RULE, GREEDY, 3)  # warm
     if device == "cuda":
         torch.cuda.set_sync_debug_mode("warn")

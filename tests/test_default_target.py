@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from specdec import api
-from specdec.decoding.prompts import encode
+from specdec.decoding.pipeline import encode
 from specdec.errors import SpecdecError
 
 INSTALLED = importlib.util.find_spec(api.SMOLLM2_PACKAGE) is not None

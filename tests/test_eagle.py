@@ -19,7 +19,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, save_model, sha256
 from specdec.lm.kv_cache import KVCache
-from specdec.proposers import base, build_proposer
+from specdec.proposers import EagleProposer, VocabOptions, base
 from specdec.proposers.eagle_head import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
 from specdec.proposers.heads import load_heads
 from specdec.train.losses import eagle_backward, eagle_metrics
@@ -54,7 +54,7 @@ def distilled(target=TARGET, layer_ids=(0, 1), draft_vocab: int | None = None, s
 
 
 def proposer(target=TARGET, **kw):
-    return build_proposer("eagle", head=distilled(target, **kw), target=target)
+    return EagleProposer(head=distilled(target, **kw), target=target)
 
 
 # ---- one head for training and drafting ----
@@ -152,7 +152,7 @@ def test_a_smaller_draft_vocabulary_at_drafting_time():
     """The head's 64 ids cut to its 20 most frequent when drafting: output equals the reference,
     drafts are only those ids; a head saved without counts cannot be cut."""
     head = distilled()
-    p = build_proposer("eagle", head=head, target=TARGET, draft_vocab=20)
+    p = EagleProposer(head=head, target=TARGET, draft_vocab=20)
     allowed = set(p.draft_ids.tolist())
     assert allowed == set(head.token_counts.topk(20).indices.tolist())
     drafted = []
@@ -167,7 +167,7 @@ def test_a_smaller_draft_vocabulary_at_drafting_time():
     uncounted = copy.deepcopy(head)
     uncounted.token_counts = None
     with pytest.raises(SpecdecError, match="saved without its training token counts"):
-        build_proposer("eagle", head=uncounted, target=TARGET, draft_vocab=20)
+        EagleProposer(head=uncounted, target=TARGET, draft_vocab=20)
 
 
 def test_prompts_up_to_the_end_of_the_context_and_stops_inside_accepted_runs():
@@ -273,9 +273,9 @@ def test_bad_input_is_refused_with_the_fix():
     with pytest.raises(SpecdecError, match="larger than the target's 64: choose --draft-vocab <= 64"):
         EagleHead(TARGET.config, (0, 1), torch.arange(65) % 64)
     with pytest.raises(SpecdecError, match="built for another target"):
-        build_proposer("eagle", head=distilled(), target=tiny_llama(0, hidden=64))
+        EagleProposer(head=distilled(), target=tiny_llama(0, hidden=64))
     with pytest.raises(SpecdecError, match="specdec's own LlamaForCausalLM"):
-        build_proposer("eagle", head=distilled(), target=torch.nn.Linear(4, 4))
+        EagleProposer(head=distilled(), target=torch.nn.Linear(4, 4))
     with pytest.raises(SpecdecError, match="k >= 1 tokens per step, got k=0"):
         speculative_generate(TARGET, proposer(), PROMPTS, RULE, GREEDY, 0)
 
@@ -290,8 +290,8 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
     from specdec.decoding.sampling import Draws, SamplingConfig
     from specdec.lm.interface import prefill_joining
     target = load(TOY_TARGET)
-    native = load_drafter(target, "eagle", draft_vocab=1024)
-    separate = build_proposer("eagle", head=native.head, target=target.model, draft_vocab=1024)
+    native = load_drafter(target, "eagle", options=VocabOptions(1024))
+    separate = EagleProposer(head=native.head, target=target.model, draft_vocab=1024)
     separate.native = False
     assert native.native
     prompts = encode_prompts(target, ["def add(a, b):\n", "import os\nfor path in"], 8)

@@ -15,7 +15,8 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.proposers.drafters import drafter
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
 
@@ -24,10 +25,10 @@ GREEDY = SamplingConfig()
 RULE = StopRule(max_new_tokens=24)
 PROMPTS = [[5], [1, 2, 3, 1, 2, 3, 1], list(range(7, 19)), [3, 3, 3, 3]]
 DRAFTS = {
-    "draft-model/noisy-copy": lambda: build_proposer("draft-model", model=noisy_copy(TARGET, 0.02, seed=1)),
-    "draft-model/independent": lambda: build_proposer("draft-model", model=tiny_llama(1, layers=1)),
-    "draft-model/target-itself": lambda: build_proposer("draft-model", model=TARGET),
-    "ngram": lambda: build_proposer("ngram", max_n=3, min_n=1),
+    "draft-model/noisy-copy": lambda: DraftModelProposer(model=noisy_copy(TARGET, 0.02, seed=1)),
+    "draft-model/independent": lambda: DraftModelProposer(model=tiny_llama(1, layers=1)),
+    "draft-model/target-itself": lambda: DraftModelProposer(model=TARGET),
+    "ngram": lambda: NgramProposer(max_n=3, min_n=1),
 }
 NEAR_TIES: list[tuple] = []
 
@@ -139,7 +140,7 @@ def test_max_new_tokens_zero_and_one():
 
 
 def test_empty_proposals():
-    ngram = build_proposer("ngram", max_n=3, min_n=3)  # rarely finds a 3-gram: mostly empty proposals
+    ngram = NgramProposer(max_n=3, min_n=3)  # rarely finds a 3-gram: mostly empty proposals
     prompts = [[40, 41, 42, 43], PROMPTS[1]]
     rows, metrics = speculative_generate(TARGET, ngram, prompts, RULE, GREEDY, 4)
     for prompt, row in zip(prompts, rows):
@@ -154,7 +155,7 @@ def test_the_target_verifies_only_what_was_proposed(monkeypatch):
     forward = TARGET.forward
     monkeypatch.setattr(TARGET, "forward", lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or
                         forward(tokens, *a, **kw))
-    rows, metrics = speculative_generate(TARGET, build_proposer("ngram"), [PROMPTS[2]], RULE, GREEDY, 8)
+    rows, metrics = speculative_generate(TARGET, NgramProposer(), [PROMPTS[2]], RULE, GREEDY, 8)
     verify = widths[1:]  # after the prefill
     assert len(verify) == metrics.steps and sum(w - 1 for w in verify) == metrics.proposed
     assert min(verify) == 1 and max(verify) == 9  # empty proposals and full ones both happened
@@ -179,10 +180,10 @@ def test_bad_input_raises_specdec_error():
     with pytest.raises(SpecdecError, match="k .* must be >= 0"):
         speculative_generate(TARGET, ngram, PROMPTS, RULE, GREEDY, -1)
     with pytest.raises(SpecdecError, match="vocabulary of 32 tokens but the target has 64"):
-        speculative_generate(TARGET, build_proposer("draft-model", model=tiny_llama(2, vocab=32)), PROMPTS, RULE,
+        speculative_generate(TARGET, DraftModelProposer(model=tiny_llama(2, vocab=32)), PROMPTS, RULE,
                              GREEDY, 2)
     with pytest.raises(SpecdecError, match="not a causal language model"):
-        build_proposer("draft-model", model=torch.nn.Linear(4, 4))
+        DraftModelProposer(model=torch.nn.Linear(4, 4))
     with pytest.raises(SpecdecError, match="not a causal language model"):
         speculative_generate(torch.nn.Linear(4, 4), ngram, PROMPTS, RULE, GREEDY, 2)
     with pytest.raises(SpecdecError, match="context is 64"):
@@ -196,12 +197,12 @@ def test_bad_input_raises_specdec_error():
     with pytest.raises(SpecdecError, match="outside the target's vocabulary"):
         speculative_generate(TARGET, ngram, [[1, 64]], RULE, GREEDY, 2)
     with pytest.raises(SpecdecError, match="draft model's context"):
-        speculative_generate(TARGET, build_proposer("draft-model", model=tiny_llama(2, context=16)),
+        speculative_generate(TARGET, DraftModelProposer(model=tiny_llama(2, context=16)),
                              [[1] * 10], StopRule(10), GREEDY, 2)
     with pytest.raises(SpecdecError, match="unknown proposer 'medusa'; known: .*draft-model.*eagle.*ngram"):
-        build_proposer("medusa")
+        drafter("medusa")
     with pytest.raises(SpecdecError, match="min_n <= max_n"):
-        build_proposer("ngram", max_n=1, min_n=2)
+        NgramProposer(max_n=1, min_n=2)
 
 
 # ---- metrics ----

@@ -16,7 +16,8 @@ from specdec.decoding.engine import Engine, Request
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
-from specdec.proposers import build_proposer
+from specdec.lm.interface import admit
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
@@ -24,8 +25,8 @@ from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
 TARGET = tiny_llama(0)  # vocab 64, context 64
 GREEDY = SamplingConfig()
 PROPOSERS = {
-    "draft-model": lambda: build_proposer("draft-model", model=noisy_copy(TARGET, 0.02, seed=1)),
-    "ngram": lambda: build_proposer("ngram"),
+    "draft-model": lambda: DraftModelProposer(model=noisy_copy(TARGET, 0.02, seed=1)),
+    "ngram": lambda: NgramProposer(),
 }
 CASES = [([5], 20), ([1, 2, 3, 1, 2, 3, 1], 9), (list(range(7, 19)), 24), ([3, 3, 3, 3], 3), ([9, 8], 30),
          ([4, 4, 1], 1), ([2, 7, 2, 7, 2], 16), ([11], 12)]
@@ -40,7 +41,7 @@ def assert_greedy_matches(prompt: list[int], rule: StopRule, tokens: list[int]) 
 @pytest.mark.parametrize("name", PROPOSERS)
 @pytest.mark.parametrize("k", [1, 3])
 def test_requests_joining_and_leaving_a_running_batch_equal_the_reference(name, k):
-    engine = Engine(TARGET, PROPOSERS[name](), k, capacity=3, max_len=64)
+    engine = Engine(admit(TARGET), PROPOSERS[name](), k, capacity=3, max_len=64)
     requests = [Request(p, StopRule(n)) for p, n in CASES]
     buffers = {engine.cache.buffer.data_ptr()}
     for request in requests[:2]:
@@ -63,7 +64,7 @@ def test_requests_joining_and_leaving_a_running_batch_equal_the_reference(name, 
 
 
 def test_a_cancelled_request_leaves_at_the_next_step_and_the_others_are_unaffected():
-    engine = Engine(TARGET, PROPOSERS["draft-model"](), 3, capacity=4, max_len=64)
+    engine = Engine(admit(TARGET), PROPOSERS["draft-model"](), 3, capacity=4, max_len=64)
     seen: list[list[int]] = []
     requests = [Request(p, StopRule(n), on_tokens=lambda r, tokens, drafted: seen.append(tokens) if r is victim else None)
                 for p, n in CASES[:4]]
@@ -85,7 +86,7 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_the_others_are_unaffect
 def test_a_request_draws_from_its_own_generator():
     """A seeded sampled row gives the same tokens alone and beside rows with other seeds."""
     def run(neighbour_seeds: list[int]) -> list[int]:
-        engine = Engine(TARGET, PROPOSERS["draft-model"](), 3, capacity=3, max_len=64)
+        engine = Engine(admit(TARGET), PROPOSERS["draft-model"](), 3, capacity=3, max_len=64)
         rule, hot = StopRule(20), SamplingConfig(temperature=1.0, seed=7)
         mine = Request([5, 6], rule, hot, hot.generator())
         engine.submit(mine)
@@ -110,7 +111,7 @@ def mixed_counts() -> tuple[list[torch.Tensor], list[Request]]:
     """One engine run: SAMPLES rows of each sampled setting and 50 greedy rows, interleaved."""
     V, prompt = sampling_test.V, sampling_test.PROMPT
     rule = StopRule(max_new_tokens=4)
-    engine = Engine(sampling_test.TARGET, sampling_test.PROPOSERS["draft-model"](), 3,
+    engine = Engine(admit(sampling_test.TARGET), sampling_test.PROPOSERS["draft-model"](), 3,
                     capacity=2 * SAMPLES + 50, max_len=len(prompt) + 4)
     generator = torch.Generator().manual_seed(99)
     sampled: list[list[Request]] = [[], []]

@@ -27,7 +27,7 @@ from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.decoding.verify import Verdict, rejection_sample
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 from .spec_helpers import noisy_copy, tiny_llama
 
@@ -43,10 +43,10 @@ SETTINGS = {
 }
 # a draft vocabulary of 10 of the 16 tokens: the draft's probability is 0 on the other 6
 DRAFT_VOCAB_COUNTS = torch.tensor([9, 1, 8, 2, 7, 3, 6, 4, 5, 0, 10, 11, 0, 12, 0, 13])
-PROPOSERS = {"draft-model": lambda: build_proposer("draft-model", model=DRAFT),
-             "draft-model, 10-token draft vocabulary": lambda: build_proposer(
-                 "draft-model", model=DRAFT, draft_vocab=10, token_counts=DRAFT_VOCAB_COUNTS),
-             "ngram": lambda: build_proposer("ngram")}
+PROPOSERS = {"draft-model": lambda: DraftModelProposer(model=DRAFT),
+             "draft-model, 10-token draft vocabulary": lambda: DraftModelProposer(
+                 model=DRAFT, draft_vocab=10, token_counts=DRAFT_VOCAB_COUNTS),
+             "ngram": lambda: NgramProposer()}
 CONFIGS = [("draft-model", "T=1", 1), ("draft-model", "T=0.7,top-k=8,top-p=0.9", 3),
            ("ngram", "T=1", 3), ("ngram", "T=0.7,top-k=8,top-p=0.9", 1),
            ("draft-model, 10-token draft vocabulary", "T=1", 3)]

@@ -20,7 +20,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 TOL = 1e-4
 VOCAB = 96
@@ -121,7 +121,7 @@ def test_speculative_greedy_equals_plain_with_ngram_and_a_smaller_draft_of_the_f
     prompts = [tokens(1, 10, seed=3)[0].tolist(), (tokens(1, 4, seed=4)[0].tolist() * 3)]
     rule = StopRule(16)
     plain = [reference_generate(target, p, rule, SamplingConfig()).tokens for p in prompts]
-    for proposer in (build_proposer("ngram", max_n=3, min_n=1), build_proposer("draft-model", model=draft)):
+    for proposer in (NgramProposer(max_n=3, min_n=1), DraftModelProposer(model=draft)):
         rows, _ = speculative_generate(target, proposer, prompts, rule, SamplingConfig(), k=3)
         assert [r.tokens for r in rows] == plain, (name, proposer.name)
 

@@ -24,7 +24,7 @@ from specdec.kernels import blocks
 from specdec.lm import gguf
 from specdec.lm.gguf_blocks import FORMATS, gguf_matrices
 from specdec.lm.model import Linear
-from specdec.proposers import build_proposer
+from specdec.proposers import NgramProposer, SelfDraftProposer
 
 from .gguf_helpers import Q, byte_level_tokenizer, hf_model, write_gguf
 
@@ -93,7 +93,7 @@ def test_speculative_greedy_equals_plain_greedy_as_stored(written):
     target = load(path, quantize="gguf").model
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24), SamplingConfig()
     plain, _ = plain_generate(target, prompts, rule, greedy)
-    for proposer, k in [(build_proposer("self", target=target), 3), (build_proposer("ngram"), 2)]:
+    for proposer, k in [(SelfDraftProposer(target=target), 3), (NgramProposer(), 2)]:
         rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
         assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0
 
@@ -182,7 +182,7 @@ def test_a_model_run_as_stored_holds_about_its_files_bytes(tied, tmp_path, gguf_
         target.model.embed(torch.tensor([[320]]))
     with pytest.raises(SpecdecError, match="as quantized blocks only.*not saved as a checkpoint"):
         target.hf_state_dict()
-    draft = build_proposer("self", target=target)  # requantized from the blocks' values; the embedding shared
+    draft = SelfDraftProposer(target=target)  # requantized from the blocks' values; the embedding shared
     shared = draft.model.lm_head.stored if tied else target.model.embed_tokens.stored
     assert draft.model.model.embed_tokens.stored is shared and draft.model.held_as_blocks()
     prompts, rule, greedy = [[5, 9, 2, 5, 9]], StopRule(max_new_tokens=12), SamplingConfig()

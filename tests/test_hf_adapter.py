@@ -12,7 +12,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import hf_config
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 from .spec_helpers import NEAR_TIE, greedy_divergence, tiny_llama
 
@@ -59,9 +59,9 @@ PAIRS = [("hf-llama", "hf-gpt2"), ("hf-gpt2", "hf-gpt2"), ("hf-llama", "hf-llama
 def test_transformers_target_and_draft_greedy_equals_reference(models, target_name, draft_name, k):
     target = models[target_name]
     if draft_name == "ngram":
-        proposer = build_proposer("ngram")
+        proposer = NgramProposer()
     else:
-        proposer = build_proposer("draft-model", model=models[draft_name])
+        proposer = DraftModelProposer(model=models[draft_name])
     for prompt in PROMPTS:
         rows, metrics = speculative_generate(target, proposer, [prompt], RULE, GREEDY, k)
         expected = reference_generate(target, prompt, RULE, GREEDY).tokens
@@ -75,7 +75,7 @@ def test_transformers_target_and_draft_greedy_equals_reference(models, target_na
 def test_transformers_sampling_runs_and_stops_exactly(models):
     rule = StopRule(max_new_tokens=7)
     sampling = SamplingConfig(temperature=0.8, top_k=10)
-    rows, metrics = speculative_generate(models["hf-llama"], build_proposer("draft-model", model=models["hf-gpt2"]),
+    rows, metrics = speculative_generate(models["hf-llama"], DraftModelProposer(model=models["hf-gpt2"]),
                                          [PROMPTS[0]], rule, sampling, 3, torch.Generator().manual_seed(0))
     assert len(rows[0].tokens) == 7 and metrics.emitted == 7
 
@@ -85,7 +85,7 @@ def test_transformers_sampling_runs_and_stops_exactly(models):
 def test_transformers_models_batch_rows_of_different_lengths(models, target_name, draft_name):
     """Rows commit different numbers of tokens each step; each row's own cache rolls back alone."""
     target = models[target_name]
-    proposer = build_proposer("ngram") if draft_name == "ngram" else build_proposer("draft-model", model=models[draft_name])
+    proposer = NgramProposer() if draft_name == "ngram" else DraftModelProposer(model=models[draft_name])
     rows, _ = speculative_generate(target, proposer, PROMPTS, RULE, GREEDY, 3)
     for prompt, row in zip(PROMPTS, rows):
         expected = reference_generate(target, prompt, RULE, GREEDY).tokens
@@ -97,13 +97,13 @@ def test_bad_transformers_models_are_refused(models):
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                                           num_attention_heads=2, intermediate_size=32)).eval()
     with pytest.raises(SpecdecError, match="BertModel.*not a causal language model"):
-        build_proposer("draft-model", model=bert)
+        DraftModelProposer(model=bert)
     with pytest.raises(SpecdecError, match="training mode"):
-        build_proposer("draft-model", model=hf_gpt2(2).train())
+        DraftModelProposer(model=hf_gpt2(2).train())
     small_vocab = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)).eval()
     with pytest.raises(SpecdecError, match="vocabulary of 32 tokens but the target has 64"):
-        speculative_generate(models["hf-llama"], build_proposer("draft-model", model=small_vocab), [PROMPTS[0]],
+        speculative_generate(models["hf-llama"], DraftModelProposer(model=small_vocab), [PROMPTS[0]],
                              RULE, GREEDY, 2)
     with pytest.raises(SpecdecError, match="context is 64"):
-        speculative_generate(models["hf-gpt2"], build_proposer("ngram"), [[1] * 60], RULE, GREEDY, 2)
+        speculative_generate(models["hf-gpt2"], NgramProposer(), [[1] * 60], RULE, GREEDY, 2)

@@ -19,7 +19,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.lm.checkpoint import load_model, save_model
 from specdec.lm.device import placement
 from specdec.lm.model import Linear, store_matrices
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 from .conftest import TINY, tiny_model
 
@@ -268,8 +268,8 @@ PROMPTS = [[5, 9, 2], [7, 1, 2, 3, 1, 2, 3, 1, 2], list(range(20, 37))]
 @pytest.mark.parametrize("name", ["draft-model", "ngram"])
 def test_speculative_greedy_equals_plain_decoding_exactly(bf16_checkpoint, name, k):
     target = load_model(bf16_checkpoint)
-    proposer = (build_proposer("draft-model", model=bf16_draft()) if name == "draft-model"
-                else build_proposer("ngram", max_n=3, min_n=1))
+    proposer = (DraftModelProposer(model=bf16_draft()) if name == "draft-model"
+                else NgramProposer(max_n=3, min_n=1))
     rule, greedy = StopRule(max_new_tokens=40), SamplingConfig()
     plain, _ = plain_generate(target, PROMPTS, rule, greedy)
     for group in (PROMPTS, [PROMPTS[1]]):

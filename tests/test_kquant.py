@@ -20,7 +20,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.kernels import blocks
 from specdec.lm import gguf
 from specdec.lm.model import Linear
-from specdec.proposers import build_proposer
+from specdec.proposers import NgramProposer, SelfDraftProposer
 
 from .gguf_helpers import Q, byte_level_tokenizer, hf_model, quantize_any, write_gguf
 from .test_quant import needs_kernels, on_each_isa
@@ -188,7 +188,7 @@ def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24), SamplingConfig()
     for isa in on_each_isa():
         plain, _ = plain_generate(target, prompts, rule, greedy)
-        for proposer, k in [(build_proposer("self", target=target), 3), (build_proposer("ngram"), 2)]:
+        for proposer, k in [(SelfDraftProposer(target=target), 3), (NgramProposer(), 2)]:
             rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
             assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0, isa
 

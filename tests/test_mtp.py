@@ -16,7 +16,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.proposers import base, build_proposer
+from specdec.proposers import MTPProposer, base
 from specdec.proposers.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
 from specdec.train.losses import mtp_backward
 from specdec.train.objectives import init_weights
@@ -49,7 +49,7 @@ def distilled(kind: str, target=TARGET, depth: int = DEPTH, steps: int = 60) -> 
 
 
 def proposer(kind: str, target=TARGET, draft_vocab: int | None = None):
-    return build_proposer("mtp", heads=distilled(kind, target), target=target, draft_vocab=draft_vocab)
+    return MTPProposer(heads=distilled(kind, target), target=target, draft_vocab=draft_vocab)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -212,11 +212,11 @@ def test_k_beyond_the_heads_is_refused_and_heads_must_fit():
     with pytest.raises(SpecdecError, match=f"at most {DEPTH} tokens per step .* use k <= {DEPTH}"):
         speculative_generate(TARGET, proposer("mtp-sequential"), PROMPTS, RULE, GREEDY, DEPTH + 1)
     with pytest.raises(SpecdecError, match="built for another model"):
-        build_proposer("mtp", heads=distilled("mtp-parallel"), target=tiny_llama(0, hidden=64))
+        MTPProposer(heads=distilled("mtp-parallel"), target=tiny_llama(0, hidden=64))
     with pytest.raises(SpecdecError, match="specdec's own LlamaForCausalLM"):
-        build_proposer("mtp", heads=distilled("mtp-parallel"), target=torch.nn.Linear(4, 4))
+        MTPProposer(heads=distilled("mtp-parallel"), target=torch.nn.Linear(4, 4))
     with pytest.raises(SpecdecError, match="draft_vocab must be >= 1"):
         proposer("mtp-parallel", draft_vocab=0)
     uncounted = build_heads("mtp-parallel", TARGET.config, 1)
     with pytest.raises(SpecdecError, match="saved without their training token counts"):
-        build_proposer("mtp", heads=uncounted, target=TARGET, draft_vocab=8)
+        MTPProposer(heads=uncounted, target=TARGET, draft_vocab=8)

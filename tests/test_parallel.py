@@ -23,7 +23,7 @@ from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, save_token_counts, sha256
 from specdec.lm.model import LlamaForCausalLM
 from specdec.lm.tokenizer import Tokenizer
-from specdec.proposers import build_proposer
+from specdec.proposers import ParallelDraftProposer
 from specdec.proposers import parallel as parallel_module
 from specdec.train.anchors import block_acceptance, block_layout, random_anchors
 from specdec.train.losses import parallel_backward, parallel_logits, parallel_metrics
@@ -69,7 +69,7 @@ def distilled(target=TARGET, steps: int = 120) -> LlamaForCausalLM:
 
 def proposer(target=TARGET, draft_vocab=None):
     draft = distilled(target)
-    return build_proposer("parallel", model=draft, mask_token_id=target.config.vocab_size, block=BLOCK,
+    return ParallelDraftProposer(model=draft, mask_token_id=target.config.vocab_size, block=BLOCK,
                           draft_vocab=draft_vocab, token_counts=draft.token_counts)
 
 
@@ -296,8 +296,8 @@ def test_the_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
     from specdec.train.objectives import init_weights
     init_weights(draft, std=0.3)
     store_matrices(draft.eval())
-    native = build_proposer("parallel", model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
-    separate = build_proposer("parallel", model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
+    native = ParallelDraftProposer(model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
+    separate = ParallelDraftProposer(model=draft, mask_token_id=cfg.vocab_size, block=BLOCK)
     separate.native = False
     assert native.native
     prompts = [[5, 9, 2], [1, 2, 3, 1, 2, 3, 1], [7]]

@@ -8,9 +8,7 @@ import torch
 
 from specdec.api import generate, load
 from specdec.decoding.engine import Engine, Request, plain_generate
-from specdec.decoding.healing import back_off
-from specdec.decoding.pipeline import Options, prepare, request, requests
-from specdec.decoding.prompts import Prompt, encode, stop_rule
+from specdec.decoding.pipeline import Options, Prompt, encode, prepare, request, requests, stop_rule
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import RowGenerators, SamplingConfig, pick, pick_rows
 from specdec.decoding.stopping import StopRule
@@ -43,7 +41,7 @@ def test_one_context_rule_at_its_edge_for_the_api_the_server_and_the_engine(targ
     assert job.prompt == prompt
     for refuse in (lambda: generate(target, text, max_new_tokens=edge + 1, heal=heal),
                    lambda: service.encode(Job(Params(text, None, edge + 1, SamplingConfig(), (), heal=heal))),
-                   lambda: Engine(target.model, None, 0, 1, context + 1).submit(
+                   lambda: Engine(target.lm, None, 0, 1, context + 1).submit(
                        Request(prompt.ids + [0] * heal, StopRule(edge + 1)))):
         with pytest.raises(SpecdecError, match=f"needs {context + 1} positions but the model's context is {context}"):
             refuse()
@@ -63,18 +61,18 @@ def healed_row(target, first: int, rest: list[int], max_new_tokens: int, stop: t
 def test_a_stop_string_inside_the_healed_first_token_cuts_there(target):
     """The first token of a healed row covers the prompt's trailing whitespace and may carry
     more text: a stop string starting in that extra text ends the row at that very token."""
-    healed = back_off(target.tokenizer, INDENTED)
+    healed = encode(target.tokenizer, INDENTED).healed
     table = target.tokenizer.token_bytes
-    first = next(i for i, b in enumerate(table) if b and b.startswith(healed.text.encode())
-                 and len(b) > len(healed.text.encode()))  # e.g. a deeper indentation
-    extra = table[first][len(healed.text.encode()):].decode()
+    first = next(i for i, b in enumerate(table) if b and b.startswith(healed.encode())
+                 and len(b) > len(healed.encode()))  # e.g. a deeper indentation
+    extra = table[first][len(healed.encode()):].decode()
     rest = target.tokenizer.encode(" = 1\n")
     row = healed_row(target, first, rest, 8, (extra[:1],))
     assert row.finish_reason == "stop" and row.tokens == [first] and row.text() == ""
     row = healed_row(target, first, rest, 8, ("= 1",))
     assert row.tokens == [first, *rest[:len(row.tokens) - 1]] and row.text() == extra + " "
     row = healed_row(target, first, rest, 2, ())
-    assert row.finish_reason == "length" and row.text() == target.tokenizer.decode([first, rest[0]])[len(healed.text):]
+    assert row.finish_reason == "length" and row.text() == target.tokenizer.decode([first, rest[0]])[len(healed):]
 
 
 def test_a_character_split_across_tokens_is_streamed_whole(target):
@@ -131,4 +129,4 @@ def test_plain_decoding_is_the_engine_without_a_proposer_and_equals_the_referenc
                                         for p in prompts]
     assert metrics.proposed == 0 and metrics.emitted == 36
     with pytest.raises(SpecdecError, match="k must be 0"):
-        Engine(target.model, None, 3, 1, 32)
+        Engine(target.lm, None, 3, 1, 32)

@@ -1,4 +1,4 @@
-"""One prompt encoding for every entry point (decoding/prompts.py), by the checkpoint's own rules:
+"""One prompt encoding for every entry point (decoding/pipeline.py), by the checkpoint's own rules:
 checked through a real `specdec serve` with a Qwen2-style checkpoint built here whose EOS is not 2
 and whose tokenizer adds no BOS; its completions and chats equal transformers' greedy decoding of
 the ids the checkpoint's rules give, stopping at its EOS. Text is text unless special tokens are
@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specdec import api
 from specdec.cli import build_parser, main
-from specdec.decoding.prompts import encode
+from specdec.decoding.pipeline import encode
 
 from .gguf_helpers import CHATML, byte_level_tokenizer, hf_model
 from .serve_helpers import Server

@@ -6,7 +6,17 @@ import torch
 
 from specdec.decoding.protocol import Outcome
 from specdec.decoding.sampling import Draws, SamplingConfig
-from specdec.proposers import PROPOSERS, build_proposer
+from specdec.errors import SpecdecError
+from specdec.proposers import (
+    DRAFTERS,
+    PROPOSERS,
+    DraftModelOptions,
+    DraftModelProposer,
+    NgramOptions,
+    NgramProposer,
+    ParallelDraftProposer,
+    VocabOptions,
+)
 
 # history, max_n, min_n, limit, proposal
 NGRAM_CASES = {
@@ -23,7 +33,7 @@ NGRAM_CASES = {
 
 
 def propose_one(history, max_n, min_n, limit):
-    ngram = build_proposer("ngram", max_n=max_n, min_n=min_n)
+    ngram = NgramProposer(max_n=max_n, min_n=min_n)
     state = ngram.start(len(history) + 8, 8, 1)
     ngram.join(state, [history], torch.zeros(1, 0, 1), [SamplingConfig()])
     proposal = ngram.propose(state, torch.tensor([limit]), (1,) * 8, Draws())
@@ -39,7 +49,7 @@ def test_ngram_table(case):
 
 def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
     cases = [c for c in NGRAM_CASES.values() if c[1:3] == (3, 1)]
-    ngram = build_proposer("ngram")
+    ngram = NgramProposer()
     histories = [c[0] for c in cases]
     state = ngram.start(20, 8, len(cases))
     ngram.join(state, histories, torch.zeros(len(cases), 0, 1), [SamplingConfig()] * len(cases))
@@ -54,9 +64,18 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
         assert state.rows[b].tokens == h + [9] * int(counts[b])
 
 
-def test_registry_builds_each_proposer_by_name():
+def test_registry_names_each_proposer_class_by_its_name():
     assert {"draft-model", "ngram"} <= set(PROPOSERS)
-    assert build_proposer("ngram").name == "ngram"
+    assert all(cls.name == name for name, cls in PROPOSERS.items())
+    assert PROPOSERS["ngram"] is NgramProposer
+
+
+@pytest.mark.parametrize("name, options", [("ngram", VocabOptions(8)), ("eagle", DraftModelOptions(8)),
+                                           ("suffix", NgramOptions(3))])
+def test_a_drafter_refuses_another_drafters_options(name, options):
+    assert DRAFTERS[name].checked(None) == DRAFTERS[name].options()
+    with pytest.raises(SpecdecError, match=f"the {name} drafter takes {DRAFTERS[name].options.__name__}"):
+        DRAFTERS[name].checked(options)
 
 
 def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens():
@@ -68,7 +87,7 @@ def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_on
     target = tiny_llama(0)
     vocab = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:24].sort().values  # any 24 ids
     counts = torch.zeros(64, dtype=torch.long).index_fill_(0, vocab, 9)
-    proposer = build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1), draft_vocab=24,
+    proposer = DraftModelProposer(model=noisy_copy(target, 0.05, seed=1), draft_vocab=24,
                               token_counts=counts)
     assert torch.equal(proposer.draft_ids, vocab)
     prompts, rule = [[3, 9, 4], [5, 1, 2, 7, 1]], StopRule(max_new_tokens=20)
@@ -86,14 +105,14 @@ def test_a_draft_model_with_a_draft_vocabulary_keeps_greedy_output_and_drafts_on
         assert d == int(vocab[logits[vocab].argmax()])
         context.append(d)
     with pytest.raises(Exception, match="token counts"):
-        build_proposer("draft-model", model=target, draft_vocab=24)
+        DraftModelProposer(model=target, draft_vocab=24)
 
 
 def catch_up_proposer(name: str):
     from .spec_helpers import tiny_llama
     if name == "draft-model":  # over the target's 64 ids
-        return build_proposer("draft-model", model=tiny_llama(1, vocab=64, context=512))
-    return build_proposer("parallel", model=tiny_llama(1, vocab=65, context=512), mask_token_id=64, block=3)
+        return DraftModelProposer(model=tiny_llama(1, vocab=64, context=512))
+    return ParallelDraftProposer(model=tiny_llama(1, vocab=65, context=512), mask_token_id=64, block=3)
 
 
 @pytest.mark.parametrize("name", ["draft-model", "parallel"])

@@ -25,7 +25,7 @@ from specdec.kernels import blocks
 from specdec.lm.checkpoint import quantize_model
 from specdec.lm.model import Linear, store_matrices
 from specdec.api import Loaded
-from specdec.proposers import DRAFTERS, build_drafter, build_proposer
+from specdec.proposers import DRAFTERS, NgramProposer, SelfDraftProposer, build_drafter
 
 from .conftest import TINY, tiny_model
 from .spec_helpers import tiny_llama
@@ -210,7 +210,7 @@ def test_a_quantized_targets_speculative_greedy_equals_its_plain_greedy(format):
     for isa in on_each_isa():
         plain, _ = plain_generate(target, PROMPTS, rule, greedy)
         for name, k in [("self", 3), ("ngram", 1), ("self", 6)]:
-            proposer = build_proposer("self", target=target) if name == "self" else build_proposer("ngram")
+            proposer = SelfDraftProposer(target=target) if name == "self" else NgramProposer()
             for group, expected in [(PROMPTS, plain), ([PROMPTS[1]], [plain[1]])]:
                 rows, metrics = speculative_generate(target, proposer, group, rule, greedy, k)
                 assert [r.tokens for r in rows] == [r.tokens for r in expected], (isa, name, k)
@@ -236,7 +236,7 @@ def exact_joint(sampling: SamplingConfig) -> torch.Tensor:
 def self_draft_counts(sampling: SamplingConfig, k: int, sampled_verify=None):
     rule, generator = StopRule(max_new_tokens=max(3, k + 1)), torch.Generator().manual_seed(1234)
     extra = {} if sampled_verify is None else {"sampled_verify": sampled_verify}
-    rows, metrics = speculative_generate(TARGET, build_proposer("self", target=TARGET), [PROMPT] * N, rule, sampling,
+    rows, metrics = speculative_generate(TARGET, SelfDraftProposer(target=TARGET), [PROMPT] * N, rule, sampling,
                                          k, generator, **extra)
     first3 = torch.tensor([row.tokens[:3] for row in rows])
     return torch.bincount(first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2], minlength=V ** 3).double(), metrics
@@ -256,7 +256,7 @@ def test_the_same_test_fails_for_a_verifier_that_keeps_every_draft():
 
 
 def test_the_self_draft_is_the_target_in_4_bits():
-    proposer = build_proposer("self", target=TARGET)
+    proposer = SelfDraftProposer(target=TARGET)
     draft = proposer.model
     formats = {name: m.stored.format for name, m in draft.named_modules() if getattr(m, "stored", None) is not None}
     assert formats.pop("lm_head") == "q8_0" and set(formats.values()) == {"q4_1"} and len(formats) == 4

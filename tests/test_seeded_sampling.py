@@ -19,7 +19,8 @@ from specdec.decoding.engine import Engine, Request, plain_generate, speculative
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, gumbel
 from specdec.decoding.stopping import StopRule
-from specdec.proposers import build_proposer
+from specdec.lm.interface import admit
+from specdec.proposers import DraftModelProposer, NgramProposer
 
 from .spec_helpers import noisy_copy, tiny_llama
 from .test_engine_sampling import DRAFT, PROMPT, SETTINGS, TARGET, N, V, distribution_test, exact_joint, passes
@@ -124,7 +125,7 @@ def seeded_counts(setting: str, proposer, k: int) -> tuple[torch.Tensor, object]
     """N requests of PROMPT, request i seeded i, through one engine batch: counts of their first
     three tokens (V^3,)."""
     rule = StopRule(max_new_tokens=max(3, k + 1))
-    engine = Engine(TARGET, proposer, k, N, len(PROMPT) + rule.max_new_tokens)
+    engine = Engine(admit(TARGET), proposer, k, N, len(PROMPT) + rule.max_new_tokens)
     generator = torch.Generator().manual_seed(1)  # the draft model's draws (the target's are the noise)
     requests = [Request(PROMPT, rule, replace(SETTINGS[setting], seed=i), generator) for i in range(N)]
     for request in requests:
@@ -137,7 +138,7 @@ def seeded_counts(setting: str, proposer, k: int) -> tuple[torch.Tensor, object]
 
 
 CONFIGS = [("draft-model", "T=1", 3), ("ngram", "T=0.7,top-k=8,top-p=0.9", 1)]
-PROPOSERS = {"draft-model": lambda: build_proposer("draft-model", model=DRAFT), "ngram": lambda: build_proposer("ngram")}
+PROPOSERS = {"draft-model": lambda: DraftModelProposer(model=DRAFT), "ngram": lambda: NgramProposer()}
 
 
 @pytest.mark.parametrize("proposer_name,setting,k", CONFIGS)
@@ -170,9 +171,9 @@ CONFIG = SamplingConfig(temperature=0.9, top_p=0.95, seed=42)
 
 def engine_tokens(proposer_name: str | None, k, widths=None, batch: bool = False) -> list[int]:
     rule = StopRule(max_new_tokens=40)
-    proposer = (None if proposer_name is None else build_proposer("draft-model", model=BIG_DRAFT)
-                if proposer_name == "draft-model" else build_proposer("ngram", max_n=2, min_n=1))
-    engine = Engine(BIG, proposer or build_proposer("ngram"), k, 8, 96, widths=widths)
+    proposer = (None if proposer_name is None else DraftModelProposer(model=BIG_DRAFT)
+                if proposer_name == "draft-model" else NgramProposer(max_n=2, min_n=1))
+    engine = Engine(admit(BIG), proposer or NgramProposer(), k, 8, 96, widths=widths)
     g = torch.Generator().manual_seed(0)
     mine = Request(ALONE, rule, CONFIG, g)
     others = [Request(p, StopRule(max_new_tokens=10 + 3 * i), SamplingConfig(1.0, seed=i) if i % 3 else

@@ -22,7 +22,7 @@ import pytest
 from specdec import api
 from specdec.decoding.text import TextStream
 from specdec.lm.tokenizer import EOS_ID
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer
 
 from .serve_helpers import HANG, Server
 from .spec_helpers import NEAR_TIE, greedy_divergence
@@ -50,7 +50,7 @@ def servers(tiny_checkpoint, draft_checkpoint, tmp_path_factory):
 def offline(target, draft_checkpoint, method: str, prompt: str, **settings) -> api.Result:
     if method == "plain":
         return api.generate(target, prompt, **settings)
-    proposer = build_proposer("draft-model", model=api.load_draft_model(target, draft_checkpoint).model)
+    proposer = DraftModelProposer(model=api.load_draft_model(target, draft_checkpoint).model)
     return api.generate(target, prompt, proposer=proposer, k=K, **settings)
 
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec import api
-from specdec.proposers import build_proposer
+from specdec.proposers import NgramProposer
 from specdec.serve.app import create_app
 from specdec.serve.guard import Limits
 from specdec.serve.service import Service
@@ -70,7 +70,7 @@ class InProcess:
     def __init__(self, checkpoint, limits: Limits = Limits(), method: str = "plain", k: int = 0):
         """method: "plain" (k = 0) or "ngram" (k drafts per step)."""
         target = api.load(checkpoint)
-        self.service = Service(target, build_proposer("ngram"), k, method, 4, 8)
+        self.service = Service(target, NgramProposer(), k, method, 4, 8)
         self.engine = threading.Thread(target=self.service.run, daemon=True)
         self.engine.start()
         self.loop = asyncio.new_event_loop()

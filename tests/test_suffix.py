@@ -13,7 +13,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.proposers import PROPOSERS, build_proposer
+from specdec.proposers import PROPOSERS, SuffixProposer
 
 from . import test_tree
 from .spec_helpers import NEAR_TIE, assert_greedy_rows_equal_reference, greedy_divergence, tiny_llama
@@ -68,7 +68,7 @@ def drafted(proposal, b: int) -> tuple[list[int], list[int] | None]:
 
 
 def propose_one(history, settings, limit, widths):
-    proposer = build_proposer("suffix", **settings)
+    proposer = SuffixProposer(**settings)
     proposal = proposer.propose(start(proposer, [history]), torch.tensor([limit]), widths, Draws())
     assert proposal.draft_probs is None
     return drafted(proposal, 0)
@@ -83,7 +83,7 @@ def test_suffix_table(case):
 def test_batch_equals_rows_one_by_one():
     cases = [c for c in CASES.values() if c[1] == {"factor": 3}] + [CASES["frequencies rank branches: 7 -> 1 "
                                                                           "(3 of 4), 2 (1 of 4)"]]
-    proposer = build_proposer("suffix", factor=3)
+    proposer = SuffixProposer(factor=3)
     widths, limits = (2, 2, 2), torch.tensor([3, 0, 2, 1, 3, 1])[:len(cases)]
     proposal = proposer.propose(start(proposer, [c[0] for c in cases]), limits, widths, Draws())
     for b, (case, limit) in enumerate(zip(cases, limits.tolist())):
@@ -96,7 +96,7 @@ def test_observe_extends_the_rows_tries_by_what_each_row_committed():
     histories = [[1, 2, 3, 4, 1], [5, 6, 5], [8, 9, 8, 9]]
     committed = torch.tensor([[2, 5, 1, 0], [7, 5, 6, 0], [9, 8, 7, 0]])
     counts = torch.tensor([3, 2, 0])
-    proposer = build_proposer("suffix", factor=4, shared_nodes=0)
+    proposer = SuffixProposer(factor=4, shared_nodes=0)
     state = start(proposer, histories)
     proposer.observe(state, Outcome(counts.tolist(), committed.tolist(), counts.tolist(), torch.zeros(3, 4, 1)))
     proposal = proposer.propose(state, torch.tensor([4, 4, 4]), CHAIN, Draws())
@@ -117,7 +117,7 @@ def generate_by_hand(proposer, prompt, tokens):
 
 def test_the_shared_trie_lets_a_second_generation_draft_from_the_first_ones_text():
     for shared_nodes, expected in ((500_000, [7, 8, 9]), (0, [])):
-        proposer = build_proposer("suffix", factor=2, shared_nodes=shared_nodes)
+        proposer = SuffixProposer(factor=2, shared_nodes=shared_nodes)
         generate_by_hand(proposer, [1, 2, 3], [5, 6, 7, 8, 9])
         # the prompt ends with "5 6", which only the first generation's output holds
         second = proposer.propose(start(proposer, [[4, 5, 6]]), torch.tensor([3]), (1, 1, 1), Draws())
@@ -128,7 +128,7 @@ def test_of_the_two_tries_the_tree_with_more_expected_accepted_drafts_wins():
     """Row trie: "6" went on with 9 5 (a 1-token match: 2 levels at factor 2, expected 2); shared
     trie: "5 6" went on with 7 8 9 (a 2-token match: 3 levels, expected 3). At limit 2 both expect
     2 drafts, and the row's own tree wins the tie."""
-    proposer = build_proposer("suffix", factor=2)
+    proposer = SuffixProposer(factor=2)
     generate_by_hand(proposer, [1, 2, 3], [5, 6, 7, 8, 9])
     state = start(proposer, [[4, 6, 9, 5, 6]] * 2)
     proposal = proposer.propose(state, torch.tensor([3, 2]), (1, 1, 1), Draws())
@@ -140,7 +140,7 @@ def test_trees_keep_widths_limits_depth_order_and_follow_the_history():
     the limit, parents before children and depths never decreasing, and every path, after the
     text's last token, occurred in the text."""
     g = torch.Generator().manual_seed(0)
-    proposer = build_proposer("suffix", factor=4, min_score=0.05)
+    proposer = SuffixProposer(factor=4, min_score=0.05)
     for _ in range(200):
         history = torch.randint(0, 5, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
         widths = tuple(torch.randint(1, 4, (4,), generator=g).tolist())
@@ -164,7 +164,7 @@ def test_trees_keep_widths_limits_depth_order_and_follow_the_history():
 
 
 def test_the_shared_trie_keeps_its_node_budget_and_relearns_after_a_flush():
-    proposer = build_proposer("suffix", trie_depth=4, max_match=2, factor=2, shared_nodes=12)
+    proposer = SuffixProposer(trie_depth=4, max_match=2, factor=2, shared_nodes=12)
     generate_by_hand(proposer, [0], [1, 2, 3, 4])  # suffixes of at most 4 tokens: 1 + 2 + 3 + 4 nodes
     assert len(proposer.shared) == 10
     # 10 + 1 at "10", 13 at "11": flushed; then 12..15 learnt afresh, 1 + 2 + 3 + 4 nodes
@@ -191,11 +191,11 @@ BAD = {
 def test_bad_settings_are_refused_with_what_to_give(case):
     settings, message = case
     with pytest.raises(SpecdecError, match=message):
-        build_proposer("suffix", **settings)
+        SuffixProposer(**settings)
 
 
 def test_registry_builds_it_by_name():
-    proposer = build_proposer("suffix")
+    proposer = SuffixProposer()
     assert PROPOSERS["suffix"] is type(proposer) and proposer.trees and proposer.vocab_size is None
 
 
@@ -209,7 +209,7 @@ PROMPTS = [[3, 9, 4, 3, 9], [5, 1, 2, 7, 1, 2, 7], [8], [4, 4, 4, 4]]
 def test_greedy_speculation_equals_plain_decoding(widths, batch):
     target = tiny_llama(0)
     prompts, rule = PROMPTS[:batch], StopRule(max_new_tokens=24)
-    rows, metrics = speculative_generate(target, build_proposer("suffix", factor=2), prompts, rule,
+    rows, metrics = speculative_generate(target, SuffixProposer(factor=2), prompts, rule,
                                          SamplingConfig(), len(widths), widths=widths)
     assert_greedy_rows_equal_reference(target, prompts, rows, rule)
     assert metrics.accepted > 0
@@ -219,7 +219,7 @@ def test_a_second_run_drafts_from_the_first_ones_output():
     """Greedy, the same prompt twice through one proposer: the second run finds the first one's
     text in the shared trie and accepts more drafts (and still says exactly what the target says)."""
     target = tiny_llama(0)
-    proposer, prompt, rule = build_proposer("suffix"), [[8]], StopRule(max_new_tokens=32)
+    proposer, prompt, rule = SuffixProposer(), [[8]], StopRule(max_new_tokens=32)
     expected = reference_generate(target, prompt[0], rule, SamplingConfig()).tokens
     accepted = []
     for _ in range(2):
@@ -240,7 +240,7 @@ def test_multi_draft_sampling_with_suffix_trees_matches_the_target_distribution(
     prompt = PROMPT + [4, 4, 9, 0, 2, 9, 4, 0, 4, 4, 0, 7, 2]
 
     def make():  # paths of 6 tokens are enough here, and keep 40,000 tries small
-        return build_proposer("suffix", trie_depth=6, max_match=3, factor=3)
+        return SuffixProposer(trie_depth=6, max_match=3, factor=3)
 
     proposer = make()
     first = proposer.propose(start(proposer, [prompt]), torch.tensor([3]), (2, 2, 2), Draws())

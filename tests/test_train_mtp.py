@@ -21,7 +21,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, read_meta, sha256
 from specdec.lm.model import LlamaForCausalLM
-from specdec.proposers import build_proposer
+from specdec.proposers import MTPProposer
 from specdec.proposers.heads import load_heads
 from specdec.train.config import with_frozen
 from specdec.train.loop import build, train
@@ -75,7 +75,7 @@ def test_an_mtp_trained_model_decodes_plainly_as_its_trunk(pretrained):
     for prompt, row in zip(prompts, rows):
         assert row.tokens == reference_generate(trunk, prompt, rule, greedy).tokens
     heads = load_heads(pretrained.parent / "heads", pretrained)
-    spec, metrics = speculative_generate(model, build_proposer("mtp", heads=heads, target=model), prompts, rule,
+    spec, metrics = speculative_generate(model, MTPProposer(heads=heads, target=model), prompts, rule,
                                          greedy, 2)
     assert [r.tokens for r in spec] == [r.tokens for r in rows] and metrics.proposed > 0
 

@@ -15,7 +15,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.decoding.tree import caterpillar_layout, chain_parents, window_layout
 from specdec.decoding.verify import greedy_accept, rejection_sample, tree_rejection_sample
 from specdec.errors import SpecdecError
-from specdec.proposers import build_proposer
+from specdec.proposers import DraftModelProposer, MTPProposer, NgramProposer
 from specdec.proposers.heads import build_heads
 from specdec.proposers.ngram import trie
 
@@ -130,13 +130,13 @@ def tiny_heads(target, kind: str, depth: int):
 
 def tree_proposers(target):
     return {
-        "draft-model": (lambda: build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1)), (3, 2, 2)),
-        "mtp sequential": (lambda: build_proposer("mtp", heads=tiny_heads(target, "mtp-sequential", 3), target=target),
+        "draft-model": (lambda: DraftModelProposer(model=noisy_copy(target, 0.05, seed=1)), (3, 2, 2)),
+        "mtp sequential": (lambda: MTPProposer(heads=tiny_heads(target, "mtp-sequential", 3), target=target),
                            (2, 3, 2)),
-        "mtp parallel": (lambda: build_proposer("mtp", heads=tiny_heads(target, "mtp-parallel", 2), target=target),
+        "mtp parallel": (lambda: MTPProposer(heads=tiny_heads(target, "mtp-parallel", 2), target=target),
                          (3, 3)),
-        "ngram": (lambda: build_proposer("ngram"), (3, 2, 2, 1)),
-        "draft-model dynamic": (lambda: build_proposer("draft-model", model=noisy_copy(target, 0.05, seed=1),
+        "ngram": (lambda: NgramProposer(), (3, 2, 2, 1)),
+        "draft-model dynamic": (lambda: DraftModelProposer(model=noisy_copy(target, 0.05, seed=1),
                                                        tree="dynamic"), (3, 3, 2)),
     }
 
@@ -162,7 +162,7 @@ def test_off_chain_branches_are_accepted():
     prompts, rule = [[3, 9, 4, 3, 9], [5, 1, 2, 7, 1]], StopRule(max_new_tokens=40)
     taus = []
     for widths in ((1, 1, 1), (4, 3, 2)):
-        _, metrics = speculative_generate(target, build_proposer("draft-model", model=draft), prompts, rule,
+        _, metrics = speculative_generate(target, DraftModelProposer(model=draft), prompts, rule,
                                           SamplingConfig(), 3, widths=widths)
         taus.append(metrics.mean_acceptance_length)
     assert taus[1] > taus[0]
@@ -185,18 +185,18 @@ def test_a_dynamic_tree_keeps_the_best_scored_candidates_per_depth():
 def test_widths_must_match_k():
     target = tiny_llama(0)
     with pytest.raises(SpecdecError, match="one width >= 1 per depth"):
-        speculative_generate(target, build_proposer("ngram"), [[1, 2]], StopRule(max_new_tokens=4),
+        speculative_generate(target, NgramProposer(), [[1, 2]], StopRule(max_new_tokens=4),
                              SamplingConfig(), 2, widths=(2,))
 
 
 # ---- sampling with multi-draft trees: the exact joint distribution of the first three tokens ----
 
 TREE_CONFIGS = {  # >= 2 siblings at depth 1 and 2
-    "draft-model (3,3), T=1": (lambda: build_proposer("draft-model", model=DRAFT), (3, 3), "T=1", PROMPT),
-    "draft-model dynamic (2,3), T=1": (lambda: build_proposer("draft-model", model=DRAFT, tree="dynamic"), (2, 3),
+    "draft-model (3,3), T=1": (lambda: DraftModelProposer(model=DRAFT), (3, 3), "T=1", PROMPT),
+    "draft-model dynamic (2,3), T=1": (lambda: DraftModelProposer(model=DRAFT, tree="dynamic"), (2, 3),
                                        "T=1", PROMPT),
     # "2" is followed by 4, 1 and 6 in the prompt: n-gram lookup branches
-    "ngram (2,2,2), T=0.7": (lambda: build_proposer("ngram"), (2, 2, 2), "T=0.7,top-k=8,top-p=0.9",
+    "ngram (2,2,2), T=0.7": (lambda: NgramProposer(), (2, 2, 2), "T=0.7,top-k=8,top-p=0.9",
                              PROMPT + [1, 2, 4, 2, 6, 2]),
 }
 

@@ -29,6 +29,7 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.stopping import StopRule
 from ..errors import counted
 from ..lm.checkpoint import load_model, shown_path
+from ..lm.interface import admit
 from ..lm.model import Linear
 from . import llamacpp, sizes
 from .conditions import hardware, model_info, software, spread
@@ -115,7 +116,7 @@ def draft_predictions(size: str, curve_seconds: dict[int, float]) -> dict:
     out = {}
     for name, design in sizes.draft_designs(size).items():
         drafter = load_model(sizes.build_config(f"{size}-{name}", design))
-        per_token = measure_verify_curve(drafter, [1]).seconds[1]
+        per_token = measure_verify_curve(admit(drafter), [1]).seconds[1]
         alphas = ASSUMED_ACCEPTANCE[name]
         out[name] = {"draft_model": design.like, "draft_seconds_per_token": per_token, "k": len(alphas),
                      "assumed_acceptance_per_position": alphas, "draft_cost_ratio": per_token / curve.at(1),

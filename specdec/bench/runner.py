@@ -75,7 +75,7 @@ from ..decoding.syncs import count_host_syncs
 from ..decoding.verify import greedy_accept, rejection_sample
 from ..errors import SpecdecError
 from ..lm.checkpoint import shown_path
-from ..proposers import DRAFTERS, DraftOptions, build_proposer
+from ..proposers import DRAFTERS, DraftModelOptions, NgramOptions, VocabOptions
 from ..proposers.drafters import DraftCheckpoint
 from .conditions import UNKNOWN, hardware, model_info, roofline, software, spread
 from .noise import implausible_verify_points, result_noise
@@ -96,11 +96,11 @@ DRAFT_VOCAB = 4096  # the draft model's too, where it was saved with its token c
 # and the best greedy speedup went from 1.19x to 1.24x; at temperature 1 τ drops (2.98 -> 2.74 at k = 3: the
 # head's mass outside the 2048 ids is lost) at about the same speed (best 0.98x -> 0.96x)
 EAGLE_DRAFT_VOCAB = 2048
-BENCH_OPTIONS = {"draft-model": DraftOptions(DRAFT_VOCAB, counted_only=True),
-                 "parallel": DraftOptions(DRAFT_VOCAB, counted_only=True),
-                 "ngram": DraftOptions(ngram_max=3, ngram_min=1),
-                 "mtp": DraftOptions(MTP_DRAFT_VOCAB, counted_only=True),
-                 "eagle": DraftOptions(EAGLE_DRAFT_VOCAB, counted_only=True)}  # the others: DraftOptions()
+BENCH_OPTIONS = {"draft-model": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
+                 "parallel": VocabOptions(DRAFT_VOCAB, counted_only=True),
+                 "ngram": NgramOptions(max_n=3, min_n=1),
+                 "mtp": VocabOptions(MTP_DRAFT_VOCAB, counted_only=True),
+                 "eagle": VocabOptions(EAGLE_DRAFT_VOCAB, counted_only=True)}  # the others: their defaults
 CURVE_EXTRA_TOKENS = 16  # the batch-1 verify curve also reaches this many tokens (for the plot)
 SEED_AGREEMENT = 3.0     # seeded and unseeded α agree within this many standard errors of their difference
 
@@ -246,7 +246,8 @@ class Bench:
     def add(self, name: str, folder: Path | None) -> None:
         """The drafter `name` read from `folder` for the target, as its proposer (a draft model also
         with dynamic trees), with what the conditions say about it."""
-        drafter, options = DRAFTERS[name], BENCH_OPTIONS.get(name, DraftOptions())
+        drafter = DRAFTERS[name]
+        options = drafter.checked(BENCH_OPTIONS.get(name))
         network = self.networks[name] = drafter.network(self.target, folder)
         proposer = self.proposers[name] = drafter.proposer(network, self.target, options)
         if name == "draft-model":
@@ -277,7 +278,7 @@ class Bench:
         the other prompts' outputs, as a server's would, never from the same prompt's earlier
         repeat (which would be memorising the answer)."""
         if cfg.method == "suffix":
-            self.proposers["suffix"] = build_proposer("suffix")
+            self.proposers["suffix"] = DRAFTERS["suffix"].load(self.target)
 
     def decode(self, cfg: Config, batch: list[list[int]], sampling: SamplingConfig,
                rule: StopRule) -> tuple[list[list[int]], SpecMetrics | None]:

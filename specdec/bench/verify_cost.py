@@ -14,6 +14,7 @@ import torch
 
 from ..decoding.calibration import measure_verify_curve
 from ..decoding.costmodel import moe_distinct_experts, moe_verify_ratio
+from ..lm.interface import admit
 
 EXPERTS_IMPLEMENTATION = "eager"
 
@@ -68,8 +69,8 @@ def moe_vs_dense(spec: MoESpec, tokens_per_row: list[int], repeats: int = 7,
     bandwidth-bound estimate of the MoE's t(n)/t(1) from the distinct experts n tokens touch."""
     moe, dense = (model.to(device) for model in build_moe_and_dense(spec, dtype))
     counts = parameter_counts(moe, spec)
-    moe_curve = measure_verify_curve(moe, tokens_per_row, repeats=repeats)
-    dense_curve = measure_verify_curve(dense, tokens_per_row, repeats=repeats)
+    moe_curve = measure_verify_curve(admit(moe), tokens_per_row, repeats=repeats)
+    dense_curve = measure_verify_curve(admit(dense), tokens_per_row, repeats=repeats)
     f = counts["expert_fraction_of_bytes_read"]
     return {
         "spec": asdict(spec), "dtype": str(dtype).removeprefix("torch."), "device": str(device),

@@ -60,6 +60,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..lm.interface import Admitted
 from .calibration import cached_verify_curve, verify_curves
 from .costmodel import VerifyCurve
 
@@ -108,7 +109,7 @@ def curve_batch(rows: int, capacity: int) -> int:
     return min(capacity, 1 << max(rows - 1, 0).bit_length())
 
 
-def measure_ahead(target, proposer, capacity: int, widths: tuple[int, ...] | None, name: str) -> float:
+def measure_ahead(target: Admitted, proposer, capacity: int, widths: tuple[int, ...] | None, name: str) -> float:
     """Read, or measure now, every verify curve a run of up to `capacity` rows may ask for, so that
     no timed region pays for the measurement (calibration.verify_curves says so on stderr when it
     measures); returns the seconds spent measuring (0 when they were stored)."""
@@ -150,7 +151,7 @@ class Adaptive:
         self.memory, self.memory_key = None, None
 
     @classmethod
-    def for_run(cls, target, proposer, capacity: int, widths: tuple[int, ...] | None) -> "Adaptive":
+    def for_run(cls, target: Admitted, proposer, capacity: int, widths: tuple[int, ...] | None) -> "Adaptive":
         """Options for this proposer (`options`, the tree cut at each depth). The target's verify
         curves come from the cache or are measured on first need, at batch sizes of powers of two
         up to `capacity` (`measure_ahead` measures them before a timed run); what earlier runs of
@@ -169,7 +170,7 @@ class Adaptive:
             memory = _MEMORY.setdefault(proposer, {})
         except TypeError:  # a proposer that cannot be weakly referenced starts afresh every run
             memory = {}
-        adaptive.memory, adaptive.memory_key = memory, (id(target), capacity, tuple(shapes.items()))
+        adaptive.memory, adaptive.memory_key = memory, (id(target.lm), capacity, tuple(shapes.items()))
         adaptive.recall(memory.get(adaptive.memory_key))
         return adaptive
 

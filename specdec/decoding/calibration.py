@@ -27,25 +27,20 @@ from tqdm import tqdm
 
 from .. import kernels
 from ..lm.device import synchronize
-from ..lm.interface import Admitted, admit
+from ..lm.interface import Admitted
 from .costmodel import VerifyCurve
 
 CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt length here)
 
 
-def measure_verify_curve(model, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
+@torch.inference_mode()
+def measure_verify_curve(target: Admitted, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
                          context_tokens: int = CONTEXT_TOKENS, reduce=statistics.median,
                          progress=None) -> VerifyCurve:
     """Median (or `reduce`) seconds of a forward over n new tokens per row (every n in
     tokens_per_row) at `batch_size` rows, after `context_tokens` cached ones; the n values are
     interleaved repeat by repeat and the cache is rolled back after each forward, so every forward
     sees the same context. `progress(1)` is called after each forward, when given."""
-    return _measure(admit(model, role="target"), tokens_per_row, batch_size, repeats, context_tokens, reduce, progress)
-
-
-@torch.inference_mode()
-def _measure(target: Admitted, tokens_per_row: list[int], batch_size: int, repeats: int, context_tokens: int,
-             reduce, progress) -> VerifyCurve:
     lm, vocab = target.lm, target.lm.config.vocab_size
     context_tokens = min(context_tokens, target.context - max(tokens_per_row))
     g, device = torch.Generator().manual_seed(0), target.device
@@ -74,7 +69,7 @@ def curve_points(max_tokens: int) -> list[int]:
     return sorted({min(n, max_tokens) for n in points})
 
 
-def verify_curves(model, batch_sizes: list[int], max_tokens: int, name: str = "the target",
+def verify_curves(target: Admitted, batch_sizes: list[int], max_tokens: int, name: str = "the target",
                   remeasure: bool = False, repeats: int = 5, points: list[int] | None = None
                   ) -> tuple[dict[int, VerifyCurve], float]:
     """The curves t(n), n = 1..max_tokens, at each batch size: from the disk cache where this model
@@ -82,7 +77,6 @@ def verify_curves(model, batch_sizes: list[int], max_tokens: int, name: str = "t
     stored. Measuring says so first, once, on stderr ("measuring this machine's verify cost for
     NAME, once, ~N s"), then shows a progress bar. Returns the curves by batch size and the seconds
     spent measuring (0 when every curve was stored)."""
-    target = admit(model, role="target")  # once for every curve
     curves = {} if remeasure else {b: c for b in batch_sizes if (c := _stored(target, b, max_tokens)) is not None}
     missing = [b for b in batch_sizes if b not in curves]
     if not missing:
@@ -90,7 +84,7 @@ def verify_curves(model, batch_sizes: list[int], max_tokens: int, name: str = "t
     t0 = time.perf_counter()
     points = points or curve_points(max_tokens)
     if not remeasure:  # `specdec calibrate` asked for it: no news
-        seconds = _estimate(target, missing, points, repeats)
+        seconds = estimate(target, missing, points, repeats)
         print(f"measuring this machine's verify cost for {name}, once, ~{seconds:.0f} s (stored for later runs; "
               "not part of any timing)", file=sys.stderr, flush=True)
     with tqdm(total=(repeats + 1) * len(points) * len(missing), desc="verify cost", unit="forward", leave=False,
@@ -100,10 +94,10 @@ def verify_curves(model, batch_sizes: list[int], max_tokens: int, name: str = "t
     return curves, time.perf_counter() - t0
 
 
-def cached_verify_curve(model, batch_size: int, max_tokens: int, remeasure: bool = False,
+def cached_verify_curve(target: Admitted, batch_size: int, max_tokens: int, remeasure: bool = False,
                         repeats: int = 5, points: list[int] | None = None) -> tuple[VerifyCurve, bool]:
     """The curve at one batch size (as `verify_curves`), and whether it was measured now."""
-    curves, seconds = verify_curves(model, [batch_size], max_tokens, remeasure=remeasure, repeats=repeats,
+    curves, seconds = verify_curves(target, [batch_size], max_tokens, remeasure=remeasure, repeats=repeats,
                                     points=points)
     return curves[batch_size], seconds > 0
 
@@ -121,7 +115,7 @@ def _stored(target: Admitted, batch_size: int, max_tokens: int) -> VerifyCurve |
 def _measure_and_store(target: Admitted, batch_size: int, points: list[int], repeats: int, progress) -> VerifyCurve:
     # the fastest of the repeats, made non-decreasing in n (more tokens never cost less): a stored
     # curve outlives the moment it was measured in, so a busy moment must not bend it
-    fastest = _measure(target, points, batch_size, repeats, CONTEXT_TOKENS, min, progress)
+    fastest = measure_verify_curve(target, points, batch_size, repeats, CONTEXT_TOKENS, min, progress)
     points = sorted(fastest.seconds)
     curve = VerifyCurve({n: min(fastest.seconds[m] for m in points if m >= n) for n in points}, batch_size)
     path = _cache_dir() / f"{_key(target, batch_size)}.json"
@@ -133,14 +127,10 @@ def _measure_and_store(target: Admitted, batch_size: int, points: list[int], rep
     return curve
 
 
-def estimate(model, batch_sizes: list[int], points: list[int], repeats: int) -> float:
+@torch.inference_mode()
+def estimate(target: Admitted, batch_sizes: list[int], points: list[int], repeats: int) -> float:
     """Seconds `verify_curves` will take to measure these batch sizes: two forwards timed now (one
     token, and as many as its largest forward carries), the cost linear in the tokens in between."""
-    return _estimate(admit(model, role="target"), batch_sizes, points, repeats)
-
-
-@torch.inference_mode()
-def _estimate(target: Admitted, batch_sizes: list[int], points: list[int], repeats: int) -> float:
     lm, device = target.lm, target.device
     largest = min(max(batch_sizes) * max(points), target.context)
     seconds = {}

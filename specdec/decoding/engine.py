@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from ..errors import SpecdecError
-from ..lm.interface import admit, declared_features, layer_request, next_positions, prefill_joining
+from ..lm.interface import Admitted, admit, declared_features, layer_request, next_positions, prefill_joining
 from .adaptive import Adaptive
 from .constraint import Compiled, masked
 from .guided import Guide
@@ -81,11 +81,11 @@ class Request:
 
 
 class Engine:
-    def __init__(self, target, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
+    def __init__(self, target: Admitted, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                  tree_verify=tree_rejection_sample, forced_drafts: bool = True):
-        """target: a causal LM, admitted here unless it comes admitted (lm.interface.admit); proposer
-        None: plain decoding (k must be 0; `NoDraft`).
+        """target: the causal LM as admitted at load (lm.interface.admit); proposer None: plain
+        decoding (k must be 0; `NoDraft`).
         k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
         default all ones, a chain; with "auto", the tree tried beside chains). capacity: the most
         rows in the batch; max_len: the longest sequence (prompt + generated) a row may reach.
@@ -94,8 +94,8 @@ class Engine:
         replace them to show a wrong rule is detected. forced_drafts: constrained rows propose the
         tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1)."""
         self.started = time.perf_counter()  # first_token_seconds and other_seconds count from here
-        self.admitted = admit(target, role="target")
-        self.target, self.context = self.admitted.lm, self.admitted.context
+        self.admitted = target
+        self.target, self.context = target.lm, target.context
         if proposer is None:
             if k != 0:
                 raise SpecdecError(f"plain decoding (no proposer) drafts nothing: k must be 0, got {k!r}; "
@@ -104,7 +104,7 @@ class Engine:
         self.adaptive = None
         if k == "auto":
             check_setup(self.target, proposer, 0, None)
-            self.adaptive = Adaptive.for_run(self.target, proposer, capacity, widths)
+            self.adaptive = Adaptive.for_run(target, proposer, capacity, widths)
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len

@@ -35,6 +35,7 @@ This module knows nothing about particular proposers, verification or stopping.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +70,20 @@ class Proposal:
             rows = [row + p + [-1] * (n - len(p)) for row, p in zip(rows, parents)]
         both = torch.tensor(rows, dtype=torch.long).view(len(tokens), -1).to(device)
         return cls(both[:, 1:1 + n], both[:, 0], None, None if parents is None else both[:, 1 + n:])
+
+    @classmethod
+    def looked_up(cls, limits: torch.Tensor, widths: tuple[int, ...], rows: list, draft: Callable) -> "Proposal":
+        """Deterministic drafts found by lookup: draft(row, n, widths) -> (tokens, parents in depth
+        order) for each of `rows` that drafts n > 0 tokens (limits (B,)), the widths cut at the
+        deepest; chains (parents None) where every width is 1."""
+        limit = limits.tolist()
+        m = max(limit)
+        if m == 0:
+            return cls.empty(len(limit), limits.device)
+        widths = tuple(widths[:m])
+        trees = [draft(row, n, widths) if n else ([], []) for row, n in zip(rows, limit)]
+        return cls.from_rows([t for t, _ in trees], None if max(widths) == 1 else [p for _, p in trees],
+                             limits.device)
 
     def trimmed(self) -> "Proposal":
         """Without the trailing columns no row uses (a proposer may pad its drafts to the limit, as

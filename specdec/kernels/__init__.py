@@ -382,31 +382,26 @@ def can_store_bf16() -> bool:
     return compiled() is not None
 
 
-def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, cache, positions: torch.Tensor | None,
-                inv_freq: torch.Tensor, columns: torch.Tensor, norm, unembedding: Matrix, vocab_ids: torch.Tensor,
-                logits: bool, fuse=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                lengths: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tensor, columns: torch.Tensor,
+                norm: torch.Tensor, eps: float, unembedding: Matrix, vocab_ids: torch.Tensor, logits: bool,
+                fuse=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A drafter's step as ONE kernel call (cpu.cpp's draft_block): the rows of `embedding` (V, C) for
-    ids (B, W) — with `fuse` = (prev (B, W, C), embed_norm, prev_norm, proj): an EAGLE head's input
-    proj([RMSNorm(emb); RMSNorm(prev)]), proj a Matrix — through the decoder layers `stack` with its cache, then
-    RMSNorm `norm` and the unembedding (a Matrix over the ids vocab_ids (N,)) at columns
-    (B, m). Returns each slot's argmax as target ids (B, m), the logits (B, m, N) when `logits` is
-    asked (else None), and the layers' output at the columns (B, m, C). The cache advances by W."""
-    cache.check_room(ids.shape[1])
+    ids (B, W) — with `fuse` = (prev (B, W, C), embed_norm (C,), prev_norm (C,), proj): an EAGLE head's
+    input proj([RMSNorm(emb); RMSNorm(prev)]), proj a Matrix — through the decoder layers `stack`,
+    their cache keys and values written after each row's `lengths` (B,), then an RMSNorm multiplying
+    by `norm` (C,) with `eps`, and the unembedding (a Matrix over the ids vocab_ids (N,)) at columns
+    (B, m). Norm scales are fp32. Returns each slot's argmax as target ids (B, m), the logits (B, m, N)
+    when `logits` is asked (else None), and the layers' output at the columns (B, m, C); the caller's
+    cache holds W more entries per row (lm/model.py: LlamaForCausalLM.draft_block)."""
     prev, embed_norm, prev_norm, proj = (_EMPTY, _EMPTY, _EMPTY, _EMPTY_BF16) if fuse is None else (
-        fuse[0].contiguous(), _scale(fuse[1]), _scale(fuse[2]), fuse[3].data)
+        fuse[0].contiguous(), fuse[1], fuse[2], fuse[3].data)
     proj_format = 0 if fuse is None else fuse[3].kernel_format
     tokens, out, picked = compiled().draft_block(
-        stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, proj_format, cache.keys,
-        cache.values, cache.lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq,
-        columns.contiguous(), _scale(norm), norm.eps, unembedding.data, unembedding.kernel_format, vocab_ids,
-        logits)
-    cache.advance(ids.shape[1])
+        stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, proj_format, keys, values,
+        lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq, columns.contiguous(), norm,
+        eps, unembedding.data, unembedding.kernel_format, vocab_ids, logits)
     return tokens, out if logits else None, picked
-
-
-def _scale(norm) -> torch.Tensor:
-    """What an RMSNorm module multiplies by, as the kernels read it."""
-    return norm.scale.detach().float().contiguous()
 
 
 _EMPTY_LONG = torch.empty(0, dtype=torch.long)

@@ -60,6 +60,11 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.scale, self.eps)
 
 
+def kernel_scale(norm: RMSNorm) -> torch.Tensor:
+    """(dim,) what an RMSNorm multiplies by, as the kernels read it (fp32)."""
+    return norm.scale.detach().float().contiguous()
+
+
 class Linear(nn.Linear):
     """nn.Linear whose weight may be stored for inference as a kernels.Matrix (`stored`: bf16 panels
     or a quantized format) while activations are fp32 (see kernels). A quantized one holds its blocks
@@ -163,6 +168,15 @@ class StackedLayers:
 
     def stacked(self) -> list[DecoderLayer]:
         raise NotImplementedError
+
+    def stacked_forward(self, x: torch.Tensor, window: Window, layer: int = 0, keep: list[int] = ()) -> list | None:
+        """The layers over x (B, T, C) as ONE kernel call, writing the window's cache from its `layer`:
+        [output, the outputs of the layers `keep`...], or None where they do not run so (no stack, no
+        cache, or autograd on: training)."""
+        cache = window.cache
+        if self.stack is None or cache is None or torch.is_grad_enabled():
+            return None
+        return self.stack.forward(x.contiguous(), cache.keys, cache.values, layer, *window.kernel_args(), list(keep))
 
     def stack_layers(self) -> None:
         unstored = [name for name, m in self.named_modules() if isinstance(m, Linear) and m.stored is None
@@ -344,9 +358,9 @@ class DecoderLayer(StackedLayers, nn.Module):
 
     def forward(self, x, layer: int, window: Window):
         """x (B, T, C); `layer` indexes the window's cache."""
-        cache = window.cache
-        if self.stack is not None and cache is not None and not torch.is_grad_enabled():
-            return self.stack.forward(x.contiguous(), cache.keys, cache.values, layer, *window.kernel_args(), [])[0]
+        stacked = self.stacked_forward(x, window, layer)
+        if stacked is not None:
+            return stacked[0]
         x = x + self.self_attn(self.input_layernorm(x), layer, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -419,6 +433,37 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
                        max_len or cfg.max_position_embeddings, dtype=placement(self).dtype,
                        device=placement(self).device)
 
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T, C): the embedding's rows, unscaled: what a draft head reads."""
+        return self.model.embed_tokens(tokens)
+
+    def drafts_in_one_call(self, head=None) -> bool:
+        """Whether `draft_block` can run: this model's decoder layers, or `head`'s, stacked for the
+        kernels, and its embedding an unscaled float table (the kernels read its rows as they are; an
+        embedding held as blocks is not one)."""
+        return ((self if head is None else head.layer).stack is not None and self.model.embedding_scale is None
+                and self.model.embed_tokens.weight is not None)
+
+    def draft_block(self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, columns: torch.Tensor,
+                    unembedding: kernels.Matrix, vocab_ids: torch.Tensor, logits: bool, head=None,
+                    prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """A drafter's step as ONE kernel call (kernels.draft_block; `drafts_in_one_call` says whether it
+        can run): ids (B, W) embedded by this model, through its decoder layers and final norm, or
+        through `head`'s (an EAGLE head: its layer, rotary and norm, its input proj([embed_norm(emb);
+        hidden_norm(prev)]) with prev (B, W, C)), then `unembedding` over the ids vocab_ids (N,) at
+        columns (B, m). Returns the argmax as target ids (B, m), the logits (B, m, N) when `logits`
+        is asked, and the layers' output at the columns (B, m, C); `cache` advances by W."""
+        layers, inv_freq, norm = (self, self.inv_freq, self.model.norm) if head is None else (
+            head.layer, head.inv_freq, head.norm)
+        fuse = None if head is None else (prev, kernel_scale(head.embed_norm), kernel_scale(head.hidden_norm),
+                                          head.proj.stored)
+        cache.check_room(ids.shape[1])
+        out = kernels.draft_block(layers.stack, self.model.embed_tokens.weight, ids, cache.keys, cache.values,
+                                  cache.lengths, positions, inv_freq, columns, kernel_scale(norm), norm.eps,
+                                  unembedding, vocab_ids, logits, fuse)
+        cache.advance(ids.shape[1])
+        return out
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None,
                 output_layers: tuple[int, ...] = (), logits_index: torch.Tensor | None = None,
@@ -439,10 +484,12 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
                              f"{self.config.max_position_embeddings} tokens")
         x = self.model.embed(tokens)  # (B, T, C)
         window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T, self.config.attention_factor)
-        if self.stack is not None and cache is not None and not torch.is_grad_enabled():
+        if cache is not None:
             cache.check_room(T)
-            keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
-            x, *kept = self.stack.forward(x, cache.keys, cache.values, 0, *window.kernel_args(), keep)
+        keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
+        stacked = self.stacked_forward(x, window, 0, keep)
+        if stacked is not None:
+            x, *kept = stacked
             layers = dict(zip(keep, kept))
         else:
             layers = {}

@@ -1,10 +1,20 @@
 """The proposers: each source of draft tokens implements the protocol in decoding/protocol.py;
-drafters.py is their registry (a name maps to how it is built, from a folder or from networks).
+drafters.py is their registry (a name maps to how it is built from a folder, with its options);
+from networks in hand, a proposer's class makes it.
 """
 from __future__ import annotations
 
 from ..decoding.protocol import Outcome, Proposal, Proposer
-from .drafters import DRAFTERS, PROPOSERS, DraftOptions, build_drafter, build_proposer
+from .block import BlockProposer
+from .draft_model import DraftModelProposer
+from .drafters import DRAFTERS, PROPOSERS, DraftModelOptions, NgramOptions, NoOptions, VocabOptions, build_drafter
+from .eagle import EagleProposer
+from .mtp import MTPProposer
+from .ngram import NgramProposer
+from .parallel import ParallelDraftProposer
+from .self_draft import SelfDraftProposer
+from .suffix import SuffixProposer
 
-__all__ = ["DRAFTERS", "PROPOSERS", "DraftOptions", "Outcome", "Proposal", "Proposer", "build_drafter",
-           "build_proposer"]
+__all__ = ["DRAFTERS", "PROPOSERS", "BlockProposer", "DraftModelOptions", "DraftModelProposer", "EagleProposer",
+           "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions", "Outcome", "ParallelDraftProposer", "Proposal",
+           "Proposer", "SelfDraftProposer", "SuffixProposer", "VocabOptions", "build_drafter"]

@@ -15,7 +15,7 @@ from ..decoding.protocol import Proposal
 from ..decoding.sampling import Draws, SamplingConfig, argmax, row_probabilities, sample
 from ..decoding.tree import caterpillar_layout
 from ..errors import SpecdecError
-from ..lm.interface import next_positions
+from ..lm.interface import next_positions, pad_right
 from ..lm.model import Linear, frozen_linear
 
 # The most pending tokens of a row a drafter with its own KV cache feeds in one forward when it
@@ -72,10 +72,17 @@ def catch_up(model, context: int, state, limit: list[int], keep: int) -> None:
         window = torch.tensor([c + [0] * (width - len(c)) for c in chunks], device=state.cache.lengths.device)
         model(window, positions=next_positions(state.cache, width, context),
               cache=state.cache, logits_index=torch.zeros(len(chunks), 1, dtype=torch.long, device=window.device))
-        for b, c in enumerate(chunks):
-            state.committed[b] += len(c)
-            state.pending[b] = state.pending[b][len(c):]
-        state.cache.rollback(state.committed)
+        fed(state, list(map(len, chunks)))
+
+
+def fed(state, counts: list[int]) -> None:
+    """Each row's first counts[b] pending tokens are in its draft KV cache now: they become committed,
+    and the cache is rolled back to the committed entries (what a forward wrote past them, padding,
+    masks or drafts, is dropped). `state` as `catch_up`'s."""
+    for b, n in enumerate(counts):
+        state.committed[b] += n
+        state.pending[b] = state.pending[b][n:]
+    state.cache.rollback(state.committed)
 
 
 def with_alternatives(proposal: Proposal, scores: list[torch.Tensor], widths: tuple[int, ...],
@@ -230,6 +237,29 @@ def draw_block(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Dra
 
 
 # --- the per-row target features and tokens a head has yet to read (MTP heads, EAGLE) ---
+
+def joined_pending(features: torch.Tensor, ahead: torch.Tensor, lengths: list[int], prompts: list[list[int]],
+                   prompt_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A head's pending target features (B, W, nC), the token after each of their positions (B, W)
+    and the real positions per row (B,), with rows for new `prompts` after them: the prompt's
+    features prompt_hidden (n, P-1, nC), each followed by the prompt's next token."""
+    after, _ = pad_right([p[1:] for p in prompts], device=ahead.device)  # (n, P-1)
+    return (stack_rows(features, prompt_hidden.to(features.dtype)), stack_rows(ahead, after),
+            lengths + [len(p) - 1 for p in prompts])
+
+
+def appended_pending(features: torch.Tensor, ahead: torch.Tensor, lengths: list[int], drop: list[int],
+                     outcome) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The pending features, tokens and lengths (as `joined_pending`) after a step: each row's first
+    drop[b] positions dropped (the head has read them), then the features outcome.hidden
+    (B, m+1, nC) over [last, drafts] of its outcome.counts[b] emitted tokens, each followed by the
+    token it predicted."""
+    tokens = torch.tensor(outcome.tokens, device=ahead.device)  # (B, m+1)
+    index, lengths = ragged_concat_index(features.shape[1], tokens.shape[1], lengths, drop, outcome.counts,
+                                         tokens.device)
+    return (gather_rows(torch.cat([features, outcome.hidden.to(features.dtype)], 1), index),
+            gather_rows(torch.cat([ahead, tokens], 1), index), lengths)
+
 
 def ragged_concat_index(old_width: int, new_width: int, old_len: list[int], drop: list[int],
                         new_len: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:

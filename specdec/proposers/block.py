@@ -81,7 +81,7 @@ class BlockProposer(EagleProposer):
             visible[W:, W:] = True                                                        # the whole block
         visible = visible[None].repeat(B, 1, 1)
         visible[:, W:, :W] = steps[None, None, :W] < n[:, None, None]                    # masks: the real pending
-        x = torch.cat([head.encode(self.target.model.embed_tokens(state.ahead), state.features),
+        x = torch.cat([head.encode(self.target.token_embeddings(state.ahead), state.features),
                        head.mask_inputs(B, M)], 1)                                       # (B, W+M, C)
         h = head(x, head.window(positions.clamp(max=self.context - 1), visible, cache))  # (B, W+M, C)
         slots = torch.cat([(n.clamp(min=1) - 1)[:, None],                                 # (B, drafts)
@@ -94,10 +94,9 @@ class BlockProposer(EagleProposer):
 
     def propose(self, state: EagleState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
-        B, m, W, device = len(limit), max(limit), state.features.shape[1], limits.device
-        state.fed = False
-        if m == 0 or W == 0:
-            return Proposal.empty(B, device)
+        if not self.drafts(state, limit):
+            return Proposal.empty(len(limit), limits.device)
+        B, m, device = len(limit), max(limit), limits.device
         logits = self.block_logits(state, m)                                             # (B, m, N)
         probs, tokens, scores = zip(*(draw(logits[:, j], state.samplings, draws, j, self.vocab, self.vocab_size)
                                       for j in range(m)))

@@ -47,8 +47,8 @@ from ..lm.arch import Arch
 from ..lm.checkpoint import read_config
 from ..lm.model import DecoderLayer, Linear, RMSNorm, StackedLayers, Window
 from .eagle_head import check_head_fits as check_eagle_head_fits
-from .eagle_head import check_layer_ids
-from .heads import HeadFolder, check_head_target, load_head, read_head_meta, write_head_folder
+from .eagle_head import check_draft_ids, check_layer_ids
+from .heads import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
 
 KIND = "block"
 
@@ -67,11 +67,7 @@ class BlockHead(StackedLayers, nn.Module):
         if block < 1 or num_layers < 1:
             raise SpecdecError(f"a block head drafts blocks of k >= 1 tokens with >= 1 layers, got k={block} "
                                f"and {num_layers} layers")
-        if draft_ids.numel() > V:
-            raise SpecdecError(f"a draft vocabulary of {draft_ids.numel()} tokens is larger than the target's "
-                               f"{V}: choose --draft-vocab <= {V}")
-        if draft_ids.numel() < 1 or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= V:
-            raise SpecdecError(f"draft vocabulary ids must lie in the target's vocabulary 0..{V - 1}")
+        check_draft_ids(draft_ids, V)
         self.config, self.layer_ids = config, check_layer_ids(layer_ids, config.num_hidden_layers)
         self.block, self.causal = int(block), bool(causal)
         self.fc = Linear(len(self.layer_ids) * C, C, bias=False)
@@ -114,9 +110,9 @@ class BlockHead(StackedLayers, nn.Module):
     def forward(self, x: torch.Tensor, window: Window) -> torch.Tensor:
         """The layers over a window of inputs (B, T, C) -> (B, T, C) h; with the head's KV cache and
         the kernels, one call."""
-        if self.stack is not None and window.cache is not None and not torch.is_grad_enabled():
-            return self.stack.forward(x.contiguous(), window.cache.keys, window.cache.values, 0,
-                                      *window.kernel_args(), [])[0]
+        stacked = self.stacked_forward(x, window)
+        if stacked is not None:
+            return stacked[0]
         for i, layer in enumerate(self.layers):
             x = layer(x, i, window)
         return x
@@ -150,14 +146,9 @@ def initial_head(target, layer_ids, draft_ids: torch.Tensor, block: int, num_lay
                  causal: bool = False) -> BlockHead:
     """A fresh head for `target` (fp32): the unembedding starts as the target's lm_head rows of the
     draft vocabulary and the output norm as the target's, the rest at random (the caller seeds)."""
-    head = BlockHead(target.config, layer_ids, draft_ids, block, num_layers, causal)
-    for name, p in head.named_parameters():
-        if p.dim() == 2:
-            nn.init.normal_(p, std=0.02)
+    head = started_from(BlockHead(target.config, layer_ids, draft_ids, block, num_layers, causal), target)
     with torch.no_grad():
         nn.init.normal_(head.mask, std=0.02)
-        head.lm_head.weight.copy_(target.lm_head.dense_rows(head.draft_ids).float())
-        head.norm.weight.copy_(target.model.norm.weight.float())
     return head
 
 
@@ -166,20 +157,13 @@ def initial_head(target, layer_ids, draft_ids: torch.Tensor, block: int, num_lay
 def save_block(head: BlockHead, path: str | Path, target_sha256: str, meta: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the head folder atomically; matrices and norms in `dtype`, the draft ids as int64."""
-    info = {**(meta or {}), "kind": KIND, "target_sha256": target_sha256, "target_config": head.config.to_dict(),
-            "layer_ids": list(head.layer_ids), "block": head.block, "attention": head.attention,
-            "num_layers": len(head.layers), "draft_vocab_size": head.draft_vocab_size,
-            "dtype": str(dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in head.parameters())}
-    return write_head_folder(head, path, info, dtype)
+    return write_head_folder(head, path, KIND, target_sha256, meta, dtype, layer_ids=list(head.layer_ids),
+                             block=head.block, attention=head.attention, num_layers=len(head.layers),
+                             draft_vocab_size=head.draft_vocab_size)
 
 
 def read_block_meta(path: str | Path) -> dict:
-    return read_head_meta(
-        path, (KIND,), "not a block head: pass it as a target or draft model, and a block head folder with "
-        "--heads", "is not a block head folder", "train one with `specdec train --objective block --target "
-        "TARGET` (or --preset target-block)", "the head folder is corrupt",
-        f"not a block head ({KIND}); load it with the proposer made for that kind (EAGLE: --draft eagle, MTP "
-        "heads: --draft mtp)")
+    return read_single_head_meta(path, KIND, "a block head", "block", "EAGLE: --draft eagle, MTP heads: --draft mtp")
 
 
 def build_block(meta: dict, state: dict) -> BlockHead:

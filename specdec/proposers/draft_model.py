@@ -23,7 +23,7 @@ from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import causal_lm, context_length, next_positions
 from ..lm.kv_cache import KVCache
-from .base import FEED, DraftVocabulary, catch_up, draft_chain, grow_tree, with_alternatives
+from .base import FEED, DraftVocabulary, catch_up, draft_chain, fed, grow_tree, with_alternatives
 
 
 @dataclass
@@ -108,27 +108,28 @@ class DraftModelProposer:
                          logits_index=logits_index, **extra)
         return out.logits[:, -1]
 
+    def pending_window(self, state: DraftState, limit: list[int]) -> list[int] | None:
+        """A proposal's start: None where no row drafts; else the pending tokens each drafting row feeds
+        with this proposal's window (the older ones fed first, when more than FEED: catch_up; rows that
+        draft nothing keep theirs pending)."""
+        state.fed_drafts, state.chain = 0, None
+        if max(limit) == 0:
+            return None
+        catch_up(self.model, self.context, state, limit, FEED)
+        return [len(p) for p in state.pending]
+
     def propose(self, state: DraftState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
-        B, m = len(limit), max(limit)
-        state.fed_drafts, state.chain = 0, None
-        if m == 0:
+        B, m, lengths = len(limit), max(limit), self.pending_window(state, limit)
+        if lengths is None:
             return Proposal.empty(B, limits.device)
-        # feed the pending tokens (all but the last FEED first, when more: catch_up); rows that draft
-        # nothing keep theirs pending
-        catch_up(self.model, self.context, state, limit, FEED)
-        lengths = [len(p) for p in state.pending]
         width = max(lengths)
         # the window (B, W) and, where it is wider than 1, each row's last position (B, 1): one copy
         both = torch.tensor([p + [0] * (width - len(p)) + [max(n - 1, 0)] for p, n in zip(state.pending, lengths)],
                             device=limits.device)
         window, last = both[:, :width], (both[:, width:] if width > 1 else None)
         logits = self.forward(window, state.cache, last)
-        for b in range(B):
-            if limit[b]:
-                state.committed[b] += lengths[b]
-                state.pending[b] = []
-        state.cache.rollback(state.committed)
+        fed(state, [n if lim else 0 for n, lim in zip(lengths, limit)])
         if self.tree == "dynamic" and max(widths[:m]) > 1:
             return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab,
                              state.samplings, draws)

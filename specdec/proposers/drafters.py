@@ -4,9 +4,10 @@ target it was trained for; the default for a target is the one that fits it; non
 method, which reads no folder), whether a folder fits a target (`misfit`: from the folder's
 metadata and tokenizer, before any weight is read; None when it fits, else the reason in one line),
 how to read its network for a target (in the target's dtype, on its device) and how to make a
-proposer of it with the options a caller gives (`DraftOptions`). The command line (generate, serve,
-check, bench), the API and the benchmark all call `build_drafter`; `build_proposer` makes one from
-networks already in hand.
+proposer of it with the options a caller gives: each drafter's own small dataclass (`options`:
+`VocabOptions`, `DraftModelOptions`, `NgramOptions`, `NoOptions`), refused when it is another's. The
+command line (generate, serve, check, bench), the API and the benchmark all call `build_drafter`;
+from networks already in hand, the proposer's class makes one (typed by its own signature).
 
 A target is a loaded checkpoint: anything with `model` (a causal LM), `lm` (it admitted:
 lm/interface.Admitted, its device, dtype and abilities), `path` (its checkpoint folder) and
@@ -46,12 +47,27 @@ MODELS = Path(__file__).resolve().parents[2] / "models"  # the shipped models of
 
 
 @dataclass(frozen=True)
-class DraftOptions:
+class NoOptions:
+    """A drafter that takes no options (suffix lookup)."""
+
+
+@dataclass(frozen=True)
+class VocabOptions:
+    """A drafter with a network that can draft over part of its vocabulary (heads, a parallel draft)."""
     draft_vocab: int | None = None  # draft over the N token ids most frequent in the drafter's training tokens
     counted_only: bool = False      # ... only where the drafter saved those counts (else its whole vocabulary)
-    dynamic_tree: bool = False      # draft-model: grow trees by the draft's confidence (EAGLE-2)
-    ngram_max: int | None = None    # ngram: the longest n-gram matched (None: the proposer's default)
-    ngram_min: int | None = None    # ngram: the shortest
+
+
+@dataclass(frozen=True)
+class DraftModelOptions(VocabOptions):
+    """A draft model (its own, or the target's quantized weights)."""
+    dynamic_tree: bool = False      # grow trees by the draft's confidence (EAGLE-2)
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    max_n: int | None = None        # the longest n-gram matched (None: the proposer's default)
+    min_n: int | None = None        # the shortest
 
 
 @dataclass
@@ -71,7 +87,8 @@ class Drafter:
     what: str = ""              # how messages name it
     train: str = ""             # how to make one that fits
     path_flag: str | None = None  # the command-line flag naming its folder (None: it reads no folder)
-    flags: tuple[str, ...] = ()   # the draft options it takes besides -k and --tree (DraftOptions' fields)
+    flags: tuple[str, ...] = ()   # the draft options it takes besides -k and --tree (its options' fields)
+    options: type = NoOptions     # the dataclass of its options
 
     def folder(self, path=None, target=None) -> Path | None:
         """The folder read: `path` (a packaged model's short name: its file, lm/packaged.py), else the
@@ -108,18 +125,27 @@ class Drafter:
         self.check(target, folder)
         return None
 
-    def proposer(self, network, target, options: DraftOptions) -> Proposer:
+    def proposer(self, network, target, options) -> Proposer:
+        """Its proposer of `network` for `target` with `options` (of its `options` type)."""
         raise NotImplementedError
 
-    def describe(self, network, proposer: Proposer, options: DraftOptions) -> dict:
+    def describe(self, network, proposer: Proposer, options) -> dict:
         """What a report says about the drafter: its settings and its network's size and shape."""
         return {}
 
-    def load(self, target, path=None, options: DraftOptions = DraftOptions()) -> Proposer:
-        return self.proposer(self.network(target, self.folder(path, target)), target, options)
+    def load(self, target, path=None, options=None) -> Proposer:
+        return self.proposer(self.network(target, self.folder(path, target)), target, self.checked(options))
+
+    def checked(self, options):
+        """`options` (None: the defaults) as this drafter takes them: of its own `options` type."""
+        if options is None:
+            return self.options()
+        if type(options) is not self.options:
+            raise SpecdecError(f"the {self.name} drafter takes {self.options.__name__}, not {type(options).__name__}")
+        return options
 
 
-def draft_vocab(options: DraftOptions, token_counts) -> int | None:
+def draft_vocab(options: VocabOptions, token_counts) -> int | None:
     """The draft vocabulary asked for; None where it is asked only of drafters that saved their
     token counts and there are none."""
     return None if options.counted_only and token_counts is None else options.draft_vocab
@@ -128,6 +154,7 @@ def draft_vocab(options: DraftOptions, token_counts) -> int | None:
 class DraftModel(Drafter):
     name, cls, shipped, what = "draft-model", DraftModelProposer, ("draft",), "draft model"
     path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab", "--dynamic-tree")
+    options = DraftModelOptions
     train = "train one with `specdec train --preset draft` (it must share the target's tokenizer)"
 
     def check(self, target, folder) -> None:
@@ -165,6 +192,7 @@ class DraftModel(Drafter):
 class ParallelDraft(DraftModel):
     name, cls, shipped, what = "parallel", ParallelDraftProposer, ("parallel-draft",), "parallel draft"
     path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab")
+    options = VocabOptions
     train = "train one with `specdec train --objective parallel --init-from DRAFT --teacher TARGET`"
 
     def check(self, target, folder) -> None:
@@ -195,9 +223,10 @@ class ParallelDraft(DraftModel):
 class Ngram(Drafter):
     name, cls, what = "ngram", NgramProposer, "n-gram lookup"
     flags = ("--ngram-max", "--ngram-min")
+    options = NgramOptions
 
     def proposer(self, network, target, options) -> Proposer:
-        sizes = {"max_n": options.ngram_max, "min_n": options.ngram_min}
+        sizes = {"max_n": options.max_n, "min_n": options.min_n}
         return NgramProposer(**{name: n for name, n in sizes.items() if n is not None})
 
     def describe(self, network, proposer, options) -> dict:
@@ -216,6 +245,7 @@ class SelfDraft(Drafter):
     whose matrices cut into the quantized formats' blocks."""
     name, cls, what = "self", SelfDraftProposer, "self-draft"
     flags = ("--draft-vocab", "--dynamic-tree")
+    options = DraftModelOptions
 
     def check(self, target, folder) -> None:
         """specdec's own model, every matrix's rows (hidden size, attention output, intermediate
@@ -242,6 +272,7 @@ class SelfDraft(Drafter):
 class Head(Drafter):
     """A head trained on one target's features: its folder names that target's hash."""
     path_flag, flags = "--heads", ("--heads", "--draft-vocab")
+    options = VocabOptions
     kind = MTP_FOLDER  # its folder's kind: read by the one head loader (heads.check_head_target, heads.load_head)
 
     def check(self, target, folder) -> None:
@@ -314,14 +345,9 @@ def drafter(name: str) -> Drafter:
     return DRAFTERS[name]
 
 
-def build_drafter(name: str, target, path=None, options: DraftOptions = DraftOptions()) -> Proposer:
+def build_drafter(name: str, target, path=None, options=None) -> Proposer:
     """The proposer `name` for `target` (api.Loaded), its network read from `path` (default: the
-    shipped one); refused with the reason and what to do where it does not fit."""
+    shipped one), with `options` of the drafter's own type (None: its defaults); refused with the
+    reason and what to do where it does not fit."""
     return drafter(name).load(target, path, options)
 
-
-def build_proposer(name: str, **kwargs) -> Proposer:
-    """The proposer `name` from networks in hand: build_proposer("draft-model", model=...),
-    build_proposer("ngram", max_n=3, min_n=1), build_proposer("mtp", heads=..., target=...),
-    build_proposer("eagle", head=..., target=...) or build_proposer("block", head=..., target=...)."""
-    return drafter(name).cls(**kwargs)

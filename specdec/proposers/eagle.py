@@ -27,22 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
 from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.device import placement
-from ..lm.interface import abilities, next_positions, pad_right
+from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
-from .base import (
-    DraftVocabulary,
-    draft_chain,
-    gather_rows,
-    ragged_concat_index,
-    stack_rows,
-    with_alternatives,
-)
+from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, with_alternatives
 from .eagle_head import EagleHead, check_head_fits
 
 
@@ -87,20 +79,17 @@ class EagleProposer:
         self.native = self.runs_natively()
 
     def runs_natively(self) -> bool:
-        """Decided once: each step as one kernel call, where the head's layer runs as one, its
-        matrices are packed and the target's embedding is a float table (not held as blocks)."""
-        head, trunk = self.head, self.target.model
-        return (head.layout == "specdec" and getattr(head.layer, "stack", None) is not None
-                and head.proj.stored is not None and self.vocab.unembedding.stored is not None
-                and trunk.embedding_scale is None and trunk.embed_tokens.weight is not None)
+        """Decided once: each step as one kernel call, where the head's layer runs as one and its
+        matrices are packed."""
+        head = self.head
+        return (head.layout == "specdec" and head.proj.stored is not None
+                and self.vocab.unembedding.stored is not None and self.target.drafts_in_one_call(head))
 
     def native_step(self, ahead, prev, cache, positions, columns):
-        """The head's step as ONE kernel call (kernels.draft_block): ahead (B, W) tokens, prev (B, W, C)
-        g or its own output -> (argmax, logits (B, m, N), output (B, m, C)) at columns (B, m)."""
-        head = self.head
-        return kernels.draft_block(head.layer.stack, self.target.model.embed_tokens.weight, ahead, cache, positions,
-                                   head.inv_freq, columns, head.norm, self.vocab.unembedding.stored, self.vocab.ids, True,
-                                   fuse=(prev, head.embed_norm, head.hidden_norm, head.proj.stored))
+        """The head's step as ONE kernel call (LlamaForCausalLM.draft_block): ahead (B, W) tokens, prev
+        (B, W, C) g or its own output -> (argmax, logits (B, m, N), output (B, m, C)) at columns (B, m)."""
+        return self.target.draft_block(ahead, cache, positions, columns, self.vocab.unembedding.stored, self.vocab.ids,
+                                       True, head=self.head, prev=prev)
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -125,13 +114,11 @@ class EagleProposer:
         """New rows: their prompts' features are pending (read with their first proposal)."""
         if not prompts:
             return
-        ahead, _ = pad_right([p[1:] for p in prompts], device=state.ahead.device)  # (n, P-1)
         state.cache.regroup(list(range(len(state.committed))), empty=len(prompts))
         state.samplings += samplings
         state.committed += [0] * len(prompts)
-        state.features = stack_rows(state.features, prompt_hidden.to(state.features.dtype))
-        state.ahead = stack_rows(state.ahead, ahead)
-        state.lengths += [len(p) - 1 for p in prompts]
+        state.features, state.ahead, state.lengths = joined_pending(state.features, state.ahead, state.lengths,
+                                                                    prompts, prompt_hidden)
 
     def leave(self, state: EagleState, keep: list[int]) -> None:
         state.cache.regroup(keep)
@@ -140,13 +127,18 @@ class EagleProposer:
         state.samplings, state.committed, state.lengths = ([rows[b] for b in keep] for rows in (
             state.samplings, state.committed, state.lengths))
 
+    def drafts(self, state: EagleState, limit: list[int]) -> bool:
+        """A proposal's start: whether any row drafts and features are pending (none before a
+        prompt's second token)."""
+        state.fed = False
+        return max(limit) > 0 and state.features.shape[1] > 0
+
     def propose(self, state: EagleState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
+        if not self.drafts(state, limit):
+            return Proposal.empty(len(limit), limits.device)
         B, m, W, device = len(limit), max(limit), state.features.shape[1], limits.device
-        state.fed = False
-        if m == 0 or W == 0:
-            return Proposal.empty(B, device)
-        head, embed = self.head, self.target.model.embed_tokens
+        head, embed = self.head, self.target.token_embeddings
         positions = next_positions(state.cache, W, self.context)
         last = torch.tensor([max(n, 1) - 1 for n in state.lengths], device=device)[:, None]  # (B, 1)
         if self.native:  # the head over the pending positions, its norm and unembedding at the last: one call
@@ -181,9 +173,6 @@ class EagleProposer:
         predicted the emitted tokens, which become pending (after the unfed ones, if any)."""
         state.cache.rollback(state.committed)  # drop the draft entries
         drop = list(state.lengths) if state.fed else [0] * len(state.lengths)
-        tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
-        index, state.lengths = ragged_concat_index(state.features.shape[1], tokens.shape[1],
-                                                    state.lengths, drop, outcome.counts, tokens.device)
-        state.features = gather_rows(torch.cat([state.features, outcome.hidden.to(state.features.dtype)], 1), index)
-        state.ahead = gather_rows(torch.cat([state.ahead, tokens], 1), index)
+        state.features, state.ahead, state.lengths = appended_pending(state.features, state.ahead, state.lengths,
+                                                                      drop, outcome)
         state.fed = False  # consumed: a plain stretch's outcome follows no proposal

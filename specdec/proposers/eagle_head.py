@@ -52,7 +52,7 @@ from ..lm.arch import Arch
 from ..lm.checkpoint import hf_config
 from ..lm.device import placement
 from ..lm.model import MLP, Attention, DecoderLayer, Linear, RMSNorm, Window, apply_rotary, rotary
-from .heads import HeadFolder, check_head_target, load_head, read_head_meta, write_head_folder
+from .heads import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
 
 KIND = "eagle3"
 LAYOUTS = ("specdec", "eagle3")
@@ -92,6 +92,16 @@ def check_layer_ids(layer_ids, num_layers: int) -> tuple[int, ...]:
     return layer_ids
 
 
+def check_draft_ids(draft_ids: torch.Tensor, vocab_size: int) -> None:
+    """A head's draft vocabulary (N,) lies in its target's, 0..vocab_size-1."""
+    V = vocab_size
+    if draft_ids.numel() > V:
+        raise SpecdecError(f"a draft vocabulary of {draft_ids.numel()} tokens is larger than the target's "
+                           f"{V}: choose --draft-vocab <= {V}")
+    if draft_ids.numel() < 1 or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= V:
+        raise SpecdecError(f"draft vocabulary ids must lie in the target's vocabulary 0..{V - 1}")
+
+
 class EagleHead(nn.Module):
     kind = KIND
 
@@ -103,11 +113,7 @@ class EagleHead(nn.Module):
             raise SpecdecError(f"unknown EAGLE head layout {layout!r}: the layouts are {', '.join(LAYOUTS)}")
         self.layout = layout
         V, C = config.vocab_size, config.hidden_size
-        if draft_ids.numel() > V:
-            raise SpecdecError(f"a draft vocabulary of {draft_ids.numel()} tokens is larger than the target's "
-                               f"{V}: choose --draft-vocab <= {V}")
-        if draft_ids.numel() < 1 or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= V:
-            raise SpecdecError(f"draft vocabulary ids must lie in the target's vocabulary 0..{V - 1}")
+        check_draft_ids(draft_ids, V)
         self.config, self.layer_ids = config, check_layer_ids(layer_ids, config.num_hidden_layers)
         self.fc = Linear(len(self.layer_ids) * C, C, bias=False)
         self.embed_norm = RMSNorm(C, config.rms_norm_eps)
@@ -204,14 +210,7 @@ class EagleHead(nn.Module):
 def initial_head(target, layer_ids, draft_ids: torch.Tensor, layout: str = "specdec") -> EagleHead:
     """A fresh head for `target` (fp32) in `layout`: the unembedding starts as the target's lm_head rows
     of the draft vocabulary and the output norm as the target's, the rest at random (the caller seeds)."""
-    head = EagleHead(target.config, layer_ids, draft_ids, layout)
-    for name, p in head.named_parameters():
-        if p.dim() == 2:
-            nn.init.normal_(p, std=0.02)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(target.lm_head.dense_rows(head.draft_ids).float())
-        head.norm.weight.copy_(target.model.norm.weight.float())
-    return head
+    return started_from(EagleHead(target.config, layer_ids, draft_ids, layout), target)
 
 
 def speculators_metadata(head: EagleHead, verifier: str, num_speculative_tokens: int) -> dict:
@@ -245,18 +244,12 @@ def speculators_metadata(head: EagleHead, verifier: str, num_speculative_tokens:
 def save_eagle(head: EagleHead, path: str | Path, target_sha256: str, meta: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the head folder atomically; matrices and norms in `dtype`, the draft ids as int64."""
-    info = {**(meta or {}), "kind": KIND, "target_sha256": target_sha256, "target_config": head.config.to_dict(),
-            "layer_ids": list(head.layer_ids), "draft_vocab_size": head.draft_vocab_size, "layout": head.layout,
-            "dtype": str(dtype).removeprefix("torch."), "parameters": sum(p.numel() for p in head.parameters())}
-    return write_head_folder(head, path, info, dtype)
+    return write_head_folder(head, path, KIND, target_sha256, meta, dtype, layer_ids=list(head.layer_ids),
+                             draft_vocab_size=head.draft_vocab_size, layout=head.layout)
 
 
 def read_eagle_meta(path: str | Path) -> dict:
-    return read_head_meta(
-        path, (KIND,), "not an EAGLE head: pass it as a target or draft model, and an EAGLE head folder with "
-        "--heads", "is not an EAGLE head folder", "train one with `specdec train --objective eagle --target "
-        "TARGET` (or --preset target-eagle)", "the head folder is corrupt",
-        f"not an EAGLE head ({KIND}); load it with the proposer made for that kind (MTP heads: --draft mtp)")
+    return read_single_head_meta(path, KIND, "an EAGLE head", "eagle", "MTP heads: --draft mtp")
 
 
 def build_eagle(meta: dict, state: dict) -> EagleHead:

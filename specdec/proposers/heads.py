@@ -176,10 +176,7 @@ def teacher_forced(heads: MTPHeads, trunk, hidden: torch.Tensor, tokens: torch.T
 def save_heads(heads: MTPHeads, path: str | Path, target_sha256: str, meta: dict | None = None,
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the heads folder atomically. target_sha256: sha256 of the target's model.safetensors."""
-    info = {**(meta or {}), "kind": heads.kind, "depth": heads.depth, "target_sha256": target_sha256,
-            "target_config": heads.config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
-            "parameters": sum(p.numel() for p in heads.parameters())}
-    return write_head_folder(heads, path, info, dtype)
+    return write_head_folder(heads, path, heads.kind, target_sha256, meta, dtype, depth=heads.depth)
 
 
 def read_heads_meta(path: str | Path) -> dict:
@@ -243,10 +240,29 @@ def load_heads(path: str | Path, target: str | Path, dtype: torch.dtype | None =
 
 # --- the folder of a drafter trained on a target: MTP heads here, an EAGLE head (eagle.py) ---
 
-def write_head_folder(head: nn.Module, path: str | Path, info: dict, dtype: torch.dtype) -> Path:
+def started_from(head: nn.Module, target) -> nn.Module:
+    """A fresh head (fp32) begun from its target: its matrices at random (normal, std 0.02; the caller
+    seeds), its unembedding the target's lm_head rows of its draft vocabulary, its output norm the
+    target's."""
+    for p in head.parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.dense_rows(head.draft_ids).float())
+        head.norm.weight.copy_(target.model.norm.weight.float())
+    return head
+
+
+
+def write_head_folder(head: nn.Module, path: str | Path, kind: str, target_sha256: str, meta: dict | None,
+                      dtype: torch.dtype, **fields) -> Path:
     """Write a head folder atomically: its floating tensors in `dtype` (others as they are), its
-    training token counts (if any) as int64, and `info` (which names its "kind") as HEADS_META."""
+    training token counts (if any) as int64, and as HEADS_META the caller's `meta`, the head's `kind`
+    and target (its hash and config), its own `fields`, the dtype and its parameter count."""
     path = Path(path)
+    info = {**(meta or {}), "kind": kind, "target_sha256": target_sha256, "target_config": head.config.to_dict(),
+            **fields, "dtype": str(dtype).removeprefix("torch."),
+            "parameters": sum(p.numel() for p in head.parameters())}
     state = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous()
              for k, v in head.state_dict().items()}
     if head.token_counts is not None:
@@ -277,6 +293,17 @@ def read_head_meta(path: str | Path, kinds, not_heads: str, not_folder: str, tra
     if meta.get("kind") not in kinds:
         raise SpecdecError(f"{path} holds heads of kind {meta.get('kind')!r}, {other_kind}")
     return meta
+
+
+def read_single_head_meta(path: str | Path, kind: str, name: str, objective: str, others: str) -> dict:
+    """HEADS_META of a one-head folder of `kind` (`name` with its article: "an EAGLE head"), refused as
+    `read_head_meta` refuses, in words made of its name, its training objective and how the other
+    kinds are loaded (`others`)."""
+    return read_head_meta(
+        path, (kind,), f"not {name}: pass it as a target or draft model, and {name} folder with --heads",
+        f"is not {name} folder", f"train one with `specdec train --objective {objective} --target TARGET` (or "
+        f"--preset target-{objective})", "the head folder is corrupt",
+        f"not {name} ({kind}); load it with the proposer made for that kind ({others})")
 
 
 def check_trained_for(path: Path, target: str | Path, meta: dict, belongs: str, train: str) -> None:

@@ -40,17 +40,10 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain
 from ..errors import SpecdecError
 from ..lm.device import placement
-from ..lm.interface import abilities, next_positions, pad_right
+from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM, frozen_linear
-from .base import (
-    DraftVocabulary,
-    draft_chain,
-    gather_rows,
-    ragged_concat_index,
-    stack_rows,
-    with_alternatives,
-)
+from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, with_alternatives
 from .heads import MTPHeads, check_heads_fit
 
 
@@ -118,13 +111,11 @@ class MTPProposer:
     def join(self, state: MTPState, prompts, prompt_hidden, samplings) -> None:
         if not prompts:
             return
-        ahead, _ = pad_right([p[1:] for p in prompts], device=state.ahead.device)  # (n, P-1)
         state.cache.regroup(list(range(len(state.first))), empty=len(prompts))
-        state.hidden = stack_rows(state.hidden, prompt_hidden.to(state.hidden.dtype))
-        state.ahead = stack_rows(state.ahead, ahead)
         state.samplings += samplings
         state.first += [0] * len(prompts)
-        state.lengths += [len(p) - 1 for p in prompts]
+        state.hidden, state.ahead, state.lengths = joined_pending(state.hidden, state.ahead, state.lengths, prompts,
+                                                                  prompt_hidden)
 
     def leave(self, state: MTPState, keep: list[int]) -> None:
         state.cache.regroup(keep)
@@ -187,9 +178,6 @@ class MTPProposer:
             drop.append(keep_to[-1] - first)
         state.cache.rollback(keep_to)
         state.first = keep_to
-        tokens = torch.tensor(outcome.tokens, device=state.ahead.device)  # (B, m+1)
-        index, state.lengths = ragged_concat_index(state.hidden.shape[1], tokens.shape[1], state.lengths,
-                                                    drop, counts, tokens.device)
-        state.hidden = gather_rows(torch.cat([state.hidden, outcome.hidden.to(state.hidden.dtype)], 1), index)
-        state.ahead = gather_rows(torch.cat([state.ahead, tokens], 1), index)
+        state.hidden, state.ahead, state.lengths = appended_pending(state.hidden, state.ahead, state.lengths, drop,
+                                                                    outcome)
         state.written, state.chain = 0, None  # consumed: a plain stretch's outcome follows no proposal

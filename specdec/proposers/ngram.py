@@ -65,6 +65,14 @@ class History:
         return found[0] if found else []
 
 
+def lookup(row: History, limit: int, widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """One row's drafts of at most `limit` levels: the latest continuation as a chain, or where a
+    level may branch, the continuations merged into a tree of `widths`."""
+    if max(widths) == 1:
+        return row.continuation(limit), []
+    return trie(row.continuations(limit, max(widths)), widths[:limit])
+
+
 def trie(continuations: list[list[int]], widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """Merge continuations (the first is the main chain) into a tree of at most widths[d] nodes at
     depth d + 1: its tokens and parents in depth order (tree.py)."""
@@ -118,15 +126,7 @@ class NgramProposer:
         state.rows = [state.rows[b] for b in keep]
 
     def propose(self, state: NgramState, limits, widths, draws) -> Proposal:
-        limit = limits.tolist()
-        m = max(limit)
-        if m == 0:
-            return Proposal.empty(len(limit), limits.device)
-        branches = max(widths[:m])
-        if branches == 1:
-            return Proposal.from_rows([row.continuation(n) for row, n in zip(state.rows, limit)], None, limits.device)
-        trees = [trie(row.continuations(n, branches), tuple(widths[:n])) for row, n in zip(state.rows, limit)]
-        return Proposal.from_rows([t for t, _ in trees], [p for _, p in trees], limits.device)
+        return Proposal.looked_up(limits, widths, state.rows, lookup)
 
     def observe(self, state: NgramState, outcome: Outcome) -> None:
         for row, tokens, count in zip(state.rows, outcome.tokens, outcome.counts):

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM
-from .base import FEED, DraftVocabulary, catch_up, draw_block, with_alternatives
+from .base import FEED, DraftVocabulary, draw_block, fed, with_alternatives
 from .draft_model import DraftModelProposer, DraftState
 
 
@@ -60,10 +59,8 @@ class ParallelDraftProposer(DraftModelProposer):
         if ids is None:  # every target id: the unembedding without the mask token's row
             ids = torch.arange(self.vocab_size, device=placement(model).device)
         self.vocab = DraftVocabulary(ids, model.lm_head)
-        # decided once: the step as one kernel call where the layers run as one, the unembedding is packed
-        # and the embedding a float table
-        self.native = (model.stack is not None and self.vocab.unembedding.stored is not None
-                       and model.model.embedding_scale is None and model.model.embed_tokens.weight is not None)
+        # decided once: the step as one kernel call where the layers run as one and the unembedding is packed
+        self.native = self.vocab.unembedding.stored is not None and model.drafts_in_one_call()
 
     def start(self, max_len, k, capacity, nodes=None) -> DraftState:
         if k > self.max_depth:
@@ -77,12 +74,9 @@ class ParallelDraftProposer(DraftModelProposer):
 
     def propose(self, state: DraftState, limits, widths, draws) -> Proposal:
         limit = limits.tolist()
-        B, m = len(limit), max(limit)
-        state.fed_drafts, state.chain = 0, None
-        if m == 0:
+        B, m, lengths = len(limit), max(limit), self.pending_window(state, limit)
+        if lengths is None:
             return Proposal.empty(B, limits.device)
-        catch_up(self.model, self.context, state, limit, FEED)
-        lengths = [len(p) for p in state.pending]
         width = max(lengths) + m - 1
         # per row: [pending, mask x (m-1), padding] and the m columns whose outputs are the block: one copy
         both = torch.tensor([p + [self.mask] * (m - 1) + [0] * (width - n - m + 1) + list(range(n - 1, n + m - 1))
@@ -92,18 +86,13 @@ class ParallelDraftProposer(DraftModelProposer):
         greedy = all(cfg.greedy for cfg in state.samplings)
         tree = max(widths[:m], default=1) > 1
         if self.native:  # the whole step in one kernel call
-            model = self.model
-            tokens, logits, _ = kernels.draft_block(model.stack, model.model.embed_tokens.weight, window, state.cache,
-                                                    positions, model.inv_freq, columns, model.model.norm,
-                                                    self.vocab.unembedding.stored, self.vocab.ids, not greedy or tree)
+            tokens, logits, _ = self.model.draft_block(window, state.cache, positions, columns,
+                                                       self.vocab.unembedding.stored, self.vocab.ids,
+                                                       not greedy or tree)
         else:
             logits = self.model(window, positions=positions, cache=state.cache, logits_index=columns,
                                 unembedding=self.vocab.unembedding).logits   # (B, m, N)
-        for b in range(B):
-            if limit[b]:
-                state.committed[b] += lengths[b]
-                state.pending[b] = []
-        state.cache.rollback(state.committed)                               # the masks' entries dropped
+        fed(state, [n if lim else 0 for n, lim in zip(lengths, limit)])  # the masks' entries dropped
         if not (self.native and greedy):
             tokens, probs, scores = draw_block(logits, state.samplings, draws, self.vocab, self.vocab_size)
         else:  # greedy in the kernel: the logits came back only for a tree's alternatives

@@ -223,14 +223,7 @@ class SuffixProposer:
         return best[0], best[1]
 
     def propose(self, state: SuffixState, limits, widths, draws) -> Proposal:
-        limit = limits.tolist()
-        m = max(limit)
-        if m == 0:
-            return Proposal.empty(len(limit), limits.device)
-        widths = tuple(widths[:m])
-        trees = [self.draft(row, n, widths) if n else ([], []) for row, n in zip(state.rows, limit)]
-        return Proposal.from_rows([t for t, _ in trees], None if max(widths) == 1 else [p for _, p in trees],
-                                  limits.device)
+        return Proposal.looked_up(limits, widths, state.rows, self.draft)
 
     def observe(self, state: SuffixState, outcome: Outcome) -> None:
         shared, match = self.shared, self.max_match

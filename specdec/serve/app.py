@@ -88,17 +88,11 @@ def create_app(service: Service, limits: Limits = Limits()):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        parsed = read(service, await request.body(), requests.completion)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": service.name}
-        return await run(service, request, parsed, head, chat=False)
+        return await run(service, request, read(service, await request.body(), requests.completion), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        parsed = read(service, await request.body(), requests.chat)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": service.name}
-        return await run(service, request, parsed, head, chat=True)
+        return await run(service, request, read(service, await request.body(), requests.chat), chat=True)
 
     return Guard(app, limits)
 
@@ -124,7 +118,13 @@ def read(service: Service, raw: bytes, parse) -> Parsed:
         service.requests["invalid"] += 1
         raise
 
-async def run(service: Service, request: Request, parsed: Parsed, head: dict, chat: bool):
+def response_head(service: Service, chat: bool) -> dict:
+    """What every response (or chunk) of one completion starts with: its id, object, time and model."""
+    prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": service.name}
+
+
+async def run(service: Service, request: Request, parsed: Parsed, chat: bool):
     """Admit, encode and submit a parsed completion request; its response, streamed or whole, or the
     API error of a full queue, a closing server, a chat without a template or a prompt too long."""
     try:
@@ -153,6 +153,7 @@ async def run(service: Service, request: Request, parsed: Parsed, head: dict, ch
         service.finished(job, None, 0, False)
         service.requests["invalid"] += 1
         raise APIError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded") from None
+    head = response_head(service, chat)
     if parsed.stream:
         return StreamingResponse(sse(service, job, head, parsed.include_usage, chat), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

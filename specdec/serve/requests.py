@@ -7,7 +7,7 @@ specdec cannot honour exactly (penalties, logit_bias, logprobs, n > 1, tools, ..
 name unless it holds its neutral value; a field nobody defines is refused by name, as OpenAI
 does. `stop` is a string or a list of strings; text must be valid Unicode (no lone surrogates).
 Special-token text in a prompt (e.g. "<|endoftext|>") is text unless "special_tokens": true; a
-prompt ending in whitespace is token-healed unless "heal": false (decoding/prompts.py).
+prompt ending in whitespace is token-healed unless "heal": false (decoding/pipeline.py).
 
 This module knows nothing about models or the engine.
 """

@@ -37,8 +37,7 @@ from dataclasses import dataclass, field, replace
 from ..api import Loaded
 from ..decoding.constraint import Compiled, compile_constraint
 from ..decoding.engine import Engine, Request
-from ..decoding.pipeline import prepare, requests
-from ..decoding.prompts import Prompt
+from ..decoding.pipeline import Prompt, prepare, requests
 from ..errors import SpecdecError
 from ..lm.chat import has_template
 from .prometheus import Metrics

@@ -39,11 +39,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..decoding.engine import Engine, Request
-from ..decoding.prompts import encode, stop_rule
+from ..decoding.pipeline import encode, stop_rule
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.atomic import atomic_dir, recover
 from ..lm.checkpoint import WEIGHTS, load_model, quantized_copy, sha256, shown_path
+from ..lm.interface import admit
 from ..lm.tokenizer import Tokenizer
 from ..proposers.eagle_head import EagleHead, check_eagle_target, save_eagle, speculators_metadata
 from ..proposers.heads import read_head_state
@@ -100,7 +101,7 @@ def answer_all(model, tokenizer: Tokenizer, prompts: list[PoolPrompt], temperatu
                         SamplingConfig(t, seed=prompt_seed(cfg.seed, p) if t else None)) for p, t, e in jobs]
     t0 = time.perf_counter()
     k = "auto" if cfg.lookup else 0  # lookup drafts only at the steps where the cost model says it pays
-    engine = Engine(model, NgramProposer(), k, cfg.capacity, max(len(r.prompt) for r in requests) + max_new_tokens)
+    engine = Engine(admit(model), NgramProposer(), k, cfg.capacity, max(len(r.prompt) for r in requests) + max_new_tokens)
     for r in requests:
         engine.submit(r)
     while engine.busy:

@@ -6,7 +6,7 @@ Prompts, both made here and deterministic:
 - code: the signature and docstring of functions of the running interpreter's standard library
   (outside its test folders, corpus.HELD_OUT_DIRS), as a completion prompt in HumanEval's form
   (the target continues the function body), encoded as a benchmark encodes HumanEval (the one
-  prompt encoding, decoding/prompts.py: unhealed, without the trailing whitespace);
+  prompt encoding, decoding/pipeline.py: unhealed, without the trailing whitespace);
 - chat: requests assembled from the task and subject lists below, rendered with the checkpoint's
   chat template (lm/chat.py).
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from ..decoding.engine import plain_generate
-from ..decoding.prompts import Prompt as Encoded
-from ..decoding.prompts import encode, stop_rule
+from ..decoding.pipeline import Prompt as Encoded
+from ..decoding.pipeline import encode, stop_rule
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.chat import template
@@ -153,7 +153,7 @@ class Prompt:
 def prompts(tokenizer: Tokenizer, recipe: Recipe) -> list[Prompt]:
     """The recipe's code prompts (encoded as a benchmark encodes HumanEval: unhealed, without the
     trailing whitespace) and chat prompts (one user message, rendered by the checkpoint's chat
-    template), by the one prompt encoding (decoding/prompts.py), alternating while both last: a
+    template), by the one prompt encoding (decoding/pipeline.py), alternating while both last: a
     corpus cut short keeps both kinds."""
     code = [Prompt("code", text.rstrip(), encode(tokenizer, text.rstrip(), heal=False))
             for text in code_prompts(recipe.code_prompts, recipe.seed)]
