@@ -268,27 +268,30 @@ def test_auto_greedy_equals_plain_decoding(name, batch):
     assert "plain" in summary["predicted_speedup"]
 
 
+class ChainsOnly:
+    """A proposer that hands everything on to `inner` but drafts chains only (no trees)."""
+    name = "chains-only"
+
+    def __init__(self, inner):
+        self.inner, self.vocab_size, self.trees, self.max_depth = inner, inner.vocab_size, False, None
+
+    def start(self, *args, **kwargs):
+        return self.inner.start(*args, **kwargs)
+
+    def join(self, *args):
+        self.inner.join(*args)
+
+    def leave(self, *args):
+        self.inner.leave(*args)
+
+    def propose(self, state, limits, widths, draws):
+        return self.inner.propose(state, limits, (1,) * len(widths), draws)
+
+    def observe(self, state, outcome):
+        self.inner.observe(state, outcome)
+
+
 def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
-    class ChainsOnly:
-        def __init__(self, inner):
-            self.inner, self.name, self.vocab_size = inner, "chains-only", inner.vocab_size
-            self.trees, self.max_depth = False, None
-
-        def start(self, *args, **kwargs):
-            return self.inner.start(*args, **kwargs)
-
-        def join(self, *args):
-            self.inner.join(*args)
-
-        def leave(self, *args):
-            self.inner.leave(*args)
-
-        def propose(self, state, limits, widths, draws):
-            return self.inner.propose(state, limits, (1,) * len(widths), draws)
-
-        def observe(self, state, outcome):
-            self.inner.observe(state, outcome)
-
     target = tiny_llama(0)
     _, metrics = speculative_generate(target, ChainsOnly(NgramProposer()), [[1, 2, 1, 2]],
                                       StopRule(max_new_tokens=8), SamplingConfig(), "auto")
@@ -309,30 +312,19 @@ def test_auto_sampling_matches_the_target_distribution(monkeypatch):
     assert metrics.accepted > 0.01 * N
 
 
-class Counted:
-    """A proposer that counts its proposals and sleeps `delay` seconds per level it drafts (a draft
-    dearer than the target's forward: it can never pay)."""
+class Counted(ChainsOnly):
+    """A chains-only proposer that counts its proposals and sleeps `delay` seconds per level it
+    drafts (a draft dearer than the target's forward: it can never pay)."""
+    name = "counted"
 
     def __init__(self, inner, delay: float = 0.0):
-        self.inner, self.delay, self.proposals = inner, delay, 0
-        self.name, self.vocab_size, self.trees, self.max_depth = "counted", inner.vocab_size, False, None
-
-    def start(self, *args, **kwargs):
-        return self.inner.start(*args, **kwargs)
-
-    def join(self, *args):
-        self.inner.join(*args)
-
-    def leave(self, *args):
-        self.inner.leave(*args)
+        super().__init__(inner)
+        self.delay, self.proposals = delay, 0
 
     def propose(self, state, limits, widths, draws):
         self.proposals += 1
         time.sleep(self.delay * int(limits.max()))
-        return self.inner.propose(state, limits, (1,) * len(widths), draws)
-
-    def observe(self, state, outcome):
-        self.inner.observe(state, outcome)
+        return super().propose(state, limits, widths, draws)
 
 
 def test_auto_asks_the_proposer_only_on_drafting_steps():

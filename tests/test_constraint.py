@@ -333,6 +333,22 @@ def test_sampled_constrained_output_is_distributed_as_the_masked_target(name):
     assert metrics.accepted > 0.05 * N and metrics.forced > 0  # drafts, forced ones among them, were accepted
 
 
+def lenient(self, tokens):
+    """Matcher.advance in the wrong implementations below: it goes on past a token its grammar
+    refused (instead of stopping the run with an error), so the wrong output can be counted."""
+    self.m.consume_tokens(tokens)
+
+
+def assert_detected(case: str, what: str) -> None:
+    """The exact-distribution test of SAMPLED[case], run on a deliberately wrong implementation
+    (patched by the caller), must fail."""
+    make, sampling, k = SAMPLED[case]
+    counts, _ = constrained_counts(make(), sampling, k)
+    result = distribution_test(counts, exact_masked_joint(sampling))
+    print(f"\n{what}: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
+    assert not passes(result), result
+
+
 def test_the_distribution_test_fails_when_the_mask_is_forgotten_at_one_column(monkeypatch):
     """Wrong: the window's second column (after the first draft) is left unmasked; the matcher then
     goes on past the token its grammar refused (instead of stopping the run with an error)."""
@@ -343,16 +359,9 @@ def test_the_distribution_test_fails_when_the_mask_is_forgotten_at_one_column(mo
         masks[:, 1:2] = -1                    # every bit set: every token allowed
         return masks
 
-    def lenient(self, tokens):
-        self.m.consume_tokens(tokens)
-
     monkeypatch.setattr(Guide, "window_masks", forgetful)
     monkeypatch.setattr(Matcher, "advance", lenient)
-    make, sampling, k = SAMPLED["draft model T=1 k=3"]
-    counts, _ = constrained_counts(make(), sampling, k)
-    result = distribution_test(counts, exact_masked_joint(sampling))
-    print(f"\nmask forgotten at column 1: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
-    assert not passes(result), result
+    assert_detected("draft model T=1 k=3", "mask forgotten at column 1")
 
 
 def test_the_distribution_test_fails_when_a_forced_window_picks_from_the_unmasked_target(monkeypatch):
@@ -367,16 +376,9 @@ def test_the_distribution_test_fails_when_a_forced_window_picks_from_the_unmaske
                            [c + 1 + n for c, n in zip(self.cached, lengths)])
         return Verdict(proposal.lengths, picked)
 
-    def lenient(self, tokens):
-        self.m.consume_tokens(tokens)
-
     monkeypatch.setattr(Engine, "after_forced", unmasked)
     monkeypatch.setattr(Matcher, "advance", lenient)
-    make, sampling, k = SAMPLED["forced alone T=1 k=2"]
-    counts, _ = constrained_counts(make(), sampling, k)
-    result = distribution_test(counts, exact_masked_joint(sampling))
-    print(f"\nforced window picked unmasked: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
-    assert not passes(result), result
+    assert_detected("forced alone T=1 k=2", "forced window picked unmasked")
 
 
 def test_the_distribution_test_fails_when_the_drafter_reports_its_unmasked_q(monkeypatch):
@@ -391,11 +393,7 @@ def test_the_distribution_test_fails_when_the_drafter_reports_its_unmasked_q(mon
         return q, token, scores
 
     monkeypatch.setattr(base, "draw", unmasked_q)
-    make, sampling, k = SAMPLED["draft model T=1 k=3"]
-    counts, _ = constrained_counts(make(), sampling, k)
-    result = distribution_test(counts, exact_masked_joint(sampling))
-    print(f"\nunmasked q reported: p={result[0]:.3g} TV={result[1]:.4f} (bound {result[2]:.4f})")
-    assert not passes(result), result
+    assert_detected("draft model T=1 k=3", "unmasked q reported")
 
 
 # ---- the command line ----
