@@ -36,20 +36,21 @@ def binaries(folder: str | Path | None = None) -> Path:
     return folder
 
 
-def run(program: Path, args: list[str]) -> str:
-    """stdout + stderr of one run; a failure (a crash included) is an error naming the exit status."""
+def run(program: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """One run, its stdout and stderr kept apart; a failure (a crash included) is an error naming the
+    exit status."""
     done = subprocess.run([str(program), *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise SpecdecError(f"{program.name} failed (exit status {done.returncode}): "
                            f"{(done.stderr or done.stdout).strip()[-400:]}")
-    return done.stdout + done.stderr
+    return done
 
 
 def decode_speed(bin_dir: Path, model: Path, threads: int, new_tokens: int) -> float:
     """llama-bench's decoding speed (tokens/s) of `new_tokens` tokens from an empty context, one run."""
-    out = run(bin_dir / "llama-bench", ["-m", str(model), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
-                                        "-r", "1", "-o", "json"])
-    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    done = run(bin_dir / "llama-bench", ["-m", str(model), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
+                                         "-r", "1", "-o", "json"])
+    rows = json.loads(done.stdout)  # the JSON alone: its log goes to stderr
     return float(rows[0]["avg_ts"])
 
 
@@ -60,7 +61,7 @@ class Speculative:
     seconds: float          # decoding time, the prompt's encoding excluded
     drafted: int
     accepted: int
-    text: str               # what it printed between the prompt and its statistics
+    text: str               # everything it printed (its log and statistics go to stderr)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,10 +88,11 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt_file: Path, new
     (`--spec-type draft-simple`: it infers no type from a plain GGUF draft), drafts of up to
     `draft_max` tokens, its other speculative settings at their defaults (e.g. it ends a draft
     whose probability falls below its p_min)."""
-    return parse_speculative(run(bin_dir / "llama-speculative-simple", [
+    done = run(bin_dir / "llama-speculative-simple", [
         "-m", str(target), "-md", str(draft), "-f", str(prompt_file), "-n", str(new_tokens), "-t", str(threads),
         "-td", str(threads), "--temp", "0", "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
-        "-c", "4096"]))
+        "-c", "4096"])
+    return parse_speculative(done.stdout + done.stderr)
 
 
 def quantize(bin_dir: Path, source: Path, out: Path, kind: str = "Q8_0") -> Path:
