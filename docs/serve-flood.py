@@ -10,7 +10,7 @@ their latencies per phase, the p99 ratio flood / quiet, and the time a 10 MB bod
 refused (measured first, alone: from sending its head to reading the 413); the last line is one
 JSON object.
 
-    /work/tools/quiet python docs/serve-flood.py          (from the repository root)
+    python docs/serve-flood.py          (from the repository root, on an otherwise idle machine)
 """
 from __future__ import annotations
 
