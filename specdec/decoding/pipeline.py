@@ -38,7 +38,9 @@ after it is ordinary decoding of the target. The backed-off token itself is alwa
 healing never leaves the model without a choice.
 
 What a request asks for besides its prompt travels in `Options`, from the entry point to the
-engine's `Request`: a new per-request option is a field there and a line in `requests`.
+engine's `Request`: a new per-request option is a field there and a line in `requests` (a
+constraint is compiled by `prepare` and travels with the `Prompt`, since it is compiled against the
+tokenizer, as the prompt is encoded by it).
 
 A benchmark decodes fixed token ids (`fixed_prompts`: not healed, trailing whitespace stripped),
 through the same encoding and context rule.
