@@ -53,7 +53,8 @@ to be one. The final text (the engine's Row.text: stop string and EOS cut) close
 piece is labelled with who chose its tokens: "draft" (accepted draft tokens) or "target" (the
 recovered or bonus token, or every token of plain decoding).
 
-This module knows nothing about particular proposers, HTTP or the command line.
+This module knows no drafter (proposers/; only the grammar's own, guided.GrammarDrafts), nor HTTP or the
+command line.
 """
 from __future__ import annotations
 
