@@ -32,17 +32,14 @@ import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from . import inputs, kernels
-from .decoding.adaptive import measure_ahead
-from .decoding.constraint import Constraint, compile_constraint
-from .decoding.engine import Engine, Request
-from .decoding.guided import GrammarDrafts
-from .decoding.pipeline import Options, fixed_prompts, prepare, requests
+from .decoding import pipeline
+from .decoding.constraint import Constraint
+from .decoding.pipeline import Options, fixed_prompts
 from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
 from .lm import gguf, packaged
@@ -184,7 +181,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
     pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains).
     messages: a chat ([{"role": "user", "content": ...}, ...]) instead of prompts, rendered by the
-    checkpoint's chat template (chat.py); the reply is texts[0]. Prompts take the one request path
+    checkpoint's chat template (lm/tokenizer.py); the reply is texts[0]. Prompts take the one request path
     (decoding/pipeline.py): special-token text is text unless special_tokens=True; a prompt ending
     in whitespace is token-healed unless heal=False. With a seed, each prompt's sampled tokens depend
     only on the seed, the prompt and the target (sampling.py): prompts that share a seed share its
@@ -201,43 +198,21 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     inputs.sampling(temperature, top_k, top_p, seed)
     stop = inputs.generation(max_new_tokens, stop)
     inputs.draft_length(k, proposer, widths)
-    k = default_k(proposer) if k is None else k
-    compiled = None if constraint is None else compile_constraint(constraint, target.tokenizer,
-                                                                  target.model.config.vocab_size)
-    if compiled is not None:
-        heal = False  # a healed prompt's first token would be chosen outside the grammar
-        proposer, k = (GrammarDrafts(), 0) if proposer is None else (proposer, k)
     options = Options(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), stop, special_tokens, heal,
-                      compiled)
-    lm = target.lm
-    encoded = ([prepare(target.tokenizer, lm.context, options, messages=messages)] if messages is not None else
-               [prepare(target.tokenizer, lm.context, options, p, name=f"prompt {i}")
-                for i, p in enumerate(inputs.prompts(prompts))])
-    generator = options.sampling.generator(lm.device)
-    verify_cost = (measure_ahead(lm, proposer, len(encoded), widths, target.path.name)  # first -k auto run here
-                   if proposer is not None and k == "auto" else 0.0)
-    longest = max(len(p.ids) for p in encoded) + max_new_tokens  # a healed prompt's first token is generated
-    engine = Engine(lm, proposer, k, len(encoded), longest, widths=widths)
-    t0 = time.perf_counter()
-    rows = requests(lm, target.tokenizer, encoded, [options] * len(encoded), [generator] * len(encoded),
-                    [partial(send_text, on_text, i) if on_text else None for i in range(len(encoded))])
-    healing_seconds = time.perf_counter() - t0
-    metrics = engine.run(rows)
-    seconds = time.perf_counter() - t0
-    spec = {"method": "plain"} if proposer is None else {"method": proposer.name, **metrics.to_dict()}
-    healed = sum(bool(p.healed) for p in encoded) if max_new_tokens > 0 else 0
-    spec["time_to_first_token"] = healing_seconds if healed else metrics.first_token_seconds
-    stats = {**spec, "batch_size": len(rows), "prompt_tokens": [p.length for p in encoded], "healed_prompts": healed,
-             **run_stats(target, sum(len(r.row.tokens) for r in rows), seconds), "verify_curve_seconds": verify_cost}
-    return Result([r.row.text() for r in rows], [r.row.tokens for r in rows], [r.row.finish_reason for r in rows],
-                  stats)
-
-
-def send_text(on_text: Callable[[int, str], None], i: int, request: Request, pieces: list[tuple[str, str]],
-              tokens: list[int]) -> None:
-    """The pipeline's text stream of prompt i, handed to generate's on_text piece by piece."""
-    for piece, _ in pieces:
-        on_text(i, piece)
+                      constraint)
+    texts = None if prompts is None else inputs.prompts(prompts)
+    k = default_k(proposer) if k is None else k
+    batch = pipeline.generate(target.lm, target.tokenizer, options, texts, messages, proposer, k, widths,
+                              target.path.name, on_text)
+    rows = [r.row for r in batch.requests]
+    metrics = batch.metrics
+    spec = {"method": "plain"} if batch.proposer is None else {"method": batch.proposer.name, **metrics.to_dict()}
+    healed = sum(bool(p.healed) for p in batch.prompts) if max_new_tokens > 0 else 0
+    spec["time_to_first_token"] = batch.healing_seconds if healed else metrics.first_token_seconds
+    stats = {**spec, "batch_size": len(rows), "prompt_tokens": [p.length for p in batch.prompts],
+             "healed_prompts": healed, **run_stats(target, sum(len(r.tokens) for r in rows), batch.seconds),
+             "verify_curve_seconds": batch.verify_curve_seconds}
+    return Result(batch.texts, [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
 
 
 def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:

@@ -21,7 +21,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm import gguf
-from specdec.lm.chat import template
+from specdec.lm.tokenizer import template
 from specdec.lm.tokenizer import Tokenizer
 
 from .gguf_helpers import CHATML, SPECIALS, Q, byte_level_tokenizer, hf_model, write_gguf

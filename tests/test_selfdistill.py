@@ -17,7 +17,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
-from specdec.lm.chat import template
+from specdec.lm.tokenizer import template
 from specdec.lm.checkpoint import load_model
 from specdec.lm.tokenizer import Tokenizer
 from specdec.train.corpus import HELD_OUT_DIRS, Corpus

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from specdec import api
-from specdec.decoding.text import TextStream
+from specdec.decoding.pipeline import TextStream
 from specdec.lm.tokenizer import EOS_ID
 from specdec.proposers import DraftModelProposer
 

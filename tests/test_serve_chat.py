@@ -1,4 +1,4 @@
-"""Chat and the web: chat.py renders exactly what transformers' apply_chat_template renders (a
+"""Chat and the web: tokenizer.py's chat template renders exactly what transformers' apply_chat_template renders (a
 template built here, on a tokenizer of a tiny checkpoint), /v1/chat/completions answers what
 api.generate(messages=...) answers, whole and streamed, a model without a template is a clear 400
 (and a SpecdecError in Python), and CORS is closed by default: a text/plain POST from a foreign
@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specdec import api
 from specdec.errors import SpecdecError
-from specdec.lm.chat import ChatTemplate, check_messages
+from specdec.lm.tokenizer import ChatTemplate, check_messages
 from specdec.serve.guard import Limits
 
 from .test_serve_fuzz import InProcess, error_of

@@ -3,6 +3,7 @@ the target, dtype and hardware; each panel its workload, temperature and batch s
 nothing to show (no batch-1 cell, no configuration measured at two batch sizes) is not written."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import matplotlib
@@ -69,37 +70,35 @@ def batch1_chains(result: dict) -> bool:
                for c in result["cells"] if c["batch_size"] == 1 for r in c["results"])
 
 
-def speedup_vs_k(result: dict, path: Path) -> bool:
+def batch1_plot(draw, result: dict, path: Path) -> bool:
+    """One panel per batch-1 cell, each drawn by draw(ax, cell, {method: its fixed-k results});
+    nothing where no batch-1 cell ran a chain."""
     if not batch1_chains(result):
         return False
     fig, plotted = batch1_panels(result)
     for ax, cell, by_method in plotted:
-        for method, rs in by_method.items():
-            med = [r["speedup"]["median"] for r in rs]
-            err = [[m - r["speedup"]["min"] for m, r in zip(med, rs)], [r["speedup"]["max"] - m for m, r in zip(med, rs)]]
-            ax.errorbar([r["k"] for r in rs], med, yerr=err, marker="o", capsize=3, label=method,
-                        color=COLORS[method])
-        ax.axhline(1, color="gray", lw=0.8, ls="--")
-        finish_panel(ax, cell, [r["k"] for rs in by_method.values() for r in rs],
-                     xlabel="k (draft tokens per step)", ylabel="speedup vs plain")
+        draw(ax, cell, by_method)
     save(fig, result, path)
     return True
 
 
-def acceptance_per_position(result: dict, path: Path) -> bool:
-    if not batch1_chains(result):
-        return False
-    fig, plotted = batch1_panels(result)
-    for ax, cell, by_method in plotted:
-        for method, rs in by_method.items():
-            r = max(rs, key=lambda r: r["k"])
-            alphas = [a if a is not None else float("nan") for a in r["acceptance_per_position"]]
-            ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=f"{method} k={r['k']}",
-                    color=COLORS[method])
-        positions = [i for rs in by_method.values() for i in range(1, max(r["k"] for r in rs) + 1)]
-        finish_panel(ax, cell, positions, xlabel="draft position i", ylabel="α_i", ylim=(0, 1.05))
-    save(fig, result, path)
-    return True
+def speedup_vs_k(ax, cell: dict, by_method: dict) -> None:
+    for method, rs in by_method.items():
+        med = [r["speedup"]["median"] for r in rs]
+        err = [[m - r["speedup"]["min"] for m, r in zip(med, rs)], [r["speedup"]["max"] - m for m, r in zip(med, rs)]]
+        ax.errorbar([r["k"] for r in rs], med, yerr=err, marker="o", capsize=3, label=method, color=COLORS[method])
+    ax.axhline(1, color="gray", lw=0.8, ls="--")
+    finish_panel(ax, cell, [r["k"] for rs in by_method.values() for r in rs],
+                 xlabel="k (draft tokens per step)", ylabel="speedup vs plain")
+
+
+def acceptance_per_position(ax, cell: dict, by_method: dict) -> None:
+    for method, rs in by_method.items():
+        r = max(rs, key=lambda r: r["k"])
+        alphas = [a if a is not None else float("nan") for a in r["acceptance_per_position"]]
+        ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=f"{method} k={r['k']}", color=COLORS[method])
+    positions = [i for rs in by_method.values() for i in range(1, max(r["k"] for r in rs) + 1)]
+    finish_panel(ax, cell, positions, xlabel="draft position i", ylabel="α_i", ylim=(0, 1.05))
 
 
 def predicted_vs_measured(result: dict, path: Path) -> bool:
@@ -170,9 +169,9 @@ def verify_cost(result: dict, path: Path) -> bool:
 
 
 PLOTS = {  # file name: (what it shows, how it is drawn)
-    "speedup_vs_k.png": ("speedup vs k per method (batch 1)", speedup_vs_k),
+    "speedup_vs_k.png": ("speedup vs k per method (batch 1)", partial(batch1_plot, speedup_vs_k)),
     "acceptance_per_position.png": ("per-position acceptance α_i (each method at its largest k)",
-                                    acceptance_per_position),
+                                    partial(batch1_plot, acceptance_per_position)),
     "predicted_vs_measured.png": ("cost model: predicted vs measured speedup", predicted_vs_measured),
     "speedup_vs_batch.png": ("speedup vs batch size (where the gain disappears)", speedup_vs_batch),
     "verify_cost.png": ("verify cost vs tokens per forward; MoE vs dense of the same active size", verify_cost),

@@ -359,27 +359,20 @@ def markdown_report(result: dict, plots: list[str]) -> str:
         lines += [f"## {cell_heading(cell)}", "", *cell_table(cell), "", *curve_lines(result, cell), ""]
     lines += marked("step-breakdown", step_breakdown_lines(result))
     lines += marked("host-syncs", host_sync_lines(result))
-    adaptive = adaptive_lines(result)
-    if adaptive:
-        lines += ["## Adaptive speculation (-k auto)", "", *marked("adaptive", [
-                  "Each method with `-k auto` (specdec/decoding/adaptive.py) against the best fixed k or tree of the same "
-                  "cell, measured in the same repeats; *chosen*: the options it drafted, in steps "
-                  "(plain: plain decoding).", "", *adaptive, ""], heading=0)]
-    seeded = seeded_lines(result)
-    if seeded:
-        lines += ["## Seeded vs unseeded acceptance", "", *marked("seeded", [
-                  "Sampling cells run seeded (`--seed`): a seeded row's drafts are drawn with the noise its "
-                  "verifier draws with (sampling.Draws), an unseeded row's from a generator, verified by rejection "
-                  "sampling. Both must accept drafts alike; each method's first fixed-k chain ran once more "
-                  "without a seed (untimed) to show it. α (proposed drafts); *DIFFER*: the difference exceeds "
-                  "3 standard errors (each draft taken as an independent trial).", "", *seeded, ""], heading=0)]
-    trees = tree_lines(result)
-    if trees:
-        lines += ["## Trees vs chains at equal verified tokens (batch 1)", "", *marked("trees", [
-                  "A tree of N nodes against the chain of k = N drafts (both verify up to 1 + N tokens per step). "
-                  "*flat curve*: the cost model with t(n) = t(1) (hardware where a forward of a few tokens costs "
-                  "what one does): τ × t(1) / (t(1) + draft + other seconds per step, as measured here).", "",
-                  *trees, ""], heading=0)]
+    lines += section("Adaptive speculation (-k auto)", "adaptive", adaptive_lines(result),
+                     "Each method with `-k auto` (specdec/decoding/adaptive.py) against the best fixed k or tree of "
+                     "the same cell, measured in the same repeats; *chosen*: the options it drafted, in steps "
+                     "(plain: plain decoding).")
+    lines += section("Seeded vs unseeded acceptance", "seeded", seeded_lines(result),
+                     "Sampling cells run seeded (`--seed`): a seeded row's drafts are drawn with the noise its "
+                     "verifier draws with (sampling.Draws), an unseeded row's from a generator, verified by rejection "
+                     "sampling. Both must accept drafts alike; each method's first fixed-k chain ran once more "
+                     "without a seed (untimed) to show it. α (proposed drafts); *DIFFER*: the difference exceeds "
+                     "3 standard errors (each draft taken as an independent trial).")
+    lines += section("Trees vs chains at equal verified tokens (batch 1)", "trees", tree_lines(result),
+                     "A tree of N nodes against the chain of k = N drafts (both verify up to 1 + N tokens per step). "
+                     "*flat curve*: the cost model with t(n) = t(1) (hardware where a forward of a few tokens costs "
+                     "what one does): τ × t(1) / (t(1) + draft + other seconds per step, as measured here).")
     costs = ["| cell | method | α_1..α_k | c | draft / verify / other ms per step | predicted | measured | error | "
              "S_limit | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
     for cell in result["cells"]:
@@ -422,6 +415,14 @@ def reproduce_line(result: dict) -> str:
     sha = result["conditions"]["software"]["git"]
     dirty = " plus changes not yet committed when it ran (git: +dirty)" if sha.endswith("+dirty") else ""
     return f"Reproduce: `{cmd}` at specdec commit `{sha.removesuffix('+dirty')}`{dirty}."
+
+
+def section(title: str, name: str, body: list[str], intro: str) -> list[str]:
+    """A section of its own: the title, then, marked as `name`, the introduction and the body; nothing
+    where the body is empty (the run measured nothing of it)."""
+    if not body:
+        return []
+    return [f"## {title}", "", *marked(name, [intro, "", *body, ""], heading=0)]
 
 
 def marked(name: str, lines: list[str], heading: int = 2) -> list[str]:

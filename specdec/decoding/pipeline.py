@@ -3,14 +3,14 @@
 
     encode   `prepare`: the prompt's ids and stop strings by the checkpoint's own rules, one step on
              the tokenizer's side (below); the one context rule (engine.check_fits) refuses what
-             cannot fit
+             cannot fit; a constraint (structured output) compiled against the tokenizer
     heal     `first_tokens`: the first token of a prompt that ended in whitespace, one target
              forward for every healed prompt of a batch (token healing, below)
     stop     `stop_rule`, per row: EOS ids, the request's stop strings and the prompt's (a chat's end
              of turn), max_new_tokens; a healed row's stop strings skip the backed-off text
-    stream   text.TextStream: pieces that are never taken back
-    engine   an `engine.Request`, to `Engine.submit` (or `Engine.run` for a closed batch); an
-             engine without a proposer decodes plainly
+    stream   `TextStream`: pieces that are never taken back
+    engine   an `engine.Request`, to `Engine.submit` (the server) or, for a closed batch, `generate`:
+             the whole path and one `Engine.run`; an engine without a proposer decodes plainly
 
 The checkpoint's rules (`encode`):
 - Text is text: special-token text typed in a prompt ("<|im_start|>") is encoded as the characters
@@ -18,8 +18,9 @@ The checkpoint's rules (`encode`):
   line's --special-tokens, a request's "special_tokens": true), as OpenAI's API does.
 - The prompt starts with the checkpoint's prefix (tokenizer.py: its BOS where its tokenizer adds
   one; specdec's own models' <|endoftext|>). A chat is rendered by the checkpoint's chat template
-  (chat.py), which decides the whole prompt, and ends its turn with the template's end-of-turn text.
-- A text ending in whitespace is token-healed unless heal=False: its last token is backed off
+  (tokenizer.py), which decides the whole prompt, and ends its turn with the template's end-of-turn text.
+- A text ending in whitespace is token-healed unless heal=False or the request is constrained (a
+  healed prompt's first token would be chosen outside the grammar): its last token is backed off
   (`back_off`) and the first generated token must extend the text.
 - Generation ends at any of the checkpoint's EOS ids (its end-of-turn ids among them), at a stop
   string, or after max_new_tokens.
@@ -37,32 +38,52 @@ after it is ordinary decoding of the target. The backed-off token itself is alwa
 healing never leaves the model without a choice.
 
 What a request asks for besides its prompt travels in `Options`, from the entry point to the
-engine's `Request`: a new per-request option is a field there and a line in `requests`.
+engine's `Request`: a new per-request option is a field there and a line in `requests` (a
+constraint is compiled by `prepare` and travels with the `Prompt`, since it is compiled against the
+tokenizer, as the prompt is encoded by it).
 
 A benchmark decodes fixed token ids (`fixed_prompts`: not healed, trailing whitespace stripped),
 through the same encoding and context rule.
 
-This module knows nothing about proposers, HTTP or the command line.
+A stream of text (`TextStream`) turns a request's tokens, as they arrive step by step, into pieces
+that are safe to send: a piece is never taken back. The text is decoded from all tokens so far
+(byte-level BPE decodes by concatenation, except a character split across tokens, held back until
+complete), and a tail that could be the start of a stop string is held back until it is known not
+to be one. The final text (the engine's Row.text: stop string and EOS cut) closes the stream. Each
+piece is labelled with who chose its tokens: "draft" (accepted draft tokens) or "target" (the
+recovered or bonus token, or every token of plain decoding).
+
+This module knows no drafter (proposers/; only the grammar's own, guided.GrammarDrafts), nor HTTP or the
+command line.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..errors import SpecdecError
-from ..lm.chat import template
 from ..lm.interface import Admitted, pad_right
-from ..lm.tokenizer import Tokenizer
-from .constraint import Compiled
-from .engine import Request, check_fits
+from ..lm.tokenizer import Tokenizer, template
+from .adaptive import measure_ahead
+from .constraint import Compiled, Constraint, compile_constraint
+from .engine import Engine, Request, check_fits
+from .guided import GrammarDrafts
+from .metrics import SpecMetrics
+from .protocol import Proposer
 from .sampling import RowGenerators, SamplingConfig, pick_rows
 from .stopping import StopRule
-from .text import TextStream
 
 # on_text(request, pieces, tokens): a step's tokens of the request and their text, (piece, "draft" | "target")
 OnText = Callable[[Request, list[tuple[str, str]], list[int]], None]
+
+
+class BadConstraint(SpecdecError):
+    """A constraint that does not compile against the target's tokenizer: an invalid or unsupported
+    schema, regex or grammar."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,7 @@ class Prompt:
     ids: list[int]               # the prefix and the prompt's ids (the last one backed off when healed)
     healed: str = ""             # the backed-off text the first generated token must start with ("": none)
     stop: tuple[str, ...] = ()   # stop strings the prompt brings: a chat template's end of turn
+    constraint: Compiled | None = None  # the request's constraint compiled against the tokenizer
 
     @property
     def length(self) -> int:
@@ -84,17 +106,25 @@ class Options:
     sampling: SamplingConfig = SamplingConfig()
     stop: tuple[str, ...] = ()     # stop strings (the prompt may bring more: a chat's end of turn)
     special_tokens: bool = False   # special-token text in the prompt is the control token, not text
-    heal: bool = True              # token-heal a prompt that ends in whitespace
-    constraint: Compiled | None = None  # structured output: the grammar its tokens must match (constraint.py)
+    heal: bool = True              # token-heal a prompt that ends in whitespace (never under a constraint)
+    constraint: Constraint | None = None  # structured output: what its tokens must match (constraint.py)
 
 
 def prepare(tokenizer: Tokenizer, context: int, options: Options, text: str | None = None,
-            messages: list[dict] | None = None, name: str = "the prompt", budget: str = "max_new_tokens") -> Prompt:
+            messages: list[dict] | None = None, name: str = "the prompt", budget: str = "max_new_tokens",
+            vocab: int | None = None) -> Prompt:
     """The prompt of `text` (to continue) or of chat `messages` by the checkpoint's rules, refused
-    when it and options.max_new_tokens do not fit the context (name, budget: as the caller calls them)."""
-    prompt = encode(tokenizer, text, messages, special_tokens=options.special_tokens, heal=options.heal)
+    when it and options.max_new_tokens do not fit the context (name, budget: as the caller calls them);
+    options.constraint compiled over the target's `vocab` ids (BadConstraint where it does not compile)."""
+    constrained = options.constraint is not None
+    prompt = encode(tokenizer, text, messages, options.special_tokens, options.heal and not constrained)
     check_fits(prompt.length, options.max_new_tokens, context, name, budget)
-    return prompt
+    if not constrained:
+        return prompt
+    try:
+        return Prompt(prompt.ids, prompt.healed, prompt.stop, compile_constraint(options.constraint, tokenizer, vocab))
+    except SpecdecError as e:
+        raise BadConstraint(str(e)) from None
 
 
 def encode(tokenizer: Tokenizer, text: str | None = None, messages: list[dict] | None = None,
@@ -132,16 +162,17 @@ def allowed(tokenizer: Tokenizer, text: str, vocab_size: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def first_tokens(target: Admitted, tokenizer: Tokenizer, prompts: list[list[int]], texts: list[str],
-                 samplings: list[SamplingConfig], generator: torch.Generator | RowGenerators | None) -> list[int]:
-    """The first generated token of each prompt (its ids already backed off), restricted to the
-    tokens that start with its backed-off text, under its own sampling settings: one forward of the
-    admitted target over all of them."""
-    tokens, lengths = pad_right(prompts, device=target.device)                         # (B, T), (B,)
-    logits = target.lm(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]       # (B, V)
-    masks = torch.stack([allowed(tokenizer, t, logits.shape[-1]) for t in texts]).to(target.device)  # (B, V)
-    return pick_rows(logits.masked_fill(~masks, float("-inf")), samplings, generator,
-                     list(map(len, prompts))).tolist()
+def first_tokens(target: Admitted, tokenizer: Tokenizer, prompts: list[Prompt], samplings: list[SamplingConfig],
+                 generators: list[torch.Generator | None]) -> list[int]:
+    """The first generated token of each healed prompt (its ids backed off), restricted to the tokens
+    that start with its backed-off text, under its own sampling settings and generator (rows may share
+    one): one forward of the admitted target over all of them."""
+    masks = torch.stack([allowed(tokenizer, p.healed, target.lm.config.vocab_size) for p in prompts])  # (B, V)
+    tokens, lengths = pad_right([p.ids for p in prompts], device=target.device)          # (B, T), (B,)
+    logits = target.lm(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]         # (B, V)
+    generator = generators[0] if all(g is generators[0] for g in generators) else RowGenerators(generators)
+    return pick_rows(logits.masked_fill(~masks.to(target.device), float("-inf")), samplings, generator,
+                     [len(p.ids) for p in prompts]).tolist()
 
 
 def stop_rule(tokenizer: Tokenizer, max_new_tokens: int, stop: tuple[str, ...] = (), skip: int = 0) -> StopRule:
@@ -171,12 +202,9 @@ def requests(target: Admitted, tokenizer: Tokenizer, prompts: list[Prompt], opti
     healing = [i for i, (p, o) in enumerate(zip(prompts, options)) if p.healed and o.max_new_tokens > 0]
     firsts = dict.fromkeys(healing)
     if healing:
-        shared = all(generators[i] is generators[healing[0]] for i in healing)
-        generator = generators[healing[0]] if shared else RowGenerators([generators[i] for i in healing])
-        chosen = first_tokens(target, tokenizer, [prompts[i].ids for i in healing],
-                              [prompts[i].healed for i in healing],
-                              [options[i].sampling for i in healing], generator)
-        firsts = dict(zip(healing, chosen))
+        firsts = dict(zip(healing, first_tokens(target, tokenizer, [prompts[i] for i in healing],
+                                                [options[i].sampling for i in healing],
+                                                [generators[i] for i in healing])))
     return [request(tokenizer, p, o, g, firsts.get(i), t)
             for i, (p, o, g, t) in enumerate(zip(prompts, options, generators, on_text))]
 
@@ -196,9 +224,95 @@ def request(tokenizer: Tokenizer, prompt: Prompt, options: Options, generator: t
             final = request.row.text() if request.row.done else None
             on_text(request, text.add(tokens, drafted, final), tokens)
     ids = prompt.ids if first is None else prompt.ids + [first]
-    row = Request(ids, rule, options.sampling, generator, on_tokens, options.constraint)
+    row = Request(ids, rule, options.sampling, generator, on_tokens, prompt.constraint)
     if first is not None:
         row.row.append(first)  # healing chose it: the row's first token, from the target
         if on_tokens is not None:
             on_tokens(row, [first], 0)
     return row
+
+
+@dataclass
+class Batch:
+    """A closed batch through the whole path (`generate`)."""
+    prompts: list[Prompt]
+    requests: list[Request]      # each row's tokens, finish reason and text (`Request.row`)
+    proposer: Proposer | None    # the proposer that drafted (None: plain decoding)
+    metrics: SpecMetrics         # the engine's
+    seconds: float               # healing and decoding
+    healing_seconds: float       # of which the healed prompts' first tokens
+    verify_curve_seconds: float  # measuring this machine's verify cost first (k="auto"; outside `seconds`)
+
+    @property
+    def texts(self) -> list[str]:
+        return [r.row.text() for r in self.requests]
+
+
+def generate(target: Admitted, tokenizer: Tokenizer, options: Options, texts: list[str] | None = None,
+             messages: list[dict] | None = None, proposer: Proposer | None = None, k: int | str = 0,
+             widths: tuple[int, ...] | None = None, name: str = "",
+             on_text: Callable[[int, str], None] | None = None) -> Batch:
+    """`texts` (each continued) or one chat's `messages` under one set of options, the whole path:
+    encoded, healed, decoded in one closed batch by one engine (proposer None: plain decoding, k = 0;
+    under a constraint the "grammar" proposer, which drafts its forced tokens where k >= 1).
+    name: the model's, under which k="auto" keeps this machine's verify cost (calibration.py),
+    measured first where missing. on_text(i, piece): prompt i's text as its tokens are committed."""
+    asks = [(None, messages, "the prompt")] if messages is not None else [(t, None, f"prompt {i}")
+                                                                           for i, t in enumerate(texts)]
+    prompts = [prepare(tokenizer, target.context, options, text, chat, name, vocab=target.lm.config.vocab_size)
+               for text, chat, name in asks]
+    if options.constraint is not None and proposer is None:
+        proposer = GrammarDrafts()
+    verify_cost = measure_ahead(target, proposer, len(prompts), widths, name) if k == "auto" else 0.0
+    longest = max(len(p.ids) for p in prompts) + options.max_new_tokens  # a healed prompt's first token is generated
+    engine = Engine(target, proposer, k, len(prompts), longest, widths=widths)
+    t0 = time.perf_counter()
+    generator = options.sampling.generator(target.device)
+    rows = requests(target, tokenizer, prompts, [options] * len(prompts), [generator] * len(prompts),
+                    [partial(send_text, on_text, i) if on_text else None for i in range(len(prompts))])
+    healed = time.perf_counter()
+    metrics = engine.run(rows)
+    return Batch(prompts, rows, proposer, metrics, time.perf_counter() - t0, healed - t0, verify_cost)
+
+
+def send_text(on_text: Callable[[int, str], None], i: int, request: Request, pieces: list[tuple[str, str]],
+              tokens: list[int]) -> None:
+    """Prompt i's text stream, handed to `generate`'s on_text piece by piece."""
+    for piece, _ in pieces:
+        on_text(i, piece)
+
+
+class TextStream:
+    """A request's text, piece by piece (the module docstring)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...], skip_chars: int = 0):
+        """skip_chars: characters of the decoded text that belong to the prompt (token healing)."""
+        self.decode, self.stops, self.skip = decode, stops, skip_chars
+        self.tokens: list[int] = []
+        self.sent = 0  # characters sent
+
+    def add(self, tokens: list[int], drafted: int, final: str | None = None) -> list[tuple[str, str]]:
+        """One step's tokens (the first `drafted` accepted drafts) -> [(text, kind)]; `final`: the
+        request's whole text when this step finished it."""
+        pieces = []
+        for chunk, kind in ((tokens[:drafted], "draft"), (tokens[drafted:], "target")):
+            if chunk:
+                self.tokens += chunk
+                text = self.decode(self.tokens)[self.skip:]
+                if final is None:
+                    end = self.safe_end(text)
+                else:  # the final text is a prefix of the decoded one (stop string and EOS cut)
+                    end, text = min(len(text.rstrip("\ufffd")), len(final)), final
+                if end > self.sent:
+                    pieces.append((text[self.sent:end], kind))
+                    self.sent = end
+        if final is not None and len(final) > self.sent:
+            pieces.append((final[self.sent:], "target"))
+            self.sent = len(final)
+        return pieces
+
+    def safe_end(self, text: str) -> int:
+        """Where the text can be cut without sending half a character or half a stop string."""
+        end = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence decodes to U+FFFD
+        held = max((i for s in self.stops for i in range(1, len(s)) if text[:end].endswith(s[:i])), default=0)
+        return end - held

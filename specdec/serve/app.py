@@ -25,12 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from ..decoding.pipeline import BadConstraint
 from ..errors import SpecdecError
 from . import requests
 from .guard import Guard, Limits
 from .prometheus import CONTENT_TYPE
 from .requests import APIError, Parsed
-from .service import BadConstraint, Closing, Event, Job, NoChat, QueueFull, Service
+from .service import Closing, Event, Job, NoChat, QueueFull, Service
 
 PAGE = Path(__file__).with_name("static") / "index.html"
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # specdec's -> OpenAI's

@@ -5,6 +5,8 @@ keep their one definition (metrics.py) and the request counts and queue gauges t
 """
 from __future__ import annotations
 
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -41,19 +43,14 @@ class Metrics:
         s, m = self.service, self.service.engine.metrics
         positions = [str(i) for i in range(1, m.k + 1)]
 
-        def counter(name: str, help: str, value: float | None = None, label: str | None = None,
-                    samples: list | None = None):
-            family = CounterMetricFamily(name, help, value=value, labels=[label] if label else None)
+        def family(kind, name: str, help: str, value: float | None = None, label: str | None = None,
+                   samples: list | None = None):
+            metric = kind(name, help, value=value, labels=[label] if label else None)
             for key, v in samples or ():
-                family.add_metric([key], v)
-            return family
+                metric.add_metric([key], v)
+            return metric
 
-        def gauge(name: str, help: str, value: float | None = None, label: str | None = None,
-                  samples: list | None = None):
-            family = GaugeMetricFamily(name, help, value=value, labels=[label] if label else None)
-            for key, v in samples or ():
-                family.add_metric([key], v)
-            return family
+        counter, gauge = partial(family, CounterMetricFamily), partial(family, GaugeMetricFamily)
 
         yield counter("specdec_requests", "Completion requests by outcome.", label="outcome",
                       samples=list(s.requests.items()))

@@ -21,7 +21,7 @@ from ..decoding.constraint import Constraint
 from ..decoding.pipeline import Options
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
-from ..lm.chat import check_messages
+from ..lm.tokenizer import check_messages
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 512
@@ -70,7 +70,7 @@ class Params:
     @property
     def options(self) -> Options:
         """The request's settings as the pipeline carries them to the engine (decoding/pipeline.py)."""
-        return Options(self.max_tokens, self.sampling, self.stop, self.special_tokens, self.heal)
+        return Options(self.max_tokens, self.sampling, self.stop, self.special_tokens, self.heal, self.constraint)
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,7 @@ def completion(body, model: str) -> Parsed:
         raise APIError(400, "heal must be true (a prompt ending in whitespace is token-healed, the default) or "
                             "false (its tokens are kept as they are)", "heal")
     constraint = response_format(body.get("response_format"))
-    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special, heal and constraint is None, constraint),
-                  stream, usage)
+    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special, heal, constraint), stream, usage)
 
 
 def chat(body, model: str) -> Parsed:

@@ -32,14 +32,13 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..api import Loaded
-from ..decoding.constraint import Compiled, compile_constraint
 from ..decoding.engine import Engine, Request
 from ..decoding.pipeline import Prompt, prepare, requests
 from ..errors import SpecdecError
-from ..lm.chat import has_template
+from ..lm.tokenizer import has_template
 from .prometheus import Metrics
 from .requests import Params
 
@@ -54,10 +53,6 @@ class Closing(SpecdecError):
 
 class NoChat(SpecdecError):
     """The model has no chat template (HTTP 400)."""
-
-
-class BadConstraint(SpecdecError):
-    """The response_format does not compile: an invalid or unsupported schema (HTTP 400)."""
 
 
 @dataclass(frozen=True)
@@ -80,10 +75,9 @@ def merged(events: list[Event]) -> Event:
 @dataclass(eq=False)
 class Job:
     params: Params
-    prompt: Prompt | None = None   # the encoded prompt (its last token backed off when healing)
+    prompt: Prompt | None = None   # the encoded prompt (its last token backed off when healing; its constraint)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
-    constraint: Compiled | None = None  # response_format, compiled against the target's tokenizer
     cancelled: bool = False
     ended: bool = False            # its final event is sent
     queued_at: float = field(default_factory=time.perf_counter)
@@ -155,13 +149,8 @@ class Service:
                                f"{self.context} tokens can hold. Shorten the prompt")
         with self.encoding:
             job.prompt = prepare(self.target.tokenizer, self.context, p.options, p.prompt,
-                                 None if p.messages is None else list(p.messages), budget="max_tokens")
-        if p.constraint is not None:
-            try:
-                job.constraint = compile_constraint(p.constraint, self.target.tokenizer,
-                                                    self.target.model.config.vocab_size)
-            except SpecdecError as e:
-                raise BadConstraint(str(e)) from None
+                                 None if p.messages is None else list(p.messages), budget="max_tokens",
+                                 vocab=self.target.lm.lm.config.vocab_size)
 
     def submit(self, job: Job) -> None:
         """Hand an encoded job to the engine (handlers' loop)."""
@@ -243,9 +232,8 @@ class Service:
             self.outbox.append((job, Event(pieces, tokens, reason, request.steps, request.proposed,
                                            request.accepted)))
 
-        options = replace(p.options, constraint=job.constraint)
-        [job.request] = requests(self.target.lm, self.target.tokenizer, [job.prompt], [options],
-                                 [options.sampling.generator(self.target.lm.device)], [on_text])
+        [job.request] = requests(self.target.lm, self.target.tokenizer, [job.prompt], [p.options],
+                                 [p.sampling.generator(self.target.lm.device)], [on_text])
         job.request.cancelled = job.cancelled
         self.engine.submit(job.request)
 

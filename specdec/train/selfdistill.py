@@ -8,7 +8,7 @@ Prompts, both made here and deterministic:
   (the target continues the function body), encoded as a benchmark encodes HumanEval (the one
   prompt encoding, decoding/pipeline.py: unhealed, without the trailing whitespace);
 - chat: requests assembled from the task and subject lists below, rendered with the checkpoint's
-  chat template (lm/chat.py).
+  chat template (lm/tokenizer.py).
 
 Each prompt is answered greedily and at temperature `temperature` (seeded, so the answer depends
 only on the seed, the prompt and the target) by specdec's batched plain decoding
@@ -36,7 +36,7 @@ from ..decoding.pipeline import Prompt as Encoded
 from ..decoding.pipeline import encode, stop_rule
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
-from ..lm.chat import template
+from ..lm.tokenizer import template
 from ..lm.checkpoint import WEIGHTS, load_model, sha256
 from ..lm.tokenizer import Tokenizer
 from .corpus import HELD_OUT_DIRS, STDLIB, source_files
