@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from specdec.decoding import adaptive, calibration
+from specdec.decoding import adaptive, calibration, engine
 from specdec.decoding.adaptive import MAX_STRETCH, PROBE_EVERY, Adaptive
 from specdec.decoding.costmodel import VerifyCurve
 from specdec.decoding.engine import speculative_generate
@@ -300,8 +300,8 @@ def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
 
 def test_auto_sampling_matches_the_target_distribution(monkeypatch):
     # a batch of N rows: a made-up curve instead of timing forwards of N rows (only the choices depend on it)
-    monkeypatch.setattr(adaptive, "cached_verify_curve", lambda model, batch, tokens: (
-        VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, batch), False))
+    monkeypatch.setattr(engine, "verify_curves", lambda model, batches, tokens, name: (
+        {b: VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, b) for b in batches}, 0.0))
     rule = StopRule(max_new_tokens=3)
     rows, metrics = speculative_generate(TARGET, DraftModelProposer(model=DRAFT), [PROMPT] * N, rule,
                                          SETTINGS["T=1"], "auto", torch.Generator().manual_seed(5))
