@@ -27,7 +27,9 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   only for a depth not yet measured otherwise).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the
+this process (`remember`): the costs, the probe stretch (at most REMEMBERED_STRETCH, so that a new
+run re-checks early, unless the last one ended knowing no draft could plausibly pay: a probe then
+costs a catch-up a short run never earns back) and, as the joining rows' prior, the
 acceptance counts per shape and depth of every row it decoded, those that left included (an earlier
 run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that the rows of this run soon outweigh
 them). A benchmark thus stops
@@ -72,7 +74,8 @@ PROBE_EVERY = 16
 HOLD = 4
 MAX_STRETCH = 256
 REMEMBERED_WEIGHT = 4.0               # the most pseudo-steps what earlier rows taught counts for in a new row
-REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
+REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early) ...
+# ... unless the last run knew its acceptance too low to pay: then up to MAX_STRETCH
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
@@ -140,6 +143,7 @@ class Adaptive:
         self.overhead_measured = np.zeros(K + 1, dtype=bool)
         self.forward_scale = np.ones(2)  # the run's forwards / the curve's: [0] plain steps, [1] drafting steps
         self.stopped = False             # plain decoding without probes: nothing would pay, every draft accepted
+        self.hopeless = False            # nothing would pay at the plausible upper bounds of q either
         self.steps = 0        # steps decided (a plain stretch counts each of its steps)
         self.evaluations = 0  # times the options were weighed
         self.chosen: tuple[int, int] = (0, 0)
@@ -172,7 +176,10 @@ class Adaptive:
             setattr(self, name, learned[name].copy())
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
-        self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
+        # a run that ended knowing no draft could plausibly pay does not make the next one probe early: a
+        # probe after a stretch costs the proposer's catch-up on all of it (EAGLE's layer, a draft model's
+        # forwards over every row), which a short run never earns back
+        self.stretch = min(learned["stretch"], MAX_STRETCH if learned["hopeless"] else REMEMBERED_STRETCH)
         # earlier runs count for at most REMEMBERED_WEIGHT pseudo-steps, so this run's rows soon outweigh
         # them (a benchmark's next cell may sample at another temperature, with another acceptance)
         taught = learned["taught"]
@@ -183,7 +190,7 @@ class Adaptive:
         if self.memory is None:
             return
         taught = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (2, S, K)
-        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch,
+        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch, "hopeless": self.hopeless,
                                         **{name: getattr(self, name).copy() for name in LEARNED}}
 
     def join(self, rows: int) -> None:
@@ -286,7 +293,8 @@ class Adaptive:
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
         steps, cap, self.stopped = 1, MAX_STRETCH, False
-        if d == 0 and self.rates("upper")[:, 1:].max() < rates[0, 0]:  # acceptance known too low to pay
+        self.hopeless = bool(d == 0 and self.rates("upper")[:, 1:].max() < rates[0, 0])  # acceptance known too low
+        if self.hopeless:
             cap = math.inf
             self.stopped = self.rates("certain")[:, 1:].max() < rates[0, 0]
         # a probe predicted to cost less than CHEAP of the throughput (n-gram lookup, greedy) comes
