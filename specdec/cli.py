@@ -183,7 +183,6 @@ def cmd_serve(args) -> None:
 
     from . import inputs
     from .api import default_k, load
-    from .decoding.adaptive import measure_ahead
     from .serve.app import create_app
     from .serve.guard import Limits, protocol
     from .serve.service import Service
@@ -205,8 +204,7 @@ def cmd_serve(args) -> None:
     k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
     method = proposer.name if proposer is not None and k != 0 else "plain"
     name = args.served_model_name or target.path.name
-    if k == "auto":  # before the server listens, so that no request waits for it
-        measure_ahead(target.lm, proposer, args.max_batch, args.tree, name)
+    # k="auto": the engine reads or measures the verify curves as it is made, before the server listens
     service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree)
     limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                     idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
@@ -685,7 +683,6 @@ def cmd_check(args) -> int:
     from .api import encode_prompts, load
     from .bench.workloads import humaneval_prompts
     from .check import WRONG_VERIFIERS, check
-    from .decoding.adaptive import measure_ahead
     from .decoding.sampling import SamplingConfig
 
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -700,8 +697,6 @@ def cmd_check(args) -> int:
     prompts = encode_prompts(target, args.prompt or humaneval_prompts(args.prompts), args.max_new_tokens)
     verify = {"sampled_verify": WRONG_VERIFIERS[args.wrong_verifier]} if args.wrong_verifier else {}
     k = args.k if args.k is not None else len(args.tree) if args.tree else 3
-    if k == "auto":  # this machine's verify cost, measured (once) before the check's phases
-        measure_ahead(target.lm, proposer, args.batch_size, args.tree, target.path.name)
     result = check(target.model, proposer, prompts, SamplingConfig(args.temperature, args.top_k, args.top_p),
                    k=k, sequences=args.sequences,
                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed or 0,

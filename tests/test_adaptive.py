@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from specdec.decoding import adaptive, calibration
+from specdec.decoding import adaptive, calibration, engine
 from specdec.decoding.adaptive import MAX_STRETCH, PROBE_EVERY, Adaptive
 from specdec.decoding.costmodel import VerifyCurve
 from specdec.decoding.engine import speculative_generate
@@ -300,8 +300,8 @@ def test_auto_with_a_proposer_that_drafts_no_trees_says_it_uses_chains():
 
 def test_auto_sampling_matches_the_target_distribution(monkeypatch):
     # a batch of N rows: a made-up curve instead of timing forwards of N rows (only the choices depend on it)
-    monkeypatch.setattr(adaptive, "cached_verify_curve", lambda model, batch, tokens: (
-        VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, batch), False))
+    monkeypatch.setattr(engine, "verify_curves", lambda model, batches, tokens, name: (
+        {b: VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, b) for b in batches}, 0.0))
     rule = StopRule(max_new_tokens=3)
     rows, metrics = speculative_generate(TARGET, DraftModelProposer(model=DRAFT), [PROMPT] * N, rule,
                                          SETTINGS["T=1"], "auto", torch.Generator().manual_seed(5))
@@ -359,3 +359,83 @@ def test_the_engines_overhead_is_weighed_by_depth():
     overhead = controller.overhead_estimates()
     assert overhead[0] == 0 and overhead[1] == pytest.approx(1e-4) and overhead[2] == pytest.approx(1e-4)
     assert overhead[4] == overhead[6] == pytest.approx(1e-3)
+
+
+def test_a_run_that_knew_no_draft_could_pay_does_not_make_the_next_one_probe_early():
+    """Rejected drafts on a flat curve: the controller ends its run knowing that no draft pays even at
+    the plausible upper bound of its acceptance. The next run of the same proposer (its memory) does
+    not probe after REMEMBERED_STRETCH steps, as it would after a run whose verdict was open: a probe
+    there costs the proposer's catch-up on the whole stretch, which a 64-token run never earns back.
+    A longer run still probes (a text turning predictable is found)."""
+    proposer = NgramProposer()
+    curves = {1: FLAT, 2: FLAT}
+    first = Adaptive.for_run(curves, proposer, None, target=1)
+    first.join(2)
+    run_controller(FLAT, accept=False, steps=400, controller=first)
+    assert first.hopeless and not first.stopped  # every draft accepted would pay on this curve
+    first.remember()
+    second = Adaptive.for_run(curves, proposer, None, target=1)
+    second.join(2)
+    run_controller(FLAT, accept=False, steps=64, controller=second)
+    assert drafting_steps(second) == 0
+    run_controller(FLAT, accept=False, steps=400, controller=second)
+    assert drafting_steps(second) >= 1
+    # the control: a run whose verdict was open (drafts accepted) starts the next one probing early
+    open_verdict = Adaptive.for_run(curves, proposer, None, target=2)
+    open_verdict.join(2)
+    run_controller(FLAT, accept=False, steps=40, controller=open_verdict)
+    open_verdict.hopeless = False
+    open_verdict.remember()
+    after = Adaptive.for_run(curves, proposer, None, target=2)
+    after.join(2)
+    run_controller(FLAT, accept=False, steps=64, controller=after)
+    assert drafting_steps(after) >= 1
+
+
+class ForwardsCounted:
+    """A draft model's forwards, counted apart: those run while the proposer proposes (its catch-up
+    included) and those run anywhere else (while the engine decodes plainly)."""
+
+    def __init__(self, proposer):
+        self.proposing, self.inside, self.outside = False, 0, 0
+        model, forward = proposer.model, proposer.model.forward
+
+        def counted(*args, **kwargs):
+            if self.proposing:
+                self.inside += 1
+            else:
+                self.outside += 1
+            return forward(*args, **kwargs)
+        model.forward = counted
+        propose = proposer.propose
+
+        def proposing(*args, **kwargs):
+            self.proposing = True
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                self.proposing = False
+        proposer.propose = proposing
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_plain_stretch_runs_no_draft_forward(delay):
+    """Under auto the draft model runs only when a step drafts: a plain stretch, its end (the proposer
+    hears of it) and the run's end cost no draft forward; the stretch is read (catch-up) by the next
+    drafting step. With a draft dearer than the target (delay: it can never pay) the controller stops
+    after its first weighings and the draft model runs no forward for the rest of the 300 tokens."""
+    target = tiny_llama(0, context=512)
+    inner = DraftModelProposer(model=noisy_copy(target, 0.05, seed=1))
+    forwards = ForwardsCounted(inner)
+    proposer = Counted(inner, delay=delay)
+    rows, metrics = speculative_generate(target, proposer, [[3, 9, 4, 3, 9], [5, 1, 2]], StopRule(max_new_tokens=300),
+                                         SamplingConfig(), "auto")
+    assert forwards.outside == 0 and metrics.adaptive["choices"].get("plain", 0) > 0
+    assert proposer.proposals == metrics.steps - metrics.adaptive["choices"]["plain"]
+    if delay:
+        assert metrics.adaptive["stopped_probing"] and forwards.inside <= 5 * (1 + 8)  # the first weighings only
+    rule = StopRule(max_new_tokens=300)
+    for prompt, row in zip([[3, 9, 4, 3, 9], [5, 1, 2]], rows):
+        expected = reference_generate(target, prompt, rule, SamplingConfig()).tokens
+        gap = greedy_divergence(target, prompt, row.tokens, expected)
+        assert gap is None or gap < NEAR_TIE

@@ -13,7 +13,7 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   shape: a tree's alternatives raise it.
 - t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
   leave), measured on this machine once per batch size (powers of two) and cached
-  (calibration.py); n(s, d) the window such a step really carried (a running mean; it starts at
+  (calibration.py; the engine hands the curves over, this module never sees the model); n(s, d) the window such a step really carried (a running mean; it starts at
   1 + Σ widths[:d], what a full proposal would carry). The curve is scaled by what this run's
   forwards took against it, for plain and drafting steps apart: a draft's work between forwards
   (weights evicted from the caches), the features a drafter asks for or a busier machine than when
@@ -27,7 +27,9 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   only for a depth not yet measured otherwise).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs, the probe stretch and, as the joining rows' prior, the
+this process (`remember`): the costs, the probe stretch (at most REMEMBERED_STRETCH, so that a new
+run re-checks early, unless the last one ended knowing no draft could plausibly pay: a probe then
+costs a catch-up a short run never earns back) and, as the joining rows' prior, the
 acceptance counts per shape and depth of every row it decoded, those that left included (an earlier
 run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that the rows of this run soon outweigh
 them). A benchmark thus stops
@@ -48,7 +50,8 @@ PROBE_EVERY steps one level deeper than the best is drafted instead, so the esti
 not chosen stay fresh, and a drafting choice holds for HOLD steps between weighings. `summary()` says what was chosen and why: each option's mean predicted
 speedup over plain decoding.
 
-This module knows nothing about models or tokens: the engine reports each step's outcome.
+This module knows nothing about models or tokens: the engine hands it the verify curves and
+reports each step's outcome.
 """
 from __future__ import annotations
 
@@ -60,8 +63,6 @@ from typing import Callable
 
 import numpy as np
 
-from ..lm.interface import Admitted
-from .calibration import cached_verify_curve, verify_curves
 from .costmodel import VerifyCurve
 
 AUTO_DEPTH = 8                        # the deepest option considered
@@ -73,7 +74,8 @@ PROBE_EVERY = 16
 HOLD = 4
 MAX_STRETCH = 256
 REMEMBERED_WEIGHT = 4.0               # the most pseudo-steps what earlier rows taught counts for in a new row
-REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early)
+REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early) ...
+# ... unless the last run knew its acceptance too low to pay: then up to MAX_STRETCH
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
@@ -109,20 +111,19 @@ def curve_batch(rows: int, capacity: int) -> int:
     return min(capacity, 1 << max(rows - 1, 0).bit_length())
 
 
-def measure_ahead(target: Admitted, proposer, capacity: int, widths: tuple[int, ...] | None, name: str) -> float:
-    """Read, or measure now, every verify curve a run of up to `capacity` rows may ask for, so that
-    no timed region pays for the measurement (calibration.verify_curves says so on stderr when it
-    measures); returns the seconds spent measuring (0 when they were stored)."""
-    batches = sorted({curve_batch(rows, capacity) for rows in range(capacity + 1)})
-    return verify_curves(target, batches, window(options(proposer, widths)[0]), name)[1]
+def curve_batches(capacity: int) -> list[int]:
+    """Every batch size whose verify curve a run of up to `capacity` rows may ask for (`curve_batch`)."""
+    return sorted({curve_batch(rows, capacity) for rows in range(capacity + 1)})
 
 
 class Adaptive:
-    def __init__(self, curves: VerifyCurve | Callable[[int], VerifyCurve], rows: int,
+    def __init__(self, curves: VerifyCurve | dict[int, VerifyCurve], rows: int,
                  shapes: dict[str, tuple[int, ...]], note: str | None = None):
-        """curves: the target's verify curve for a batch of B rows (a function of B), or one curve
-        for every batch size; rows: the rows of the batch to begin with (more `join` later)."""
-        self.curves = curves if callable(curves) else (lambda rows: curves)
+        """curves: the target's verify curves by batch size (`curve_batches` of the capacity, the
+        largest one), or one curve for every batch size; rows: the rows of the batch to begin with
+        (more `join` later)."""
+        self.curves: Callable[[int], VerifyCurve] = (
+            (lambda rows: curves[curve_batch(rows, max(curves))]) if isinstance(curves, dict) else (lambda rows: curves))
         self.names = list(shapes)
         self.shapes = [shapes[name] for name in self.names]
         self.depth = K = len(self.shapes[0])
@@ -142,6 +143,7 @@ class Adaptive:
         self.overhead_measured = np.zeros(K + 1, dtype=bool)
         self.forward_scale = np.ones(2)  # the run's forwards / the curve's: [0] plain steps, [1] drafting steps
         self.stopped = False             # plain decoding without probes: nothing would pay, every draft accepted
+        self.hopeless = False            # nothing would pay at the plausible upper bounds of q either
         self.steps = 0        # steps decided (a plain stretch counts each of its steps)
         self.evaluations = 0  # times the options were weighed
         self.chosen: tuple[int, int] = (0, 0)
@@ -151,26 +153,19 @@ class Adaptive:
         self.memory, self.memory_key = None, None
 
     @classmethod
-    def for_run(cls, target: Admitted, proposer, capacity: int, widths: tuple[int, ...] | None) -> "Adaptive":
-        """Options for this proposer (`options`, the tree cut at each depth). The target's verify
-        curves come from the cache or are measured on first need, at batch sizes of powers of two
-        up to `capacity` (`measure_ahead` measures them before a timed run); what earlier runs of
-        this proposer learned is recalled."""
+    def for_run(cls, curves: dict[int, VerifyCurve], proposer, widths: tuple[int, ...] | None,
+                target: int) -> "Adaptive":
+        """Options for this proposer (`options`, the tree cut at each depth), priced by the target's
+        verify curves at the batch sizes `curve_batches` of the capacity (the engine reads or
+        measures them: calibration.verify_curves); what earlier runs of this proposer with the same
+        target (`target`: a number that names it) and capacity learned is recalled."""
         shapes, note = options(proposer, widths)
-        measured: dict[int, VerifyCurve] = {}
-
-        def curves(rows: int) -> VerifyCurve:
-            batch = curve_batch(rows, capacity)
-            if batch not in measured:
-                measured[batch] = cached_verify_curve(target, batch, window(shapes))[0]
-            return measured[batch]
-
         adaptive = cls(curves, 0, shapes, note)
         try:
             memory = _MEMORY.setdefault(proposer, {})
         except TypeError:  # a proposer that cannot be weakly referenced starts afresh every run
             memory = {}
-        adaptive.memory, adaptive.memory_key = memory, (id(target.lm), capacity, tuple(shapes.items()))
+        adaptive.memory, adaptive.memory_key = memory, (target, max(curves), tuple(shapes.items()))
         adaptive.recall(memory.get(adaptive.memory_key))
         return adaptive
 
@@ -181,7 +176,10 @@ class Adaptive:
             setattr(self, name, learned[name].copy())
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
-        self.stretch = min(learned["stretch"], REMEMBERED_STRETCH)
+        # a run that ended knowing no draft could plausibly pay does not make the next one probe early: a
+        # probe after a stretch costs the proposer's catch-up on all of it (EAGLE's layer, a draft model's
+        # forwards over every row), which a short run never earns back
+        self.stretch = min(learned["stretch"], MAX_STRETCH if learned["hopeless"] else REMEMBERED_STRETCH)
         # earlier runs count for at most REMEMBERED_WEIGHT pseudo-steps, so this run's rows soon outweigh
         # them (a benchmark's next cell may sample at another temperature, with another acceptance)
         taught = learned["taught"]
@@ -192,7 +190,7 @@ class Adaptive:
         if self.memory is None:
             return
         taught = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (2, S, K)
-        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch,
+        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch, "hopeless": self.hopeless,
                                         **{name: getattr(self, name).copy() for name in LEARNED}}
 
     def join(self, rows: int) -> None:
@@ -295,7 +293,8 @@ class Adaptive:
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
         steps, cap, self.stopped = 1, MAX_STRETCH, False
-        if d == 0 and self.rates("upper")[:, 1:].max() < rates[0, 0]:  # acceptance known too low to pay
+        self.hopeless = bool(d == 0 and self.rates("upper")[:, 1:].max() < rates[0, 0])  # acceptance known too low
+        if self.hopeless:
             cap = math.inf
             self.stopped = self.rates("certain")[:, 1:].max() < rates[0, 0]
         # a probe predicted to cost less than CHEAP of the throughput (n-gram lookup, greedy) comes

@@ -43,7 +43,8 @@ import torch
 
 from ..errors import SpecdecError
 from ..lm.interface import Admitted, admit, declared_features, layer_request, next_positions, prefill_joining
-from .adaptive import Adaptive
+from .adaptive import Adaptive, curve_batches, options, window
+from .calibration import verify_curves
 from .constraint import Compiled, masked
 from .guided import Guide
 from .metrics import SpecMetrics
@@ -83,7 +84,7 @@ class Request:
 class Engine:
     def __init__(self, target: Admitted, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
-                 tree_verify=tree_rejection_sample, forced_drafts: bool = True):
+                 tree_verify=tree_rejection_sample, forced_drafts: bool = True, name: str = "the target"):
         """target: the causal LM as admitted at load (lm.interface.admit); proposer None: plain
         decoding (k must be 0; `NoDraft`).
         k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
@@ -92,7 +93,10 @@ class Engine:
         `sampled_verify` and `tree_verify` are the acceptance rules of sampled rows for chains and
         trees (signatures of verify.rejection_sample and verify.tree_rejection_sample); tests
         replace them to show a wrong rule is detected. forced_drafts: constrained rows propose the
-        tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1)."""
+        tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1).
+        With "auto" the target's verify curves at every batch size up to `capacity` are read, or
+        measured now and stored (calibration.verify_curves: said on stderr with `name`), so that no
+        step pays for them; `verify_curve_seconds` says how long measuring took (0: they were stored)."""
         self.started = time.perf_counter()  # first_token_seconds and other_seconds count from here
         self.admitted = target
         self.target, self.context = target.lm, target.context
@@ -101,10 +105,12 @@ class Engine:
                 raise SpecdecError(f"plain decoding (no proposer) drafts nothing: k must be 0, got {k!r}; "
                                    "give a proposer to draft")
             proposer = NoDraft()
-        self.adaptive = None
+        self.adaptive, self.verify_curve_seconds = None, 0.0
         if k == "auto":
             check_setup(self.target, proposer, 0, None)
-            self.adaptive = Adaptive.for_run(target, proposer, capacity, widths)
+            curves, self.verify_curve_seconds = verify_curves(target, curve_batches(capacity),
+                                                              window(options(proposer, widths)[0]), name)
+            self.adaptive = Adaptive.for_run(curves, proposer, widths, id(self.target))
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len

@@ -102,7 +102,7 @@ class Service:
         self.target, self.method, self.k = target, method, k
         self.name = name or target.path.name
         self.context = target.lm.context
-        self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths)
+        self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths, name=self.name)
         self.capacity, self.max_queue = capacity, max_queue
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
