@@ -13,15 +13,11 @@ and the target, never on the draft, k, the batch or the load (Daliri, Musco, Sur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..errors import SpecdecError
-
-if TYPE_CHECKING:
-    from .guided import DraftGrammar
 
 MIN_TEMPERATURE = 1e-4  # the smallest temperature for which logits / temperature stays finite in float32
 
@@ -269,7 +265,8 @@ class Draws:
     constrained row's draft logits to its grammar, depth by depth (guided.DraftGrammar)."""
     generator: torch.Generator | RowGenerators | None = None
     positions: list[int] | None = None  # (B,) sequence position of each row's first draft; None: no seeded rows
-    grammar: "DraftGrammar | None" = None  # the rows' grammars walked through their drafts; None: unconstrained
+    grammar: object | None = None  # guided.DraftGrammar: the rows' grammars walked through their drafts (carried,
+    # not read here: naming the type would tie sampling to guided, which builds on it); None: unconstrained
 
     def scores(self, logits: torch.Tensor, configs: list[SamplingConfig], depth: int,
                ids: torch.Tensor | None = None, probs: torch.Tensor | None = None
