@@ -369,24 +369,25 @@ def test_a_run_that_knew_no_draft_could_pay_does_not_make_the_next_one_probe_ear
     A longer run still probes (a text turning predictable is found)."""
     proposer = NgramProposer()
     curves = {1: FLAT, 2: FLAT}
-    first = Adaptive.for_run(curves, proposer, None, target=1)
+    first = Adaptive.for_run(curves, proposer, None)
     first.join(2)
     run_controller(FLAT, accept=False, steps=400, controller=first)
     assert first.hopeless and not first.stopped  # every draft accepted would pay on this curve
     first.remember()
-    second = Adaptive.for_run(curves, proposer, None, target=1)
+    second = Adaptive.for_run(curves, proposer, None)
     second.join(2)
     run_controller(FLAT, accept=False, steps=64, controller=second)
     assert drafting_steps(second) == 0
     run_controller(FLAT, accept=False, steps=400, controller=second)
     assert drafting_steps(second) >= 1
     # the control: a run whose verdict was open (drafts accepted) starts the next one probing early
-    open_verdict = Adaptive.for_run(curves, proposer, None, target=2)
+    other = NgramProposer()  # its own memory
+    open_verdict = Adaptive.for_run(curves, other, None)
     open_verdict.join(2)
     run_controller(FLAT, accept=False, steps=40, controller=open_verdict)
     open_verdict.hopeless = False
     open_verdict.remember()
-    after = Adaptive.for_run(curves, proposer, None, target=2)
+    after = Adaptive.for_run(curves, other, None)
     after.join(2)
     run_controller(FLAT, accept=False, steps=64, controller=after)
     assert drafting_steps(after) >= 1

@@ -153,19 +153,18 @@ class Adaptive:
         self.memory, self.memory_key = None, None
 
     @classmethod
-    def for_run(cls, curves: dict[int, VerifyCurve], proposer, widths: tuple[int, ...] | None,
-                target: int) -> "Adaptive":
+    def for_run(cls, curves: dict[int, VerifyCurve], proposer, widths: tuple[int, ...] | None) -> "Adaptive":
         """Options for this proposer (`options`, the tree cut at each depth), priced by the target's
         verify curves at the batch sizes `curve_batches` of the capacity (the engine reads or
-        measures them: calibration.verify_curves); what earlier runs of this proposer with the same
-        target (`target`: a number that names it) and capacity learned is recalled."""
+        measures them: calibration.verify_curves); what earlier runs of this proposer (a drafter is
+        made for one target) at the same capacity learned is recalled."""
         shapes, note = options(proposer, widths)
         adaptive = cls(curves, 0, shapes, note)
         try:
             memory = _MEMORY.setdefault(proposer, {})
         except TypeError:  # a proposer that cannot be weakly referenced starts afresh every run
             memory = {}
-        adaptive.memory, adaptive.memory_key = memory, (target, max(curves), tuple(shapes.items()))
+        adaptive.memory, adaptive.memory_key = memory, (max(curves), tuple(shapes.items()))
         adaptive.recall(memory.get(adaptive.memory_key))
         return adaptive
 

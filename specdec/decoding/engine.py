@@ -110,7 +110,7 @@ class Engine:
             check_setup(self.target, proposer, 0, None)
             curves, self.verify_curve_seconds = verify_curves(target, curve_batches(capacity),
                                                               window(options(proposer, widths)[0]), name)
-            self.adaptive = Adaptive.for_run(curves, proposer, widths, id(self.target))
+            self.adaptive = Adaptive.for_run(curves, proposer, widths)
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.target, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
