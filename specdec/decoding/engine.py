@@ -188,14 +188,14 @@ class Engine:
         clock.mark("accepted")
         runs, counts = self.commit([row[3:] for row in read], accepted, verdict, next_tokens)  # commit
         if self.guide.active:
-            self.guide.commit(runs, counts, accepted)
+            self.guide.commit(runs, counts)
         clock.mark("committed")
         self.proposer.observe(self.state, self.guide.outcome(Outcome(accepted, runs, counts, self.features_along(
             out, verdict), verdict.paths)))
         clock.mark("observed")
         self.metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
                                  else levels_reached(proposal.parents, lengths, verdict.paths))
-        self.metrics.forced = self.guide.forced_accepted
+        self.metrics.forced = self.guide.forced
         self.metrics.record_phases(clock)
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
         stream(self.requests, runs, counts, lengths, accepted)
@@ -293,7 +293,8 @@ class Engine:
         tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
         if masks is not None:
-            self.guide.commit([[t] for t in tokens], counts, [0] * B)
+            self.guide.commit([[t] for t in tokens], counts)
+            metrics.forced = self.guide.forced
         self.next_window = picked[:, None] if all(counts) else None
         self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
         self.cached = [c + n for c, n in zip(self.cached, counts)]
