@@ -248,7 +248,7 @@ class Engine:
         after them is picked, as in a plain step, from the logits (B, 1, V) of the column after each
         row's drafts, masked (a seeded row's noise: that column's position)."""
         lengths = proposal.lengths.tolist()
-        masks = self.guide.window_masks(proposal)[range(len(lengths)), lengths]  # (B, W)
+        masks = self.guide.after_masks(proposal)  # (B, W)
         picked = pick_rows(masked(logits[:, 0], masks), [r.sampling for r in self.requests], self.generator(),
                            [c + 1 + n for c, n in zip(self.cached, lengths)])
         return Verdict(proposal.lengths, picked.to(self.device))

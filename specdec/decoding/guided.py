@@ -180,6 +180,19 @@ class Guide:
                 self.tree_masks(matcher, tokens[b][:lengths[b]], parents[b][:lengths[b]], bits[b])
         return bits
 
+    def after_masks(self, proposal: Proposal) -> np.ndarray:
+        """(B, W) int32 bitmasks: the tokens each row's grammar allows after all its drafts (a chain;
+        a forced window's only column that decides: Engine.after_forced)."""
+        bits = np.full((len(self.matchers), self.words), -1, dtype=np.int32)
+        for b, (matcher, row, n) in enumerate(zip(self.matchers, proposal.tokens.tolist(), proposal.lengths.tolist())):
+            if matcher is not None:
+                walked = 0
+                while walked < n and matcher.accepts(row[walked]):
+                    walked += 1
+                matcher.mask_into(bits[b])
+                matcher.rollback(walked)
+        return bits
+
     @staticmethod
     def chain_masks(matcher: Matcher, drafts: list[int], bits: np.ndarray) -> None:
         """bits (1+m, W): column i + 1 after drafts[:i + 1]; from a refused draft on, its column's mask
