@@ -28,8 +28,8 @@ self-draft, EAGLE and MTP chains, parallel and block drafts) draws under the gra
 drafts so far and renormalised, so its drafts stay inside the grammar, and the q it reports is the
 one it drew from (exact as any q). A drafter that reads several tokens in one forward (a draft
 model: base.draft_chain's `feed`) takes a run the grammar forces after a draft as it is, without
-a forward or a draw per token (`DraftGrammar.forced_run`). Dynamic trees (EAGLE-2) rank unmasked nodes: the window masks
-refuse what they must.
+a forward or a draw per token (`DraftGrammar.forced_run`). Dynamic trees (EAGLE-2) rank unmasked
+nodes: the window masks refuse what they must.
 
 The matcher of each row always stands at its committed sequence: the drafts it walks through to
 make masks are rolled back before the step ends, and the committed tokens are then consumed.
