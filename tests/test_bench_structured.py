@@ -57,7 +57,10 @@ def test_bench_structured_prints_each_configuration_against_plain_constrained_de
     assert [(r["configuration"], r["temperature"]) for r in result["rows"]] == [(n, t) for t in (0, 1) for n in names]
     for r in result["rows"]:
         assert r["tasks"] == 2 and r["tokens"] > 0 and f"| {r['configuration']} | {r['temperature']:g} |" in table
-        assert (r["configuration"] == names[0]) == (r["forced_share"] == 0 and r["speedup"] == 1.0)
+        assert (r["configuration"] == names[0]) == (r["speedup"] == 1.0)
+        baseline = next(b for b in result["rows"] if b["configuration"] == names[0] and b["temperature"] ==
+                        r["temperature"])
+        assert r["forced"] == baseline["forced"] > 0  # the output's forced tokens: the same output, the same count
     plain, forced = result["rows"][:2]
     assert forced["tokens"] == plain["tokens"] and forced["steps"] < plain["steps"]  # same output, fewer steps
     assert result["mask"]["mask_share_of_step"] > 0 and "baseline: plain constrained decoding" in table

@@ -194,14 +194,14 @@ class Engine:
         clock.mark("accepted")
         runs, counts = self.commit([row[3:] for row in read], accepted, verdict, next_tokens)  # commit
         if self.guide.active:
-            self.guide.commit(runs, counts, accepted)
+            self.guide.commit(runs, counts)
         clock.mark("committed")
         self.proposer.observe(self.state, self.guide.outcome(Outcome(accepted, runs, counts, self.features_along(
             out, verdict), verdict.paths)))
         clock.mark("observed")
         self.metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
                                  else levels_reached(proposal.parents, lengths, verdict.paths))
-        self.metrics.forced = self.guide.forced_accepted
+        self.metrics.forced = self.guide.forced
         self.metrics.record_phases(clock)
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
         stream(self.requests, runs, counts, lengths, accepted)
@@ -254,7 +254,7 @@ class Engine:
         after them is picked, as in a plain step, from the logits (B, 1, V) of the column after each
         row's drafts, masked (a seeded row's noise: that column's position)."""
         lengths = proposal.lengths.tolist()
-        masks = self.guide.window_masks(proposal)[range(len(lengths)), lengths]  # (B, W)
+        masks = self.guide.after_masks(proposal)  # (B, W)
         picked = pick_rows(masked(logits[:, 0], masks), [r.sampling for r in self.requests], self.generator(),
                            [c + 1 + n for c, n in zip(self.cached, lengths)])
         return Verdict(proposal.lengths, picked.to(self.device))
@@ -299,7 +299,8 @@ class Engine:
         tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
         if masks is not None:
-            self.guide.commit([[t] for t in tokens], counts, [0] * B)
+            self.guide.commit([[t] for t in tokens], counts)
+            metrics.forced = self.guide.forced
         self.next_window = picked[:, None] if all(counts) else None
         self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
         self.cached = [c + n for c, n in zip(self.cached, counts)]

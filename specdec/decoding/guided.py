@@ -16,7 +16,8 @@ keys, punctuation and enum tails of a schema), that run replaces the drafter's p
 row: deterministic drafts, verified like any other, so nothing about the distribution changes; the
 drafter hears that none of its drafts were accepted and the committed tokens follow (as after a
 rejection). Where the drafter's chain already begins with the forced run and goes further, it is
-kept as it is. `forced_accepted` counts the emitted tokens that were drafts of a forced run. A
+kept as it is. `forced` counts the emitted tokens that their grammar forced, however they were
+drafted or picked (`forced_in`: a property of the output, the same for every drafter). A
 proposal of forced runs alone (`forced_only`) needs no acceptance decision: each draft is the one
 token its grammar allows (masked probability 1), so the engine computes the target's logits only
 at the column after each run.
@@ -25,8 +26,10 @@ Masked drafts. A drafter that draws from logits (proposers/base.py's `draw`: dra
 self-draft, EAGLE and MTP chains, parallel and block drafts) draws under the grammar
 (`DraftGrammar`): at each depth its logits are masked to what the row's grammar allows after its
 drafts so far and renormalised, so its drafts stay inside the grammar, and the q it reports is the
-one it drew from (exact as any q). Dynamic trees (EAGLE-2) rank unmasked nodes: the window masks
-refuse what they must.
+one it drew from (exact as any q). A drafter that reads several tokens in one forward (a draft
+model: base.draft_chain's `feed`) takes a run the grammar forces after a draft as it is, without
+a forward or a draw per token (`DraftGrammar.forced_run`). Dynamic trees (EAGLE-2) rank unmasked
+nodes: the window masks refuse what they must.
 
 The matcher of each row always stands at its committed sequence: the drafts it walks through to
 make masks are rolled back before the step ends, and the committed tokens are then consumed.
@@ -34,6 +37,8 @@ make masks are rolled back before the step ends, and the committed tokens are th
 This module knows nothing about models, proposers or acceptance rules.
 """
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import torch
@@ -51,21 +56,20 @@ class Guide:
         self.vocab, self.words, self.forced_drafts = vocab, (vocab + 31) // 32, forced_drafts
         self.matchers: list[Matcher | None] = []
         self.replaced: list[bool] = []     # (B,) rows whose drafts this step are the grammar's forced run
-        self.runs: list[int] = []          # (B,) length of the forced run at the head of each row's drafts
+        self.heads: list[list[int] | None] = []  # (B,) the run each row's grammar forces at its sequence, where known
         self.tree = False                  # whether the drafter proposed a tree this step
         self.drafts: DraftGrammar | None = None  # the grammar the drafter drew this step's drafts under
         self.active = False                # whether any row is constrained (kept by join and leave)
-        self.forced_proposed = 0           # forced drafts proposed
-        self.forced_accepted = 0           # of which emitted
+        self.forced = 0                    # emitted tokens that their grammar forced
 
     def join(self, constraints: list[Compiled | None]) -> None:
         self.matchers += [None if c is None else c.matcher() for c in constraints]
-        self.replaced, self.runs = [], []
+        self.replaced, self.heads = [], []
         self.active = any(m is not None for m in self.matchers)
 
     def leave(self, keep: list[int]) -> None:
         self.matchers = [self.matchers[b] for b in keep]
-        self.replaced, self.runs = [], []
+        self.replaced, self.heads = [], []
         self.active = any(m is not None for m in self.matchers)
 
     def next_masks(self) -> np.ndarray | None:
@@ -97,9 +101,9 @@ class Guide:
         self.replaced = [False] * B
         self.tree = proposal.parents is not None  # the drafter's proposal: it expects paths in its outcome
         tokens, lengths = proposal.tokens.tolist(), proposal.lengths.tolist()
-        forced = [[] if m is None or not self.forced_drafts or not limit else m.forced()[:limit]
-                  for m, limit in zip(self.matchers, limits)]
-        self.runs = list(map(len, forced))
+        self.heads = [None if m is None else m.forced() for m in self.matchers]
+        forced = [[] if head is None or not self.forced_drafts else head[:limit]
+                  for head, limit in zip(self.heads, limits)]
         if proposal.parents is None:  # a chain that begins with the forced run and goes on is kept
             forced = [[] if n > len(run) and row[:len(run)] == run else run
                       for run, row, n in zip(forced, tokens, lengths)]
@@ -148,7 +152,6 @@ class Guide:
             if not run:
                 continue
             self.replaced[b] = True
-            self.forced_proposed += len(run)
             row = torch.tensor(run, device=device)
             tokens[b], lengths[b] = 0, len(run)
             tokens[b, :len(run)] = row
@@ -175,6 +178,19 @@ class Guide:
                 self.chain_masks(matcher, tokens[b][:lengths[b]], bits[b])
             else:
                 self.tree_masks(matcher, tokens[b][:lengths[b]], parents[b][:lengths[b]], bits[b])
+        return bits
+
+    def after_masks(self, proposal: Proposal) -> np.ndarray:
+        """(B, W) int32 bitmasks: the tokens each row's grammar allows after all its drafts (a chain;
+        a forced window's only column that decides: Engine.after_forced)."""
+        bits = np.full((len(self.matchers), self.words), -1, dtype=np.int32)
+        for b, (matcher, row, n) in enumerate(zip(self.matchers, proposal.tokens.tolist(), proposal.lengths.tolist())):
+            if matcher is not None:
+                walked = 0
+                while walked < n and matcher.accepts(row[walked]):
+                    walked += 1
+                matcher.mask_into(bits[b])
+                matcher.rollback(walked)
         return bits
 
     @staticmethod
@@ -216,15 +232,13 @@ class Guide:
                 bits[c + 1] = bits[p + 1]
         matcher.rollback(len(path))
 
-    def commit(self, runs: list[list[int]], counts: list[int], accepted: list[int]) -> None:
-        """The rows' emitted tokens (runs[b][:counts[b]]) move their matchers on; count the forced
-        drafts emitted."""
+    def commit(self, runs: list[list[int]], counts: list[int]) -> None:
+        """The rows' emitted tokens (runs[b][:counts[b]]) move their matchers on; those their grammar
+        forced are counted (`forced_in`), however they were drafted or picked."""
         for b, (m, run, n) in enumerate(zip(self.matchers, runs, counts)):
-            if m is None or not n:
-                continue
-            m.advance(run[:n])
-            if b < len(self.runs):
-                self.forced_accepted += min(accepted[b], self.runs[b], n)
+            if m is not None and n:
+                self.forced += forced_in(m, run[:n], self.heads[b] if self.heads else None)
+        self.heads = []
 
     def outcome(self, outcome: Outcome) -> Outcome:
         """What the drafter hears: rows that verified a forced run accepted none of its drafts; a
@@ -280,11 +294,46 @@ class DraftGrammar:
                 self.walked[b] += self.following[b]
         self.depth = depth + 1
 
+    def forced_run(self, depth: int, most: int) -> list[list[int]] | None:
+        """The tokens every row's grammar forces after its drafts so far, from depth `depth` on: (B, r)
+        with r the shortest of the rows' runs, at most `most`, walked through (drafts of probability 1
+        under the mask, taken without drawing); None where a row has none (or is not followed)."""
+        if depth != self.depth:
+            raise SpecdecError(f"drafts under a grammar are drawn depth by depth: a forced run at depth {depth} "
+                               f"came after {self.depth} drafts")
+        if most < 1 or not all(self.following):
+            return None
+        runs = [list(itertools.takewhile(lambda t: t not in m.eos, m.forced()[:most])) for m in self.matchers]
+        r = min(map(len, runs))
+        if not r:
+            return None
+        for b, m in enumerate(self.matchers):
+            m.advance(runs[b][:r])
+            self.walked[b] += r
+        self.depth = depth + r
+        return [run[:r] for run in runs]
+
     def release(self) -> None:
         for m, n in zip(self.matchers, self.walked):
             if m is not None:
                 m.rollback(n)
         self.walked = [0] * len(self.matchers)
+
+
+def forced_in(matcher: Matcher, tokens: list[int], head: list[int] | None = None) -> int:
+    """Consume the tokens (Matcher.advance) and return how many of them the grammar forced (a run
+    of Matcher.forced: the one token it allows at each of their positions); head: the run forced
+    before the first token, where already known."""
+    forced, i = 0, 0
+    while i < len(tokens):
+        run = head if head is not None and i == 0 else matcher.forced()
+        n = 0
+        while n < len(run) and i + n < len(tokens) and tokens[i + n] == run[n]:
+            n += 1
+        matcher.advance(tokens[i:i + max(n, 1)])  # the forced run, or one token the grammar left free
+        forced += n
+        i += max(n, 1)
+    return forced
 
 
 def path_to(parents: list[int], node: int) -> list[int]:

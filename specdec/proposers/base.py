@@ -205,19 +205,32 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
 
 
 def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[SamplingConfig], draws: Draws,
-                vocab: DraftVocabulary | None, vocab_size: int
+                vocab: DraftVocabulary | None, vocab_size: int, feed=None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Draft `steps` tokens one after another: d_1 is drawn (`draw`) from logits (B, N), and
-    advance(j, d_{j+1}) returns the logits (B, N) draft j+2 is drawn from. Returns the drafts
-    (B, steps), the distributions they were drawn from (B, steps, V) or None (all rows greedy), and
-    each step's scores (`draw`; those of base.with_alternatives)."""
+    advance(j, d_{j+1}) returns the logits (B, N) draft j+2 is drawn from. Under a grammar, with
+    feed(tokens (B, n)) -> the logits (B, N) after them (a drafter that reads several tokens in one
+    forward), the run of tokens the rows' grammars force after a draft (guided.DraftGrammar.forced_run)
+    is taken as it is, without a forward or a draw per token (its distributions one-hot, as drawn
+    under the mask), and fed with that draft; the chain's last draft is always drawn. Returns the
+    drafts (B, steps), the distributions they were drawn from (B, steps, V) or None (all rows
+    greedy), and each step's scores (`draw`; those of base.with_alternatives)."""
     tokens, probs, scores = [], [], []
-    for j in range(steps):
+    while len(tokens) < steps:
+        j = len(tokens)
         p, token, score = draw(logits, samplings, draws, j, vocab, vocab_size)  # (B, V) or None, (B,), (B, N)
         tokens.append(token)
         probs.append(p)
         scores.append(score)
-        if j + 1 < steps:
+        run = None if feed is None or draws.grammar is None else draws.grammar.forced_run(j + 1, steps - j - 2)
+        if run is not None:
+            run = torch.tensor(run, device=token.device)                        # (B, r)
+            for forced in run.unbind(1):
+                tokens.append(forced)
+                probs.append(None if p is None else torch.nn.functional.one_hot(forced, vocab_size).to(p.dtype))
+                scores.append(torch.full_like(score, float("-inf")))
+            logits = feed(torch.cat([token[:, None], run], 1))
+        elif j + 1 < steps:
             logits = advance(j, token)
     return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1), scores
 

@@ -134,7 +134,8 @@ class DraftModelProposer:
             return grow_tree(logits, lambda *tree: self.tree_logits(state, *tree), tuple(widths), limit, self.vocab,
                              state.samplings, draws)
         tokens, probs, scores = draft_chain(logits, m, lambda j, token: self.forward(token[:, None], state.cache),
-                                            state.samplings, draws, self.vocab, self.vocab_size)
+                                            state.samplings, draws, self.vocab, self.vocab_size,
+                                            feed=lambda window: self.forward(window, state.cache))
         state.fed_drafts = m - 1
         proposal = with_alternatives(Proposal(tokens, limits.clone(), probs), scores, widths, self.vocab,
                                      self.vocab_size)
