@@ -32,11 +32,17 @@ def per_row(sampling: SamplingConfig | list[SamplingConfig], rows: int) -> list[
 class DraftVocabulary:
     """A drafter's unembedding over the N token ids most frequent in its training tokens, and the
     map back to target ids. Lossless: the draft's probability is 0 outside the N ids, which the
-    acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V)."""
+    acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V). A
+    quantized lm_head's rows keep its format (each row's logit the very number the full
+    unembedding gives it: the kernels compute each output row alone)."""
 
     def __init__(self, ids: torch.Tensor, lm_head: Linear):
-        self.ids = ids                                              # (N,) sorted target ids
-        self.unembedding = frozen_linear(lm_head.dense_rows(ids))   # (N, C) rows of the lm_head
+        self.ids = ids  # (N,) sorted target ids
+        if lm_head.stored is not None and lm_head.stored.quantized:
+            self.unembedding = Linear(lm_head.in_features, len(ids), bias=False, device="meta")
+            self.unembedding.store(matrix=lm_head.stored.rows(ids))  # (N, C) rows of the lm_head, as stored
+        else:
+            self.unembedding = frozen_linear(lm_head.dense_rows(ids))
 
     @classmethod
     def trained(cls, ids: torch.Tensor, unembedding: torch.nn.Module) -> "DraftVocabulary":
@@ -205,18 +211,23 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
 
 
 def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[SamplingConfig], draws: Draws,
-                vocab: DraftVocabulary | None, vocab_size: int
+                vocab: DraftVocabulary | None, vocab_size: int, stop_below: float | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Draft `steps` tokens one after another: d_1 is drawn (`draw`) from logits (B, N), and
     advance(j, d_{j+1}) returns the logits (B, N) draft j+2 is drawn from. Returns the drafts
-    (B, steps), the distributions they were drawn from (B, steps, V) or None (all rows greedy), and
-    each step's scores (`draw`; those of base.with_alternatives)."""
+    (B, s), the distributions they were drawn from (B, s, V) or None (all rows greedy), and
+    each step's scores (`draw`; those of base.with_alternatives). s = steps, or fewer with
+    `stop_below`: the chain stops after a draft whose logits' top probability (at temperature 1)
+    is below it in every row (the draft unsure of what comes next; whether it drafts on depends on
+    the draft alone, so verification stays exact)."""
     tokens, probs, scores = [], [], []
     for j in range(steps):
         p, token, score = draw(logits, samplings, draws, j, vocab, vocab_size)  # (B, V) or None, (B,), (B, N)
         tokens.append(token)
         probs.append(p)
         scores.append(score)
+        if stop_below is not None and float(torch.softmax(logits.float(), -1).amax(-1).max()) < stop_below:
+            break
         if j + 1 < steps:
             logits = advance(j, token)
     return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1), scores
