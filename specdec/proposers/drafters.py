@@ -238,7 +238,7 @@ class ParallelDraft(DraftModel):
                                      draft_vocab(options, draft.token_counts), draft.token_counts)
 
     def describe(self, draft, proposer, options) -> dict:
-        return {**super().describe(draft, proposer, options), "block": proposer.max_depth,
+        return {"draft_vocab": draft_vocab(options, draft.token_counts) or "full", "block": proposer.max_depth,
                 "native_step": proposer.native}
 
 
