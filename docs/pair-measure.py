@@ -1,24 +1,36 @@
-"""Load a packaged GGUF model as stored (`--quantize gguf`), report its resident memory against its
-file's size and its plain greedy decoding speed; with a draft model, greedy speculative decoding
-checked token for token against plain (docs/quantized.md, "Where the pair stands").
+"""The Qwen2.5-Coder pair as stored (`--quantize gguf`): resident memory against the files' sizes, and
+draft-model speculation against plain decoding, side by side (docs/quantized.md, "Where the pair stands").
 
     specdec pair install
-    python docs/pair-measure.py qwen2.5-coder-1.5b [--draft qwen2.5-coder-0.5b] [--max-new-tokens 32]
+    python docs/pair-measure.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b [--prompts 3] [--new-tokens 64]
+
+Loads the target (resident memory then) and the draft, which drafts three ways, each with `-k auto`
+(or -k N): over the full vocabulary, over the draft vocabulary the cost model picks (`draft_vocab="auto"`,
+draft_model.chosen_vocab; the token counts made once from local text, lm/local_counts), and that
+with its chains stopped after a draft it is unsure of (`stop_below`). One step's forward of the target
+and of each draft is timed first (interleaved, the least of 15). Then, per workload
+(HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every prompt in
+turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's time less
+a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's seconds
+per drafted token, the cost model's predicted speedup (`-k auto`'s, of what it chose) and
+whether every output is plain decoding's, token for token.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
+import torch
+
 from specdec import api, kernels
-from specdec.decoding.engine import plain_generate
+from specdec.bench.workloads import CHAT_PROMPTS, humaneval_prompts
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm import packaged
-
-PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+from specdec.proposers.drafters import DraftModelOptions, drafter
 
 
 def memory() -> str:
@@ -27,39 +39,110 @@ def memory() -> str:
     return f"resident {fields['VmRSS'].strip()}, peak {fields['VmHWM'].strip()}"
 
 
+def chosen_prediction(summary: dict) -> float:
+    """`-k auto`'s predicted speedup over plain decoding of what it chose, weighted by the steps
+    it chose each option for (adaptive.Adaptive.summary)."""
+    choices = summary["choices"]
+    return sum(n * summary["predicted_speedup"][option] for option, n in choices.items()) / sum(choices.values())
+
+
+def step_times(target, decoders: dict, repeats: int = 15) -> None:
+    """Milliseconds of one decoding step's forward, after 64 cached tokens: the target's, and each
+    draft's (its unembedding over its draft vocabulary); interleaved, the least of `repeats`."""
+    context = torch.arange(1000, 1064)[None]
+    steps = {"target": (target.model, None)}
+    steps.update({name: (proposer.model, None if proposer.vocab is None else proposer.vocab.unembedding)
+                  for name, (proposer, _) in decoders.items() if proposer is not None})
+    times = {name: [] for name in steps}
+    with torch.inference_mode():
+        caches = {}
+        for name, (model, _) in steps.items():
+            caches[name] = model.new_cache(1, 80)
+            model(context, cache=caches[name])
+        for _ in range(repeats):
+            for name, (model, unembedding) in steps.items():
+                t0 = time.perf_counter()
+                model(context[:, -1:], cache=caches[name], **({} if unembedding is None else
+                                                              {"unembedding": unembedding}))
+                times[name].append(time.perf_counter() - t0)
+                caches[name].rollback([64])
+    print("one step's forward (least of %d, ms): " % repeats + ", ".join(
+        f"{name} {1e3 * min(v):.1f}" for name, v in times.items()), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--draft")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--workloads", default="humaneval,chat")
+    p.add_argument("--stop-below", type=float, default=0.3)
+    p.add_argument("-k", default="auto", help="drafts per step: auto (the cost model's) or a number")
     args = p.parse_args()
     t0 = time.time()
     target = api.load(args.model, quantize="gguf")
     size = os.path.getsize(packaged.resolve(args.model))
-    print(f"{args.model}: loaded in {time.time() - t0:.0f} s; file {size / 1e9:.2f} GB; {memory()}; weights "
-          f"{api.weights_format(target)}; one kernel stack: {target.model.stack is not None}; "
-          f"{kernels.quant_isa()}", flush=True)
-    ids = target.tokenizer.encode(PROMPT)
-    rule, greedy = StopRule(max_new_tokens=args.max_new_tokens), SamplingConfig()
-    plain_generate(target.model, [ids], StopRule(max_new_tokens=2), greedy)  # warm-up
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        plain, _ = plain_generate(target.model, [ids], rule, greedy)
-        seconds = time.perf_counter() - t0
-        print(f"plain: {len(plain[0].tokens)} tokens, {len(plain[0].tokens) / seconds:.2f} tokens/s (prefill "
-              "included)", flush=True)
-    print(repr(target.tokenizer.decode(plain[0].tokens)), memory(), flush=True)
+    print(f"{args.model}: loaded in {time.time() - t0:.0f} s; file {size / 1e6:,.0f} MB; {memory()}; weights "
+          f"{api.weights_format(target)}; {kernels.quant_isa()}", flush=True)
+    decoders = {"plain": (None, 0)}
     if args.draft:
-        proposer = api.load_drafter(target, "draft-model", args.draft)
-        print(f"draft {args.draft} loaded; {memory()}", flush=True)
-        for k in (3, 5):
+        kind = drafter("draft-model")
+        network = kind.network(target, kind.folder(args.draft, target))  # one draft model, shared
+        print(f"{args.draft} loaded; {memory()}", flush=True)
+        for label, options in (("draft-model", DraftModelOptions()),
+                               ("draft-model, draft vocab", DraftModelOptions(draft_vocab="auto")),
+                               (f"draft-model, draft vocab, stop below {args.stop_below}",
+                                DraftModelOptions(draft_vocab="auto", stop_below=args.stop_below))):
+            proposer = kind.proposer(network, target, options)
+            ids = proposer.draft_ids
+            print(f"{label}: {'full vocabulary' if ids is None else f'{len(ids):,} ids'}; {memory()}", flush=True)
+            decoders[label] = (proposer, args.k if args.k == "auto" else int(args.k))
+        step_times(target, decoders)
+    workloads = {"humaneval greedy": (humaneval_prompts(args.prompts), False, SamplingConfig()),
+                 "chat T=1 seeded": (list(CHAT_PROMPTS[:args.prompts]), True, SamplingConfig(1.0, seed=0))}
+    for workload, (texts, chat, sampling) in workloads.items():
+        if workload.split()[0] not in args.workloads.split(","):
+            continue
+        prompts = api.encode_prompts(target, texts, args.new_tokens, chat=chat)
+
+        def run(proposer, k, prompt, n):
             t0 = time.perf_counter()
-            rows, metrics = speculative_generate(target.model, proposer, [ids], rule, greedy, k)
-            seconds = time.perf_counter() - t0
-            print(f"draft-model k={k}: identical to plain {rows[0].tokens == plain[0].tokens}, "
-                  f"{len(rows[0].tokens) / seconds:.2f} tokens/s, accepted {metrics.accepted}/{metrics.proposed}",
-                  flush=True)
+            rows, metrics = speculative_generate(target.model, proposer, [prompt], StopRule(n), sampling, k)
+            return rows[0].tokens, time.perf_counter() - t0, metrics
+
+        for proposer, k in decoders.values():  # warm-up, not timed: -k auto's verify curve, the kernels
+            run(proposer, k, prompts[0], 8)
+        results = {name: [] for name in decoders}
+        outputs = {}
+        for r in range(args.rounds):
+            for i, prompt in enumerate(prompts):
+                for name, (proposer, k) in decoders.items():
+                    _, first, _ = run(proposer, k, prompt, 1)
+                    tokens, seconds, m = run(proposer, k, prompt, args.new_tokens)
+                    outputs.setdefault((name, i), tokens)
+                    assert outputs[name, i] == tokens, f"{name} changed its output between rounds"
+                    predicted = chosen_prediction(m.adaptive) if m.adaptive else 1.0
+                    results[name].append((r, len(tokens) - 1, seconds - first, m.accepted, m.proposed,
+                                          m.propose_seconds, predicted))
+                print(f"{workload} round {r + 1}/{args.rounds} prompt {i}: " + ", ".join(
+                    f"{name} {v[-1][1] / v[-1][2]:.2f}" for name, v in results.items()) + " tok/s", flush=True)
+        speed = {name: statistics.median(sum(t for q, t, *_ in v if q == r) / sum(s for q, _, s, *_ in v if q == r)
+                                         for r in range(args.rounds)) for name, v in results.items()}
+        print(f"\n{workload}, {len(prompts)} prompts x {args.new_tokens} tokens, median of {args.rounds} rounds; "
+              f"{memory()}; load average {os.getloadavg()[0]:.1f}")
+        print("| decoder | tokens/s | vs plain | predicted (cost model) | α (accepted / drafted) | "
+              "draft ms per drafted token | identical to plain |")
+        print("|---|---|---|---|---|---|---|")
+        for name, v in results.items():
+            accepted, proposed, drafting = (sum(x[i] for x in v) for i in (3, 4, 5))
+            same = all(outputs[name, i] == outputs["plain", i] for i in range(len(prompts)))
+            print(f"| {name} | {speed[name]:.2f} | {speed[name] / speed['plain']:.2f}x | "
+                  f"{statistics.median(x[6] for x in v):.2f}x | "
+                  f"{accepted / max(proposed, 1):.2f} ({accepted} / {proposed}) | "
+                  f"{1e3 * drafting / max(proposed, 1):.1f} | {same} |")
+        print(flush=True)
 
 
 if __name__ == "__main__":

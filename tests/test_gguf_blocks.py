@@ -188,3 +188,71 @@ def test_a_model_run_as_stored_holds_about_its_files_bytes(tied, tmp_path, gguf_
     prompts, rule, greedy = [[5, 9, 2, 5, 9]], StopRule(max_new_tokens=12), SamplingConfig()
     rows, metrics = speculative_generate(target, draft, prompts, rule, greedy, 3)
     assert rows[0].tokens == plain_generate(target, prompts, rule, greedy)[0][0].tokens and metrics.proposed > 0
+
+
+# ---- a GGUF draft model: its draft vocabulary counted from local text ----
+
+COUNTED = ["def add(a, b):\n    return a + b\n\n" * 4, "import os\nfor path in os.listdir('.'):\n    print(path)\n"]
+
+
+@pytest.fixture(scope="module")
+def draft_file(tmp_path_factory, gguf_cache):
+    """Another model (another seed) of `written`'s tokenizer, as a .gguf in the same types: a draft."""
+    model = hf_model("llama", seed=1, tie_word_embeddings=True)
+    return write_gguf(tmp_path_factory.mktemp("draft") / "draft.gguf", model, byte_level_tokenizer(), "llama",
+                      types=TYPES)
+
+
+@torch.no_grad()
+def test_a_gguf_draft_drafts_over_a_vocabulary_counted_here_exactly(written, draft_file, monkeypatch):
+    """A GGUF draft saved without token counts: asked for a draft vocabulary, it counts the tokens of
+    local text once (lm/local_counts) and saves the counts beside its conversion; the vocabulary's
+    unembedding keeps the file's format, each logit the full unembedding's very number; greedy and
+    seeded T=1 speculative decoding give plain decoding's tokens, with and without stopping unsure."""
+    from specdec.lm import local_counts
+    from specdec.lm.checkpoint import TOKEN_COUNTS
+    from specdec.proposers.drafters import DraftModelOptions, build_drafter
+
+    monkeypatch.setattr(local_counts, "corpus", lambda: COUNTED)
+    target = load(written[1], quantize="gguf")
+    proposer = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab=40))
+    saved = gguf.folder(draft_file) / TOKEN_COUNTS
+    assert saved.is_file()
+    ids = proposer.draft_ids
+    specials = [i for i in target.tokenizer.tok.get_added_tokens_decoder()]
+    assert len(ids) == 40 and set(specials) <= set(ids.tolist())  # the end of a turn is always draftable
+    head, rows = proposer.model.lm_head.stored, proposer.vocab.unembedding.stored
+    assert rows.format == head.format == "q8_0" and rows.shape == (40, head.shape[1])
+    hidden = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(proposer.vocab.unembedding(hidden), proposer.model.lm_head(hidden)[:, ids])
+
+    def failing():
+        raise AssertionError("the saved counts are read, not counted again")
+    monkeypatch.setattr(local_counts, "corpus", failing)
+    unsure = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab=40, stop_below=0.9))
+    assert torch.equal(unsure.draft_ids, ids)
+    prompts, rule = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24)
+    for sampling in (SamplingConfig(), SamplingConfig(1.0, seed=3)):
+        plain, _ = plain_generate(target.model, prompts, rule, sampling)
+        proposed = {}
+        for drafter in (proposer, unsure):
+            for k in (3, "auto"):
+                rows_, metrics = speculative_generate(target.model, drafter, prompts, rule, sampling, k)
+                assert [r.tokens for r in rows_] == [r.tokens for r in plain], (sampling, k)
+                proposed[drafter, k] = metrics.proposed / metrics.row_steps
+        assert proposed[unsure, 3] < proposed[proposer, 3]  # a random draft is unsure: it stops early
+
+
+def test_the_cost_model_keeps_the_ids_the_counts_hold(written, draft_file):
+    """chosen_vocab: counts on a few ids (a draft vocabulary of them loses nothing) give a small
+    vocabulary; counts spread evenly (each id cut costs acceptance in proportion) the full one."""
+    from specdec.proposers.draft_model import chosen_vocab
+    from specdec.proposers.drafters import DraftModel
+
+    target = load(written[1], quantize="gguf")
+    draft = DraftModel().network(target, draft_file).model
+    V = draft.config.vocab_size
+    few = torch.zeros(V, dtype=torch.int64)
+    few[:10] = 100
+    assert chosen_vocab(draft, target.model, few) == 10  # V/32: the smallest size weighed that holds them all
+    assert chosen_vocab(draft, target.model, torch.ones(V, dtype=torch.int64)) is None

@@ -16,12 +16,15 @@ those values in fp32.
 The model holds what it runs and nothing beside it (`load_as_stored`): built on the meta device and
 filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
 holds about the file's size (a Q4_K_M file: ~1.1x, Q6_K's and Q5_0's codes being a byte each in the
-kernels' layout). The file's converted checkpoint gives the architecture and the tokenizer only.
+kernels' layout), and what the load freed goes back to the system. The file's converted checkpoint
+gives the architecture and the tokenizer only.
 This module knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or
 about decoding.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import re
 import warnings
 from pathlib import Path
@@ -116,7 +119,19 @@ def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32,
             linear.store("bf16")
         else:
             linear.weight = torch.nn.Parameter(linear.weight.float(), requires_grad=False)
-    return store_matrices(place(model, "cpu").eval(), None, given)
+    model = store_matrices(place(model, "cpu").eval(), None, given)
+    release_freed_memory()
+    return model
+
+
+def release_freed_memory() -> None:
+    """Give the system back the heap pages the load freed (the packing's slices of rows, the file's
+    metadata, collected first where it is held in reference cycles): glibc keeps them otherwise, ~0.2 GB
+    after Qwen2.5-Coder-1.5B's load. No trim where the C library is not glibc."""
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def holder(name: str) -> str:

@@ -32,11 +32,17 @@ def per_row(sampling: SamplingConfig | list[SamplingConfig], rows: int) -> list[
 class DraftVocabulary:
     """A drafter's unembedding over the N token ids most frequent in its training tokens, and the
     map back to target ids. Lossless: the draft's probability is 0 outside the N ids, which the
-    acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V)."""
+    acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V). A
+    quantized lm_head's rows keep its format (each row's logit the very number the full
+    unembedding gives it: the kernels compute each output row alone)."""
 
     def __init__(self, ids: torch.Tensor, lm_head: Linear):
-        self.ids = ids                                              # (N,) sorted target ids
-        self.unembedding = frozen_linear(lm_head.dense_rows(ids))   # (N, C) rows of the lm_head
+        self.ids = ids  # (N,) sorted target ids
+        if lm_head.stored is not None and lm_head.stored.quantized:
+            self.unembedding = Linear(lm_head.in_features, len(ids), bias=False, device="meta")
+            self.unembedding.store(matrix=lm_head.stored.rows(ids))  # (N, C) rows of the lm_head, as stored
+        else:
+            self.unembedding = frozen_linear(lm_head.dense_rows(ids))
 
     @classmethod
     def trained(cls, ids: torch.Tensor, unembedding: torch.nn.Module) -> "DraftVocabulary":
@@ -205,7 +211,7 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
 
 
 def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[SamplingConfig], draws: Draws,
-                vocab: DraftVocabulary | None, vocab_size: int, feed=None
+                vocab: DraftVocabulary | None, vocab_size: int, feed=None, stop_below: float | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Draft `steps` tokens one after another: d_1 is drawn (`draw`) from logits (B, N), and
     advance(j, d_{j+1}) returns the logits (B, N) draft j+2 is drawn from. Under a grammar, with
@@ -213,8 +219,11 @@ def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[Sampl
     forward), the run of tokens the rows' grammars force after a draft (guided.DraftGrammar.forced_run)
     is taken as it is, without a forward or a draw per token (its distributions one-hot, as drawn
     under the mask), and fed with that draft; the chain's last draft is always drawn. Returns the
-    drafts (B, steps), the distributions they were drawn from (B, steps, V) or None (all rows
-    greedy), and each step's scores (`draw`; those of base.with_alternatives)."""
+    drafts (B, s), the distributions they were drawn from (B, s, V) or None (all rows greedy), and
+    each step's scores (`draw`; those of base.with_alternatives). s = steps, or fewer with
+    `stop_below`: the chain stops after a draft whose logits' top probability (at temperature 1)
+    is below it in every row (the draft unsure of what comes next; whether it drafts on depends on
+    the draft alone, so verification stays exact)."""
     tokens, probs, scores = [], [], []
     while len(tokens) < steps:
         j = len(tokens)
@@ -222,6 +231,8 @@ def draft_chain(logits: torch.Tensor, steps: int, advance, samplings: list[Sampl
         tokens.append(token)
         probs.append(p)
         scores.append(score)
+        if stop_below is not None and float(torch.softmax(logits.float(), -1).amax(-1).max()) < stop_below:
+            break
         run = None if feed is None or draws.grammar is None else draws.grammar.forced_run(j + 1, steps - j - 2)
         if run is not None:
             run = torch.tensor(run, device=token.device)                        # (B, r)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.costmodel import VerifyCurve, predicted_speedup
 from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain, window_layout
@@ -23,7 +24,42 @@ from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import causal_lm, context_length, next_positions
 from ..lm.kv_cache import KVCache
+from ..lm.model import Linear
 from .base import FEED, DraftVocabulary, catch_up, draft_chain, fed, grow_tree, with_alternatives
+
+
+# The acceptance `chosen_vocab` assumes of a draft over the full vocabulary (adaptive.PRIOR's optimism
+# would favour long chains; the Qwen2.5-Coder pair measures 0.7 to 0.8 per draft on code)
+VOCAB_ALPHA = 0.75
+VOCAB_HALVINGS = 9  # the sizes weighed: V, V/2, ... V/256 ids
+
+
+def chosen_vocab(draft, target, token_counts: torch.Tensor) -> int | None:
+    """The draft vocabulary the cost model favours for `draft` drafting for `target` (None: the full
+    one), by the bytes each forward reads: a draft step reads the draft's matrices, its unembedding
+    in proportion to the N rows kept; a verification reads the target's (decoding at batch 1 is
+    bound by them: the verify curve taken flat). A draft over N ids proposes a token outside them
+    never, so each draft is accepted with VOCAB_ALPHA times the share of the counted tokens the N
+    hold. Predicted speedup (costmodel.predicted_speedup) at the best chain length up to 8, for N
+    among V, V/2, ... (VOCAB_HALVINGS sizes): the N of the highest."""
+    V = draft.config.vocab_size
+    head = draft.lm_head.stored.nbytes if draft.lm_head.stored is not None else draft.lm_head.weight.nbytes
+    body = stored_bytes(draft) - head
+    curve = VerifyCurve({1: float(stored_bytes(target)), 9: float(stored_bytes(target))})
+    share = token_counts.double().sort(descending=True).values.cumsum(0) / token_counts.sum().double()
+
+    def speedup(n: int) -> float:
+        alpha = VOCAB_ALPHA * float(share[n - 1])
+        return max(predicted_speedup([alpha] * k, k * (body + head * n / V), curve) for k in range(1, 9))
+
+    best = max((max(V >> i, 1) for i in range(VOCAB_HALVINGS)), key=speedup)
+    return None if best == V else best
+
+
+def stored_bytes(model) -> int:
+    """The bytes of a model's matrices as its forward reads them (stored, else its float weights)."""
+    return sum(m.stored.nbytes if m.stored is not None else m.weight.nbytes
+               for m in model.modules() if isinstance(m, Linear))
 
 
 @dataclass
@@ -46,14 +82,18 @@ class DraftModelProposer:
     features = ()  # none read; the engine's default
 
     def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None,
-                 tree: str = "static"):
+                 tree: str = "static", stop_below: float | None = None):
         """draft_vocab N: draft over the N most frequent token ids of `token_counts` (V,) — the
         counts of the training tokens, saved with the draft — through an unembedding of N rows
         instead of V. Lossless: the draft's probability is 0 outside them, which rejection sampling
-        accounts for; it only lowers the draft's cost. tree: "static" or "dynamic" (see above)."""
+        accounts for; it only lowers the draft's cost. tree: "static" or "dynamic" (see above).
+        stop_below: a chain ends early after a draft whose top probability is below it
+        (base.draft_chain; None: always the depth asked for)."""
         if tree not in ("static", "dynamic"):
             raise SpecdecError(f"a draft model's trees are static or dynamic, not {tree!r}")
-        self.tree = tree
+        if stop_below is not None and not 0 < stop_below < 1:
+            raise SpecdecError(f"stop_below is a probability between 0 and 1 (exclusive), got {stop_below}")
+        self.tree, self.stop_below = tree, stop_below
         self.model = causal_lm(model, role="draft model")
         self.vocab_size = self.model.config.vocab_size
         self.context = context_length(self.model)
@@ -135,12 +175,14 @@ class DraftModelProposer:
                              state.samplings, draws)
         tokens, probs, scores = draft_chain(logits, m, lambda j, token: self.forward(token[:, None], state.cache),
                                             state.samplings, draws, self.vocab, self.vocab_size,
-                                            feed=lambda window: self.forward(window, state.cache))
-        state.fed_drafts = m - 1
-        proposal = with_alternatives(Proposal(tokens, limits.clone(), probs), scores, widths, self.vocab,
+                                            feed=lambda window: self.forward(window, state.cache),
+                                            stop_below=self.stop_below)
+        drafted = tokens.shape[1]  # m, or fewer where the draft stopped unsure (stop_below)
+        state.fed_drafts = drafted - 1
+        proposal = with_alternatives(Proposal(tokens, limits.clamp(max=drafted), probs), scores, widths, self.vocab,
                                      self.vocab_size)
         if proposal.parents is not None:
-            state.chain = caterpillar_layout(tuple(widths[:m]))[1]
+            state.chain = caterpillar_layout(tuple(widths[:drafted]))[1]
         return proposal
 
     def tree_logits(self, state: DraftState, tokens, parents, frontier) -> torch.Tensor:

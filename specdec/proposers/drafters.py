@@ -18,20 +18,23 @@ nothing about the command line, benchmarks or serving.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
 from ..kernels.blocks import blocking_error
-from ..lm import gguf, packaged
-from ..lm.checkpoint import META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_config, read_meta, sha256
+from ..lm import gguf, local_counts, packaged
+from ..lm.checkpoint import (META, PARALLEL_KIND, TOKEN_COUNTS, WEIGHTS, load_model, load_token_counts, read_config,
+                             read_meta, save_token_counts, sha256)
 from ..lm.gguf_blocks import load_as_stored
 from ..lm.model import Linear, LlamaForCausalLM
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
 from .block_head import BLOCK_FOLDER
-from .draft_model import DraftModelProposer
+from .draft_model import DraftModelProposer, chosen_vocab
 from .eagle import EagleProposer
 from .eagle_head import EAGLE_FOLDER
 from .heads import MTP_FOLDER, check_head_target, load_head
@@ -60,8 +63,11 @@ class VocabOptions:
 
 @dataclass(frozen=True)
 class DraftModelOptions(VocabOptions):
-    """A draft model (its own, or the target's quantized weights)."""
+    """A draft model (its own, or the target's quantized weights). Its draft_vocab may also be
+    "auto": the size the cost model favours (draft_model.chosen_vocab)."""
+    draft_vocab: int | str | None = None
     dynamic_tree: bool = False      # grow trees by the draft's confidence (EAGLE-2)
+    stop_below: float | None = None  # end a chain after a draft whose top probability is below this
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class DraftCheckpoint:
     path: Path
     token_counts: object = None   # (V,) of its training tokens, where saved
     meta: dict | None = None      # its specdec.json
+    gguf: bool = False            # a GGUF file's conversion (in specdec's cache): counts are made here when asked
 
 
 class Drafter:
@@ -179,14 +186,29 @@ class DraftModel(Drafter):
             model = load_as_stored(folder, target.lm.dtype, target.lm.device)
         else:
             model = load_model(path, dtype=target.lm.dtype, device=target.lm.device)
-        return DraftCheckpoint(model, path, load_token_counts(path), read_meta(path))
+        return DraftCheckpoint(model, path, load_token_counts(path), read_meta(path), gguf.is_gguf(folder))
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
-        return DraftModelProposer(draft.model, draft_vocab(options, draft.token_counts), draft.token_counts,
-                                  tree="dynamic" if options.dynamic_tree else "static")
+        if draft.token_counts is None and draft.gguf and options.draft_vocab is not None:
+            draft.token_counts = local_token_counts(draft.path, target.tokenizer.tok, draft.model.config.vocab_size)
+        size = draft_vocab(options, draft.token_counts)
+        if size == "auto":
+            size = chosen_vocab(draft.model, target.model, draft.token_counts)
+        return DraftModelProposer(draft.model, size, draft.token_counts,
+                                  tree="dynamic" if options.dynamic_tree else "static", stop_below=options.stop_below)
 
     def describe(self, draft, proposer, options) -> dict:
-        return {"draft_vocab": draft_vocab(options, draft.token_counts) or "full"}
+        return {"draft_vocab": "full" if proposer.draft_ids is None else len(proposer.draft_ids)}
+
+
+def local_token_counts(folder: Path, tokenizer, vocab_size: int):
+    """The token counts of a GGUF draft's converted checkpoint `folder` (specdec's cache), made once
+    from text on this machine (lm/local_counts) and saved there beside it (atomically)."""
+    counts = local_counts.token_counts(tokenizer, vocab_size)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        save_token_counts(tmp, counts)
+        os.replace(Path(tmp) / TOKEN_COUNTS, folder / TOKEN_COUNTS)
+    return counts
 
 
 class ParallelDraft(DraftModel):
@@ -216,7 +238,7 @@ class ParallelDraft(DraftModel):
                                      draft_vocab(options, draft.token_counts), draft.token_counts)
 
     def describe(self, draft, proposer, options) -> dict:
-        return {**super().describe(draft, proposer, options), "block": proposer.max_depth,
+        return {"draft_vocab": draft_vocab(options, draft.token_counts) or "full", "block": proposer.max_depth,
                 "native_step": proposer.native}
 
 
@@ -264,6 +286,9 @@ class SelfDraft(Drafter):
                                        "this target needs another drafter")
 
     def proposer(self, network, target, options) -> Proposer:
+        if options.draft_vocab == "auto" or options.stop_below is not None:
+            raise SpecdecError("draft_vocab='auto' and stop_below are a draft model's of its own; give the "
+                               "self-draft a number of ids (or none: the full vocabulary) and no stop_below")
         return SelfDraftProposer(target.model, draft_vocab=draft_vocab(options, target.token_counts),
                                  token_counts=target.token_counts,
                                  tree="dynamic" if options.dynamic_tree else "static")
