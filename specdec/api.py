@@ -46,7 +46,7 @@ from .lm import gguf, packaged
 from .lm.checkpoint import load_model, load_token_counts
 from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
-from .lm.gguf_blocks import AS_STORED, load_as_stored
+from .lm.gguf_blocks import AS_STORED, load_as_stored, release_freed_memory
 from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer
@@ -106,6 +106,7 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
                            f"{model.config.vocab_size}; they do not belong together")
     if device.type == "cpu":
         kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
+    release_freed_memory()  # the tokenizer's and the kernels' loading freed heap pages too
     return Loaded(model, tokenizer, path, time.perf_counter() - t0, load_token_counts(path))
 
 
