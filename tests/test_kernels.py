@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -191,6 +192,36 @@ def test_a_token_gets_the_same_logits_alone_in_any_window_and_on_any_instruction
                 assert torch.equal(window[0], reference[0, :T]), (name, T)
     finally:
         kernels.compiled().set_isa(before)
+
+
+@pytest.mark.parametrize("format", ["bf16", "q8_0", "q4_1"])
+@torch.no_grad()
+def test_the_threads_split_of_the_layers_leaves_every_bit_as_one_thread_computes_it(format):
+    """On two threads (layers of over a megabyte: a second thread is used) a token decoded alone (each
+    thread then computes the norms and activations itself, isa.h's each_row) and a window of tokens
+    (they split them) give the bits of one thread, and of each other."""
+    cfg = replace(TINY, hidden_size=256, intermediate_size=2048, num_attention_heads=8, head_dim=32)
+    model = store_matrices(tiny_model(7, cfg), format)
+    assert model.stack is not None
+    g = torch.Generator().manual_seed(8)
+    prompt, new = torch.randint(0, cfg.vocab_size, (1, 9), generator=g), torch.randint(0, cfg.vocab_size, (1, 6),
+                                                                                         generator=g)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            kernels.set_threads(n)
+            alone, window = model.new_cache(1, 32), model.new_cache(1, 32)
+            model(prompt, cache=alone)
+            model(prompt, cache=window)
+            results.append((torch.cat([model(new[:, t:t + 1], cache=alone).logits for t in range(6)], 1),
+                            model(new, cache=window).logits))
+    finally:
+        kernels.set_threads(None)
+        torch.set_num_threads(before)
+    (one_alone, one_window), (two_alone, two_window) = results
+    assert torch.equal(two_alone, one_alone) and torch.equal(two_window, one_window)
+    assert torch.equal(one_alone, one_window)
 
 
 @torch.no_grad()

@@ -392,12 +392,13 @@ struct Stack {
     auto out = x.contiguous().clone();
     const auto opts = x.options();
     const int64_t E = (s.H + 2 * s.Hkv) * s.D;
-    auto h = torch::empty({M, s.C}, opts), qkv = torch::empty({M, E}, opts), y = torch::empty({M, s.H * s.D}, opts);
-    auto gu = torch::empty({M, 2 * s.F}, opts), act = torch::empty({M, s.F}, opts), rope = torch::empty({M, s.R}, opts);
     const int nt = threads(layer_bytes, M);
+    const int64_t own = M == 1 ? nt : M;  // one row: h, act and xq a row per thread (isa.h's each_row)
+    auto h = torch::empty({own, s.C}, opts), qkv = torch::empty({M, E}, opts), y = torch::empty({M, s.H * s.D}, opts);
+    auto gu = torch::empty({M, 2 * s.F}, opts), act = torch::empty({own, s.F}, opts), rope = torch::empty({M, s.R}, opts);
     const int64_t ps = (S + 15) / 16 * 16 + T;
     auto p = torch::empty({nt, ps}, opts);
-    QuantBuffer xq(quantized_k ? M : 0, quantized_k);
+    QuantBuffer xq(quantized_k ? own : 0, quantized_k);
     std::vector<torch::Tensor> result{out};
     std::vector<float*> kept(nl, nullptr);
     for (int64_t l : keep) {

@@ -335,33 +335,60 @@ inline void quantize_input(const Mat& W, const float* row, const QuantRows& xq, 
   if (W.format != kBf16) g_quant->quantize_row(row, W.K, xq, m);
 }
 
-// sc.h (M, C) = RMSNorm(x) with scale w, each row quantized for W, the matrix it enters (Scratch.xq).
-inline void norm_rows(const float* x, const float* w, const Shape& s, int64_t M, const Mat& W, const Scratch& sc) {
+// f(m) for the rows m = 0..M-1 of a step between two matrices (a norm, an activation, a row's
+// quantization): split among the threads, who then meet at the loop's barrier; or, for one row
+// (`alone`: plain decoding's step), computed by every thread itself into its own copy of the
+// outputs (Scratch's per-thread rows), so that no barrier is met for a few microseconds of work.
+// The same operations either way: the values do not change.
+template <class F>
+inline void each_row(int64_t M, bool alone, F f) {
+  if (alone) return f(0);
 #pragma omp for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    rms_norm_row(x + m * s.C, w, s.eps, s.C, sc.h + m * s.C);
-    quantize_input(W, sc.h + m * s.C, sc.xq, m);
-  }
+  for (int64_t m = 0; m < M; ++m) f(m);
+}
+
+// The rows this thread writes its steps between matrices to: its own where `alone` (Scratch).
+struct Rows {
+  float *h, *act;
+  QuantRows xq;
+};
+
+inline Rows rows_of(const Scratch& sc, const Shape& s, bool alone, int tid) {
+  if (!alone) return {sc.h, sc.act, sc.xq};
+  QuantRows xq = sc.xq;
+  xq.q += tid * xq.ld;
+  xq.d += tid * xq.blocks;
+  xq.sums += tid * xq.blocks;
+  return {sc.h + tid * s.C, sc.act + tid * s.F, xq};
+}
+
+// h (M, C) = RMSNorm(x) with scale w, each row quantized for W, the matrix it enters.
+inline void norm_rows(const float* x, const float* w, const Shape& s, int64_t M, const Mat& W, const Rows& own,
+                      bool alone) {
+  each_row(M, alone, [&](int64_t m) {
+    rms_norm_row(x + m * s.C, w, s.eps, s.C, own.h + m * s.C);
+    quantize_input(W, own.h + m * s.C, own.xq, m);
+  });
 }
 
 // x += the gated MLP of RMSNorm(x) (+ biases), for rows (M, C) of x.
-inline void mlp(const LayerWeights& L, const Shape& s, int64_t M, float* x, const Scratch& sc, int tid, int nt) {
+inline void mlp(const LayerWeights& L, const Shape& s, int64_t M, float* x, const Scratch& sc, const Rows& own,
+                bool alone, int tid, int nt) {
   const int64_t C = s.C, F2 = 2 * s.F;
-  norm_rows(x, L.norm2, s, M, L.gate_up, sc);
-  matmul(L.gate_up, sc.h, C, sc.xq, M, sc.gu, F2, nullptr, L.gate_up_bias, tid, nt);
+  norm_rows(x, L.norm2, s, M, L.gate_up, own, alone);
+  matmul(L.gate_up, own.h, C, own.xq, M, sc.gu, F2, nullptr, L.gate_up_bias, tid, nt);
 #pragma omp barrier
-#pragma omp for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
+  each_row(M, alone, [&](int64_t m) {
     const float* g = sc.gu + m * F2;
     blocks16(g, s.F, [&](int64_t c, V gv, int n) {
       alignas(64) float ub[kLanes] = {};
       std::memcpy(ub, g + s.F + c, n * sizeof(float));
-      store_part(sc.act + m * s.F + c, s.activation == 0 ? silu_mul(gv, V::load(ub)) : gelu_tanh_mul(gv, V::load(ub)),
+      store_part(own.act + m * s.F + c, s.activation == 0 ? silu_mul(gv, V::load(ub)) : gelu_tanh_mul(gv, V::load(ub)),
                  n);
     });
-    quantize_input(L.down, sc.act + m * s.F, sc.xq, m);
-  }
-  matmul(L.down, sc.act, s.F, sc.xq, M, x, C, x, L.down_bias, tid, nt);  // x += act W_down^T [+ b_down]
+    quantize_input(L.down, own.act + m * s.F, own.xq, m);
+  });
+  matmul(L.down, own.act, s.F, own.xq, M, x, C, x, L.down_bias, tid, nt);  // x += act W_down^T [+ b_down]
 #pragma omp barrier
 }
 
@@ -369,26 +396,26 @@ inline void mlp(const LayerWeights& L, const Shape& s, int64_t M, float* x, cons
 // it; the steps are separated by barriers). kept[l], if not null, receives x after layer l.
 // Scratch (struct Scratch): h (M, C), qkv (M, E), y (M, H D), gu (M, 2F), act (M, F), rope (M, R) cos then
 // sin halves (R: the rotated dims of a head, its first ones), p (threads, p_stride) with p_stride >= S
-// rounded up to 16, plus T; and a quantized matrix's input rows (xq).
+// rounded up to 16, plus T; and a quantized matrix's input rows (xq). For one row (M = 1) h, act and
+// xq hold a row per thread (each_row).
 inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, const Window& w,
                            const Cache* caches, float* x, float* const* kept, const Scratch& sc) {
   const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
   const int64_t M = w.B * w.T, C = s.C, E = (s.H + 2 * s.Hkv) * s.D, HD = s.H * s.D;
+  const bool alone = M == 1;
+  const Rows own = rows_of(sc, s, alone, tid);
   rope_table(s, w, sc.rope);
   for (int l = 0; l < nl; ++l) {
     const LayerWeights& L = layers[l];
-    norm_rows(x, L.norm1, s, M, L.qkv, sc);
-    matmul(L.qkv, sc.h, C, sc.xq, M, sc.qkv, E, nullptr, L.qkv_bias, tid, nt);
+    norm_rows(x, L.norm1, s, M, L.qkv, own, alone);
+    matmul(L.qkv, own.h, C, own.xq, M, sc.qkv, E, nullptr, L.qkv_bias, tid, nt);
 #pragma omp barrier
     rotate_and_cache(L, s, w, caches[l], sc.qkv, sc.rope);
     attend(s, w, caches[l], sc.qkv, sc.y, sc.p + tid * sc.p_stride, sc.p_stride);
-    if (L.o.format != kBf16) {
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) quantize_input(L.o, sc.y + m * HD, sc.xq, m);
-    }
-    matmul(L.o, sc.y, HD, sc.xq, M, x, C, x, L.o_bias, tid, nt);  // x += y W_o^T [+ b_o]
+    if (L.o.format != kBf16) each_row(M, alone, [&](int64_t m) { quantize_input(L.o, sc.y + m * HD, own.xq, m); });
+    matmul(L.o, sc.y, HD, own.xq, M, x, C, x, L.o_bias, tid, nt);  // x += y W_o^T [+ b_o]
 #pragma omp barrier
-    mlp(L, s, M, x, sc, tid, nt);
+    mlp(L, s, M, x, sc, own, alone, tid, nt);
     if (kept[l]) {
 #pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) std::memcpy(kept[l] + m * C, x + m * C, C * sizeof(float));

@@ -1,20 +1,28 @@
 // How many threads a kernel call runs on, on a machine shared with other processes.
 //
-// Why: each decoder layer's work is split statically among the threads, which meet at about eight
-// barriers per layer. When another process holds a core, one of our threads waits for it in the
+// Why: each decoder layer's work is split statically among the threads, which meet at six to ten
+// barriers per layer (six for one token: isa.h's each_row). When another process holds a core, one of our threads waits for it in the
 // run queue while the others spin at the barrier for it: measured on 2 cores, plain decoding of a
 // ~0.2B model beside a second specdec process fell to ~1/80 of its quiet speed. So in "auto" mode
 // (the default) the kernels run on the cores other processes leave free: every ~0.2 s the machine's
 // busy time (/proc/stat) less this process's own (/proc/self/stat) gives the cores others used,
 // and the calls until the next sample run on round(cores - others) threads, at least 1 and at most
-// the ceiling (torch's threads). A fixed count (`--threads N`) is never changed. Results never
+// the ceiling (torch's threads). Processes at a lower priority than this one (niced, such as a
+// background job at nice 19) do not count as others: the scheduler hands their cores to this
+// process's threads whenever those are ready (nice 19 against nice 0 gets ~1.5% of a contended
+// core), so they leave the cores free. /proc/stat counts niced user time apart ("nice"); it is left
+// out unless this process runs niced itself (then the niced are its peers). Counted, they would hold
+// auto at 1 thread of 2 beside one busy nice-19 job: it takes the core left idle, which then looks
+// used by others at every sample. A fixed count (`--threads N`) is never changed. Results never
 // depend on the thread count (cpu.cpp's arithmetic contract), only the speed does.
 #pragma once
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -37,15 +45,23 @@ inline double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Busy clock ticks of all CPUs since boot: user, nice, system, irq, softirq, steal (not idle, iowait).
-inline bool machine_busy(long long& busy) {
+// Whether this process runs niced (nice > 0): then niced processes are its peers, not below it.
+inline bool self_niced() {
+  errno = 0;
+  const int nice = getpriority(PRIO_PROCESS, 0);
+  return errno == 0 && nice > 0;
+}
+
+// Busy clock ticks of all CPUs since boot: user, system, irq, softirq, steal (not idle, iowait), and
+// niced processes' user time where `with_niced`.
+inline bool machine_busy(long long& busy, bool with_niced) {
   FILE* f = std::fopen("/proc/stat", "r");
   if (!f) return false;
   long long user, nice, system, idle, iowait, irq, softirq, steal = 0;
   const int n = std::fscanf(f, "cpu %lld %lld %lld %lld %lld %lld %lld %lld", &user, &nice, &system, &idle, &iowait,
                             &irq, &softirq, &steal);
   std::fclose(f);
-  busy = user + nice + system + irq + softirq + steal;
+  busy = user + (with_niced ? nice : 0) + system + irq + softirq + steal;
   return n >= 7;
 }
 
@@ -73,7 +89,7 @@ inline int automatic(int ceiling) {
   const double now = now_seconds();
   if (now - g_last_wall >= kSampleSeconds && g_sampling.try_lock()) {
     long long busy, self;
-    if (machine_busy(busy) && own_busy(self)) {
+    if (machine_busy(busy, self_niced()) && own_busy(self)) {
       const double elapsed = now - g_last_wall;
       if (g_last_wall > 0 && elapsed < kStaleSeconds) {
         const double ticks = elapsed * static_cast<double>(sysconf(_SC_CLK_TCK));
