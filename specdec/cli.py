@@ -351,7 +351,7 @@ def draft_options(name: str, args):
 
     options = DRAFTERS[name].options
     flags = {"draft_vocab": args.draft_vocab, "dynamic_tree": args.dynamic_tree, "max_n": args.ngram_max,
-             "min_n": args.ngram_min}
+             "min_n": args.ngram_min, "stop_below": args.stop_below}
     return options(**{f.name: flags[f.name] for f in dataclasses.fields(options) if f.name in flags})
 
 
@@ -382,10 +382,15 @@ def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> 
                                          "or models/parallel-draft)")
     p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle, "
                                    "block head folder for --draft block (default: the shipped target's)")
-    p.add_argument("--draft-vocab", type=int, metavar="N",
+    p.add_argument("--draft-vocab", type=vocab_size, metavar="N",
                    help="--draft mtp, eagle, block, draft-model or parallel: draft over the N token ids most frequent in the "
                         "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
-                        "an EAGLE head's own draft vocabulary)")
+                        "an EAGLE head's own draft vocabulary); draft-model also auto: the size the cost model picks "
+                        "(a GGUF draft counts the tokens of text on this machine once; a draft saved without counts keeps "
+                        "its full vocabulary)")
+    p.add_argument("--stop-below", type=float, metavar="P",
+                   help="--draft draft-model: end a chain of drafts after one whose top probability is below P "
+                        "(the draft unsure; lossless)")
     p.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
                                             "from the measured acceptance and this machine's costs, 0 (plain "
                                             f"decoding) included (default: {k_default})")
@@ -404,7 +409,16 @@ def draft_options_given(args) -> dict[str, object]:
     """The draft options set on the command line, by flag (for inputs.draft_options)."""
     return {"-k": args.k, "--tree": args.tree, "--dynamic-tree": args.dynamic_tree or None,
             "--draft-model": args.draft_model, "--heads": args.heads, "--draft-vocab": args.draft_vocab,
-            "--ngram-max": args.ngram_max, "--ngram-min": args.ngram_min}
+            "--ngram-max": args.ngram_max, "--ngram-min": args.ngram_min, "--stop-below": args.stop_below}
+
+
+def vocab_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draft-vocab takes a number of token ids or auto, not {text!r}") from None
 
 
 def draft_k(text: str) -> int | str:

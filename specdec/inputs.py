@@ -148,7 +148,12 @@ def draft_options(draft: str, given: dict[str, object]) -> None:
         if value is not None and draft not in owners[option]:
             raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "
                                f"add --draft {owners[option][0]} or leave {option} out")
-    integer("--draft-vocab", given.get("--draft-vocab"), low=1, optional=True)
+    vocab = given.get("--draft-vocab")
+    if vocab == "auto" and draft != "draft-model":
+        raise SpecdecError(f"--draft-vocab auto (the cost model's size) is a draft model's; give --draft {draft} "
+                           "a number of token ids")
+    integer("--draft-vocab", None if vocab == "auto" else vocab, low=1, optional=True)
+    number("--stop-below (a probability)", given.get("--stop-below"), low=0, high=1, low_open=True, optional=True)
     lo = integer("--ngram-min", given.get("--ngram-min"), low=1, optional=True)
     hi = integer("--ngram-max", given.get("--ngram-max"), low=1, optional=True)
     if lo is not None and hi is not None and lo > hi:

@@ -92,11 +92,12 @@ def test_missing_model_and_unreadable_corpus_leave_nothing_on_disk(capsys, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("draft", ["ngram", "draft-model"])
-def test_speculative_generate_prints_the_same_tokens_with_acceptance_stats(capsys, tiny_checkpoint, draft):
+@pytest.mark.parametrize("draft, flags", [("ngram", []), ("draft-model", []),
+                                          ("draft-model", ["--draft-vocab", "auto", "--stop-below", "0.5"])])
+def test_speculative_generate_prints_the_same_tokens_with_acceptance_stats(capsys, tiny_checkpoint, draft, flags):
     base = ["generate", "--model", str(tiny_checkpoint), "--prompt", "def f(x):", "--max-new-tokens", "16", "--json"]
     plain = json.loads(run_cli(capsys, *base)[1])
-    options = ["--draft-model", str(tiny_checkpoint)] if draft == "draft-model" else []
+    options = ["--draft-model", str(tiny_checkpoint), *flags] if draft == "draft-model" else []
     code, out, err = run_cli(capsys, *base, "--draft", draft, *options, "-k", "3")
     assert code == 0, err
     spec = json.loads(out)

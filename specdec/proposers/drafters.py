@@ -60,6 +60,14 @@ class VocabOptions:
     draft_vocab: int | None = None  # draft over the N token ids most frequent in the drafter's training tokens
     counted_only: bool = False      # ... only where the drafter saved those counts (else its whole vocabulary)
 
+    def __post_init__(self):
+        model = isinstance(self, DraftModelOptions)  # a draft model's may be "auto" (draft_model.chosen_vocab)
+        if not (self.draft_vocab is None or (model and self.draft_vocab == "auto")
+                or (type(self.draft_vocab) is int and self.draft_vocab > 0)):
+            raise SpecdecError(f"draft_vocab is a number of token ids >= 1{' or auto' if model else ''}, got "
+                               f"{self.draft_vocab!r}" + (" (auto, the cost model's size, is a draft model's)"
+                                                          if self.draft_vocab == "auto" else ""))
+
 
 @dataclass(frozen=True)
 class DraftModelOptions(VocabOptions):
@@ -160,7 +168,7 @@ def draft_vocab(options: VocabOptions, token_counts) -> int | None:
 
 class DraftModel(Drafter):
     name, cls, shipped, what = "draft-model", DraftModelProposer, ("draft",), "draft model"
-    path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab", "--dynamic-tree")
+    path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab", "--dynamic-tree", "--stop-below")
     options = DraftModelOptions
     train = "train one with `specdec train --preset draft` (it must share the target's tokenizer)"
 
@@ -192,8 +200,8 @@ class DraftModel(Drafter):
         if draft.token_counts is None and draft.gguf and options.draft_vocab is not None:
             draft.token_counts = local_token_counts(draft.path, target.tokenizer.tok, draft.model.config.vocab_size)
         size = draft_vocab(options, draft.token_counts)
-        if size == "auto":
-            size = chosen_vocab(draft.model, target.model, draft.token_counts)
+        if size == "auto":  # without counts the one size to choose is the whole vocabulary
+            size = None if draft.token_counts is None else chosen_vocab(draft.model, target.model, draft.token_counts)
         return DraftModelProposer(draft.model, size, draft.token_counts,
                                   tree="dynamic" if options.dynamic_tree else "static", stop_below=options.stop_below)
 
