@@ -382,18 +382,18 @@ def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> 
                                          "or models/parallel-draft)")
     p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle, "
                                    "block head folder for --draft block (default: the shipped target's)")
-    p.add_argument("--draft-vocab", type=vocab_size, metavar="N",
-                   help="--draft mtp, eagle, block, draft-model or parallel: draft over the N token ids most frequent in the "
-                        "drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
+    p.add_argument("--draft-vocab", type=count_or_auto("--draft-vocab", "token ids"), metavar="N",
+                   help="--draft mtp, eagle, block, draft-model or parallel: draft over the N token ids most frequent "
+                        "in the drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
                         "an EAGLE head's own draft vocabulary); draft-model also auto: the size the cost model picks "
                         "(a GGUF draft counts the tokens of text on this machine once; a draft saved without counts keeps "
                         "its full vocabulary)")
     p.add_argument("--stop-below", type=float, metavar="P",
                    help="--draft draft-model: end a chain of drafts after one whose top probability is below P "
                         "(the draft unsure; lossless)")
-    p.add_argument("-k", type=draft_k, help="draft tokens proposed per step, or auto: chosen before each step "
-                                            "from the measured acceptance and this machine's costs, 0 (plain "
-                                            f"decoding) included (default: {k_default})")
+    p.add_argument("-k", type=count_or_auto("-k", "draft tokens"),
+                   help="draft tokens proposed per step, or auto: chosen before each step from the measured "
+                        f"acceptance and this machine's costs, 0 (plain decoding) included (default: {k_default})")
     p.add_argument("--tree", type=tree_widths, metavar="W1,W2,..",
                    help="draft a tree of at most Wd tokens at depth d (e.g. 3,2,2: 3 candidates for the next "
                         "token, 2 after the best, ...); with -k auto (the default), the tree tried beside chains; "
@@ -412,22 +412,16 @@ def draft_options_given(args) -> dict[str, object]:
             "--ngram-max": args.ngram_max, "--ngram-min": args.ngram_min, "--stop-below": args.stop_below}
 
 
-def vocab_size(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draft-vocab takes a number of token ids or auto, not {text!r}") from None
-
-
-def draft_k(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"-k takes a number of draft tokens or auto, not {text!r}") from None
+def count_or_auto(flag: str, what: str):
+    """The argparse type of a flag taking a whole number of `what` or the word auto."""
+    def parse(text: str) -> int | str:
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number of {what} or auto, not {text!r}") from None
+    return parse
 
 
 def tree_widths(text: str) -> tuple[int, ...]:
