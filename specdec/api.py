@@ -144,8 +144,8 @@ def load_drafter(target: Loaded, name: str, path: str | Path | None = None, opti
     none for ngram and suffix) in the target's dtype; a drafter that does not fit the target (another
     tokenizer, trained for another target) is refused with the reason. options: the drafter's own
     (None: its defaults): VocabOptions(N) drafts over the N token ids most frequent in its training
-    tokens (heads, parallel), DraftModelOptions(dynamic_tree=True) a draft model's EAGLE-2 trees,
-    NgramOptions(max_n, min_n) the n-gram sizes."""
+    tokens (heads, parallel), DraftModelOptions(dynamic_tree=True) a draft model's EAGLE-2 trees
+    (TreeOptions the self-draft's), NgramOptions(max_n, min_n) the n-gram sizes."""
     return build_drafter(name, target, path, options)
 
 

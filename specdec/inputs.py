@@ -12,7 +12,7 @@ from numbers import Integral, Real
 
 from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
-from .proposers.drafters import DRAFTERS, option_owners
+from .proposers.drafters import DRAFTERS, DraftModelOptions, option_owners
 
 MAX_SEED = 2 ** 63 - 1
 
@@ -149,7 +149,7 @@ def draft_options(draft: str, given: dict[str, object]) -> None:
             raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "
                                f"add --draft {owners[option][0]} or leave {option} out")
     vocab = given.get("--draft-vocab")
-    if vocab == "auto" and draft != "draft-model":
+    if vocab == "auto" and DRAFTERS[draft].options is not DraftModelOptions:
         raise SpecdecError(f"--draft-vocab auto (the cost model's size) is a draft model's; give --draft {draft} "
                            "a number of token ids")
     integer("--draft-vocab", None if vocab == "auto" else vocab, low=1, optional=True)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from ..decoding.protocol import Outcome, Proposal, Proposer
 from .block import BlockProposer
 from .draft_model import DraftModelProposer
-from .drafters import DRAFTERS, PROPOSERS, DraftModelOptions, NgramOptions, NoOptions, VocabOptions, build_drafter
+from .drafters import (DRAFTERS, PROPOSERS, DraftModelOptions, NgramOptions, NoOptions, TreeOptions, VocabOptions,
+                       build_drafter)
 from .eagle import EagleProposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer
@@ -17,4 +18,4 @@ from .suffix import SuffixProposer
 
 __all__ = ["DRAFTERS", "PROPOSERS", "BlockProposer", "DraftModelOptions", "DraftModelProposer", "EagleProposer",
            "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions", "Outcome", "ParallelDraftProposer", "Proposal",
-           "Proposer", "SelfDraftProposer", "SuffixProposer", "VocabOptions", "build_drafter"]
+           "Proposer", "SelfDraftProposer", "SuffixProposer", "TreeOptions", "VocabOptions", "build_drafter"]

@@ -70,11 +70,16 @@ class VocabOptions:
 
 
 @dataclass(frozen=True)
-class DraftModelOptions(VocabOptions):
-    """A draft model (its own, or the target's quantized weights). Its draft_vocab may also be
-    "auto": the size the cost model favours (draft_model.chosen_vocab)."""
-    draft_vocab: int | str | None = None
+class TreeOptions(VocabOptions):
+    """A draft model's network that also grows its trees by its confidence (the self-draft)."""
     dynamic_tree: bool = False      # grow trees by the draft's confidence (EAGLE-2)
+
+
+@dataclass(frozen=True)
+class DraftModelOptions(TreeOptions):
+    """A draft model of its own. Its draft_vocab may also be "auto": the size the cost model
+    favours (draft_model.chosen_vocab)."""
+    draft_vocab: int | str | None = None
     stop_below: float | None = None  # end a chain after a draft whose top probability is below this
 
 
@@ -275,7 +280,7 @@ class SelfDraft(Drafter):
     whose matrices cut into the quantized formats' blocks."""
     name, cls, what = "self", SelfDraftProposer, "self-draft"
     flags = ("--draft-vocab", "--dynamic-tree")
-    options = DraftModelOptions
+    options = TreeOptions
 
     def check(self, target, folder) -> None:
         """specdec's own model, every matrix's rows (hidden size, attention output, intermediate
@@ -294,9 +299,6 @@ class SelfDraft(Drafter):
                                        "this target needs another drafter")
 
     def proposer(self, network, target, options) -> Proposer:
-        if options.draft_vocab == "auto" or options.stop_below is not None:
-            raise SpecdecError("draft_vocab='auto' and stop_below are a draft model's of its own; give the "
-                               "self-draft a number of ids (or none: the full vocabulary) and no stop_below")
         return SelfDraftProposer(target.model, draft_vocab=draft_vocab(options, target.token_counts),
                                  token_counts=target.token_counts,
                                  tree="dynamic" if options.dynamic_tree else "static")
