@@ -13,8 +13,9 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   shape: a tree's alternatives raise it.
 - t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
   leave), measured on this machine once per batch size (powers of two) and cached
-  (calibration.py; the engine hands the curves over, this module never sees the model); n(s, d) the window such a step really carried (a running mean; it starts at
-  1 + Σ widths[:d], what a full proposal would carry). The curve is scaled by what this run's
+  (calibration.py; the engine hands the curves over, this module never sees the model); n(s, d)
+  the window such a step really carried (a running mean; it starts at 1 + Σ widths[:d], what a
+  full proposal would carry). The curve is scaled by what this run's
   forwards took against it, for plain and drafting steps apart: a draft's work between forwards
   (weights evicted from the caches), the features a drafter asks for or a busier machine than when
   the curve was measured make the same forward dearer, and the choice must see it.
@@ -74,8 +75,8 @@ PROBE_EVERY = 16
 HOLD = 4
 MAX_STRETCH = 256
 REMEMBERED_WEIGHT = 4.0               # the most pseudo-steps what earlier rows taught counts for in a new row
-REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early) ...
-# ... unless the last run knew its acceptance too low to pay: then up to MAX_STRETCH
+REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts with (it re-checks early), unless
+# the last run knew its acceptance too low to pay (then up to MAX_STRETCH)
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 

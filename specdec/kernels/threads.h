@@ -1,16 +1,16 @@
 // How many threads a kernel call runs on, on a machine shared with other processes.
 //
 // Why: each decoder layer's work is split statically among the threads, which meet at six to ten
-// barriers per layer (six for one token: isa.h's each_row). When another process holds a core, one of our threads waits for it in the
-// run queue while the others spin at the barrier for it: measured on 2 cores, plain decoding of a
-// ~0.2B model beside a second specdec process fell to ~1/80 of its quiet speed. So in "auto" mode
-// (the default) the kernels run on the cores other processes leave free: every ~0.2 s the machine's
-// busy time (/proc/stat) less this process's own (/proc/self/stat) gives the cores others used,
-// and the calls until the next sample run on round(cores - others) threads, at least 1 and at most
-// the ceiling (torch's threads). Processes at a lower priority than this one (niced, such as a
-// background job at nice 19) do not count as others: the scheduler hands their cores to this
-// process's threads whenever those are ready (nice 19 against nice 0 gets ~1.5% of a contended
-// core), so they leave the cores free. /proc/stat counts niced user time apart ("nice"); it is left
+// barriers per layer (six for one token: isa.h's each_row). When another process holds a core, one
+// of our threads waits for it in the run queue while the others spin at the barrier for it: measured
+// on 2 cores, plain decoding of a ~0.2B model beside a second specdec process fell to ~1/80 of its
+// quiet speed. So in "auto" mode (the default) the kernels run on the cores other processes leave
+// free: every ~0.2 s the machine's busy time (/proc/stat) less this process's own (/proc/self/stat)
+// gives the cores others used, and the calls until the next sample run on round(cores - others)
+// threads, at least 1 and at most the ceiling (torch's threads). Processes at a lower priority than
+// this one (niced, such as a background job at nice 19) do not count as others: the scheduler hands
+// their cores to this process's threads whenever those are ready (nice 19 against nice 0 gets ~1.5%
+// of a contended core), so they leave the cores free. /proc/stat counts niced user time apart ("nice"); it is left
 // out unless this process runs niced itself (then the niced are its peers). Counted, they would hold
 // auto at 1 thread of 2 beside one busy nice-19 job: it takes the core left idle, which then looks
 // used by others at every sample. A fixed count (`--threads N`) is never changed. Results never
