@@ -385,7 +385,7 @@ def test_a_run_that_knew_no_draft_could_pay_does_not_make_the_next_one_probe_ear
     open_verdict = Adaptive.for_run(curves, other, None)
     open_verdict.join(2)
     run_controller(FLAT, accept=False, steps=40, controller=open_verdict)
-    open_verdict.hopeless = False
+    open_verdict.verdict = (2, False)
     open_verdict.remember()
     after = Adaptive.for_run(curves, other, None)
     after.join(2)
@@ -440,3 +440,101 @@ def test_a_plain_stretch_runs_no_draft_forward(delay):
         expected = reference_generate(target, prompt, rule, SamplingConfig()).tokens
         gap = greedy_divergence(target, prompt, row.tokens, expected)
         assert gap is None or gap < NEAR_TIE
+
+
+def curve(ratio: float) -> VerifyCurve:
+    """A verify curve on which a window of n tokens costs 1 + ratio × (n - 1) plain forwards."""
+    return VerifyCurve({n: 1e-3 * (1 + ratio * (n - 1)) for n in range(1, 20)})
+
+
+def test_a_drafting_choice_made_on_the_prior_is_weighed_again_after_its_step():
+    """At batch 8 a window of 2 tokens costs 1.5 plain forwards: the prior (q 0.7) says a draft pays,
+    so the first step drafts; its drafts rejected, the next weighing chooses plain decoding (the
+    choice used to hold for HOLD steps: 4 drafting steps before the evidence was read)."""
+    controller = Adaptive(curve(0.5), 8, {"chain": (1,)})
+    drafted = 0
+    for _ in range(6):
+        depth, _, steps = controller.choose()
+        if depth == 0:
+            controller.observe_plain(1, 1.05e-3, 1e-3)
+            continue
+        drafted += 1
+        controller.observe([1] * 8, [0] * 8, 2, 1e-5, 1.5e-3 + 6e-5, 1.5e-3)
+    assert drafted == 1
+
+
+def test_a_lucky_first_step_on_thin_evidence_does_not_hold_drafting():
+    """Batch 8, a window of 2 tokens at 1.5 plain forwards: the first drafting step has 4 of 8 drafts
+    accepted, every later one 1 of 8 (as suffix lookup on chat prompts). On that one step drafting
+    looks to pay, but not at the plausible lower bounds of q, so the choice is weighed again after
+    each step: 2 drafting steps in the first 16, where the choice used to hold for HOLD steps (4)."""
+    controller, drafted = Adaptive(curve(0.5), 8, {"chain": (1,)}), []
+    while controller.steps < 16:
+        depth, _, steps = controller.choose()
+        if depth == 0:
+            plain = min(steps, 16 - controller.steps)
+            controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
+        else:
+            accepted = [1] * 4 + [0] * 4 if not drafted else [1] + [0] * 7
+            drafted.append(controller.steps)
+            controller.observe([1] * 8, accepted, 2, 1e-6, 1.5e-3 + 5e-5, 1.5e-3)
+    assert drafted == [0, 1]
+
+
+def test_no_probe_comes_that_the_steps_left_in_a_closed_batch_cannot_repay():
+    """Rejected drafts: probes come after stretches of 16, 32, ... plain steps. In a closed batch
+    (horizon: its rows' largest budget) a probe comes only where as many steps are left as the
+    stretch before it, so none falls in a run's last stretch; without a horizon (a server) they come."""
+    def probes_at(horizon_of) -> list[int]:
+        controller, at = Adaptive(curve(0.5), 2, {"chain": (1,)}), []
+        while controller.steps < 120:
+            depth, _, steps = controller.choose(horizon_of(controller.steps))
+            if depth == 0:
+                plain = min(steps, 120 - controller.steps)
+                controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
+            else:
+                at.append(controller.steps)
+                controller.observe([1, 1], [0, 0], 2, 1e-5, 1.5e-3 + 6e-5, 1.5e-3)
+        return at
+    served, closed = probes_at(lambda step: float("inf")), probes_at(lambda step: 120 - step)
+    assert served[-1] > 60 and closed == [p for p in served if p <= 60] and len(closed) < len(served)
+
+
+def test_a_tree_that_could_not_pay_with_every_draft_accepted_is_never_probed():
+    """A window of n tokens costs 1 + 0.7 (n - 1) plain forwards and nothing is accepted: no option
+    plausibly pays, and the insurance probes go to the chain (with every draft accepted, 4 tokens for
+    3.1 forwards), never to the tree (3, 1, 1): 4 tokens at best for 4.5 forwards. Probes used to
+    cycle through the shapes: as many trees as chains."""
+    controller = Adaptive(curve(0.7), 2, {"chain": (1,) * 3, "tree": (3, 1, 1)})
+    probes = []
+    while controller.steps < 3000:
+        depth, widths, steps = controller.choose()
+        if depth == 0:
+            plain = min(steps, 3000 - controller.steps)
+            controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
+        else:
+            probes.append(widths)
+            forward = curve(0.7).at(1 + sum(widths))
+            controller.observe([depth] * 2, [0, 0], 1 + sum(widths), 1e-5, forward + 6e-5, forward)
+    assert controller.hopeless and probes.count((1,)) >= 3 and not any(max(w) > 1 for w in probes)
+
+
+def test_the_remembered_verdict_is_the_full_batchs_not_its_last_rows():
+    """A closed batch whose drafts never pay at batch 2 ends with one row, priced on the batch-1 curve
+    (flat: there a draft plausibly pays). The next run starts at batch 2 again: it must inherit the
+    verdict of the full batch (no plausible gain: its first probe waits), not of the last row."""
+    proposer = NgramProposer()
+    first = Adaptive.for_run({1: FLAT, 2: curve(0.7)}, proposer, None)
+    first.join(2)
+    run_controller(curve(0.7), accept=False, steps=400, controller=first)
+    assert first.hopeless
+    first.leave([0])
+    first.choose()
+    assert not first.hopeless  # the last row alone: a draft might pay on the flat curve
+    first.remember()
+    assert _remembered(proposer)["hopeless"]
+
+
+def _remembered(proposer) -> dict:
+    (learned,) = adaptive._MEMORY[proposer].values()
+    return learned

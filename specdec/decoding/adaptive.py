@@ -29,27 +29,34 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
 this process (`remember`): the costs, the probe stretch (at most REMEMBERED_STRETCH, so that a new
-run re-checks early, unless the last one ended knowing no draft could plausibly pay: a probe then
-costs a catch-up a short run never earns back) and, as the joining rows' prior, the
-acceptance counts per shape and depth of every row it decoded, those that left included (an earlier
-run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that the rows of this run soon outweigh
-them). A benchmark thus stops
-exploring what it already knows; a server's rows start from what the earlier ones taught.
+run re-checks early, unless the last one ended knowing no draft could plausibly pay at its fullest
+batch, not just for the last rows left: a probe then costs a catch-up a short run never earns back)
+and, as the joining rows' prior, the acceptance counts per shape and depth of every row it decoded,
+those that left included (an earlier run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that
+the rows of this run soon outweigh them). A benchmark thus stops exploring what it already knows; a
+server's rows start from what the earlier ones taught.
 
 The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
 steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
-level drafted, cycling through the shapes; each probe that does not change the verdict doubles the
-next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not pay costs little. Where
-no option would pay even at the plausible upper bounds of q (PLAUSIBLE standard errors above the
-estimates), the stretches keep doubling past MAX_STRETCH (a probe after as many steps as came
-before: their cost per token vanishes, and a text turning predictable is still found); where none
-would pay with every draft accepted (the draft's cost alone decides), there is no probe at all until
-the batch changes (`summary()["stopped_probing"]`). When
-a one-level probe is predicted to cost less than CHEAP of the throughput (n-gram lookup under greedy
-decoding), it comes after every plain step instead, since such matches come in bursts. While drafting pays, every
-PROBE_EVERY steps one level deeper than the best is drafted instead, so the estimates of levels
-not chosen stay fresh, and a drafting choice holds for HOLD steps between weighings. `summary()` says what was chosen and why: each option's mean predicted
-speedup over plain decoding.
+level drafted, cycling through the shapes that could plausibly pay (a tree whose window costs more
+than its drafts could save at this batch size is not probed); each probe that does not change the
+verdict doubles the next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not
+pay costs little. Where no option would pay even at the plausible upper bounds of q (PLAUSIBLE
+standard errors above the estimates), the stretches keep doubling past MAX_STRETCH (a probe after as
+many steps as came before: their cost per token vanishes, and a text turning predictable is still
+found), the probes going to the shapes that would pay were every draft accepted; where none would,
+there is no probe at all until the batch changes (`summary()["stopped_probing"]`). A probe informs
+the steps after it: in a closed batch (the engine says how many steps its rows may still run) none
+comes with fewer steps left than the stretch before it. When a one-level probe costs less than CHEAP
+of the throughput at the plausible lower bounds of q (n-gram lookup on a flat verify curve), it comes
+after every plain step instead, since such matches come in bursts; where it is cheap only on thin
+evidence (a batch of 8 on whose curve a window of two tokens costs 1.6 of one), it waits for its
+stretch. While drafting pays, every PROBE_EVERY
+steps one level deeper than the best is drafted instead, so the estimates of levels not chosen stay
+fresh, and a drafting choice that pays on measured costs even at the plausible lower bounds of q
+holds for HOLD steps between weighings (one made on the prior or on a lucky step or two is weighed
+again after its step). `summary()` says what was
+chosen and why: each option's mean predicted speedup over plain decoding.
 
 This module knows nothing about models or tokens: the engine hands it the verify curves and
 reports each step's outcome.
@@ -145,6 +152,7 @@ class Adaptive:
         self.forward_scale = np.ones(2)  # the run's forwards / the curve's: [0] plain steps, [1] drafting steps
         self.stopped = False             # plain decoding without probes: nothing would pay, every draft accepted
         self.hopeless = False            # nothing would pay at the plausible upper bounds of q either
+        self.verdict = (0, False)        # (rows, hopeless) of the latest weighing at the most rows
         self.steps = 0        # steps decided (a plain stretch counts each of its steps)
         self.evaluations = 0  # times the options were weighed
         self.chosen: tuple[int, int] = (0, 0)
@@ -190,7 +198,7 @@ class Adaptive:
         if self.memory is None:
             return
         taught = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (2, S, K)
-        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch, "hopeless": self.hopeless,
+        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch, "hopeless": self.verdict[1],
                                         **{name: getattr(self, name).copy() for name in LEARNED}}
 
     def join(self, rows: int) -> None:
@@ -221,7 +229,8 @@ class Adaptive:
         constant weight would keep q of drafts never accepted at 7%, which pays for a free draft
         on a flat curve); "upper":
         the estimate plus PLAUSIBLE standard errors (capped at 1), what q may plausibly be;
-        "certain": 1, every draft accepted."""
+        "lower": as many below it (at least 0), what q is plausibly at least; "certain": 1, every
+        draft accepted."""
         if bound == "certain":
             return np.ones_like(self.accepted)
         q = np.empty_like(self.accepted)
@@ -231,8 +240,9 @@ class Adaptive:
             n = self.offered[..., j] + weight
             q[..., j] = (self.accepted[..., j] + prior * weight) / n
             prior = np.minimum(q[..., j], PRIOR)
-            if bound == "upper":
-                q[..., j] = np.minimum(q[..., j] + PLAUSIBLE * np.sqrt(q[..., j] * (1 - q[..., j]) / n), 1.0)
+            if bound != "estimate":
+                spread = PLAUSIBLE * np.sqrt(q[..., j] * (1 - q[..., j]) / n)
+                q[..., j] = np.clip(q[..., j] + (spread if bound == "upper" else -spread), 0.0, 1.0)
         return q
 
     def rates(self, bound: str = "estimate") -> np.ndarray:
@@ -276,45 +286,70 @@ class Adaptive:
             estimates[1:] = self.overhead_seconds[measured[np.abs(depths[:, None] - measured[None]).argmin(1)]]
         return estimates
 
-    def choose(self) -> tuple[int, tuple[int, ...], int | float]:
+    def choose(self, horizon: float = math.inf) -> tuple[int, tuple[int, ...], int | float]:
         """The depth to draft next, the widths per depth to draft it with, and for how many steps
-        (1 when drafting; plain decoding: up to the next probe). A drafting choice holds for HOLD
-        steps before the options are weighed again (between probes): weighing costs tens of
-        microseconds, and the estimates move slowly. While plain decoding wins, each probe that
-        does not change the verdict doubles the next stretch: up to MAX_STRETCH, without a cap
-        where no option would pay even at the plausible upper bounds of q (`acceptance`), and no
-        probe at all (math.inf steps, until the batch changes) where none would pay with every
-        draft accepted: then its costs alone decide, and a probe cannot change the verdict."""
+        (1 when drafting; plain decoding: up to the next probe). A drafting choice that pays on
+        measured costs even at the plausible lower bounds of q holds for HOLD steps before the
+        options are weighed again (between probes): weighing costs tens of microseconds, and the
+        estimates move slowly; one made on the prior or on thin evidence is weighed again after
+        its step. While plain decoding wins, each probe that does
+        not change the verdict doubles the next stretch: up to MAX_STRETCH, without a cap where no
+        option would pay even at the plausible upper bounds of q (`acceptance`), and no probe at
+        all (math.inf steps, until the batch changes) where none would pay with every draft
+        accepted: then its costs alone decide, and a probe cannot change the verdict.
+        horizon: the most steps the batch may still run (a closed batch: its rows' largest budget;
+        math.inf where rows may still come, as in a server): a probe informs only the steps after
+        it, so one the steps left cannot repay is not made."""
         if self.held and (self.steps + 1) % PROBE_EVERY:
             self.held -= 1
             return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
         rates = self.rates()
-        self.predicted_sum += rates / rates[0, 0]
+        plain = rates[0, 0]
+        self.predicted_sum += rates / plain
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
-        steps, cap, self.stopped = 1, MAX_STRETCH, False
-        self.hopeless = bool(d == 0 and self.rates("upper")[:, 1:].max() < rates[0, 0])  # acceptance known too low
+        upper = self.rates("upper")
+        steps, cap, self.stopped, probed = 1, MAX_STRETCH, False, upper
+        self.hopeless = bool(d == 0 and upper[:, 1:].max() < plain)  # acceptance known too low
         if self.hopeless:
-            cap = math.inf
-            self.stopped = self.rates("certain")[:, 1:].max() < rates[0, 0]
-        # a probe predicted to cost less than CHEAP of the throughput (n-gram lookup, greedy) comes
-        # after every plain step: such matches come in bursts
-        stretch = 1 if rates[:, 1].max() >= (1 - CHEAP) * rates[0, 0] else self.stretch
+            cap, probed = math.inf, self.rates("certain")
+            self.stopped = probed[:, 1:].max() < plain
+        rows = self.accepted.shape[1]
+        if rows >= self.verdict[0]:  # the verdict of the fullest batch, for the next run (`remember`)
+            self.verdict = (rows, self.hopeless)
+        # a probe that costs less than CHEAP of the throughput at the plausible lower bounds of q (n-gram
+        # lookup on a flat verify curve) comes after every plain step: such matches come in bursts
+        stretch = 1 if self.rates("lower")[:, 1].max() >= (1 - CHEAP) * plain else self.stretch
         if self.stopped:
             steps = math.inf
         elif d == 0 and self.plain_run < stretch:
             steps = stretch - self.plain_run
         elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best
-            # cycling through the shapes, but a probe after every plain step in the shape that pays best
-            s = self.probes % len(self.shapes) if stretch > 1 else int(rates[:, 1].argmax())
-            d = min(self.depth, int(rates[s].argmax()) + 1)
-            self.probes += 1
-            if self.plain_run:
-                self.stretch = min(2 * self.stretch, cap)
-        else:
+            # a probe informs the steps after it, its cost amortised over the stretches on both sides of
+            # it: none with fewer steps left than the stretch before it (a closed batch's last stretch)
+            if d == 0 and horizon < stretch:
+                steps = horizon
+            else:
+                s, d = self.probe(rates, probed, stretch)
+                self.probes += 1
+                if self.plain_run:
+                    self.stretch = min(2 * self.stretch, cap)
+        elif self.draft_measured[d] and self.rates("lower")[s, d] >= plain:
             self.stretch, self.held = PROBE_EVERY, HOLD - 1
+        else:
+            self.stretch = PROBE_EVERY
         self.chosen = (int(s), int(d))
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
+
+    def probe(self, rates: np.ndarray, probed: np.ndarray, stretch: int | float) -> tuple[int, int]:
+        """The shape and depth of a probe: one level deeper than the shape's best, cycling through
+        the shapes that could pay with q at the bound `probed` holds (the plausible upper bounds, or
+        where none could pay at those, every draft accepted: a tree whose window costs more than
+        its drafts could ever save at this batch size is not probed), but a probe after every plain
+        step in the shape that pays best."""
+        shapes = np.flatnonzero(probed[:, 1:].max(1) >= rates[0, 0])
+        s = shapes[self.probes % len(shapes)] if stretch > 1 else shapes[rates[shapes, 1].argmax()]
+        return int(s), min(self.depth, int(rates[s].argmax()) + 1)
 
     def observe(self, limits: list[int], accepted: list[int], width: int, draft_seconds: float,
                 step_seconds: float, forward_seconds: float) -> None:

@@ -128,6 +128,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.plain_left = 0  # steps left in the current stretch of plain decoding (inf: k = 0)
         self.plain = PlainStretch([])
+        self.closed = False  # a closed batch (`run`): no request comes after those given, so auto knows the steps left
         self.metrics = SpecMetrics(k=k, batch_size=capacity)
         self.guide = Guide(self.target.config.vocab_size, forced_drafts)
 
@@ -146,6 +147,7 @@ class Engine:
         (other_seconds: the time since the engine was made not spent in a counted phase)."""
         for request in requests:
             self.submit(request)
+        self.closed = True
         while self.busy:
             self.step()
         metrics = self.metrics
@@ -213,7 +215,8 @@ class Engine:
         stretch of plain steps)."""
         if self.plain_left:
             return 0, ()
-        depth, shape, stretch = self.adaptive.choose() if self.adaptive else (self.k, self.widths, None)
+        horizon = max(r.row.budget for r in self.requests) if self.closed and not self.waiting else math.inf
+        depth, shape, stretch = self.adaptive.choose(horizon) if self.adaptive else (self.k, self.widths, None)
         if depth == 0:
             self.plain_left = stretch or math.inf
         return depth, shape
