@@ -233,17 +233,17 @@ class Adaptive:
         draft accepted."""
         if bound == "certain":
             return np.ones_like(self.accepted)
+        weight = PRIOR_WEIGHT / (1 + self.offered)  # the prior fades as evidence comes
+        n = self.offered + weight
         q = np.empty_like(self.accepted)
         prior = np.full(q.shape[:2], PRIOR)                                                  # (S, B)
         for j in range(q.shape[2]):
-            weight = PRIOR_WEIGHT / (1 + self.offered[..., j])  # the prior fades as evidence comes
-            n = self.offered[..., j] + weight
-            q[..., j] = (self.accepted[..., j] + prior * weight) / n
+            q[..., j] = (self.accepted[..., j] + prior * weight[..., j]) / n[..., j]
             prior = np.minimum(q[..., j], PRIOR)
-            if bound != "estimate":
-                spread = PLAUSIBLE * np.sqrt(q[..., j] * (1 - q[..., j]) / n)
-                q[..., j] = np.clip(q[..., j] + (spread if bound == "upper" else -spread), 0.0, 1.0)
-        return q
+        if bound == "estimate":
+            return q
+        spread = PLAUSIBLE * np.sqrt(q * (1 - q) / n)
+        return np.clip(q + spread if bound == "upper" else q - spread, 0.0, 1.0)
 
     def rates(self, bound: str = "estimate") -> np.ndarray:
         """(S, K+1) predicted tokens per second of each option over the batch's rows, with q at
@@ -308,33 +308,35 @@ class Adaptive:
         self.predicted_sum += rates / plain
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
-        upper = self.rates("upper")
-        steps, cap, self.stopped, probed = 1, MAX_STRETCH, False, upper
-        self.hopeless = bool(d == 0 and upper[:, 1:].max() < plain)  # acceptance known too low
-        if self.hopeless:
-            cap, probed = math.inf, self.rates("certain")
-            self.stopped = probed[:, 1:].max() < plain
+        steps, cap, self.stopped, self.hopeless = 1, MAX_STRETCH, False, False
+        probing = d == 0 or (self.steps + 1) % PROBE_EVERY == 0  # plain wins, or a probe deeper than the best
+        if probing:
+            probed = self.rates("upper")  # a probe's shapes: those that could plausibly pay
+            self.hopeless = bool(d == 0 and probed[:, 1:].max() < plain)  # acceptance known too low
+            if self.hopeless:
+                cap, probed = math.inf, self.rates("certain")
+                self.stopped = probed[:, 1:].max() < plain
         rows = self.accepted.shape[1]
         if rows >= self.verdict[0]:  # the verdict of the fullest batch, for the next run (`remember`)
             self.verdict = (rows, self.hopeless)
+        lower = self.rates("lower")
         # a probe that costs less than CHEAP of the throughput at the plausible lower bounds of q (n-gram
         # lookup on a flat verify curve) comes after every plain step: such matches come in bursts
-        stretch = 1 if self.rates("lower")[:, 1].max() >= (1 - CHEAP) * plain else self.stretch
+        stretch = 1 if lower[:, 1].max() >= (1 - CHEAP) * plain else self.stretch
         if self.stopped:
             steps = math.inf
         elif d == 0 and self.plain_run < stretch:
             steps = stretch - self.plain_run
-        elif d == 0 or (self.steps + 1) % PROBE_EVERY == 0:  # probe one level deeper than the shape's best
-            # a probe informs the steps after it, its cost amortised over the stretches on both sides of
-            # it: none with fewer steps left than the stretch before it (a closed batch's last stretch)
-            if d == 0 and horizon < stretch:
-                steps = horizon
-            else:
-                s, d = self.probe(rates, probed, stretch)
-                self.probes += 1
-                if self.plain_run:
-                    self.stretch = min(2 * self.stretch, cap)
-        elif self.draft_measured[d] and self.rates("lower")[s, d] >= plain:
+        elif d == 0 and horizon < stretch:
+            # a probe informs the steps after it, its cost amortised over the stretches on both sides
+            # of it: none with fewer steps left than the stretch before it (a closed batch's last one)
+            steps = horizon
+        elif probing:
+            s, d = self.probe(rates, probed, stretch)
+            self.probes += 1
+            if self.plain_run:
+                self.stretch = min(2 * self.stretch, cap)
+        elif self.draft_measured[d] and lower[s, d] >= plain:
             self.stretch, self.held = PROBE_EVERY, HOLD - 1
         else:
             self.stretch = PROBE_EVERY
