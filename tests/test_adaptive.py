@@ -538,3 +538,20 @@ def test_the_remembered_verdict_is_the_full_batchs_not_its_last_rows():
 def _remembered(proposer) -> dict:
     (learned,) = adaptive._MEMORY[proposer].values()
     return learned
+
+
+def test_a_machine_slower_than_the_curve_does_not_make_an_unmeasured_draft_look_cheaper():
+    """Plain steps whose forwards take 1.5 times the curve's (a busier machine than when the curve was
+    measured) scale plain decoding's forward; before any drafting step, drafting's forwards are
+    priced on the same scale, so the predicted speedup of a draft stays where the curve put it (it
+    used to rise from 0.97 to 1.12 and draft on the prior's hope after the first plain stretch, a
+    drafting step's own bookkeeping priced at nothing until measured: now a plain step's)."""
+    controller = Adaptive(curve(0.75), 8, {"chain": (1,)})
+    rates = controller.rates()
+    before = rates[0, 1] / rates[0, 0]
+    depth, _, steps = controller.choose()
+    assert depth == 0 and before < 1
+    controller.observe_plain(steps, steps * 1.55e-3, steps * 1.5e-3)
+    rates = controller.rates()
+    assert rates[0, 1] / rates[0, 0] == pytest.approx(before, rel=0.05)
+    assert controller.choose()[0] == 1 and controller.stretch == 2 * PROBE_EVERY  # a probe, not a choice

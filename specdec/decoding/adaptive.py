@@ -256,8 +256,11 @@ class Adaptive:
         """(S, K+1) seconds of each option's target forward: the verify curve at the option's
         window, scaled by what the run's forwards took against the curve (plain and drafting steps
         apart: a draft's work between forwards, the features a drafter reads, or a busier machine
-        than when the curve was measured slow them down)."""
-        scale = np.where(np.arange(self.depth + 1) == 0, self.forward_scale[0], self.forward_scale[1])
+        than when the curve was measured slow them down); before any drafting step, drafting's
+        forwards are scaled as the plain steps' (a machine slower than the curve's must not make an
+        unmeasured draft look cheaper than plain decoding)."""
+        drafting = self.forward_scale[1] if self.draft_measured.any() else self.forward_scale[0]
+        scale = np.where(np.arange(self.depth + 1) == 0, self.forward_scale[0], drafting)
         return self.curve_at(rows, self.window) * scale
 
     def curve_at(self, rows: int, width):
@@ -278,12 +281,15 @@ class Adaptive:
     def overhead_estimates(self) -> np.ndarray:
         """(K+1,) the engine's own seconds per step by depth (a sampled row's verification costs more
         the more tokens it verifies): measured, else a drafting depth takes the nearest measured
-        drafting depth's; else 0."""
+        drafting depth's; before any drafting step, a plain step's (a drafting step does at least its
+        bookkeeping); else 0."""
         estimates = np.where(self.overhead_measured, self.overhead_seconds, 0.0)
         measured = np.flatnonzero(self.overhead_measured[1:]) + 1
         if measured.size:
             depths = np.arange(1, self.depth + 1)
             estimates[1:] = self.overhead_seconds[measured[np.abs(depths[:, None] - measured[None]).argmin(1)]]
+        else:
+            estimates[1:] = estimates[0]
         return estimates
 
     def choose(self, horizon: float = math.inf) -> tuple[int, tuple[int, ...], int | float]:
@@ -360,6 +366,8 @@ class Adaptive:
         target's forward."""
         s, d = self.chosen
         rows = len(limits)
+        if not self.draft_measured.any():  # the first drafting step: its forwards' scale starts from the plain steps'
+            self.forward_scale[1] = self.forward_scale[0]
         self.steps += 1
         self.choices[self.label(s, d)] += 1
         levels = np.arange(self.depth)[None]                                   # (1, K)
