@@ -215,8 +215,11 @@ class Engine:
         stretch of plain steps)."""
         if self.plain_left:
             return 0, ()
-        horizon = max(r.row.budget for r in self.requests) if self.closed and not self.waiting else math.inf
-        depth, shape, stretch = self.adaptive.choose(horizon) if self.adaptive else (self.k, self.widths, None)
+        if self.adaptive:  # a closed batch with nobody waiting ends within its rows' largest budget
+            horizon = max(r.row.budget for r in self.requests) if self.closed and not self.waiting else math.inf
+            depth, shape, stretch = self.adaptive.choose(horizon)
+        else:
+            depth, shape, stretch = self.k, self.widths, None
         if depth == 0:
             self.plain_left = stretch or math.inf
         return depth, shape
