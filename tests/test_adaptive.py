@@ -555,3 +555,12 @@ def test_a_machine_slower_than_the_curve_does_not_make_an_unmeasured_draft_look_
     rates = controller.rates()
     assert rates[0, 1] / rates[0, 0] == pytest.approx(before, rel=0.05)
     assert controller.choose()[0] == 1 and controller.stretch == 2 * PROBE_EVERY  # a probe, not a choice
+
+
+def test_drafting_on_thin_evidence_after_a_plain_stretch_backs_off_like_a_probe():
+    """Batch 8 on a curve where the prior's q (0.7) just pays: after a plain stretch the controller
+    drafts on that hope. Its stretches still double as after a probe (they used to restart at
+    PROBE_EVERY, so a break-even prior kept drafting every 16 steps)."""
+    controller = Adaptive(curve(0.6), 8, {"chain": (1,)})
+    controller.observe_plain(PROBE_EVERY, PROBE_EVERY * 1.05e-3, PROBE_EVERY * 1e-3)
+    assert controller.choose()[0] == 1 and controller.stretch == 2 * PROBE_EVERY

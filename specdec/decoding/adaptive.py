@@ -298,7 +298,7 @@ class Adaptive:
         measured costs even at the plausible lower bounds of q holds for HOLD steps before the
         options are weighed again (between probes): weighing costs tens of microseconds, and the
         estimates move slowly; one made on the prior or on thin evidence is weighed again after
-        its step. While plain decoding wins, each probe that does
+        its step and, after a plain stretch, doubles the next stretch as a probe would. While plain decoding wins, each probe that does
         not change the verdict doubles the next stretch: up to MAX_STRETCH, without a cap where no
         option would pay even at the plausible upper bounds of q (`acceptance`), and no probe at
         all (math.inf steps, until the batch changes) where none would pay with every draft
@@ -344,8 +344,8 @@ class Adaptive:
                 self.stretch = min(2 * self.stretch, cap)
         elif self.draft_measured[d] and lower[s, d] >= plain:
             self.stretch, self.held = PROBE_EVERY, HOLD - 1
-        else:
-            self.stretch = PROBE_EVERY
+        elif self.plain_run:  # drafting on thin evidence after a plain stretch: for the stretches, a probe
+            self.stretch = min(2 * self.stretch, cap)
         self.chosen = (int(s), int(d))
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
