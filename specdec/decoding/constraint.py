@@ -176,6 +176,11 @@ class Matcher:
         """The tokens the grammar forces from here (empty when the next token is free)."""
         return self.m.compute_ff_tokens()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether only the end may come next (the output is complete and cannot go on)."""
+        return self.m.is_stopped()
+
     def accepts(self, token: int) -> bool:
         """Whether `token` may come next and is not the end; when it may, it is consumed."""
         return token not in self.eos and self.m.try_consume_tokens([token]) == 1

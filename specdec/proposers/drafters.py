@@ -39,6 +39,7 @@ from .eagle import EagleProposer
 from .eagle_head import EAGLE_FOLDER
 from .heads import MTP_FOLDER, check_head_target, load_head
 from .mtp import MTPProposer
+from .guided_ngram import GuidedNgramProposer
 from .ngram import NgramProposer
 from .parallel import ParallelDraftProposer
 from .self_draft import FORMAT as SELF_FORMAT
@@ -262,10 +263,16 @@ class Ngram(Drafter):
 
     def proposer(self, network, target, options) -> Proposer:
         sizes = {"max_n": options.max_n, "min_n": options.min_n}
-        return NgramProposer(**{name: n for name, n in sizes.items() if n is not None})
+        return self.cls(**{name: n for name, n in sizes.items() if n is not None})
 
     def describe(self, network, proposer, options) -> dict:
         return {"max_n": proposer.max_n, "min_n": proposer.min_n}
+
+
+class GuidedNgram(Ngram):
+    """Under structured output, the grammar's forced runs spliced with the lookup continuations it
+    allows (guided_ngram.py); elsewhere n-gram lookup."""
+    name, cls, what = "ngram-guided", GuidedNgramProposer, "n-gram lookup through the grammar"
 
 
 class Suffix(Drafter):
@@ -361,7 +368,7 @@ class Block(Head):
 
 
 DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),
-                                                    Eagle(), Block(), SelfDraft())}
+                                                    Eagle(), Block(), SelfDraft(), GuidedNgram())}
 PROPOSERS = {name: d.cls for name, d in DRAFTERS.items()}  # each drafter's proposer class
 
 
