@@ -376,8 +376,7 @@ def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> 
                         "block: a block head drafting all k tokens in one forward from the target's features; "
                         "suffix: suffix-tree lookup over the prompt and earlier outputs; parallel: a draft model "
                         "that drafts a whole block in one forward; self: the target's own weights quantized to "
-                        "4 bits, no training; ngram-guided: under structured output, the grammar's forced runs "
-                        "spliced with the lookup matches it allows)")
+                        "4 bits, no training)")
     p.add_argument("--draft-model", help="draft model folder, .gguf file or packaged name (qwen2.5-coder-0.5b) for "
                                          "--draft draft-model or parallel (default: the shipped draft, models/draft "
                                          "or models/parallel-draft)")

@@ -214,10 +214,10 @@ def test_only_eos_ends_the_row_and_max_new_tokens_inside_a_value_is_length(toy):
 
 
 def test_guided_lookup_drafts_through_forced_runs_and_matches_the_grammar_allows_to_the_end(toy, schema):
-    """A record the prompt holds is proposed whole in one chain by ngram-guided (forced runs, the
-    lookup continuations between them, the EOS where only the end may come), where n-gram lookup's
-    chain is replaced by the first forced run; the drafted EOS survives the guide's cut (it was cut
-    when the grammar allowed the end only after the drafts)."""
+    """A record the prompt holds is proposed whole in one chain by GuidedNgramProposer (the registry's
+    "ngram": forced runs, the lookup continuations between them, the EOS where only the end may
+    come), where NgramProposer's chain is replaced by the first forced run; the drafted EOS survives
+    the guide's cut (it was cut when the grammar allowed the end only after the drafts)."""
     record = '{"name":"bob","kind":"beta","count":12,"ok":true}'
     prompt = toy.tokenizer.encode(f"Copy this: {record}\nAgain: ")
     vocab, eos = toy.model.config.vocab_size, min(toy.tokenizer.eos_ids)
@@ -228,10 +228,11 @@ def test_guided_lookup_drafts_through_forced_runs_and_matches_the_grammar_allows
         guide.join([schema])
         proposal = proposer.propose(state, torch.tensor([40]), (1,), Draws(None, None, guide.drafting()))
         proposal = guide.propose(proposal, [40], [True])
-        chains[proposer.name] = proposal.tokens[0, :int(proposal.lengths[0])].tolist()
-        assert guide.matchers[0].forced() == chains["ngram-guided"][:len(guide.matchers[0].forced())]  # rolled back
-    assert chains["ngram-guided"] == toy.tokenizer.encode(record) + [eos]
-    assert len(chains["ngram"]) < len(chains["ngram-guided"]) // 4
+        chains[type(proposer)] = proposal.tokens[0, :int(proposal.lengths[0])].tolist()
+        forced = guide.matchers[0].forced()  # at the committed sequence: the walks rolled back
+        assert len(forced) > 1 and chains[type(proposer)][:len(forced)] == forced
+    assert chains[GuidedNgramProposer] == toy.tokenizer.encode(record) + [eos]
+    assert len(chains[NgramProposer]) < len(chains[GuidedNgramProposer]) // 4
 
 
 # ---- a drafter draws under the mask ----

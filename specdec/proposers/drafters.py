@@ -40,7 +40,6 @@ from .eagle_head import EAGLE_FOLDER
 from .heads import MTP_FOLDER, check_head_target, load_head
 from .mtp import MTPProposer
 from .guided_ngram import GuidedNgramProposer
-from .ngram import NgramProposer
 from .parallel import ParallelDraftProposer
 from .self_draft import FORMAT as SELF_FORMAT
 from .self_draft import HEAD_FORMAT as SELF_HEAD_FORMAT
@@ -257,7 +256,8 @@ class ParallelDraft(DraftModel):
 
 
 class Ngram(Drafter):
-    name, cls, what = "ngram", NgramProposer, "n-gram lookup"
+    """N-gram lookup; under structured output it walks through the grammar (guided_ngram.py)."""
+    name, cls, what = "ngram", GuidedNgramProposer, "n-gram lookup"
     flags = ("--ngram-max", "--ngram-min")
     options = NgramOptions
 
@@ -267,12 +267,6 @@ class Ngram(Drafter):
 
     def describe(self, network, proposer, options) -> dict:
         return {"max_n": proposer.max_n, "min_n": proposer.min_n}
-
-
-class GuidedNgram(Ngram):
-    """Under structured output, the grammar's forced runs spliced with the lookup continuations it
-    allows (guided_ngram.py); elsewhere n-gram lookup."""
-    name, cls, what = "ngram-guided", GuidedNgramProposer, "n-gram lookup through the grammar"
 
 
 class Suffix(Drafter):
@@ -368,7 +362,7 @@ class Block(Head):
 
 
 DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),
-                                                    Eagle(), Block(), SelfDraft(), GuidedNgram())}
+                                                    Eagle(), Block(), SelfDraft())}
 PROPOSERS = {name: d.cls for name, d in DRAFTERS.items()}  # each drafter's proposer class
 
 

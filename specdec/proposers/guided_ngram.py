@@ -18,8 +18,9 @@ On SmolLM2's structured workload (docs/structured.md) the free tokens this finds
 repeat: a key's closing `":` and opening `"`, names and cities copied from the prompt after their
 first tokens, the tail of a string written twice.
 
-The drafts are deterministic (draft_probs None), like any lookup's, so verification stays exact;
-rows without a constraint, or a proposal without any, draft as NgramProposer does. Chains only.
+The drafts are deterministic (draft_probs None), like any lookup's, so verification stays exact.
+Rows without a constraint, a proposal without any, and trees draft as NgramProposer does: this is
+the registry's "ngram" drafter (proposers/drafters.py), the same lookup wherever no grammar is walked.
 """
 from __future__ import annotations
 
@@ -30,12 +31,9 @@ from .ngram import History, NgramProposer, NgramState
 
 
 class GuidedNgramProposer(NgramProposer):
-    name = "ngram-guided"
-    trees = False
-
     def propose(self, state: NgramState, limits, widths, draws) -> Proposal:
         grammar = draws.grammar  # guided.DraftGrammar, or None: no constrained row
-        if grammar is None:
+        if grammar is None or max(widths[:int(limits.max())], default=1) > 1:
             return super().propose(state, limits, widths, draws)
         chains = [spliced(row, limit, grammar, b) if limit else [] for b, (row, limit) in
                   enumerate(zip(state.rows, limits.tolist()))]
