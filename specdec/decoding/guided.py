@@ -326,6 +326,12 @@ class DraftGrammar:
             return []
         return m.forced() or ([min(m.eos)] if m.stopped else [])
 
+    def row_forced_bytes(self, b: int) -> bytes:
+        """The bytes row b's grammar forces after its drafts so far (Matcher.forced_bytes); b'' where
+        none are, the row is unconstrained or its walk has ended."""
+        m = self.matchers[b]
+        return m.forced_bytes() if m is not None and self.following[b] else b""
+
     def row_take(self, b: int, tokens: list[int]) -> int:
         """Row b's grammar walks through the longest prefix of `tokens` it allows and returns its
         length (all of them in an unconstrained row); an EOS it allows is taken and ends the walk:
