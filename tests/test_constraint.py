@@ -3,9 +3,9 @@ wrong; greedy constrained output is the same with and without speculation (k, tr
 drafters, forced drafts); a drafter's drafts stay inside the grammar (it draws under the mask) and
 are accepted more often than unmasked ones; sampled output is distributed as the masked target, enumerated exactly on
 a 16-token vocabulary (a draft model, forced drafts alone: windows judged from one column, n-gram
-lookup with forced drafts), and the same test fails when the mask is forgotten at one window column,
-when the token after a window of forced drafts is picked unmasked, or when a drafter reports its q
-before the mask.
+lookup with forced drafts, lookup through the grammar), and the same test fails when the mask is
+forgotten at one window column, when the token after a window of forced drafts is picked unmasked,
+or when a drafter reports its q before the mask.
 
 The distribution test is test_engine_sampling.py's (chi-square at ALPHA = 1e-3 with small cells
 pooled, a sample in a cell of probability 0 fails outright, and a total-variation bound exceeded by
@@ -28,11 +28,11 @@ from specdec import api
 from specdec.decoding.constraint import Constraint, Matcher, allowed, compile_constraint
 from specdec.decoding.engine import Engine, Request, speculative_generate
 from specdec.decoding.guided import DraftGrammar, GrammarDrafts, Guide
-from specdec.decoding.sampling import SamplingConfig, probabilities
+from specdec.decoding.sampling import Draws, SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.tokenizer import Tokenizer
-from specdec.proposers import DraftModelProposer, NgramProposer, SelfDraftProposer
+from specdec.proposers import DraftModelProposer, GuidedNgramProposer, NgramProposer, SelfDraftProposer
 
 from .spec_helpers import noisy_copy, tiny_llama
 from .test_default_target import needs_smollm2
@@ -147,6 +147,8 @@ def test_greedy_constrained_output_is_the_same_at_every_k_tree_and_drafter(toy, 
     cases = {"forced alone k=4": (GrammarDrafts(), 4, None, True),
              "ngram + forced k=3": (NgramProposer(), 3, None, True),
              "ngram, no forced drafts k=5": (NgramProposer(), 5, None, False),
+             "ngram-guided k=6": (GuidedNgramProposer(), 6, None, True),
+             "ngram-guided, no forced drafts k=3": (GuidedNgramProposer(), 3, None, False),
              "draft model + forced k=1": (DraftModelProposer(model=draft), 1, None, True),
              "draft model + forced k=4": (DraftModelProposer(model=draft), 4, None, True),
              "draft-model tree (2, 2, 1)": (DraftModelProposer(model=draft), 3, (2, 2, 1), False),
@@ -177,7 +179,7 @@ def test_a_batch_mixes_constrained_and_free_rows_and_each_matches_its_own_run(to
 def test_seeded_constrained_rows_are_the_same_for_every_drafter(toy, schema):
     sampling = SamplingConfig(temperature=1.0, seed=11)
     expected = [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=sampling)[0]]
-    for proposer, k in [(GrammarDrafts(), 3), (NgramProposer(), 4),
+    for proposer, k in [(GrammarDrafts(), 3), (NgramProposer(), 4), (GuidedNgramProposer(), 5),
                         (DraftModelProposer(model=api.load(api.MODELS / "draft").model), 3)]:
         rows, _ = run(toy, schema, proposer, k, sampling=sampling)
         assert [r.tokens for r in rows] == expected, proposer.name
@@ -209,6 +211,41 @@ def test_only_eos_ends_the_row_and_max_new_tokens_inside_a_value_is_length(toy):
     long = compile_constraint(Constraint.regex('"[a-z]{50}"'), toy.tokenizer, vocab)
     rows, _ = run(toy, long, NgramProposer(), 3, max_new_tokens=6)
     assert all(r.finish_reason == "length" and len(r.tokens) == 6 for r in rows)
+
+
+def test_guided_lookup_drafts_through_forced_runs_and_matches_the_grammar_allows_to_the_end(toy, schema):
+    """A record the prompt holds is proposed whole in one chain by GuidedNgramProposer (the registry's
+    "ngram": forced runs, the lookup continuations between them, the EOS where only the end may
+    come), where NgramProposer's chain is replaced by the first forced run; the drafted EOS survives
+    the guide's cut (it was cut when the grammar allowed the end only after the drafts)."""
+    record = '{"name":"bob","kind":"beta","count":12,"ok":true}'
+    prompt = toy.tokenizer.encode(f"Copy this: {record}\nAgain: ")
+    vocab, eos = toy.model.config.vocab_size, min(toy.tokenizer.eos_ids)
+    chains = {}
+    for proposer in (GuidedNgramProposer(), NgramProposer()):
+        state, guide = proposer.start(100, 40, 1), Guide(vocab)
+        proposer.join(state, [prompt], None, [SamplingConfig()])
+        guide.join([schema])
+        proposal = proposer.propose(state, torch.tensor([40]), (1,), Draws(None, None, guide.drafting()))
+        proposal = guide.propose(proposal, [40], [True])
+        chains[type(proposer)] = proposal.tokens[0, :int(proposal.lengths[0])].tolist()
+        forced = guide.matchers[0].forced()  # at the committed sequence: the walks rolled back
+        assert len(forced) > 1 and chains[type(proposer)][:len(forced)] == forced
+    assert chains[GuidedNgramProposer] == toy.tokenizer.encode(record) + [eos]
+    assert len(chains[NgramProposer]) < len(chains[GuidedNgramProposer]) // 4
+
+
+def test_guided_lookup_learns_how_the_target_writes_the_bytes_the_grammar_forces(toy, schema):
+    """Where the grammar forces `":"` but allows several tokenizations of it, the toy target writes
+    it `"`, `:`, `"`: a lookup proposer that has answered one request drafts that split in the next
+    (the same output as plain constrained decoding, fewer steps than a fresh proposer)."""
+    taught = GuidedNgramProposer()
+    run(toy, schema, taught, 6, prompts=PROMPTS[:1])
+    assert toy.tokenizer.decode([taught.splits[b'":"']]) == '"'
+    plain = [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, prompts=PROMPTS[1:2])[0]]
+    (rows, learned), (_, fresh) = (run(toy, schema, proposer, 6, prompts=PROMPTS[1:2])
+                                   for proposer in (taught, GuidedNgramProposer()))
+    assert [r.tokens for r in rows] == plain and learned.steps < fresh.steps
 
 
 # ---- a drafter draws under the mask ----
@@ -341,7 +378,8 @@ SAMPLED = {"draft model T=1 k=3": (lambda: DraftModelProposer(model=DRAFT), Samp
                                                  TINY_RUN),
            "forced alone T=1 k=2": (GrammarDrafts, SamplingConfig(1.0), 2),  # windows of forced drafts alone
            "ngram + forced T=0.7 top-k 8 k=2": (lambda: NgramProposer(),
-                                                SamplingConfig(0.7, top_k=8), 2)}
+                                                SamplingConfig(0.7, top_k=8), 2),
+           "ngram-guided T=1 k=3": (GuidedNgramProposer, SamplingConfig(1.0), 3)}
 
 
 @pytest.mark.parametrize("name", SAMPLED)

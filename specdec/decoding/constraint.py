@@ -176,6 +176,16 @@ class Matcher:
         """The tokens the grammar forces from here (empty when the next token is free)."""
         return self.m.compute_ff_tokens()
 
+    def forced_bytes(self) -> bytes:
+        """The bytes the grammar forces from here, also where no token is forced (several tokenizations
+        of them are allowed: `":"` as one token or as `":` and `"`)."""
+        return bytes(self.m.compute_ff_bytes())
+
+    @property
+    def stopped(self) -> bool:
+        """Whether only the end may come next (the output is complete and cannot go on)."""
+        return self.m.is_stopped()
+
     def accepts(self, token: int) -> bool:
         """Whether `token` may come next and is not the end; when it may, it is consumed."""
         return token not in self.eos and self.m.try_consume_tokens([token]) == 1

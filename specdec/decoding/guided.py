@@ -29,7 +29,9 @@ drafts so far and renormalised, so its drafts stay inside the grammar, and the q
 one it drew from (exact as any q). A drafter that reads several tokens in one forward (a draft
 model: base.draft_chain's `feed`) takes a run the grammar forces after a draft as it is, without
 a forward or a draw per token (`DraftGrammar.forced_run`). Dynamic trees (EAGLE-2) rank unmasked
-nodes: the window masks refuse what they must.
+nodes: the window masks refuse what they must. A lookup drafter walks the grammar row by row
+instead (`row_forced`, `row_take`: proposers/guided_ngram.py splices the forced runs with the
+lookup continuations the grammar allows, and the EOS where only the end may come).
 
 The matcher of each row always stands at its committed sequence: the drafts it walks through to
 make masks are rolled back before the step ends, and the committed tokens are then consumed.
@@ -119,8 +121,8 @@ class Guide:
             n = 0
             while n < lengths[b] and m.accepts(tokens[b][n]):
                 n += 1
+            kept[b] = n + (n < lengths[b] and m.ends(tokens[b][n]))  # an EOS the grammar allows after them
             m.rollback(n)
-            kept[b] = n + (n < lengths[b] and m.ends(tokens[b][n]))
         if kept == lengths:
             return proposal
         return Proposal(proposal.tokens, torch.tensor(kept, device=proposal.lengths.device), proposal.draft_probs)
@@ -262,7 +264,8 @@ class DraftGrammar:
     one it drew from, so the verifier stays exact. A row is no longer masked after a draft its
     grammar does not consume (an EOS: nothing after it is emitted) or where none of the tokens the
     drafter can draw is allowed (a draft vocabulary without them); its drafts are then the
-    drafter's own, and the verifier's masks refuse what they must."""
+    drafter's own, and the verifier's masks refuse what they must. A drafter without logits walks
+    the rows one by one instead (`row_forced`, `row_take`)."""
 
     def __init__(self, matchers: list[Matcher | None], words: int):
         self.matchers, self.words = matchers, words
@@ -312,6 +315,40 @@ class DraftGrammar:
             self.walked[b] += r
         self.depth = depth + r
         return [run[:r] for run in runs]
+
+    def row_forced(self, b: int) -> list[int]:
+        """Row by row (a lookup drafter's walk, with `row_take`; a proposal walks its rows either depth
+        by depth or row by row): the run row b's grammar forces after its drafts so far, or its EOS
+        where only the end may come; [] where the next token is free, the row is unconstrained or its
+        walk has ended."""
+        m = self.matchers[b]
+        if m is None or not self.following[b]:
+            return []
+        return m.forced() or ([min(m.eos)] if m.stopped else [])
+
+    def row_forced_bytes(self, b: int) -> bytes:
+        """The bytes row b's grammar forces after its drafts so far (Matcher.forced_bytes); b'' where
+        none are, the row is unconstrained or its walk has ended."""
+        m = self.matchers[b]
+        return m.forced_bytes() if m is not None and self.following[b] else b""
+
+    def row_take(self, b: int, tokens: list[int]) -> int:
+        """Row b's grammar walks through the longest prefix of `tokens` it allows and returns its
+        length (all of them in an unconstrained row); an EOS it allows is taken and ends the walk:
+        nothing after it is emitted."""
+        m, n = self.matchers[b], 0
+        if m is None:
+            return len(tokens)
+        self.depth = None  # row walks: no depth-by-depth drawing after them (masked, took, forced_run refuse)
+        while n < len(tokens) and self.following[b]:
+            if m.accepts(tokens[n]):
+                self.walked[b] += 1
+            elif m.ends(tokens[n]):
+                self.following[b] = False
+            else:
+                break
+            n += 1
+        return n
 
     def release(self) -> None:
         for m, n in zip(self.matchers, self.walked):

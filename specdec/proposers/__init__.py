@@ -10,6 +10,7 @@ from .draft_model import DraftModelProposer
 from .drafters import (DRAFTERS, PROPOSERS, DraftModelOptions, NgramOptions, NoOptions, TreeOptions, VocabOptions,
                        build_drafter)
 from .eagle import EagleProposer
+from .guided_ngram import GuidedNgramProposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer
 from .parallel import ParallelDraftProposer
@@ -17,5 +18,6 @@ from .self_draft import SelfDraftProposer
 from .suffix import SuffixProposer
 
 __all__ = ["DRAFTERS", "PROPOSERS", "BlockProposer", "DraftModelOptions", "DraftModelProposer", "EagleProposer",
-           "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions", "Outcome", "ParallelDraftProposer", "Proposal",
-           "Proposer", "SelfDraftProposer", "SuffixProposer", "TreeOptions", "VocabOptions", "build_drafter"]
+           "GuidedNgramProposer", "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions", "Outcome",
+           "ParallelDraftProposer", "Proposal", "Proposer", "SelfDraftProposer", "SuffixProposer", "TreeOptions",
+           "VocabOptions", "build_drafter"]

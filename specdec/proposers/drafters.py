@@ -39,7 +39,7 @@ from .eagle import EagleProposer
 from .eagle_head import EAGLE_FOLDER
 from .heads import MTP_FOLDER, check_head_target, load_head
 from .mtp import MTPProposer
-from .ngram import NgramProposer
+from .guided_ngram import GuidedNgramProposer
 from .parallel import ParallelDraftProposer
 from .self_draft import FORMAT as SELF_FORMAT
 from .self_draft import HEAD_FORMAT as SELF_HEAD_FORMAT
@@ -256,13 +256,14 @@ class ParallelDraft(DraftModel):
 
 
 class Ngram(Drafter):
-    name, cls, what = "ngram", NgramProposer, "n-gram lookup"
+    """N-gram lookup; under structured output it walks through the grammar (guided_ngram.py)."""
+    name, cls, what = "ngram", GuidedNgramProposer, "n-gram lookup"
     flags = ("--ngram-max", "--ngram-min")
     options = NgramOptions
 
     def proposer(self, network, target, options) -> Proposer:
         sizes = {"max_n": options.max_n, "min_n": options.min_n}
-        return NgramProposer(**{name: n for name, n in sizes.items() if n is not None})
+        return self.cls(**{name: n for name, n in sizes.items() if n is not None})
 
     def describe(self, network, proposer, options) -> dict:
         return {"max_n": proposer.max_n, "min_n": proposer.min_n}
