@@ -94,8 +94,9 @@ def draft_decoders(target, draft: str, variants: list[str], stop_below: float, r
     if any(VARIANTS[v][3] for v in variants):
         t0 = time.time()
         smaller = load_as_stored(packaged.resolve(draft), requantize=requantize)
-        print(f"{draft} requantized ({requantize}) in {time.time() - t0:.0f} s: {stored_bytes(network.model) / 1e6:,.0f} "
-              f"-> {stored_bytes(smaller) / 1e6:,.0f} MB of matrices; {memory()}", flush=True)
+        print(f"{draft} requantized ({requantize}) in {time.time() - t0:.0f} s: "
+              f"{stored_bytes(network.model) / 1e6:,.0f} -> {stored_bytes(smaller) / 1e6:,.0f} MB of matrices; "
+              f"{memory()}", flush=True)
     decoders = {}
     for variant in variants:
         vocab, stop, parts, requantized = VARIANTS[variant]

@@ -192,7 +192,8 @@ def test_a_model_run_as_stored_holds_about_its_files_bytes(tied, tmp_path, gguf_
 
 # ---- a GGUF draft model: its draft vocabulary counted from local text ----
 
-COUNTED = {"code": ["def add(a, b):\n    return a + b\n\n" * 4, "import os\nfor path in os.listdir('.'):\n    print(path)\n"]}
+COUNTED = {"code": ["def add(a, b):\n    return a + b\n\n" * 4,
+                    "import os\nfor path in os.listdir('.'):\n    print(path)\n"]}
 
 
 @pytest.fixture(scope="module")
