@@ -3,16 +3,20 @@ draft-model speculation against plain decoding, side by side (docs/quantized.md,
 
     specdec pair install
     python docs/pair-measure.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b [--prompts 3] [--new-tokens 64]
+        [--variants full,vocab,stop] [--requantize Q5_0=Q4_1]
 
-Loads the target (resident memory then) and the draft, which drafts three ways, each with `-k auto`
-(or -k N): over the full vocabulary, over the draft vocabulary the cost model picks (`draft_vocab="auto"`,
-draft_model.chosen_vocab; the token counts made once from local text, lm/local_counts), and that
-with its chains stopped after a draft it is unsure of (`stop_below`). One step's forward of the target
-and of each draft is timed first (interleaved, the least of 15). Then, per workload
-(HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every prompt in
-turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's time less
-a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's seconds
-per drafted token, the cost model's predicted speedup (`-k auto`'s, of what it chose) and
+Loads the target (resident memory then) and the draft, which drafts in the `--variants` asked for
+(VARIANTS), each with `-k auto` (or -k N): over the full vocabulary (full), over the draft vocabulary
+the cost model picks (vocab: `draft_vocab="auto"`, draft_model.chosen_vocab; the token counts made once
+from local text, lm/local_counts), that with its chains stopped after a draft it is unsure of (stop:
+`stop_below`), that with the vocabulary counted from code and prose only, as before the chat part
+(stop-code-prose), and that drafting with a copy of the draft whose matrices of some types are rounded
+into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors). One step's
+forward of the target and of each draft is timed first (interleaved, the least of 15). Then, per
+workload (HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every
+prompt in turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's
+time less a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's
+seconds per drafted token, the cost model's predicted speedup (`-k auto`'s, of what it chose) and
 whether every output is plain decoding's, token for token.
 """
 from __future__ import annotations
@@ -29,7 +33,9 @@ from specdec.bench.workloads import CHAT_PROMPTS, humaneval_prompts
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.lm import packaged
+from specdec.lm import local_counts, packaged
+from specdec.lm.gguf_blocks import load_as_stored
+from specdec.proposers.draft_model import DraftModelProposer, chosen_vocab, stored_bytes
 from specdec.proposers.drafters import DraftModelOptions, drafter
 
 
@@ -49,7 +55,7 @@ def chosen_prediction(summary: dict) -> float:
 def step_times(target, decoders: dict, repeats: int = 15) -> None:
     """Milliseconds of one decoding step's forward, after 64 cached tokens: the target's, and each
     draft's (its unembedding over its draft vocabulary); interleaved, the least of `repeats`."""
-    context = torch.arange(1000, 1064)[None]
+    context = torch.arange(1000, 1064)[None] % target.model.config.vocab_size
     steps = {"target": (target.model, None)}
     steps.update({name: (proposer.model, None if proposer.vocab is None else proposer.vocab.unembedding)
                   for name, (proposer, _) in decoders.items() if proposer is not None})
@@ -70,6 +76,45 @@ def step_times(target, decoders: dict, repeats: int = 15) -> None:
         f"{name} {1e3 * min(v):.1f}" for name, v in times.items()), flush=True)
 
 
+VARIANTS = {  # name -> (draft vocabulary, stop below, counts of the parts, requantized)
+    "full": (None, False, None, False), "vocab": ("auto", False, None, False), "stop": ("auto", True, None, False),
+    "stop-code-prose": ("auto", True, ("code", "prose"), False), "stop-requantized": ("auto", True, None, True)}
+
+
+def draft_decoders(target, draft: str, variants: list[str], stop_below: float, requantize: dict, k) -> dict:
+    """{label: (proposer, k)} of each variant (VARIANTS) of the draft model, sharing one network (and
+    one requantized network, where a variant asks for one)."""
+    kind = drafter("draft-model")
+    network = kind.network(target, kind.folder(draft, target))  # one draft model, shared
+    print(f"{draft} loaded; {memory()}", flush=True)
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    smaller = None
+    if any(VARIANTS[v][3] for v in variants):
+        t0 = time.time()
+        smaller = load_as_stored(packaged.resolve(draft), requantize=requantize)
+        print(f"{draft} requantized ({requantize}) in {time.time() - t0:.0f} s: "
+              f"{stored_bytes(network.model) / 1e6:,.0f} -> {stored_bytes(smaller) / 1e6:,.0f} MB of matrices; "
+              f"{memory()}", flush=True)
+    decoders = {}
+    for variant in variants:
+        vocab, stop, parts, requantized = VARIANTS[variant]
+        options = DraftModelOptions(draft_vocab=vocab, stop_below=stop_below if stop else None)
+        proposer = kind.proposer(network, target, options)  # the counts of every part, made once
+        if parts is not None or requantized:
+            model = smaller if requantized else network.model
+            counts = (network.token_counts if parts is None else
+                      local_counts.token_counts(target.tokenizer.tok, model.config.vocab_size, parts))
+            proposer = DraftModelProposer(model, chosen_vocab(model, target.model, counts), counts,
+                                          stop_below=options.stop_below)
+        ids = proposer.draft_ids
+        label = f"draft-model, {variant}"
+        print(f"{label}: {'full vocabulary' if ids is None else f'{len(ids):,} ids'}; {memory()}", flush=True)
+        decoders[label] = (proposer, k)
+    return decoders
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -80,6 +125,10 @@ def main() -> None:
     p.add_argument("--workloads", default="humaneval,chat")
     p.add_argument("--stop-below", type=float, default=0.3)
     p.add_argument("-k", default="auto", help="drafts per step: auto (the cost model's) or a number")
+    p.add_argument("--variants", default="full,vocab,stop",
+                   help=f"the draft model's decoders, of {', '.join(VARIANTS)}")
+    p.add_argument("--requantize", default="Q5_0=Q4_1",
+                   help="for the requantized variant: GGML types rounded into others at load, TYPE=TYPE,...")
     args = p.parse_args()
     t0 = time.time()
     target = api.load(args.model, quantize="gguf")
@@ -88,17 +137,9 @@ def main() -> None:
           f"{api.weights_format(target)}; {kernels.quant_isa()}", flush=True)
     decoders = {"plain": (None, 0)}
     if args.draft:
-        kind = drafter("draft-model")
-        network = kind.network(target, kind.folder(args.draft, target))  # one draft model, shared
-        print(f"{args.draft} loaded; {memory()}", flush=True)
-        for label, options in (("draft-model", DraftModelOptions()),
-                               ("draft-model, draft vocab", DraftModelOptions(draft_vocab="auto")),
-                               (f"draft-model, draft vocab, stop below {args.stop_below}",
-                                DraftModelOptions(draft_vocab="auto", stop_below=args.stop_below))):
-            proposer = kind.proposer(network, target, options)
-            ids = proposer.draft_ids
-            print(f"{label}: {'full vocabulary' if ids is None else f'{len(ids):,} ids'}; {memory()}", flush=True)
-            decoders[label] = (proposer, args.k if args.k == "auto" else int(args.k))
+        k = args.k if args.k == "auto" else int(args.k)
+        decoders.update(draft_decoders(target, args.draft, args.variants.split(","), args.stop_below,
+                                       dict(pair.split("=") for pair in args.requantize.split(",") if pair), k))
         step_times(target, decoders)
     workloads = {"humaneval greedy": (humaneval_prompts(args.prompts), False, SamplingConfig()),
                  "chat T=1 seeded": (list(CHAT_PROMPTS[:args.prompts]), True, SamplingConfig(1.0, seed=0))}

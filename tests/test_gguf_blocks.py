@@ -192,7 +192,8 @@ def test_a_model_run_as_stored_holds_about_its_files_bytes(tied, tmp_path, gguf_
 
 # ---- a GGUF draft model: its draft vocabulary counted from local text ----
 
-COUNTED = ["def add(a, b):\n    return a + b\n\n" * 4, "import os\nfor path in os.listdir('.'):\n    print(path)\n"]
+COUNTED = {"code": ["def add(a, b):\n    return a + b\n\n" * 4,
+                    "import os\nfor path in os.listdir('.'):\n    print(path)\n"]}
 
 
 @pytest.fixture(scope="module")
@@ -210,13 +211,12 @@ def test_a_gguf_draft_drafts_over_a_vocabulary_counted_here_exactly(written, dra
     unembedding keeps the file's format, each logit the full unembedding's very number; greedy and
     seeded T=1 speculative decoding give plain decoding's tokens, with and without stopping unsure."""
     from specdec.lm import local_counts
-    from specdec.lm.checkpoint import TOKEN_COUNTS
     from specdec.proposers.drafters import DraftModelOptions, build_drafter
 
     monkeypatch.setattr(local_counts, "corpus", lambda: COUNTED)
     target = load(written[1], quantize="gguf")
     proposer = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab=40))
-    saved = gguf.folder(draft_file) / TOKEN_COUNTS
+    saved = gguf.folder(draft_file) / f"local_token_counts-v{local_counts.VERSION}.safetensors"
     assert saved.is_file()
     ids = proposer.draft_ids
     specials = [i for i in target.tokenizer.tok.get_added_tokens_decoder()]
@@ -256,3 +256,33 @@ def test_the_cost_model_keeps_the_ids_the_counts_hold(written, draft_file):
     few[:10] = 100
     assert chosen_vocab(draft, target.model, few) == 10  # V/32: the smallest size weighed that holds them all
     assert chosen_vocab(draft, target.model, torch.ones(V, dtype=torch.int64)) is None
+
+
+def test_a_draft_requantized_at_load_holds_the_files_values_rounded_again(written):
+    """raw_tensors(requantize): each matrix of a type named comes as gguf's own quantization of the
+    values the file stores, in the type asked for; the others, and the vectors, as stored. A model so
+    loaded runs the new type's blocks, in fewer bytes than Q8_0's."""
+    _, path = written
+    stored = {raw.name: raw for raw in gguf.raw_tensors(path)}
+    again = {raw.name: raw for raw in gguf.raw_tensors(path, {"Q8_0": "Q4_0"})}
+    assert {raw.type for raw in stored.values()} >= {"Q8_0", "Q4_1", "F32"}
+    for name, raw in stored.items():
+        if raw.type == "Q8_0":
+            values = dequantize(raw.data, Q.Q8_0).reshape(raw.shape)
+            assert again[name].type == "Q4_0" and again[name].shape == raw.shape
+            assert np.array_equal(again[name].data, quantize(values, Q.Q4_0))
+        else:
+            assert again[name].type == raw.type and np.array_equal(again[name].data, raw.data)
+    from specdec.lm.gguf_blocks import load_as_stored
+    from specdec.proposers.draft_model import stored_bytes
+
+    as_stored, smaller = load_as_stored(path), load_as_stored(path, requantize={"Q8_0": "Q4_0"})
+    formats = {m.stored.format for m in smaller.modules() if isinstance(m, Linear)}
+    assert formats == {"q4_0", "q4_1"} and stored_bytes(smaller) < stored_bytes(as_stored)
+
+
+@pytest.mark.parametrize("requantize, says", [({"Q8_0": "Q4_K"}, "cannot quantize into Q4_K"),
+                                              ({"Q8": "Q4_1"}, "'Q8' is not a GGML tensor type")])
+def test_a_requantization_gguf_cannot_make_is_refused_by_name(written, requantize, says):
+    with pytest.raises(SpecdecError, match=says):
+        list(gguf.raw_tensors(written[1], requantize))

@@ -26,7 +26,10 @@ A truncated or corrupt file, an architecture specdec does not run, a tensor type
 package cannot dequantize: one SpecdecError line, checked before anything is written.
 
 `raw_tensors` yields each weight as stored (quantized blocks, their type and shape) under its
-transformers name, for code that runs quantized blocks as they are.
+transformers name, for code that runs quantized blocks as they are; or, asked to (`requantize`), a
+matrix of some types rounded again into another, from the file's own values (`requantized`): a
+draft model, which only proposes, runs in fewer bytes so (Q5_0's codes take a byte each in the
+kernels' layout, Q4_1's half of one), while the target, which decides, stays as stored.
 
 This module knows nothing about models, decoding or serving.
 """
@@ -225,12 +228,44 @@ class RawTensor:
     data: np.ndarray          # (rows, bytes per row) uint8 blocks for a quantized type; else the values
 
 
-def raw_tensors(path: str | Path) -> Iterator[RawTensor]:
+def raw_tensors(path: str | Path, requantize: dict[str, str] | None = None) -> Iterator[RawTensor]:
     """Each weight of the GGUF file at `path` as stored (quantized blocks as they are, rows of
     Llama's q and k in transformers' order), without dequantizing; a file specdec cannot run, or a
-    tensor with no place in its architecture, is refused by name."""
+    tensor with no place in its architecture, is refused by name. requantize {GGML type: GGML type}
+    (e.g. {"Q5_0": "Q4_1"}): each matrix stored in a key's type comes rounded into its value's
+    (`requantized`)."""
     reader = open_file(path)
-    return stored(reader, config_of(reader, Path(path).name))
+    check_requantize(requantize or {})
+    for raw in stored(reader, config_of(reader, Path(path).name)):
+        to = (requantize or {}).get(raw.type)
+        yield raw if to is None or len(raw.shape) != 2 else requantized(raw, to)
+
+
+def check_requantize(requantize: dict[str, str]) -> None:
+    """Each type of a requantize map is a GGML type, each target one the `gguf` package quantizes."""
+    from gguf import GGMLQuantizationType
+
+    for name in {*requantize, *requantize.values()}:
+        if name not in GGMLQuantizationType.__members__:
+            raise SpecdecError(f"{name!r} is not a GGML tensor type (e.g. Q4_1, Q5_0, Q8_0)")
+    for name in set(requantize.values()):
+        if not quantizable(GGMLQuantizationType[name]):
+            raise SpecdecError(f"the gguf package cannot quantize into {name}: requantize into one it "
+                               "quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)")
+
+
+def requantized(raw: RawTensor, to: str) -> RawTensor:
+    """A matrix's blocks rounded into GGML type `to` from the values the file stores (gguf's own
+    quantizer, row by row: each row's blocks depend on that row only)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    block = GGML_QUANT_SIZES[GGMLQuantizationType[to]][0]
+    if raw.shape[-1] % block:
+        raise SpecdecError(f"GGUF tensor {raw.gguf_name} has rows of {raw.shape[-1]} values, not a whole number "
+                           f"of {to}'s blocks of {block}: it cannot be requantized into {to}")
+    values = dequantize(raw.data, GGMLQuantizationType[raw.type]).reshape(raw.shape).astype(np.float32)
+    return RawTensor(raw.name, raw.gguf_name, to, raw.shape, quantize(values, GGMLQuantizationType[to]))
 
 
 def stored(reader, config: dict) -> Iterator[RawTensor]:
@@ -258,6 +293,18 @@ def dequantizable(qtype) -> bool:
 
     try:
         dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def quantizable(qtype) -> bool:
+    """Whether the `gguf` package quantizes into this GGML type (tried on one zero block)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    try:
+        quantize(np.zeros((1, GGML_QUANT_SIZES[qtype][0]), np.float32), qtype)
     except NotImplementedError:
         return False
     return True

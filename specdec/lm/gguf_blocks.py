@@ -79,19 +79,20 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
     return given, others
 
 
-def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32,
-                   device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                   requantize: dict[str, str] | None = None) -> LlamaForCausalLM:
     """The model of the GGUF file at `path` (its architecture from the file's converted checkpoint,
     gguf.folder) holding what it runs: each matrix the file stores in a kernel format as its blocks
     (gguf_matrices), the others as the converted checkpoint's bf16 values (said once in a warning), the
     embedding as the file's blocks where they are in a kernel format (a tied one: the unembedding's), else
     its values in fp32, the norms and biases in fp32. Built on the meta device and filled tensor by
-    tensor, so that no float copy of the model is ever made: it holds about the file's size."""
+    tensor, so that no float copy of the model is ever made: it holds about the file's size.
+    requantize: matrices of some types rounded into others first (gguf.raw_tensors; a draft's)."""
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         raise SpecdecError("a GGUF file's blocks as stored (--quantize gguf) run on the CPU in float32: drop "
                            "--dtype/--device, or --quantize")
     cfg = read_arch(folder(path))
-    raws = {raw.name: raw for raw in raw_tensors(path)}
+    raws = {raw.name: raw for raw in raw_tensors(path, requantize)}
     given, others = gguf_matrices(raws)
     if others:
         kinds = sorted(set(others.values()))

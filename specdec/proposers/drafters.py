@@ -18,8 +18,6 @@ nothing about the command line, benchmarks or serving.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +25,8 @@ from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
 from ..kernels.blocks import blocking_error
 from ..lm import gguf, local_counts, packaged
-from ..lm.checkpoint import (META, PARALLEL_KIND, TOKEN_COUNTS, WEIGHTS, load_model, load_token_counts, read_config,
-                             read_meta, save_token_counts, sha256)
+from ..lm.checkpoint import (META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_config, read_meta,
+                             sha256)
 from ..lm.gguf_blocks import load_as_stored
 from ..lm.model import Linear, LlamaForCausalLM
 from ..lm.tokenizer import Tokenizer
@@ -202,8 +200,9 @@ class DraftModel(Drafter):
         return DraftCheckpoint(model, path, load_token_counts(path), read_meta(path), gguf.is_gguf(folder))
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
-        if draft.token_counts is None and draft.gguf and options.draft_vocab is not None:
-            draft.token_counts = local_token_counts(draft.path, target.tokenizer.tok, draft.model.config.vocab_size)
+        if draft.gguf and options.draft_vocab is not None:  # a GGUF holds no counts: made here (once)
+            draft.token_counts = local_counts.counted_once(draft.path, target.tokenizer.tok,
+                                                           draft.model.config.vocab_size)
         size = draft_vocab(options, draft.token_counts)
         if size == "auto":  # without counts the one size to choose is the whole vocabulary
             size = None if draft.token_counts is None else chosen_vocab(draft.model, target.model, draft.token_counts)
@@ -212,16 +211,6 @@ class DraftModel(Drafter):
 
     def describe(self, draft, proposer, options) -> dict:
         return {"draft_vocab": "full" if proposer.draft_ids is None else len(proposer.draft_ids)}
-
-
-def local_token_counts(folder: Path, tokenizer, vocab_size: int):
-    """The token counts of a GGUF draft's converted checkpoint `folder` (specdec's cache), made once
-    from text on this machine (lm/local_counts) and saved there beside it (atomically)."""
-    counts = local_counts.token_counts(tokenizer, vocab_size)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        save_token_counts(tmp, counts)
-        os.replace(Path(tmp) / TOKEN_COUNTS, folder / TOKEN_COUNTS)
-    return counts
 
 
 class ParallelDraft(DraftModel):
