@@ -69,6 +69,14 @@ def test_the_packed_layout_holds_the_blocks_exactly(format):
     assert torch.equal(picked.dense(), held.dense()[[3, 0, 36]])
 
 
+@pytest.mark.parametrize("format", ["q4_k", "q6_k"])
+def test_the_packed_layout_takes_about_the_files_bytes(format):
+    """A K-quant runs as stored in memory: its packed panels hold what the file's blocks hold, in at
+    most 3% more bytes (Q4_K's 6-bit scales take a byte each; Q6_K's codes keep their 6 bits)."""
+    held, raw = random_blocks(format, 64, 512, 9)
+    assert raw.nbytes <= blocks.pack(held).numel() <= 1.03 * raw.nbytes
+
+
 @pytest.mark.parametrize("format", TYPES)
 def test_a_files_tensor_packed_a_slice_of_rows_at_a_time_is_packed_exactly(format, monkeypatch):
     held, raw = random_blocks(format, 37, 512, 4)

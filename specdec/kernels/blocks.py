@@ -210,7 +210,7 @@ def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
 # ------------------------------------------------------------------------ the kernels' layout
 
 PANEL_BLOCK_BYTES = {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q5_0": 32 + 512,
-                     "q4_k": (64 + 256 + 8 * 256) // 8, "q6_k": (32 + 256 + 8 * 512) // 8}  # per 16 outputs x 32 k
+                     "q4_k": (64 + 256 + 8 * 256) // 8, "q6_k": (32 + 256 + 8 * 384) // 8}  # per 16 outputs x 32 k
 
 
 def _per_panel(t: torch.Tensor, P: int) -> torch.Tensor:
@@ -246,12 +246,27 @@ def _uncodes(codes: torch.Tensor, nibbles: bool) -> torch.Tensor:
     return torch.stack((both & 0x0F, both >> 4), dim=3).reshape(P * LANES, nb * BLOCK)
 
 
+def _bit_pairs(u: torch.Tensor) -> torch.Tensor:
+    """(P, 16, nb, 32) 2-bit values (Q6_K's codes >> 4) -> (P, nb, 128): 2 loads of 64 bytes, load h
+    byte t of output n holding k = 16h + 4i + t in bits 2i, 2i+1."""
+    P, _, nb, _ = u.shape
+    u = u.reshape(P, LANES, nb, 2, 4, 4) << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)
+    return u.sum(dim=4, dtype=torch.uint8).permute(0, 2, 3, 1, 4).reshape(P, nb, 128)
+
+
+def _unbit_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of _bit_pairs: -> (P * 16, nb * 32)."""
+    P, nb, _ = packed.shape
+    b = packed.reshape(P, nb, 2, LANES, 4).permute(0, 3, 1, 2, 4)[:, :, :, :, None, :]  # (P, 16, nb, 2, 1, 4)
+    return ((b >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3).reshape(P * LANES, nb * BLOCK)
+
+
 def pack(blocks: Blocks) -> torch.Tensor:
     """The panels quant.h and kquant.h read, as uint8: per panel of 16 outputs (zero past N), per block of
     32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes; Q8_0 and Q5_0 as bytes u + 128 -
     OFFSET). The K-quants per super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 loads of sub-block
     scales, 4 bytes per output (Q4_K: [sc, m] of 2 sub-blocks; Q6_K: sc + 128 of 4), then 8 blocks of
-    codes (Q4_K nibbles, Q6_K bytes)."""
+    codes (Q4_K nibbles; Q6_K the file's 6 bits: its low 4 as nibbles, then its high 2, _bit_pairs)."""
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
@@ -260,7 +275,9 @@ def pack(blocks: Blocks) -> torch.Tensor:
         sub = blocks.sub if f == "q4_k" else (blocks.sub.short() + 128).to(torch.uint8)
         head = [_per_panel(blocks.scales, P)] + ([_per_panel(blocks.mins, P)] if f == "q4_k" else [])
         head.append(_per_panel(sub.reshape(N, S * 4, 4), P).reshape(P, S, 256))
-        codes = _codes(u, nibbles=f == "q4_k").reshape(P, S, -1)
+        codes = _codes(u, nibbles=True) if f == "q4_k" else torch.cat((_codes(u & 15, nibbles=True),
+                                                                         _bit_pairs(u >> 4)), dim=-1)
+        codes = codes.reshape(P, S, -1)
         return torch.cat(head + [codes], dim=-1).contiguous()
     if f == "q5_0":
         u = u + (128 - OFFSET[f])
@@ -280,7 +297,9 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
         at = 64 if k4 else 32
         sub = _from_panel(data[..., at:at + 256].reshape(P, S * 4, 64), N, torch.int32).view(torch.uint8)
         sub = sub.reshape(N, K // BLOCK, 2) if k4 else (sub.reshape(N, K // 16).short() - 128).to(torch.int8)
-        codes = _uncodes(data[..., at + 256:].reshape(P, nb, -1), nibbles=k4)[:N]
+        codes = data[..., at + 256:].reshape(P, nb, -1)
+        codes = (_uncodes(codes, nibbles=True) if k4 else
+                 _uncodes(codes[..., :256], nibbles=True) | (_unbit_pairs(codes[..., 256:]) << 4))[:N]
         return Blocks(format, codes.contiguous(), scales, mins, sub.contiguous())
     data = data.reshape(P, nb, -1)
     scales = _from_panel(data[..., :32], N, torch.float16)

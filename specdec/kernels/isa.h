@@ -142,6 +142,11 @@ constexpr int panels_for(int R) {
 }
 // rows per block: AVX-512 8 (x 3 panels in 24 registers), AVX2 6 (x 1 panel in 12)
 constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;
+// Panels per tile where the call has one row (plain decoding): enough independent FMA chains to keep
+// up with memory, few enough streams of weights at once. Measured on Zen 4 (one thread, matrices
+// streaming from memory, docs/kernel-efficiency.py streaming): 8 panels read SmolLM2's and the
+// 1.5B's matrices at 20-27 GB/s, 4 at 25-33, 2 about as 4.
+constexpr int kOneRowPanels = 4;
 
 template <int R, int NB>
 inline void tile_dispatch_nb(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
@@ -166,7 +171,7 @@ inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t
   // registers hold for the largest block; the row blocks of a tile reuse its panels from cache
   if (M == 0) return;
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, rows = (M + blocks - 1) / blocks;
-  const int G = panels_for(static_cast<int>(rows));
+  const int G = M == 1 ? kOneRowPanels : panels_for(static_cast<int>(rows));
   for (int64_t p = q0; p < q1; p += G) {
     const int nb = static_cast<int>(std::min<int64_t>(G, q1 - p));
     for (int64_t r0 = 0; r0 < M; r0 += rows) {

@@ -20,14 +20,16 @@
 // p is K/256 super-blocks of kSuperBytes[format] bytes: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 vector
 // loads of sub-block scales, lane n (4 bytes) of load t holding output n's [sc, mn] of sub-blocks
 // 2t and 2t+1 (Q4_K) or sc + 128 of sub-blocks 4t..4t+3 (Q6_K, 16 k each), then 8 blocks of 32 k
-// of codes: Q4_K as quant.h's Q4_x (4 loads of nibbles), Q6_K as its Q8_0 (8 loads of bytes).
+// of codes: Q4_K as quant.h's Q4_x (4 loads of nibbles); Q6_K as many bits as the file holds: the low
+// 4 bits of its codes as Q4_x's nibbles, then 2 loads of their high bit pairs, lane n byte t of load h
+// holding in bits 2i, 2i+1 those of k = 16h + 4i + t (joined to nibble load i: VI::bit_pair).
 // A lane's scale byte reaches an int32 lane as VI::dot against x4 = 1 in that byte's place.
 // Expects, defined before inclusion: what quant.h expects, and quant.h.
 
 constexpr int64_t kSuper = 256;                       // weights per super-block, along K
-constexpr int64_t kSuperBytes[2] = {2368, 4384};      // Q4_K, Q6_K: 16 outputs x 256 k
+constexpr int64_t kSuperBytes[2] = {2368, 3360};      // Q4_K, Q6_K: 16 outputs x 256 k
 constexpr int kScalesAt[2] = {64, 32};                // bytes before the sub-block scales
-constexpr int64_t kSuperCodes[2] = {256, 512};        // bytes of codes per block of 32 k
+constexpr int64_t kSuperCodes[2] = {256, 384};        // bytes of codes per block of 32 k
 
 // The sum of q over the first 16 k of each block of 32, rows [0, M) of x (Q6_K's first sub-block;
 // the second is the block's sum minus it), into `out` (M x x.blocks).
@@ -85,13 +87,20 @@ inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t
   VI sa[R][NB], sc[R][NB];  // sum u q over the block's first 16 k, its last 16
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) sa[r][j] = sc[r][j] = VI::zero();
+  typename VI::Raw top_a[NB], top_c[NB];  // the codes' high bit pairs: the first 16 k, the last 16
+  for (int j = 0; j < NB; ++j) {
+    top_a[j] = VI::load(k.codes[j] + 256);
+    top_c[j] = VI::load(k.codes[j] + 320);
+  }
   for (int i = 0; i < 4; ++i) {
     typename VI::Raw first[NB], second[NB];
     for (int j = 0; j < NB; ++j) {
       const uint8_t* p = k.codes[j] + i * 64;
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
-      first[j] = VI::load(p);
-      second[j] = VI::load(p + 256);
+      if (i < 2) _mm_prefetch(reinterpret_cast<const char*>(p) + 256 + kPrefetch * 64, _MM_HINT_T0);
+      const auto v = VI::load(p);
+      first[j] = VI::join(VI::low_nibbles(v), VI::bit_pair(top_a[j], i));
+      second[j] = VI::join(VI::high_nibbles(v), VI::bit_pair(top_c[j], i));
     }
     for (int r = 0; r < R; ++r) {
       const int32_t xa = VI::quad(k.xq[r] + 4 * i), xc = VI::quad(k.xq[r] + 16 + 4 * i);
@@ -156,7 +165,10 @@ inline void ktile_nb(int nb, const QuantRows& x, const int32_t* halves, const ui
 }
 
 // The K-quant tiles' shape: panels per tile for R rows (a float and an int accumulator per (row,
-// panel), one code vector (two for the nibbles) per panel), and the most rows per tile.
+// panel), one code vector (two for the nibbles) per panel), and the most rows per tile. A call of one
+// row (plain decoding) takes one panel per tile, so the matrix streams as one run of bytes: measured
+// on Zen 4 (one thread, matrices streaming from memory, docs/kernel-efficiency.py streaming), tiles of
+// 4 panels read the 1.5B's Q4_K matrices at 12-24 GB/s, of one panel at 21-34 GB/s.
 constexpr int kpanels_for(int R) {
   const int n = (kRegs - 4) / ((2 * R + 2) * kRegsPerV);
   return n < 1 ? 1 : n > 4 ? 4 : n;
@@ -170,7 +182,7 @@ inline void kmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y
   thread_local std::vector<int32_t> halves;
   if constexpr (I == 1) first_half_sums(x, M, halves);
   const int64_t blocks = (M + kMaxKRows - 1) / kMaxKRows, rows = (M + blocks - 1) / blocks;
-  const int G = kpanels_for(static_cast<int>(rows));
+  const int G = M == 1 ? 1 : kpanels_for(static_cast<int>(rows));
   const uint8_t* data = static_cast<const uint8_t*>(W.data);
   const int64_t nsuper = W.K / kSuper;
   const int32_t* h = halves.data();

@@ -13,7 +13,7 @@ constexpr int kPrefetch = 48;  // cache lines ahead in each stream of packed wei
 // K-quants and kMixed (runs of outputs in different quantized formats): kquant.h
 enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5, kMixed = 6 };
 constexpr int64_t kBlock = 32;  // weights per quantized block, along K
-constexpr int64_t kPanelBlockBytes[6] = {0, 32 + 512, 32 + 256, 64 + 256, 296, 548};  // 16 outputs x 32 k (quant.h)
+constexpr int64_t kPanelBlockBytes[6] = {0, 32 + 512, 32 + 256, 64 + 256, 296, 420};  // 16 outputs x 32 k (quant.h)
 constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
 
 struct Mat {  // a packed matrix of N outputs from K inputs

@@ -106,6 +106,11 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
   static Raw load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static Raw low_nibbles(Raw a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
   static Raw high_nibbles(Raw a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
+  // bits 2i, 2i+1 of each byte of a as bits 4, 5 (Q6_K's high bits above their nibble, kquant.h)
+  static Raw bit_pair(Raw a, int i) {
+    return _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(a, 2 * i), 4), _mm512_set1_epi8(0x30));
+  }
+  static Raw join(Raw a, Raw b) { return _mm512_or_si512(a, b); }
   static Wide wide(Raw a) { return a; }
   static int32_t quad(const int8_t* p) {
     int32_t q;
@@ -222,6 +227,11 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
   static __m256i nib(__m256i a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
   static Raw low_nibbles(Raw a) { return {nib(a.lo), nib(a.hi)}; }
   static Raw high_nibbles(Raw a) { return {nib(_mm256_srli_epi16(a.lo, 4)), nib(_mm256_srli_epi16(a.hi, 4))}; }
+  static __m256i pair(__m256i a, int i) {
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(a, 2 * i), 4), _mm256_set1_epi8(0x30));
+  }
+  static Raw bit_pair(Raw a, int i) { return {pair(a.lo, i), pair(a.hi, i)}; }  // as AVX-512's
+  static Raw join(Raw a, Raw b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
   static Wide wide(Raw a) {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     const __m256i lo = _mm256_xor_si256(a.lo, flip), hi = _mm256_xor_si256(a.hi, flip);
