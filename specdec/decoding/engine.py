@@ -4,7 +4,7 @@ requests that join and leave between steps (continuous batching).
 Every row of the batch is one request with its own sequence, cache length, sampling settings,
 random generator, stop rule and stream. The target's cache lags one token behind each sequence:
 the newest token ("last") opens the next verification window [last, d_1..d_m], scored by ONE
-target forward pass for all rows. Tokens are emitted through `Row.append` one at a time, so EOS,
+target forward pass for all rows. Tokens are emitted through `Row.emit` one at a time, so EOS,
 stop strings and max_new_tokens cut exactly inside an accepted run; then each row's target cache
 is rolled back to the tokens it kept and the proposer is told what was committed.
 
@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from ..errors import SpecdecError
-from ..lm.interface import Admitted, admit, declared_features, layer_request, next_positions, prefill_joining
+from ..lm.interface import Admitted, admit, declared_features, layer_request, prefill_joining
 from .adaptive import Adaptive, curve_batches, options, window
 from .calibration import verify_curves
 from .constraint import Compiled, masked
@@ -51,7 +51,7 @@ from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
 from .sampling import Draws, RowGenerators, SamplingConfig, perturbed, pick_rows, row_probabilities
 from .stopping import Row, StopRule
-from .tree import depths, levels_reached, path_columns, window_layout
+from .tree import chain_positions, depths, levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
 
 
@@ -231,15 +231,20 @@ class Engine:
         """The target's forward over [last, drafts] (B, 1+m): a chain at the default positions, a tree
         with positions by depth and its attention mask; the declared layers come back with it.
         logits_index (B, N): the columns whose logits are computed (default all)."""
-        if proposal.parents is None:
-            positions, tree = next_positions(self.cache, window.shape[1], self.context), None
-        else:
-            positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
+        positions, tree = self.layout(window.shape[1], proposal)
         clock.mark("window")
         out = self.target(window, positions=positions, cache=self.cache, attention_mask=tree,
                           logits_index=logits_index, **layer_request(self.features))
         clock.mark("forward")
         return out
+
+    def layout(self, width: int, proposal: Proposal | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The positions (B, width) and tree attention mask of the next window after each row's cached
+        tokens (tree.py): a chain's, or a plain step's (proposal None), at the model's default positions
+        (None, no mask) but near the context's end; a tree's by depth, with its mask."""
+        if proposal is None or proposal.parents is None:
+            return chain_positions(self.cached, width, self.context, self.device), None
+        return window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
 
     def masked(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
         """logits (B, 1+m, V) with the tokens each constrained row's grammar refuses at each window
@@ -291,8 +296,7 @@ class Engine:
         window = self.next_window
         if window is None:
             window = torch.tensor(self.last, device=self.device)[:, None]
-        out = self.target(window, cache=self.cache, positions=next_positions(self.cache, 1, self.context),
-                          **layer_request(self.features))
+        out = self.target(window, cache=self.cache, positions=self.layout(1)[0], **layer_request(self.features))
         t_forward = clock()
         logits, masks = out.logits[:, -1], self.guide.next_masks()  # (B, V); masks (B, W): None without constraints
         picked = self.pick(logits if masks is None else masked(logits, masks))
@@ -562,7 +566,7 @@ def draft_limits(budgets: list[int], k: int) -> list[int]:
 def emit_runs(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]
               ) -> tuple[list[list[int]], list[int]]:
     """Emit each row's accepted drafts (the nodes of its path) and then its recovered/bonus token
-    through Row.append, one at a time, so a stop inside the run cuts it. Returns each row's run
+    through Row.emit, one at a time, so a stop inside the run cuts it. Returns each row's run
     (the path's drafts, the recovered or bonus token, zeros up to 1+m) and the counts emitted:
     accepted + 1, fewer where the row finished, 0 for rows already finished."""
     runs = [[row_drafts[i] for i in path] + [token] + [0] * (len(row_drafts) - len(path))
@@ -575,7 +579,7 @@ def emit(row: Row, run: list[int], n: int) -> int:
     for i in range(n):
         if row.done:
             return i
-        row.append(run[i])
+        row.emit(run[i])
     return n
 
 

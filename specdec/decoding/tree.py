@@ -75,6 +75,18 @@ def caterpillar_layout(widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
     return parents, chain
 
 
+def chain_positions(cache_lengths: list[int], width: int, context: int, device: torch.device | str = "cpu"
+                    ) -> torch.Tensor | None:
+    """Positions (B, width) of a chain's window (a plain step's: width 1) after each row's
+    `cache_lengths`, or None where they are the model's default (no row reaches the context's end).
+    Rows that draft fewer tokens than the widest are padded, and near the end of a row that padding
+    may run past the context: its positions are clamped to stay valid (outputs at padding are never
+    read, and its cache entries lie past the row's length)."""
+    if max(cache_lengths) + width <= context:
+        return None
+    return torch.tensor([[min(n + i, context - 1) for i in range(width)] for n in cache_lengths], device=device)
+
+
 def window_layout(parents: torch.Tensor, lengths: list[int], cache_lengths: list[int],
                   context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The verification window's positions (B, 1+m) and tree mask (B, 1+m, 1+m) (True: may see).
