@@ -192,19 +192,18 @@ class Engine:
                           proposal.tokens], 1).tolist()
         accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
         clock.mark("accepted")
-        runs, counts = self.commit([row[3:] for row in read], accepted, verdict, next_tokens)  # commit
+        outcome = self.commit([row[3:] for row in read], accepted, verdict, next_tokens, out)  # commit
         if self.guide.active:
-            self.guide.commit(runs, counts)
+            self.guide.commit(outcome.tokens, outcome.counts)
         clock.mark("committed")
-        self.proposer.observe(self.state, self.guide.outcome(Outcome(accepted, runs, counts, self.features_along(
-            out, verdict), verdict.paths)))
+        self.proposer.observe(self.state, self.guide.outcome(outcome))                         # observe
         clock.mark("observed")
-        self.metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
+        self.metrics.record_step(lengths, accepted, outcome.counts, None if verdict.paths is None
                                  else levels_reached(proposal.parents, lengths, verdict.paths))
         self.metrics.forced = self.guide.forced
         self.metrics.record_phases(clock)
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
-        stream(self.requests, runs, counts, lengths, accepted)
+        stream(self.requests, outcome.tokens, outcome.counts, lengths, accepted)
         if self.adaptive:
             self.adaptive.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward)
 
@@ -264,11 +263,12 @@ class Engine:
                            [c + 1 + n for c, n in zip(self.cached, lengths)])
         return Verdict(proposal.lengths, picked.to(self.device))
 
-    def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int]
-               ) -> tuple[list[list[int]], list[int]]:
-        """Emit each row's run (emit_runs), keep the target cache's entries of what was emitted
-        (a tree's accepted path moved to follow the root) and open the next window with the newest
-        token. Returns the runs and the counts emitted."""
+    def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int],
+               out) -> Outcome:
+        """Emit each row's run (emit_runs), keep what the target computed along what was emitted: its
+        cache entries (a tree's accepted path moved to follow the root) and, for the proposer, its
+        features in the verify forward `out`; open the next window with the newest token. Returns
+        the step's Outcome: the runs, the counts emitted and those features."""
         paths = verdict.paths or [range(n) for n in accepted]
         runs, counts = emit_runs([r.row for r in self.requests], drafts, paths, next_tokens)
         if verdict.paths is not None:  # keep the window entries that predicted an emitted token
@@ -276,7 +276,7 @@ class Engine:
         self.cached = [n + c for n, c in zip(self.cached, counts)]
         self.cache.rollback(self.cached)
         self.last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, self.last)]
-        return runs, counts
+        return Outcome(accepted, runs, counts, self.features_along(out, verdict), verdict.paths)
 
     def features_along(self, out, verdict: Verdict) -> torch.Tensor:
         """The declared features (B, 1+m, ...) of the verify forward, along a tree's accepted path."""
@@ -318,7 +318,7 @@ class Engine:
                 row += [token] * n
             plain.hidden.append(declared_features(out, self.features))
             plain.steps += 1
-        metrics.record_step([True] * B, [0] * B, [0] * B, counts)
+        metrics.record_step([0] * B, [0] * B, counts)
         metrics.first_token_seconds = metrics.first_token_seconds or clock() - self.started
         stream(self.requests, [[t] for t in tokens], counts, [0] * B, [0] * B)
         self.plain_left -= 1
