@@ -11,7 +11,9 @@ indices, and the cache then keeps the root and the path's entries, moved to foll
 (`KVCache.compact`).
 
 Padding nodes (i >= lengths[b]) hang off the root; their outputs are never read and their cache
-entries lie past the row's kept length.
+entries lie past the row's kept length. A chain's window (a plain step's too) sits at the model's
+default positions, after each row's cache length, except near the end of the context, where its
+padding is clamped (`chain_positions`); the engine lays out every window here.
 
 This module is pure index arithmetic on host lists and small tensors; it knows nothing about
 models, sampling or proposers.
