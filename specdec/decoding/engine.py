@@ -129,7 +129,8 @@ class Engine:
         self.plain_left = 0  # steps left in the current stretch of plain decoding (inf: k = 0)
         self.plain = PlainStretch([])
         self.metrics = SpecMetrics(k=k, batch_size=capacity)
-        self.guide = Guide(self.target.config.vocab_size, forced_drafts)
+        self.forced_drafts = forced_drafts
+        self.guide: Guide | None = None  # made when the first constrained request joins (`join_guide`)
 
     def submit(self, request: Request) -> None:
         """Queue a request (any thread); it joins the batch at the next step with room."""
@@ -168,14 +169,15 @@ class Engine:
             self.plain_stretch()
             return
         clock.mark("chosen")
+        guide = self.constrained
         limit = draft_limits([r.row.budget for r in self.requests], depth)
         limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
         self.next_window = None
         # a seeded row's first draft: position cached + 1; constrained rows draft under their grammars
-        draws = Draws(self.generator(), [c + 1 for c in self.cached], self.guide.drafting())
+        draws = Draws(self.generator(), [c + 1 for c in self.cached], guide and guide.drafting())
         proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()  # propose
-        if self.guide.active:  # forced runs in place of drafts; chains cut where they leave the grammar
-            proposal = self.guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
+        if guide:  # forced runs in place of drafts; chains cut where they leave the grammar
+            proposal = guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
                                                             or r.sampling.seeded for r in self.requests]).trimmed()
         clock.mark("proposed")
         if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
@@ -183,7 +185,7 @@ class Engine:
             self.plain_step()
             return
         window = torch.cat([last[:, None], proposal.tokens], 1)                 # (B, 1+m): [last, drafts]
-        forced = self.guide.forced_only(proposal)  # every draft forced: certain, only the column after them decides
+        forced = guide is not None and guide.forced_only(proposal)  # every draft forced: certain, only the column after them decides
         out = self.verify_forward(window, proposal, clock, proposal.lengths[:, None] if forced else None)  # verify
         verdict = (self.after_forced(proposal, out.logits) if forced                     # accept: logits (B, 1, V)
                    else self.verify(proposal, self.masked(out.logits, proposal)))        # or (B, 1+m, V)
@@ -193,14 +195,15 @@ class Engine:
         accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
         clock.mark("accepted")
         outcome = self.commit([row[3:] for row in read], accepted, verdict, next_tokens, out)  # commit
-        if self.guide.active:
-            self.guide.commit(outcome.tokens, outcome.counts)
+        if guide:
+            guide.commit(outcome.tokens, outcome.counts)
+            outcome = guide.outcome(outcome)  # what the drafter hears of forced runs
+            self.metrics.forced = guide.forced
         clock.mark("committed")
-        self.proposer.observe(self.state, self.guide.outcome(outcome))                         # observe
+        self.proposer.observe(self.state, outcome)                                             # observe
         clock.mark("observed")
         self.metrics.record_step(lengths, accepted, outcome.counts, None if verdict.paths is None
                                  else levels_reached(proposal.parents, lengths, verdict.paths))
-        self.metrics.forced = self.guide.forced
         self.metrics.record_phases(clock)
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
         stream(self.requests, outcome.tokens, outcome.counts, lengths, accepted)
@@ -248,9 +251,8 @@ class Engine:
     def masked(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
         """logits (B, 1+m, V) with the tokens each constrained row's grammar refuses at each window
         column set to -inf (guided.py), so that every acceptance rule sees the masked target."""
-        if not self.guide.active:
-            return logits
-        return masked(logits, self.guide.window_masks(proposal))
+        guide = self.constrained
+        return logits if guide is None else masked(logits, guide.window_masks(proposal))
 
     def after_forced(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """The verdict on a window of forced drafts alone (guided.py): each is the one token its row's
@@ -298,13 +300,14 @@ class Engine:
             window = torch.tensor(self.last, device=self.device)[:, None]
         out = self.target(window, cache=self.cache, positions=self.layout(1)[0], **layer_request(self.features))
         t_forward = clock()
-        logits, masks = out.logits[:, -1], self.guide.next_masks()  # (B, V); masks (B, W): None without constraints
+        guide = self.constrained
+        logits, masks = out.logits[:, -1], guide and guide.next_masks()  # (B, V); masks (B, W): None without constraints
         picked = self.pick(logits if masks is None else masked(logits, masks))
         tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
         if masks is not None:
-            self.guide.commit([[t] for t in tokens], counts)
-            metrics.forced = self.guide.forced
+            guide.commit([[t] for t in tokens], counts)
+            metrics.forced = guide.forced
         self.next_window = picked[:, None] if all(counts) else None
         self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
         self.cached = [c + n for c, n in zip(self.cached, counts)]
@@ -354,7 +357,8 @@ class Engine:
             self.end_plain()  # the proposer's rows must be up to date before they regroup
         if len(keep) < len(self.requests):
             self.cache.regroup(keep)
-            self.guide.leave(keep)
+            if self.guide:
+                self.guide.leave(keep)
             self.proposer.leave(self.state, keep)
             if self.adaptive:
                 self.adaptive.leave(keep)
@@ -374,10 +378,25 @@ class Engine:
                 self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
             if self.adaptive:
                 self.adaptive.join(len(joining))
-            self.guide.join([r.constraint for r in joining])
+            self.join_guide([r.constraint for r in joining])
             self.requests += joining
             self.last += [p[-1] for p in prompts]
             self.cached += [len(p) - 1 for p in prompts]
+
+    def join_guide(self, constraints: list[Compiled | None]) -> None:
+        """The joining rows' constraints to the guide (guided.py), made with the first constrained
+        row, the rows already there unconstrained: until then no step spends anything on grammars."""
+        if self.guide is None:
+            if all(c is None for c in constraints):
+                return
+            self.guide = Guide(self.target.config.vocab_size, self.forced_drafts)
+            self.guide.join([None] * len(self.requests))
+        self.guide.join(constraints)
+
+    @property
+    def constrained(self) -> Guide | None:
+        """The guide while a row of the batch is constrained, else None."""
+        return self.guide if self.guide is not None and self.guide.active else None
 
     def generator(self):
         """The rows' random generators: their common one, or one per row."""
