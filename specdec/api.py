@@ -203,6 +203,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
                       constraint)
     texts = None if prompts is None else inputs.prompts(prompts)
     k = default_k(proposer) if k is None else k
+    setup = run_setup(target)
     batch = pipeline.generate(target.lm, target.tokenizer, options, texts, messages, proposer, k, widths,
                               target.path.name, on_text)
     rows = [r.row for r in batch.requests]
@@ -210,16 +211,19 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     spec = {"method": "plain"} if batch.proposer is None else {"method": batch.proposer.name, **metrics.to_dict()}
     healed = sum(bool(p.healed) for p in batch.prompts) if max_new_tokens > 0 else 0
     spec["time_to_first_token"] = batch.healing_seconds if healed else metrics.first_token_seconds
+    new_tokens, seconds = sum(len(r.tokens) for r in rows), batch.seconds
+    policy = kernels.thread_report()  # the threads this run's calls took
     stats = {**spec, "batch_size": len(rows), "prompt_tokens": [p.length for p in batch.prompts],
-             "healed_prompts": healed, **run_stats(target, sum(len(r.tokens) for r in rows), batch.seconds),
+             "healed_prompts": healed, "new_tokens": new_tokens, "seconds": seconds,
+             "tokens_per_s": new_tokens / seconds if seconds > 0 else None, "load_seconds": target.load_seconds,
+             "threads": policy["threads"], "thread_policy": policy, **setup,
              "verify_curve_seconds": batch.verify_curve_seconds}
     return Result(batch.texts, [r.tokens for r in rows], [r.finish_reason for r in rows], stats)
 
 
-def run_stats(target: Loaded, new_tokens: int, seconds: float) -> dict:
-    """What `generate` reports besides the decoding method's figures: tokens, time, the setup."""
-    policy, lm = kernels.thread_report(), target.lm
-    return {"new_tokens": new_tokens, "seconds": seconds, "tokens_per_s": new_tokens / seconds if seconds > 0 else None,
-            "load_seconds": target.load_seconds, "threads": policy["threads"], "thread_policy": policy,
-            "dtype": str(lm.dtype).removeprefix("torch."), "weights": weights_format(target), "device": str(lm.device),
+def run_setup(target: Loaded) -> dict:
+    """What `generate` reports of the model it runs, fixed at load and so read before the run: the
+    dtype, the weights' format, the device and the backend."""
+    lm = target.lm
+    return {"dtype": str(lm.dtype).removeprefix("torch."), "weights": weights_format(target), "device": str(lm.device),
             "backend": lm.abilities.backend}

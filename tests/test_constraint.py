@@ -176,6 +176,26 @@ def test_a_batch_mixes_constrained_and_free_rows_and_each_matches_its_own_run(to
     assert requests[2].row.text().split(",")[0] in ("yes", "no", "maybe")
 
 
+def test_the_guide_is_made_when_the_first_constrained_row_joins_a_running_batch(toy, schema):
+    """Free rows spend nothing on grammars: the engine has no guide until a constrained request
+    joins; it then joins rows already running, and every row matches its own run alone."""
+    constraints = [None, schema, None]
+    alone = [run(toy, c, GrammarDrafts(), 0, prompts=[p])[0][0].tokens for c, p in zip(constraints, PROMPTS)]
+    engine = Engine(toy.lm, NgramProposer(), 4, 3, 200)
+    rule = StopRule(48, toy.tokenizer.eos_ids, decode=toy.tokenizer.decode)
+    requests = [Request(toy.tokenizer.encode(p), rule, constraint=c) for p, c in zip(PROMPTS, constraints)]
+    engine.submit(requests[0])
+    for _ in range(3):
+        engine.step()
+    assert engine.guide is None and requests[0].row.tokens and not requests[0].row.done
+    for r in requests[1:]:
+        engine.submit(r)
+    while engine.busy:
+        engine.step()
+    assert engine.guide is not None
+    assert [r.row.tokens for r in requests] == alone
+
+
 def test_seeded_constrained_rows_are_the_same_for_every_drafter(toy, schema):
     sampling = SamplingConfig(temperature=1.0, seed=11)
     expected = [r.tokens for r in run(toy, schema, GrammarDrafts(), 0, sampling=sampling)[0]]

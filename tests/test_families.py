@@ -216,4 +216,4 @@ def test_generation_ends_at_any_of_several_eos_ids():
     from specdec.decoding.stopping import Row
     for eos in (7, 5):
         row = Row(StopRule(10, (5, 7)))
-        assert not row.append(3) and row.append(eos) and row.finish_reason == "eos" and row.tokens == [3, eos]
+        assert not row.emit(3) and row.emit(eos) and row.finish_reason == "eos" and row.tokens == [3, eos]

@@ -54,7 +54,7 @@ def healed_row(target, first: int, rest: list[int], max_new_tokens: int, stop: t
     for token in rest:
         if row.done:
             break
-        row.append(token)
+        row.emit(token)
     return row
 
 
@@ -82,7 +82,7 @@ def test_a_character_split_across_tokens_is_streamed_whole(target):
     row = request(target.tokenizer, Prompt([0]), Options(20), None, None,
                   lambda request, sent, tokens: pieces.extend(piece for piece, _ in sent))
     for token in ids:
-        row.row.append(token)
+        row.row.emit(token)
         row.on_tokens(row, [token], 0)
     assert "".join(pieces) == "aé€b" and all("\ufffd" not in p for p in pieces) and "a" in pieces
 

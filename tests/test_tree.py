@@ -12,9 +12,11 @@ import torch
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.decoding.tree import caterpillar_layout, chain_parents, window_layout
+from specdec.decoding.tree import caterpillar_layout, chain_parents, chain_positions, window_layout
 from specdec.decoding.verify import greedy_accept, rejection_sample, tree_rejection_sample
 from specdec.errors import SpecdecError
+from specdec.lm.interface import next_positions
+from specdec.lm.kv_cache import KVCache
 from specdec.proposers import DraftModelProposer, MTPProposer, NgramProposer
 from specdec.proposers.heads import build_heads
 from specdec.proposers.ngram import trie
@@ -39,6 +41,21 @@ def test_window_layout_positions_by_depth_and_mask_by_ancestry():
     assert positions.tolist() == [[10, 11, 11, 12, 13]]
     expected = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
     assert mask[0].int().tolist() == expected
+
+
+@pytest.mark.parametrize("held", [[10, 3], [60, 58], [63, 40]], ids=["far from the end", "padding past it", "at it"])
+def test_a_chains_positions_are_the_default_until_the_context_ends_then_clamped(held):
+    """The engine lays out a chain's window (a plain step's too) from its host lengths, as the
+    proposers do from their caches (lm.interface.next_positions): the model's default positions (None)
+    while every row fits, else each row's own clamped at the context's last position."""
+    cache = KVCache(1, 2, 1, 4, 64)
+    cache.rollback(held)
+    for width in (1, 4):
+        expected = next_positions(cache, width, 64)
+        got = chain_positions(held, width, 64)
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert got.tolist() == expected.tolist() and got.dtype == expected.dtype
 
 
 @pytest.mark.parametrize("parents", [[[0, -1]], [[-1, 1]], [[-1, -2]]], ids=["child first", "self", "bad id"])

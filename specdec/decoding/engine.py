@@ -4,7 +4,7 @@ requests that join and leave between steps (continuous batching).
 Every row of the batch is one request with its own sequence, cache length, sampling settings,
 random generator, stop rule and stream. The target's cache lags one token behind each sequence:
 the newest token ("last") opens the next verification window [last, d_1..d_m], scored by ONE
-target forward pass for all rows. Tokens are emitted through `Row.append` one at a time, so EOS,
+target forward pass for all rows. Tokens are emitted through `Row.emit` one at a time, so EOS,
 stop strings and max_new_tokens cut exactly inside an accepted run; then each row's target cache
 is rolled back to the tokens it kept and the proposer is told what was committed.
 
@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from ..errors import SpecdecError
-from ..lm.interface import Admitted, admit, declared_features, layer_request, next_positions, prefill_joining
+from ..lm.interface import Admitted, admit, declared_features, layer_request, prefill_joining
 from .adaptive import Adaptive, curve_batches, options, window
 from .calibration import verify_curves
 from .constraint import Compiled, masked
@@ -51,7 +51,7 @@ from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
 from .sampling import Draws, RowGenerators, SamplingConfig, perturbed, pick_rows, row_probabilities
 from .stopping import Row, StopRule
-from .tree import depths, levels_reached, path_columns, window_layout
+from .tree import chain_positions, depths, levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
 
 
@@ -130,7 +130,8 @@ class Engine:
         self.plain = PlainStretch([])
         self.closed = False  # a closed batch (`run`): no request comes after those given, so auto knows the steps left
         self.metrics = SpecMetrics(k=k, batch_size=capacity)
-        self.guide = Guide(self.target.config.vocab_size, forced_drafts)
+        self.forced_drafts = forced_drafts
+        self.guide: Guide | None = None  # made when the first constrained request joins (`join_guide`)
 
     def submit(self, request: Request) -> None:
         """Queue a request (any thread); it joins the batch at the next step with room."""
@@ -170,14 +171,15 @@ class Engine:
             self.plain_stretch()
             return
         clock.mark("chosen")
+        guide = self.constrained
         limit = draft_limits([r.row.budget for r in self.requests], depth)
         limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
         self.next_window = None
         # a seeded row's first draft: position cached + 1; constrained rows draft under their grammars
-        draws = Draws(self.generator(), [c + 1 for c in self.cached], self.guide.drafting())
+        draws = Draws(self.generator(), [c + 1 for c in self.cached], guide and guide.drafting())
         proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()  # propose
-        if self.guide.active:  # forced runs in place of drafts; chains cut where they leave the grammar
-            proposal = self.guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
+        if guide:  # forced runs in place of drafts; chains cut where they leave the grammar
+            proposal = guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
                                                             or r.sampling.seeded for r in self.requests]).trimmed()
         clock.mark("proposed")
         if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
@@ -185,7 +187,7 @@ class Engine:
             self.plain_step()
             return
         window = torch.cat([last[:, None], proposal.tokens], 1)                 # (B, 1+m): [last, drafts]
-        forced = self.guide.forced_only(proposal)  # every draft forced: certain, only the column after them decides
+        forced = guide is not None and guide.forced_only(proposal)  # every draft forced: certain, only the column after them decides
         out = self.verify_forward(window, proposal, clock, proposal.lengths[:, None] if forced else None)  # verify
         verdict = (self.after_forced(proposal, out.logits) if forced                     # accept: logits (B, 1, V)
                    else self.verify(proposal, self.masked(out.logits, proposal)))        # or (B, 1+m, V)
@@ -194,19 +196,19 @@ class Engine:
                           proposal.tokens], 1).tolist()
         accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
         clock.mark("accepted")
-        runs, counts = self.commit([row[3:] for row in read], accepted, verdict, next_tokens)  # commit
-        if self.guide.active:
-            self.guide.commit(runs, counts)
+        outcome = self.commit([row[3:] for row in read], accepted, verdict, next_tokens, out)  # commit
+        if guide:
+            guide.commit(outcome.tokens, outcome.counts)
+            outcome = guide.outcome(outcome)  # what the drafter hears of forced runs
+            self.metrics.forced = guide.forced
         clock.mark("committed")
-        self.proposer.observe(self.state, self.guide.outcome(Outcome(accepted, runs, counts, self.features_along(
-            out, verdict), verdict.paths)))
+        self.proposer.observe(self.state, outcome)                                             # observe
         clock.mark("observed")
-        self.metrics.record_step([True] * len(lengths), lengths, accepted, counts, None if verdict.paths is None
+        self.metrics.record_step(lengths, accepted, outcome.counts, None if verdict.paths is None
                                  else levels_reached(proposal.parents, lengths, verdict.paths))
-        self.metrics.forced = self.guide.forced
         self.metrics.record_phases(clock)
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
-        stream(self.requests, runs, counts, lengths, accepted)
+        stream(self.requests, outcome.tokens, outcome.counts, lengths, accepted)
         if self.adaptive:
             self.adaptive.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward)
 
@@ -237,22 +239,26 @@ class Engine:
         """The target's forward over [last, drafts] (B, 1+m): a chain at the default positions, a tree
         with positions by depth and its attention mask; the declared layers come back with it.
         logits_index (B, N): the columns whose logits are computed (default all)."""
-        if proposal.parents is None:
-            positions, tree = next_positions(self.cache, window.shape[1], self.context), None
-        else:
-            positions, tree = window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
+        positions, tree = self.layout(window.shape[1], proposal)
         clock.mark("window")
         out = self.target(window, positions=positions, cache=self.cache, attention_mask=tree,
                           logits_index=logits_index, **layer_request(self.features))
         clock.mark("forward")
         return out
 
+    def layout(self, width: int, proposal: Proposal | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The positions (B, width) and tree attention mask of the next window after each row's cached
+        tokens (tree.py): a chain's, or a plain step's (proposal None), at the model's default positions
+        (None, no mask) but near the context's end; a tree's by depth, with its mask."""
+        if proposal is None or proposal.parents is None:
+            return chain_positions(self.cached, width, self.context, self.device), None
+        return window_layout(proposal.parents, proposal.lengths.tolist(), self.cached, self.context)
+
     def masked(self, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
         """logits (B, 1+m, V) with the tokens each constrained row's grammar refuses at each window
         column set to -inf (guided.py), so that every acceptance rule sees the masked target."""
-        if not self.guide.active:
-            return logits
-        return masked(logits, self.guide.window_masks(proposal))
+        guide = self.constrained
+        return logits if guide is None else masked(logits, guide.window_masks(proposal))
 
     def after_forced(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
         """The verdict on a window of forced drafts alone (guided.py): each is the one token its row's
@@ -265,11 +271,12 @@ class Engine:
                            [c + 1 + n for c, n in zip(self.cached, lengths)])
         return Verdict(proposal.lengths, picked.to(self.device))
 
-    def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int]
-               ) -> tuple[list[list[int]], list[int]]:
-        """Emit each row's run (emit_runs), keep the target cache's entries of what was emitted
-        (a tree's accepted path moved to follow the root) and open the next window with the newest
-        token. Returns the runs and the counts emitted."""
+    def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int],
+               out) -> Outcome:
+        """Emit each row's run (emit_runs), keep what the target computed along what was emitted: its
+        cache entries (a tree's accepted path moved to follow the root) and, for the proposer, its
+        features in the verify forward `out`; open the next window with the newest token. Returns
+        the step's Outcome: the runs, the counts emitted and those features."""
         paths = verdict.paths or [range(n) for n in accepted]
         runs, counts = emit_runs([r.row for r in self.requests], drafts, paths, next_tokens)
         if verdict.paths is not None:  # keep the window entries that predicted an emitted token
@@ -277,7 +284,7 @@ class Engine:
         self.cached = [n + c for n, c in zip(self.cached, counts)]
         self.cache.rollback(self.cached)
         self.last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, self.last)]
-        return runs, counts
+        return Outcome(accepted, runs, counts, self.features_along(out, verdict), verdict.paths)
 
     def features_along(self, out, verdict: Verdict) -> torch.Tensor:
         """The declared features (B, 1+m, ...) of the verify forward, along a tree's accepted path."""
@@ -297,16 +304,16 @@ class Engine:
         window = self.next_window
         if window is None:
             window = torch.tensor(self.last, device=self.device)[:, None]
-        out = self.target(window, cache=self.cache, positions=next_positions(self.cache, 1, self.context),
-                          **layer_request(self.features))
+        out = self.target(window, cache=self.cache, positions=self.layout(1)[0], **layer_request(self.features))
         t_forward = clock()
-        logits, masks = out.logits[:, -1], self.guide.next_masks()  # (B, V); masks (B, W): None without constraints
+        guide = self.constrained
+        logits, masks = out.logits[:, -1], guide and guide.next_masks()  # (B, V); masks (B, W): None without constraints
         picked = self.pick(logits if masks is None else masked(logits, masks))
         tokens = picked.tolist()
         counts = [emit(r.row, [token], 1) for r, token in zip(self.requests, tokens)]
         if masks is not None:
-            self.guide.commit([[t] for t in tokens], counts)
-            metrics.forced = self.guide.forced
+            guide.commit([[t] for t in tokens], counts)
+            metrics.forced = guide.forced
         self.next_window = picked[:, None] if all(counts) else None
         self.last = [token if n else old for token, n, old in zip(tokens, counts, self.last)]
         self.cached = [c + n for c, n in zip(self.cached, counts)]
@@ -320,7 +327,7 @@ class Engine:
                 row += [token] * n
             plain.hidden.append(declared_features(out, self.features))
             plain.steps += 1
-        metrics.record_step([True] * B, [0] * B, [0] * B, counts)
+        metrics.record_step([0] * B, [0] * B, counts)
         metrics.first_token_seconds = metrics.first_token_seconds or clock() - self.started
         stream(self.requests, [[t] for t in tokens], counts, [0] * B, [0] * B)
         self.plain_left -= 1
@@ -356,7 +363,8 @@ class Engine:
             self.end_plain()  # the proposer's rows must be up to date before they regroup
         if len(keep) < len(self.requests):
             self.cache.regroup(keep)
-            self.guide.leave(keep)
+            if self.guide:
+                self.guide.leave(keep)
             self.proposer.leave(self.state, keep)
             if self.adaptive:
                 self.adaptive.leave(keep)
@@ -376,10 +384,25 @@ class Engine:
                 self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
             if self.adaptive:
                 self.adaptive.join(len(joining))
-            self.guide.join([r.constraint for r in joining])
+            self.join_guide([r.constraint for r in joining])
             self.requests += joining
             self.last += [p[-1] for p in prompts]
             self.cached += [len(p) - 1 for p in prompts]
+
+    def join_guide(self, constraints: list[Compiled | None]) -> None:
+        """The joining rows' constraints to the guide (guided.py), made with the first constrained
+        row, the rows already there unconstrained: until then no step spends anything on grammars."""
+        if self.guide is None:
+            if all(c is None for c in constraints):
+                return
+            self.guide = Guide(self.target.config.vocab_size, self.forced_drafts)
+            self.guide.join([None] * len(self.requests))
+        self.guide.join(constraints)
+
+    @property
+    def constrained(self) -> Guide | None:
+        """The guide while a row of the batch is constrained, else None."""
+        return self.guide if self.guide is not None and self.guide.active else None
 
     def generator(self):
         """The rows' random generators: their common one, or one per row."""
@@ -568,7 +591,7 @@ def draft_limits(budgets: list[int], k: int) -> list[int]:
 def emit_runs(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]
               ) -> tuple[list[list[int]], list[int]]:
     """Emit each row's accepted drafts (the nodes of its path) and then its recovered/bonus token
-    through Row.append, one at a time, so a stop inside the run cuts it. Returns each row's run
+    through Row.emit, one at a time, so a stop inside the run cuts it. Returns each row's run
     (the path's drafts, the recovered or bonus token, zeros up to 1+m) and the counts emitted:
     accepted + 1, fewer where the row finished, 0 for rows already finished."""
     runs = [[row_drafts[i] for i in path] + [token] + [0] * (len(row_drafts) - len(path))
@@ -581,7 +604,7 @@ def emit(row: Row, run: list[int], n: int) -> int:
     for i in range(n):
         if row.done:
             return i
-        row.append(run[i])
+        row.emit(run[i])
     return n
 
 

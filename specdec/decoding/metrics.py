@@ -15,9 +15,10 @@ Counters (docs/design.md, "Metrics and conditions"), per run:
   its last node had children. proposed counts every node.
 - prefill_seconds (target prefill and proposer start); per step, the phases of the loop:
   propose_seconds, forward_seconds (the target's verification forward), acceptance_seconds,
-  commit_seconds (emitting tokens, stop checks, cache rollback), observe_seconds (the proposer's
-  bookkeeping and draft-cache updates), metrics_seconds (these counters); other_seconds: the rest
-  of the run; first_token_seconds (start of the run to the first emitted token).
+  commit_seconds (emitting tokens, stop checks, cache rollback, the features along a tree's accepted
+  path), observe_seconds (the proposer's bookkeeping and draft-cache updates), metrics_seconds (these
+  counters); other_seconds: the rest of the run; first_token_seconds (start of the run to the first
+  emitted token).
   draft_seconds = propose + observe; verify_seconds = forward + acceptance.
 
 Derived: α = accepted / proposed; α_i = accepted_per_position[i] / reached_per_position[i];
@@ -88,18 +89,16 @@ class SpecMetrics:
         finally:
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
-    def record_step(self, active: list[bool], draft_lengths: list[int], accepted: list[int],
-                    emitted: list[int], reached: list[int] | None = None) -> None:
-        """One verification forward pass, per row: verified in it or not, drafts proposed, drafts
+    def record_step(self, draft_lengths: list[int], accepted: list[int], emitted: list[int],
+                    reached: list[int] | None = None) -> None:
+        """One verification forward pass over every row of the batch, per row: drafts proposed, drafts
         accepted, tokens emitted, and for a tree the depths reached (tree.levels_reached; a chain:
         min(drafts, accepted + 1)) (plain counters: a few additions per row)."""
         self.steps += 1
         self.emitted += sum(emitted)
         if reached is None:
             reached = [min(drafts, n + 1) for drafts, n in zip(draft_lengths, accepted)]
-        for verified, drafts, n, depth in zip(active, draft_lengths, accepted, reached):
-            if not verified:
-                continue
+        for drafts, n, depth in zip(draft_lengths, accepted, reached):
             self.row_steps += 1
             self.proposed += drafts
             self.accepted += n

@@ -225,7 +225,7 @@ def request(tokenizer: Tokenizer, prompt: Prompt, options: Options, generator: t
     ids = prompt.ids if first is None else prompt.ids + [first]
     row = Request(ids, rule, options.sampling, generator, on_tokens, prompt.constraint)
     if first is not None:
-        row.row.append(first)  # healing chose it: the row's first token, from the target
+        row.row.emit(first)  # healing chose it: the row's first token, from the target
         if on_tokens is not None:
             on_tokens(row, [first], 0)
     return row

@@ -19,6 +19,6 @@ def reference_generate(model, prompt: list[int], rule: StopRule, sampling: Sampl
     while not row.done:
         logits = model(torch.tensor([seq])).logits[:, -1]  # (1, V)
         token = int(pick(logits, sampling, generator, [len(seq)]))
-        row.append(token)
+        row.emit(token)
         seq.append(token)
     return row

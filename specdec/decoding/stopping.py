@@ -1,6 +1,6 @@
 """When a row's generation ends: EOS, a stop string, or max_new_tokens — honoured exactly.
 
-Every decoder (reference, plain, speculative) appends tokens one at a time through `Row.append`,
+Every decoder (reference, plain, speculative) emits tokens one at a time through `Row.emit`,
 so a stop that falls inside an accepted run of draft tokens cuts the run there and nothing after
 it is emitted.
 
@@ -55,10 +55,10 @@ class Row:
         """How many more tokens this row may emit."""
         return 0 if self.done else self.rule.max_new_tokens - len(self.tokens)
 
-    def append(self, token: int) -> bool:
+    def emit(self, token: int) -> bool:
         """Emit one token; return True when the row has finished (then nothing more is taken)."""
         if self.done:
-            raise RuntimeError("append to a finished row")
+            raise RuntimeError("emit to a finished row")
         self.tokens.append(token)
         if token in self.rule.eos_ids:
             self.finish_reason = "eos"

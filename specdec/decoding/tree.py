@@ -11,7 +11,9 @@ indices, and the cache then keeps the root and the path's entries, moved to foll
 (`KVCache.compact`).
 
 Padding nodes (i >= lengths[b]) hang off the root; their outputs are never read and their cache
-entries lie past the row's kept length.
+entries lie past the row's kept length. A chain's window (a plain step's too) sits at the model's
+default positions, after each row's cache length, except near the end of the context, where its
+padding is clamped (`chain_positions`); the engine lays out every window here.
 
 This module is pure index arithmetic on host lists and small tensors; it knows nothing about
 models, sampling or proposers.
@@ -73,6 +75,18 @@ def caterpillar_layout(widths: tuple[int, ...]) -> tuple[list[int], list[int]]:
         chain.append(len(parents))
         parents += [parent] * width
     return parents, chain
+
+
+def chain_positions(cache_lengths: list[int], width: int, context: int, device: torch.device | str = "cpu"
+                    ) -> torch.Tensor | None:
+    """Positions (B, width) of a chain's window (a plain step's: width 1) after each row's
+    `cache_lengths`, or None where they are the model's default (no row reaches the context's end).
+    Rows that draft fewer tokens than the widest are padded, and near the end of a row that padding
+    may run past the context: its positions are clamped to stay valid (outputs at padding are never
+    read, and its cache entries lie past the row's length)."""
+    if max(cache_lengths) + width <= context:
+        return None
+    return torch.tensor([[min(n + i, context - 1) for i in range(width)] for n in cache_lengths], device=device)
 
 
 def window_layout(parents: torch.Tensor, lengths: list[int], cache_lengths: list[int],
