@@ -178,6 +178,25 @@ def test_a_probes_catch_up_does_not_count_as_drafting_cost():
     assert controller.draft_estimates()[1] == cost
 
 
+def test_the_runs_first_drafting_step_does_not_price_its_drafts_alone():
+    """A draft model reads the prompts lazily, in its first proposal: that step's seconds (here 100
+    times a draft's) leave the depth unmeasured, so auto drafts again and prices the draft by the
+    steps that follow (priced at the first, drafts always accepted did not pay, and auto decoded
+    plainly from then on: its probes after plain stretches do not re-price a measured depth)."""
+    controller, first = Adaptive(FLAT, 2, {"chain": (1,)}), True
+    while controller.steps < 60:
+        depth, _, stretch = controller.choose()
+        if depth == 0:
+            plain = min(stretch, 60 - controller.steps)
+            controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
+            continue
+        draft = 1e-4 * depth * (100 if first else 1)
+        first, forward = False, FLAT.at(1 + depth)
+        controller.observe([depth] * 2, [depth] * 2, 1 + depth, draft, forward + draft + 1e-4, forward)
+    assert controller.draft_estimates()[1] == pytest.approx(1e-4)
+    assert drafting_steps(controller) > 30
+
+
 def test_accepted_probes_bring_drafting_back():
     controller = run_controller(FLAT, accept=False, steps=100)
     for _ in range(40):  # the text turns predictable: every draft is accepted from now on

@@ -366,6 +366,7 @@ class Adaptive:
         target's forward."""
         s, d = self.chosen
         rows = len(limits)
+        first = self.steps == self.choices["plain"]  # the run's first drafting step
         if not self.draft_measured.any():  # the first drafting step: its forwards' scale starts from the plain steps'
             self.forward_scale[1] = self.forward_scale[0]
         self.steps += 1
@@ -379,12 +380,17 @@ class Adaptive:
         # robust to the spikes of a first step (lazy set-up, cold caches) or a busy machine: the
         # fewest seconds of up to 2 samples, the median of 3..5. A step after a plain stretch also fed
         # the proposer what the stretch committed (its catch-up, proposers/base.py): its seconds count
-        # for a depth only while nothing else was measured there
-        if not (self.plain_run and self.draft_measured[d]):
+        # for a depth only while nothing else was measured there. The run's first drafting step fed
+        # it the prompts too (a draft model reads them lazily, hundreds of tokens): its seconds are
+        # kept but leave the depth unmeasured, so that the next drafting step (there is one: an
+        # unmeasured depth is priced as its nearest measured one, else as free) measures it; alone
+        # they priced every later draft at the prompts' read, and auto never drafted again to learn
+        # otherwise (a 0.5B draft of a 1.5B target: 0 drafts in 6 requests)
+        if not ((self.plain_run or first) and self.draft_measured[d]):
             samples = self.draft_samples[d]
             samples.append(draft_seconds)
             self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
-            self.draft_measured[d] = True
+            self.draft_measured[d] |= not first
         self.plain_run = 0
         scale = forward_seconds / float(self.curve_at(rows, width))
         self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
