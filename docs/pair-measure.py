@@ -3,7 +3,7 @@ draft-model speculation against plain decoding, side by side (docs/quantized.md,
 
     specdec pair install
     python docs/pair-measure.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b [--prompts 3] [--new-tokens 64]
-        [--variants full,vocab,stop] [--requantize Q5_0=Q4_1]
+        [--variants full,vocab,stop] [--requantize Q5_0=Q4_1] [--lookup suffix,ngram]
 
 Loads the target (resident memory then) and the draft, which drafts in the `--variants` asked for
 (VARIANTS), each with `-k auto` (or -k N): over the full vocabulary (full), over the draft vocabulary
@@ -11,8 +11,9 @@ the cost model picks (vocab: `draft_vocab="auto"`, draft_model.chosen_vocab; the
 from local text, lm/local_counts), that with its chains stopped after a draft it is unsure of (stop:
 `stop_below`), that with the vocabulary counted from code and prose only, as before the chat part
 (stop-code-prose), and that drafting with a copy of the draft whose matrices of some types are rounded
-into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors). One step's
-forward of the target and of each draft is timed first (interleaved, the least of 15). Then, per
+into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors). `--lookup`
+adds lookup drafters (ngram, suffix: no network, drafts from the text so far) at the same k, as the
+registry makes them. One step's forward of the target and of each draft is timed first (interleaved, the least of 15). Then, per
 workload (HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every
 prompt in turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's
 time less a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's
@@ -127,6 +128,7 @@ def main() -> None:
     p.add_argument("-k", default="auto", help="drafts per step: auto (the cost model's) or a number")
     p.add_argument("--variants", default="full,vocab,stop",
                    help=f"the draft model's decoders, of {', '.join(VARIANTS)}")
+    p.add_argument("--lookup", default="", help="lookup drafters beside the draft model: ngram, suffix")
     p.add_argument("--requantize", default="Q5_0=Q4_1",
                    help="for the requantized variant: GGML types rounded into others at load, TYPE=TYPE,...")
     args = p.parse_args()
@@ -136,11 +138,12 @@ def main() -> None:
     print(f"{args.model}: loaded in {time.time() - t0:.0f} s; file {size / 1e6:,.0f} MB; {memory()}; weights "
           f"{api.weights_format(target)}; {kernels.quant_isa()}", flush=True)
     decoders = {"plain": (None, 0)}
+    k = args.k if args.k == "auto" else int(args.k)
     if args.draft:
-        k = args.k if args.k == "auto" else int(args.k)
         decoders.update(draft_decoders(target, args.draft, args.variants.split(","), args.stop_below,
                                        dict(pair.split("=") for pair in args.requantize.split(",") if pair), k))
         step_times(target, decoders)
+    decoders.update({name: (api.load_drafter(target, name), k) for name in args.lookup.split(",") if name})
     workloads = {"humaneval greedy": (humaneval_prompts(args.prompts), False, SamplingConfig()),
                  "chat T=1 seeded": (list(CHAT_PROMPTS[:args.prompts]), True, SamplingConfig(1.0, seed=0))}
     for workload, (texts, chat, sampling) in workloads.items():
