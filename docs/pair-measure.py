@@ -11,7 +11,8 @@ the cost model picks (vocab: `draft_vocab="auto"`, draft_model.chosen_vocab; the
 from local text, lm/local_counts), that with its chains stopped after a draft it is unsure of (stop:
 `stop_below`), that with the vocabulary counted from code and prose only, as before the chat part
 (stop-code-prose), and that drafting with a copy of the draft whose matrices of some types are rounded
-into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors). `--lookup`
+into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors), and that
+behind suffix lookup, drafting only for the steps lookup finds nothing (hybrid: proposers/hybrid.py). `--lookup`
 adds lookup drafters (ngram, suffix: no network, drafts from the text so far) at the same k, as the
 registry makes them. One step's forward of the target and of each draft is timed first (interleaved, the least of 15). Then, per
 workload (HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every
@@ -59,7 +60,7 @@ def step_times(target, decoders: dict, repeats: int = 15) -> None:
     context = torch.arange(1000, 1064)[None] % target.model.config.vocab_size
     steps = {"target": (target.model, None)}
     steps.update({name: (proposer.model, None if proposer.vocab is None else proposer.vocab.unembedding)
-                  for name, (proposer, _) in decoders.items() if proposer is not None})
+                  for name, (proposer, _) in decoders.items() if isinstance(proposer, DraftModelProposer)})
     times = {name: [] for name in steps}
     with torch.inference_mode():
         caches = {}
@@ -79,7 +80,8 @@ def step_times(target, decoders: dict, repeats: int = 15) -> None:
 
 VARIANTS = {  # name -> (draft vocabulary, stop below, counts of the parts, requantized)
     "full": (None, False, None, False), "vocab": ("auto", False, None, False), "stop": ("auto", True, None, False),
-    "stop-code-prose": ("auto", True, ("code", "prose"), False), "stop-requantized": ("auto", True, None, True)}
+    "stop-code-prose": ("auto", True, ("code", "prose"), False), "stop-requantized": ("auto", True, None, True),
+    "hybrid": ("auto", True, None, False)}  # stop's, behind suffix lookup
 
 
 def draft_decoders(target, draft: str, variants: list[str], stop_below: float, requantize: dict, k) -> dict:
@@ -102,15 +104,15 @@ def draft_decoders(target, draft: str, variants: list[str], stop_below: float, r
     for variant in variants:
         vocab, stop, parts, requantized = VARIANTS[variant]
         options = DraftModelOptions(draft_vocab=vocab, stop_below=stop_below if stop else None)
-        proposer = kind.proposer(network, target, options)  # the counts of every part, made once
+        proposer = drafter(variant if variant == "hybrid" else "draft-model").proposer(network, target, options)
         if parts is not None or requantized:
             model = smaller if requantized else network.model
             counts = (network.token_counts if parts is None else
                       local_counts.token_counts(target.tokenizer.tok, model.config.vocab_size, parts))
             proposer = DraftModelProposer(model, chosen_vocab(model, target.model, counts), counts,
                                           stop_below=options.stop_below)
-        ids = proposer.draft_ids
-        label = f"draft-model, {variant}"
+        ids = (proposer.model if variant == "hybrid" else proposer).draft_ids
+        label = "hybrid: suffix, else draft-model, stop" if variant == "hybrid" else f"draft-model, {variant}"
         print(f"{label}: {'full vocabulary' if ids is None else f'{len(ids):,} ids'}; {memory()}", flush=True)
         decoders[label] = (proposer, k)
     return decoders

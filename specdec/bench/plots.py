@@ -15,7 +15,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from .runner import SPEC_METHODS  # noqa: E402
 
 COLORS = {"draft-model": "tab:blue", "ngram": "tab:orange", "mtp": "tab:green", "suffix": "tab:purple",
-          "eagle": "tab:red", "parallel": "tab:cyan", "block": "tab:brown", "self": "tab:olive"}
+          "eagle": "tab:red", "parallel": "tab:cyan", "block": "tab:brown", "self": "tab:olive",
+          "hybrid": "tab:pink"}
 
 
 def suptitle(result: dict) -> str:

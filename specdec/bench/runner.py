@@ -97,6 +97,7 @@ DRAFT_VOCAB = 4096  # the draft model's too, where it was saved with its token c
 # head's mass outside the 2048 ids is lost) at about the same speed (best 0.98x -> 0.96x)
 EAGLE_DRAFT_VOCAB = 2048
 BENCH_OPTIONS = {"draft-model": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
+                 "hybrid": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
                  "parallel": VocabOptions(DRAFT_VOCAB, counted_only=True),
                  "ngram": NgramOptions(max_n=3, min_n=1),
                  "mtp": VocabOptions(MTP_DRAFT_VOCAB, counted_only=True),

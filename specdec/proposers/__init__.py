@@ -11,6 +11,7 @@ from .drafters import (DRAFTERS, PROPOSERS, DraftModelOptions, NgramOptions, NoO
                        build_drafter)
 from .eagle import EagleProposer
 from .guided_ngram import GuidedNgramProposer
+from .hybrid import HybridProposer
 from .mtp import MTPProposer
 from .ngram import NgramProposer
 from .parallel import ParallelDraftProposer
@@ -18,6 +19,6 @@ from .self_draft import SelfDraftProposer
 from .suffix import SuffixProposer
 
 __all__ = ["DRAFTERS", "PROPOSERS", "BlockProposer", "DraftModelOptions", "DraftModelProposer", "EagleProposer",
-           "GuidedNgramProposer", "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions", "Outcome",
+           "GuidedNgramProposer", "HybridProposer", "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions", "Outcome",
            "ParallelDraftProposer", "Proposal", "Proposer", "SelfDraftProposer", "SuffixProposer", "TreeOptions",
            "VocabOptions", "build_drafter"]

@@ -36,6 +36,7 @@ from .draft_model import DraftModelProposer, chosen_vocab
 from .eagle import EagleProposer
 from .eagle_head import EAGLE_FOLDER
 from .heads import MTP_FOLDER, check_head_target, load_head
+from .hybrid import HybridProposer
 from .mtp import MTPProposer
 from .guided_ngram import GuidedNgramProposer
 from .parallel import ParallelDraftProposer
@@ -213,6 +214,18 @@ class DraftModel(Drafter):
         return {"draft_vocab": "full" if proposer.draft_ids is None else len(proposer.draft_ids)}
 
 
+class Hybrid(DraftModel):
+    """Suffix-tree lookup where it finds a continuation, the draft model elsewhere (hybrid.py): the
+    draft model's folder, options and checks."""
+    name, cls, what = "hybrid", HybridProposer, "draft model behind suffix lookup"
+
+    def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
+        return HybridProposer(SuffixProposer(), super().proposer(draft, target, options))
+
+    def describe(self, draft, proposer, options) -> dict:
+        return {**super().describe(draft, proposer.model, options), "lookup": "suffix, where it finds a continuation"}
+
+
 class ParallelDraft(DraftModel):
     name, cls, shipped, what = "parallel", ParallelDraftProposer, ("parallel-draft",), "parallel draft"
     path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab")
@@ -351,7 +364,7 @@ class Block(Head):
 
 
 DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),
-                                                    Eagle(), Block(), SelfDraft())}
+                                                    Eagle(), Block(), SelfDraft(), Hybrid())}
 PROPOSERS = {name: d.cls for name, d in DRAFTERS.items()}  # each drafter's proposer class
 
 

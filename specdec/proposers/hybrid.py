@@ -1,0 +1,93 @@
+"""Lookup first, a draft model where lookup finds nothing: each step, suffix-tree lookup drafts the
+rows whose text offers a continuation (it costs next to nothing and is often long and right: code
+repeats its names, an answer quotes its question), and the draft model drafts the others, in one
+batched call over just those rows. A draft model whose forward costs a third of the target's pays
+only where its drafts are accepted often; lookup spares it the steps where a copy is at hand.
+
+Both proposers see every row's committed tokens: the draft model reads a row's tokens since it last
+drafted for that row lazily (its pending tokens, draft_model.py), so a row that lookup drafts for
+many steps costs it nothing until it drafts for that row again. The draft model learns a step's
+outcome as a plain stretch for the rows it did not draft (none of their drafts is in its cache).
+
+Lossless as its parts: lookup drafts are deterministic (one-hot), the draft model's carry their
+distributions, and the merged proposal keeps each row's own. Trees where lookup drafts them; the
+draft model drafts chains here.
+
+This module knows nothing about particular lookup methods or draft models beyond the protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..decoding.protocol import Outcome, Proposal, Proposer
+from ..decoding.tree import chain_parents
+
+
+@dataclass
+class HybridState:
+    lookup: Any
+    model: Any
+    by_model: list[bool] = field(default_factory=list)  # per row: the last proposal's drafts came from the model
+
+
+class HybridProposer:
+    name = "hybrid"
+    max_depth = None
+    features = ()  # the draft model reads tokens only
+
+    def __init__(self, lookup: Proposer, model: Proposer):
+        self.lookup, self.model = lookup, model
+        self.vocab_size = model.vocab_size
+        self.trees = lookup.trees
+
+    def start(self, max_len, k, capacity, nodes=None) -> HybridState:
+        return HybridState(self.lookup.start(max_len, k, capacity, nodes), self.model.start(max_len, k, capacity, k))
+
+    def join(self, state: HybridState, prompts, prompt_hidden, samplings) -> None:
+        self.lookup.join(state.lookup, prompts, prompt_hidden, samplings)
+        self.model.join(state.model, prompts, prompt_hidden, samplings)
+
+    def leave(self, state: HybridState, keep: list[int]) -> None:
+        self.lookup.leave(state.lookup, keep)
+        self.model.leave(state.model, keep)
+
+    def propose(self, state: HybridState, limits, widths, draws) -> Proposal:
+        found = self.lookup.propose(state.lookup, limits, widths, draws)
+        rest = torch.where(found.lengths > 0, 0, limits)  # rows lookup left empty
+        drafted = self.model.propose(state.model, rest, (1,) * len(widths), draws)
+        state.by_model = (drafted.lengths > 0).tolist()
+        return merged(found, drafted, self.vocab_size)
+
+    def observe(self, state: HybridState, outcome: Outcome) -> None:
+        self.lookup.observe(state.lookup, outcome)
+        by_model = state.by_model or [False] * len(outcome.accepted)  # a plain step: no drafts at all
+        accepted = [n if model else 0 for n, model in zip(outcome.accepted, by_model)]
+        self.model.observe(state.model, replace(outcome, accepted=accepted, paths=None))
+        state.by_model = []  # consumed: a plain stretch's outcome follows no proposal
+
+
+def merged(found: Proposal, drafted: Proposal, vocab_size: int) -> Proposal:
+    """One proposal of the rows' own drafts: `found`'s where it drafted, else `drafted`'s (a row
+    drafts in at most one of them). Lookup drafts are one-hot where the draft model's carry
+    distributions; a tree's parents where lookup drafted a tree, the chain's elsewhere."""
+    B, device = found.lengths.shape[0], found.lengths.device
+    m = max(found.tokens.shape[1], drafted.tokens.shape[1])
+    if m == 0:
+        return Proposal.empty(B, device)
+    by_lookup = (found.lengths > 0)[:, None]  # (B, 1)
+
+    def widened(t: torch.Tensor, fill: int) -> torch.Tensor:  # (B, n, ...) -> (B, m, ...)
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, m - t.shape[1]), value=fill)
+
+    tokens = torch.where(by_lookup, widened(found.tokens, 0), widened(drafted.tokens, 0))
+    probs = None
+    if drafted.draft_probs is not None:
+        one_hot = torch.nn.functional.one_hot(tokens, vocab_size).to(drafted.draft_probs.dtype)
+        probs = torch.where(by_lookup[..., None], one_hot, widened(drafted.draft_probs, 0))
+    parents = None
+    if found.parents is not None:
+        parents = torch.where(by_lookup, widened(found.parents, -1), chain_parents(B, m, device))
+    return Proposal(tokens, found.lengths + drafted.lengths, probs, parents)
