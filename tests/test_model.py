@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,3 +117,20 @@ def test_cache_overflow_and_context_are_clear_errors():
         model(torch.zeros(1, 9, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="beyond the model's context"):
         model(torch.zeros(1, TINY.max_position_embeddings + 1, dtype=torch.long))
+
+
+def test_a_model_built_on_the_meta_device_imports_no_compiler_stack():
+    """A GGUF file's model is built on the meta device and filled tensor by tensor: building it runs
+    no initialisation, whose meta kernels (torch's Python references) import torch's compiler stack
+    (dynamo, sympy: 54 MB resident of modules a decoding process never uses). A fresh process."""
+    code = ("import sys, torch\n"
+            "from specdec.lm.arch import Arch\n"
+            "from specdec.lm.model import LlamaForCausalLM\n"
+            "cfg = Arch(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+            "           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)\n"
+            "with torch.device('meta'):\n"
+            "    model = LlamaForCausalLM(cfg)\n"
+            "assert model.model.embed_tokens.weight.is_meta\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

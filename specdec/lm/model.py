@@ -105,6 +105,13 @@ class Embedding(nn.Embedding):
             return super().forward(tokens)
         return self.stored.row_blocks(tokens.reshape(-1)).dense().reshape(*tokens.shape, -1)
 
+    def reset_parameters(self) -> None:
+        """nn.Embedding's random initialisation, skipped for a table built on the meta device to be
+        filled from a file (a meta normal_ runs torch's Python reference kernels, which import the
+        compiler stack on first use: ~80 MB of modules a decoding process never needs)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def store(self, matrix: kernels.Matrix) -> None:
         self.stored, self.weight = matrix, None
 
