@@ -197,6 +197,28 @@ def test_the_runs_first_drafting_step_does_not_price_its_drafts_alone():
     assert drafting_steps(controller) > 30
 
 
+def test_a_draft_priced_only_with_a_catch_up_is_drafted_again_and_never_stops_probing_on_it():
+    """Drafts always accepted, each costing 0.3 of the target's forward, on a flat curve: they pay
+    (chain:1 1.5x). A busy machine makes the first two drafting steps' seconds 10 times that (the
+    prompts' read, then a stolen time slice): priced at them, not even drafts always accepted pay, and
+    the controller used to stop probing for good (0 drafts from then on; a benchmark's next runs
+    recalled it). Now a step with a catch-up is drafted again at once, its price taken alone, the
+    plausible bounds take a depth's fewest seconds, and the probing stops only on prices from two
+    steps without a catch-up: the next probe finds the true price."""
+    controller, spiky = Adaptive(FLAT, 1, {"chain": (1,) * 4}), 2
+    while controller.steps < 400:
+        depth, _, stretch = controller.choose()
+        if depth == 0:
+            plain = min(stretch, 400 - controller.steps)
+            controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
+            continue
+        draft = 3e-4 * depth * (10 if spiky else 1)
+        spiky -= bool(spiky)
+        forward = FLAT.at(1 + depth)
+        controller.observe([depth], [depth], 1 + depth, draft, forward + draft + 1e-4, forward)
+    assert not controller.stopped and drafting_steps(controller) > 100
+
+
 def test_accepted_probes_bring_drafting_back():
     controller = run_controller(FLAT, accept=False, steps=100)
     for _ in range(40):  # the text turns predictable: every draft is accepted from now on
@@ -468,8 +490,10 @@ def curve(ratio: float) -> VerifyCurve:
 
 def test_a_drafting_choice_made_on_the_prior_is_weighed_again_after_its_step():
     """At batch 8 a window of 2 tokens costs 1.5 plain forwards: the prior (q 0.7) says a draft pays,
-    so the first step drafts; its drafts rejected, the next weighing chooses plain decoding (the
-    choice used to hold for HOLD steps: 4 drafting steps before the evidence was read)."""
+    so the first step drafts, and the next two draft again to price the draft without the first
+    step's read of the prompts (`confirm`); its drafts rejected, the next weighing chooses plain
+    decoding (the choice used to hold for HOLD steps, and on: 4 drafting steps before the evidence
+    was read)."""
     controller = Adaptive(curve(0.5), 8, {"chain": (1,)})
     drafted = 0
     for _ in range(6):
@@ -479,14 +503,15 @@ def test_a_drafting_choice_made_on_the_prior_is_weighed_again_after_its_step():
             continue
         drafted += 1
         controller.observe([1] * 8, [0] * 8, 2, 1e-5, 1.5e-3 + 6e-5, 1.5e-3)
-    assert drafted == 1
+    assert drafted == 3
 
 
 def test_a_lucky_first_step_on_thin_evidence_does_not_hold_drafting():
     """Batch 8, a window of 2 tokens at 1.5 plain forwards: the first drafting step has 4 of 8 drafts
     accepted, every later one 1 of 8 (as suffix lookup on chat prompts). On that one step drafting
     looks to pay, but not at the plausible lower bounds of q, so the choice is weighed again after
-    each step: 2 drafting steps in the first 16, where the choice used to hold for HOLD steps (4)."""
+    each step: 3 drafting steps in the first 16 (the first and two that price the draft without its
+    read of the prompts), where the choice used to hold for HOLD steps (4)."""
     controller, drafted = Adaptive(curve(0.5), 8, {"chain": (1,)}), []
     while controller.steps < 16:
         depth, _, steps = controller.choose()
@@ -497,7 +522,7 @@ def test_a_lucky_first_step_on_thin_evidence_does_not_hold_drafting():
             accepted = [1] * 4 + [0] * 4 if not drafted else [1] + [0] * 7
             drafted.append(controller.steps)
             controller.observe([1] * 8, accepted, 2, 1e-6, 1.5e-3 + 5e-5, 1.5e-3)
-    assert drafted == [0, 1]
+    assert drafted == [0, 1, 2]
 
 
 def test_no_probe_comes_that_the_steps_left_in_a_closed_batch_cannot_repay():

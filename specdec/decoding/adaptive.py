@@ -25,7 +25,9 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   that was, the draft's scaled in proportion to d; draft(d) is the median of its latest five steps,
   or the fewest seconds of its first two, so one spike does not keep a depth from being drafted; a
   probe after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count
-  only for a depth not yet measured otherwise).
+  only until a step without one prices the depth: the option is drafted again at once for that
+  price; the plausible bounds below take a depth's fewest recent seconds, and only prices without a
+  catch-up may end the probing).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
 this process (`remember`): the costs, the probe stretch (at most REMEMBERED_STRETCH, so that a new
@@ -87,7 +89,8 @@ REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts wit
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
-LEARNED = ("draft_seconds", "draft_measured", "overhead_seconds", "overhead_measured", "forward_scale", "window")
+LEARNED = ("draft_seconds", "draft_measured", "draft_clean", "overhead_seconds", "overhead_measured", "forward_scale",
+           "window")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -143,6 +146,8 @@ class Adaptive:
         self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
         self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
         self.draft_samples = [deque(maxlen=5) for _ in range(K + 1)]  # the latest seconds per depth
+        self.draft_clean = np.zeros(K + 1, dtype=bool)        # measured on a step without a catch-up
+        self.confirm: tuple[int, int] | None = None           # a probe's option, drafted again at once
         self.plain_run = 0                                    # plain steps since the last drafting step
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
         self.probes = 0
@@ -250,7 +255,8 @@ class Adaptive:
         `bound` (`acceptance`)."""
         q = self.acceptance(bound)                                                           # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
-        return E.sum(1) / (self.forward_estimates(q.shape[1]) + self.draft_estimates() + self.overhead_estimates())
+        draft = self.draft_estimates(least=bound in ("upper", "certain"))
+        return E.sum(1) / (self.forward_estimates(q.shape[1]) + draft + self.overhead_estimates())
 
     def forward_estimates(self, rows: int) -> np.ndarray:
         """(S, K+1) seconds of each option's target forward: the verify curve at the option's
@@ -269,14 +275,19 @@ class Adaptive:
         points = sorted(curve.seconds)
         return np.interp(width, points, [curve.seconds[n] for n in points])
 
-    def draft_estimates(self) -> np.ndarray:
-        """(K+1,) draft seconds per step by depth: measured, else scaled from the nearest measured depth."""
+    def draft_estimates(self, least: bool = False) -> np.ndarray:
+        """(K+1,) draft seconds per step by depth: measured, else scaled from the nearest measured depth.
+        least: the fewest seconds of a depth's latest samples, what its draft plausibly costs (a busy
+        machine only ever adds seconds: a stolen time slice, an eviction), for the plausible bounds."""
         measured = np.flatnonzero(self.draft_measured)
         if measured.size == 0:
             return np.zeros(self.depth + 1)
+        seconds = self.draft_seconds
+        if least:
+            seconds = np.array([min(samples, default=x) for samples, x in zip(self.draft_samples, seconds)])
         depths = np.arange(self.depth + 1)
         nearest = measured[np.abs(depths[:, None] - measured[None]).argmin(1)]
-        return np.where(self.draft_measured, self.draft_seconds, self.draft_seconds[nearest] * depths / nearest)
+        return np.where(self.draft_measured, seconds, seconds[nearest] * depths / nearest)
 
     def overhead_estimates(self) -> np.ndarray:
         """(K+1,) the engine's own seconds per step by depth (a sampled row's verification costs more
@@ -306,6 +317,9 @@ class Adaptive:
         horizon: the most steps the batch may still run (a closed batch: its rows' largest budget;
         math.inf where rows may still come, as in a server): a probe informs only the steps after
         it, so one the steps left cannot repay is not made."""
+        if self.confirm is not None:  # a draft priced only with its catch-up: drafted again, priced alone
+            self.chosen, self.confirm = self.confirm, None
+            return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
         if self.held and (self.steps + 1) % PROBE_EVERY:
             self.held -= 1
             return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
@@ -321,7 +335,9 @@ class Adaptive:
             self.hopeless = bool(d == 0 and probed[:, 1:].max() < plain)  # acceptance known too low
             if self.hopeless:
                 cap, probed = math.inf, self.rates("certain")
-                self.stopped = probed[:, 1:].max() < plain
+                self.stopped = probed[:, 1:].max() < plain and self.priced()
+        if not self.hopeless:  # once a draft could plausibly pay again, the stretches' cap holds again
+            self.stretch = min(self.stretch, MAX_STRETCH)
         rows = self.accepted.shape[1]
         if rows >= self.verdict[0]:  # the verdict of the fullest batch, for the next run (`remember`)
             self.verdict = (rows, self.hopeless)
@@ -349,6 +365,11 @@ class Adaptive:
         self.chosen = (int(s), int(d))
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
+    def priced(self) -> bool:
+        """Whether every measured depth has its price from at least two steps without a catch-up: only
+        such prices may end the probing (one step's seconds may be a stolen time slice)."""
+        return all(self.draft_clean[d] and len(self.draft_samples[d]) >= 2 for d in np.flatnonzero(self.draft_measured))
+
     def probe(self, rates: np.ndarray, probed: np.ndarray, stretch: int | float) -> tuple[int, int]:
         """The shape and depth of a probe: one level deeper than the shape's best, cycling through
         the shapes that could pay with q at the bound `probed` holds (the plausible upper bounds, or
@@ -356,6 +377,8 @@ class Adaptive:
         its drafts could ever save at this batch size is not probed), but a probe after every plain
         step in the shape that pays best."""
         shapes = np.flatnonzero(probed[:, 1:].max(1) >= rates[0, 0])
+        if shapes.size == 0:  # none pays even so, on a price with a catch-up in it: probe to price a draft alone
+            shapes = np.arange(len(self.shapes))
         s = shapes[self.probes % len(shapes)] if stretch > 1 else shapes[rates[shapes, 1].argmax()]
         return int(s), min(self.depth, int(rates[s].argmax()) + 1)
 
@@ -379,18 +402,25 @@ class Adaptive:
         self.window[s, d] += SMOOTHING * (width - self.window[s, d])
         # robust to the spikes of a first step (lazy set-up, cold caches) or a busy machine: the
         # fewest seconds of up to 2 samples, the median of 3..5. A step after a plain stretch also fed
-        # the proposer what the stretch committed (its catch-up, proposers/base.py): its seconds count
-        # for a depth only while nothing else was measured there. The run's first drafting step fed
-        # it the prompts too (a draft model reads them lazily, hundreds of tokens): its seconds are
-        # kept but leave the depth unmeasured, so that the next drafting step (there is one: an
-        # unmeasured depth is priced as its nearest measured one, else as free) measures it; alone
-        # they priced every later draft at the prompts' read, and auto never drafted again to learn
-        # otherwise (a 0.5B draft of a 1.5B target: 0 drafts in 6 requests)
-        if not ((self.plain_run or first) and self.draft_measured[d]):
-            samples = self.draft_samples[d]
+        # the proposer what the stretch committed (its catch-up, proposers/base.py), and the run's
+        # first drafting step fed it the prompts (a draft model reads them lazily, hundreds of
+        # tokens): such a step's seconds price a depth only until a step without a catch-up does,
+        # which replaces them, and the next steps draft the same option again until two steps
+        # without one priced it (`confirm`, `priced`). The first step's seconds leave the depth unmeasured. Priced at a catch-up, a
+        # draft always accepted did not pay, and auto decoded plainly from then on, never drafting
+        # to learn otherwise (a 0.5B draft of a 1.5B target: 0 drafts in 6 requests; the self-draft
+        # of SmolLM2 on a busy machine: 0 drafts in a whole benchmark, where k=4 gave 1.5x)
+        clean = not (self.plain_run or first)
+        samples = self.draft_samples[d]
+        if clean and not self.draft_clean[d]:
+            samples.clear()
+        if clean or not self.draft_measured[d]:
             samples.append(draft_seconds)
             self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
             self.draft_measured[d] |= not first
+            self.draft_clean[d] |= clean
+        if not (self.draft_clean[d] and len(samples) >= 2):
+            self.confirm = (s, d)
         self.plain_run = 0
         scale = forward_seconds / float(self.curve_at(rows, width))
         self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
