@@ -379,8 +379,8 @@ def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> 
                         "4 bits, no training; hybrid: suffix lookup where it finds a continuation, the draft "
                         "model elsewhere)")
     p.add_argument("--draft-model", help="draft model folder, .gguf file or packaged name (qwen2.5-coder-0.5b) for "
-                                         "--draft draft-model, hybrid or parallel (default: the shipped draft, models/draft "
-                                         "or models/parallel-draft)")
+                                         "--draft draft-model, hybrid or parallel (default: the shipped draft, "
+                                         "models/draft or models/parallel-draft)")
     p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle, "
                                    "block head folder for --draft block (default: the shipped target's)")
     p.add_argument("--draft-vocab", type=count_or_auto("--draft-vocab", "token ids"), metavar="N",
@@ -476,7 +476,8 @@ def cmd_bench(args) -> None:
     from .bench.report import console_report, write_report
     from .bench.runner import run_bench
 
-    paths = {"draft-model": args.draft_model, "hybrid": args.draft_model, "mtp": args.heads, "eagle": args.eagle, "block": args.block}
+    paths = {"draft-model": args.draft_model, "hybrid": args.draft_model, "mtp": args.heads, "eagle": args.eagle,
+             "block": args.block}
     result = run_bench(bench_plan(args), args.model, {name: path for name, path in paths.items() if path},
                        torch_dtype(args.dtype), command=["specdec", *sys.argv[1:]], device=args.device,
                        skip_misfits=args.methods is None)

@@ -368,7 +368,8 @@ class Adaptive:
     def priced(self) -> bool:
         """Whether every measured depth has its price from at least two steps without a catch-up: only
         such prices may end the probing (one step's seconds may be a stolen time slice)."""
-        return all(self.draft_clean[d] and len(self.draft_samples[d]) >= 2 for d in np.flatnonzero(self.draft_measured))
+        return all(self.draft_clean[d] and len(self.draft_samples[d]) >= 2
+                   for d in np.flatnonzero(self.draft_measured))
 
     def probe(self, rates: np.ndarray, probed: np.ndarray, stretch: int | float) -> tuple[int, int]:
         """The shape and depth of a probe: one level deeper than the shape's best, cycling through
@@ -377,7 +378,7 @@ class Adaptive:
         its drafts could ever save at this batch size is not probed), but a probe after every plain
         step in the shape that pays best."""
         shapes = np.flatnonzero(probed[:, 1:].max(1) >= rates[0, 0])
-        if shapes.size == 0:  # none pays even so, on a price with a catch-up in it: probe to price a draft alone
+        if shapes.size == 0:  # none pays even so, on prices not yet `priced`: probe to price a draft alone
             shapes = np.arange(len(self.shapes))
         s = shapes[self.probes % len(shapes)] if stretch > 1 else shapes[rates[shapes, 1].argmax()]
         return int(s), min(self.depth, int(rates[s].argmax()) + 1)
@@ -406,10 +407,11 @@ class Adaptive:
         # first drafting step fed it the prompts (a draft model reads them lazily, hundreds of
         # tokens): such a step's seconds price a depth only until a step without a catch-up does,
         # which replaces them, and the next steps draft the same option again until two steps
-        # without one priced it (`confirm`, `priced`). The first step's seconds leave the depth unmeasured. Priced at a catch-up, a
-        # draft always accepted did not pay, and auto decoded plainly from then on, never drafting
-        # to learn otherwise (a 0.5B draft of a 1.5B target: 0 drafts in 6 requests; the self-draft
-        # of SmolLM2 on a busy machine: 0 drafts in a whole benchmark, where k=4 gave 1.5x)
+        # without one priced it (`confirm`, `priced`); the first step's seconds leave the depth
+        # unmeasured. Priced at a catch-up, a draft always accepted did not pay, and auto decoded
+        # plainly from then on, never drafting to learn otherwise (a 0.5B draft of a 1.5B target: 0
+        # drafts in 6 requests; the self-draft of SmolLM2 on a busy machine: 0 drafts in a whole
+        # benchmark, where k=4 gave 1.5x)
         clean = not (self.plain_run or first)
         samples = self.draft_samples[d]
         if clean and not self.draft_clean[d]:

@@ -108,7 +108,7 @@ class Embedding(nn.Embedding):
     def reset_parameters(self) -> None:
         """nn.Embedding's random initialisation, skipped for a table built on the meta device to be
         filled from a file (a meta normal_ runs torch's Python reference kernels, which import the
-        compiler stack on first use: ~80 MB of modules a decoding process never needs)."""
+        compiler stack on first use: 54 MB resident of modules a decoding process never needs)."""
         if not self.weight.is_meta:
             super().reset_parameters()
 

@@ -19,6 +19,6 @@ from .self_draft import SelfDraftProposer
 from .suffix import SuffixProposer
 
 __all__ = ["DRAFTERS", "PROPOSERS", "BlockProposer", "DraftModelOptions", "DraftModelProposer", "EagleProposer",
-           "GuidedNgramProposer", "HybridProposer", "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions", "Outcome",
-           "ParallelDraftProposer", "Proposal", "Proposer", "SelfDraftProposer", "SuffixProposer", "TreeOptions",
-           "VocabOptions", "build_drafter"]
+           "GuidedNgramProposer", "HybridProposer", "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions",
+           "Outcome", "ParallelDraftProposer", "Proposal", "Proposer", "SelfDraftProposer", "SuffixProposer",
+           "TreeOptions", "VocabOptions", "build_drafter"]
