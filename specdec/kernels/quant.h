@@ -88,8 +88,7 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
     typename VI::Sum t[R][NB];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) t[r][j] = VI::sum_zero();
-#pragma GCC unroll 1  // unrolled, GCC reassociates the int16 sums and spills every product
-    for (int i = 0; i < 4; ++i) {
+    auto load = [&](int i) __attribute__((always_inline)) {  // load i: its codes' products into t
       typename VI::Raw lo[NB], hi[NB];
       for (int j = 0; j < NB; ++j) {
         const uint8_t* p = codes[j] + i * 64;
@@ -117,6 +116,13 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
               t[r][j] = VI::sum_zero();
             }
       }
+    };
+    if constexpr (F == kQ5_0) {
+#pragma GCC unroll 4  // constant shifts (measured: a third faster in cache on AVX2, a sixth on AVX-512)
+      for (int i = 0; i < 4; ++i) load(i);
+    } else {
+#pragma GCC unroll 1  // unrolled, GCC reassociates the int16 sums and spills every product
+      for (int i = 0; i < 4; ++i) load(i);
     }
     if constexpr (every == 4)
       for (int r = 0; r < R; ++r)
