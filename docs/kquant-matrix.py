@@ -17,8 +17,9 @@ microseconds per call and the bytes each format reads.
 layout). --evict MB: each format cycles through copies of its matrix of MB in all, so that every call
 reads its copy from memory even where the formats together fit in the cache (a draft model's
 matrices, which together do not). --bytes-of MODEL: the bytes of a GGUF model's packed matrices
-(`load(MODEL, quantize="gguf")`: its Linear and Embedding weights, a fused matrix's runs apart) by
-format, and what its Q5_0 matrices took at a byte a code (Q8_0's 544 bytes per 16 outputs x 32 k).
+(`load(MODEL, quantize="gguf")`: its Linear weights, which a decoding step reads, a fused matrix's
+runs apart; the embedding table apart) by format, and what they took with Q5_0 at a byte a code
+(Q8_0's 544 bytes per 16 outputs x 32 k, where Q5_0 now takes 352).
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ def main() -> None:
 
 def model_bytes(name: str) -> None:
     from specdec import api
+    from specdec.lm.model import Linear
     model = api.load(name, quantize="gguf").model
     held: dict[str, list[tuple[int, int]]] = {}  # format -> (bytes, weights) of each matrix or run
     seen = set()
@@ -102,6 +104,9 @@ def model_bytes(name: str) -> None:
         if not isinstance(stored, kernels.Matrix) or id(stored.data) in seen:
             continue
         seen.add(id(stored.data))
+        if not isinstance(module, Linear):  # the embedding table: a step reads a row of it, not all
+            print(f"{type(module).__name__} {stored.format} {stored.shape}: {stored.nbytes / 1e6:.1f} MB (apart)")
+            continue
         for part in stored.runs or [stored]:
             held.setdefault(part.format, []).append((part.nbytes, part.shape[0] * part.shape[1]))
     total, weights = (sum(v[i] for parts in held.values() for v in parts) for i in (0, 1))
@@ -110,8 +115,8 @@ def model_bytes(name: str) -> None:
         print(f"{format:5s} {len(parts):4d} matrices (or runs)  {size / 1e6:8.1f} MB  {size / n:.3f} bytes a weight")
     q5 = sum(b for b, _ in held.get("q5_0", []))
     old = total - q5 + q5 * blocks.PANEL_BLOCK_BYTES["q8_0"] // blocks.PANEL_BLOCK_BYTES["q5_0"]
-    print(f"all   {total / 1e6:8.1f} MB, {total / weights:.3f} bytes a weight; with Q5_0 at a byte a code "
-          f"{old / 1e6:8.1f} MB, {old / weights:.3f}")
+    print(f"all   {total / 1e6:8.1f} MB, {total / weights:.3f} bytes a weight (what a step reads); with Q5_0 "
+          f"at a byte a code {old / 1e6:8.1f} MB, {old / weights:.3f}")
 
 
 if __name__ == "__main__":
