@@ -278,10 +278,11 @@ def _unfifth_bits(packed: torch.Tensor) -> torch.Tensor:
 
 def pack(blocks: Blocks) -> torch.Tensor:
     """The panels quant.h and kquant.h read, as uint8: per panel of 16 outputs (zero past N), per block of
-    32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes: Q8_0's bytes, Q4_x's nibbles; Q5_0
-    the file's 5 bits: its low 4 as nibbles, then its fifth, _fifth_bits). The K-quants per super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 loads of sub-block
-    scales, 4 bytes per output (Q4_K: [sc, m] of 2 sub-blocks; Q6_K: sc + 128 of 4), then 8 blocks of
-    codes (Q4_K nibbles; Q6_K the file's 6 bits: its low 4 as nibbles, then its high 2, _bit_pairs)."""
+    32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes: Q8_0's bytes, Q4_x's nibbles;
+    Q5_0 the file's 5 bits: its low 4 as nibbles, then its fifth, _fifth_bits). The K-quants per
+    super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 loads of sub-block scales, 4 bytes per
+    output (Q4_K: [sc, m] of 2 sub-blocks; Q6_K: sc + 128 of 4), then 8 blocks of codes (Q4_K nibbles;
+    Q6_K the file's 6 bits: its low 4 as nibbles, then its high 2, _bit_pairs)."""
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
