@@ -17,7 +17,7 @@ from specdec.decoding.engine import plain_generate
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.kernels import blocks
+from specdec.kernels import LANES, blocks
 from specdec.lm import gguf
 from specdec.lm.model import Linear
 from specdec.proposers import NgramProposer, SelfDraftProposer
@@ -75,6 +75,44 @@ def test_the_packed_layout_takes_about_the_files_bytes(format):
     most 3% more bytes (Q4_K's 6-bit scales take a byte each; Q6_K's codes keep their 6 bits)."""
     held, raw = random_blocks(format, 64, 512, 9)
     assert raw.nbytes <= blocks.pack(held).numel() <= 1.03 * raw.nbytes
+
+
+def test_q5_0_is_packed_in_exactly_the_files_bytes():
+    """Q5_0 runs in memory in the file's 5.5 bits a weight: 16 x 22 bytes per panel block of 16 outputs x
+    32 k (16 fp16 scales, the codes' low 4 bits as nibbles, their fifth bits in one plane), not a byte a code."""
+    assert blocks.PANEL_BLOCK_BYTES["q5_0"] == LANES * blocks.GGUF_BLOCK_BYTES["q5_0"] == 352
+    held, raw = random_blocks("q5_0", 64, 512, 9)
+    assert blocks.pack(held).numel() == kernels.Matrix.from_blocks(held).nbytes == raw.nbytes
+    assert kernels.Matrix.from_gguf(raw, "q5_0", (64, 512)).nbytes == raw.nbytes
+
+
+@needs_kernels
+def test_q5_0_runs_in_its_own_format_with_the_q8_0_kernels_bits():
+    """Q5_0's own kernel (codes held in 5 bits) gives the very bits of the Q8_0 kernel over the same
+    weights (the codes u - 16 as Q8_0's, the same scales): the path Q5_0 ran before, a byte a code.
+    Blocks of random codes and the extremes (every code 31, or 0, against activations all +-127: the
+    largest integer sums AVX2's int16 lanes hold), every row count to 16, N not a multiple of 16, each
+    instruction set."""
+    g = torch.Generator().manual_seed(11)
+    for seed, (N, K) in enumerate([(1, 32), (37, 512), (53, 896)]):
+        held, _ = random_blocks("q5_0", N, K, 20 + seed)
+        codes = held.codes.clone()
+        codes[0, :64] = 31
+        if N > 1:
+            codes[1, :64] = 0
+        held = blocks.Blocks("q5_0", codes, held.scales, None)
+        matrix = kernels.Matrix.from_blocks(held)
+        as_q8_0 = kernels.Matrix.from_blocks(blocks.Blocks("q8_0", (codes + 112).to(torch.uint8), held.scales, None))
+        assert matrix.kernel_format not in (kernels.KERNEL_FORMAT["q8_0"], as_q8_0.kernel_format)
+        x = torch.randn(16, K, generator=g) * 4
+        x[0, :64], x[1, :64] = 1.0, -1.0  # q = 127, -127 in the first two blocks
+        x[3, :32] = 0  # a block of zeros: scale 0
+        bias, add = torch.randn(N, generator=g), torch.randn(16, N, generator=g)
+        for isa in on_each_isa():
+            for rows in range(1, 17):
+                got, want = ([kernels.compiled().linear(x[i:i + rows], m.data, m.kernel_format, N, add[i:i + rows],
+                                                        bias) for i in range(0, 16, rows)] for m in (matrix, as_q8_0))
+                assert torch.equal(torch.cat(got), torch.cat(want)), (isa, N, K, rows)
 
 
 @pytest.mark.parametrize("format", TYPES)

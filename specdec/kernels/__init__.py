@@ -134,9 +134,9 @@ def _inference(*tensors: torch.Tensor) -> bool:
 
 
 FORMATS = ("bf16",) + blocks.QUANTIZED  # the formats a weight can be stored in (Matrix.store)
-# every format a Matrix may hold -> cpu.cpp's Format (Q5_0 runs as Q8_0's bytes: blocks.pack)
-KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 1, "q4_k": 4, "q6_k": 5}
-MIXED = 6  # cpu.cpp's kMixed: runs of outputs in different quantized formats (Matrix.from_runs)
+# every format a Matrix may hold -> cpu.cpp's Format (types.h)
+KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q4_k": 5, "q6_k": 6}
+MIXED = 7  # cpu.cpp's kMixed: runs of outputs in different quantized formats (Matrix.from_runs)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

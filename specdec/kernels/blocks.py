@@ -209,7 +209,7 @@ def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
 
 # ------------------------------------------------------------------------ the kernels' layout
 
-PANEL_BLOCK_BYTES = {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q5_0": 32 + 512,
+PANEL_BLOCK_BYTES = {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q5_0": 32 + 256 + 64,
                      "q4_k": (64 + 256 + 8 * 256) // 8, "q6_k": (32 + 256 + 8 * 384) // 8}  # per 16 outputs x 32 k
 
 
@@ -261,12 +261,28 @@ def _unbit_pairs(packed: torch.Tensor) -> torch.Tensor:
     return ((b >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3).reshape(P * LANES, nb * BLOCK)
 
 
+def _fifth_bits(u: torch.Tensor) -> torch.Tensor:
+    """(P, 16, nb, 32) bits (Q5_0's codes >> 4) -> (P, nb, 64): one load of 64 bytes, byte t of output n
+    holding in bit i that of k = 4i + t and in bit 4 + i that of k = 16 + 4i + t."""
+    P, _, nb, _ = u.shape
+    u = u.reshape(P, LANES, nb, 8, 4) << torch.arange(8, dtype=torch.uint8).view(8, 1)  # (h, i) -> bit 4h + i
+    return u.sum(dim=3, dtype=torch.uint8).permute(0, 2, 1, 3).reshape(P, nb, 64)
+
+
+def _unfifth_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of _fifth_bits: -> (P * 16, nb * 32)."""
+    P, nb, _ = packed.shape
+    b = packed.reshape(P, nb, LANES, 1, 4).permute(0, 2, 1, 3, 4)  # (P, 16, nb, 1, 4)
+    return ((b >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1).reshape(P * LANES, nb * BLOCK)
+
+
 def pack(blocks: Blocks) -> torch.Tensor:
     """The panels quant.h and kquant.h read, as uint8: per panel of 16 outputs (zero past N), per block of
-    32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes; Q8_0 and Q5_0 as bytes u + 128 -
-    OFFSET). The K-quants per super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 loads of sub-block
-    scales, 4 bytes per output (Q4_K: [sc, m] of 2 sub-blocks; Q6_K: sc + 128 of 4), then 8 blocks of
-    codes (Q4_K nibbles; Q6_K the file's 6 bits: its low 4 as nibbles, then its high 2, _bit_pairs)."""
+    32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes: Q8_0's bytes, Q4_x's nibbles;
+    Q5_0 the file's 5 bits: its low 4 as nibbles, then its fifth, _fifth_bits). The K-quants per
+    super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 loads of sub-block scales, 4 bytes per
+    output (Q4_K: [sc, m] of 2 sub-blocks; Q6_K: sc + 128 of 4), then 8 blocks of codes (Q4_K nibbles;
+    Q6_K the file's 6 bits: its low 4 as nibbles, then its high 2, _bit_pairs)."""
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
@@ -279,9 +295,9 @@ def pack(blocks: Blocks) -> torch.Tensor:
                                                                          _bit_pairs(u >> 4)), dim=-1)
         codes = codes.reshape(P, S, -1)
         return torch.cat(head + [codes], dim=-1).contiguous()
-    if f == "q5_0":
-        u = u + (128 - OFFSET[f])
     head = [_per_panel(blocks.scales, P)] + ([] if blocks.mins is None else [_per_panel(blocks.mins, P)])
+    if f == "q5_0":
+        return torch.cat(head + [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)], dim=-1).contiguous()
     return torch.cat(head + [_codes(u, nibbles=f in ("q4_0", "q4_1"))], dim=-1).contiguous()
 
 
@@ -304,9 +320,10 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
     data = data.reshape(P, nb, -1)
     scales = _from_panel(data[..., :32], N, torch.float16)
     mins = _from_panel(data[..., 32:64], N, torch.float16) if format == "q4_1" else None
-    codes = _uncodes(data[..., 64 if format == "q4_1" else 32:], nibbles=format in ("q4_0", "q4_1"))[:N]
     if format == "q5_0":
-        codes = codes - (128 - OFFSET[format])
+        codes = (_uncodes(data[..., 32:288], nibbles=True) | (_unfifth_bits(data[..., 288:]) << 4))[:N]
+    else:
+        codes = _uncodes(data[..., 64 if format == "q4_1" else 32:], nibbles=format in ("q4_0", "q4_1"))[:N]
     return Blocks(format, codes.contiguous(), scales, mins)
 
 

@@ -1,5 +1,5 @@
-// CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1) and fp32
-// arithmetic, for AVX-512 and AVX2.
+// CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0; the
+// K-quants Q4_K, Q6_K) and fp32 arithmetic, for AVX-512 and AVX2.
 //
 // Why: speculative decoding pays only when verifying k+1 tokens costs about what one token costs.
 // One token reads every weight once (memory-bound); k+1 tokens must share each weight load and

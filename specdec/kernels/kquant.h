@@ -2,7 +2,7 @@
 // times activation rows quantized per block of 32 to int8 as for the other quantized formats
 // (quantize_row in quant.h): written once over the 16-lane int32 vector `VI` and included by
 // cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
-// format: the K-quants here, the others by quant.h (Q5_0 is packed as Q8_0's bytes, blocks.pack), and a
+// format: the K-quants here, the others (Q8_0, Q4_0, Q4_1, Q5_0) by quant.h, and a
 // matrix whose outputs come in runs of different formats (kMixed: a fused q/k/v whose v is stored in
 // another type than q and k, as Q4_K_M files do) run by run.
 //

@@ -1,4 +1,4 @@
-// Matrices stored in blocks of 32 quantized weights along K (llama.cpp's Q8_0, Q4_0, Q4_1), times
+// Matrices stored in blocks of 32 quantized weights along K (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0), times
 // activation rows quantized per block to int8: written once over the 16-lane vectors V and VI of
 // the including namespace (vectors.h: AVX-512 VNNI, AVX2) and included by cpu.cpp for each; the
 // plain structs (Mat, QuantRows) from types.h; store_tile from isa.h.
@@ -7,11 +7,12 @@
 // matrix, and identical on both instruction sets): row m's block b of 32 inputs is quantized to
 // q[m][k] = round_half_even(x[m][k] / dx) in [-127, 127], dx = max|x| / 127 (quantize_row).
 // Output n of row m is the fp32 sum over blocks b = 0.. in order of
-//   Q8_0, Q4_0:  (d[n][b] * dx[m][b]) * float(s)                        s = sum_k w[n][k] q[m][k]
-//   Q4_1:        (d[n][b] * dx[m][b]) * float(s) + (mn[n][b] * dx[m][b]) * float(sum_k q[m][k])
+//   Q8_0, Q4_0, Q5_0:  (d[n][b] * dx[m][b]) * float(s)                  s = sum_k w[n][k] q[m][k]
+//   Q4_1:              (d[n][b] * dx[m][b]) * float(s) + (mn[n][b] * dx[m][b]) * float(sum_k q[m][k])
 // one mul and one add at a time (no FMA), starting from 0; w is the signed weight (Q8_0: int8,
-// Q4_0: 4-bit code - 8) or the 4-bit code (Q4_1). s is an exact integer whatever order or
-// instructions compute it, so only the fp32 steps above, the same everywhere, shape the result.
+// Q4_0: 4-bit code - 8, Q5_0: 5-bit code - 16) or the 4-bit code (Q4_1). s is an exact integer
+// whatever order or instructions compute it, so only the fp32 steps above, the same everywhere,
+// shape the result (a Q5_0 matrix gives the bits of the Q8_0 matrix of the same w and d).
 // The kernels compute s as sum_k u q - o sum_k q from the stored unsigned codes u = w + o.
 //
 // Packed layout of a matrix (N, K): panels of 16 outputs (zero past N); panel p is K/32 blocks of
@@ -19,12 +20,16 @@
 // per vector load where lane n (4 bytes) holds 4 consecutive k of output n:
 //   Q8_0: 8 loads, load j = k 4j..4j+3 of the block, u = w + 128
 //   Q4_x: 4 loads, load i: low nibbles k 4i..4i+3, high nibbles k 16+4i..16+4i+3
+//   Q5_0: Q4_x's 4 loads of the codes' low 4 bits, then one load of their fifth bits: lane n byte t
+//         holding in bit i that of k 4i+t and in bit 4+i that of k 16+4i+t (a shift, a mask and an
+//         or join it to nibble load i: VI::put_bit4) -- 22 bytes per 32 weights, as the file has them
 //
 // A tile is R rows x NB panels: each block's codes are loaded and unpacked once per tile and serve
 // its R rows; a row's 4 activation bytes are broadcast once and serve its NB panels. On AVX2 a Q4
-// block's products are summed in int16 lanes and widened once per block (vectors.h: VI::Sum).
+// block's products are summed in int16 lanes and widened once per block (vectors.h: VI::Sum), a
+// Q5_0 block's twice (VI::kFifthLoads).
 
-constexpr int kPanelHeader[4] = {0, 32, 32, 64};  // bytes of scales (and mins) per panel block
+constexpr int kPanelHeader[5] = {0, 32, 32, 64, 32};  // bytes of scales (and mins) per panel block
 
 // Row m of `rows` from x (K values, K a multiple of 32), per block of 32: dx = max|x| / 127 and
 // q = round_half_even(x (1 / dx)) (0 where dx is 0), as kernels/blocks.py's quantize_rows. A block
@@ -58,7 +63,8 @@ inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64
 }
 
 // The exact integer sums s[r][j] of one block: rows xq[0..R-1] (their 32 int8 of this block) against
-// the codes at codes[j] (Q8_0's 8 loads of bytes, or 4 loads of nibbles: Q4_0, Q4_1, kquant.h's Q4_K).
+// the codes at codes[j] (Q8_0's 8 loads of bytes, or 4 loads of nibbles: Q4_0, Q4_1, kquant.h's Q4_K;
+// Q5_0's joined to their fifth bits).
 template <int F, int R, int NB>
 inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R], VI (&s)[R][NB]) {
   if constexpr (F == kQ8_0) {
@@ -77,11 +83,12 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
       }
     }
   } else {
+    // loads whose products a Sum lane holds: a Q5_0 code is up to 31 (AVX2's int16: two loads)
+    constexpr int every = F == kQ5_0 ? VI::kFifthLoads : 4;
     typename VI::Sum t[R][NB];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) t[r][j] = VI::sum_zero();
-#pragma GCC unroll 1  // unrolled, GCC reassociates the int16 sums and spills every product
-    for (int i = 0; i < 4; ++i) {
+    auto load = [&](int i) __attribute__((always_inline)) {  // load i: its codes' products into t
       typename VI::Raw lo[NB], hi[NB];
       for (int j = 0; j < NB; ++j) {
         const uint8_t* p = codes[j] + i * 64;
@@ -89,14 +96,37 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
         const auto v = VI::load(p);
         lo[j] = VI::low_nibbles(v);
         hi[j] = VI::high_nibbles(v);
+        if constexpr (F == kQ5_0) {  // bit i of a fifth-bits byte to bit 4 of the low nibble, bit 4 + i of the high
+          const uint8_t* fifth = codes[j] + 256;
+          if (i == 0) _mm_prefetch(reinterpret_cast<const char*>(fifth) + kPrefetch * 64, _MM_HINT_T0);
+          const auto bits = VI::load(fifth);
+          lo[j] = VI::put_bit4(lo[j], VI::shift_left(bits, 4 - i));
+          hi[j] = VI::put_bit4(hi[j], VI::shift_right(bits, i));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int32_t xlo = VI::quad(xq[r] + 4 * i), xhi = VI::quad(xq[r] + 16 + 4 * i);
         for (int j = 0; j < NB; ++j) t[r][j] = VI::dot_nibbles(VI::dot_nibbles(t[r][j], lo[j], xlo), hi[j], xhi);
       }
+      if constexpr (every < 4) {
+        if ((i + 1) % every == 0)
+          for (int r = 0; r < R; ++r)
+            for (int j = 0; j < NB; ++j) {
+              s[r][j] = i + 1 == every ? VI::finish(t[r][j]) : VI::add(s[r][j], VI::finish(t[r][j]));
+              t[r][j] = VI::sum_zero();
+            }
+      }
+    };
+    if constexpr (F == kQ5_0) {
+#pragma GCC unroll 4  // constant shifts (measured: a third faster in cache on AVX2, a sixth on AVX-512)
+      for (int i = 0; i < 4; ++i) load(i);
+    } else {
+#pragma GCC unroll 1  // unrolled, GCC reassociates the int16 sums and spills every product
+      for (int i = 0; i < 4; ++i) load(i);
     }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) s[r][j] = VI::finish(t[r][j]);
+    if constexpr (every == 4)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NB; ++j) s[r][j] = VI::finish(t[r][j]);
   }
 }
 
@@ -105,7 +135,7 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
 template <int F, int R, int NB>
 inline void qterms(const uint8_t* block, int64_t stride, const QuantRows& x, int64_t r0, int64_t b,
                    const VI (&s)[R][NB], V (&acc)[R][NB]) {
-  constexpr int offset = F == kQ8_0 ? VI::kWideOffset : F == kQ4_0 ? 8 : 0;  // o in s = sum u q - o sum q
+  constexpr int offset = F == kQ8_0 ? VI::kWideOffset : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : 0;  // s = sum u q - o sum q
   for (int j = 0; j < NB; ++j) {
     const uint8_t* head = block + j * stride;
     const V d = V::load_f16(reinterpret_cast<const uint16_t*>(head));
@@ -197,6 +227,7 @@ inline void qmatmul_panels(const QuantRows& x, int64_t M, const Mat& W, float* Y
   switch (W.format) {
     case kQ8_0: return qmatmul_format<kQ8_0>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kQ4_0: return qmatmul_format<kQ4_0>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kQ5_0: return qmatmul_format<kQ5_0>(x, M, W, Y, ldy, add, bias, q0, q1);
     default: return qmatmul_format<kQ4_1>(x, M, W, Y, ldy, add, bias, q0, q1);
   }
 }

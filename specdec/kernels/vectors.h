@@ -111,6 +111,11 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
     return _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(a, 2 * i), 4), _mm512_set1_epi8(0x30));
   }
   static Raw join(Raw a, Raw b) { return _mm512_or_si512(a, b); }
+  // Q5_0's fifth bits (quant.h): the bytes of a shifted by n, then bit 4 of b's bytes or-ed into a's
+  static Raw shift_left(Raw a, int n) { return _mm512_slli_epi16(a, n); }
+  static Raw shift_right(Raw a, int n) { return _mm512_srli_epi16(a, n); }
+  static Raw put_bit4(Raw a, Raw b) { return _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi8(0x10), 0xF8); }  // a | b & c
+  static constexpr int kFifthLoads = 4;  // Sum's int32 lanes hold a whole block's Q5_0 products
   static Wide wide(Raw a) { return a; }
   static int32_t quad(const int8_t* p) {
     int32_t q;
@@ -124,6 +129,7 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
   static VI dot(VI acc, Raw u, int32_t x4) { return {dot_nibbles(acc.v, u, x4)}; }  // int32 sums (kquant.h)
   static VI dot_wide(VI acc, Wide u, int32_t x4) { return {dot_nibbles(acc.v, u, x4)}; }
   static VI sub(VI a, int32_t c) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(c))}; }
+  static VI add(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
   static V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
   // The largest |x| of the 32 floats a, b as its bit pattern: integers order non-negative floats as
   // floats do, and put inf, then NaN, above every finite value.
@@ -232,6 +238,15 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
   }
   static Raw bit_pair(Raw a, int i) { return {pair(a.lo, i), pair(a.hi, i)}; }  // as AVX-512's
   static Raw join(Raw a, Raw b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+  static Raw shift_left(Raw a, int n) { return {_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }  // as AVX-512's
+  static Raw shift_right(Raw a, int n) { return {_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
+  static Raw put_bit4(Raw a, Raw b) {
+    const __m256i bit = _mm256_set1_epi8(0x10);
+    return {_mm256_or_si256(a.lo, _mm256_and_si256(b.lo, bit)), _mm256_or_si256(a.hi, _mm256_and_si256(b.hi, bit))};
+  }
+  // Q5_0's codes reach 31: the int16 lanes of a Sum hold the products of two loads of them (8 per
+  // lane, at most 8 x 31 x 127 = 31496 < 2^15), so quant.h widens a Q5_0 block's sums twice
+  static constexpr int kFifthLoads = 2;
   static Wide wide(Raw a) {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     const __m256i lo = _mm256_xor_si256(a.lo, flip), hi = _mm256_xor_si256(a.hi, flip);
@@ -269,6 +284,7 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
     const __m256i v = _mm256_set1_epi32(c);
     return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
   }
+  static VI add(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
   static V to_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
   static int32_t imax8(__m256i a) {
     __m128i b = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));

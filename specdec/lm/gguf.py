@@ -28,8 +28,8 @@ package cannot dequantize: one SpecdecError line, checked before anything is wri
 `raw_tensors` yields each weight as stored (quantized blocks, their type and shape) under its
 transformers name, for code that runs quantized blocks as they are; or, asked to (`requantize`), a
 matrix of some types rounded again into another, from the file's own values (`requantized`): a
-draft model, which only proposes, runs in fewer bytes so (Q5_0's codes take a byte each in the
-kernels' layout, Q4_1's half of one), while the target, which decides, stays as stored.
+draft model, which only proposes, runs in fewer bytes so (Q4_1 holds 5 bits a weight where Q5_0 holds
+5.5 and Q6_K 6.56, in the kernels' layout as in the file), while the target, which decides, stays as stored.
 
 This module knows nothing about models, decoding or serving.
 """
