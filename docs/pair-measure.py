@@ -19,7 +19,8 @@ workload (HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of ever
 prompt in turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's
 time less a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's
 seconds per drafted token, the cost model's predicted speedup (`-k auto`'s, of what it chose) and
-whether every output is plain decoding's, token for token.
+whether every output is plain decoding's, token for token. Each round starts the suffix tries afresh
+(`forget`): a prompt's earlier round is never looked up.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ from specdec.lm import local_counts, packaged
 from specdec.lm.gguf_blocks import load_as_stored
 from specdec.proposers.draft_model import DraftModelProposer, chosen_vocab, stored_bytes
 from specdec.proposers.drafters import DraftModelOptions, drafter
+from specdec.proposers.hybrid import HybridProposer
+from specdec.proposers.suffix import SuffixProposer
 
 
 def memory() -> str:
@@ -76,6 +79,17 @@ def step_times(target, decoders: dict, repeats: int = 15) -> None:
                 caches[name].rollback([64])
     print("one step's forward (least of %d, ms): " % repeats + ", ".join(
         f"{name} {1e3 * min(v):.1f}" for name, v in times.items()), flush=True)
+
+
+def forget(decoders: dict) -> None:
+    """A fresh suffix trie (suffix lookup's, the hybrid's) for each round: its shared trie learns from
+    the other prompts' outputs, as a server's would, never from a prompt's own earlier round (the same
+    seed decodes the same answer again: that would be memorising it)."""
+    for name, (proposer, k) in decoders.items():
+        if isinstance(proposer, SuffixProposer):
+            decoders[name] = (SuffixProposer(), k)
+        elif isinstance(proposer, HybridProposer):
+            decoders[name] = (HybridProposer(SuffixProposer(), proposer.model), k)
 
 
 VARIANTS = {  # name -> (draft vocabulary, stop below, counts of the parts, requantized)
@@ -163,6 +177,7 @@ def main() -> None:
         results = {name: [] for name in decoders}
         outputs = {}
         for r in range(args.rounds):
+            forget(decoders)
             for i, prompt in enumerate(prompts):
                 for name, (proposer, k) in decoders.items():
                     _, first, _ = run(proposer, k, prompt, 1)

@@ -372,3 +372,37 @@ def test_auto_only_runs_plain_and_k_auto_in_every_cell_and_says_the_lowest(model
     capsys.readouterr()
     assert main(["bench", "--auto-only", "--no-auto", "--workloads", "humaneval"]) == 2
     assert "--auto-only runs each method with -k auto alone" in capsys.readouterr().err
+
+
+
+def test_each_repeat_looks_up_in_a_fresh_suffix_trie(models):
+    """A repeat of suffix lookup or of the hybrid starts a fresh shared trie: the same prompt decoded
+    again would otherwise find its own earlier answer there (memorised, not drafted). The hybrid keeps
+    its draft model."""
+    from specdec.bench.runner import Bench
+    from specdec.decoding.protocol import Outcome
+    from specdec.decoding.sampling import Draws, SamplingConfig
+    plan = Plan((Cell("humaneval", 0.0, 1, (2,), 2, auto=False),), methods=("suffix", "hybrid"), repeats=1,
+                max_new_tokens=4, moe=None)
+    bench = Bench(plan, models / "target", {"hybrid": models / "draft"})
+    prompt, answer = [5, 6, 7], [9, 10, 11, 12, 13]
+
+    def decode(name: str) -> list[int]:
+        """A row of `prompt` whose first tokens are 9, 10, then the rest of the answer: what lookup drafts
+        after them (at most as many levels as the suffix it matched)."""
+        proposer = bench.proposers[name]
+        lookup = proposer if name == "suffix" else proposer.lookup
+        state = lookup.start(16, 3, 1)
+        lookup.join(state, [prompt], torch.zeros(1, 2, 1), [SamplingConfig()])
+        lookup.observe(state, Outcome([0], [answer[:2]], [2], torch.zeros(1, 2, 1)))
+        drafts = lookup.propose(state, torch.tensor([3]), (1, 1, 1), Draws())
+        lookup.observe(state, Outcome([0], [answer[2:]], [3], torch.zeros(1, 3, 1)))
+        return drafts.tokens[0, :int(drafts.lengths[0])].tolist()
+
+    for name in ("suffix", "hybrid"):
+        model = getattr(bench.proposers[name], "model", None)
+        assert decode(name) == []                 # the first repeat: nothing to copy
+        assert decode(name) == [11, 12]           # the same proposer again: its own earlier answer
+        bench.forget(Config(name, 2))
+        assert decode(name) == []                 # the next repeat: a fresh trie
+        assert getattr(bench.proposers[name], "model", None) is model
