@@ -33,9 +33,11 @@ def private_curve_cache(tmp_path, monkeypatch):
 
 
 def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None, level: float = 3e-4,
-                   controller: Adaptive | None = None, slower: float = 1.0, overhead: float = 1e-4) -> Adaptive:
+                   controller: Adaptive | None = None, slower: float = 1.0, overhead: float = 1e-4,
+                   spikes: int = 0, spike: float = 1.0) -> Adaptive:
     """Feed the controller steps at batch 2, up to `steps` in all, in which every draft is accepted
-    (or none); drafting costs `level` seconds per level and the engine `overhead` per drafting step,
+    (or none); drafting costs `level` seconds per level (the first `spikes` drafting steps `spike`
+    times as much: a catch-up, a stolen time slice) and the engine `overhead` per drafting step,
     a plain step 1.05 ms (1 ms of it the forward, the curve's t(1)), a drafting step's forward
     `slower` times the curve's."""
     controller = controller or Adaptive(curve, 2, shapes or {"chain": (1,) * 6})
@@ -47,8 +49,9 @@ def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=Non
             continue
         accepted = [depth if accept else 0] * 2
         forward = curve.at(1 + depth) * slower
-        controller.observe([depth] * 2, accepted, 1 + depth, level * depth,
-                           forward + level * depth + overhead, forward)
+        draft = level * depth * (spike if spikes > 0 else 1)
+        spikes -= 1
+        controller.observe([depth] * 2, accepted, 1 + depth, draft, forward + draft + overhead, forward)
     return controller
 
 
@@ -183,16 +186,7 @@ def test_the_runs_first_drafting_step_does_not_price_its_drafts_alone():
     times a draft's) leave the depth unmeasured, so auto drafts again and prices the draft by the
     steps that follow (priced at the first, drafts always accepted did not pay, and auto decoded
     plainly from then on: its probes after plain stretches do not re-price a measured depth)."""
-    controller, first = Adaptive(FLAT, 2, {"chain": (1,)}), True
-    while controller.steps < 60:
-        depth, _, stretch = controller.choose()
-        if depth == 0:
-            plain = min(stretch, 60 - controller.steps)
-            controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
-            continue
-        draft = 1e-4 * depth * (100 if first else 1)
-        first, forward = False, FLAT.at(1 + depth)
-        controller.observe([depth] * 2, [depth] * 2, 1 + depth, draft, forward + draft + 1e-4, forward)
+    controller = run_controller(FLAT, accept=True, steps=60, level=1e-4, shapes={"chain": (1,)}, spikes=1, spike=100)
     assert controller.draft_estimates()[1] == pytest.approx(1e-4)
     assert drafting_steps(controller) > 30
 
@@ -205,17 +199,7 @@ def test_a_draft_priced_only_with_a_catch_up_is_drafted_again_and_never_stops_pr
     recalled it). Now a step with a catch-up is drafted again at once, its price taken alone, the
     plausible bounds take a depth's fewest seconds, and the probing stops only on prices from two
     steps without a catch-up: the next probe finds the true price."""
-    controller, spiky = Adaptive(FLAT, 1, {"chain": (1,) * 4}), 2
-    while controller.steps < 400:
-        depth, _, stretch = controller.choose()
-        if depth == 0:
-            plain = min(stretch, 400 - controller.steps)
-            controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
-            continue
-        draft = 3e-4 * depth * (10 if spiky else 1)
-        spiky -= bool(spiky)
-        forward = FLAT.at(1 + depth)
-        controller.observe([depth], [depth], 1 + depth, draft, forward + draft + 1e-4, forward)
+    controller = run_controller(FLAT, accept=True, steps=400, shapes={"chain": (1,) * 4}, spikes=2, spike=10)
     assert not controller.stopped and drafting_steps(controller) > 100
 
 
