@@ -3,7 +3,7 @@ draft-model speculation against plain decoding, side by side (docs/quantized.md,
 
     specdec pair install
     python docs/pair-measure.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b [--prompts 3] [--new-tokens 64]
-        [--variants full,vocab,stop] [--requantize Q5_0=Q4_1] [--lookup suffix,ngram]
+        [--variants full,vocab,stop,hybrid] [--requantize Q5_0=Q4_1] [--lookup suffix,ngram]
 
 Loads the target (resident memory then) and the draft, which drafts in the `--variants` asked for
 (VARIANTS), each with `-k auto` (or -k N): over the full vocabulary (full), over the draft vocabulary
@@ -12,10 +12,10 @@ from local text, lm/local_counts), that with its chains stopped after a draft it
 `stop_below`), that with the vocabulary counted from code and prose only, as before the chat part
 (stop-code-prose), and that drafting with a copy of the draft whose matrices of some types are rounded
 into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors), and that
-behind suffix lookup, drafting only for the steps lookup finds nothing (hybrid: proposers/hybrid.py). `--lookup`
-adds lookup drafters (ngram, suffix: no network, drafts from the text so far) at the same k, as the
-registry makes them. One step's forward of the target and of each draft is timed first (interleaved, the least of 15). Then, per
-workload (HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every
+behind suffix lookup, drafting only for the steps lookup finds nothing (hybrid: proposers/hybrid.py).
+`--lookup` adds lookup drafters (ngram, suffix: no network, drafts from the text so far) at the same
+k, as the registry makes them. One step's forward of the target and of each draft is timed first
+(interleaved, the least of 15). Then, per workload (HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every
 prompt in turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's
 time less a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's
 seconds per drafted token, the cost model's predicted speedup (`-k auto`'s, of what it chose) and
