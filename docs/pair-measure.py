@@ -15,8 +15,8 @@ into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_te
 behind suffix lookup, drafting only for the steps lookup finds nothing (hybrid: proposers/hybrid.py).
 `--lookup` adds lookup drafters (ngram, suffix: no network, drafts from the text so far) at the same
 k, as the registry makes them. One step's forward of the target and of each draft is timed first
-(interleaved, the least of 15). Then, per workload (HumanEval greedy; chat at T=1, seeded: coupled drafts), rounds of every decoder on every
-prompt in turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's
+(interleaved, the least of 15). Then, per workload (HumanEval greedy; chat at T=1, seeded: coupled
+drafts), rounds of every decoder on every prompt in turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's
 time less a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's
 seconds per drafted token, the cost model's predicted speedup (`-k auto`'s, of what it chose) and
 whether every output is plain decoding's, token for token. Each round starts the suffix tries afresh
