@@ -11,16 +11,16 @@ the cost model picks (vocab: `draft_vocab="auto"`, draft_model.chosen_vocab; the
 from local text, lm/local_counts), that with its chains stopped after a draft it is unsure of (stop:
 `stop_below`), that with the vocabulary counted from code and prose only, as before the chat part
 (stop-code-prose), and that drafting with a copy of the draft whose matrices of some types are rounded
-into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors), and that
-behind suffix lookup, drafting only for the steps lookup finds nothing (hybrid: proposers/hybrid.py).
-`--lookup` adds lookup drafters (ngram, suffix: no network, drafts from the text so far) at the same
-k, as the registry makes them. One step's forward of the target and of each draft is timed first
+into others at load (stop-requantized: `--requantize Q5_0=Q4_1,...`, gguf.raw_tensors), and that behind
+suffix lookup, drafting only for the steps lookup finds nothing (hybrid: proposers/hybrid.py).
+`--lookup` adds lookup drafters (ngram, suffix: no network, drafts from the text so far) at the same k,
+as the registry makes them. One step's forward of the target and of each draft is timed first
 (interleaved, the least of 15). Then, per workload (HumanEval greedy; chat at T=1, seeded: coupled
-drafts), rounds of every decoder on every prompt in turn (interleaved, so a busier moment hits them all): tokens/s of the decoding (a request's
-time less a one-token request's: the prompt's encoding excluded), α (accepted / drafted), the draft's
-seconds per drafted token, the cost model's predicted speedup (`-k auto`'s, of what it chose) and
-whether every output is plain decoding's, token for token. Each round starts the suffix tries afresh
-(`forget`): a prompt's earlier round is never looked up.
+drafts), rounds of every decoder on every prompt in turn (interleaved, so a busier moment hits them
+all): tokens/s of the decoding (a request's time less a one-token request's: the prompt's encoding
+excluded), α (accepted / drafted), the draft's seconds per drafted token, the cost model's predicted
+speedup (`-k auto`'s, of what it chose) and whether every output is plain decoding's, token for token.
+Each round starts the suffix tries afresh (`forget`): a prompt's earlier round is never looked up.
 """
 from __future__ import annotations
 
