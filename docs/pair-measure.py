@@ -40,8 +40,6 @@ from specdec.lm import local_counts, packaged
 from specdec.lm.gguf_blocks import load_as_stored
 from specdec.proposers.draft_model import DraftModelProposer, chosen_vocab, stored_bytes
 from specdec.proposers.drafters import DraftModelOptions, drafter
-from specdec.proposers.hybrid import HybridProposer
-from specdec.proposers.suffix import SuffixProposer
 
 
 def memory() -> str:
@@ -86,10 +84,8 @@ def forget(decoders: dict) -> None:
     the other prompts' outputs, as a server's would, never from a prompt's own earlier round (the same
     seed decodes the same answer again: that would be memorising it)."""
     for name, (proposer, k) in decoders.items():
-        if isinstance(proposer, SuffixProposer):
-            decoders[name] = (SuffixProposer(), k)
-        elif isinstance(proposer, HybridProposer):
-            decoders[name] = (HybridProposer(SuffixProposer(), proposer.model), k)
+        if hasattr(proposer, "forgetting"):
+            decoders[name] = (proposer.forgetting(), k)
 
 
 VARIANTS = {  # name -> (draft vocabulary, stop below, counts of the parts, requantized)

@@ -75,7 +75,7 @@ from ..decoding.syncs import count_host_syncs
 from ..decoding.verify import greedy_accept, rejection_sample
 from ..errors import SpecdecError
 from ..lm.checkpoint import shown_path
-from ..proposers import DRAFTERS, DraftModelOptions, HybridProposer, NgramOptions, VocabOptions
+from ..proposers import DRAFTERS, DraftModelOptions, NgramOptions, VocabOptions
 from ..proposers.drafters import DraftCheckpoint
 from .conditions import UNKNOWN, hardware, model_info, roofline, software, spread
 from .noise import implausible_verify_points, result_noise
@@ -275,14 +275,12 @@ class Bench:
         return configs
 
     def forget(self, cfg: Config) -> None:
-        """A fresh suffix trie for each repeat of a configuration (suffix lookup's, the hybrid's): its
-        shared trie learns from the other prompts' outputs, as a server's would, never from the same
-        prompt's earlier repeat (which would be memorising the answer)."""
-        if cfg.method == "suffix":
-            self.proposers["suffix"] = DRAFTERS["suffix"].load(self.target)
-        if cfg.method == "hybrid":
-            self.proposers["hybrid"] = HybridProposer(DRAFTERS["suffix"].load(self.target),
-                                                      self.proposers["hybrid"].model)
+        """A fresh shared trie for each repeat of a configuration (suffix lookup's, the hybrid's:
+        `forgetting`): it learns from the other prompts' outputs, as a server's would, never from the
+        same prompt's earlier repeat (which would be memorising the answer)."""
+        proposer = self.proposers.get(cfg.method)
+        if hasattr(proposer, "forgetting"):
+            self.proposers[cfg.method] = proposer.forgetting()
 
     def decode(self, cfg: Config, batch: list[list[int]], sampling: SamplingConfig,
                rule: StopRule) -> tuple[list[list[int]], SpecMetrics | None]:

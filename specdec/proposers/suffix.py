@@ -194,6 +194,11 @@ class SuffixProposer:
     def start(self, max_len, k, capacity, nodes=None) -> SuffixState:
         return SuffixState([])
 
+    def forgetting(self) -> "SuffixProposer":
+        """The same proposer with an empty shared trie (a benchmark's next repeat: a prompt decoded
+        again must not find its own earlier answer there)."""
+        return SuffixProposer(self.trie_depth, self.max_match, self.min_score, self.factor, self.shared_nodes)
+
     def join(self, state: SuffixState, prompts, prompt_hidden, samplings) -> None:
         for prompt in prompts:
             trie, open_nodes, cursor = SuffixTrie(self.trie_depth), [0], []
