@@ -16,6 +16,14 @@ REPO = Path(__file__).resolve().parent.parent
 HANG = 600  # seconds: a state that never comes fails the test instead of hanging it
 
 
+def wait_until(condition, what: str) -> None:
+    """Poll `condition()` until it holds; a state that never comes fails with `what` after HANG seconds."""
+    deadline = time.monotonic() + HANG
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {HANG} s"
+        time.sleep(0.01)
+
+
 class Server:
     """`specdec serve ARGS` in a subprocess; `url` once /health answers."""
 
@@ -56,9 +64,18 @@ class Server:
     def ended_cleanly(self, timeout: float = 60) -> bool:
         return self.proc.wait(timeout) == 0 and "Traceback" not in self.log.read_text()
 
-    def metric(self, name: str) -> float:
-        """One sample of /metrics, e.g. 'specdec_requests_total{outcome="cancelled"}'."""
+    def metric(self, name: str, default: float | None = None) -> float:
+        """One sample of /metrics, e.g. 'specdec_requests_total{outcome="cancelled"}'; `default` when
+        the sample is absent (None: a KeyError)."""
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
-        raise KeyError(name)
+        if default is None:
+            raise KeyError(name)
+        return default
+
+    def admitted(self) -> int:
+        """Requests admitted since start: those still held and those already finished, however."""
+        finished = sum(self.metric(f'specdec_requests_total{{outcome="{o}"}}', 0)
+                       for o in ("ok", "cancelled", "shutdown"))
+        return httpx.get(self.url + "/health").json()["jobs"] + int(finished)
