@@ -121,6 +121,22 @@ def test_a_run_trains_resumes_and_snapshots(chat_target, tmp_path):
         second.tokens_seen, second.step, second.step)
     head = load_eagle(dest, chat_target)
     assert head.token_counts.sum() > 0 and meta["data"]["shards"] == len(list((out / "shards").glob("*.json")))
+    assert [p["tokens_seen"] for p in meta["curve"]] == [p["tokens_seen"] for p in curve(out)]  # the init has none
+
+    # a run from the snapshot in a new folder goes on with the prompts after the ones its head was trained on
+    following = tmp_path / "following"
+    write_prompts(following)
+    pool_file = json.loads((following / "prompts.json").read_text())
+    pool_file["train"].append({"kind": "chat", "text": "Name a colour."})  # 9 prompts: 4 * shards % 9 != 0
+    (following / "prompts.json").write_text(json.dumps(pool_file))
+    third = longrun.run(following, dataclasses.replace(config(chat_target, second.tokens_seen + 64), init=str(dest)),
+                        log=lambda line: None)
+    assert 0 < third.first_shard == meta["data"]["next_shard"] == meta["data"]["shards"] < 9
+    train = json.loads((following / "prompts.json").read_text())["train"]
+    rows = [json.loads(line) for line in (following / "shards" / "shard-00000.jsonl").read_text().splitlines()]
+    start = third.first_shard * 4 % len(train)
+    assert [r["prompt"] for r in rows[::2]] == [p["text"] for p in (train + train)[start:start + 4]] != [
+        p["text"] for p in train[:4]]
 
 
 def test_sigterm_stops_after_the_step_under_way_with_the_state_saved(chat_target, tmp_path):

@@ -13,7 +13,8 @@ their target features are computed once and kept in memory (the target is frozen
 point of `eval_at` (tokens seen) the head's α_1..α_k on them is appended to curve.jsonl.
 
 Resume: the head starts from the run's own state/ (fp32 weights, optimizer moments, counters),
-or else from the committed head folder `init`, whose tokens seen it carries on from. state/ is
+or else from the committed head folder `init`, whose tokens seen it carries on from, and whose
+prompts too: a new run folder answers the pool from the shard after the last one that head trained on. state/ is
 written atomically every `save_seconds`, at each evaluation point and on SIGINT/SIGTERM; SIGSTOP
 and SIGCONT pause and resume the process where it stands. `snapshot` writes the current head into
 a head folder (bf16, no optimizer state) with its metadata: tokens seen, steps, the data recipe, and
@@ -277,6 +278,8 @@ class Progress:
     init_tokens: int = 0          # of which the init head had seen before this run
     seconds: float = 0.0          # training and generation time of this run, over its sittings
     evaluated: list = dataclasses.field(default_factory=list)  # the points of the curve recorded
+    first_shard: int = 0          # the pool's shard this run's shard 0 answers: the init head's sittings
+                                  # answered the ones before it, so a new run folder goes on with fresh prompts
 
 
 def save_state(out: Path, head: EagleHead, opt, progress: Progress, cfg: LongRun, identity: dict) -> None:
@@ -350,7 +353,9 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
     head = parts.head
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     seen = int(parts.init_meta.get("tokens_seen") or 0)
-    progress = load_state(out, head, opt, identity(parts)) or Progress(tokens_seen=seen, init_tokens=seen)
+    answered = parts.init_meta.get("data") or {}
+    progress = load_state(out, head, opt, identity(parts)) or Progress(
+        tokens_seen=seen, init_tokens=seen, first_shard=int(answered.get("next_shard", answered.get("shards", 0))))
     train_prompts, held = prompt_file(out, cfg)
     log(f"prompts: {len(train_prompts)} for training, {len(held)} held out; resuming at step {progress.step}, "
         f"{progress.tokens_seen} tokens seen")
@@ -366,7 +371,7 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
     while not interrupt.received and progress.tokens_seen < cfg.eval_at[-1]:
         short = len(data.tokens) <= cfg.seq_len + 1  # not one window yet
         if short or progress.tokens_seen - progress.init_tokens >= cfg.passes * len(data.tokens):
-            shard(out, parts, train_prompts, data.shards, cfg, log)
+            shard(out, parts, train_prompts, data.shards, progress.first_shard, cfg, log)
             data.refresh()
         else:
             train_step(parts, opt, data, progress, cfg, log)
@@ -386,9 +391,10 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
     return progress
 
 
-def shard(out: Path, parts: Parts, prompts: list[PoolPrompt], index: int, cfg: LongRun, log) -> None:
-    """Generate and write shard `index`: the next `shard_prompts` training prompts, greedy and sampled."""
-    start = index * cfg.shard_prompts % len(prompts)
+def shard(out: Path, parts: Parts, prompts: list[PoolPrompt], index: int, first: int, cfg: LongRun, log) -> None:
+    """Generate and write shard `index`: the `shard_prompts` training prompts of the pool's shard
+    first + index, greedy and sampled."""
+    start = (first + index) * cfg.shard_prompts % len(prompts)
     picked = (prompts + prompts)[start:start + cfg.shard_prompts]
     rows, seconds = answer_all(parts.generator, parts.tokenizer, picked, (0.0, cfg.temperature), cfg,
                                cfg.max_new_tokens)
@@ -444,8 +450,9 @@ def curve(out: str | Path) -> list[dict]:
 
 def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> Path:
     """Write the run's saved head into the head folder `dest` (bf16, no optimizer state) with its
-    metadata: tokens seen, steps, the data recipe and its amounts, the held-out α of the latest
-    evaluation point (its head is the saved one only when no step came after it: both are recorded)."""
+    metadata: tokens seen, steps, the data recipe and its amounts (with the pool's next shard, where a
+    run from this head goes on), the held-out α of the latest evaluation point (its head is the saved
+    one only when no step came after it: both are recorded) and the curve, the init head's points first."""
     from ..api import checkpoint_folder
     out, folder = Path(out), checkpoint_folder(cfg.target)
     head, init_meta = initial_head(Path(cfg.init), folder)
@@ -473,14 +480,16 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
             "longrun_seconds": round(progress.seconds, 1),
             "data": {"recipe": "longrun.py: prompt_pool.py prompts answered greedily and at T="
                                f"{cfg.temperature:g} by the engine on the {cfg.quantize or 'unquantized'} target",
-                     "shards": data.shards, "answer_tokens": data.generated(), "pool_tokens": int(len(data.tokens))},
+                     "shards": data.shards, "answer_tokens": data.generated(), "pool_tokens": int(len(data.tokens)),
+                     "next_shard": progress.first_shard + data.shards},
             "heldout": {"what": ("held-out prompts (prompt_pool.held_out: 2% of the prompts by hash), 4 groups; "
                                  "greedy_alpha: drafts 1..i-1 accepted and the window the target's greedy path; "
                                  "t1_alpha: mean sum min(target_probs, draft_probs) at T=1 with the window's own "
                                  "tokens fed ahead"), "latest": points[-1] if points else None,
                         "latest_is_this_head": bool(points) and points[-1]["step"] == progress.step},
-            "curve": [{"tokens_seen": p["tokens_seen"], **{name: g["greedy_alpha" if "T=0" in name else "t1_alpha"]
-                                                          for name, g in p["groups"].items()}} for p in points]}
+            "curve": [p for p in init_meta.get("curve", []) if not points or p["tokens_seen"] < points[0]["tokens_seen"]]
+                     + [{"tokens_seen": p["tokens_seen"], **{name: g["greedy_alpha" if "T=0" in name else "t1_alpha"]
+                                                            for name, g in p["groups"].items()}} for p in points]}
     return save_eagle(head, dest, target_sha, meta=meta)
 
 
