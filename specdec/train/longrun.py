@@ -14,9 +14,9 @@ point of `eval_at` (tokens seen) the head's α_1..α_k on them is appended to cu
 
 Resume: the head starts from the run's own state/ (fp32 weights, optimizer moments, counters),
 or else from the committed head folder `init`, whose tokens seen it carries on from, and whose
-prompts too: a new run folder answers the pool from the shard after the last one that head trained on. state/ is
-written atomically every `save_seconds`, at each evaluation point and on SIGINT/SIGTERM; SIGSTOP
-and SIGCONT pause and resume the process where it stands. `snapshot` writes the current head into
+prompts too: a new run folder answers the pool from the shard after the last one that head trained
+on. state/ is written atomically every `save_seconds`, at each evaluation point and on SIGINT/SIGTERM;
+SIGSTOP and SIGCONT pause and resume the process where it stands. `snapshot` writes the current head into
 a head folder (bf16, no optimizer state) with its metadata: tokens seen, steps, the data recipe, and
 the held-out α of the latest evaluation point.
 
