@@ -83,9 +83,9 @@ def forget(decoders: dict) -> None:
     """A fresh suffix trie (suffix lookup's, the hybrid's) for each round: its shared trie learns from
     the other prompts' outputs, as a server's would, never from a prompt's own earlier round (the same
     seed decodes the same answer again: that would be memorising it)."""
-    for name, (proposer, k) in decoders.items():
-        if hasattr(proposer, "forgetting"):
-            decoders[name] = (proposer.forgetting(), k)
+    for proposer, _ in decoders.values():
+        if hasattr(proposer, "forget"):
+            proposer.forget()
 
 
 VARIANTS = {  # name -> (draft vocabulary, stop below, counts of the parts, requantized)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.decoding import adaptive, calibration, engine
-from specdec.decoding.adaptive import MAX_STRETCH, PROBE_EVERY, Adaptive
+from specdec.decoding.adaptive import CHEAP, MAX_STRETCH, PROBE_EVERY, Adaptive
 from specdec.decoding.costmodel import VerifyCurve
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.reference import reference_generate
@@ -592,3 +592,35 @@ def test_drafting_on_thin_evidence_after_a_plain_stretch_backs_off_like_a_probe(
     controller = Adaptive(curve(0.6), 8, {"chain": (1,)})
     controller.observe_plain(PROBE_EVERY, PROBE_EVERY * 1.05e-3, PROBE_EVERY * 1e-3)
     assert controller.choose()[0] == 1 and controller.stretch == 2 * PROBE_EVERY
+
+
+def test_probes_that_lose_wait_until_what_they_lost_is_a_small_share_of_the_stretch():
+    """A probe after a plain stretch pays the drafter's catch-up on it (EAGLE's layer over 8 rows: about
+    five plain steps), then drafts again to price the depth alone. At batch 8 on a curve where a token
+    more costs half a forward, with drafts rejected, that used to cost a probe every 16, 32, 64 ...
+    steps and one after 32 steps in every later run (0.92-0.95x in 64-token runs). Now the stretch
+    before a probe is long enough for what probes lost to be CHEAP of its time, in this run and the next."""
+    curve = VerifyCurve({n: 1e-3 * (1 + 0.5 * (n - 1)) for n in range(1, 20)})
+    proposer = NgramProposer()
+
+    def run(steps: int) -> tuple[Adaptive, list]:
+        controller = Adaptive.for_run({8: curve}, proposer, None)
+        controller.join(8)
+        stretches = []
+        while controller.steps < steps:
+            depth, _, stretch = controller.choose(horizon=steps - controller.steps)
+            if depth == 0:
+                stretches.append(min(stretch, steps - controller.steps))
+                controller.observe_plain(stretches[-1], stretches[-1] * 1.05e-3, stretches[-1] * 1e-3)
+                continue
+            draft = 5e-3 if controller.plain_run else 1e-4  # the catch-up after a stretch
+            controller.observe([depth] * 8, [0] * 8, 1 + depth, draft, curve.at(1 + depth) + draft + 5e-5,
+                               curve.at(1 + depth))
+        controller.remember()
+        return controller, stretches
+
+    first, stretches = run(1000)
+    least = 5e-3 / (CHEAP * 1.05e-3)  # a probe loses at least its catch-up: 159 plain steps
+    assert first.probes >= 3 and all(s >= least for s in stretches[1:-1])  # after the first probe; the last is cut
+    second, stretches = run(64)  # the next 64-step run does not probe after REMEMBERED_STRETCH steps
+    assert drafting_steps(second) == 0

@@ -403,6 +403,8 @@ def test_each_repeat_looks_up_in_a_fresh_suffix_trie(models):
         model = getattr(bench.proposers[name], "model", None)
         assert decode(name) == []                 # the first repeat: nothing to copy
         assert decode(name) == [11, 12]           # the same proposer again: its own earlier answer
+        proposer = bench.proposers[name]
         bench.forget(Config(name, 2))
         assert decode(name) == []                 # the next repeat: a fresh trie
         assert getattr(bench.proposers[name], "model", None) is model
+        assert bench.proposers[name] is proposer  # the same drafter: what k="auto" learned of it stays

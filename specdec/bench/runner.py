@@ -276,11 +276,11 @@ class Bench:
 
     def forget(self, cfg: Config) -> None:
         """A fresh shared trie for each repeat of a configuration (suffix lookup's, the hybrid's:
-        `forgetting`): it learns from the other prompts' outputs, as a server's would, never from the
+        `forget`): it learns from the other prompts' outputs, as a server's would, never from the
         same prompt's earlier repeat (which would be memorising the answer)."""
         proposer = self.proposers.get(cfg.method)
-        if hasattr(proposer, "forgetting"):
-            self.proposers[cfg.method] = proposer.forgetting()
+        if hasattr(proposer, "forget"):
+            proposer.forget()
 
     def decode(self, cfg: Config, batch: list[list[int]], sampling: SamplingConfig,
                rule: StopRule) -> tuple[list[list[int]], SpecMetrics | None]:

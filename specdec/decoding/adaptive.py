@@ -26,11 +26,12 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   or the fewest seconds of its first two, so one spike does not keep a depth from being drafted; a
   probe after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count
   only until a step without one prices the depth: the option is drafted again at once for that
-  price; the plausible bounds below take a depth's fewest recent seconds, and only prices without a
+  price where the price matters (an option that would pay were its drafts all accepted and free);
+  the plausible bounds below take a depth's fewest recent seconds, and only prices without a
   catch-up may end the probing).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs, the probe stretch (at most REMEMBERED_STRETCH, so that a new
+this process (`remember`): the costs (a probe's among them), the probe stretch (at most REMEMBERED_STRETCH, so that a new
 run re-checks early, unless the last one ended knowing no draft could plausibly pay at its fullest
 batch, not just for the last rows left: a probe then costs a catch-up a short run never earns back)
 and, as the joining rows' prior, the acceptance counts per shape and depth of every row it decoded,
@@ -53,12 +54,17 @@ comes with fewer steps left than the stretch before it. When a one-level probe c
 of the throughput at the plausible lower bounds of q (n-gram lookup on a flat verify curve), it comes
 after every plain step instead, since such matches come in bursts; where it is cheap only on thin
 evidence (a batch of 8 on whose curve a window of two tokens costs 1.6 of one), it waits for its
-stretch. While drafting pays, every PROBE_EVERY
-steps one level deeper than the best is drafted instead, so the estimates of levels not chosen stay
-fresh, and a drafting choice that pays on measured costs even at the plausible lower bounds of q
-holds for HOLD steps between weighings (one made on the prior or on a lucky step or two is weighed
-again after its step). `summary()` says what was
-chosen and why: each option's mean predicted speedup over plain decoding.
+stretch. Whatever the stretch, a probe waits until what probes lost is CHEAP of the steps before
+it: the loss of the drafting from a probe to the next plain stretch against plain decoding's steps
+for the same tokens (the catch-up, the step that prices the depth alone, rejected drafts), a
+running mean over the probes (0 while they gain). A probe of EAGLE or the self-draft after a
+stretch at batch 8 loses about five plain steps, so such probes come 160 or more steps apart.
+
+While drafting pays, every PROBE_EVERY steps one level deeper than the best is drafted instead, so
+the estimates of levels not chosen stay fresh, and a drafting choice that pays on measured costs
+even at the plausible lower bounds of q holds for HOLD steps between weighings (one made on the
+prior or on a lucky step or two is weighed again after its step). `summary()` says what was chosen
+and why: each option's mean predicted speedup over plain decoding.
 
 This module knows nothing about models or tokens: the engine hands it the verify curves and
 reports each step's outcome.
@@ -90,7 +96,7 @@ CHEAP = 0.03                          # a probe predicted to cost less than this
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
 LEARNED = ("draft_seconds", "draft_measured", "draft_clean", "overhead_seconds", "overhead_measured", "forward_scale",
-           "window")
+           "window", "probe_cost")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -148,6 +154,8 @@ class Adaptive:
         self.draft_samples = [deque(maxlen=5) for _ in range(K + 1)]  # the latest seconds per depth
         self.draft_clean = np.zeros(K + 1, dtype=bool)        # measured on a step without a catch-up
         self.confirm: tuple[int, int] | None = None           # a probe's option, drafted again at once
+        self.episode: float | None = None                     # seconds lost to plain decoding since the last probe
+        self.probe_cost = np.zeros(2)                         # (running mean of a probe's loss in seconds, probes)
         self.plain_run = 0                                    # plain steps since the last drafting step
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
         self.probes = 0
@@ -250,12 +258,13 @@ class Adaptive:
         spread = PLAUSIBLE * np.sqrt(q * (1 - q) / n)
         return np.clip(q + spread if bound == "upper" else q - spread, 0.0, 1.0)
 
-    def rates(self, bound: str = "estimate") -> np.ndarray:
+    def rates(self, bound: str = "estimate", draft: np.ndarray | None = None) -> np.ndarray:
         """(S, K+1) predicted tokens per second of each option over the batch's rows, with q at
-        `bound` (`acceptance`)."""
+        `bound` (`acceptance`); draft: the draft seconds by depth (default `draft_estimates`)."""
         q = self.acceptance(bound)                                                           # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
-        draft = self.draft_estimates(least=bound in ("upper", "certain"))
+        if draft is None:
+            draft = self.draft_estimates(least=bound in ("upper", "certain"))
         return E.sum(1) / (self.forward_estimates(q.shape[1]) + draft + self.overhead_estimates())
 
     def forward_estimates(self, rows: int) -> np.ndarray:
@@ -323,11 +332,15 @@ class Adaptive:
         if self.held and (self.steps + 1) % PROBE_EVERY:
             self.held -= 1
             return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
-        rates = self.rates()
+        rates, rows = self.rates(), self.accepted.shape[1]
         plain = rates[0, 0]
         self.predicted_sum += rates / plain
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
+        if d == 0 and self.episode is not None:  # plain decoding again: what the drafting since the probe lost
+            cost, probes = self.probe_cost
+            self.probe_cost[:] = (self.episode if not probes else cost + SMOOTHING * (self.episode - cost), probes + 1)
+            self.episode = None
         steps, cap, self.stopped, self.hopeless = 1, MAX_STRETCH, False, False
         probing = d == 0 or (self.steps + 1) % PROBE_EVERY == 0  # plain wins, or a probe deeper than the best
         if probing:
@@ -338,13 +351,13 @@ class Adaptive:
                 self.stopped = probed[:, 1:].max() < plain and self.priced()
         if not self.hopeless:  # once a draft could plausibly pay again, the stretches' cap holds again
             self.stretch = min(self.stretch, MAX_STRETCH)
-        rows = self.accepted.shape[1]
         if rows >= self.verdict[0]:  # the verdict of the fullest batch, for the next run (`remember`)
             self.verdict = (rows, self.hopeless)
         lower = self.rates("lower")
         # a probe that costs less than CHEAP of the throughput at the plausible lower bounds of q (n-gram
-        # lookup on a flat verify curve) comes after every plain step: such matches come in bursts
-        stretch = 1 if lower[:, 1].max() >= (1 - CHEAP) * plain else self.stretch
+        # lookup on a flat verify curve) comes after every plain step: such matches come in bursts; and
+        # none comes before the steps it follows are enough for what probes lost so far to be CHEAP of them
+        stretch = max(1 if lower[:, 1].max() >= (1 - CHEAP) * plain else self.stretch, self.least_stretch(rows))
         if self.stopped:
             steps = math.inf
         elif d == 0 and self.plain_run < stretch:
@@ -366,10 +379,24 @@ class Adaptive:
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
     def priced(self) -> bool:
-        """Whether every measured depth has its price from at least two steps without a catch-up: only
-        such prices may end the probing (one step's seconds may be a stolen time slice)."""
+        """Whether every measured depth that could pay (`could_pay`) has its price from at least two
+        steps without a catch-up: only such prices may end the probing (one step's seconds may be a
+        stolen time slice)."""
         return all(self.draft_clean[d] and len(self.draft_samples[d]) >= 2
-                   for d in np.flatnonzero(self.draft_measured))
+                   for d in np.flatnonzero(self.draft_measured & self.could_pay().any(0)))
+
+    def plain_seconds(self, rows: int) -> float:
+        """A plain step's predicted seconds over `rows` rows: its forward and the engine's overhead."""
+        return float(self.forward_estimates(rows)[0, 0] + self.overhead_estimates()[0])
+
+    def least_stretch(self, rows: int) -> int:
+        """The fewest plain steps before a probe: enough for what a probe lost against plain decoding
+        (`probe_cost`, its catch-up and the confirming step included) to be at most CHEAP of their
+        time (0 while probes gained on average)."""
+        cost, probes = self.probe_cost
+        if not probes or cost <= 0:
+            return 0
+        return math.ceil(cost / (CHEAP * self.plain_seconds(rows)))
 
     def probe(self, rates: np.ndarray, probed: np.ndarray, stretch: int | float) -> tuple[int, int]:
         """The shape and depth of a probe: one level deeper than the shape's best, cycling through
@@ -421,13 +448,21 @@ class Adaptive:
             self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
             self.draft_measured[d] |= not first
             self.draft_clean[d] |= clean
-        if not (self.draft_clean[d] and len(samples) >= 2):
+        if not (self.draft_clean[d] and len(samples) >= 2) and self.could_pay()[s, d]:
             self.confirm = (s, d)
+        # what this step lost against plain decoding's steps for the same tokens, counted from a probe on
+        lost = step_seconds - self.plain_seconds(rows) * (1 + accepted.sum() / rows)
+        self.episode = lost if self.plain_run else None if self.episode is None else self.episode + lost
         self.plain_run = 0
         scale = forward_seconds / float(self.curve_at(rows, width))
         self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
         other = step_seconds - forward_seconds - draft_seconds
         self.running_overhead(d, other)
+
+    def could_pay(self) -> np.ndarray:
+        """(S, K+1) which options would pay were every draft accepted and free: only for those does a
+        depth's price without a catch-up matter (`confirm`, `priced`)."""
+        return self.rates("certain", draft=np.zeros(self.depth + 1)) >= self.rates()[0, 0]
 
     def observe_plain(self, steps: int, seconds: float, forward_seconds: float) -> None:
         """A plain stretch of `steps` steps took `seconds`, `forward_seconds` of them in forwards."""

@@ -43,9 +43,9 @@ class HybridProposer:
         self.vocab_size = model.vocab_size
         self.trees = lookup.trees
 
-    def forgetting(self) -> "HybridProposer":
-        """The same drafters, lookup's shared memory of earlier generations dropped (SuffixProposer.forgetting)."""
-        return HybridProposer(self.lookup.forgetting(), self.model)
+    def forget(self) -> None:
+        """Lookup's shared memory of earlier generations dropped (SuffixProposer.forget)."""
+        self.lookup.forget()
 
     def start(self, max_len, k, capacity, nodes=None) -> HybridState:
         return HybridState(self.lookup.start(max_len, k, capacity, nodes), self.model.start(max_len, k, capacity, k))

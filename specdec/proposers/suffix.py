@@ -194,10 +194,11 @@ class SuffixProposer:
     def start(self, max_len, k, capacity, nodes=None) -> SuffixState:
         return SuffixState([])
 
-    def forgetting(self) -> "SuffixProposer":
-        """The same proposer with an empty shared trie (a benchmark's next repeat: a prompt decoded
-        again must not find its own earlier answer there)."""
-        return SuffixProposer(self.trie_depth, self.max_match, self.min_score, self.factor, self.shared_nodes)
+    def forget(self) -> None:
+        """Empty the shared trie, a flush (a benchmark's next repeat: a prompt decoded again must not
+        find its own earlier answer there). The proposer stays the same object, so what `k="auto"`
+        learned of it (its costs, its acceptance: decoding/adaptive.py) stays too."""
+        self.shared, self.epoch = SuffixTrie(self.trie_depth), self.epoch + 1
 
     def join(self, state: SuffixState, prompts, prompt_hidden, samplings) -> None:
         for prompt in prompts:
@@ -241,7 +242,7 @@ class SuffixProposer:
                     row.writer = shared.extend(row.writer, token)
                     row.cursor = shared.follow(row.cursor, token, match)
         if len(shared) > self.shared_nodes:
-            self.shared, self.epoch = SuffixTrie(self.trie_depth), self.epoch + 1
+            self.forget()
 
     def shared_places(self, row: RowTries) -> RowTries:
         """The row, its places in the shared trie dropped if the trie was flushed since it took them."""
