@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,6 +313,9 @@ def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips
     result = json.loads((tmp_path / "out" / JSON_NAME).read_text())
     assert sorted(result["skipped"]) == sorted(SHIPPED_DRAFTERS) and (
         result["plan"]["methods"] == ["ngram", "suffix", "self"])
+    root = str(Path(__file__).resolve().parent.parent)  # the shipped drafters' folders, as a report shows them
+    assert all(root not in reason for reason in result["skipped"].values()) and "models/draft" in result["skipped"][
+        "draft-model"]
     assert result["conditions"]["draft"] == "not used"
     first = result["cells"][0]  # the lookup methods, the self-draft and transformers' peers that need no draft model
     assert {r["method"] for r in first["results"]} == {"plain", "ngram", "suffix", "self", "hf-generate",

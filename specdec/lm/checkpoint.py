@@ -61,6 +61,13 @@ def shown_path(path: Path) -> str:
     return str(path)
 
 
+def shown_text(text: str) -> str:
+    """`text` (an error message) with the paths in the repository and the home folder written as
+    `shown_path` writes them."""
+    root, home = Path(__file__).resolve().parents[2], Path.home().resolve()
+    return text.replace(f"{root}/", "").replace(f"{home}/", "~/")
+
+
 def sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
