@@ -624,3 +624,24 @@ def test_probes_that_lose_wait_until_what_they_lost_is_a_small_share_of_the_stre
     assert first.probes >= 3 and all(s >= least for s in stretches[1:-1])  # after the first probe; the last is cut
     second, stretches = run(64)  # the next 64-step run does not probe after REMEMBERED_STRETCH steps
     assert drafting_steps(second) == 0
+
+
+def test_a_tree_step_teaches_the_chain_what_its_first_children_did():
+    """A chain whose first three steps were rejected (the start of an answer a draft cannot guess), then a
+    tree of the same drafter accepted through its first children at every step: the chain would have
+    been accepted too, and learns it from the tree's steps (tree.chain_runs), so the controller goes back
+    to the deeper chain. It used to keep the chain's three failures forever and stay at the tree of
+    depth 1 (a 0.5B draft of a 1.5B target: 1.04x where a chain of 3 gave 1.4x)."""
+    curve = VerifyCurve({n: 1e-3 * (1 + 0.03 * (n - 1)) for n in range(1, 20)})
+    controller = Adaptive(curve, 1, {"chain": (1,) * 4, "tree": (3, 2, 1, 1)})
+    chosen = []
+    for step in range(40):
+        depth, widths, _ = controller.choose()
+        assert depth > 0
+        tree = max(widths) > 1
+        chosen.append("tree" if tree else "chain")
+        accepted = 0 if step < 3 else depth  # the first three steps rejected, then every first child accepted
+        controller.observe([depth], [accepted], 1 + sum(widths), 4e-4 * depth, 1.1e-3 + 4e-4 * depth, 1e-3,
+                           [accepted] if tree else None)
+    assert chosen[:3] == ["chain"] * 3 and "tree" in chosen[3:10]
+    assert chosen[-10:] == ["chain"] * 10 and controller.chosen[1] >= 3

@@ -12,7 +12,7 @@ import torch
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.decoding.tree import caterpillar_layout, chain_parents, chain_positions, window_layout
+from specdec.decoding.tree import caterpillar_layout, chain_parents, chain_positions, chain_runs, window_layout
 from specdec.decoding.verify import greedy_accept, rejection_sample, tree_rejection_sample
 from specdec.errors import SpecdecError
 from specdec.lm.interface import next_positions
@@ -261,3 +261,10 @@ def test_the_distribution_test_fails_for_a_wrong_sibling_residual():
     wrong = functools.partial(tree_rejection_sample, residual_rule=keep_target_after_a_rejected_sibling)
     counts, _ = tree_counts(make, widths, SETTINGS[setting], PROMPT, wrong)
     assert not passes(distribution_test(counts, exact_joint(SETTINGS[setting], PROMPT)))
+
+
+def test_chain_runs_count_the_accepted_path_while_it_follows_first_children():
+    parents, chain = caterpillar_layout((3, 2, 1))  # nodes 0-2 at depth 1 (0 the chain's), 3-4 under 0, 5 under 3
+    assert chain == [0, 3, 5]
+    paths = [[0, 3, 5], [0, 4], [1], [], [0, 3]]
+    assert chain_runs(torch.tensor([parents] * 5), paths) == [3, 1, 0, 0, 2]

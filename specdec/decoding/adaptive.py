@@ -144,6 +144,7 @@ class Adaptive:
         self.names = list(shapes)
         self.shapes = [shapes[name] for name in self.names]
         self.depth = K = len(self.shapes[0])
+        self.chain = next((i for i, w in enumerate(self.shapes) if max(w) == 1), None)  # the chain's shape, if any
         S = len(self.shapes)
         self.accepted = np.zeros((S, rows, K))  # per shape and row: decayed counts by depth
         self.offered = np.zeros((S, rows, K))
@@ -411,10 +412,14 @@ class Adaptive:
         return int(s), min(self.depth, int(rates[s].argmax()) + 1)
 
     def observe(self, limits: list[int], accepted: list[int], width: int, draft_seconds: float,
-                step_seconds: float, forward_seconds: float) -> None:
+                step_seconds: float, forward_seconds: float, chain: list[int] | None = None) -> None:
         """What the chosen step did: per row the levels it allowed and the drafts accepted, the
         window the target verified, and the seconds spent drafting, in the whole step and in the
-        target's forward."""
+        target's forward. chain: for a tree, per row the drafts of its first children accepted
+        (tree.chain_runs), which the chain would have had accepted at the same depth: the chain's
+        counts learn from it too (a chain judged on a few unlucky first steps, then never drafted
+        while a tree of the same drafter was, kept its low estimate: the 0.5B draft of a 1.5B target
+        stayed at a tree of depth 1, 1.04x, where a chain of 3 gave 1.4x)."""
         s, d = self.chosen
         rows = len(limits)
         first = self.steps == self.choices["plain"]  # the run's first drafting step
@@ -422,11 +427,10 @@ class Adaptive:
             self.forward_scale[1] = self.forward_scale[0]
         self.steps += 1
         self.choices[self.label(s, d)] += 1
-        levels = np.arange(self.depth)[None]                                   # (1, K)
         limits, accepted = np.asarray(limits)[:, None], np.asarray(accepted)[:, None]  # (B, 1)
-        judged = levels < np.minimum(limits, accepted + 1)
-        self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
-        self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
+        self.count(s, limits, accepted)
+        if chain is not None and self.chain not in (None, s):
+            self.count(self.chain, limits, np.asarray(chain)[:, None])
         self.window[s, d] += SMOOTHING * (width - self.window[s, d])
         # robust to the spikes of a first step (lazy set-up, cold caches) or a busy machine: the
         # fewest seconds of up to 2 samples, the median of 3..5. A step after a plain stretch also fed
@@ -458,6 +462,14 @@ class Adaptive:
         self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
         other = step_seconds - forward_seconds - draft_seconds
         self.running_overhead(d, other)
+
+    def count(self, s: int, limits: np.ndarray, accepted: np.ndarray) -> None:
+        """Shape s's decayed counts after a step that allowed each row limits[b] levels (B, 1), of
+        which accepted[b] were accepted: the levels judged are those up to the first rejection."""
+        levels = np.arange(self.depth)[None]                                   # (1, K)
+        judged = levels < np.minimum(limits, accepted + 1)
+        self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
+        self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
 
     def could_pay(self) -> np.ndarray:
         """(S, K+1) which options would pay were every draft accepted and free: only for those does a

@@ -51,7 +51,7 @@ from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
 from .sampling import Draws, RowGenerators, SamplingConfig, perturbed, pick_rows, row_probabilities
 from .stopping import Row, StopRule
-from .tree import chain_positions, depths, levels_reached, path_columns, window_layout
+from .tree import chain_positions, chain_runs, depths, levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
 
 
@@ -210,7 +210,8 @@ class Engine:
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
         stream(self.requests, outcome.tokens, outcome.counts, lengths, accepted)
         if self.adaptive:
-            self.adaptive.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward)
+            chain = None if verdict.paths is None else chain_runs(proposal.parents, verdict.paths)
+            self.adaptive.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward, chain)
 
     def choose(self) -> tuple[int, tuple[int, ...]]:
         """This step's depth and shape (k="auto": the controller's choice; a depth of 0 starts a

@@ -123,6 +123,19 @@ def levels_reached(parents: torch.Tensor, lengths: list[int], paths: list[list[i
     return reached
 
 
+def chain_runs(parents: torch.Tensor, paths: list[list[int]]) -> list[int]:
+    """Per row, how many of the accepted path's leading nodes are each the first child of their
+    parent: the drafts a chain of the tree's first children (the proposer's best guess at each depth,
+    tried first) would have had accepted."""
+    runs = []
+    for row, path in zip(parents.tolist(), paths):
+        n = 0
+        while n < len(path) and row.index(row[path[n]]) == path[n]:  # the first node with that parent
+            n += 1
+        runs.append(n)
+    return runs
+
+
 def path_columns(paths: list[list[int]], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(B, width) window columns of the root and each row's accepted path first (then column 0 as
     filler): gathers what the target computed at the committed tokens, in sequence order."""
