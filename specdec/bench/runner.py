@@ -333,7 +333,8 @@ def run_bench(plan: Plan, target_path=None, paths: dict | None = None, dtype: to
             bar_note(progress, "MoE vs dense verify cost")
             moe = moe_vs_dense(plan.moe, [1, 2, 3, 4, 5, 8, 16], device=bench.device)
     return {"schema": SCHEMA, "command": command or UNKNOWN, "plan": dataclasses.asdict(plan),
-            "skipped": {name: shown_text(reason) for name, reason in bench.skipped.items()}, "seconds": time.perf_counter() - started,
+            "skipped": {name: shown_text(reason) for name, reason in bench.skipped.items()},
+            "seconds": time.perf_counter() - started,
             "conditions": run_conditions, "cells": out_cells, "moe": moe, "batch_effect": batch_effect(out_cells)}
 
 

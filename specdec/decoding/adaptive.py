@@ -31,9 +31,10 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   catch-up may end the probing).
 
 What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs (a probe's among them), the probe stretch (at most REMEMBERED_STRETCH, so that a new
-run re-checks early, unless the last one ended knowing no draft could plausibly pay at its fullest
-batch, not just for the last rows left: a probe then costs a catch-up a short run never earns back)
+this process (`remember`): the costs (a probe's among them), the probe stretch (at most
+REMEMBERED_STRETCH, so that a new run re-checks early, unless the last one ended knowing no draft
+could plausibly pay at its fullest batch, not just for the last rows left: a probe then costs a
+catch-up a short run never earns back)
 and, as the joining rows' prior, the acceptance counts per shape and depth of every row it decoded,
 those that left included (an earlier run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that
 the rows of this run soon outweigh them). A benchmark thus stops exploring what it already knows; a
@@ -144,7 +145,7 @@ class Adaptive:
         self.names = list(shapes)
         self.shapes = [shapes[name] for name in self.names]
         self.depth = K = len(self.shapes[0])
-        self.chain = next((i for i, w in enumerate(self.shapes) if max(w) == 1), None)  # the chain's shape, if any
+        self.chain = next((i for i, w in enumerate(self.shapes) if max(w) == 1), None)  # the chain shape, if any
         S = len(self.shapes)
         self.accepted = np.zeros((S, rows, K))  # per shape and row: decayed counts by depth
         self.offered = np.zeros((S, rows, K))

@@ -15,10 +15,10 @@ point of `eval_at` (tokens seen) the head's α_1..α_k on them is appended to cu
 Resume: the head starts from the run's own state/ (fp32 weights, optimizer moments, counters),
 or else from the committed head folder `init`, whose tokens seen it carries on from, and whose
 prompts too: a new run folder answers the pool from the shard after the last one that head trained
-on. state/ is written atomically every `save_seconds`, at each evaluation point and on SIGINT/SIGTERM;
-SIGSTOP and SIGCONT pause and resume the process where it stands. `snapshot` writes the current head into
-a head folder (bf16, no optimizer state) with its metadata: tokens seen, steps, the data recipe, and
-the held-out α of the latest evaluation point.
+on. state/ is written atomically every `save_seconds`, at each evaluation point and on
+SIGINT/SIGTERM; SIGSTOP and SIGCONT pause and resume the process where it stands. `snapshot` writes
+the current head into a head folder (bf16, no optimizer state) with its metadata: tokens seen,
+steps, the data recipe, and the held-out α of the latest evaluation point.
 
 This module knows nothing about the command line: cli-style entry points are at the bottom.
 """
@@ -487,7 +487,8 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
                                  "t1_alpha: mean sum min(target_probs, draft_probs) at T=1 with the window's own "
                                  "tokens fed ahead"), "latest": points[-1] if points else None,
                         "latest_is_this_head": bool(points) and points[-1]["step"] == progress.step},
-            "curve": [p for p in init_meta.get("curve", []) if not points or p["tokens_seen"] < points[0]["tokens_seen"]]
+            "curve": [p for p in init_meta.get("curve", [])
+                      if not points or p["tokens_seen"] < points[0]["tokens_seen"]]
                      + [{"tokens_seen": p["tokens_seen"], **{name: g["greedy_alpha" if "T=0" in name else "t1_alpha"]
                                                             for name, g in p["groups"].items()}} for p in points]}
     return save_eagle(head, dest, target_sha, meta=meta)
