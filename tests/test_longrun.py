@@ -110,9 +110,10 @@ def test_a_run_trains_resumes_and_snapshots(chat_target, tmp_path):
     with pytest.raises(SpecdecError, match="other held-out settings"):  # one held-out set per curve
         longrun.run(out, dataclasses.replace(config(chat_target, 1_024_600), heldout_prompts=1), log=lambda line: None)
 
-    text = longrun.table(curve(out))  # the docs' table and plot
-    assert text.count("\n") == 1 + len(curve(out)) and "| 1.02M | 0 |" in text
-    plot_learning_curve(curve(out), tmp_path / "curve.png", "test", longrun.break_even())
+    points = longrun.whole_curve({}, curve(out))  # the docs' table and plot
+    text = longrun.table(points)
+    assert text.count("\n") == 1 + len(curve(out)) and "| 1.02M | " in text
+    plot_learning_curve(points, tmp_path / "curve.png", "test", longrun.break_even())
     assert (tmp_path / "curve.png").stat().st_size > 10_000
 
     dest = longrun.snapshot(out, tmp_path / "heads", config(chat_target, 1_024_300, 1_024_600), "test")
@@ -137,6 +138,10 @@ def test_a_run_trains_resumes_and_snapshots(chat_target, tmp_path):
     start = third.first_shard * 4 % len(train)
     assert [r["prompt"] for r in rows[::2]] == [p["text"] for p in (train + train)[start:start + 4]] != [
         p["text"] for p in train[:4]]
+    # the curve goes on from the snapshot's: its points before this run's start, then this run's
+    whole = [p["tokens_seen"] for p in longrun.whole_curve(read_eagle_meta(dest), curve(following))]
+    assert whole == [p["tokens_seen"] for p in meta["curve"]][:-1] + [p["tokens_seen"] for p in curve(following)]
+    assert whole == sorted(set(whole)) and whole[0] == 1_024_000 and whole[-1] == third.tokens_seen
 
 
 def test_sigterm_stops_after_the_step_under_way_with_the_state_saved(chat_target, tmp_path):

@@ -448,6 +448,15 @@ def curve(out: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def whole_curve(init_meta: dict, points: list[dict]) -> list[dict]:
+    """The learning curve of a head trained over sittings, as heads.json keeps it: the init head's
+    points from before this run, then this run's (`curve`), each {"tokens_seen": n, group: α_1..α_4}
+    (greedy α for the T=0 groups, Σ min(p, q) for T=1)."""
+    mine = [{"tokens_seen": p["tokens_seen"], **{name: g["greedy_alpha" if "T=0" in name else "t1_alpha"]
+                                                for name, g in p["groups"].items()}} for p in points]
+    return [p for p in init_meta.get("curve", []) if not mine or p["tokens_seen"] < mine[0]["tokens_seen"]] + mine
+
+
 def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> Path:
     """Write the run's saved head into the head folder `dest` (bf16, no optimizer state) with its
     metadata: tokens seen, steps, the data recipe and its amounts (with the pool's next shard, where a
@@ -487,10 +496,7 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
                                  "t1_alpha: mean sum min(target_probs, draft_probs) at T=1 with the window's own "
                                  "tokens fed ahead"), "latest": points[-1] if points else None,
                         "latest_is_this_head": bool(points) and points[-1]["step"] == progress.step},
-            "curve": [p for p in init_meta.get("curve", [])
-                      if not points or p["tokens_seen"] < points[0]["tokens_seen"]]
-                     + [{"tokens_seen": p["tokens_seen"], **{name: g["greedy_alpha" if "T=0" in name else "t1_alpha"]
-                                                            for name, g in p["groups"].items()}} for p in points]}
+            "curve": whole_curve(init_meta, points)}
     return save_eagle(head, dest, target_sha, meta=meta)
 
 
@@ -507,14 +513,12 @@ def break_even(draft_cost: float = DRAFT_COST, verify_ratio: dict[int, float] = 
 
 
 def table(points: list[dict]) -> str:
-    """The curve as a markdown table: tokens seen, steps, then α_1..α_4 of each evaluation group."""
-    names = list(points[0]["groups"])
-    lines = ["| tokens seen | steps | " + " | ".join(f"{n} α_1..α_4" for n in names) + " |",
-             "|---|---|" + "---|" * len(names)]
+    """A curve (`whole_curve`) as a markdown table: tokens seen, then α_1..α_4 of each evaluation group."""
+    names = [name for name in points[0] if name != "tokens_seen"]
+    lines = ["| tokens seen | " + " | ".join(f"{n} α_1..α_4" for n in names) + " |", "|---|" + "---|" * len(names)]
     for p in points:
-        cells = [" ".join(f"{a:.2f}" for a in p["groups"][n]["greedy_alpha" if "T=0" in n else "t1_alpha"])
-                 for n in names]
-        lines.append(f"| {p['tokens_seen'] / 1e6:.2f}M | {p['step']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {p['tokens_seen'] / 1e6:.2f}M | " + " | ".join(" ".join(f"{a:.2f}" for a in p[n])
+                                                                      for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -542,9 +546,10 @@ def main(argv: list[str] | None = None) -> None:
             dest = snapshot(out, args.to or cfg.init, cfg, command)
             print(f"the head of {out} written to {dest}")
         else:
-            points = curve(out)
+            points = whole_curve(json.loads((Path(cfg.init) / "heads.json").read_text()), curve(out))
             if not points:
-                raise SpecdecError(f"{out} has no evaluation point yet (curve.jsonl); let the run reach its first one")
+                raise SpecdecError(f"neither {cfg.init} nor {out} has an evaluation point yet (curve.jsonl); "
+                                   "let the run reach its first one")
             lines = break_even()
             print(table(points) + "\n\nbreak-even α (cost model): " + ", ".join(
                 f"{k} {a:.2f}" for k, a in lines.items()))

@@ -56,15 +56,14 @@ def plot_history(history: dict, path: Path, title: str, train_label: str = "trai
 
 
 def plot_learning_curve(points: list[dict], path: Path, title: str, break_even: dict[str, float]) -> None:
-    """Held-out α_1 and the last α_i of each evaluation group against tokens seen (longrun.py's curve.jsonl
+    """Held-out α_1 and the last α_i of each evaluation group against tokens seen (longrun.whole_curve's
     points), with horizontal lines at the cost model's break-even α (`break_even`: label -> α)."""
     fig, ax = _figure((7, 4.5))
     tokens = [p["tokens_seen"] / 1e6 for p in points]
-    for name in points[0]["groups"]:
-        key = "greedy_alpha" if "T=0" in name else "t1_alpha"
-        last = len(points[0]["groups"][name][key]) - 1
+    for name in (name for name in points[0] if name != "tokens_seen"):
+        last = len(points[0][name]) - 1
         for i, style in ((0, "-"), (last, ":")):
-            ax.plot(tokens, [p["groups"][name][key][i] for p in points], marker="o", markersize=3, linestyle=style,
+            ax.plot(tokens, [p[name][i] for p in points], marker="o", markersize=3, linestyle=style,
                     label=f"{name} α_{i + 1}")
     for (label, alpha), color in zip(break_even.items(), ("black", "grey", "tab:red", "tab:brown")):
         ax.axhline(alpha, color=color, linestyle="--", linewidth=1, label=f"break-even α, {label}")
