@@ -92,33 +92,40 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
     ids = [target.tokenizer.encode(t) for t in texts]
     rule = StopRule(n)
 
-    def ours(k, i):
+    def ours(drafter, k, i):
         """specdec's tokens and decoding seconds: the time of the whole request less that of a
-        one-token request (the prompt's prefill and first token), as llama.cpp reports it."""
-        drafter = proposer if k else None
+        one-token request (the prompt's prefill and first token), as llama.cpp reports it. Suffix
+        lookup starts each request from an empty trie: it looks up the prompt and the answer so far,
+        as llama-lookup does, never another request's text."""
         timed = []
         for rule_ in (StopRule(1), rule):
+            if hasattr(drafter, "forget"):
+                drafter.forget()
             t0 = time.perf_counter()
             rows, m = speculative_generate(target.model, drafter, [ids[i]], rule_, GREEDY, k)
             timed.append(time.perf_counter() - t0)
         return rows[0].tokens, timed[1] - timed[0], m.accepted, m.proposed
 
     results, outputs = {}, {}
-    decoders = (("specdec plain", 0), ("specdec draft-model auto", "auto"),
-                (f"specdec draft-model k={draft_max}", draft_max))
-    for _, k in decoders:  # warm-up, not timed: the verify curve `-k auto` measures once, the draft's kernels
-        ours(k, 0)
+    decoders = (("specdec plain", None, 0), ("specdec draft-model auto", proposer, "auto"),
+                (f"specdec draft-model k={draft_max}", proposer, draft_max),
+                ("specdec suffix auto", api.load_drafter(target, "suffix"), "auto"))
+    peers = {"llama.cpp speculative": lambda prompt_file: llamacpp_native.speculative(
+                 bin_dir, Path(target_file), Path(draft_file), prompt_file, n, draft_max, threads),
+             "llama.cpp lookup": lambda prompt_file: llamacpp_native.lookup(
+                 bin_dir, Path(target_file), prompt_file, n, draft_max, threads)}
+    for _, drafter, k in decoders:  # warm-up, not timed: the verify curve `-k auto` measures once, the kernels
+        ours(drafter, k, 0)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(count):
             for i, text in enumerate(texts):
                 prompt_file = Path(tmp) / f"prompt{i}.txt"
                 prompt_file.write_text(text)
-                spec = llamacpp_native.speculative(bin_dir, Path(target_file), Path(draft_file), prompt_file, n,
-                                                   draft_max, threads)
-                results.setdefault("llama.cpp speculative", []).append(
-                    (spec.decoded, spec.seconds, spec.accepted, spec.drafted))
-                for name, k in decoders:
-                    tokens, seconds, accepted, proposed = ours(k, i)
+                for name, peer in peers.items():
+                    spec = peer(prompt_file)
+                    results.setdefault(name, []).append((spec.decoded, spec.seconds, spec.accepted, spec.drafted))
+                for name, drafter, k in decoders:
+                    tokens, seconds, accepted, proposed = ours(drafter, k, i)
                     outputs[name, i] = tokens
                     results.setdefault(name, []).append((len(tokens) - 1, seconds, accepted, proposed))
                 print(f"round {r + 1}/{count} prompt {i}: " + ", ".join(
@@ -143,6 +150,7 @@ def main() -> None:
     p.add_argument("--pair", action="store_true")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--draft-max", type=int, default=5)
+    p.add_argument("--out", help="the JSON's name in docs/evidence (default llamacpp-native[-pair].json)")
     args = p.parse_args()
     bin_dir, threads = llamacpp_native.binaries(args.llama_cpp), torch.get_num_threads()
     if args.pair:
@@ -150,9 +158,9 @@ def main() -> None:
     else:
         figures = smollm2(bin_dir, threads, args.new_tokens, args.rounds)
     conditions = {"hardware": hardware(), "software": software(), "threads": threads, "kernels": kernels.isa(),
-                  "quant kernels": kernels.quant_isa(), "llama.cpp": "its own programs, native build (GGML_NATIVE=ON)",
+                  "quant kernels": kernels.quant_isa(), "llama.cpp": llamacpp_native.build(bin_dir),
                   "new tokens": args.new_tokens, "rounds": args.rounds}
-    out = EVIDENCE / f"llamacpp-native{'-pair' if args.pair else ''}.json"
+    out = EVIDENCE / (args.out or f"llamacpp-native{'-pair' if args.pair else ''}.json")
     out.write_text(json.dumps({"conditions": conditions, **figures}, indent=1))
     print(json.dumps(figures, indent=1))
     print(f"written: {out}")

@@ -225,6 +225,31 @@ def test_a_missing_llama_cpp_build_says_how_to_make_one(tmp_path, monkeypatch):
         llamacpp_native.binaries(tmp_path)
 
 
+def program(folder: Path, name: str, usage: str) -> Path:
+    """An executable that prints `usage`, as a llama.cpp program answers --help."""
+    path = folder / name
+    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{usage}\nEOF\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_drafts_are_asked_for_as_the_programs_version_spells_it(tmp_path):
+    new = program(tmp_path, "new", "--spec-type TYPE\n--spec-draft-n-max N   number of tokens to draft")
+    old = program(tmp_path, "old", "--draft-max, --draft, --draft-n N   number of tokens to draft")
+    assert llamacpp_native.draft_flags(new, 5) == ["--spec-type", "draft-simple", "--spec-draft-n-max", "5"]
+    assert llamacpp_native.draft_flags(old, 3) == ["--draft-max", "3"]
+
+
+def test_the_build_is_named_from_its_cmake_cache(tmp_path):
+    (tmp_path / "bin").mkdir()
+    assert llamacpp_native.build(tmp_path / "bin").startswith("unknown build")
+    (tmp_path / "CMakeCache.txt").write_text("GGML_NATIVE:BOOL=ON\nGGML_AVX2:BOOL=OFF\n")
+    assert "native build" in llamacpp_native.build(tmp_path / "bin")
+    (tmp_path / "CMakeCache.txt").write_text("GGML_NATIVE:BOOL=OFF\nGGML_AVX:BOOL=ON\nGGML_AVX2:BOOL=ON\n"
+                                             "GGML_AVX512:BOOL=OFF\n")
+    assert llamacpp_native.build(tmp_path / "bin").endswith("built for AVX AVX2")
+
+
 def test_a_failing_program_is_an_error_with_its_exit_status(tmp_path):
     with pytest.raises(SpecdecError, match=r"false failed \(exit status 1\)"):
         llamacpp_native.run(Path("/bin/false"), [])

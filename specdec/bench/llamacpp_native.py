@@ -1,5 +1,6 @@
 """llama.cpp's own programs as a peer: `llama-bench` for decoding speed, `llama-speculative-simple`
-for its speculative decoding with a draft model, `llama-quantize` for its quantized files.
+for its speculative decoding with a draft model, `llama-lookup` for its prompt-lookup decoding,
+`llama-quantize` for its quantized files.
 
 The Python binding (bench/llamacpp.py) is one build of llama.cpp; its own binaries, built natively
 on the machine that runs them (`cmake -DGGML_NATIVE=ON`, the default), are its best. They are found
@@ -22,7 +23,7 @@ from ..errors import SpecdecError
 
 ENV = "SPECDEC_LLAMA_CPP"
 BUILD_HINT = ("build llama.cpp natively (cmake -B build -DGGML_NATIVE=ON && cmake --build build --target "
-              "llama-bench llama-speculative-simple llama-quantize) and pass its build/bin folder")
+              "llama-bench llama-speculative-simple llama-lookup llama-quantize) and pass its build/bin folder")
 
 
 def binaries(folder: str | Path | None = None) -> Path:
@@ -34,6 +35,21 @@ def binaries(folder: str | Path | None = None) -> Path:
     if not (folder / "llama-bench").is_file():
         raise SpecdecError(f"{folder} has no llama-bench: {BUILD_HINT}")
     return folder
+
+
+def build(bin_dir: Path) -> str:
+    """How the programs in `bin_dir` were built, from their build folder's CMakeCache.txt: "native"
+    (GGML_NATIVE=ON: every instruction set of the building machine) or the instruction sets it was
+    told to use."""
+    cache = bin_dir.parent / "CMakeCache.txt"
+    if not cache.is_file():
+        return "unknown build (no CMakeCache.txt beside its bin folder)"
+    flags = dict(re.findall(r"^GGML_(\w+):BOOL=(\w+)$", cache.read_text(errors="replace"), re.M))
+    if flags.get("NATIVE") == "ON":
+        return "its own programs, native build (GGML_NATIVE=ON)"
+    isas = [name for name in ("AVX", "AVX2", "FMA", "F16C", "AVX_VNNI", "AVX512", "AVX512_VNNI", "AVX512_BF16",
+                              "AMX_INT8") if flags.get(name) == "ON"]
+    return f"its own programs, GGML_NATIVE=OFF, built for {' '.join(isas) or 'no vector extension'}"
 
 
 def run(program: Path, args: list[str]) -> subprocess.CompletedProcess:
@@ -82,16 +98,36 @@ def parse_speculative(out: str) -> Speculative:
                        int(found["drafted"].group(1)), int(found["accepted"].group(1)), out)
 
 
+def draft_flags(program: Path, draft_max: int) -> list[str]:
+    """The flags that ask `program` for drafts of up to `draft_max` tokens, as its version spells them:
+    builds since late 2025 take `--spec-draft-n-max` and infer no draft type from a plain GGUF draft
+    (`--spec-type draft-simple`); earlier ones take `--draft-max`."""
+    usage = run(program, ["--help"])
+    if "--spec-draft-n-max" in usage.stdout + usage.stderr:
+        return ["--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+    return ["--draft-max", str(draft_max)]
+
+
 def speculative(bin_dir: Path, target: Path, draft: Path, prompt_file: Path, new_tokens: int, draft_max: int,
                 threads: int) -> Speculative:
-    """Greedy speculative decoding of the prompt in `prompt_file` by llama.cpp with the draft model
-    (`--spec-type draft-simple`: it infers no type from a plain GGUF draft), drafts of up to
-    `draft_max` tokens, its other speculative settings at their defaults (e.g. it ends a draft
-    whose probability falls below its p_min)."""
-    done = run(bin_dir / "llama-speculative-simple", [
-        "-m", str(target), "-md", str(draft), "-f", str(prompt_file), "-n", str(new_tokens), "-t", str(threads),
-        "-td", str(threads), "--temp", "0", "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max),
-        "-c", "4096"])
+    """Greedy speculative decoding of the prompt in `prompt_file` by llama.cpp with the draft model,
+    drafts of up to `draft_max` tokens, its other speculative settings at their defaults (e.g. it
+    ends a draft whose probability falls below its p_min)."""
+    program = bin_dir / "llama-speculative-simple"
+    done = run(program, ["-m", str(target), "-md", str(draft), "-f", str(prompt_file), "-n", str(new_tokens),
+                         "-t", str(threads), "-td", str(threads), "--temp", "0", "-c", "4096",
+                         *draft_flags(program, draft_max)])
+    return parse_speculative(done.stdout + done.stderr)
+
+
+def lookup(bin_dir: Path, target: Path, prompt_file: Path, new_tokens: int, draft_max: int,
+           threads: int) -> Speculative:
+    """Greedy prompt-lookup decoding of the prompt in `prompt_file` by llama.cpp (`llama-lookup`:
+    drafts of up to `draft_max` tokens from the n-grams of the text so far, no draft model); it
+    prints the statistics llama-speculative-simple prints."""
+    done = run(bin_dir / "llama-lookup", ["-m", str(target), "-f", str(prompt_file), "-n", str(new_tokens),
+                                          "-t", str(threads), "--temp", "0", "-c", "4096",
+                                          "--draft-max", str(draft_max)])
     return parse_speculative(done.stdout + done.stderr)
 
 
