@@ -12,11 +12,14 @@ conversion to Q8_0 at load.
 
 --pair: Qwen2.5-Coder-1.5B-Instruct drafted by Qwen2.5-Coder-0.5B-Instruct (`specdec pair install`),
 both as stored (Q4_K_M). Decoding speed as above, then HumanEval prompts greedy: llama.cpp's
-speculative decoding (`llama-speculative-simple`, drafts up to --draft-max) against specdec plain and
-specdec's draft-model speculation (`-k auto` and k = --draft-max), decoding time only, prompts'
-encoding excluded on both sides. Greedy outputs are checked against plain decoding.
+speculative decoding (`llama-speculative-simple`, drafts up to --draft-max) and its prompt lookup
+(`llama-lookup`) against specdec plain, specdec's draft-model speculation (`-k auto` and k =
+--draft-max; the draft's vocabulary and stopping rule from --draft-vocab and --stop-below), suffix
+lookup and the hybrid (suffix lookup, the draft model where it finds nothing), each lookup starting
+every request afresh; decoding time only, prompts' encoding excluded on both sides. Greedy outputs
+are checked against plain decoding.
 
-Prints a markdown table and writes docs/evidence/llamacpp-native[-pair].json.
+Prints the figures and writes docs/evidence/llamacpp-native[-pair].json (or --out's name there).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm import packaged
+from specdec.proposers.drafters import DraftModelOptions
 
 EVIDENCE = Path(__file__).resolve().parent / "evidence"
 GREEDY = SamplingConfig()
@@ -80,10 +84,11 @@ def smollm2(bin_dir: Path, threads: int, n: int, count: int) -> dict:
     return {"tokens_per_s": result, "specdec / llama.cpp": dict(table)}
 
 
-def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_max: int) -> dict:
+def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_max: int,
+         options: DraftModelOptions) -> dict:
     target_file, draft_file = packaged.resolve("qwen2.5-coder-1.5b"), packaged.resolve("qwen2.5-coder-0.5b")
     target = api.load("qwen2.5-coder-1.5b", quantize="gguf")
-    proposer = api.load_drafter(target, "draft-model", "qwen2.5-coder-0.5b")
+    proposer = api.load_drafter(target, "draft-model", "qwen2.5-coder-0.5b", options)
     specdec_decode_speed(target, 4)
     speeds = rounds({"specdec plain": lambda: specdec_decode_speed(target, n),
                      "llama.cpp plain": lambda: llamacpp_native.decode_speed(bin_dir, Path(target_file), threads, n)},
@@ -109,7 +114,8 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
     results, outputs = {}, {}
     decoders = (("specdec plain", None, 0), ("specdec draft-model auto", proposer, "auto"),
                 (f"specdec draft-model k={draft_max}", proposer, draft_max),
-                ("specdec suffix auto", api.load_drafter(target, "suffix"), "auto"))
+                ("specdec suffix auto", api.load_drafter(target, "suffix"), "auto"),
+                ("specdec hybrid auto", api.load_drafter(target, "hybrid", "qwen2.5-coder-0.5b", options), "auto"))
     peers = {"llama.cpp speculative": lambda prompt_file: llamacpp_native.speculative(
                  bin_dir, Path(target_file), Path(draft_file), prompt_file, n, draft_max, threads),
              "llama.cpp lookup": lambda prompt_file: llamacpp_native.lookup(
@@ -150,16 +156,25 @@ def main() -> None:
     p.add_argument("--pair", action="store_true")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--draft-max", type=int, default=5)
+    p.add_argument("--draft-vocab", default="auto", help="--pair: the draft's vocabulary (auto: the cost model's "
+                   "size; full: all of it; or a number of ids)")
+    p.add_argument("--stop-below", type=float, default=0.3, help="--pair: end a draft chain after a draft whose "
+                   "probability is below this (0: never)")
     p.add_argument("--out", help="the JSON's name in docs/evidence (default llamacpp-native[-pair].json)")
     args = p.parse_args()
     bin_dir, threads = llamacpp_native.binaries(args.llama_cpp), torch.get_num_threads()
     if args.pair:
-        figures = pair(bin_dir, threads, args.new_tokens, args.rounds, args.prompts, args.draft_max)
+        vocab = None if args.draft_vocab == "full" else args.draft_vocab if args.draft_vocab == "auto" else int(
+            args.draft_vocab)
+        options = DraftModelOptions(draft_vocab=vocab, stop_below=args.stop_below or None)
+        figures = pair(bin_dir, threads, args.new_tokens, args.rounds, args.prompts, args.draft_max, options)
     else:
         figures = smollm2(bin_dir, threads, args.new_tokens, args.rounds)
     conditions = {"hardware": hardware(), "software": software(), "threads": threads, "kernels": kernels.isa(),
                   "quant kernels": kernels.quant_isa(), "llama.cpp": llamacpp_native.build(bin_dir),
-                  "new tokens": args.new_tokens, "rounds": args.rounds}
+                  "new tokens": args.new_tokens, "rounds": args.rounds,
+                  **({"draft options": {"draft_vocab": options.draft_vocab, "stop_below": options.stop_below}}
+                     if args.pair else {})}
     out = EVIDENCE / (args.out or f"llamacpp-native{'-pair' if args.pair else ''}.json")
     out.write_text(json.dumps({"conditions": conditions, **figures}, indent=1))
     print(json.dumps(figures, indent=1))
