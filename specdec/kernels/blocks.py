@@ -210,7 +210,7 @@ def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
 # ------------------------------------------------------------------------ the kernels' layout
 
 PANEL_BLOCK_BYTES = {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q5_0": 32 + 256 + 64,
-                     "q4_k": (64 + 256 + 8 * 256) // 8, "q6_k": (32 + 256 + 8 * 384) // 8}  # per 16 outputs x 32 k
+                     "q4_k": (64 + 192 + 8 * 256) // 8, "q6_k": (32 + 256 + 8 * 384) // 8}  # per 16 outputs x 32 k
 
 
 def _per_panel(t: torch.Tensor, P: int) -> torch.Tensor:
@@ -276,21 +276,39 @@ def _unfifth_bits(packed: torch.Tensor) -> torch.Tensor:
     return ((b >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1).reshape(P * LANES, nb * BLOCK)
 
 
+def _six_bits(c: torch.Tensor) -> torch.Tensor:
+    """Q4_K's sub-block scales (..., 4 loads C_t, 4 bytes: [sc, m] of sub-blocks 2t, 2t+1; 6 bits each)
+    -> (..., 3, 4) in their 6 bits (kquant.h): the low nibbles of C_{2u} and C_{2u+1} in load u, low and
+    high, then the high bit pairs of C_t as bits 2t, 2t+1 of load 2."""
+    low = c & 15
+    high = sum(((c[..., t, :] >> 4) & 3) << (2 * t) for t in range(4))
+    return torch.stack((low[..., 0, :] | low[..., 1, :] << 4, low[..., 2, :] | low[..., 3, :] << 4, high), dim=-2)
+
+
+def _unsix_bits(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of _six_bits: (..., 3, 4) -> (..., 4, 4)."""
+    low = torch.stack((p[..., 0, :] & 15, p[..., 0, :] >> 4, p[..., 1, :] & 15, p[..., 1, :] >> 4), dim=-2)
+    return low | torch.stack([((p[..., 2, :] >> (2 * t)) & 3) << 4 for t in range(4)], dim=-2)
+
+
 def pack(blocks: Blocks) -> torch.Tensor:
     """The panels quant.h and kquant.h read, as uint8: per panel of 16 outputs (zero past N), per block of
     32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes: Q8_0's bytes, Q4_x's nibbles;
     Q5_0 the file's 5 bits: its low 4 as nibbles, then its fifth, _fifth_bits). The K-quants per
-    super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 loads of sub-block scales, 4 bytes per
-    output (Q4_K: [sc, m] of 2 sub-blocks; Q6_K: sc + 128 of 4), then 8 blocks of codes (Q4_K nibbles;
-    Q6_K the file's 6 bits: its low 4 as nibbles, then its high 2, _bit_pairs)."""
+    super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] sub-block scales, 4 bytes per output a load
+    (Q4_K: [sc, m] of 2 sub-blocks a load, in their 6 bits as 3 loads, _six_bits; Q6_K: sc + 128 of 4, 4
+    loads), then 8 blocks of codes (Q4_K nibbles; Q6_K the file's 6 bits: its low 4 as nibbles, then its
+    high 2, _bit_pairs)."""
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
     if f in ("q4_k", "q6_k"):
         S = K // SUPER
-        sub = blocks.sub if f == "q4_k" else (blocks.sub.short() + 128).to(torch.uint8)
+        sub = (_six_bits(blocks.sub.reshape(N, S, 4, 4)) if f == "q4_k" else
+               (blocks.sub.short() + 128).to(torch.uint8))
         head = [_per_panel(blocks.scales, P)] + ([_per_panel(blocks.mins, P)] if f == "q4_k" else [])
-        head.append(_per_panel(sub.reshape(N, S * 4, 4), P).reshape(P, S, 256))
+        loads = 3 if f == "q4_k" else 4
+        head.append(_per_panel(sub.reshape(N, S * loads, 4), P).reshape(P, S, loads * 64))
         codes = _codes(u, nibbles=True) if f == "q4_k" else torch.cat((_codes(u & 15, nibbles=True),
                                                                          _bit_pairs(u >> 4)), dim=-1)
         codes = codes.reshape(P, S, -1)
@@ -310,10 +328,11 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
         data = data.reshape(P, S, -1)
         scales = _from_panel(data[..., :32], N, torch.float16)
         mins = _from_panel(data[..., 32:64], N, torch.float16) if k4 else None
-        at = 64 if k4 else 32
-        sub = _from_panel(data[..., at:at + 256].reshape(P, S * 4, 64), N, torch.int32).view(torch.uint8)
-        sub = sub.reshape(N, K // BLOCK, 2) if k4 else (sub.reshape(N, K // 16).short() - 128).to(torch.int8)
-        codes = data[..., at + 256:].reshape(P, nb, -1)
+        at, loads = (64, 3) if k4 else (32, 4)
+        sub = _from_panel(data[..., at:at + loads * 64].reshape(P, S * loads, 64), N, torch.int32).view(torch.uint8)
+        sub = (_unsix_bits(sub.reshape(N, S, 3, 4)).reshape(N, K // BLOCK, 2) if k4 else
+               (sub.reshape(N, K // 16).short() - 128).to(torch.int8))
+        codes = data[..., at + loads * 64:].reshape(P, nb, -1)
         codes = (_uncodes(codes, nibbles=True) if k4 else
                  _uncodes(codes[..., :256], nibbles=True) | (_unbit_pairs(codes[..., 256:]) << 4))[:N]
         return Blocks(format, codes.contiguous(), scales, mins, sub.contiguous())

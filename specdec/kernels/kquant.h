@@ -17,18 +17,22 @@
 // fp32): so only the fp32 steps written shape a result, the same on both instruction sets.
 //
 // Packed layout of a matrix (N, K), K a multiple of 256: panels of 16 outputs (zero past N); panel
-// p is K/256 super-blocks of kSuperBytes[format] bytes: 16 fp16 d, [Q4_K: 16 fp16 dmin,] 4 vector
-// loads of sub-block scales, lane n (4 bytes) of load t holding output n's [sc, mn] of sub-blocks
-// 2t and 2t+1 (Q4_K) or sc + 128 of sub-blocks 4t..4t+3 (Q6_K, 16 k each), then 8 blocks of 32 k
-// of codes: Q4_K as quant.h's Q4_x (4 loads of nibbles); Q6_K as many bits as the file holds: the low
+// p is K/256 super-blocks of kSuperBytes[format] bytes: 16 fp16 d, [Q4_K: 16 fp16 dmin,] the
+// sub-block scales, then 8 blocks of 32 k of codes. The scales of Q6_K: 4 vector loads, lane n (4
+// bytes) of load t holding output n's sc + 128 of sub-blocks 4t..4t+3 (16 k each). Those of Q4_K
+// are unpacked into 4 such loads C_t, lane n holding output n's [sc, mn] of sub-blocks 2t and 2t+1,
+// from their 6 bits as the file holds them: loads 0 and 1 hold the low 4 bits of C_{2u} (low
+// nibbles of load u) and C_{2u+1} (its high nibbles), load 2 their high bit pairs (bits 2t, 2t+1 of
+// each byte: C_t's). The codes: Q4_K as quant.h's Q4_x (4 loads of nibbles); Q6_K as many bits as the file holds: the low
 // 4 bits of its codes as Q4_x's nibbles, then 2 loads of their high bit pairs, lane n byte t of load h
 // holding in bits 2i, 2i+1 those of k = 16h + 4i + t (joined to nibble load i: VI::bit_pair).
 // A lane's scale byte reaches an int32 lane as VI::dot against x4 = 1 in that byte's place.
 // Expects, defined before inclusion: what quant.h expects, and quant.h.
 
 constexpr int64_t kSuper = 256;                       // weights per super-block, along K
-constexpr int64_t kSuperBytes[2] = {2368, 3360};      // Q4_K, Q6_K: 16 outputs x 256 k
+constexpr int64_t kSuperBytes[2] = {2304, 3360};      // Q4_K, Q6_K: 16 outputs x 256 k
 constexpr int kScalesAt[2] = {64, 32};                // bytes before the sub-block scales
+constexpr int kScaleBytes[2] = {192, 256};            // bytes of sub-block scales
 constexpr int64_t kSuperCodes[2] = {256, 384};        // bytes of codes per block of 32 k
 
 // The sum of q over the first 16 k of each block of 32, rows [0, M) of x (Q6_K's first sub-block;
@@ -60,14 +64,26 @@ struct KBlock {
   int c;
 };
 
-// Q4_K: acc[r][j] += ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum) for block k.b.
+// Q4_K's sub-block scales of a super-block (`base`: its d, dmin, scales) as the 4 loads C_t.
+inline void q4_k_scales(const uint8_t* base, typename VI::Raw (&c)[4]) {
+  const uint8_t* packed = base + kScalesAt[0];
+  const auto high = VI::load(packed + 128);
+  for (int u = 0; u < 2; ++u) {
+    const auto low = VI::load(packed + u * 64);
+    c[2 * u] = VI::join(VI::low_nibbles(low), VI::bit_pair(high, 2 * u));
+    c[2 * u + 1] = VI::join(VI::high_nibbles(low), VI::bit_pair(high, 2 * u + 1));
+  }
+}
+
+// Q4_K: acc[r][j] += ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum) for block k.b (scales: the
+// super-block's C_t of each panel).
 template <int R, int NB>
 inline void q4_k_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const V (&dmin)[NB],
-                       V (&acc)[R][NB]) {
+                       const typename VI::Raw (&scales)[NB][4], V (&acc)[R][NB]) {
   VI s[R][NB];
   qsums<kQ4_1, R, NB>(k.codes, k.xq, s);  // quant.h: Q4_K's codes are laid out as Q4_1's
   for (int j = 0; j < NB; ++j) {
-    const auto raw = VI::load(k.base[j] + kScalesAt[0] + (k.c / 2) * 64);
+    const auto raw = scales[j][k.c / 2];
     const V scale = V::mul(d[j], scale_bytes(raw, 2 * (k.c % 2), 0));
     const V low = V::mul(dmin[j], scale_bytes(raw, 2 * (k.c % 2) + 1, 0));
     for (int r = 0; r < R; ++r) {
@@ -129,7 +145,7 @@ template <int I, int R, int NB>
 inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, int64_t nsuper, int64_t p0, int64_t r0,
                   float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
   const int64_t stride = nsuper * kSuperBytes[I];  // bytes of one panel
-  constexpr int64_t codes_at = kScalesAt[I] + 256;
+  constexpr int64_t codes_at = kScalesAt[I] + kScaleBytes[I];
   V acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
@@ -137,17 +153,21 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
   k.r0 = r0;
   for (int64_t sb = 0; sb < nsuper; ++sb) {
     V d[NB], dmin[NB];
+    typename VI::Raw scales[I == 0 ? NB : 1][4];
     for (int j = 0; j < NB; ++j) {
       k.base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
       d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j]));
-      if constexpr (I == 0) dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
+      if constexpr (I == 0) {
+        dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
+        q4_k_scales(k.base[j], scales[j]);
+      }
     }
     for (k.c = 0; k.c < 8; ++k.c) {
       k.b = sb * 8 + k.c;
       for (int r = 0; r < R; ++r) k.xq[r] = x.q + (r0 + r) * x.ld + k.b * kBlock;
       for (int j = 0; j < NB; ++j) k.codes[j] = k.base[j] + codes_at + k.c * kSuperCodes[I];
       if constexpr (I == 0)
-        q4_k_block<R, NB>(k, x, d, dmin, acc);
+        q4_k_block<R, NB>(k, x, d, dmin, scales, acc);
       else
         q6_k_block<R, NB>(k, x, halves, d, acc);
     }

@@ -14,7 +14,7 @@ constexpr int kPrefetch = 48;  // cache lines ahead in each stream of packed wei
 enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ4_K = 5, kQ6_K = 6, kMixed = 7 };
 constexpr int64_t kBlock = 32;  // weights per quantized block, along K
 // bytes per 16 outputs x 32 k (quant.h; the K-quants' per 32 k of a super-block: kquant.h)
-constexpr int64_t kPanelBlockBytes[7] = {0, 32 + 512, 32 + 256, 64 + 256, 32 + 256 + 64, 296, 420};
+constexpr int64_t kPanelBlockBytes[7] = {0, 32 + 512, 32 + 256, 64 + 256, 32 + 256 + 64, 288, 420};
 constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
 
 struct Mat {  // a packed matrix of N outputs from K inputs

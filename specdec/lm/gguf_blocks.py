@@ -15,9 +15,9 @@ those values in fp32.
 
 The model holds what it runs and nothing beside it (`load_as_stored`): built on the meta device and
 filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
-holds about the file's size (the kernels' layout holds each format in the file's bytes, Q4_K in 3%
-more: its 6-bit scales a byte each), and what the load freed goes back to the system. The file's
-converted checkpoint gives the architecture and the tokenizer only.
+holds about the file's size (the kernels' layout holds each format in the file's bytes), and what
+the load freed goes back to the system. The file's converted checkpoint gives the architecture and
+the tokenizer only.
 This module knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or
 about decoding.
 """
