@@ -116,10 +116,12 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
                 (f"specdec draft-model k={draft_max}", proposer, draft_max),
                 ("specdec suffix auto", api.load_drafter(target, "suffix"), "auto"),
                 ("specdec hybrid auto", api.load_drafter(target, "hybrid", "qwen2.5-coder-0.5b", options), "auto"))
-    peers = {"llama.cpp speculative": lambda prompt_file: llamacpp_native.speculative(
-                 bin_dir, Path(target_file), Path(draft_file), prompt_file, n, draft_max, threads),
-             "llama.cpp lookup": lambda prompt_file: llamacpp_native.lookup(
-                 bin_dir, Path(target_file), prompt_file, n, draft_max, threads)}
+    fallback = llamacpp_native.Fallback()
+    peers = {"llama.cpp speculative": lambda prompt_file: fallback("llama-speculative-simple", lambda extra:
+                 llamacpp_native.speculative(bin_dir, Path(target_file), Path(draft_file), prompt_file, n, draft_max,
+                                             threads, extra)),
+             "llama.cpp lookup": lambda prompt_file: fallback("llama-lookup", lambda extra: llamacpp_native.lookup(
+                 bin_dir, Path(target_file), prompt_file, n, draft_max, threads, extra))}
     for _, drafter, k in decoders:  # warm-up, not timed: the verify curve `-k auto` measures once, the kernels
         ours(drafter, k, 0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,6 +147,7 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
             "humaneval tokens_per_s": {name: {"median": statistics.median(v), "all": v} for name, v in per_round.items()},
             "acceptance": {name: [sum(a for *_, a, _ in v), sum(p for *_, p in v)] for name, v in results.items()},
             "greedy identical to specdec plain": identical,
+            "peer failures": fallback.failures,
             "files": {"target": str(Path(target_file).name), "draft": str(Path(draft_file).name)}}
 
 

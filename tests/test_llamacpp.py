@@ -236,8 +236,10 @@ def program(folder: Path, name: str, usage: str) -> Path:
 def test_drafts_are_asked_for_as_the_programs_version_spells_it(tmp_path):
     new = program(tmp_path, "new", "--spec-type TYPE\n--spec-draft-n-max N   number of tokens to draft")
     old = program(tmp_path, "old", "--draft-max, --draft, --draft-n N   number of tokens to draft")
-    assert llamacpp_native.draft_flags(new, 5) == ["--spec-type", "draft-simple", "--spec-draft-n-max", "5"]
-    assert llamacpp_native.draft_flags(old, 3) == ["--draft-max", "3"]
+    assert llamacpp_native.draft_flags(new, 5, "draft-simple") == ["--spec-type", "draft-simple",
+                                                                  "--spec-draft-n-max", "5"]
+    assert llamacpp_native.draft_flags(new, 5) == ["--spec-draft-n-max", "5"]  # llama-lookup: no draft model
+    assert llamacpp_native.draft_flags(old, 3, "draft-simple") == ["--draft-max", "3"]
 
 
 def test_the_build_is_named_from_its_cmake_cache(tmp_path):
@@ -248,6 +250,27 @@ def test_the_build_is_named_from_its_cmake_cache(tmp_path):
     (tmp_path / "CMakeCache.txt").write_text("GGML_NATIVE:BOOL=OFF\nGGML_AVX:BOOL=ON\nGGML_AVX2:BOOL=ON\n"
                                              "GGML_AVX512:BOOL=OFF\n")
     assert llamacpp_native.build(tmp_path / "bin").endswith("built for AVX AVX2")
+
+
+def test_a_peer_that_crashes_runs_again_without_repacking_and_the_crash_is_kept():
+    fallback, calls = llamacpp_native.Fallback(), []
+
+    def crashing(extra):
+        calls.append(extra)
+        if not extra:
+            raise SpecdecError("llama-speculative-simple failed (exit status -11): ...")
+        return "ran"
+
+    assert fallback("llama-speculative-simple", crashing) == "ran"
+    assert fallback("llama-speculative-simple", crashing) == "ran"  # straight to the flag
+    assert calls == [(), ("--no-repack",), ("--no-repack",)]
+    assert "exit status -11" in fallback.failures["llama-speculative-simple"]
+
+    def failing(extra):  # an error that is no crash is not retried
+        raise SpecdecError("llama-lookup failed (exit status 1): bad flag")
+    with pytest.raises(SpecdecError, match="bad flag"):
+        fallback("llama-lookup", failing)
+    assert "llama-lookup" not in fallback.failures
 
 
 def test_a_failing_program_is_an_error_with_its_exit_status(tmp_path):

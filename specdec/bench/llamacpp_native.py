@@ -98,37 +98,60 @@ def parse_speculative(out: str) -> Speculative:
                        int(found["drafted"].group(1)), int(found["accepted"].group(1)), out)
 
 
-def draft_flags(program: Path, draft_max: int) -> list[str]:
+def draft_flags(program: Path, draft_max: int, draft_type: str | None = None) -> list[str]:
     """The flags that ask `program` for drafts of up to `draft_max` tokens, as its version spells them:
     builds since late 2025 take `--spec-draft-n-max` and infer no draft type from a plain GGUF draft
-    (`--spec-type draft-simple`); earlier ones take `--draft-max`."""
+    (`--spec-type draft_type`, where one is given); earlier ones take `--draft-max`."""
     usage = run(program, ["--help"])
     if "--spec-draft-n-max" in usage.stdout + usage.stderr:
-        return ["--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+        return [*(["--spec-type", draft_type] if draft_type else []), "--spec-draft-n-max", str(draft_max)]
     return ["--draft-max", str(draft_max)]
 
 
 def speculative(bin_dir: Path, target: Path, draft: Path, prompt_file: Path, new_tokens: int, draft_max: int,
-                threads: int) -> Speculative:
+                threads: int, extra: tuple[str, ...] = ()) -> Speculative:
     """Greedy speculative decoding of the prompt in `prompt_file` by llama.cpp with the draft model,
     drafts of up to `draft_max` tokens, its other speculative settings at their defaults (e.g. it
-    ends a draft whose probability falls below its p_min)."""
+    ends a draft whose probability falls below its p_min); `extra`: more of its flags."""
     program = bin_dir / "llama-speculative-simple"
     done = run(program, ["-m", str(target), "-md", str(draft), "-f", str(prompt_file), "-n", str(new_tokens),
                          "-t", str(threads), "-td", str(threads), "--temp", "0", "-c", "4096",
-                         *draft_flags(program, draft_max)])
+                         *draft_flags(program, draft_max, "draft-simple"), *extra])
     return parse_speculative(done.stdout + done.stderr)
 
 
 def lookup(bin_dir: Path, target: Path, prompt_file: Path, new_tokens: int, draft_max: int,
-           threads: int) -> Speculative:
+           threads: int, extra: tuple[str, ...] = ()) -> Speculative:
     """Greedy prompt-lookup decoding of the prompt in `prompt_file` by llama.cpp (`llama-lookup`:
     drafts of up to `draft_max` tokens from the n-grams of the text so far, no draft model); it
     prints the statistics llama-speculative-simple prints."""
-    done = run(bin_dir / "llama-lookup", ["-m", str(target), "-f", str(prompt_file), "-n", str(new_tokens),
-                                          "-t", str(threads), "--temp", "0", "-c", "4096",
-                                          "--draft-max", str(draft_max)])
+    program = bin_dir / "llama-lookup"
+    done = run(program, ["-m", str(target), "-f", str(prompt_file), "-n", str(new_tokens), "-t", str(threads),
+                         "--temp", "0", "-c", "4096", *draft_flags(program, draft_max), *extra])
     return parse_speculative(done.stdout + done.stderr)
+
+
+class Fallback:
+    """A program run with its defaults until it crashes (killed by a signal, as some builds' weight
+    repacking does beside a draft model), then with `--no-repack` from that run on; what happened is
+    kept in `failures` (program -> what it printed), for the conditions: a peer's failure is reported,
+    never hidden."""
+    FLAGS = ("--no-repack",)
+
+    def __init__(self):
+        self.flags: dict[str, tuple[str, ...]] = {}
+        self.failures: dict[str, str] = {}
+
+    def __call__(self, name: str, call):
+        """call(extra flags) for program `name`, again with FLAGS after a crash."""
+        try:
+            return call(self.flags.get(name, ()))
+        except SpecdecError as e:
+            if name in self.flags or "exit status -" not in str(e):
+                raise
+            self.failures[name] = f"{str(e)[:160]}...; run with {' '.join(self.FLAGS)} from then on"
+            self.flags[name] = self.FLAGS
+            return call(self.FLAGS)
 
 
 def quantize(bin_dir: Path, source: Path, out: Path, kind: str = "Q8_0") -> Path:
