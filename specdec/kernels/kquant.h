@@ -23,9 +23,10 @@
 // are unpacked into 4 such loads C_t, lane n holding output n's [sc, mn] of sub-blocks 2t and 2t+1,
 // from their 6 bits as the file holds them: loads 0 and 1 hold the low 4 bits of C_{2u} (low
 // nibbles of load u) and C_{2u+1} (its high nibbles), load 2 their high bit pairs (bits 2t, 2t+1 of
-// each byte: C_t's). The codes: Q4_K as quant.h's Q4_x (4 loads of nibbles); Q6_K as many bits as the file holds: the low
-// 4 bits of its codes as Q4_x's nibbles, then 2 loads of their high bit pairs, lane n byte t of load h
-// holding in bits 2i, 2i+1 those of k = 16h + 4i + t (joined to nibble load i: VI::bit_pair).
+// each byte: C_t's). The codes: Q4_K as quant.h's Q4_x (4 loads of nibbles); Q6_K as many bits as
+// the file holds: the low 4 bits of its codes as Q4_x's nibbles, then 2 loads of their high bit
+// pairs, lane n byte t of load h holding in bits 2i, 2i+1 those of k = 16h + 4i + t (joined to
+// nibble load i: VI::bit_pair).
 // A lane's scale byte reaches an int32 lane as VI::dot against x4 = 1 in that byte's place.
 // Expects, defined before inclusion: what quant.h expects, and quant.h.
 

@@ -546,7 +546,8 @@ def main(argv: list[str] | None = None) -> None:
             dest = snapshot(out, args.to or cfg.init, cfg, command)
             print(f"the head of {out} written to {dest}")
         else:
-            points = whole_curve(json.loads((Path(cfg.init) / "heads.json").read_text()), curve(out))
+            init_meta = Path(cfg.init) / "heads.json"
+            points = whole_curve(json.loads(init_meta.read_text()) if init_meta.exists() else {}, curve(out))
             if not points:
                 raise SpecdecError(f"neither {cfg.init} nor {out} has an evaluation point yet (curve.jsonl); "
                                    "let the run reach its first one")
