@@ -258,7 +258,7 @@ def test_a_peer_that_crashes_runs_again_without_repacking_and_the_crash_is_kept(
     def crashing(extra):
         calls.append(extra)
         if not extra:
-            raise SpecdecError("llama-speculative-simple failed (exit status -11): ...")
+            raise llamacpp_native.ProgramFailed("llama-speculative-simple failed (exit status -11): ...", -11)
         return "ran"
 
     assert fallback("llama-speculative-simple", crashing) == "ran"
@@ -267,7 +267,7 @@ def test_a_peer_that_crashes_runs_again_without_repacking_and_the_crash_is_kept(
     assert "exit status -11" in fallback.failures["llama-speculative-simple"]
 
     def failing(extra):  # an error that is no crash is not retried
-        raise SpecdecError("llama-lookup failed (exit status 1): bad flag")
+        raise llamacpp_native.ProgramFailed("llama-lookup failed (exit status 1): bad flag", 1)
     with pytest.raises(SpecdecError, match="bad flag"):
         fallback("llama-lookup", failing)
     assert "llama-lookup" not in fallback.failures

@@ -12,6 +12,7 @@ This module knows nothing about specdec's model classes.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -52,13 +53,21 @@ def build(bin_dir: Path) -> str:
     return f"its own programs, GGML_NATIVE=OFF, built for {' '.join(isas) or 'no vector extension'}"
 
 
+class ProgramFailed(SpecdecError):
+    """A program that exited with a non-zero status (`status`; negative: killed by that signal)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 def run(program: Path, args: list[str]) -> subprocess.CompletedProcess:
     """One run, its stdout and stderr kept apart; a failure (a crash included) is an error naming the
     exit status."""
     done = subprocess.run([str(program), *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SpecdecError(f"{program.name} failed (exit status {done.returncode}): "
-                           f"{(done.stderr or done.stdout).strip()[-400:]}")
+        raise ProgramFailed(f"{program.name} failed (exit status {done.returncode}): "
+                            f"{(done.stderr or done.stdout).strip()[-400:]}", done.returncode)
     return done
 
 
@@ -98,12 +107,18 @@ def parse_speculative(out: str) -> Speculative:
                        int(found["drafted"].group(1)), int(found["accepted"].group(1)), out)
 
 
+@functools.cache
+def usage(program: Path) -> str:
+    """What `program --help` prints, asked once per program."""
+    done = run(program, ["--help"])
+    return done.stdout + done.stderr
+
+
 def draft_flags(program: Path, draft_max: int, draft_type: str | None = None) -> list[str]:
     """The flags that ask `program` for drafts of up to `draft_max` tokens, as its version spells them:
     builds since late 2025 take `--spec-draft-n-max` and infer no draft type from a plain GGUF draft
     (`--spec-type draft_type`, where one is given); earlier ones take `--draft-max`."""
-    usage = run(program, ["--help"])
-    if "--spec-draft-n-max" in usage.stdout + usage.stderr:
+    if "--spec-draft-n-max" in usage(program):
         return [*(["--spec-type", draft_type] if draft_type else []), "--spec-draft-n-max", str(draft_max)]
     return ["--draft-max", str(draft_max)]
 
@@ -146,8 +161,8 @@ class Fallback:
         """call(extra flags) for program `name`, again with FLAGS after a crash."""
         try:
             return call(self.flags.get(name, ()))
-        except SpecdecError as e:
-            if name in self.flags or "exit status -" not in str(e):
+        except ProgramFailed as e:
+            if name in self.flags or e.status >= 0:
                 raise
             self.failures[name] = f"{str(e)[:160]}...; run with {' '.join(self.FLAGS)} from then on"
             self.flags[name] = self.FLAGS
