@@ -101,8 +101,9 @@ def answer_all(model, tokenizer: Tokenizer, prompts: list[PoolPrompt], temperatu
     requests = [Request(list(e.ids), rule_of[e.stop],
                         SamplingConfig(t, seed=prompt_seed(cfg.seed, p) if t else None)) for p, t, e in jobs]
     t0 = time.perf_counter()
-    k = "auto" if cfg.lookup else 0  # lookup drafts only at the steps where the cost model says it pays
-    engine = Engine(admit(model), NgramProposer(), k, cfg.capacity, max(len(r.prompt) for r in requests) + max_new_tokens)
+    # lookup drafts only at the steps where the cost model says it pays; without it, plain decoding
+    proposer, k = (NgramProposer(), "auto") if cfg.lookup else (None, 0)
+    engine = Engine(admit(model), proposer, k, cfg.capacity, max(len(r.prompt) for r in requests) + max_new_tokens)
     for r in requests:
         engine.submit(r)
     while engine.busy:
