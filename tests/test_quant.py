@@ -264,6 +264,16 @@ def test_the_self_draft_is_the_target_in_4_bits():
     assert (draft.lm_head.dense() - TARGET.lm_head.weight).abs().max() < 0.1
 
 
+def test_a_self_draft_with_a_bf16_head_drafts_over_a_draft_vocabulary():
+    # its unembedding held as a bf16 matrix (no parameter beside it): the vocabulary's rows are its values
+    counts = torch.arange(V, 0, -1)  # id 0 the most frequent
+    proposer = SelfDraftProposer(target=TARGET, head_format="bf16", draft_vocab=V // 2, token_counts=counts)
+    assert proposer.model.lm_head.weight is None and proposer.model.lm_head.stored.format == "bf16"
+    assert torch.equal(proposer.vocab.unembedding.weight, proposer.model.lm_head.dense()[:V // 2].float())
+    rows, _ = speculative_generate(TARGET, proposer, [PROMPT], StopRule(max_new_tokens=6), SamplingConfig(), 2)
+    assert rows[0].tokens == plain_generate(TARGET, [PROMPT], StopRule(max_new_tokens=6), SamplingConfig())[0][0].tokens
+
+
 def test_generate_quantized_with_the_self_draft_names_the_format(capsys, tiny_checkpoint):
     args = ["generate", "--model", str(tiny_checkpoint), "--prompt", "def f(x):", "--max-new-tokens", "12",
             "--temperature", "0", "--quantize", "q4_0", "--json"]

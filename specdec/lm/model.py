@@ -92,7 +92,9 @@ class Linear(nn.Linear):
 
     def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """(n, K) the values of the output rows ids (n,), exactly (a quantized matrix's: only theirs unpacked)."""
-        return self.weight[ids] if self.weight is not None else self.stored.row_blocks(ids).dense()
+        if self.weight is not None:
+            return self.weight[ids]
+        return self.stored.row_blocks(ids).dense() if self.stored.quantized else self.stored.dense()[ids]
 
 
 class Embedding(nn.Embedding):
