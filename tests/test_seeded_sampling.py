@@ -60,6 +60,20 @@ def test_uniforms_stay_inside_the_open_interval_at_the_extreme_hashes():
     assert bool(np.isfinite(-np.log(-np.log(u))).all())
 
 
+def test_kept_noise_rows_are_the_rows_made_anew_and_stay_within_their_budget():
+    rows = sampling.NoiseRows(budget=3 * 300 * 4)  # three rows of 300 float32s
+    keys = [(5, t) for t in range(4)]
+    first = rows.rows(keys, 300)  # four made: the oldest dropped
+    assert len(rows.kept) == 3 and (5, 0) not in rows.kept and rows.bytes <= rows.budget
+    again = rows.rows(keys[::-1], 300)  # three kept, one made anew
+    fresh = sampling.noise_rows(keys, 300)
+    for a, b, c in zip(first, again[::-1], fresh):
+        assert np.array_equal(a, c) and np.array_equal(b, c)
+    assert np.array_equal(rows.rows([(5, 3)], 400)[0][:300], fresh[3])  # a longer row: made anew, the same start
+    ids = torch.tensor([0, 7, 299])  # a draft vocabulary's columns: the full row's, indexed
+    assert torch.equal(gumbel([5], [[2]], 3, ids), gumbel([5], [[2]], 300)[..., ids])
+
+
 # (seed 1, position 265, token 2431) hashes to x with x >> 8 = 2^24 - 1, the value whose 24-bit uniform
 # rounded to 1.0 (found by searching the hash over seeds and positions)
 EXTREME = (1, 265, 2431)
@@ -153,6 +167,7 @@ def test_seeded_sampling_matches_the_target_distribution(proposer_name, setting,
 
 def test_the_distribution_test_fails_for_noise_that_forgets_the_position(monkeypatch):
     keys = sampling.noise_keys
+    monkeypatch.setattr(sampling, "NOISE", sampling.NoiseRows())  # no row kept from before the change
     monkeypatch.setattr(sampling, "noise_keys", lambda seeds, positions: keys(seeds, [[0] * len(p) for p in positions]))
     counts, _ = seeded_counts("T=1", PROPOSERS["draft-model"](), 3)
     result = distribution_test(counts, exact_joint(SETTINGS["T=1"]))

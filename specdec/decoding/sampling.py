@@ -12,6 +12,8 @@ and the target, never on the draft, k, the batch or the load (Daliri, Musco, Sur
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,14 +207,59 @@ def gumbel(seeds: list[int], positions: list[list[int]], vocab: int, ids: torch.
     """(R, n, V) float32 standard Gumbel noise on the CPU, element (r, i, v) a function of
     (seeds[r], positions[r][i], v) only: two rounds of a 32-bit hash keyed by the (seed, position)
     key's halves, its top 23 bits as a uniform in the open interval (0, 1) (`open_uniform`), -log(-log(u)).
-    ids (N,): the noise of those token ids only, (R, n, N) (a draft vocabulary's columns)."""
-    keys = noise_keys(seeds, positions)[..., None]                          # (R, n, 1)
-    low, high = (keys & np.uint64(0xFFFFFFFF)).astype(np.uint32), (keys >> np.uint64(32)).astype(np.uint32)
-    tokens = np.arange(vocab, dtype=np.uint32) if ids is None else ids.cpu().numpy().astype(np.uint32)
-    x = _mix32(tokens ^ low)                                               # (R, n, V)
-    x ^= high
-    x = _mix32(x)
-    return torch.from_numpy(-np.log(-np.log(open_uniform(x))))
+    ids (N,): the noise of those token ids only, (R, n, N) (a draft vocabulary's columns).
+    Each (seed, position)'s row over the vocabulary is made once and kept a while (NOISE): a seeded
+    row's drafts and its verification ask for the same positions, one after the other."""
+    length = vocab if ids is None or not len(ids) else int(ids.max()) + 1  # the row's columns needed
+    rows = NOISE.rows([(seed, t) for seed, row in zip(seeds, positions) for t in row], length)
+    noise = torch.from_numpy(np.stack([row[:length] for row in rows]) if rows else np.empty((0, length), np.float32))
+    noise = noise[:, :vocab] if ids is None else noise[:, ids.cpu()]
+    return noise.reshape(len(seeds), -1, noise.shape[-1])
+
+
+def noise_rows(keys: list[tuple[int, int]], length: int) -> np.ndarray:
+    """(len(keys), length) the noise of (seed, position) keys over token ids 0..length-1 (`gumbel`)."""
+    hashed = noise_keys([s for s, _ in keys], [[t] for _, t in keys])           # (R, 1)
+    low, high = (hashed & np.uint64(0xFFFFFFFF)).astype(np.uint32), (hashed >> np.uint64(32)).astype(np.uint32)
+    out = np.empty((len(keys), length), dtype=np.float32)
+    tokens = np.arange(length, dtype=np.uint32)
+    for r in range(len(keys)):  # a row at a time: its temporaries stay in the cache
+        x = _mix32(tokens ^ low[r])
+        x ^= high[r]
+        x = _mix32(x)
+        out[r] = -np.log(-np.log(open_uniform(x)))
+    return out
+
+
+class NoiseRows:
+    """The noise rows made lately, by (seed, position), up to `budget` bytes; the oldest go first. A
+    row kept shorter than a request needs is made anew (its first columns are the same numbers)."""
+
+    def __init__(self, budget: int = 64 << 20):
+        self.budget, self.kept, self.bytes = budget, OrderedDict(), 0
+        self.lock = threading.Lock()
+
+    def rows(self, keys: list[tuple[int, int]], length: int) -> list[np.ndarray]:
+        """Each key's row, at least `length` long."""
+        with self.lock:
+            found = {k: self.kept[k] for k in keys if k in self.kept and len(self.kept[k]) >= length}
+            for k in found:
+                self.kept.move_to_end(k)
+        missing = list(dict.fromkeys(k for k in keys if k not in found))
+        if missing:
+            made = noise_rows(missing, length)
+            found.update(zip(missing, made))
+            with self.lock:
+                for k, row in zip(missing, made):
+                    old = self.kept.pop(k, None)
+                    self.bytes += row.nbytes - (0 if old is None else old.nbytes)
+                    self.kept[k] = row
+                while self.bytes > self.budget:
+                    self.bytes -= self.kept.popitem(last=False)[1].nbytes
+        return [found[k] for k in keys]
+
+
+NOISE = NoiseRows()
 
 
 def open_uniform(x: np.ndarray) -> np.ndarray:
@@ -235,7 +282,7 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
     free = finite_counts(logits) > 1                                                      # (R, n)
     if bool(free.all()):
         noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids).to(logits.device)
-        return row_probabilities(logits, configs).log() + noise
+        return log_weights(logits, configs) + noise
     r, i = free.nonzero(as_tuple=True)
     rows, columns = r.tolist(), i.tolist()
     out = logits.float().clone()
@@ -243,7 +290,24 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
         chosen = [configs[a] for a in rows]
         noise = gumbel([cfg.seed for cfg in chosen], [[positions[a][b]] for a, b in zip(rows, columns)],
                        logits.shape[-1], ids).to(logits.device)                            # (F, 1, V)
-        out[r, i] = (row_probabilities(logits[r, i][:, None], chosen).log() + noise)[:, 0]
+        out[r, i] = (log_weights(logits[r, i][:, None], chosen) + noise)[:, 0]
+    return out
+
+
+def log_weights(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
+    """(R, ..., V) logits of sampled rows -> log row_probabilities up to a constant per row and
+    position, which no argmax over V sees: logits / temperature, -inf outside top-k; the log of
+    the probabilities themselves only where top-p needs them to know what it keeps (a softmax and
+    a log over V spared per column)."""
+    if any(cfg.top_p is not None and cfg.top_p < 1 for cfg in configs):
+        return row_probabilities(logits, configs).log()
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    out = logits.float() / torch.tensor([cfg.temperature for cfg in configs], device=logits.device).view(shape)
+    for cfg, rows in rows_by_config(configs).items():
+        if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+            index = torch.tensor(rows, device=logits.device)
+            part = out[index]
+            out[index] = part.masked_fill(part < part.topk(cfg.top_k, dim=-1).values[..., -1:], float("-inf"))
     return out
 
 
