@@ -1,4 +1,4 @@
-"""proposers/hybrid.py: suffix lookup where it finds a continuation, the draft model elsewhere."""
+"""proposers/hybrid.py: suffix lookup where it finds a long match, the draft model elsewhere."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +40,20 @@ def test_each_row_drafts_from_lookup_where_it_finds_a_continuation_else_from_the
     assert proposal.tokens[0].tolist() == [8, 9, 5] == greedy_drafts(proposer.lookup, REPEATING, 3)
     assert proposal.tokens[1].tolist() == greedy_drafts(proposer.model, NOVEL, 3)
     assert greedy_drafts(proposer.lookup, NOVEL, 3) == []
+
+
+def test_a_match_shorter_than_lookups_min_match_is_left_to_the_draft_model():
+    short = [5, 6, 7, 1, 2, 6, 7]  # "6 7" seen before (then 1): a match of 2
+    target = tiny_llama(0)
+    proposer = HybridProposer(SuffixProposer(shared_nodes=0, min_match=3), DraftModelProposer(noisy_copy(target, 0.05,
+                                                                                                          seed=1)))
+    state = proposer.start(32, 3, 2)
+    proposer.join(state, [REPEATING, short], torch.zeros(2, 0, 1), [SamplingConfig()] * 2)
+    proposal = proposer.propose(state, torch.tensor([3, 3]), (1, 1, 1), Draws())
+    assert proposal.tokens[0].tolist() == [8, 9, 5]  # "5 6 7": a match of 3
+    assert proposal.tokens[1].tolist() == greedy_drafts(proposer.model, short, 3)
+    assert greedy_drafts(SuffixProposer(shared_nodes=0), short, 3) == [1, 2]  # what min_match 1 would draft
+    assert state.by_model == [False, True]
 
 
 def test_the_draft_model_reads_the_tokens_of_the_steps_lookup_drafted():

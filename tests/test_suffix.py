@@ -50,6 +50,10 @@ CASES = {
     "trie_depth bounds match + continuation": ([1, 2, 3, 4, 5, 1, 2], {"trie_depth": 3, "max_match": 2,
                                                                        "factor": 3}, 4, CHAIN, [3], None),
     "the continuation ends with the text": ([7, 8, 7], {"factor": 4}, 4, CHAIN, [8, 7], None),
+    "min_match 3: a match of 2 (2 3 -> 7) drafts nothing": ([1, 2, 3, 9, 5, 2, 3, 7, 8, 2, 3], {"min_match": 3}, 3,
+                                                            CHAIN, [], None),
+    "min_match 3: ... a match of 3 (1 2 3 -> 9) drafts": ([1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3], {"min_match": 3}, 3,
+                                                          CHAIN, [9, 5, 2], None),
     "no repeat: nothing": ([1, 2, 3], {}, 4, CHAIN, [], None),
     "limit 0: nothing": ([1, 2, 1], {}, 0, CHAIN, [], None),
 }
@@ -184,6 +188,7 @@ BAD = {
     "min_score above 1": ({"min_score": 1.5}, r"min_score .* must lie in \[0, 1\]"),
     "factor 0": ({"factor": 0}, "factor .* must be > 0"),
     "negative shared_nodes": ({"shared_nodes": -1}, "shared_nodes must be an integer >= 0"),
+    "min_match above max_match": ({"max_match": 4, "min_match": 5}, "min_match must be an integer from 1 to max_match"),
 }
 
 

@@ -36,7 +36,7 @@ from .draft_model import DraftModelProposer, chosen_vocab
 from .eagle import EagleProposer
 from .eagle_head import EAGLE_FOLDER
 from .heads import MTP_FOLDER, check_head_target, load_head
-from .hybrid import HybridProposer
+from .hybrid import SURE_MATCH, HybridProposer
 from .mtp import MTPProposer
 from .guided_ngram import GuidedNgramProposer
 from .parallel import ParallelDraftProposer
@@ -215,15 +215,15 @@ class DraftModel(Drafter):
 
 
 class Hybrid(DraftModel):
-    """Suffix-tree lookup where it finds a continuation, the draft model elsewhere (hybrid.py): the
+    """Suffix-tree lookup where it finds a long match, the draft model elsewhere (hybrid.py): the
     draft model's folder, options and checks."""
     name, cls, what = "hybrid", HybridProposer, "draft model behind suffix lookup"
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
-        return HybridProposer(SuffixProposer(), super().proposer(draft, target, options))
+        return HybridProposer(SuffixProposer(min_match=SURE_MATCH), super().proposer(draft, target, options))
 
     def describe(self, draft, proposer, options) -> dict:
-        return {**super().describe(draft, proposer.model, options), "lookup": "suffix, where it finds a continuation"}
+        return {**super().describe(draft, proposer.model, options), "lookup": f"suffix, where it matches {SURE_MATCH} tokens or more"}
 
 
 class ParallelDraft(DraftModel):

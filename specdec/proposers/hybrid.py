@@ -1,8 +1,12 @@
-"""Lookup first, a draft model where lookup finds nothing: each step, suffix-tree lookup drafts the
-rows whose text offers a continuation (it costs next to nothing and is often long and right: code
-repeats its names, an answer quotes its question), and the draft model drafts the others, in one
-batched call over just those rows. A draft model whose forward costs a third of the target's pays
-only where its drafts are accepted often; lookup spares it the steps where a copy is at hand.
+"""Lookup first where it is sure, a draft model elsewhere: each step, suffix-tree lookup drafts the
+rows whose text ends in a long match (at least SURE_MATCH tokens seen before, and continued: code
+repeats its names, an answer quotes its question; such a copy costs next to nothing and is long and
+right), and the draft model drafts the others, in one batched call over just those rows. A draft
+model whose forward costs a third of the target's pays only where its drafts are accepted often;
+lookup spares it the steps where a copy is at hand. A short match is left to the draft model: on
+HumanEval with Qwen2.5-Coder-1.5B, suffix drafts from matches of 1-3 tokens had 0.5-1.1 tokens
+accepted per step, from matches of 5 or more 3.4-6.5 (8 prompts, 317 steps), where the 0.5B draft
+model's steps have about 3.
 
 Both proposers see every row's committed tokens: the draft model reads a row's tokens since it last
 drafted for that row lazily (its pending tokens, draft_model.py), so a row that lookup drafts for
@@ -24,6 +28,8 @@ import torch
 
 from ..decoding.protocol import Outcome, Proposal, Proposer
 from ..decoding.tree import chain_parents
+
+SURE_MATCH = 5  # the shortest suffix match lookup drafts from in the hybrid (its SuffixProposer's min_match)
 
 
 @dataclass

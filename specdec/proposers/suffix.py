@@ -17,11 +17,12 @@ history makes hundreds of thousands of nodes, and per-node containers would make
 collection walk them all. Appending a token costs one step down from each of the (at most
 trie_depth) nodes that end the text: the row keeps that list (`open`), so nothing is rebuilt.
 
-propose: per trie, the longest suffix of the row's text (at most `max_match` tokens) that occurred
-earlier with a continuation; from that node, candidates are scored by the product of empirical
-conditional frequencies along their path (a child's count over the sum of its siblings' counts),
-and taken best first while the best scores >= `min_score`, at most widths[d] at depth d + 1, at
-most min(limits[b], int(factor * match length)) deep: a longer match earns a deeper draft. Equal
+propose: per trie, the longest suffix of the row's text (at most `max_match` tokens, none shorter
+than `min_match`) that occurred earlier with a continuation; from that node, candidates are scored
+by the product of empirical conditional frequencies along their path (a child's count over the
+sum of its siblings' counts), and taken best first while the best scores >= `min_score`, at most
+widths[d] at depth d + 1, at most min(limits[b], int(factor * match length)) deep: a longer match
+earns a deeper draft. Equal
 scores go to the continuation first seen latest. Of the two tries' trees the one with the larger
 expected number of accepted tokens (the sum of its scores) is proposed, the row's own on a tie.
 Trees come in depth order, siblings by score (tree.py); with all widths 1 a chain.
@@ -170,16 +171,19 @@ class SuffixProposer:
     max_depth = None   # levels per step: as many as the match allows (factor), within the limits
 
     def __init__(self, trie_depth: int = 24, max_match: int = 12, min_score: float = 0.1, factor: float = 1.0,
-                 shared_nodes: int = 1_000_000):
+                 shared_nodes: int = 1_000_000, min_match: int = 1):
         """trie_depth: tokens a trie path holds (match + continuation); max_match: the longest suffix
         matched; min_score: the lowest path score drafted; factor: draft at most factor x match
-        length levels; shared_nodes: the shared trie's node budget (0: no shared trie)."""
+        length levels; shared_nodes: the shared trie's node budget (0: no shared trie); min_match:
+        the shortest match drafted from (a shorter one drafts nothing)."""
         if not (isinstance(trie_depth, int) and trie_depth >= 2):
             raise SpecdecError(f"suffix trie_depth must be an integer >= 2 (a matched token and one to draft), "
                                f"got {trie_depth!r}")
         if not (isinstance(max_match, int) and 1 <= max_match < trie_depth):
             raise SpecdecError(f"suffix max_match must be an integer from 1 to trie_depth - 1 = {trie_depth - 1} "
                                f"(a match must leave room to draft), got {max_match!r}; lower it or raise trie_depth")
+        if not (isinstance(min_match, int) and 1 <= min_match <= max_match):
+            raise SpecdecError(f"suffix min_match must be an integer from 1 to max_match = {max_match}, got {min_match!r}")
         if not 0 <= min_score <= 1:
             raise SpecdecError(f"suffix min_score is a path probability, so it must lie in [0, 1], got {min_score!r}")
         if not factor > 0:
@@ -188,7 +192,7 @@ class SuffixProposer:
             raise SpecdecError(f"suffix shared_nodes must be an integer >= 0 (0 turns the shared trie off), "
                                f"got {shared_nodes!r}")
         self.trie_depth, self.max_match, self.min_score, self.factor = trie_depth, max_match, min_score, factor
-        self.shared_nodes = shared_nodes
+        self.shared_nodes, self.min_match = shared_nodes, min_match
         self.shared, self.epoch = SuffixTrie(trie_depth), 0
 
     def start(self, max_len, k, capacity, nodes=None) -> SuffixState:
@@ -221,7 +225,7 @@ class SuffixProposer:
             sources.append((self.shared, self.shared_places(row).cursor))
         for trie, suffixes in sources:
             node, length = trie.longest_match(suffixes, self.max_match)
-            depth = min(limit, int(self.factor * length))
+            depth = min(limit, int(self.factor * length)) if length >= self.min_match else 0
             if depth:
                 tree = trie.grow(node, widths[:depth], self.min_score)
                 if tree[2] > best[2]:
