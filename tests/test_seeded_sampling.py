@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from specdec import kernels
 from specdec.decoding import sampling
 from specdec.decoding.engine import Engine, Request, plain_generate, speculative_generate
 from specdec.decoding.reference import reference_generate
@@ -72,6 +73,15 @@ def test_kept_noise_rows_are_the_rows_made_anew_and_stay_within_their_budget():
     assert np.array_equal(rows.rows([(5, 3)], 400)[0][:300], fresh[3])  # a longer row: made anew, the same start
     ids = torch.tensor([0, 7, 299])  # a draft vocabulary's columns: the full row's, indexed
     assert torch.equal(gumbel([5], [[2]], 3, ids), gumbel([5], [[2]], 300)[..., ids])
+
+
+def test_the_kernels_hash_the_noise_as_the_numpy_reference_does():
+    module = kernels.compiled()
+    assert module is not None, "the CPU kernels did not build here (g++ is needed)"
+    rng = np.random.default_rng(0)
+    low, high = (rng.integers(0, 2 ** 32, size=7, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    compiled = module.noise_hashes(torch.from_numpy(low.view(np.int32)), torch.from_numpy(high.view(np.int32)), 5000)
+    assert np.array_equal(compiled.numpy().view(np.uint32), sampling.noise_hashes(low, high, 5000))
 
 
 # (seed 1, position 265, token 2431) hashes to x with x >> 8 = 2^24 - 1, the value whose 24-bit uniform

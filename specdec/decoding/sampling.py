@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import kernels
 from ..errors import SpecdecError
 
 MIN_TEMPERATURE = 1e-4  # the smallest temperature for which logits / temperature stays finite in float32
@@ -164,7 +165,8 @@ def pick_rows(logits: torch.Tensor, configs: list[SamplingConfig], generator: to
     if all(cfg.greedy for cfg in configs):
         return tokens
     seeded = [b for b, cfg in enumerate(configs) if cfg.seeded and positions is not None]
-    sampled = [b for b, cfg in enumerate(configs) if not cfg.greedy and b not in seeded]
+    coupled = set(seeded)
+    sampled = [b for b, cfg in enumerate(configs) if not cfg.greedy and b not in coupled]
     if seeded:
         s = torch.tensor(seeded, device=logits.device)
         noisy = perturbed(logits[s][:, None], [configs[b] for b in seeded], [[positions[b]] for b in seeded])
@@ -211,29 +213,47 @@ def gumbel(seeds: list[int], positions: list[list[int]], vocab: int, ids: torch.
     Each (seed, position)'s row over the vocabulary is made once and kept a while (NOISE): a seeded
     row's drafts and its verification ask for the same positions, one after the other."""
     length = vocab if ids is None or not len(ids) else int(ids.max()) + 1  # the row's columns needed
-    rows = NOISE.rows([(seed, t) for seed, row in zip(seeds, positions) for t in row], length)
-    noise = torch.from_numpy(np.stack([row[:length] for row in rows]) if rows else np.empty((0, length), np.float32))
+    keys = [(seed, t) for seed, row in zip(seeds, positions) for t in row]
+    if len(keys) > NoiseRows.KEYS:  # a batch this wide (a statistical test's): made at once, not kept
+        made = noise_rows(keys, length) if keys else np.empty((0, length), np.float32)
+    else:
+        rows = NOISE.rows(keys, length)
+        made = rows[0][None, :length] if len(rows) == 1 else np.stack([row[:length] for row in rows])
+    noise = torch.from_numpy(made)
     noise = noise[:, :vocab] if ids is None else noise[:, ids.cpu()]
     return noise.reshape(len(seeds), -1, noise.shape[-1])
 
 
 def noise_rows(keys: list[tuple[int, int]], length: int) -> np.ndarray:
-    """(len(keys), length) the noise of (seed, position) keys over token ids 0..length-1 (`gumbel`)."""
-    hashed = noise_keys([s for s, _ in keys], [[t] for _, t in keys])           # (R, 1)
+    """(len(keys), length) the noise of (seed, position) keys over token ids 0..length-1 (`gumbel`):
+    the hashes by the CPU kernels where they run (the same integers), the uniforms and logs here."""
+    hashed = noise_keys([s for s, _ in keys], [[t] for _, t in keys])[:, 0]      # (R,)
     low, high = (hashed & np.uint64(0xFFFFFFFF)).astype(np.uint32), (hashed >> np.uint64(32)).astype(np.uint32)
-    out = np.empty((len(keys), length), dtype=np.float32)
-    tokens = np.arange(length, dtype=np.uint32)
-    for r in range(len(keys)):  # a row at a time: its temporaries stay in the cache
-        x = _mix32(tokens ^ low[r])
-        x ^= high[r]
-        x = _mix32(x)
-        out[r] = -np.log(-np.log(open_uniform(x)))
-    return out
+    module = kernels.compiled()
+    if module is not None:
+        x = module.noise_hashes(torch.from_numpy(low.view(np.int32)), torch.from_numpy(high.view(np.int32)),
+                                length).numpy().view(np.uint32)
+    else:
+        x = noise_hashes(low, high, length)
+    u = open_uniform(x)
+    for _ in range(2):  # -log(-log(u)), in place
+        np.log(u, out=u)
+        np.negative(u, out=u)
+    return u
+
+
+def noise_hashes(low: np.ndarray, high: np.ndarray, length: int) -> np.ndarray:
+    """(R,) uint32 key halves -> (R, length) uint32: mix32(mix32(v ^ low) ^ high) for token ids v."""
+    x = _mix32(np.arange(length, dtype=np.uint32)[None] ^ low[:, None])
+    x ^= high[:, None]
+    return _mix32(x)
 
 
 class NoiseRows:
     """The noise rows made lately, by (seed, position), up to `budget` bytes; the oldest go first. A
-    row kept shorter than a request needs is made anew (its first columns are the same numbers)."""
+    row kept shorter than a request needs is made anew (its first columns are the same numbers).
+    A request of more than KEYS rows is not kept (`gumbel`)."""
+    KEYS = 256  # a decoding step's rows x positions stay well below it
 
     def __init__(self, budget: int = 64 << 20):
         self.budget, self.kept, self.bytes = budget, OrderedDict(), 0
@@ -266,7 +286,10 @@ def open_uniform(x: np.ndarray) -> np.ndarray:
     """uint32 hashes -> float32 uniforms (top 23 bits + 1/2) * 2^-23, in [2^-24, 1 - 2^-24]: every
     value is exact in float32's 24-bit significand, so none rounds to 0 or 1, whose noise would be
     infinite (with 24 bits, (2^24 - 1 + 1/2) rounds up to 2^24 and u to 1)."""
-    return ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+    u = (x >> np.uint32(9)).astype(np.float32)
+    u += np.float32(0.5)
+    u *= np.float32(2.0 ** -23)
+    return u
 
 
 def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: list[list[int]],

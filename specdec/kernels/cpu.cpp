@@ -508,6 +508,33 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
   return {tokens, logits ? y.view({B, m, N}) : torch::empty({0}, table.options()), picked};
 }
 
+// The 32-bit hashes behind seeded sampling's Gumbel noise (decoding/sampling.py, noise_rows): for
+// key r and token id v < length, mix32(mix32(v ^ low[r]) ^ high[r]), Wellons' lowbias32 — the very
+// integers of the NumPy reference, in a loop the compiler vectorises (NumPy takes ~20 passes over
+// temporaries for the same row).
+static inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+torch::Tensor noise_hashes(const torch::Tensor& low, const torch::Tensor& high, int64_t length) {
+  TORCH_CHECK(low.scalar_type() == torch::kInt32 && high.scalar_type() == torch::kInt32 && low.dim() == 1 &&
+              low.sizes() == high.sizes() && length >= 0, "noise_hashes: low and high int32 (R,), length >= 0");
+  const auto lo = low.contiguous(), hi = high.contiguous();
+  const int64_t R = lo.size(0);
+  auto out = torch::empty({R, length}, lo.options());
+  const auto* L = reinterpret_cast<const uint32_t*>(lo.data_ptr<int32_t>());
+  const auto* H = reinterpret_cast<const uint32_t*>(hi.data_ptr<int32_t>());
+  auto* O = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < length; ++v) O[r * length + v] = mix32(mix32(static_cast<uint32_t>(v) ^ L[r]) ^ H[r]);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set the kernels run on: avx512 or avx2");
   m.def("quant_isa", &quant_isa, "the instruction set the quantized kernels run on: avx512_vnni or avx2");
@@ -516,6 +543,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (..., K) fp32 times a packed matrix (format) with N outputs, transposed [+ bias] [+ add]");
   m.def("quantize_rows", &quantize_rows, "x (M, K) quantized per block of 32 as the quantized kernels do: q, d, sums");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
+  m.def("noise_hashes", &noise_hashes, "(R, length) int32: seeded sampling's 32-bit hashes of token ids 0.. per key");
   m.def("fma_peak", &fma_peak, "measured fp32 FMA GFLOP/s with N threads (the compute roof)");
   pybind11::class_<Shape>(m, "Shape")
       .def(pybind11::init<>())

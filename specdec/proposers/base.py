@@ -198,7 +198,8 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
         p = row_probabilities(logits, samplings)
         token = argmax(logits)  # a greedy row's
         seeded, noisy = draws.scores(logits, samplings, depth, ids, p)
-        drawn = [b for b, cfg in enumerate(samplings) if not cfg.greedy and b not in seeded]
+        coupled = set(seeded)
+        drawn = [b for b, cfg in enumerate(samplings) if not cfg.greedy and b not in coupled]
         if drawn:  # sampled rows without a seed: one draw each from the generator
             index = torch.tensor(drawn, device=logits.device)
             rows = draws.generator.select(drawn) if isinstance(draws.generator, RowGenerators) else draws.generator
