@@ -15,11 +15,13 @@ both as stored (Q4_K_M). Decoding speed as above, then HumanEval prompts greedy:
 speculative decoding (`llama-speculative-simple`, drafts up to --draft-max) and its prompt lookup
 (`llama-lookup`) against specdec plain, specdec's draft-model speculation (`-k auto` and k =
 --draft-max; the draft's vocabulary and stopping rule from --draft-vocab and --stop-below), suffix
-lookup and the hybrid (suffix lookup, the draft model where it finds nothing), each lookup starting
-every request afresh; decoding time only, prompts' encoding excluded on both sides. Greedy outputs
-are checked against plain decoding.
+lookup and the hybrid (suffix lookup on matches of 5 tokens or more, the draft model elsewhere),
+each lookup starting every request afresh; decoding time only, prompts' encoding excluded on both
+sides. Greedy outputs are checked against plain decoding. Also the acceptance of specdec's drafts
+per position, and a plot: tokens/s per decoder, α per position.
 
-Prints the figures and writes docs/evidence/llamacpp-native[-pair].json (or --out's name there).
+Prints the figures and writes docs/evidence/llamacpp-native[-pair].json (or --out's name there),
+with --pair also its plot (the same name, .png).
 """
 from __future__ import annotations
 
@@ -109,9 +111,9 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
             t0 = time.perf_counter()
             rows, m = speculative_generate(target.model, drafter, [ids[i]], rule_, GREEDY, k)
             timed.append(time.perf_counter() - t0)
-        return rows[0].tokens, timed[1] - timed[0], m.accepted, m.proposed
+        return rows[0].tokens, timed[1] - timed[0], m.accepted, m.proposed, m
 
-    results, outputs = {}, {}
+    results, outputs, positions = {}, {}, {}  # positions: name -> (accepted, reached) per draft position
     decoders = (("specdec plain", None, 0), ("specdec draft-model auto", proposer, "auto"),
                 (f"specdec draft-model k={draft_max}", proposer, draft_max),
                 ("specdec suffix auto", api.load_drafter(target, "suffix"), "auto"),
@@ -133,9 +135,15 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
                     spec = peer(prompt_file)
                     results.setdefault(name, []).append((spec.decoded, spec.seconds, spec.accepted, spec.drafted))
                 for name, drafter, k in decoders:
-                    tokens, seconds, accepted, proposed = ours(drafter, k, i)
+                    tokens, seconds, accepted, proposed, m = ours(drafter, k, i)
                     outputs[name, i] = tokens
                     results.setdefault(name, []).append((len(tokens) - 1, seconds, accepted, proposed))
+                    if drafter is not None:
+                        hits, reached = positions.setdefault(name, ([], []))
+                        for total, counts in ((hits, m.accepted_per_position), (reached, m.reached_per_position)):
+                            total += [0] * (len(counts) - len(total))
+                            for j, c in enumerate(counts):
+                                total[j] += c
                 print(f"round {r + 1}/{count} prompt {i}: " + ", ".join(
                     f"{name} {v[-1][0] / v[-1][1]:.2f} tok/s" for name, v in results.items()), flush=True)
     per_round = {name: [sum(t for t, *_ in v[r * prompts:(r + 1) * prompts]) /
@@ -146,6 +154,8 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
     return {"decode tokens_per_s": speeds,
             "humaneval tokens_per_s": {name: {"median": statistics.median(v), "all": v} for name, v in per_round.items()},
             "acceptance": {name: [sum(a for *_, a, _ in v), sum(p for *_, p in v)] for name, v in results.items()},
+            "acceptance per position": {name: [round(a / n, 4) for a, n in zip(hits, reached) if n]
+                                        for name, (hits, reached) in positions.items()},
             "greedy identical to specdec plain": identical,
             "peer failures": fallback.failures,
             "files": {"target": str(Path(target_file).name), "draft": str(Path(draft_file).name)}}
@@ -182,6 +192,42 @@ def main() -> None:
     out.write_text(json.dumps({"conditions": conditions, **figures}, indent=1))
     print(json.dumps(figures, indent=1))
     print(f"written: {out}")
+    if args.pair:
+        plot_pair(figures, out.with_suffix(".png"))
+        print(f"written: {out.with_suffix('.png')}")
+
+
+def plot_pair(figures: dict, path: Path) -> None:
+    """Two panels: HumanEval tokens/s per decoder (median, the rounds' range as a bar), specdec's and
+    llama.cpp's; α per draft position of each specdec drafter."""
+    import matplotlib
+    import matplotlib.ticker
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speeds = figures["humaneval tokens_per_s"]
+    names = sorted(speeds, key=lambda n: speeds[n]["median"])
+    fig, (bars, alphas) = plt.subplots(1, 2, figsize=(12, 4.2))
+    medians = [speeds[n]["median"] for n in names]
+    low = [m - min(speeds[n]["all"]) for n, m in zip(names, medians)]
+    high = [max(speeds[n]["all"]) - m for n, m in zip(names, medians)]
+    bars.barh(names, medians, xerr=[low, high], color=["tab:blue" if n.startswith("specdec") else "tab:gray"
+                                                     for n in names])
+    bars.set_xlabel("tokens/s (HumanEval greedy, median of rounds)")
+    for y, (m, h) in enumerate(zip(medians, high)):
+        bars.text(m + h, y, f" {m:.1f}", va="center")
+    for name, alpha in figures["acceptance per position"].items():
+        alphas.plot(range(1, len(alpha) + 1), alpha, marker="o", label=name.removeprefix("specdec "))
+    alphas.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    alphas.set_xlabel("draft position")
+    alphas.set_ylabel("α at that position (accepted / reached)")
+    alphas.set_ylim(0, 1.05)
+    alphas.legend(fontsize=8)
+    fig.suptitle(f"Qwen2.5-Coder-1.5B drafted by 0.5B, Q4_K_M as stored: specdec vs llama.cpp "
+                 f"({figures['files']['target']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
