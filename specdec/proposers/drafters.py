@@ -223,7 +223,8 @@ class Hybrid(DraftModel):
         return HybridProposer(SuffixProposer(min_match=SURE_MATCH), super().proposer(draft, target, options))
 
     def describe(self, draft, proposer, options) -> dict:
-        return {**super().describe(draft, proposer.model, options), "lookup": f"suffix, where it matches {SURE_MATCH} tokens or more"}
+        return {**super().describe(draft, proposer.model, options),
+                "lookup": f"suffix, where it matches {SURE_MATCH} tokens or more"}
 
 
 class ParallelDraft(DraftModel):

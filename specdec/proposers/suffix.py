@@ -183,7 +183,8 @@ class SuffixProposer:
             raise SpecdecError(f"suffix max_match must be an integer from 1 to trie_depth - 1 = {trie_depth - 1} "
                                f"(a match must leave room to draft), got {max_match!r}; lower it or raise trie_depth")
         if not (isinstance(min_match, int) and 1 <= min_match <= max_match):
-            raise SpecdecError(f"suffix min_match must be an integer from 1 to max_match = {max_match}, got {min_match!r}")
+            raise SpecdecError(f"suffix min_match must be an integer from 1 to max_match = {max_match}, "
+                               f"got {min_match!r}")
         if not 0 <= min_score <= 1:
             raise SpecdecError(f"suffix min_score is a path probability, so it must lie in [0, 1], got {min_score!r}")
         if not factor > 0:
