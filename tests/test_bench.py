@@ -389,24 +389,24 @@ def test_each_repeat_looks_up_in_a_fresh_suffix_trie(models):
     plan = Plan((Cell("humaneval", 0.0, 1, (2,), 2, auto=False),), methods=("suffix", "hybrid"), repeats=1,
                 max_new_tokens=4, moe=None)
     bench = Bench(plan, models / "target", {"hybrid": models / "draft"})
-    prompt, answer = [5, 6, 7], [9, 10, 11, 12, 13]
+    prompt, answer = [5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17]
 
     def decode(name: str) -> list[int]:
-        """A row of `prompt` whose first tokens are 9, 10, then the rest of the answer: what lookup drafts
-        after them (at most as many levels as the suffix it matched)."""
+        """A row of `prompt` whose first tokens are 9..13, then the rest of the answer: what lookup drafts
+        after them (a match of 5, as long as the hybrid's lookup needs)."""
         proposer = bench.proposers[name]
         lookup = proposer if name == "suffix" else proposer.lookup
-        state = lookup.start(16, 3, 1)
+        state = lookup.start(24, 3, 1)
         lookup.join(state, [prompt], torch.zeros(1, 2, 1), [SamplingConfig()])
-        lookup.observe(state, Outcome([0], [answer[:2]], [2], torch.zeros(1, 2, 1)))
+        lookup.observe(state, Outcome([0], [answer[:5]], [5], torch.zeros(1, 5, 1)))
         drafts = lookup.propose(state, torch.tensor([3]), (1, 1, 1), Draws())
-        lookup.observe(state, Outcome([0], [answer[2:]], [3], torch.zeros(1, 3, 1)))
+        lookup.observe(state, Outcome([0], [answer[5:]], [4], torch.zeros(1, 4, 1)))
         return drafts.tokens[0, :int(drafts.lengths[0])].tolist()
 
     for name in ("suffix", "hybrid"):
         model = getattr(bench.proposers[name], "model", None)
         assert decode(name) == []                 # the first repeat: nothing to copy
-        assert decode(name) == [11, 12]           # the same proposer again: its own earlier answer
+        assert decode(name) == [14, 15, 16]       # the same proposer again: its own earlier answer
         proposer = bench.proposers[name]
         bench.forget(Config(name, 2))
         assert decode(name) == []                 # the next repeat: a fresh trie
