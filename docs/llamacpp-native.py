@@ -113,7 +113,7 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
             timed.append(time.perf_counter() - t0)
         return rows[0].tokens, timed[1] - timed[0], m.accepted, m.proposed, m
 
-    results, outputs, positions = {}, {}, {}  # positions: name -> (accepted, reached) per draft position
+    results, outputs, counted = {}, {}, {}  # counted: each drafter's counters, its requests' added up
     decoders = (("specdec plain", None, 0), ("specdec draft-model auto", proposer, "auto"),
                 (f"specdec draft-model k={draft_max}", proposer, draft_max),
                 ("specdec suffix auto", api.load_drafter(target, "suffix"), "auto"),
@@ -139,11 +139,7 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
                     outputs[name, i] = tokens
                     results.setdefault(name, []).append((len(tokens) - 1, seconds, accepted, proposed))
                     if drafter is not None:
-                        hits, reached = positions.setdefault(name, ([], []))
-                        for total, counts in ((hits, m.accepted_per_position), (reached, m.reached_per_position)):
-                            total += [0] * (len(counts) - len(total))
-                            for j, c in enumerate(counts):
-                                total[j] += c
+                        counted[name] = counted[name] + m if name in counted else m
                 print(f"round {r + 1}/{count} prompt {i}: " + ", ".join(
                     f"{name} {v[-1][0] / v[-1][1]:.2f} tok/s" for name, v in results.items()), flush=True)
     per_round = {name: [sum(t for t, *_ in v[r * prompts:(r + 1) * prompts]) /
@@ -154,8 +150,8 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
     return {"decode tokens_per_s": speeds,
             "humaneval tokens_per_s": {name: {"median": statistics.median(v), "all": v} for name, v in per_round.items()},
             "acceptance": {name: [sum(a for *_, a, _ in v), sum(p for *_, p in v)] for name, v in results.items()},
-            "acceptance per position": {name: [round(a / n, 4) for a, n in zip(hits, reached) if n]
-                                        for name, (hits, reached) in positions.items()},
+            "acceptance per position": {name: [round(a, 4) for a in m.acceptance_per_position if a is not None]
+                                        for name, m in counted.items()},
             "greedy identical to specdec plain": identical,
             "peer failures": fallback.failures,
             "files": {"target": str(Path(target_file).name), "draft": str(Path(draft_file).name)}}

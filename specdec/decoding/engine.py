@@ -49,7 +49,7 @@ from .constraint import Compiled, masked
 from .guided import Guide
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
-from .sampling import Draws, RowGenerators, SamplingConfig, perturbed, pick_rows, row_probabilities
+from .sampling import Draws, RowGenerators, SamplingConfig, of_rows, perturbed, pick_rows, row_probabilities
 from .stopping import Row, StopRule
 from .tree import chain_positions, chain_runs, depths, levels_reached, path_columns, window_layout
 from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
@@ -449,8 +449,7 @@ class Engine:
             tokens, lengths = proposal.tokens[index], proposal.lengths[index]
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[index]
             target_probs = row_probabilities(row_logits, [self.requests[b].sampling for b in rows])
-            g = generator.select(rows) if isinstance(generator, RowGenerators) and len(rows) < len(self.requests) \
-                else generator
+            g = of_rows(generator, rows)
             if parents is None:
                 return self.sampled_verify(tokens, draft_probs, target_probs, g, lengths)
             return self.tree_verify(tokens, draft_probs, target_probs, parents[index], g, lengths)

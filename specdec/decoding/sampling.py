@@ -67,14 +67,9 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     Greedy settings give the one-hot distribution of the argmax, so that a greedy draft and
     target are also valid inputs of rejection sampling.
     """
-    logits = logits.float()
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / cfg.temperature
-    if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
-        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
+        return torch.nn.functional.one_hot(logits.float().argmax(-1), logits.shape[-1]).float()
+    probs = scaled(logits, cfg).softmax(-1)
     if cfg.top_p is not None and cfg.top_p < 1:
         sorted_probs, order = probs.sort(-1, descending=True)
         # keep a token while the mass before it is below top_p (the first token always stays)
@@ -83,6 +78,16 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def scaled(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """(..., V) logits of a sampled row -> float32 logits / temperature, -inf outside top-k: the log of
+    `probabilities` before top-p, up to a constant per position."""
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits
 
 
 class RowGenerators:
@@ -95,6 +100,12 @@ class RowGenerators:
 
     def select(self, rows: list[int]) -> "RowGenerators":
         return RowGenerators([self.generators[b] for b in rows])
+
+
+def of_rows(generator: torch.Generator | RowGenerators | None, rows: list[int]
+            ) -> torch.Generator | RowGenerators | None:
+    """The generator that draws for `rows` of a batch: their own (RowGenerators), else the shared one."""
+    return generator.select(rows) if isinstance(generator, RowGenerators) else generator
 
 
 def uniform(rows: int, cols: int, generator, dtype: torch.dtype = torch.float32,
@@ -114,17 +125,22 @@ def rows_by_config(configs: list[SamplingConfig]) -> dict[SamplingConfig, list[i
     return groups
 
 
-def row_probabilities(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
-    """(B, ..., V) logits -> (B, ..., V) probabilities, row b under configs[b] (the transform of
-    `probabilities`, applied once per distinct configuration)."""
+def by_config(transform, logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
+    """(B, ..., V) logits -> (B, ..., V) float32, row b by transform(its logits, configs[b]), applied
+    once per distinct configuration."""
     groups = rows_by_config(configs)
     if len(groups) == 1:
-        return probabilities(logits, configs[0])
+        return transform(logits, configs[0])
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for cfg, rows in groups.items():
         index = torch.tensor(rows, device=logits.device)
-        out[index] = probabilities(logits[index], cfg)
+        out[index] = transform(logits[index], cfg)
     return out
+
+
+def row_probabilities(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
+    """(B, ..., V) logits -> (B, ..., V) probabilities, row b under configs[b] (`probabilities`)."""
+    return by_config(probabilities, logits, configs)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | RowGenerators | None) -> torch.Tensor:
@@ -173,8 +189,7 @@ def pick_rows(logits: torch.Tensor, configs: list[SamplingConfig], generator: to
         tokens[s.to(tokens.device)] = argmax(noisy)[:, 0].to(tokens.device)
     if sampled:
         s = torch.tensor(sampled, device=logits.device)
-        rows = generator.select(sampled) if isinstance(generator, RowGenerators) else generator
-        drawn = sample(row_probabilities(logits[s], [configs[b] for b in sampled]), rows)
+        drawn = sample(row_probabilities(logits[s], [configs[b] for b in sampled]), of_rows(generator, sampled))
         tokens[s.to(tokens.device)] = drawn.to(tokens.device)
     return tokens
 
@@ -319,19 +334,12 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
 
 def log_weights(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
     """(R, ..., V) logits of sampled rows -> log row_probabilities up to a constant per row and
-    position, which no argmax over V sees: logits / temperature, -inf outside top-k; the log of
+    position, which no argmax over V sees: `scaled`; the log of
     the probabilities themselves only where top-p needs them to know what it keeps (a softmax and
     a log over V spared per column)."""
     if any(cfg.top_p is not None and cfg.top_p < 1 for cfg in configs):
         return row_probabilities(logits, configs).log()
-    shape = (-1,) + (1,) * (logits.dim() - 1)
-    out = logits.float() / torch.tensor([cfg.temperature for cfg in configs], device=logits.device).view(shape)
-    for cfg, rows in rows_by_config(configs).items():
-        if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
-            index = torch.tensor(rows, device=logits.device)
-            part = out[index]
-            out[index] = part.masked_fill(part < part.topk(cfg.top_k, dim=-1).values[..., -1:], float("-inf"))
-    return out
+    return by_config(scaled, logits, configs)
 
 
 def finite_counts(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from ..decoding.protocol import Proposal
-from ..decoding.sampling import Draws, RowGenerators, SamplingConfig, argmax, row_probabilities, sample
+from ..decoding.sampling import Draws, SamplingConfig, argmax, of_rows, row_probabilities, sample
 from ..decoding.tree import caterpillar_layout
 from ..errors import SpecdecError
 from ..lm.interface import next_positions, pad_right
@@ -202,8 +202,7 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
         drawn = [b for b, cfg in enumerate(samplings) if not cfg.greedy and b not in coupled]
         if drawn:  # sampled rows without a seed: one draw each from the generator
             index = torch.tensor(drawn, device=logits.device)
-            rows = draws.generator.select(drawn) if isinstance(draws.generator, RowGenerators) else draws.generator
-            token[index] = sample(p[index], rows).to(token.device)
+            token[index] = sample(p[index], of_rows(draws.generator, drawn)).to(token.device)
         if seeded:
             index = torch.tensor(seeded, device=logits.device)
             token[index] = argmax(noisy).to(token.device)
