@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec import kernels
-from specdec.decoding.engine import plain_generate, speculative_generate
+from specdec.decoding.engine import Engine, Request, plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm.checkpoint import load_model, save_model
 from specdec.lm.device import placement
+from specdec.lm.interface import admit
+from specdec.lm.kv_cache import compacted
 from specdec.lm.model import Linear, store_matrices
 from specdec.proposers import DraftModelProposer, NgramProposer
 
@@ -168,6 +170,52 @@ def test_the_stack_computes_what_pytorch_computes(isa):
 
 
 @torch.no_grad()
+def test_the_stack_reads_a_regrouped_cache_of_fewer_rows_than_its_capacity(isa):
+    """Rows that left and rows that moved into their places (kv_cache.compacted): the layers' rows
+    lie at the stride of the cache's capacity, and the kernels read them there."""
+    model, twin = tiny_bf16(), pytorch_twin()
+    g = torch.Generator().manual_seed(6)
+    prompts = torch.randint(0, TINY.vocab_size, (4, 11), generator=g)
+    new = torch.randint(0, TINY.vocab_size, (2, 3), generator=g)
+    outs = []
+    for m in (model, twin):
+        cache = m.new_cache(5, 40)
+        cache.regroup([], empty=4)
+        m(prompts, cache=cache)
+        cache.rollback([11, 6, 9, 8])
+        cache.regroup(compacted([False, True, False, True]))  # rows 3, 1: row 3 moves to place 0
+        assert cache.lengths.tolist() == [8, 6] and cache.keys.stride(0) > cache.keys[0].numel()
+        outs.append(m(new, cache=cache).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    alone = model.new_cache(1, 40)
+    model(prompts[3:, :8], cache=alone)
+    torch.testing.assert_close(model(new[:1], cache=alone).logits, outs[0][:1], rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_bf16_kv_cache_holds_the_keys_rounded_and_the_stack_computes_what_pytorch_computes(isa):
+    """A bf16 cache (new_cache's dtype): the kernels store each key and value rounded to nearest (as
+    PyTorch converts) and attend over them in fp32, as the PyTorch operators do over the same cache."""
+    model, twin = tiny_bf16(), pytorch_twin()
+    g = torch.Generator().manual_seed(7)
+    prompts = torch.randint(0, TINY.vocab_size, (3, 13), generator=g)
+    new = torch.randint(0, TINY.vocab_size, (3, 4), generator=g)
+    caches, outs = {}, {}
+    for name, m, dtype in (("fp32", model, None), ("bf16", model, torch.bfloat16), ("twin", twin, torch.bfloat16)):
+        cache = caches[name] = m.new_cache(4, 40, dtype)
+        cache.regroup([], empty=3)
+        m(prompts, cache=cache)
+        cache.rollback([13, 7, 10])
+        outs[name] = m(new, cache=cache).logits
+    assert caches["bf16"].keys.dtype == torch.bfloat16
+    # layer 0's keys and values do not depend on the cache: the bf16 ones are the fp32 ones rounded
+    for fp32, bf16 in ((caches["fp32"].keys, caches["bf16"].keys), (caches["fp32"].values, caches["bf16"].values)):
+        assert torch.equal(bf16[0, :, :, :13], fp32[0, :, :, :13].bfloat16())
+    torch.testing.assert_close(outs["bf16"], outs["twin"], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(outs["bf16"], outs["fp32"])  # the rounding reaches the logits
+
+
+@torch.no_grad()
 def test_a_token_gets_the_same_logits_alone_in_any_window_and_on_any_instruction_set():
     """Decoded alone, verified among up to 31 others, batched, or on the other instruction set:
     bit-identical logits (what makes greedy speculative decoding exact)."""
@@ -308,6 +356,22 @@ def test_speculative_greedy_equals_plain_decoding_exactly(bf16_checkpoint, name,
         expected = plain if len(group) == 3 else [plain[1]]
         assert [r.tokens for r in rows] == [r.tokens for r in expected]  # no near-tie exceptions
         assert metrics.proposed > 0
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_an_engine_with_a_bf16_kv_cache_speculates_losslessly_as_rows_join_and_leave(bf16_checkpoint, k):
+    """The engine's kv_dtype: its cache in bf16; speculative greedy output equals plain decoding on
+    that cache, token for token, in a batch of 2 rows that 4 requests pass through."""
+    target = admit(load_model(bf16_checkpoint))
+    outputs = {}
+    for kv, drafted in ((torch.bfloat16, k), (torch.bfloat16, 0), (None, 0)):
+        engine = Engine(target, NgramProposer(max_n=3, min_n=1) if drafted else None, drafted, 2, 64, kv_dtype=kv)
+        assert engine.cache.keys.dtype == (kv or torch.float32)
+        requests = [Request(p, StopRule(30)) for p in PROMPTS + [[3, 3, 4]]]
+        engine.run(requests)
+        outputs[kv, drafted] = [r.row.tokens for r in requests]
+    assert outputs[torch.bfloat16, k] == outputs[torch.bfloat16, 0]
+    assert outputs[torch.bfloat16, 0] != outputs[None, 0]  # the rounded cache did reach the tokens
 
 
 def bf16_draft():

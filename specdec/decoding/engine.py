@@ -43,6 +43,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..lm.interface import Admitted, admit, declared_features, layer_request, prefill_joining
+from ..lm.kv_cache import compacted
 from .adaptive import Adaptive, curve_batches, options, window
 from .calibration import verify_curves
 from .constraint import Compiled, masked
@@ -84,7 +85,8 @@ class Request:
 class Engine:
     def __init__(self, target: Admitted, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
-                 tree_verify=tree_rejection_sample, forced_drafts: bool = True, name: str = "the target"):
+                 tree_verify=tree_rejection_sample, forced_drafts: bool = True, name: str = "the target",
+                 kv_dtype: torch.dtype | None = None):
         """target: the causal LM as admitted at load (lm.interface.admit); proposer None: plain
         decoding (k must be 0; `NoDraft`).
         k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
@@ -93,7 +95,9 @@ class Engine:
         `sampled_verify` and `tree_verify` are the acceptance rules of sampled rows for chains and
         trees (signatures of verify.rejection_sample and verify.tree_rejection_sample); tests
         replace them to show a wrong rule is detected. forced_drafts: constrained rows propose the
-        tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1).
+        tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1). kv_dtype: the
+        target's KV cache dtype (default its compute dtype; bfloat16 halves what a batched step's
+        attention reads, the keys and values rounded to it).
         With "auto" the target's verify curves at every batch size up to `capacity` are read, or
         measured now and stored (calibration.verify_curves: said on stderr with `name`), so that no
         step pays for them; `verify_curve_seconds` says how long measuring took (0: they were stored)."""
@@ -118,7 +122,7 @@ class Engine:
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
-        self.cache = self.target.new_cache(capacity, max_len + nodes)  # + room for padded windows
+        self.cache = self.target.new_cache(capacity, max_len + nodes, kv_dtype)  # + room for padded windows
         self.cache.regroup([])
         self.state = proposer.start(max_len, k, capacity, nodes)
         self.requests: list[Request] = []  # (B,) the rows, in cache order
@@ -356,8 +360,9 @@ class Engine:
         self.adaptive.observe_plain(plain.steps, plain.seconds + observe, plain.forward_seconds)
 
     def regroup(self) -> None:
-        """Finished and cancelled rows leave; waiting requests join while there is room."""
-        keep = [b for b, r in enumerate(self.requests) if not r.finished]
+        """Finished and cancelled rows leave (the others keep their places where they can, so that
+        the caches copy few rows); waiting requests join while there is room."""
+        keep = compacted([not r.finished for r in self.requests])
         if len(keep) < len(self.requests) or self.waiting:
             self.next_window = None
         if self.adaptive and (len(keep) < len(self.requests) or self.waiting):

@@ -354,8 +354,8 @@ struct Stack {
     layer_bytes = total_bytes / static_cast<int64_t>(weights.size());
   }
 
-  // x (B, T, C) the layer input; k_cache, v_cache (L', B, Hkv, S, D) with this stack's layers at
-  // layer0..; lengths (B,) committed entries; positions (B, T) or empty (lengths[b] + t); tree
+  // x (B, T, C) the layer input; k_cache, v_cache (L', B, Hkv, S, D), each layer's rows contiguous, with this
+  // stack's layers at layer0..; lengths (B,) committed entries; positions (B, T) or empty (lengths[b] + t); tree
   // (B, T, T) bool or empty (causal).
   // Returns [x after the last layer, then x after each layer in `keep`]; the cache gains the new
   // entries at slots lengths[b] + t (the caller advances the lengths).
@@ -368,9 +368,13 @@ struct Stack {
                 "Stack: x must be (B, T, C) float32");
     const int64_t B = x.size(0), T = x.size(1), M = B * T, nl = static_cast<int64_t>(layers.size());
     for (const auto* c : {&k_cache, &v_cache})
-      TORCH_CHECK(c->scalar_type() == torch::kFloat32 && c->is_contiguous() && c->dim() == 5 && c->size(1) == B &&
-                  c->size(2) == s.Hkv && c->size(4) == s.D && layer0 >= 0 && layer0 + nl <= c->size(0),
-                  "Stack: caches must be contiguous (layers, B, Hkv, S, D) float32 holding this stack's layers");
+      TORCH_CHECK((c->scalar_type() == torch::kFloat32 || c->scalar_type() == torch::kBFloat16) &&
+                  c->scalar_type() == k_cache.scalar_type() && c->dim() == 5 && c->size(1) == B && c->size(2) == s.Hkv &&
+                  c->size(4) == s.D && c->stride(4) == 1 && c->stride(3) == s.D && c->stride(2) == c->size(3) * s.D &&
+                  c->stride(1) == s.Hkv * c->size(3) * s.D && c->stride(0) >= B * c->stride(1) &&
+                  c->stride(0) == k_cache.stride(0) && layer0 >= 0 && layer0 + nl <= c->size(0),
+                  "Stack: caches must be (layers, B, Hkv, S, D) float32 or bf16, each layer's rows contiguous, "
+                  "holding this stack's layers");
     TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() && lengths.numel() == B,
                 "Stack: lengths must be (B,) int64");
     const bool given = positions.numel() > 0;
@@ -406,10 +410,12 @@ struct Stack {
       kept[l] = result.back().data_ptr<float>();
     }
     std::vector<Cache> caches;
-    const int64_t per_layer = B * s.Hkv * S * s.D;
+    // a layer's bytes, from the stride: the cache may be laid out for more rows than B (kv_cache.py)
+    const int64_t per_layer = k_cache.stride(0) * k_cache.element_size();
+    const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
     for (int64_t l = 0; l < nl; ++l)
-      caches.push_back({k_cache.data_ptr<float>() + (layer0 + l) * per_layer,
-                        v_cache.data_ptr<float>() + (layer0 + l) * per_layer, S});
+      caches.push_back({static_cast<char*>(k_cache.data_ptr()) + (layer0 + l) * per_layer,
+                        static_cast<char*>(v_cache.data_ptr()) + (layer0 + l) * per_layer, S, bf16});
     const Window w{B, T, len, given ? positions.data_ptr<int64_t>() : nullptr, treed ? tree.data_ptr<bool>() : nullptr,
                          inv_freq.data_ptr<float>()};
     const Scratch scratch{h.data_ptr<float>(), qkv.data_ptr<float>(), y.data_ptr<float>(), gu.data_ptr<float>(),

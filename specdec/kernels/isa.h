@@ -205,14 +205,20 @@ inline float fma_loop(int64_t reps) {
 
 // ------------------------------------------------------------------------------ attention
 
+// 16 cached floats, from a float32 or a bf16 cache (Cache::bf16).
+inline V load_cached(const float* p) { return V::load(p); }
+inline V load_cached(const uint16_t* p) { return V::load_bf16(p); }
+
 // The 16 lanes of q . k over D floats: lane l sums the products of the columns l mod 16, in order.
-inline V key_dot(const float* q, const float* k, int64_t D) {
+template <class T>
+inline V key_dot(const float* q, const T* k, int64_t D) {
   V acc = V::zero();
-  for (int64_t c = 0; c < D; c += kLanes) acc = V::fma(V::load(q + c), V::load(k + c), acc);
+  for (int64_t c = 0; c < D; c += kLanes) acc = V::fma(V::load(q + c), load_cached(k + c), acc);
   return acc;
 }
 
-// One query row q (D floats) over `n` visible keys given by key(i) -> row pointer in the cache
+// One query row q (D floats) over `n` visible keys given by key(i) -> row pointer in the cache (float
+// or bf16)
 // (i = 0..n-1, in key order): out = softmax(q k^T * scale) v. The score of key i lives in lane
 // i mod 16 of the softmax sum, whatever other keys the cache holds: a row's output depends only
 // on its own visible keys (so a token verified in a window, or a tree node, gets what it gets
@@ -247,8 +253,8 @@ inline void attend_row(const float* q, int64_t D, int64_t n, KeyRow krow, KeyRow
     V acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
     for (int64_t i = 0; i < n; ++i) {
       const V pi = V::bcast(p[i]);
-      const float* vr = vrow(i) + c0;
-      for (int c = 0; c < nc; ++c) acc[c] = V::fma(pi, V::load(vr + kLanes * c), acc[c]);
+      const auto* vr = vrow(i) + c0;
+      for (int c = 0; c < nc; ++c) acc[c] = V::fma(pi, load_cached(vr + kLanes * c), acc[c]);
     }
     for (int c = 0; c < nc; ++c) V::store(out + c0 + kLanes * c, V::mul(acc[c], inv));
   }
@@ -306,8 +312,16 @@ inline void rotate_and_cache(const LayerWeights& L, const Shape& s, const Window
     }
     for (int64_t kv = 0; kv < s.Hkv; ++kv) {
       const int64_t at = ((b * s.Hkv + kv) * cache.S + slot) * D;
-      std::memcpy(cache.k + at, qkv + m * E + (s.H + kv) * D, D * sizeof(float));
-      std::memcpy(cache.v + at, qkv + m * E + (s.H + s.Hkv + kv) * D, D * sizeof(float));
+      const float *k = qkv + m * E + (s.H + kv) * D, *v = qkv + m * E + (s.H + s.Hkv + kv) * D;
+      if (cache.bf16) {
+        for (int64_t i = 0; i < D; ++i) {
+          static_cast<uint16_t*>(cache.k)[at + i] = to_bf16(k[i]);
+          static_cast<uint16_t*>(cache.v)[at + i] = to_bf16(v[i]);
+        }
+      } else {
+        std::memcpy(static_cast<float*>(cache.k) + at, k, D * sizeof(float));
+        std::memcpy(static_cast<float*>(cache.v) + at, v, D * sizeof(float));
+      }
     }
   }
 }
@@ -325,13 +339,17 @@ inline void attend(const Shape& s, const Window& w, const Cache& cache, const fl
     int64_t n_new = 0;
     for (int64_t u = 0; u < w.T; ++u)
       if (w.tree ? w.tree[(b * w.T + t) * w.T + u] : u <= t) visible[n_new++] = static_cast<int>(u);
-    const float* kb = cache.k + (b * s.Hkv + kv) * cache.S * D;
-    const float* vb = cache.v + (b * s.Hkv + kv) * cache.S * D;
-    auto key = [&](const float* base) {
-      return [=](int64_t i) { return base + (i < committed ? i : committed + visible[i - committed]) * D; };
+    const int64_t first = (b * s.Hkv + kv) * cache.S * D;
+    auto key = [&](const auto* base) {
+      return [=](int64_t i) { return base + first + (i < committed ? i : committed + visible[i - committed]) * D; };
     };
-    attend_row(qkv + m * E + head * D, D, committed + n_new, key(kb), key(vb), 1.f / std::sqrt(static_cast<float>(D)),
-               p, y + m * HD + head * D);
+    const float *q = qkv + m * E + head * D, scale = 1.f / std::sqrt(static_cast<float>(D));
+    if (cache.bf16)
+      attend_row(q, D, committed + n_new, key(static_cast<const uint16_t*>(cache.k)),
+                 key(static_cast<const uint16_t*>(cache.v)), scale, p, y + m * HD + head * D);
+    else
+      attend_row(q, D, committed + n_new, key(static_cast<const float*>(cache.k)),
+                 key(static_cast<const float*>(cache.v)), scale, p, y + m * HD + head * D);
   }
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 constexpr int kLanes = 16;     // fp32 lanes of a vector V, outputs per packed panel (kernels.LANES)
 constexpr int kPrefetch = 48;  // cache lines ahead in each stream of packed weights
@@ -76,11 +77,20 @@ struct Window {  // the new tokens of one forward and where their keys and value
   const float* inv_freq;     // (R/2,)
 };
 
-struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each
-  float* k;
-  float* v;
+struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each, float32 or bf16
+  void* k;
+  void* v;
   int64_t S;
+  bool bf16;
 };
+
+// x rounded to bf16, to nearest even (as PyTorch converts); a NaN stays a NaN.
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 struct Scratch {  // one forward's intermediate rows (see isa.h's decoder_layers)
   float *h, *qkv, *y, *gu, *act, *rope, *p;

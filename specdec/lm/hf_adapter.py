@@ -71,7 +71,10 @@ class HFCausalLM:
                                    backend=f"transformers {type(model).__name__}: "
                                            f"{backend(model.device, model.dtype)}")
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> HFCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> HFCache:
+        if dtype not in (None, self.model.dtype):
+            raise SpecdecError(f"a transformers model keeps its cache in its own dtype ({self.model.dtype}), "
+                               f"not {dtype}: leave the KV cache's dtype unset")
         return HFCache(self.model.config, batch_size, self.model.device)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

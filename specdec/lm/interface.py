@@ -2,7 +2,7 @@
 
 The interface is the one of specdec's own `LlamaForCausalLM`: `abilities` (model.Abilities: trees,
 layer outputs, draft vocabularies, batching, fixed when the model is loaded or wrapped), `config.vocab_size`,
-`config.max_position_embeddings`, `new_cache(batch, max_len)` returning a cache with per-row
+`config.max_position_embeddings`, `new_cache(batch, max_len, dtype=None)` returning a cache with per-row
 `lengths` (B,) on the model's device, the same on the host as `held` (list) with `longest`, and
 `rollback(lengths)`, and `model(tokens, positions=, cache=, logits_index=)`
 returning `.logits` and `.hidden` (final hidden states). transformers causal LMs are admitted

@@ -11,9 +11,11 @@ the host (`held`): every length the host needs (room checks, the span attention 
 rows are equally long) is read from `held`, so a forward never waits on the device for them.
 
 Serving regroups the rows between steps (`regroup`): rows that finished leave, new ones join.
-The kernels read a layer's rows as one contiguous (B, H_kv, S, D) block, so the batch is kept
-compact: the committed entries of the rows that stay (and of the joining rows, prefilled in a
-cache of their own) are copied into a second buffer allocated once, which becomes the current one.
+Row b of every layer lives at the same place of the buffer whatever the batch size (the buffer is
+laid out for `capacity` rows; the batch is its first B), and the kernels read a layer's rows as one
+contiguous (B, H_kv, S, D) block. So a regroup copies only the rows that change place, and the
+joining rows (prefilled in a cache of their own): `compacted` orders the staying rows so that the
+fewest move.
 
 This module knows nothing about attention or models; it only stores and indexes.
 """
@@ -34,63 +36,61 @@ class Slots(NamedTuple):
     start: int | None        # the common first slot when every row has the same length, else None
 
 
+def compacted(staying: list[bool]) -> list[int]:
+    """The rows that stay, in the order that moves fewest of them in a regroup: each keeps its place
+    below the new row count, and the holes there are filled by the staying rows above it."""
+    n = sum(staying)
+    above = iter([b for b in range(n, len(staying)) if staying[b]])
+    return [b if staying[b] else next(above) for b in range(n)]
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.layout = (num_layers, num_kv_heads, max_len, head_dim)  # (L, H_kv, S, D) around the rows
         self.capacity = batch_size  # the most rows `regroup` may make
-        self.buffer = torch.zeros(2, batch_size * math.prod(self.layout), dtype=dtype, device=device)  # keys, values
-        self.spare: torch.Tensor | None = None  # the second buffer, allocated by the first regroup that copies
+        # keys, values: (2, L, capacity, H_kv, S, D); zeros, since attention reads masked slots too (0 x NaN = NaN)
+        self.store = torch.zeros(2, num_layers, batch_size, num_kv_heads, max_len, head_dim, dtype=dtype,
+                                 device=device)
         self.joining: KVCache | None = None      # where joining rows are prefilled (`staging`)
         self.max_len = max_len
-        self._view(self.buffer, [0] * batch_size)
+        self._view([0] * batch_size)
 
-    def _view(self, buffer: torch.Tensor, held: list[int]) -> None:
-        """len(lengths) rows, laid out compactly at the start of `buffer`."""
-        L, H, S, D = self.layout
+    def _view(self, held: list[int]) -> None:
+        """len(held) rows: the first of every layer's `capacity` (L, B, H_kv, S, D)."""
         B = len(held)
-        keys_values = buffer[:, :B * L * H * S * D].view(2, L, B, H, S, D)
-        self.keys, self.values = keys_values[0], keys_values[1]   # (L, B, H_kv, S, D) each
-        self.k = [self.keys[i] for i in range(L)]  # views (not unbind: writable under autograd)
-        self.v = [self.values[i] for i in range(L)]
-        self.lengths = torch.tensor(held, dtype=torch.long, device=buffer.device)  # (B,)
+        self.keys, self.values = self.store[0, :, :B], self.store[1, :, :B]   # (L, B, H_kv, S, D) each
+        self.k = [self.keys[i] for i in range(self.store.shape[1])]  # views (not unbind: writable under autograd)
+        self.v = [self.values[i] for i in range(self.store.shape[1])]
+        self.lengths = torch.tensor(held, dtype=torch.long, device=self.store.device)  # (B,)
         self.held = list(held)  # (B,) the same lengths on the host
-        self.buffer = buffer
 
     def regroup(self, keep: list[int], joining: "KVCache | None" = None, empty: int = 0) -> None:
         """Make the rows: rows `keep` of this cache (in that order), then every row of `joining`,
-        then `empty` rows of length 0. Only committed entries are copied, once, into the spare
-        buffer (allocated on first use, then reused): O(rows x longest length), no allocation."""
+        then `empty` rows of length 0. Only the committed entries of rows that change place, and
+        of the joining rows, are copied: O(moved rows x their longest length), no allocation."""
         joined = [] if joining is None else joining.held
         rows = len(keep) + len(joined) + empty
         if rows > self.capacity:
             raise SpecdecError(f"the cache holds at most {self.capacity} rows, {rows} were asked for: "
                                "allocate it with more rows (the server's --max-batch)")
-        held = [self.held[b] for b in keep] + joined + [0] * empty
-        if not keep and not joined:  # nothing to copy: the rows start empty in the current buffer
-            self._view(self.buffer, held)
-            return
-        if self.spare is None:
-            self.spare = torch.zeros_like(self.buffer)  # zeros: attention reads masked slots too (0 x NaN = NaN)
-        old_keys, old_values, buffer = self.keys, self.values, self.spare
-        self.spare = self.buffer
-        self._view(buffer, held)
-        used = max(held)
-        n = len(keep)
-        if n:
-            index = torch.tensor(keep, device=buffer.device)
-            self.keys[:, :n, :, :used] = old_keys[:, index, :, :used]
-            self.values[:, :n, :, :used] = old_values[:, index, :, :used]
-        if joined:
-            self.keys[:, n:n + len(joined), :, :used] = joining.keys[:, :, :, :used]
-            self.values[:, n:n + len(joined), :, :used] = joining.values[:, :, :, :used]
+        moved = [(i, b) for i, b in enumerate(keep) if i != b]
+        used = max((self.held[b] for _, b in moved), default=0)
+        if used:
+            dst = torch.tensor([i for i, _ in moved], device=self.store.device)
+            src = torch.tensor([b for _, b in moved], device=self.store.device)
+            # the right side is gathered (a copy) before anything is written
+            self.store[:, :, dst, :, :used] = self.store[:, :, src, :, :used]
+        used, n = max(joined, default=0), len(keep)
+        if used:
+            self.store[:, :, n:n + len(joined), :, :used] = joining.store[:, :, :len(joined), :, :used]
+        self._view([self.held[b] for b in keep] + joined + [0] * empty)
 
     def staging(self, rows: int) -> "KVCache":
         """An empty cache of `rows` rows laid out like this one, to prefill joining rows in before
         `regroup` copies them here (allocated on first use, then reused)."""
         if self.joining is None:
-            L, H, S, D = self.layout
-            self.joining = KVCache(L, self.capacity, H, D, S, self.buffer.dtype, self.buffer.device)
+            _, L, capacity, H, S, D = self.store.shape
+            self.joining = KVCache(L, capacity, H, D, S, self.store.dtype, self.store.device)
         self.joining.regroup([], empty=rows)
         return self.joining
 
@@ -120,7 +120,8 @@ class KVCache:
         return Slots(rows, index, shortest if shortest == longest else None)
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor, span: int):
-        """Store k, v (B, T, H_kv, D) at `slots`; return the layer's first `span` slots (B, H_kv, S, D)."""
+        """Store k, v (B, T, H_kv, D) at `slots` (rounded to the cache's dtype); return the layer's first
+        `span` slots (B, H_kv, S, D)."""
         if slots.start is not None:
             # one strided copy instead of an index_put (the common case: batch 1, or equal lengths)
             stop = slots.start + k.shape[1]
@@ -128,8 +129,8 @@ class KVCache:
             self.v[layer][:, :, slots.start:stop] = v.transpose(1, 2)
         else:
             # advanced indices split by a slice put the indexed dims first: the target is (B, T, H_kv, D)
-            self.k[layer][slots.rows, :, slots.index] = k
-            self.v[layer][slots.rows, :, slots.index] = v
+            self.k[layer][slots.rows, :, slots.index] = k.to(self.store.dtype)
+            self.v[layer][slots.rows, :, slots.index] = v.to(self.store.dtype)
         return self.k[layer][:, :, :span], self.v[layer][:, :, :span]
 
     def advance(self, num_new: int) -> None:

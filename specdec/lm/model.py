@@ -319,6 +319,7 @@ class Attention(nn.Module):
         q, k, v = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], qkv[:, :, self.n_heads + self.n_kv:]
         if window.cache is not None:  # the cached keys and values with the new ones: (B, Hkv, S, D)
             k, v = window.cache.write(layer, window.slots, k, v, window.span)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a cache kept at a lower precision (new_cache's dtype)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
@@ -436,10 +437,12 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
     def stacked(self) -> list[DecoderLayer]:
         return list(self.model.layers)
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """A cache of `batch_size` rows; dtype: its keys' and values' (default: the model's compute dtype;
+        bfloat16 halves the bytes a batched step's attention reads, the entries rounded to it)."""
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
-                       max_len or cfg.max_position_embeddings, dtype=placement(self).dtype,
+                       max_len or cfg.max_position_embeddings, dtype=dtype or placement(self).dtype,
                        device=placement(self).device)
 
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -154,6 +154,7 @@ class LongRun:
     max_new_tokens: int = 256            # per answer
     temperature: float = 0.8             # the sampled answer's
     quantize: str | None = "q8_0"        # the data generator's target (the head trains on the full target)
+    kv_cache: str | None = "bfloat16"    # the training data generator's KV cache (None: fp32; held-out answers: fp32)
     lookup: bool = False                 # n-gram lookup speculation while generating (k chosen where it pays)
     passes: float = 3.0                  # tokens trained on per token generated
     seq_len: int = 256
@@ -169,3 +170,8 @@ class LongRun:
     eval_at: tuple[int, ...] = (300_000, 500_000, 750_000, 1_000_000, 1_500_000, 2_000_000, 3_000_000,
                                 5_000_000, 7_500_000, 10_000_000)  # tokens seen (the init head's included)
     save_seconds: float = 240.0
+
+    def __post_init__(self):
+        if self.kv_cache not in (None, "float32", "bfloat16"):
+            raise SpecdecError(f"a long run's kv_cache is float32 or bfloat16 (or None: the model's), "
+                               f"not {self.kv_cache!r}")
