@@ -22,7 +22,7 @@ from specdec.lm.kv_cache import KVCache
 from specdec.proposers import EagleProposer, VocabOptions, base
 from specdec.proposers.eagle_head import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
 from specdec.proposers.heads import load_heads
-from specdec.train.losses import eagle_backward, eagle_metrics
+from specdec.train.losses import eagle_backward, eagle_metrics, eagle_targets
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import own_continuations, tiny_llama
@@ -240,6 +240,17 @@ def test_validation_alpha_is_the_greedy_acceptance_of_drafting():
     assert reached[0] == first.numel()
     assert alphas[0] == pytest.approx(float((first == batch[:, 2:]).float().mean()))
     assert all(0 <= a <= 1 for a in alphas) and reached == sorted(reached, reverse=True)
+
+
+def test_training_reads_the_draft_vocabularys_logits_without_the_full_unembedding():
+    """eagle_targets(greedy=False), what the backward pass uses: the target unembeds over the draft
+    vocabulary's rows alone and gives the same features and log-probabilities there."""
+    head = distilled(draft_vocab=24)
+    batch = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(6))
+    full, drafted = eagle_targets(TARGET, head, batch, STEPS), eagle_targets(TARGET, head, batch, STEPS, greedy=False)
+    assert drafted.argmax is None and drafted.log_probs.shape == full.log_probs.shape == (3, 11, 24)
+    assert torch.equal(drafted.features, full.features)
+    torch.testing.assert_close(drafted.log_probs, full.log_probs, rtol=1e-5, atol=1e-5)
 
 
 # ---- checkpoint and bad input ----

@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecdecError
+from ..proposers.base import DraftVocabulary
 from ..proposers.block_head import BlockHead
 from ..proposers.eagle_head import EagleHead
 from ..proposers.heads import MTPHeads, teacher_forced
@@ -222,17 +223,26 @@ class EagleTargets:
     features: torch.Tensor     # (B, S, nC) outputs of the head's layers at positions 0..S-1
     log_probs: torch.Tensor    # (B, S, N) the target's next-token log-probabilities over the draft
                                # vocabulary, renormalised there (temperature 1)
-    argmax: torch.Tensor       # (B, S) the target's greedy token (full vocabulary)
+    argmax: torch.Tensor | None  # (B, S) the target's greedy token (full vocabulary); None: not computed
     ahead: torch.Tensor        # (B, S + steps - 1) x_1..x_S, then padding: what the unrolled steps read
 
 
 @torch.no_grad()
-def eagle_targets(target, head: EagleHead, batch: torch.Tensor, steps: int, with_logits: bool = False):
-    """The EagleTargets of a batch; with_logits: and the target's logits (B, S, V) of the same forward."""
-    out = target(batch[:, :-1], output_layers=head.layer_ids)
+def eagle_targets(target, head: EagleHead | BlockHead, batch: torch.Tensor, steps: int, with_logits: bool = False,
+                  greedy: bool = True):
+    """The EagleTargets of a batch; with_logits: and the target's logits of the same forward. greedy
+    False (what training reads): the target unembeds over the draft vocabulary's rows alone (its full
+    vocabulary's unembedding is a fifth of SmolLM2's forward), the same logits there; no argmax."""
+    if greedy:
+        out = target(batch[:, :-1], output_layers=head.layer_ids)
+        logits = out.logits.float()[..., head.draft_ids]
+    else:
+        rows = DraftVocabulary(head.draft_ids, target.lm_head).unembedding
+        out = target(batch[:, :-1], output_layers=head.layer_ids, unembedding=rows)
+        logits = out.logits.float()
     features = torch.cat([out.layers[i] for i in head.layer_ids], -1)
-    log_probs = F.log_softmax(out.logits.float()[..., head.draft_ids], -1)
-    targets = EagleTargets(features, log_probs, out.logits.argmax(-1), F.pad(batch[:, 1:], (0, steps - 1)))
+    targets = EagleTargets(features, F.log_softmax(logits, -1), out.logits.argmax(-1) if greedy else None,
+                           F.pad(batch[:, 1:], (0, steps - 1)))
     return (targets, out.logits) if with_logits else targets
 
 
@@ -256,7 +266,7 @@ def eagle_backward(target, head: EagleHead, batch: torch.Tensor, steps: int, dec
     if batch.shape[1] - 2 < steps:
         raise SpecdecError(f"a window of {batch.shape[1]} tokens is too short to unroll {steps} EAGLE steps: "
                            "raise seq_len or lower --eagle-steps")
-    targets = eagle_targets(target, head, batch, steps)
+    targets = eagle_targets(target, head, batch, steps, greedy=False)
     losses = [kl for _, kl, _ in eagle_step_losses(target, head, targets, steps)]
     (sum(decay ** j * kl for j, kl in enumerate(losses)) * scale).backward()
     return [kl.item() for kl in losses]
@@ -323,7 +333,7 @@ def block_backward(target, head: BlockHead, batch: torch.Tensor, anchors: int, s
     if batch.shape[1] - 2 < head.block:
         raise SpecdecError(f"a window of {batch.shape[1]} tokens is too short for blocks of {head.block}: "
                            "raise seq_len or lower --block-size")
-    targets = eagle_targets(target, head, batch, 1)
+    targets = eagle_targets(target, head, batch, 1, greedy=False)
     losses, _ = block_slot_losses(target, head, targets, block_layout_for(head, batch.shape[1] - 1, anchors,
                                                                           generator, batch.device))
     (sum(losses) * scale).backward()
