@@ -217,9 +217,8 @@ inline V key_dot(const float* q, const T* k, int64_t D) {
   return acc;
 }
 
-// One query row q (D floats) over `n` visible keys given by key(i) -> row pointer in the cache (float
-// or bf16)
-// (i = 0..n-1, in key order): out = softmax(q k^T * scale) v. The score of key i lives in lane
+// One query row q (D floats) over `n` visible keys given by key(i) -> row pointer in the cache, float
+// or bf16 (i = 0..n-1, in key order): out = softmax(q k^T * scale) v. The score of key i lives in lane
 // i mod 16 of the softmax sum, whatever other keys the cache holds: a row's output depends only
 // on its own visible keys (so a token verified in a window, or a tree node, gets what it gets
 // decoded alone). p: scratch of at least n rounded up to 16 floats. Each key's sums are computed

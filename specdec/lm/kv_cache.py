@@ -21,7 +21,6 @@ This module knows nothing about attention or models; it only stores and indexes.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -74,15 +73,14 @@ class KVCache:
             raise SpecdecError(f"the cache holds at most {self.capacity} rows, {rows} were asked for: "
                                "allocate it with more rows (the server's --max-batch)")
         moved = [(i, b) for i, b in enumerate(keep) if i != b]
-        used = max((self.held[b] for _, b in moved), default=0)
-        if used:
+        if longest := max((self.held[b] for _, b in moved), default=0):
             dst = torch.tensor([i for i, _ in moved], device=self.store.device)
             src = torch.tensor([b for _, b in moved], device=self.store.device)
             # the right side is gathered (a copy) before anything is written
-            self.store[:, :, dst, :, :used] = self.store[:, :, src, :, :used]
-        used, n = max(joined, default=0), len(keep)
-        if used:
-            self.store[:, :, n:n + len(joined), :, :used] = joining.store[:, :, :len(joined), :, :used]
+            self.store[:, :, dst, :, :longest] = self.store[:, :, src, :, :longest]
+        if longest := max(joined, default=0):
+            n = len(keep)
+            self.store[:, :, n:n + len(joined), :, :longest] = joining.store[:, :, :len(joined), :, :longest]
         self._view([self.held[b] for b in keep] + joined + [0] * empty)
 
     def staging(self, rows: int) -> "KVCache":
