@@ -20,7 +20,6 @@ from specdec.decoding.stopping import StopRule
 from specdec.lm.checkpoint import load_model, save_model
 from specdec.lm.device import placement
 from specdec.lm.interface import admit
-from specdec.lm.kv_cache import compacted
 from specdec.lm.model import Linear, store_matrices
 from specdec.proposers import DraftModelProposer, NgramProposer
 
@@ -171,7 +170,7 @@ def test_the_stack_computes_what_pytorch_computes(isa):
 
 @torch.no_grad()
 def test_the_stack_reads_a_regrouped_cache_of_fewer_rows_than_its_capacity(isa):
-    """Rows that left and rows that moved into their places (kv_cache.compacted): the layers' rows
+    """Rows that left and rows that moved into their places (engine.compacted): the layers' rows
     lie at the stride of the cache's capacity, and the kernels read them there."""
     model, twin = tiny_bf16(), pytorch_twin()
     g = torch.Generator().manual_seed(6)
@@ -183,7 +182,7 @@ def test_the_stack_reads_a_regrouped_cache_of_fewer_rows_than_its_capacity(isa):
         cache.regroup([], empty=4)
         m(prompts, cache=cache)
         cache.rollback([11, 6, 9, 8])
-        cache.regroup(compacted([False, True, False, True]))  # rows 3, 1: row 3 moves to place 0
+        cache.regroup([3, 1])  # rows 0 and 2 leave, row 3 moves to place 0 (engine.compacted's order)
         assert cache.lengths.tolist() == [8, 6] and cache.keys.stride(0) > cache.keys[0].numel()
         outs.append(m(new, cache=cache).logits)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)

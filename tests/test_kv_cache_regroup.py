@@ -1,13 +1,14 @@
 """KVCache.regroup: rows that stay keep their committed entries, in the order asked, joining rows
 follow with theirs, empty rows start at length 0; storage is allocated once, and only rows that
-change place are copied (`compacted` orders the staying rows so that the fewest do)."""
+change place are copied (the engine's `compacted` orders the staying rows so that the fewest do)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from specdec.errors import SpecdecError
-from specdec.lm.kv_cache import KVCache, compacted
+from specdec.decoding.engine import compacted
+from specdec.lm.kv_cache import KVCache
 
 
 def filled(rows: int, lengths: list[int], seed: int, capacity: int = 6) -> KVCache:

@@ -43,7 +43,6 @@ import torch
 
 from ..errors import SpecdecError
 from ..lm.interface import Admitted, admit, declared_features, layer_request, prefill_joining
-from ..lm.kv_cache import compacted
 from .adaptive import Adaptive, curve_batches, options, window
 from .calibration import verify_curves
 from .constraint import Compiled, masked
@@ -80,6 +79,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.row.done or self.cancelled
+
+
+def compacted(staying: list[bool]) -> list[int]:
+    """The rows that stay, in the order that moves fewest of them in a cache's regroup (kv_cache.py):
+    each keeps its place below the new row count, and the holes there are filled by the staying rows
+    above it."""
+    n = sum(staying)
+    above = iter([b for b in range(n, len(staying)) if staying[b]])
+    return [b if staying[b] else next(above) for b in range(n)]
 
 
 class Engine:

@@ -14,8 +14,8 @@ Serving regroups the rows between steps (`regroup`): rows that finished leave, n
 Row b of every layer lives at the same place of the buffer whatever the batch size (the buffer is
 laid out for `capacity` rows; the batch is its first B), and the kernels read a layer's rows as one
 contiguous (B, H_kv, S, D) block. So a regroup copies only the rows that change place, and the
-joining rows (prefilled in a cache of their own): `compacted` orders the staying rows so that the
-fewest move.
+joining rows (prefilled in a cache of their own); the engine orders the staying rows so that the
+fewest move (engine.compacted).
 
 This module knows nothing about attention or models; it only stores and indexes.
 """
@@ -33,14 +33,6 @@ class Slots(NamedTuple):
     rows: torch.Tensor       # (B, 1)
     index: torch.Tensor      # (B, T)
     start: int | None        # the common first slot when every row has the same length, else None
-
-
-def compacted(staying: list[bool]) -> list[int]:
-    """The rows that stay, in the order that moves fewest of them in a regroup: each keeps its place
-    below the new row count, and the holes there are filled by the staying rows above it."""
-    n = sum(staying)
-    above = iter([b for b in range(n, len(staying)) if staying[b]])
-    return [b if staying[b] else next(above) for b in range(n)]
 
 
 class KVCache:
