@@ -253,6 +253,20 @@ def test_training_reads_the_draft_vocabularys_logits_without_the_full_unembeddin
     torch.testing.assert_close(drafted.log_probs, full.log_probs, rtol=1e-5, atol=1e-5)
 
 
+def test_a_bf16_teacher_gives_the_targets_training_loss_to_bf16_precision():
+    """eagle_backward's teacher (the long run's, where the CPU multiplies bf16 in hardware): the
+    features and distribution come from the bf16 copy, and the loss is the fp32 target's to ~1%."""
+    batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(7))
+    teacher = copy.deepcopy(TARGET).to(torch.bfloat16)
+    heads = [copy.deepcopy(distilled()) for _ in range(2)]
+    exact = eagle_backward(TARGET, heads[0], batch, STEPS, 0.8, 1.0)
+    taught = eagle_backward(TARGET, heads[1], batch, STEPS, 0.8, 1.0, teacher)
+    assert taught != exact  # the teacher computed them
+    assert taught == pytest.approx(exact, rel=0.03)
+    for a, b in zip(heads[0].parameters(), heads[1].parameters()):
+        assert a.grad.dtype == torch.float32 and torch.allclose(a.grad, b.grad, rtol=0.1, atol=1e-3)
+
+
 # ---- checkpoint and bad input ----
 
 @pytest.mark.parametrize("layout", LAYOUTS)

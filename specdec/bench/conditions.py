@@ -13,7 +13,7 @@ import torch
 from .. import kernels
 from ..decoding.calibration import cpu_model
 from ..lm.checkpoint import WEIGHTS, sha256, shown_path
-from ..lm.device import placement
+from ..lm.device import cpu_features, placement
 from ..lm.interface import abilities
 from ..lm.model import stored_formats
 
@@ -29,23 +29,6 @@ def git_sha() -> str:
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else UNKNOWN
     except (OSError, subprocess.SubprocessError):
         return UNKNOWN
-
-
-# CPU features that decide which kernels and which PyTorch paths run (x86 flags; ARM "Features")
-FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-            "avx512_fp16", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
-
-
-def cpu_features() -> list[str] | str:
-    """The FEATURES this CPU reports in /proc/cpuinfo, or "unknown" where there is none to read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                return [f for f in FEATURES if f in flags]
-    except OSError:
-        pass
-    return UNKNOWN
 
 
 def accelerator() -> str:

@@ -155,6 +155,9 @@ class LongRun:
     temperature: float = 0.8             # the sampled answer's
     quantize: str | None = "q8_0"        # the data generator's target (the head trains on the full target)
     kv_cache: str | None = "bfloat16"    # the training data generator's KV cache (None: fp32; held-out answers: fp32)
+    teacher: str = "auto"                # the dtype the frozen target computes training windows in: float32,
+                                         # bfloat16, or auto (bfloat16 where the CPU multiplies it in hardware);
+                                         # the held-out evaluation reads the fp32 target, as drafting does
     lookup: bool = False                 # n-gram lookup speculation while generating (k chosen where it pays)
     passes: float = 3.0                  # tokens trained on per token generated
     seq_len: int = 256
@@ -175,3 +178,5 @@ class LongRun:
         if self.kv_cache not in (None, "float32", "bfloat16"):
             raise SpecdecError(f"a long run's kv_cache is float32 or bfloat16 (or None: the model's), "
                                f"not {self.kv_cache!r}")
+        if self.teacher not in ("auto", "float32", "bfloat16"):
+            raise SpecdecError(f"a long run's teacher is auto, float32 or bfloat16, not {self.teacher!r}")

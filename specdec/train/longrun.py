@@ -8,7 +8,9 @@ The job alternates two kinds of work in one process (so one `nice`d process hold
   (bfloat16: a batched step reads most of its bytes there), written atomically as
   shards/shard-NNNNN.jsonl with its tokens (.npy) and its speed (.json);
 - training: AdamW steps on windows drawn at random from every shard so far, until the head has seen
-  `passes` times the tokens generated; then the next shard.
+  `passes` times the tokens generated; then the next shard. The frozen target computes the windows'
+  features and distributions in `teacher`'s dtype (bf16 where the CPU multiplies it in hardware: its
+  features differ from fp32's by ~1%, which leaves the head's held-out α unchanged to 0.003).
 The held-out prompts (prompt_pool.held_out) are answered once, greedily and at T=1, into heldout/;
 their target features are computed once and kept in memory (the target is frozen), and at each
 point of `eval_at` (tokens seen) the head's α_1..α_k on them is appended to curve.jsonl.
@@ -46,6 +48,7 @@ from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.atomic import atomic_dir, recover
 from ..lm.checkpoint import WEIGHTS, load_model, quantized_copy, sha256, shown_path
+from ..lm.device import native_bf16
 from ..lm.interface import admit
 from ..lm.tokenizer import Tokenizer
 from ..proposers.eagle_head import EagleHead, check_eagle_target, save_eagle, speculators_metadata
@@ -323,7 +326,8 @@ def lr_at(cfg: LongRun, step: int) -> float:
 @dataclass
 class Parts:
     """What a sitting holds in memory."""
-    target: object            # the frozen target (fp32), whose features the head reads
+    target: object            # the frozen target (fp32), whose features the head reads when it drafts
+    teacher: object           # the target as it computes training windows (itself, or a bf16 copy)
     generator: object         # the target the data is generated with (quantized)
     tokenizer: Tokenizer
     eos: int
@@ -339,7 +343,16 @@ def load_parts(cfg: LongRun) -> Parts:
     tokenizer = Tokenizer.load(folder)
     head, meta = initial_head(Path(cfg.init), folder)
     generator = quantized_copy(target, cfg.quantize) if cfg.quantize else target
-    return Parts(target, generator, tokenizer, tokenizer.eos_id, head, meta, sha256(folder / WEIGHTS))
+    teacher = (load_model(folder, dtype=torch.bfloat16).requires_grad_(False).eval()
+               if teacher_dtype(cfg) == "bfloat16" else target)
+    return Parts(target, teacher, generator, tokenizer, tokenizer.eos_id, head, meta, sha256(folder / WEIGHTS))
+
+
+def teacher_dtype(cfg: LongRun) -> str:
+    """The dtype the frozen target computes training windows in (cfg.teacher, auto resolved here)."""
+    if cfg.teacher == "auto":
+        return "bfloat16" if native_bf16() else "float32"
+    return cfg.teacher
 
 
 def identity(parts: Parts) -> dict:
@@ -362,7 +375,7 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
         tokens_seen=seen, init_tokens=seen, first_shard=int(answered.get("next_shard", answered.get("shards", 0))))
     train_prompts, held = prompt_file(out, cfg)
     log(f"prompts: {len(train_prompts)} for training, {len(held)} held out; resuming at step {progress.step}, "
-        f"{progress.tokens_seen} tokens seen")
+        f"{progress.tokens_seen} tokens seen; training windows computed by the {teacher_dtype(cfg)} target")
     groups = heldout_groups(parts.target, head, heldout_rows(out, parts.generator, parts.tokenizer, held, cfg),
                             cfg, parts.eos)
     if not progress.evaluated:  # the starting point of the curve, which stands for the points it is past
@@ -414,7 +427,7 @@ def train_step(parts: Parts, opt, data: Pool, progress: Progress, cfg: LongRun, 
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, progress.step)
     batch = windows(data.tokens, cfg.seed, progress.step, cfg.batch_size, cfg.seq_len)
-    losses = eagle_backward(parts.target, parts.head, batch, cfg.steps, cfg.decay, 1.0)
+    losses = eagle_backward(parts.target, parts.head, batch, cfg.steps, cfg.decay, 1.0, parts.teacher)
     torch.nn.utils.clip_grad_norm_(list(parts.head.parameters()), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -489,6 +502,7 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
                           f"{cfg.steps} draft steps on its own outputs (training-time test), step j weighted "
                           f"{cfg.decay}^j"),
             "tokens_seen": progress.tokens_seen, "steps": progress.step, "init_tokens_seen": progress.init_tokens,
+            "teacher_dtype": teacher_dtype(cfg),  # this machine's; the recipe says how it is chosen
             "training_seconds": round(float(init_meta.get("training_seconds") or 0) + progress.seconds, 1),
             "longrun_seconds": round(progress.seconds, 1),
             "data": {"recipe": "longrun.py: prompt_pool.py prompts answered greedily and at T="
