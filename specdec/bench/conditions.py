@@ -13,11 +13,9 @@ import torch
 from .. import kernels
 from ..decoding.calibration import cpu_model
 from ..lm.checkpoint import WEIGHTS, sha256, shown_path
-from ..lm.device import cpu_features, placement
+from ..lm.device import UNKNOWN, cpu_features, placement
 from ..lm.interface import abilities
 from ..lm.model import stored_formats
-
-UNKNOWN = "unknown"
 
 
 def git_sha() -> str:
