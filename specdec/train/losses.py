@@ -268,7 +268,7 @@ def eagle_backward(target, head: EagleHead, batch: torch.Tensor, steps: int, dec
     if batch.shape[1] - 2 < steps:
         raise SpecdecError(f"a window of {batch.shape[1]} tokens is too short to unroll {steps} EAGLE steps: "
                            "raise seq_len or lower --eagle-steps")
-    targets = eagle_targets(teacher or target, head, batch, steps, greedy=False)
+    targets = eagle_targets(target if teacher is None else teacher, head, batch, steps, greedy=False)
     losses = [kl for _, kl, _ in eagle_step_losses(target, head, targets, steps)]
     (sum(decay ** j * kl for j, kl in enumerate(losses)) * scale).backward()
     return [kl.item() for kl in losses]
