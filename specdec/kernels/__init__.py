@@ -137,6 +137,7 @@ FORMATS = ("bf16",) + blocks.QUANTIZED  # the formats a weight can be stored in 
 # every format a Matrix may hold -> cpu.cpp's Format (types.h)
 KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q4_k": 5, "q6_k": 6}
 MIXED = 7  # cpu.cpp's kMixed: runs of outputs in different quantized formats (Matrix.from_runs)
+FINE = 16  # cpu.cpp's kFine: a format's flag, the matrix multiplies fine activations (Matrix.fine)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -152,23 +153,31 @@ class Matrix:
     or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
     Q5_0 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
     "q4_k+q6_k", say). What a model holds per Linear: the packed data alone (a run of a mixed one is a
-    Matrix over its part of that data), the Blocks (a byte per code) unpacked where asked for."""
+    Matrix over its part of that data), the Blocks (a byte per code) unpacked where asked for.
 
-    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, runs: list[Matrix] | None = None):
-        self.format, self.shape, self.data, self.runs = format, tuple(shape), data, runs
+    `fine`: a quantized matrix that multiplies each input row twice, as its int8 rows and as the int8
+    rows of their rounding residuals, and adds the two products (blocks.fine_linear): the same weight
+    bytes read once, twice the integer work, and a product within ~1e-5 of each block's largest input
+    where int8 rows alone are within ~4e-3 (a drafter's unembedding, whose logits decide agreement)."""
+
+    def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, runs: list[Matrix] | None = None,
+                 fine: bool = False):
+        if fine and format == "bf16":
+            raise ValueError("fine activations are for a quantized matrix; a bf16 one multiplies fp32 rows as they are")
+        self.format, self.shape, self.data, self.runs, self.fine = format, tuple(shape), data, runs, fine
         self._reference: list[blocks.Blocks] | None = None  # unpacked by the first `reference` call, then kept
 
     @classmethod
-    def store(cls, weight: torch.Tensor, format: str = "bf16") -> Matrix:
-        """weight (N, K) in `format` (quantized with llama.cpp's rounding: blocks.quantize)."""
+    def store(cls, weight: torch.Tensor, format: str = "bf16", fine: bool = False) -> Matrix:
+        """weight (N, K) in `format` (quantized with llama.cpp's rounding: blocks.quantize), `fine` as above."""
         if format == "bf16":
-            return cls(format, weight.shape, pack(weight.detach().to(torch.bfloat16)))
-        return cls.from_blocks(blocks.quantize(weight, format))
+            return cls(format, weight.shape, pack(weight.detach().to(torch.bfloat16)), fine=fine)
+        return cls.from_blocks(blocks.quantize(weight, format), fine)
 
     @classmethod
-    def from_blocks(cls, stored: blocks.Blocks) -> Matrix:
+    def from_blocks(cls, stored: blocks.Blocks, fine: bool = False) -> Matrix:
         """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
-        return cls(stored.format, stored.shape, blocks.pack(stored))
+        return cls(stored.format, stored.shape, blocks.pack(stored), fine=fine)
 
     @classmethod
     def from_gguf(cls, raw, format: str, shape: tuple[int, int]) -> Matrix:
@@ -216,7 +225,8 @@ class Matrix:
         if self._reference is None:
             self._reference = [run.blocks() for run in self.runs or [self]]
         ends = torch.tensor([run.shape[0] for run in self._reference]).cumsum(0).tolist()
-        return torch.cat([blocks.linear(x, run, None if bias is None else bias[end - run.shape[0]:end])
+        product = blocks.fine_linear if self.fine else blocks.linear
+        return torch.cat([product(x, run, None if bias is None else bias[end - run.shape[0]:end])
                           for run, end in zip(self._reference, ends)], dim=-1)
 
     @property
@@ -225,8 +235,8 @@ class Matrix:
 
     @property
     def kernel_format(self) -> int:
-        """cpu.cpp's Format of the packed data."""
-        return MIXED if self.runs is not None else KERNEL_FORMAT[self.format]
+        """cpu.cpp's Format of the packed data (| FINE where it multiplies fine activations)."""
+        return (MIXED if self.runs is not None else KERNEL_FORMAT[self.format]) | (FINE if self.fine else 0)
 
     @property
     def nbytes(self) -> int:
@@ -265,7 +275,7 @@ class Matrix:
         """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
         if not self.quantized:
             return Matrix.store(self.dense()[ids])
-        return Matrix.from_blocks(self.row_blocks(ids))
+        return Matrix.from_blocks(self.row_blocks(ids), self.fine)
 
 
 def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None = None) -> str | None:

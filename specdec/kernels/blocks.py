@@ -383,6 +383,20 @@ def linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) ->
     return acc.reshape(*x.shape[:-1], N)
 
 
+def fine_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) fp32 times the quantized matrix with fine activations (kernels.Matrix.fine): x's
+    product plus that of its rounding residual r = x - q dx (quantize_rows' q and dx, each an fp32
+    product and difference), added, then the bias: cpu.cpp's fine_matmul exactly."""
+    K = blocks.shape[1]
+    rows = x.detach().float().reshape(-1, K)
+    q, dx, _ = quantize_rows(rows)
+    residual = rows - (q.float().reshape(len(rows), -1, BLOCK) * dx[..., None]).reshape(rows.shape)
+    y = linear(rows, blocks) + linear(residual, blocks)
+    if bias is not None:
+        y = y + bias.detach().float()
+    return y.reshape(*x.shape[:-1], blocks.shape[0])
+
+
 def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """(K/32, M, N) fp32: block b's term of output n of row m, rows (M, K) quantized by quantize_rows
     (q, dx, qsum per block), s the exact integer sum over the block of the weight's u - OFFSET times q:

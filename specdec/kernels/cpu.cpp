@@ -162,6 +162,12 @@ Mat mixed_matrix(const torch::Tensor& w, int64_t N, int64_t K, const char* what)
 
 // The packed matrix `w` in `format` (kernels.FORMATS) with N outputs from K inputs, checked.
 Mat matrix(const torch::Tensor& w, int64_t format, int64_t N, int64_t K, const char* what) {
+  if (format & kFine) {  // a quantized matrix times its rows and their rounding residuals (fine_matmul)
+    TORCH_CHECK((format & ~kFine) != kBf16, what, ": fine activations are for a quantized matrix");
+    Mat W = matrix(w, format & ~kFine, N, K, what);
+    W.fine = true;
+    return W;
+  }
   if (format == kBf16) {
     check_packed(w, K, N, what);
     return {kBf16, bf16_data(w), N, K};
@@ -186,10 +192,42 @@ struct QuantBuffer {
   }
 };
 
+void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* add, const float* bias);
+
+// run_matmul for a quantized W with fine activations (kernels.Matrix.fine): each row x of X and its
+// rounding residual r = x - q dx (q, dx: x quantized, quantize_row; fp32 products and differences)
+// are multiplied as two rows of one call, whose weights are read once for both; row m of Y is then
+// (x W^T + r W^T) [+ bias] [+ add], added in that order. r's own rounding is ~1/254 of r's largest
+// value per block, itself ~1/254 of x's: the product is within ~1e-5 of x's largest magnitude per block
+// where one pass is within ~4e-3.
+void fine_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* add, const float* bias) {
+  const int64_t K = W.K, N = W.N;
+  std::vector<float> rows(2 * M * K), y(2 * M * N);
+  QuantBuffer xq(1, K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = X + m * K;
+    float* r = rows.data() + (2 * m + 1) * K;
+    g_quant->quantize_row(x, K, xq.rows, 0);
+    std::memcpy(rows.data() + 2 * m * K, x, K * sizeof(float));
+    for (int64_t k = 0; k < K; ++k) r[k] = x[k] - static_cast<float>(xq.rows.q[k]) * xq.rows.d[k / kBlock];
+  }
+  Mat coarse = W;
+  coarse.fine = false;
+  run_matmul(coarse, rows.data(), 2 * M, y.data(), nullptr, nullptr);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float v = y[2 * m * N + n] + y[(2 * m + 1) * N + n];
+      if (bias) v += bias[n];
+      if (add) v += add[m * N + n];
+      Y[m * N + n] = v;
+    }
+}
+
 // Y (M, N) = X (M, K) W^T [+ bias (N,)] [+ add (M, N)] on the threads the weight traffic calls for.
 void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* add, const float* bias) {
   const int64_t P = (W.N + 15) / 16;
   if (M == 0 || P == 0) return;  // nothing to compute (and no thread to run it on)
+  if (W.fine) return fine_matmul(W, X, M, Y, add, bias);
   const bool quantized = W.format != kBf16;
   QuantBuffer xq(quantized ? M : 0, quantized ? W.K : 0);
   for (int64_t m = 0; quantized && m < M; ++m) g_quant->quantize_row(X + m * W.K, W.K, xq.rows, m);
@@ -338,6 +376,7 @@ struct Stack {
                     "' or no format for it");
         owned.push_back(it->second);
         const Mat m = matrix(it->second, f->second, N, K, name);
+        TORCH_CHECK(!m.fine, "Stack: ", name, " has fine activations, which only a lone matrix's call multiplies");
         total_bytes += matrix_bytes(m);
         if (m.format != kBf16) quantized_k = std::max(quantized_k, K);
         return m;

@@ -17,11 +17,13 @@ constexpr int64_t kBlock = 32;  // weights per quantized block, along K
 // bytes per 16 outputs x 32 k (quant.h; the K-quants' per 32 k of a super-block: kquant.h)
 constexpr int64_t kPanelBlockBytes[7] = {0, 32 + 512, 32 + 256, 64 + 256, 32 + 256 + 64, 288, 420};
 constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
+constexpr int kFine = 16;  // a format's flag: a quantized matrix times its rows' rounding residuals too (Mat::fine)
 
 struct Mat {  // a packed matrix of N outputs from K inputs
   int format;
   const void* data;
   int64_t N, K;
+  bool fine = false;  // times each input row and its rounding residual, quantized (cpu.cpp: fine_matmul)
 };
 
 // Activation rows quantized per block of 32 for a quantized matrix: row m's values q + m ld (int8),

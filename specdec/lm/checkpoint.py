@@ -174,10 +174,12 @@ def quantize_model(model: torch.nn.Module, format: str, given: dict[str, kernels
     return store_matrices(model, format, given)
 
 
-def quantized_copy(model: LlamaForCausalLM, format: str, head_format: str | None = None) -> LlamaForCausalLM:
+def quantized_copy(model: LlamaForCausalLM, format: str, head_format: str | None = None,
+                   fine_head: bool = False) -> LlamaForCausalLM:
     """Another model of `model`'s architecture holding its weights with every matrix quantized to
-    `format` (quantize_model), its unembedding to `head_format` (default: `format`): a draft that
-    needs no training. `model` itself is left as it is."""
+    `format` (quantize_model), its unembedding to `head_format` (default: `format`; with `fine_head`
+    a quantized head_format multiplies fine activations, kernels.Matrix.fine): a draft that needs no
+    training. `model` itself is left as it is."""
     if not isinstance(model, LlamaForCausalLM):
         raise SpecdecError("a quantized copy of the target needs specdec's own model (a checkpoint specdec loads), "
                            f"not {type(model).__name__}")
@@ -191,7 +193,8 @@ def quantized_copy(model: LlamaForCausalLM, format: str, head_format: str | None
                   if name != "model.embed_tokens"})  # matrices held as blocks: their values, quantized again
     twin.load_state_dict(state, assign=True)
     place(twin, next(model.parameters()).device)
-    head = {} if head_format is None else {"lm_head": kernels.Matrix.store(twin.lm_head.weight, head_format)}
+    head = {} if head_format is None else {
+        "lm_head": kernels.Matrix.store(twin.lm_head.weight, head_format, fine_head and head_format != "bf16")}
     twin = quantize_model(twin.eval(), format, head)
     if embedding is not None and not model.config.tie_word_embeddings:  # tied: the new unembedding's blocks
         twin.model.embed_tokens.store(embedding)
