@@ -233,7 +233,7 @@ def gumbel(seeds: list[int], positions: list[list[int]], vocab: int, ids: torch.
         made = noise_rows(keys, length) if keys else np.empty((0, length), np.float32)
     else:
         rows = NOISE.rows(keys, length)
-        made = rows[0][None, :length] if len(rows) == 1 else np.stack([row[:length] for row in rows])
+        made = rows[0][None, :length] if len(rows) == 1 else np.array([row[:length] for row in rows])
     noise = torch.from_numpy(made)
     noise = noise[:, :vocab] if ids is None else noise[:, ids.cpu()]
     return noise.reshape(len(seeds), -1, noise.shape[-1])
