@@ -334,3 +334,44 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
         assert (a.draft_probs is None) == (b.draft_probs is None) == sampling.greedy
         if a.draft_probs is not None:
             assert torch.equal(a.draft_probs, b.draft_probs)
+
+
+@pytest.mark.skipif(not __import__("specdec.kernels", fromlist=["x"]).can_store_bf16(),
+                    reason="the CPU kernels are not available here")
+@torch.inference_mode()
+def test_an_eagle3_layout_head_drafts_in_one_kernel_call_what_its_pytorch_layer_drafts():
+    """EAGLE-3's layer (q/k/v over the 2C-wide [RMSNorm(emb); RMSNorm(g)], the attention added to g)
+    runs in the kernels' drafting call: the same drafts as its PyTorch operators over 5 levels and two
+    rows, and the same draft probabilities to float32 rounding (a layer that added the attention to
+    its projected input, or normalised g as the residual, drafts otherwise); greedy decoding with it
+    equals plain decoding."""
+    from specdec.api import TOY_TARGET, encode_prompts, load
+    from specdec.decoding.sampling import Draws, SamplingConfig
+    from specdec.lm.interface import prefill_joining
+    from specdec.lm.model import store_matrices
+    from specdec.proposers.eagle_head import default_layer_ids
+    target = load(TOY_TARGET)
+    torch.manual_seed(0)
+    head = EagleHead(target.model.config, default_layer_ids(target.model.config.num_hidden_layers),
+                     torch.arange(target.model.config.vocab_size), layout="eagle3").eval()
+    store_matrices(head)
+    native = EagleProposer(head=head, target=target.model)
+    separate = EagleProposer(head=head, target=target.model)
+    separate.native = False
+    assert native.native
+    prompts = encode_prompts(target, ["def add(a, b):\n", "import os\nfor path in"], 8)
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        proposals = []
+        for p in (native, separate):
+            cache = target.model.new_cache(2, 80)
+            cache.regroup([])
+            hidden = prefill_joining(target.model, cache, prompts, p.features)
+            state = p.start(80, 5, 2)
+            p.join(state, prompts, hidden, [sampling] * 2)
+            proposals.append(p.propose(state, torch.tensor([5, 3]), (1,) * 5, Draws(torch.Generator().manual_seed(0))))
+        a, b = proposals
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+        if not sampling.greedy:
+            torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
+    rows, _ = speculative_generate(target.model, native, prompts, StopRule(12), GREEDY, 3)
+    assert [r.tokens for r in rows] == [r.tokens for r in plain_generate(target.model, prompts, StopRule(12), GREEDY)[0]]

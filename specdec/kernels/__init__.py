@@ -325,7 +325,9 @@ def cannot_stack(arch) -> str | None:
 
 class LayerWeights(NamedTuple):
     """One decoder layer as the kernels read it (cpu.cpp's LayerWeights): the norms' scales (C,) as
-    computed (Gemma's 1 + w), the matrices, and biases or q/k norms, None where the layer has none."""
+    computed (Gemma's 1 + w), the matrices, and biases or q/k norms, None where the layer has none.
+    norm1 None: EAGLE-3's layer (the first of its stack), whose qkv reads 2C-wide rows given with
+    the call (draft_block) and adds its attention to the input as given."""
     norm1: torch.Tensor
     qkv: Matrix
     qkv_bias: torch.Tensor | None
@@ -398,15 +400,17 @@ def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, keys: torch.T
                 fuse=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A drafter's step as ONE kernel call (cpu.cpp's draft_block): the rows of `embedding` (V, C) for
     ids (B, W) — with `fuse` = (prev (B, W, C), embed_norm (C,), prev_norm (C,), proj): an EAGLE head's
-    input proj([RMSNorm(emb); RMSNorm(prev)]), proj a Matrix — through the decoder layers `stack`,
+    input proj([RMSNorm(emb); RMSNorm(prev)]), proj a Matrix; proj None for an EAGLE-3 layer (a stack
+    whose LayerWeights.norm1 is None), whose q/k/v read that concatenation and whose residual is
+    prev — through the decoder layers `stack`,
     their cache keys and values written after each row's `lengths` (B,), then an RMSNorm multiplying
     by `norm` (C,) with `eps`, and the unembedding (a Matrix over the ids vocab_ids (N,)) at columns
     (B, m). Norm scales are fp32. Returns each slot's argmax as target ids (B, m), the logits (B, m, N)
     when `logits` is asked (else None), and the layers' output at the columns (B, m, C); the caller's
     cache holds W more entries per row (lm/model.py: LlamaForCausalLM.draft_block)."""
     prev, embed_norm, prev_norm, proj = (_EMPTY, _EMPTY, _EMPTY, _EMPTY_BF16) if fuse is None else (
-        fuse[0].contiguous(), fuse[1], fuse[2], fuse[3].data)
-    proj_format = 0 if fuse is None else fuse[3].kernel_format
+        fuse[0].contiguous(), fuse[1], fuse[2], _EMPTY_BF16 if fuse[3] is None else fuse[3].data)
+    proj_format = 0 if fuse is None or fuse[3] is None else fuse[3].kernel_format
     tokens, out, picked = compiled().draft_block(
         stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, proj_format, keys, values,
         lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq, columns.contiguous(), norm,

@@ -342,6 +342,7 @@ struct Stack {
   Shape shape;
   int64_t layer_bytes = 0;  // packed matrix bytes of one layer
   int64_t quantized_k = 0;  // the longest input of a quantized matrix (0: none)
+  bool wide = false;        // its first layer is EAGLE-3's: q/k/v read 2C-wide rows (forward's `wide`)
 
   // layers: per layer its tensors by name (kernels.stack): norm1, qkv, qkv_bias, o, o_bias, norm2,
   // gate_up, gate_up_bias, down, down_bias, q_norm, k_norm; a bias or q/k norm may be empty (none).
@@ -381,7 +382,10 @@ struct Stack {
         if (m.format != kBf16) quantized_k = std::max(quantized_k, K);
         return m;
       };
-      LayerWeights L{floats(layer, "norm1", s.C, false), packed("qkv", s.C, E), floats(layer, "qkv_bias", E, true),
+      const float* norm1 = floats(layer, "norm1", s.C, true);  // none: an EAGLE-3 layer (types.h), first of its stack
+      TORCH_CHECK(norm1 || i == 0, "Stack: only the first layer may read 2C-wide rows (no norm1)");
+      wide = wide || !norm1;
+      LayerWeights L{norm1, packed("qkv", norm1 ? s.C : 2 * s.C, E), floats(layer, "qkv_bias", E, true),
                      packed("o", s.H * s.D, s.C), floats(layer, "o_bias", s.C, true),
                      floats(layer, "norm2", s.C, false), packed("gate_up", s.C, 2 * s.F),
                      floats(layer, "gate_up_bias", 2 * s.F, true), packed("down", s.F, s.C),
@@ -398,14 +402,19 @@ struct Stack {
   // (B, T, T) bool or empty (causal).
   // Returns [x after the last layer, then x after each layer in `keep`]; the cache gains the new
   // entries at slots lengths[b] + t (the caller advances the lengths).
+  // With an EAGLE-3 first layer, `wide` (B, T, 2C) is what its q/k/v read (x: the residual, g).
   std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                      int64_t layer0, const torch::Tensor& lengths, const torch::Tensor& positions,
                                      const torch::Tensor& inv_freq, const torch::Tensor& tree,
-                                     const std::vector<int64_t>& keep) {
+                                     const std::vector<int64_t>& keep, const torch::Tensor& wide_rows) {
     const auto& s = shape;
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.size(2) == s.C,
                 "Stack: x must be (B, T, C) float32");
     const int64_t B = x.size(0), T = x.size(1), M = B * T, nl = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(wide_rows.numel() == (wide ? 2 * M * s.C : 0) &&
+                    (!wide || (wide_rows.scalar_type() == torch::kFloat32 && wide_rows.is_contiguous())),
+                wide ? "Stack: an EAGLE-3 layer needs its (B, T, 2C) contiguous float32 input rows"
+                     : "Stack: 2C-wide rows are for an EAGLE-3 layer");
     for (const auto* c : {&k_cache, &v_cache})
       TORCH_CHECK((c->scalar_type() == torch::kFloat32 || c->scalar_type() == torch::kBFloat16) &&
                   c->scalar_type() == k_cache.scalar_type() && c->dim() == 5 && c->size(1) == B && c->size(2) == s.Hkv &&
@@ -458,7 +467,8 @@ struct Stack {
     const Window w{B, T, len, given ? positions.data_ptr<int64_t>() : nullptr, treed ? tree.data_ptr<bool>() : nullptr,
                          inv_freq.data_ptr<float>()};
     const Scratch scratch{h.data_ptr<float>(), qkv.data_ptr<float>(), y.data_ptr<float>(), gu.data_ptr<float>(),
-                          act.data_ptr<float>(), rope.data_ptr<float>(), p.data_ptr<float>(), ps, xq.rows};
+                          act.data_ptr<float>(), rope.data_ptr<float>(), p.data_ptr<float>(), ps, xq.rows,
+                          wide ? wide_rows.data_ptr<float>() : nullptr};
 #pragma omp parallel num_threads(nt)
     g_ops->decoder_layers(layers.data(), static_cast<int>(nl), s, w, caches.data(), out.data_ptr<float>(), kept.data(),
                           scratch);
@@ -505,27 +515,34 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
                 "draft_block: prev must be (B, W, C) contiguous float32");
     TORCH_CHECK(embed_norm.numel() == C && prev_norm.numel() == C, "draft_block: prev needs both input norms");
   }
-  const Mat Pj = fused ? matrix(proj, proj_format, C, 2 * C, "draft_block input projection") : Mat{};
+  TORCH_CHECK(stack.wide == (fused && proj.numel() == 0),
+              stack.wide ? "draft_block: an EAGLE-3 layer reads [RMSNorm(emb); RMSNorm(prev)] itself: pass prev, no projection"
+                         : "draft_block: a standard layer reads proj([RMSNorm(emb); RMSNorm(prev)]): pass the projection");
+  const Mat Pj = fused && !stack.wide ? matrix(proj, proj_format, C, 2 * C, "draft_block input projection") : Mat{};
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < M; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < V, "draft_block: token id ", id[i], " outside the embedding (", V, " rows)");
   const float* T = table.data_ptr<float>();
   auto x = torch::empty({B, W, C}, table.options());
   float* X = x.data_ptr<float>();
+  auto both = torch::empty({fused ? M : 0, 2 * C}, table.options());
   if (!fused) {
     for (int64_t i = 0; i < M; ++i) std::memcpy(X + i * C, T + id[i] * C, C * sizeof(float));
-  } else {  // [RMSNorm(emb); RMSNorm(prev)] (M, 2C), then the projection to C
-    auto both = torch::empty({M, 2 * C}, table.options());
+  } else {  // [RMSNorm(emb); RMSNorm(prev)] (M, 2C), then the projection to C, or (EAGLE-3) the layer's own
     float* Z = both.data_ptr<float>();
     const float* Pv = prev.data_ptr<float>();
     for (int64_t i = 0; i < M; ++i) {
       g_ops->rms_norm_row(T + id[i] * C, embed_norm.data_ptr<float>(), static_cast<float>(eps), C, Z + i * 2 * C);
       g_ops->rms_norm_row(Pv + i * C, prev_norm.data_ptr<float>(), static_cast<float>(eps), C, Z + i * 2 * C + C);
     }
-    run_matmul(Pj, Z, M, X, nullptr, nullptr);
+    if (stack.wide)
+      std::memcpy(X, Pv, M * C * sizeof(float));  // the residual is prev itself
+    else
+      run_matmul(Pj, Z, M, X, nullptr, nullptr);
   }
   const auto out = stack.forward(x, k_cache, v_cache, 0, lengths, positions, inv_freq,
-                                 torch::empty({0}, ids.options().dtype(torch::kBool)), {})[0];
+                                 torch::empty({0}, ids.options().dtype(torch::kBool)), {},
+                                 stack.wide ? both : torch::empty({0}, table.options()))[0];
   const int64_t* col = columns.data_ptr<int64_t>();
   auto picked = torch::empty({B, m, C}, table.options()), h = torch::empty({B * m, C}, table.options());
   const float* O = out.data_ptr<float>();

@@ -429,8 +429,14 @@ inline void decoder_layers(const LayerWeights* layers, int nl, const Shape& s, c
   rope_table(s, w, sc.rope);
   for (int l = 0; l < nl; ++l) {
     const LayerWeights& L = layers[l];
-    norm_rows(x, L.norm1, s, M, L.qkv, own, alone);
-    matmul(L.qkv, own.h, C, own.xq, M, sc.qkv, E, nullptr, L.qkv_bias, tid, nt);
+    if (L.norm1) {
+      norm_rows(x, L.norm1, s, M, L.qkv, own, alone);
+      matmul(L.qkv, own.h, C, own.xq, M, sc.qkv, E, nullptr, L.qkv_bias, tid, nt);
+    } else {  // EAGLE-3's layer: q/k/v from the normalised [embedding; g] rows, the attention added to x = g
+      if (L.qkv.format != kBf16)
+        each_row(M, alone, [&](int64_t m) { quantize_input(L.qkv, sc.wide + m * 2 * C, own.xq, m); });
+      matmul(L.qkv, sc.wide, 2 * C, own.xq, M, sc.qkv, E, nullptr, L.qkv_bias, tid, nt);
+    }
 #pragma omp barrier
     rotate_and_cache(L, s, w, caches[l], sc.qkv, sc.rope);
     attend(s, w, caches[l], sc.qkv, sc.y, sc.p + tid * sc.p_stride, sc.p_stride);

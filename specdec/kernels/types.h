@@ -48,8 +48,9 @@ extern const QuantOps* g_quant;
 
 // What the decoder layers read and write. Biases and q/k norms are null where the architecture has none.
 struct LayerWeights {
-  const float* norm1;       // (C,) the input norm's scale (its offset added: Gemma's 1 + w)
-  Mat qkv;                  // E = (H + 2 Hkv) D outputs from C
+  const float* norm1;       // (C,) the input norm's scale (its offset added: Gemma's 1 + w); null: an
+                            // EAGLE-3 layer, whose q/k/v read Scratch.wide and whose residual is x as given
+  Mat qkv;                  // E = (H + 2 Hkv) D outputs from C (an EAGLE-3 layer: from 2C)
   const float* qkv_bias;    // (E,)
   Mat o;                    // C outputs from H D
   const float* o_bias;      // (C,)
@@ -98,4 +99,5 @@ struct Scratch {  // one forward's intermediate rows (see isa.h's decoder_layers
   float *h, *qkv, *y, *gu, *act, *rope, *p;
   int64_t p_stride;
   QuantRows xq;  // a quantized matrix's input rows
+  const float* wide = nullptr;  // (M, 2C) what an EAGLE-3 layer's q/k/v read (LayerWeights.norm1 null)
 };

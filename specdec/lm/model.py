@@ -185,7 +185,8 @@ class StackedLayers:
         cache = window.cache
         if self.stack is None or cache is None or torch.is_grad_enabled():
             return None
-        return self.stack.forward(x.contiguous(), cache.keys, cache.values, layer, *window.kernel_args(), list(keep))
+        return self.stack.forward(x.contiguous(), cache.keys, cache.values, layer, *window.kernel_args(), list(keep),
+                                  _NO_ROWS)
 
     def stack_layers(self) -> None:
         unstored = [name for name, m in self.named_modules() if isinstance(m, Linear) and m.stored is None
@@ -292,6 +293,7 @@ class Window:
 
 _EMPTY_TREE = torch.empty(0, dtype=torch.bool)
 _EMPTY_POSITIONS = torch.empty(0, dtype=torch.long)
+_NO_ROWS = torch.empty(0)  # a Stack's forward without an EAGLE-3 layer's 2C-wide rows
 
 
 class Attention(nn.Module):
@@ -359,12 +361,7 @@ class DecoderLayer(StackedLayers, nn.Module):
 
     def kernel_weights(self) -> kernels.LayerWeights:
         """The layer as the kernels read it (its matrices stored: store_matrices)."""
-        a, mlp = self.self_attn, self.mlp
-        return kernels.LayerWeights(
-            self.input_layernorm.scale, a.qkv_proj.stored, a.qkv_proj.bias, a.o_proj.stored, a.o_proj.bias,
-            self.post_attention_layernorm.scale, mlp.gate_up_proj.stored, mlp.gate_up_proj.bias,
-            mlp.down_proj.stored, mlp.down_proj.bias, a.q_norm.scale if a.qk_norm else None,
-            a.k_norm.scale if a.qk_norm else None)
+        return kernel_layer(self.input_layernorm.scale, self.self_attn, self.post_attention_layernorm.scale, self.mlp)
 
     def forward(self, x, layer: int, window: Window):
         """x (B, T, C); `layer` indexes the window's cache."""
@@ -373,6 +370,15 @@ class DecoderLayer(StackedLayers, nn.Module):
             return stacked[0]
         x = x + self.self_attn(self.input_layernorm(x), layer, window)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def kernel_layer(norm1: torch.Tensor | None, attn: Attention, norm2: torch.Tensor, mlp: MLP) -> kernels.LayerWeights:
+    """A decoder layer's parts as the kernels read them (their matrices stored); norm1 None: EAGLE-3's
+    layer, whose q/k/v read 2C-wide rows (kernels.LayerWeights)."""
+    return kernels.LayerWeights(
+        norm1, attn.qkv_proj.stored, attn.qkv_proj.bias, attn.o_proj.stored, attn.o_proj.bias, norm2,
+        mlp.gate_up_proj.stored, mlp.gate_up_proj.bias, mlp.down_proj.stored, mlp.down_proj.bias,
+        attn.q_norm.scale if attn.qk_norm else None, attn.k_norm.scale if attn.qk_norm else None)
 
 
 class Trunk(nn.Module):
@@ -462,13 +468,14 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
         """A drafter's step as ONE kernel call (kernels.draft_block; `drafts_in_one_call` says whether it
         can run): ids (B, W) embedded by this model, through its decoder layers and final norm, or
         through `head`'s (an EAGLE head: its layer, rotary and norm, its input proj([embed_norm(emb);
-        hidden_norm(prev)]) with prev (B, W, C)), then `unembedding` over the ids vocab_ids (N,) at
+        hidden_norm(prev)]) with prev (B, W, C), or for the eagle3 layout that concatenation itself
+        into q/k/v and prev as the residual), then `unembedding` over the ids vocab_ids (N,) at
         columns (B, m). Returns the argmax as target ids (B, m), the logits (B, m, N) when `logits`
         is asked, and the layers' output at the columns (B, m, C); `cache` advances by W."""
         layers, inv_freq, norm = (self, self.inv_freq, self.model.norm) if head is None else (
             head.layer, head.inv_freq, head.norm)
         fuse = None if head is None else (prev, kernel_scale(head.embed_norm), kernel_scale(head.hidden_norm),
-                                          head.proj.stored)
+                                          head.proj.stored if head.layout == "specdec" else None)
         cache.check_room(ids.shape[1])
         out = kernels.draft_block(layers.stack, self.model.embed_tokens.weight, ids, cache.keys, cache.values,
                                   cache.lengths, positions, inv_freq, columns, kernel_scale(norm), norm.eps,

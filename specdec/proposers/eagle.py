@@ -82,7 +82,7 @@ class EagleProposer:
         """Decided once: each step as one kernel call, where the head's layer runs as one and its
         matrices are packed."""
         head = self.head
-        return (head.layout == "specdec" and head.proj.stored is not None
+        return ((head.layout == "eagle3" or head.proj.stored is not None)
                 and self.vocab.unembedding.stored is not None and self.target.drafts_in_one_call(head))
 
     def native_step(self, ahead, prev, cache, positions, columns):

@@ -51,7 +51,8 @@ from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.checkpoint import hf_config
 from ..lm.device import placement
-from ..lm.model import MLP, Attention, DecoderLayer, Linear, RMSNorm, Window, apply_rotary, rotary
+from ..lm.model import (MLP, Attention, DecoderLayer, Linear, RMSNorm, StackedLayers, Window, apply_rotary,
+                        kernel_layer, rotary)
 from .heads import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
 
 KIND = "eagle3"
@@ -59,17 +60,26 @@ LAYOUTS = ("specdec", "eagle3")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose EAGLE-3 format the metadata and the export follow
 
 
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(StackedLayers, nn.Module):
     """EAGLE-3's decoder layer: attention over the 2C-wide [RMSNorm(embedding); RMSNorm(g)] whose
     output is added to g (not to its input), then the MLP with its own RMSNorm; the names are those of
-    transformers' decoder layer, so the export renames nothing but the fused q/k/v and gate/up."""
+    transformers' decoder layer, so the export renames nothing but the fused q/k/v and gate/up. Its
+    `stack` (StackedLayers) runs it in the kernels' drafting call (LlamaForCausalLM.draft_block)."""
 
     def __init__(self, config: Arch):
         super().__init__()
+        self.config = config
         self.self_attn = Attention(config)
         self.self_attn.qkv_proj = Linear(2 * config.hidden_size, self.self_attn.qkv_proj.out_features, bias=False)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+
+    def stacked(self) -> list["Eagle3Layer"]:
+        return [self]
+
+    def kernel_weights(self):
+        """The layer as the kernels read it (its matrices stored): no input norm (model.kernel_layer)."""
+        return kernel_layer(None, self.self_attn, self.post_attention_layernorm.scale, self.mlp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, window: Window) -> torch.Tensor:
         """x (B, T, 2C) the normalised [embedding; g]; residual (B, T, C) g -> (B, T, C) h."""
