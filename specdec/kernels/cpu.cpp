@@ -516,8 +516,10 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
     TORCH_CHECK(embed_norm.numel() == C && prev_norm.numel() == C, "draft_block: prev needs both input norms");
   }
   TORCH_CHECK(stack.wide == (fused && proj.numel() == 0),
-              stack.wide ? "draft_block: an EAGLE-3 layer reads [RMSNorm(emb); RMSNorm(prev)] itself: pass prev, no projection"
-                         : "draft_block: a standard layer reads proj([RMSNorm(emb); RMSNorm(prev)]): pass the projection");
+              stack.wide ? "draft_block: an EAGLE-3 layer reads [RMSNorm(emb); RMSNorm(prev)] itself: pass prev, "
+                           "no projection"
+                         : "draft_block: a standard layer reads proj([RMSNorm(emb); RMSNorm(prev)]): pass the "
+                           "projection");
   const Mat Pj = fused && !stack.wide ? matrix(proj, proj_format, C, 2 * C, "draft_block input projection") : Mat{};
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < M; ++i)
