@@ -305,18 +305,16 @@ def test_bad_input_is_refused_with_the_fix():
         speculative_generate(TARGET, proposer(), PROMPTS, RULE, GREEDY, 0)
 
 
-@pytest.mark.skipif(not __import__("specdec.kernels", fromlist=["x"]).can_store_bf16(),
-                    reason="the CPU kernels are not available here")
-@torch.inference_mode()
-def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
-    """The shipped head (bf16-stored, its layer one Stack): one kernel call per level gives the drafts,
-    and for sampled rows the draft probabilities, bit for bit, of the separate calls."""
-    from specdec.api import TOY_TARGET, encode_prompts, load, load_drafter
+needs_kernels = pytest.mark.skipif(not __import__("specdec.kernels", fromlist=["x"]).can_store_bf16(),
+                                   reason="the CPU kernels are not available here")
+
+
+def one_call_and_separate(target, native: EagleProposer, separate: EagleProposer):
+    """For greedy and T=1 rows: the proposals of the head drafting in one kernel call per level
+    (`native`) and by separate calls (`separate.native` False), 5 levels over two toy prompts."""
+    from specdec.api import encode_prompts
     from specdec.decoding.sampling import Draws, SamplingConfig
     from specdec.lm.interface import prefill_joining
-    target = load(TOY_TARGET)
-    native = load_drafter(target, "eagle", options=VocabOptions(1024))
-    separate = EagleProposer(head=native.head, target=target.model, draft_vocab=1024)
     separate.native = False
     assert native.native
     prompts = encode_prompts(target, ["def add(a, b):\n", "import os\nfor path in"], 8)
@@ -329,15 +327,26 @@ def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(
             state = p.start(80, 5, 2)
             p.join(state, prompts, hidden, [sampling] * 2)
             proposals.append(p.propose(state, torch.tensor([5, 3]), (1,) * 5, Draws(torch.Generator().manual_seed(0))))
-        a, b = proposals
+        yield sampling, prompts, *proposals
+
+
+@needs_kernels
+@torch.inference_mode()
+def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
+    """The shipped head (bf16-stored, its layer one Stack): one kernel call per level gives the drafts,
+    and for sampled rows the draft probabilities, bit for bit, of the separate calls."""
+    from specdec.api import TOY_TARGET, load, load_drafter
+    target = load(TOY_TARGET)
+    native = load_drafter(target, "eagle", options=VocabOptions(1024))
+    separate = EagleProposer(head=native.head, target=target.model, draft_vocab=1024)
+    for sampling, _, a, b in one_call_and_separate(target, native, separate):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
         assert (a.draft_probs is None) == (b.draft_probs is None) == sampling.greedy
         if a.draft_probs is not None:
             assert torch.equal(a.draft_probs, b.draft_probs)
 
 
-@pytest.mark.skipif(not __import__("specdec.kernels", fromlist=["x"]).can_store_bf16(),
-                    reason="the CPU kernels are not available here")
+@needs_kernels
 @torch.inference_mode()
 def test_an_eagle3_layout_head_drafts_in_one_kernel_call_what_its_pytorch_layer_drafts():
     """EAGLE-3's layer (q/k/v over the 2C-wide [RMSNorm(emb); RMSNorm(g)], the attention added to g)
@@ -345,9 +354,7 @@ def test_an_eagle3_layout_head_drafts_in_one_kernel_call_what_its_pytorch_layer_
     rows, and the same draft probabilities to float32 rounding (a layer that added the attention to
     its projected input, or normalised g as the residual, drafts otherwise); greedy decoding with it
     equals plain decoding."""
-    from specdec.api import TOY_TARGET, encode_prompts, load
-    from specdec.decoding.sampling import Draws, SamplingConfig
-    from specdec.lm.interface import prefill_joining
+    from specdec.api import TOY_TARGET, load
     from specdec.lm.model import store_matrices
     from specdec.proposers.eagle_head import default_layer_ids
     target = load(TOY_TARGET)
@@ -357,19 +364,7 @@ def test_an_eagle3_layout_head_drafts_in_one_kernel_call_what_its_pytorch_layer_
     store_matrices(head)
     native = EagleProposer(head=head, target=target.model)
     separate = EagleProposer(head=head, target=target.model)
-    separate.native = False
-    assert native.native
-    prompts = encode_prompts(target, ["def add(a, b):\n", "import os\nfor path in"], 8)
-    for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-        proposals = []
-        for p in (native, separate):
-            cache = target.model.new_cache(2, 80)
-            cache.regroup([])
-            hidden = prefill_joining(target.model, cache, prompts, p.features)
-            state = p.start(80, 5, 2)
-            p.join(state, prompts, hidden, [sampling] * 2)
-            proposals.append(p.propose(state, torch.tensor([5, 3]), (1,) * 5, Draws(torch.Generator().manual_seed(0))))
-        a, b = proposals
+    for sampling, prompts, a, b in one_call_and_separate(target, native, separate):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
         if not sampling.greedy:
             torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-6)
