@@ -165,10 +165,12 @@ def first_tokens(target: Admitted, tokenizer: Tokenizer, prompts: list[Prompt], 
                  generators: list[torch.Generator | None]) -> list[int]:
     """The first generated token of each healed prompt (its ids backed off), restricted to the tokens
     that start with its backed-off text, under its own sampling settings and generator (rows may share
-    one): one forward of the admitted target over all of them."""
+    one): one forward of the admitted target over all of them, into a throwaway cache (the forward the
+    engine's prefill runs: one kernel call where the kernels run the layers)."""
     masks = torch.stack([allowed(tokenizer, p.healed, target.lm.config.vocab_size) for p in prompts])  # (B, V)
     tokens, lengths = pad_right([p.ids for p in prompts], device=target.device)          # (B, T), (B,)
-    logits = target.lm(tokens, logits_index=(lengths - 1)[:, None]).logits[:, 0]         # (B, V)
+    cache = target.lm.new_cache(len(prompts), tokens.shape[1])
+    logits = target.lm(tokens, cache=cache, logits_index=(lengths - 1)[:, None]).logits[:, 0]  # (B, V)
     generator = generators[0] if all(g is generators[0] for g in generators) else RowGenerators(generators)
     return pick_rows(logits.masked_fill(~masks.to(target.device), float("-inf")), samplings, generator,
                      [len(p.ids) for p in prompts]).tolist()
