@@ -328,7 +328,7 @@ class LayerWeights(NamedTuple):
     computed (Gemma's 1 + w), the matrices, and biases or q/k norms, None where the layer has none.
     norm1 None: EAGLE-3's layer (the first of its stack), whose qkv reads 2C-wide rows given with
     the call (draft_block) and adds its attention to the input as given."""
-    norm1: torch.Tensor
+    norm1: torch.Tensor | None
     qkv: Matrix
     qkv_bias: torch.Tensor | None
     o: Matrix
