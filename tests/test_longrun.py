@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,8 @@ from specdec.train.longrun import EVAL_KINDS, LongRun, acceptance, curve, encode
 from specdec.train.losses import eagle_metrics
 from specdec.train.plots import plot_learning_curve
 from specdec.train.prompt_pool import HELD_OUT_PERCENT, PoolPrompt, held_out
+
+from .test_cuda import DEVICES
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
@@ -159,6 +162,25 @@ def test_sigterm_stops_after_the_step_under_way_with_the_state_saved(chat_target
     saved = json.loads((out / "state" / "state.json").read_text())["progress"]
     assert (saved["step"], saved["tokens_seen"]) == (10, 1_024_000 + 10 * 64)
     assert signal.getsignal(signal.SIGTERM) == before  # the handler given back
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sitting_of_given_minutes_stops_with_a_point_at_its_last_step(chat_target, tmp_path, device):
+    """`--minutes`: the budget of a lent GPU; the sitting ends on time with its held-out point, on each device."""
+    out = tmp_path / "run"
+    write_prompts(out)
+    t0 = time.time()
+    stopped = longrun.run(out, dataclasses.replace(config(chat_target, 2_000_000), device=device), log=lambda line: None,
+                          minutes=0.1)
+    assert stopped.step > 0 and time.time() - t0 < 60
+    assert curve(out)[-1]["step"] == stopped.step
+    saved = json.loads((out / "state" / "state.json").read_text())["progress"]
+    assert saved["step"] == stopped.step
+
+
+def test_a_gpu_sitting_generates_with_the_bf16_target_not_a_quantized_one():
+    with pytest.raises(SpecdecError, match="quantize None"):
+        LongRun(init="models/smollm2-eagle3", device="cuda", quantize="q8_0")
 
 
 def test_break_even_alpha_is_the_cost_models():

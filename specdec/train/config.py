@@ -148,6 +148,8 @@ class LongRun:
     """One long run's settings (train/longrun.py); recorded in its state and in every snapshot."""
     init: str                            # the committed head folder the run starts from
     target: str | None = None            # the target checkpoint folder (None: specdec's default target)
+    device: str = "cpu"                  # where the target, the teacher, the generator and the head run:
+                                         # cpu, or cuda (the generator is then the bf16 teacher: quantize None)
     seed: int = 0                        # the prompt order and the training windows
     shard_prompts: int = 48              # prompts per data shard (each answered greedily and sampled)
     capacity: int = 32                   # rows the engine decodes together
@@ -171,12 +173,16 @@ class LongRun:
     heldout_prompts: int = 32            # held-out prompts per group of EVAL_KINDS
     heldout_new_tokens: int = 192
     eval_at: tuple[int, ...] = (300_000, 500_000, 750_000, 1_000_000, 1_500_000, 2_000_000, 3_000_000,
-                                5_000_000, 7_500_000, 10_000_000)  # tokens seen (the init head's included)
+                                5_000_000, 7_500_000, 10_000_000, 15_000_000, 20_000_000, 30_000_000,
+                                50_000_000, 75_000_000, 100_000_000)  # tokens seen (the init head's included)
     save_seconds: float = 240.0
 
     def __post_init__(self):
         if self.kv_cache not in (None, "float32", "bfloat16"):
             raise SpecdecError(f"a long run's kv_cache is float32 or bfloat16 (or None: the model's), "
                                f"not {self.kv_cache!r}")
+        if self.device != "cpu" and self.quantize is not None:
+            raise SpecdecError(f"a long run on {self.device} generates its data with the bf16 target (specdec's "
+                               f"quantized kernels run on the CPU): set quantize None, not {self.quantize!r}")
         if self.teacher not in ("auto", "float32", "bfloat16"):
             raise SpecdecError(f"a long run's teacher is auto, float32 or bfloat16, not {self.teacher!r}")

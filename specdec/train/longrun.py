@@ -48,7 +48,7 @@ from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.atomic import atomic_dir, recover
 from ..lm.checkpoint import WEIGHTS, load_model, quantized_copy, sha256, shown_path
-from ..lm.device import native_bf16
+from ..lm.device import native_bf16, resolve
 from ..lm.interface import admit
 from ..lm.tokenizer import Tokenizer
 from ..proposers.eagle_head import EagleHead, check_eagle_target, save_eagle, speculators_metadata
@@ -173,11 +173,11 @@ class Pool:
                    for i in range(self.shards))
 
 
-def windows(tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int) -> torch.Tensor:
-    """(batch, seq_len + 1) windows at offsets fixed by (seed, step) and the pool's size."""
+def windows(tokens: np.ndarray, seed: int, step: int, batch: int, seq_len: int, device="cpu") -> torch.Tensor:
+    """(batch, seq_len + 1) windows at offsets fixed by (seed, step) and the pool's size, on `device`."""
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch)
-    return torch.from_numpy(np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64))
+    return torch.from_numpy(np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64)).to(device)
 
 
 # --- held-out evaluation ------------------------------------------------------------------------
@@ -189,8 +189,9 @@ def heldout_rows(out: Path, model, tokenizer: Tokenizer, held: list[PoolPrompt],
     points must be measured on one set."""
     path, about = out / "heldout" / "answers.jsonl", out / "heldout" / "answers.json"
     settings = {"heldout_prompts": cfg.heldout_prompts, "heldout_new_tokens": cfg.heldout_new_tokens,
-                "quantize": cfg.quantize, "seed": cfg.seed, "kinds": [list(k) for k in EVAL_KINDS]}
-    if path.exists() and (not about.exists() or json.loads(about.read_text()) != settings):
+                "seed": cfg.seed, "kinds": [list(k) for k in EVAL_KINDS]}
+    made = json.loads(about.read_text()) if about.exists() else None
+    if path.exists() and (made is None or {k: made.get(k) for k in settings} != settings):
         raise SpecdecError(f"{path} was answered with other held-out settings than {settings}; the curve's points "
                            "must share one held-out set: keep the run's settings, or start another --out")
     if not path.exists():
@@ -199,7 +200,7 @@ def heldout_rows(out: Path, model, tokenizer: Tokenizer, held: list[PoolPrompt],
             picked = [p for p in held if p.kind == kind][:cfg.heldout_prompts]
             rows += answer_all(model, tokenizer, picked, (temperature,), cfg, cfg.heldout_new_tokens)[0]
         path.parent.mkdir(parents=True, exist_ok=True)
-        about.write_text(json.dumps(settings))
+        about.write_text(json.dumps({**settings, "quantize": cfg.quantize}))  # the generator, recorded
         tmp = path.with_suffix(".tmp")
         tmp.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         os.replace(tmp, path)
@@ -225,7 +226,7 @@ def heldout_groups(target, head: EagleHead, rows: list[dict], cfg: LongRun, eos:
         cut = [stream[i:i + n] for i in range(0, len(stream) - n + 1, cfg.seq_len)]
         batches = []
         for i in range(0, len(cut), 8):
-            batch = torch.tensor(cut[i:i + 8])                                    # (B, S+1)
+            batch = torch.tensor(cut[i:i + 8], device=head.draft_ids.device)    # (B, S+1)
             targets, logits = eagle_targets(target, head, batch, cfg.steps, with_logits=True)  # logits (B, S, V)
             batches.append((batch, targets, F.softmax(logits.float(), -1)[..., head.draft_ids]))
         groups.append(HeldOut(f"{kind} T={temperature:g}", batches))
@@ -242,7 +243,7 @@ def acceptance(target, head: EagleHead, group: HeldOut, steps: int) -> dict:
     sampled, positions = [0.0] * steps, [0] * steps
     for batch, targets, target_probs in group.batches:
         S = targets.features.shape[1]
-        reached = torch.ones(batch.shape[0], S - 1, dtype=torch.bool)
+        reached = torch.ones(batch.shape[0], S - 1, dtype=torch.bool, device=batch.device)
         for j, _, logits in eagle_step_losses(target, head, targets, steps):
             n = S - 1 - j
             greedy = targets.argmax[:, 1 + j:1 + j + n]                                  # (B, n)
@@ -261,14 +262,15 @@ def acceptance(target, head: EagleHead, group: HeldOut, steps: int) -> dict:
 
 # --- the head and its state ---------------------------------------------------------------------
 
-def initial_head(init: Path, target_folder: Path) -> tuple[EagleHead, dict]:
-    """The committed head of `init` in fp32, trainable (checked to belong to the target), and its metadata."""
+def initial_head(init: Path, target_folder: Path, device="cpu") -> tuple[EagleHead, dict]:
+    """The committed head of `init` in fp32 on `device`, trainable (checked to belong to the target), and
+    its metadata."""
     meta = check_eagle_target(init, target_folder)
     state = read_head_state(init, "restore the committed head folder (git checkout) and run again")
     head = EagleHead(target_config(target_folder), meta["layer_ids"], state["draft_ids"], meta.get("layout", "specdec"))
     head.token_counts = state.pop("token_counts", None)
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    return head.float().train(), meta
+    return head.float().to(device).train(), meta
 
 
 def target_config(folder: Path):
@@ -292,6 +294,7 @@ class Progress:
 def save_state(out: Path, head: EagleHead, opt, progress: Progress, cfg: LongRun, identity: dict) -> None:
     tensors = {f"head.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
     tensors.update(optimizer_tensors(opt))
+    tensors = {k: v.cpu() for k, v in tensors.items()}
     with atomic_dir(out / "state") as tmp:
         save_file(tensors, tmp / "state.safetensors")
         (tmp / "state.json").write_text(json.dumps({"progress": asdict(progress), "config": asdict(cfg),
@@ -310,7 +313,7 @@ def load_state(out: Path, head: EagleHead, opt, identity: dict) -> Progress | No
         changed = [k for k in identity if meta["identity"].get(k) != identity[k]]
         raise SpecdecError(f"{folder} was saved for another {', '.join(changed)}; resume with that head and target, "
                            "or give another --out")
-    tensors = load_file(folder / "state.safetensors")
+    tensors = load_file(folder / "state.safetensors", device=str(head.draft_ids.device))
     head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")}, strict=True)
     load_optimizer_tensors(opt, tensors)
     return Progress(**meta["progress"])
@@ -328,7 +331,7 @@ class Parts:
     """What a sitting holds in memory."""
     target: object            # the frozen target (fp32), whose features the head reads when it drafts
     teacher: object           # the target as it computes training windows (itself, or a bf16 copy)
-    generator: object         # the target the data is generated with (quantized)
+    generator: object         # the target the data is generated with (quantized; on a GPU the bf16 teacher)
     tokenizer: Tokenizer
     eos: int
     head: EagleHead
@@ -338,20 +341,20 @@ class Parts:
 
 def load_parts(cfg: LongRun) -> Parts:
     from ..api import checkpoint_folder
-    folder = checkpoint_folder(cfg.target)
-    target = load_model(folder, dtype=torch.float32).requires_grad_(False).eval()
+    folder, device = checkpoint_folder(cfg.target), resolve(cfg.device)
+    target = load_model(folder, dtype=torch.float32, device=device).requires_grad_(False).eval()
     tokenizer = Tokenizer.load(folder)
-    head, meta = initial_head(Path(cfg.init), folder)
-    generator = quantized_copy(target, cfg.quantize) if cfg.quantize else target
-    teacher = (load_model(folder, dtype=torch.bfloat16).requires_grad_(False).eval()
+    head, meta = initial_head(Path(cfg.init), folder, device)
+    teacher = (load_model(folder, dtype=torch.bfloat16, device=device).requires_grad_(False).eval()
                if teacher_dtype(cfg) == "bfloat16" else target)
+    generator = quantized_copy(target, cfg.quantize) if cfg.quantize else teacher if device.type == "cuda" else target
     return Parts(target, teacher, generator, tokenizer, tokenizer.eos_id, head, meta, sha256(folder / WEIGHTS))
 
 
 def teacher_dtype(cfg: LongRun) -> str:
     """The dtype the frozen target computes training windows in (cfg.teacher, auto resolved here)."""
     if cfg.teacher == "auto":
-        return "bfloat16" if native_bf16() else "float32"
+        return "bfloat16" if cfg.device != "cpu" or native_bf16() else "float32"
     return cfg.teacher
 
 
@@ -362,8 +365,10 @@ def identity(parts: Parts) -> dict:
             "draft ids": hashlib.sha256(head.draft_ids.numpy().tobytes()).hexdigest()}
 
 
-def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
-    """Generate and train until a signal (SIGINT, SIGTERM) or the last of `eval_at`; the state saved."""
+def run(out: str | Path, cfg: LongRun, log=print, minutes: float | None = None) -> Progress:
+    """Generate and train until a signal (SIGINT, SIGTERM), the last of `eval_at` or, given `minutes`,
+    that much time (then with a held-out evaluation point where the last was earlier); the state saved."""
+    deadline = time.time() + 60 * minutes if minutes else math.inf
     out = Path(out)
     torch.manual_seed(cfg.seed)
     parts = load_parts(cfg)
@@ -385,7 +390,7 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
     data.refresh()
     interrupt = Interrupt()
     saved, t_last = time.time(), time.time()
-    while not interrupt.received and progress.tokens_seen < cfg.eval_at[-1]:
+    while not interrupt.received and progress.tokens_seen < cfg.eval_at[-1] and time.time() < deadline:
         short = len(data.tokens) <= cfg.seq_len + 1  # not one window yet
         if short or progress.tokens_seen - progress.init_tokens >= cfg.passes * len(data.tokens):
             shard(out, parts, train_prompts, data.shards, progress.first_shard, cfg, log)
@@ -402,6 +407,8 @@ def run(out: str | Path, cfg: LongRun, log=print) -> Progress:
         if due or now - saved >= cfg.save_seconds:
             save_state(out, head, opt, progress, cfg, identity(parts))
             saved = now
+    if time.time() >= deadline and curve(out)[-1]["step"] != progress.step:
+        record(out, parts, groups, progress, cfg, data, log)
     save_state(out, head, opt, progress, cfg, identity(parts))
     interrupt.restore()
     log(f"stopped at step {progress.step}, {progress.tokens_seen} tokens seen; state saved in {out / 'state'}")
@@ -426,7 +433,7 @@ def train_step(parts: Parts, opt, data: Pool, progress: Progress, cfg: LongRun, 
     t0 = time.perf_counter()
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, progress.step)
-    batch = windows(data.tokens, cfg.seed, progress.step, cfg.batch_size, cfg.seq_len)
+    batch = windows(data.tokens, cfg.seed, progress.step, cfg.batch_size, cfg.seq_len, parts.head.draft_ids.device)
     losses = eagle_backward(parts.target, parts.head, batch, cfg.steps, cfg.decay, 1.0, parts.teacher)
     torch.nn.utils.clip_grad_norm_(list(parts.head.parameters()), cfg.grad_clip)
     opt.step()
@@ -553,13 +560,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the run folder (default: runs/longrun-PRESET under the repository)")
     parser.add_argument("--to", help="snapshot: the head folder written (default: the preset's init folder)")
     parser.add_argument("--plot", help="curve: draw the learning curve into this .png as well")
+    parser.add_argument("--minutes", type=float, help="run: stop after this many minutes, with a held-out point")
     args = parser.parse_args(argv)
     cfg, default_out = long_run(args.preset)
     out = Path(args.out or default_out)
     torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", 2)))
     try:
         if args.action == "run":
-            run(out, cfg, log=lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
+            run(out, cfg, log=lambda line: print(time.strftime("%H:%M:%S"), line, flush=True), minutes=args.minutes)
         elif args.action == "snapshot":
             command = f"python -m specdec.train.longrun run --preset {args.preset}"
             dest = snapshot(out, args.to or cfg.init, cfg, command)

@@ -130,6 +130,9 @@ def preset(name: str) -> dict:
 LONG_RUNS = {
     # SmolLM2-135M-Instruct's EAGLE-3 head (models/smollm2-eagle3): data from the Q8_0 target by the batched engine
     "smollm2-eagle3": LongRun(init="models/smollm2-eagle3"),
+    # the same head's sittings on one GPU: data from the bf16 target, 512 rows at a time; 8x the CPU's batch
+    "smollm2-eagle3-gpu": LongRun(init="models/smollm2-eagle3", device="cuda", quantize=None, capacity=512,
+                                  shard_prompts=512, batch_size=64, lr=4e-4, warmup=50, passes=6.0, save_seconds=120),
 }
 
 
