@@ -50,6 +50,7 @@ from ..lm.atomic import atomic_dir, recover
 from ..lm.checkpoint import WEIGHTS, load_model, quantized_copy, sha256, shown_path
 from ..lm.device import native_bf16, resolve
 from ..lm.interface import admit
+from ..lm.model import place
 from ..lm.tokenizer import Tokenizer
 from ..proposers.eagle_head import EagleHead, check_eagle_target, save_eagle, speculators_metadata
 from ..proposers.heads import read_head_state
@@ -270,7 +271,7 @@ def initial_head(init: Path, target_folder: Path, device="cpu") -> tuple[EagleHe
     head = EagleHead(target_config(target_folder), meta["layer_ids"], state["draft_ids"], meta.get("layout", "specdec"))
     head.token_counts = state.pop("token_counts", None)
     head.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    return head.float().to(device).train(), meta
+    return place(head.float(), device).train(), meta
 
 
 def target_config(folder: Path):
@@ -362,7 +363,7 @@ def identity(parts: Parts) -> dict:
     """What a resumed state must share with this sitting: the target and the head's shape."""
     head = parts.head
     return {"target": parts.target_sha256, "layers": list(head.layer_ids), "layout": head.layout,
-            "draft ids": hashlib.sha256(head.draft_ids.numpy().tobytes()).hexdigest()}
+            "draft ids": hashlib.sha256(head.draft_ids.cpu().numpy().tobytes()).hexdigest()}
 
 
 def run(out: str | Path, cfg: LongRun, log=print, minutes: float | None = None) -> Progress:
