@@ -172,8 +172,8 @@ def test_a_sitting_of_given_minutes_stops_with_a_point_at_its_last_step(chat_tar
     out = tmp_path / "run"
     write_prompts(out)
     t0 = time.time()
-    stopped = longrun.run(out, dataclasses.replace(config(chat_target, 2_000_000), device=device), log=lambda line: None,
-                          minutes=0.1 if device == "cpu" else 0.5)
+    cfg = dataclasses.replace(config(chat_target, 2_000_000), device=device)
+    stopped = longrun.run(out, cfg, log=lambda line: None, minutes=0.1 if device == "cpu" else 0.5)
     assert stopped.step > 0 and time.time() - t0 < 60
     assert curve(out)[-1]["step"] == stopped.step
     saved = json.loads((out / "state" / "state.json").read_text())["progress"]

@@ -561,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the run folder (default: runs/longrun-PRESET under the repository)")
     parser.add_argument("--to", help="snapshot: the head folder written (default: the preset's init folder)")
     parser.add_argument("--plot", help="curve: draw the learning curve into this .png as well")
-    parser.add_argument("--minutes", type=float, help="run: stop after this many minutes, with a held-out point")
+    parser.add_argument("--minutes", type=float, help="run: stop after this many minutes (at the first step or "
+                                                       "shard that ends past them), with a held-out point")
     args = parser.parse_args(argv)
     cfg, default_out = long_run(args.preset)
     out = Path(args.out or default_out)
