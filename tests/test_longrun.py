@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.bench.workloads import CHAT_PROMPTS
 from specdec.decoding.costmodel import expected_tokens_iid
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
@@ -194,6 +195,14 @@ def test_standard_library_modules_are_at_most_a_quarter_of_the_chat_subjects(mon
     share = sum("the Python module" in t for t in texts) / len(texts)
     assert 0.2 <= share <= prompt_pool.MODULE_SHARE
     assert texts == prompt_pool.chat_texts(0)  # fixed by the seed
+
+
+def test_no_chat_request_of_the_pool_is_a_benchmark_prompt():
+    """The bench's chat prompts are never trained on: no request of the pool is one of them, or one of
+    them with a format added (the pool's "What is {}?" once made "What is photosynthesis?")."""
+    texts = prompt_pool.chat_texts(0)
+    assert len(texts) > 10_000
+    assert not [t for t in texts if t.startswith(CHAT_PROMPTS)]
 
 
 def test_break_even_alpha_is_the_cost_models():
