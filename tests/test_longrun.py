@@ -197,9 +197,12 @@ def test_standard_library_modules_are_at_most_a_quarter_of_the_chat_subjects(mon
     assert texts == prompt_pool.chat_texts(0)  # fixed by the seed
 
 
-def test_no_chat_request_of_the_pool_is_a_benchmark_prompt():
+def test_no_chat_request_of_the_pool_is_a_benchmark_prompt(monkeypatch):
     """The bench's chat prompts are never trained on: no request of the pool is one of them, or one of
-    them with a format added (the pool's "What is {}?" once made "What is photosynthesis?")."""
+    them with a format added (the pool's "What is {}?" once made "What is photosynthesis?"). Every
+    task x subject request is read; the material requests (each a MATERIAL_TASKS form over a paragraph,
+    never a question of the bench's) are left out for time."""
+    monkeypatch.setattr(prompt_pool, "material_paragraphs", lambda: [])
     texts = prompt_pool.chat_texts(0)
     assert len(texts) > 10_000
     assert not [t for t in texts if t.startswith(CHAT_PROMPTS)]
