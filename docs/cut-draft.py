@@ -32,7 +32,7 @@ from specdec.lm.checkpoint import TOKENIZER, load_model, save_model
 from specdec.lm.device import native_bf16
 from specdec.lm.model import LlamaForCausalLM, place
 from specdec.lm.tokenizer import Tokenizer
-from specdec.train.longrun import EVAL_KINDS, Pool, documents, windows
+from specdec.train.longrun import Pool, heldout_windows, windows
 from specdec.train.losses import distill_kl, teacher_targets
 
 
@@ -45,18 +45,6 @@ def cut(target: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
         model = LlamaForCausalLM(arch)
     model.load_hf_state_dict(kept, assign=True)
     return place(model, "cpu").train()
-
-
-def heldout_windows(run: Path, eos: int, seq_len: int) -> dict[str, list[torch.Tensor]]:
-    """Each evaluation group's held-out answers, one stream with their EOS, as batches of 8 windows of
-    seq_len + 1 tokens sharing their edge tokens (train/longrun.heldout_groups' cut)."""
-    rows = [json.loads(line) for line in (run / "heldout" / "answers.jsonl").read_text().splitlines()]
-    groups = {}
-    for kind, temperature in EVAL_KINDS:
-        stream = documents([r for r in rows if r["kind"] == kind and r["temperature"] == temperature], eos).tolist()
-        cut_ = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - seq_len, seq_len)]
-        groups[f"{kind} T={temperature:g}"] = [torch.tensor(cut_[i:i + 8]) for i in range(0, len(cut_), 8)]
-    return groups
 
 
 @torch.no_grad()
@@ -124,7 +112,8 @@ def main() -> None:
     bf16 = native_bf16()
     teacher = load_model(folder, dtype=torch.bfloat16).requires_grad_(False).eval() if bf16 else target
     eos = Tokenizer.load(folder).eos_id
-    groups = heldout_windows(run, eos, args.seq_len)
+    rows = [json.loads(line) for line in (run / "heldout" / "answers.jsonl").read_text().splitlines()]
+    groups = heldout_windows(rows, eos, args.seq_len)
     pool = Pool(run)
     pool.refresh()
     draft = cut(target, args.layers)

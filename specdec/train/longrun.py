@@ -215,22 +215,30 @@ class HeldOut:
     batches: list             # [(window batch (B, S+1), EagleTargets, target_probs (B, S, N) over the draft ids)]
 
 
-@torch.no_grad()
-def heldout_groups(target, head: EagleHead, rows: list[dict], cfg: LongRun, eos: int) -> list[HeldOut]:
-    """The held-out answers of each group, one after another with their EOS (as training reads its
-    shards), cut into windows of seq_len + 1 that share their edge tokens, with the target's features
-    and probabilities over the draft vocabulary computed once (the target is frozen)."""
-    groups = []
+def heldout_windows(rows: list[dict], eos: int, seq_len: int) -> dict[str, list[torch.Tensor]]:
+    """Each group of EVAL_KINDS by name ("chat T=0"): its held-out answers one after another with their
+    EOS (as training reads its shards), cut into windows of seq_len + 1 tokens that share their edge
+    tokens, in batches of 8 (B, seq_len + 1)."""
+    groups = {}
     for kind, temperature in EVAL_KINDS:
         stream = documents([r for r in rows if r["kind"] == kind and r["temperature"] == temperature], eos).tolist()
-        n = cfg.seq_len + 1
-        cut = [stream[i:i + n] for i in range(0, len(stream) - n + 1, cfg.seq_len)]
+        cut = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - seq_len, seq_len)]
+        groups[f"{kind} T={temperature:g}"] = [torch.tensor(cut[i:i + 8]) for i in range(0, len(cut), 8)]
+    return groups
+
+
+@torch.no_grad()
+def heldout_groups(target, head: EagleHead, rows: list[dict], cfg: LongRun, eos: int) -> list[HeldOut]:
+    """The held-out windows of each group (`heldout_windows`) with the target's features and
+    probabilities over the draft vocabulary computed once (the target is frozen)."""
+    groups = []
+    for name, cut in heldout_windows(rows, eos, cfg.seq_len).items():
         batches = []
-        for i in range(0, len(cut), 8):
-            batch = torch.tensor(cut[i:i + 8], device=head.draft_ids.device)    # (B, S+1)
+        for batch in cut:
+            batch = batch.to(head.draft_ids.device)                                      # (B, S+1)
             targets, logits = eagle_targets(target, head, batch, cfg.steps, with_logits=True)  # logits (B, S, V)
             batches.append((batch, targets, F.softmax(logits.float(), -1)[..., head.draft_ids]))
-        groups.append(HeldOut(f"{kind} T={temperature:g}", batches))
+        groups.append(HeldOut(name, batches))
     return groups
 
 
@@ -348,7 +356,10 @@ def load_parts(cfg: LongRun) -> Parts:
     head, meta = initial_head(Path(cfg.init), folder, device)
     teacher = (load_model(folder, dtype=torch.bfloat16, device=device).requires_grad_(False).eval()
                if teacher_dtype(cfg) == "bfloat16" else target)
-    generator = quantized_copy(target, cfg.quantize) if cfg.quantize else teacher if device.type == "cuda" else target
+    if cfg.quantize:
+        generator = quantized_copy(target, cfg.quantize)
+    else:  # a GPU decodes in bf16 (the teacher copy); the CPU's kernels in fp32 from bf16-stored matrices
+        generator = teacher if device.type == "cuda" else target
     return Parts(target, teacher, generator, tokenizer, tokenizer.eos_id, head, meta, sha256(folder / WEIGHTS))
 
 
