@@ -58,12 +58,32 @@ def test_healed_greedy_output_is_the_constrained_argmax_then_the_reference(targe
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_speculative_decoding_of_healed_prompts_equals_plain(target, k):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_decoding_of_healed_prompts_equals_plain(target, k, temperature):
     prompts = [INDENTED, "import os\n", "x = 1"]  # healed, healed, not healed: one batch
-    plain = generate(target, prompts, max_new_tokens=10)
-    spec = generate(target, prompts, max_new_tokens=10, proposer=NgramProposer(), k=k)
+    seed = 7 if temperature else None
+    plain = generate(target, prompts, max_new_tokens=10, temperature=temperature, seed=seed)
+    spec = generate(target, prompts, max_new_tokens=10, temperature=temperature, seed=seed,
+                    proposer=NgramProposer(), k=k)
     assert spec.tokens == plain.tokens and spec.texts == plain.texts
     assert all(len(t) == 10 for t in plain.tokens) and plain.stats["healed_prompts"] == 2
+
+
+def test_a_healed_prompt_is_prefilled_once(target, monkeypatch):
+    """Healing restricts the first token of the forward that decodes it: the target reads the
+    prompt in one forward (the engine's prefill), then one new token per forward."""
+    windows = []
+    forward = type(target.model).forward
+
+    def counted(model, tokens, *args, **kwargs):
+        windows.append(tokens.shape[1])
+        return forward(model, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(target.model), "forward", counted)
+    result = generate(target, INDENTED, max_new_tokens=6)
+    prompt = encode(target.tokenizer, INDENTED)
+    assert result.stats["healed_prompts"] == 1
+    assert windows == [len(prompt.ids) - 1] + [1] * 6
 
 
 def test_generate_never_touches_the_global_random_generator(target):

@@ -8,7 +8,7 @@ import torch
 
 from specdec.api import generate, load
 from specdec.decoding.engine import Engine, Request, plain_generate
-from specdec.decoding.pipeline import Options, Prompt, encode, prepare, request, requests, stop_rule
+from specdec.decoding.pipeline import Options, Prompt, encode, prepare, request, stop_rule
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import RowGenerators, SamplingConfig, pick, pick_rows
 from specdec.decoding.stopping import StopRule
@@ -38,7 +38,7 @@ def test_one_context_rule_at_its_edge_for_the_api_the_server_and_the_engine(targ
     service = Service(target, None, 0, "plain", capacity=1, max_queue=1)
     job = Job(Params(text, None, edge, SamplingConfig(), (), heal=heal))
     service.encode(job)
-    assert job.prompt == prompt
+    assert (job.prompt.ids, job.prompt.healed, job.prompt.stop) == (prompt.ids, prompt.healed, prompt.stop)
     for refuse in (lambda: generate(target, text, max_new_tokens=edge + 1, heal=heal),
                    lambda: service.encode(Job(Params(text, None, edge + 1, SamplingConfig(), (), heal=heal))),
                    lambda: Engine(target.lm, None, 0, 1, context + 1).submit(
@@ -50,8 +50,8 @@ def test_one_context_rule_at_its_edge_for_the_api_the_server_and_the_engine(targ
 def healed_row(target, first: int, rest: list[int], max_new_tokens: int, stop: tuple[str, ...]):
     """The row of INDENTED healed with `first` as its first token, then fed `rest`."""
     row = request(target.tokenizer, encode(target.tokenizer, INDENTED), Options(max_new_tokens, stop=stop), None,
-                  first, None).row
-    for token in rest:
+                  None).row
+    for token in [first, *rest]:
         if row.done:
             break
         row.emit(token)
@@ -79,7 +79,7 @@ def test_a_character_split_across_tokens_is_streamed_whole(target):
     ids = target.tokenizer.encode("aé€b")
     assert len(ids) > len("aé€b")                                           # bytes of é and € in separate tokens
     pieces: list[str] = []
-    row = request(target.tokenizer, Prompt([0]), Options(20), None, None,
+    row = request(target.tokenizer, Prompt([0]), Options(20), None,
                   lambda request, sent, tokens: pieces.extend(piece for piece, _ in sent))
     for token in ids:
         row.row.emit(token)
@@ -92,20 +92,21 @@ def test_every_option_reaches_the_engines_request(target):
     prompt = prepare(target.tokenizer, 256, options, "<|endoftext|>x")
     assert prompt.ids == target.tokenizer.prefix + target.tokenizer.encode("<|endoftext|>x", True)
     generator = torch.Generator()
-    [row] = requests(target.lm, target.tokenizer, [prompt], [options], [generator], [None])
+    row = request(target.tokenizer, prompt, options, generator, None)
     assert (row.prompt, row.sampling, row.generator, row.on_tokens) == (prompt.ids, options.sampling, generator, None)
     assert row.rule == stop_rule(target.tokenizer, 7, ("\n\n",))
 
 
 def test_healing_a_batch_is_healing_each_prompt_alone(target):
-    """Healed rows of one batch get their first tokens from one forward, each the token it gets alone."""
-    texts = [INDENTED, "import os\n", "for x in y:\n        "]
-    options = Options(5, SamplingConfig(1.0, seed=3))
-    prompts = [encode(target.tokenizer, t) for t in texts]
-    together = requests(target.lm, target.tokenizer, prompts, [options] * 3, [None] * 3, [None] * 3)
-    alone = [requests(target.lm, target.tokenizer, [p], [options], [None], [None])[0] for p in prompts]
-    assert [r.row.tokens for r in together] == [r.row.tokens for r in alone]
-    assert all(len(r.row.tokens) == 1 and r.prompt[-1] == r.row.tokens[0] for r in together)
+    """Healed rows of one batch, beside an unhealed one, each decode as they do alone (seeded: the
+    noise of a token depends on its seed and position only), each first token extending its text."""
+    texts = [INDENTED, "import os\n", "x = 1", "for x in y:\n        "]
+    together = generate(target, texts, max_new_tokens=5, temperature=1.0, seed=3)
+    alone = [generate(target, t, max_new_tokens=5, temperature=1.0, seed=3).tokens[0] for t in texts]
+    assert together.tokens == alone and together.stats["healed_prompts"] == 3
+    for text, tokens in zip(texts, together.tokens):
+        healed = encode(target.tokenizer, text).healed
+        assert target.tokenizer.token_bytes[tokens[0]].startswith(healed.encode())
 
 
 def test_pick_rows_is_pick_for_each_row_under_its_own_settings():

@@ -14,6 +14,9 @@ chosen over xgrammar and what it measured).
 - `Matcher` follows one row: `mask_into` writes the allowed-token bitmask at the next position,
   `advance` consumes tokens, `rollback` forgets the last ones (rejected drafts), `forced` is the run
   of tokens the grammar forces from here (keys, punctuation, the rest of an enum value).
+- `FirstToken` restricts only a row's first token to a set (token healing: the tokens whose bytes
+  start with a prompt's backed-off text, decoding/pipeline.py); its `FirstTokenMatcher` answers as a
+  `Matcher` does and is `free` once that token is consumed (the guide then lets the row go).
 - `allowed(bitmasks, vocab)` unpacks bitmasks (..., W) int32 into booleans (..., V); `masked(logits,
   bitmasks)` sets the refused tokens' logits to -inf (in NumPy on the CPU: one pass, no thread pool,
   whose wake-ups cost milliseconds for 49k elements on a busy machine).
@@ -126,6 +129,17 @@ class Compiled:
         return Matcher(self)
 
 
+@dataclass(frozen=True, eq=False)
+class FirstToken:
+    """The first token one of a set, anything after it: bits (W,) int32, the allowed first tokens;
+    eos: the ids that end a row (refused first unless in the set)."""
+    bits: np.ndarray
+    eos: frozenset[int]
+
+    def matcher(self) -> "FirstTokenMatcher":
+        return FirstTokenMatcher(self)
+
+
 def compile_constraint(constraint: Constraint, tokenizer, vocab: int) -> Compiled:
     """Check the constraint against the target's tokenizer (vocab: the target's vocabulary size);
     a SpecdecError says what is wrong with it."""
@@ -205,6 +219,46 @@ class Matcher:
     def rollback(self, n: int) -> None:
         if n and not self.m.rollback(n):
             raise SpecdecError(f"the constraint could not roll back {n} tokens{self.reason()}")
+
+    free = False  # a grammar holds to the end
+
+
+class FirstTokenMatcher:
+    """One row under a FirstToken rule: the set before any token is consumed, every token after."""
+
+    def __init__(self, rule: FirstToken):
+        self.first, self.eos, self.consumed = rule.bits, rule.eos, 0
+        self.ok = flags(rule.bits, 32 * len(rule.bits))  # (32 W,) bool
+
+    stopped = False  # never only the end
+
+    def mask_into(self, bits: np.ndarray) -> None:
+        bits[:] = self.first if not self.consumed else -1
+
+    def forced(self) -> list[int]:
+        return []
+
+    def forced_bytes(self) -> bytes:
+        return b""
+
+    def accepts(self, token: int) -> bool:
+        ok = token not in self.eos and (self.consumed > 0 or bool(self.ok[token]))
+        self.consumed += ok
+        return ok
+
+    def ends(self, token: int) -> bool:
+        return token in self.eos and (self.consumed > 0 or bool(self.ok[token]))
+
+    def advance(self, tokens: list[int]) -> None:
+        self.consumed += len(next((tokens[:i] for i, t in enumerate(tokens) if t in self.eos), tokens))
+
+    def rollback(self, n: int) -> None:
+        self.consumed -= n
+
+    @property
+    def free(self) -> bool:
+        """Whether the rule restricts nothing more: its first token consumed."""
+        return self.consumed > 0
 
 
 def flags(bits: np.ndarray, vocab: int) -> np.ndarray:

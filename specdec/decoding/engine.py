@@ -45,7 +45,7 @@ from ..errors import SpecdecError
 from ..lm.interface import Admitted, admit, declared_features, layer_request, prefill_joining
 from .adaptive import Adaptive, curve_batches, options, window
 from .calibration import verify_curves
-from .constraint import Compiled, masked
+from .constraint import Compiled, FirstToken, masked
 from .guided import Guide
 from .metrics import SpecMetrics
 from .protocol import Outcome, Proposal, Proposer
@@ -66,7 +66,8 @@ class Request:
     sampling: SamplingConfig = SamplingConfig()
     generator: torch.Generator | None = None
     on_tokens: Callable[["Request", list[int], int], None] | None = None
-    constraint: Compiled | None = None  # structured output: the grammar the tokens must match (guided.py)
+    constraint: Compiled | FirstToken | None = None  # structured output's grammar (guided.py), or a healed
+    # prompt's rule for its first token (pipeline.py)
     cancelled: bool = False
     row: Row = field(init=False)
     steps: int = 0      # verifications of this row
@@ -403,7 +404,7 @@ class Engine:
             self.last += [p[-1] for p in prompts]
             self.cached += [len(p) - 1 for p in prompts]
 
-    def join_guide(self, constraints: list[Compiled | None]) -> None:
+    def join_guide(self, constraints: list[Compiled | FirstToken | None]) -> None:
         """The joining rows' constraints to the guide (guided.py), made with the first constrained
         row, the rows already there unconstrained: until then no step spends anything on grammars."""
         if self.guide is None:

@@ -33,6 +33,10 @@ nodes: the window masks refuse what they must. A lookup drafter walks the gramma
 instead (`row_forced`, `row_take`: proposers/guided_ngram.py splices the forced runs with the
 lookup continuations the grammar allows, and the EOS where only the end may come).
 
+A healed prompt's row (pipeline.py) is constrained by its first token's rule alone
+(constraint.FirstToken): masked at that token like any grammar, it leaves the guide once the token is
+committed, and when no row is left constrained no step spends anything on masks.
+
 The matcher of each row always stands at its committed sequence: the drafts it walks through to
 make masks are rolled back before the step ends, and the committed tokens are then consumed.
 
@@ -236,11 +240,14 @@ class Guide:
 
     def commit(self, runs: list[list[int]], counts: list[int]) -> None:
         """The rows' emitted tokens (runs[b][:counts[b]]) move their matchers on; those their grammar
-        forced are counted (`forced_in`), however they were drafted or picked."""
+        forced are counted (`forced_in`), however they were drafted or picked. A row whose rule
+        restricts nothing more (`free`: a healed row after its first token) leaves the guide."""
         for b, (m, run, n) in enumerate(zip(self.matchers, runs, counts)):
             if m is not None and n:
                 self.forced += forced_in(m, run[:n], self.heads[b] if self.heads else None)
         self.heads = []
+        self.matchers = [None if m is not None and m.free else m for m in self.matchers]
+        self.active = any(m is not None for m in self.matchers)
 
     def outcome(self, outcome: Outcome) -> Outcome:
         """What the drafter hears: rows that verified a forced run accepted none of its drafts; a

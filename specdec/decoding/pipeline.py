@@ -4,8 +4,8 @@
     encode   `prepare`: the prompt's ids and stop strings by the checkpoint's own rules, one step on
              the tokenizer's side (below); the one context rule (engine.check_fits) refuses what
              cannot fit; a constraint (structured output) compiled against the tokenizer
-    heal     `first_tokens`: the first token of a prompt that ended in whitespace, one target
-             forward for every healed prompt of a batch (token healing, below)
+    heal     a prompt that ended in whitespace gets a rule for its first token (`healing`, token
+             healing below), which the engine applies at that token as a grammar's mask (guided.py)
     stop     `stop_rule`, per row: EOS ids, the request's stop strings and the prompt's (a chat's end
              of turn), max_new_tokens; a healed row's stop strings skip the backed-off text
     stream   `TextStream`: pieces that are never taken back
@@ -35,7 +35,11 @@ token must extend the given text, i.e. its bytes must start with the backed-off 
 token is chosen from the target's distribution restricted to those tokens (greedy: their argmax;
 sampling: the same temperature / top-k / top-p transform on the restricted logits); everything
 after it is ordinary decoding of the target. The backed-off token itself is always allowed, so
-healing never leaves the model without a choice.
+healing never leaves the model without a choice. The restriction is a constraint on the first token
+alone (constraint.FirstToken): the engine picks that token in its first step, from the logits of
+the forward that decodes every row, masked as a constrained row's are (a draft outside the set is
+refused), and the row leaves the guide once the token is emitted. The prompt is thus prefilled once,
+as any other.
 
 What a request asks for besides its prompt travels in `Options`, from the entry point to the
 engine's `Request`: a new per-request option is a field there and a line in `requests` (a
@@ -66,14 +70,16 @@ from functools import partial
 import torch
 
 from ..errors import SpecdecError
-from ..lm.interface import Admitted, pad_right
+import numpy as np
+
+from ..lm.interface import Admitted
 from ..lm.tokenizer import Tokenizer, template
-from .constraint import Compiled, Constraint, compile_constraint
+from .constraint import Compiled, Constraint, FirstToken, compile_constraint
 from .engine import Engine, Request, check_fits
 from .guided import GrammarDrafts
 from .metrics import SpecMetrics
 from .protocol import Proposer
-from .sampling import RowGenerators, SamplingConfig, pick_rows
+from .sampling import SamplingConfig
 from .stopping import StopRule
 
 # on_text(request, pieces, tokens): a step's tokens of the request and their text, (piece, "draft" | "target")
@@ -90,7 +96,8 @@ class Prompt:
     ids: list[int]               # the prefix and the prompt's ids (the last one backed off when healed)
     healed: str = ""             # the backed-off text the first generated token must start with ("": none)
     stop: tuple[str, ...] = ()   # stop strings the prompt brings: a chat template's end of turn
-    constraint: Compiled | None = None  # the request's constraint compiled against the tokenizer
+    constraint: Compiled | FirstToken | None = None  # the request's constraint compiled against the
+    # tokenizer, or a healed prompt's rule for its first token
 
     @property
     def length(self) -> int:
@@ -114,10 +121,14 @@ def prepare(tokenizer: Tokenizer, context: int, options: Options, text: str | No
             vocab: int | None = None) -> Prompt:
     """The prompt of `text` (to continue) or of chat `messages` by the checkpoint's rules, refused
     when it and options.max_new_tokens do not fit the context (name, budget: as the caller calls them);
-    options.constraint compiled over the target's `vocab` ids (BadConstraint where it does not compile)."""
+    options.constraint compiled over the target's `vocab` ids (BadConstraint where it does not
+    compile), or a healed prompt's rule for its first token over them (default: the tokenizer's)."""
     constrained = options.constraint is not None
     prompt = encode(tokenizer, text, messages, options.special_tokens, options.heal and not constrained)
     check_fits(prompt.length, options.max_new_tokens, context, name, budget)
+    if prompt.healed:
+        vocab = len(tokenizer.token_bytes) if vocab is None else vocab
+        return Prompt(prompt.ids, prompt.healed, prompt.stop, healing(tokenizer, prompt.healed, vocab))
     if not constrained:
         return prompt
     try:
@@ -152,28 +163,12 @@ def back_off(tokenizer: Tokenizer, text: str, ids: list[int]) -> str:
         return ""
 
 
-def allowed(tokenizer: Tokenizer, text: str, vocab_size: int) -> torch.Tensor:
-    """(V,) bool: the token ids whose bytes start with `text` (ids past the tokenizer's are not)."""
+def healing(tokenizer: Tokenizer, text: str, vocab: int) -> FirstToken:
+    """A healed prompt's first token: one of the ids below `vocab` whose bytes start with `text`."""
     prefix = text.encode("utf-8")
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[[i for i, b in enumerate(tokenizer.token_bytes) if b is not None and b.startswith(prefix)]] = True
-    return mask
-
-
-@torch.inference_mode()
-def first_tokens(target: Admitted, tokenizer: Tokenizer, prompts: list[Prompt], samplings: list[SamplingConfig],
-                 generators: list[torch.Generator | None]) -> list[int]:
-    """The first generated token of each healed prompt (its ids backed off), restricted to the tokens
-    that start with its backed-off text, under its own sampling settings and generator (rows may share
-    one): one forward of the admitted target over all of them, into a throwaway cache (the forward the
-    engine's prefill runs: one kernel call where the kernels run the layers)."""
-    masks = torch.stack([allowed(tokenizer, p.healed, target.lm.config.vocab_size) for p in prompts])  # (B, V)
-    tokens, lengths = pad_right([p.ids for p in prompts], device=target.device)          # (B, T), (B,)
-    cache = target.lm.new_cache(len(prompts), tokens.shape[1])
-    logits = target.lm(tokens, cache=cache, logits_index=(lengths - 1)[:, None]).logits[:, 0]  # (B, V)
-    generator = generators[0] if all(g is generators[0] for g in generators) else RowGenerators(generators)
-    return pick_rows(logits.masked_fill(~masks.to(target.device), float("-inf")), samplings, generator,
-                     [len(p.ids) for p in prompts]).tolist()
+    ok = np.zeros(32 * ((vocab + 31) // 32), dtype=bool)
+    ok[[i for i, b in enumerate(tokenizer.token_bytes[:vocab]) if b is not None and b.startswith(prefix)]] = True
+    return FirstToken(np.packbits(ok, bitorder="little").view(np.int32), frozenset(tokenizer.eos_ids))
 
 
 def stop_rule(tokenizer: Tokenizer, max_new_tokens: int, stop: tuple[str, ...] = (), skip: int = 0) -> StopRule:
@@ -194,26 +189,11 @@ def fixed_prompts(tokenizer: Tokenizer, context: int, texts: list[str], max_new_
             for i, t in enumerate(texts)]
 
 
-@torch.inference_mode()
-def requests(target: Admitted, tokenizer: Tokenizer, prompts: list[Prompt], options: list[Options],
-             generators: list[torch.Generator | None], on_text: list[OnText | None]) -> list[Request]:
-    """The engine's requests for encoded prompts: healed prompts get their first token (one forward
-    of the admitted target for all of them, emitted at once), every row its stop rule and, where
-    on_text is given, its text stream. generators: each row's (rows may share one)."""
-    healing = [i for i, (p, o) in enumerate(zip(prompts, options)) if p.healed and o.max_new_tokens > 0]
-    firsts = dict.fromkeys(healing)
-    if healing:
-        firsts = dict(zip(healing, first_tokens(target, tokenizer, [prompts[i] for i in healing],
-                                                [options[i].sampling for i in healing],
-                                                [generators[i] for i in healing])))
-    return [request(tokenizer, p, o, g, firsts.get(i), t)
-            for i, (p, o, g, t) in enumerate(zip(prompts, options, generators, on_text))]
-
-
 def request(tokenizer: Tokenizer, prompt: Prompt, options: Options, generator: torch.Generator | None,
-            first: int | None, on_text: OnText | None) -> Request:
-    """One row: its stop rule (a healed row's stop strings see the text after the backed-off
-    text, which its first token repeats), its stream, and its healed first token already emitted."""
+            on_text: OnText | None) -> Request:
+    """The engine's request for an encoded prompt: its stop rule (a healed row's stop strings see the
+    text after the backed-off text, which its first token repeats), its constraint or first-token
+    rule and, where on_text is given, its text stream. generator: the row's (rows may share one)."""
     skip = len(prompt.healed)
     stop = options.stop + prompt.stop
     rule = stop_rule(tokenizer, options.max_new_tokens, stop, skip)
@@ -224,13 +204,7 @@ def request(tokenizer: Tokenizer, prompt: Prompt, options: Options, generator: t
         def on_tokens(request: Request, tokens: list[int], drafted: int) -> None:
             final = request.row.text() if request.row.done else None
             on_text(request, text.add(tokens, drafted, final), tokens)
-    ids = prompt.ids if first is None else prompt.ids + [first]
-    row = Request(ids, rule, options.sampling, generator, on_tokens, prompt.constraint)
-    if first is not None:
-        row.row.emit(first)  # healing chose it: the row's first token, from the target
-        if on_tokens is not None:
-            on_tokens(row, [first], 0)
-    return row
+    return Request(prompt.ids, rule, options.sampling, generator, on_tokens, prompt.constraint)
 
 
 @dataclass
@@ -240,8 +214,7 @@ class Batch:
     requests: list[Request]      # each row's tokens, finish reason and text (`Request.row`)
     proposer: Proposer | None    # the proposer that drafted (None: plain decoding)
     metrics: SpecMetrics         # the engine's
-    seconds: float               # healing and decoding
-    healing_seconds: float       # of which the healed prompts' first tokens
+    seconds: float               # decoding
     verify_curve_seconds: float  # measuring this machine's verify cost first (k="auto"; outside `seconds`)
 
     @property
@@ -269,12 +242,10 @@ def generate(target: Admitted, tokenizer: Tokenizer, options: Options, texts: li
     # curves, measured here where missing, before the timed region
     t0 = time.perf_counter()
     generator = options.sampling.generator(target.device)
-    rows = requests(target, tokenizer, prompts, [options] * len(prompts), [generator] * len(prompts),
-                    [partial(send_text, on_text, i) if on_text else None for i in range(len(prompts))])
-    healed = time.perf_counter()
+    rows = [request(tokenizer, p, options, generator, partial(send_text, on_text, i) if on_text else None)
+            for i, p in enumerate(prompts)]
     metrics = engine.run(rows)
-    return Batch(prompts, rows, proposer, metrics, time.perf_counter() - t0, healed - t0,
-                 engine.verify_curve_seconds)
+    return Batch(prompts, rows, proposer, metrics, time.perf_counter() - t0, engine.verify_curve_seconds)
 
 
 def send_text(on_text: Callable[[int, str], None], i: int, request: Request, pieces: list[tuple[str, str]],

@@ -11,7 +11,7 @@ a forward run from a second thread took 1.5 ms instead of 0.6 ms on 2 cores.
 A job takes the one request path (decoding/pipeline.py), as `specdec generate` and the API do:
 its prompt encoded by the checkpoint's rules (its prefix, special-token text as text unless the
 request asks otherwise, chat messages through its chat template), the one context rule, a prompt
-ending in whitespace token-healed (its first token chosen on this thread, one target forward)
+ending in whitespace token-healed (its first token restricted to those that extend the text)
 unless the request says "heal": false, its own stop rule and text stream. So greedy output over
 HTTP equals the command's. Encoding runs on a worker thread, never on the handlers' loop or the
 engine's thread, and is bounded: a prompt longer than the context times the longest token is
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ..api import Loaded
 from ..decoding.engine import Engine, Request
-from ..decoding.pipeline import Prompt, prepare, requests
+from ..decoding.pipeline import Prompt, prepare, request
 from ..errors import SpecdecError
 from ..lm.tokenizer import has_template
 from .prometheus import Metrics
@@ -220,8 +220,8 @@ class Service:
             self.loop.call_soon_threadsafe(_deliver, batch)
 
     def _admit(self, job: Job) -> None:
-        """The job's request through the pipeline (healing: its first token, emitted at once), queued
-        for the engine."""
+        """The job's request through the pipeline (its stop rule, text stream and constraint or healed
+        first token's rule), queued for the engine."""
         p = job.params
 
         def on_text(request: Request, pieces: list[tuple[str, str]], tokens: list[int]) -> None:
@@ -232,8 +232,8 @@ class Service:
             self.outbox.append((job, Event(pieces, tokens, reason, request.steps, request.proposed,
                                            request.accepted)))
 
-        [job.request] = requests(self.target.lm, self.target.tokenizer, [job.prompt], [p.options],
-                                 [p.sampling.generator(self.target.lm.device)], [on_text])
+        job.request = request(self.target.tokenizer, job.prompt, p.options,
+                              p.sampling.generator(self.target.lm.device), on_text)
         job.request.cancelled = job.cancelled
         self.engine.submit(job.request)
 
