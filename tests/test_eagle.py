@@ -332,11 +332,18 @@ def one_call_and_separate(target, native: EagleProposer, separate: EagleProposer
 
 @needs_kernels
 @torch.inference_mode()
-def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft():
+@pytest.mark.parametrize("blocks", [False, True])
+def test_each_head_step_as_one_kernel_call_drafts_what_the_separate_calls_draft(blocks):
     """The shipped head (bf16-stored, its layer one Stack): one kernel call per level gives the drafts,
-    and for sampled rows the draft probabilities, bit for bit, of the separate calls."""
+    and for sampled rows the draft probabilities, bit for bit, of the separate calls; also where the
+    target's embedding is held as Q8_0 blocks (a tied one quantized at load, a file's): the call then
+    gets the looked-up rows."""
+    from specdec import kernels
     from specdec.api import TOY_TARGET, load, load_drafter
     target = load(TOY_TARGET)
+    if blocks:
+        embedding = target.model.model.embed_tokens
+        embedding.store(kernels.Matrix.store(embedding.weight.detach(), "q8_0"))
     native = load_drafter(target, "eagle", options=VocabOptions(1024))
     separate = EagleProposer(head=native.head, target=target.model, draft_vocab=1024)
     for sampling, _, a, b in one_call_and_separate(target, native, separate):

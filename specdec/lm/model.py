@@ -456,11 +456,8 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
         return self.model.embed_tokens(tokens)
 
     def drafts_in_one_call(self, head=None) -> bool:
-        """Whether `draft_block` can run: this model's decoder layers, or `head`'s, stacked for the
-        kernels, and its embedding an unscaled float table (the kernels read its rows as they are; an
-        embedding held as blocks is not one)."""
-        return ((self if head is None else head.layer).stack is not None and self.model.embedding_scale is None
-                and self.model.embed_tokens.weight is not None)
+        """Whether `draft_block` can run: this model's decoder layers, or `head`'s, stacked for the kernels."""
+        return (self if head is None else head.layer).stack is not None
 
     def draft_block(self, ids: torch.Tensor, cache: KVCache, positions: torch.Tensor | None, columns: torch.Tensor,
                     unembedding: kernels.Matrix, vocab_ids: torch.Tensor, logits: bool, head=None,
@@ -477,7 +474,11 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
         fuse = None if head is None else (prev, kernel_scale(head.embed_norm), kernel_scale(head.hidden_norm),
                                           head.proj.stored if head.layout == "specdec" else None)
         cache.check_room(ids.shape[1])
-        out = kernels.draft_block(layers.stack, self.model.embed_tokens.weight, ids, cache.keys, cache.values,
+        table = self.model.embed_tokens.weight  # the kernels read a float table's rows as they are
+        if table is None or self.model.embedding_scale is not None:  # held as blocks, or scaled: the rows first
+            table = self.model.embed(ids).reshape(-1, self.config.hidden_size).contiguous()
+            ids = torch.arange(table.shape[0], device=ids.device).view(ids.shape)
+        out = kernels.draft_block(layers.stack, table, ids, cache.keys, cache.values,
                                   cache.lengths, positions, inv_freq, columns, kernel_scale(norm), norm.eps,
                                   unembedding, vocab_ids, logits, fuse)
         cache.advance(ids.shape[1])
