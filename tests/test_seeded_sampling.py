@@ -84,6 +84,28 @@ def test_the_kernels_hash_the_noise_as_the_numpy_reference_does():
     assert np.array_equal(compiled.numpy().view(np.uint32), sampling.noise_hashes(low, high, 5000))
 
 
+def test_noise_made_on_a_device_is_the_hosts_bit_for_bit():
+    """A GPU makes a seeded row's noise where its logits are (`device_noise_rows`: torch's integer
+    operations, and each uniform's noise read from a table the host made): run on the CPU, that path
+    gives the host's numbers exactly, for 24 random (seed, position) keys at row lengths of the whole
+    vocabulary and of draft vocabularies, the extreme hash among them."""
+    rng = np.random.default_rng(1)
+    for length in (49152, 4099, 1):
+        keys = [(int(rng.integers(0, 2 ** 62)), int(rng.integers(0, 10 ** 6))) for _ in range(8)]
+        keys += [EXTREME[:2]] if length > EXTREME[2] else []
+        host = sampling.noise_rows(keys, length)
+        made = sampling.device_noise_rows(keys, length, torch.device("cpu")).numpy()
+        assert np.array_equal(made.view(np.uint32), host.view(np.uint32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_gumbel_on_a_cuda_device_is_the_hosts():
+    ids = torch.tensor([3, 17, 4095, 2])
+    for columns in (None, ids):
+        host = gumbel([5, 9], [[10, 11], [12, 13]], 4096, columns)
+        assert torch.equal(gumbel([5, 9], [[10, 11], [12, 13]], 4096, columns, "cuda").cpu(), host)
+
+
 # (seed 1, position 265, token 2431) hashes to x with x >> 8 = 2^24 - 1, the value whose 24-bit uniform
 # rounded to 1.0 (found by searching the hash over seeds and positions)
 EXTREME = (1, 265, 2431)

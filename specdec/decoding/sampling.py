@@ -220,15 +220,22 @@ def noise_keys(seeds: list[int], positions: list[list[int]]) -> np.ndarray:
     return _splitmix64(s ^ np.array(positions, dtype=np.uint64))           # (R, n)
 
 
-def gumbel(seeds: list[int], positions: list[list[int]], vocab: int, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """(R, n, V) float32 standard Gumbel noise on the CPU, element (r, i, v) a function of
+def gumbel(seeds: list[int], positions: list[list[int]], vocab: int, ids: torch.Tensor | None = None,
+           device: torch.device | str = "cpu") -> torch.Tensor:
+    """(R, n, V) float32 standard Gumbel noise on `device`, element (r, i, v) a function of
     (seeds[r], positions[r][i], v) only: two rounds of a 32-bit hash keyed by the (seed, position)
     key's halves, its top 23 bits as a uniform in the open interval (0, 1) (`open_uniform`), -log(-log(u)).
     ids (N,): the noise of those token ids only, (R, n, N) (a draft vocabulary's columns).
-    Each (seed, position)'s row over the vocabulary is made once and kept a while (NOISE): a seeded
-    row's drafts and its verification ask for the same positions, one after the other."""
+    On the CPU each (seed, position)'s row over the vocabulary is made once and kept a while (NOISE): a
+    seeded row's drafts and its verification ask for the same positions, one after the other. On another
+    device it is made there (`device_noise_rows`: the same numbers), where the logits are: a batched step
+    of hundreds of seeded rows would otherwise hash on the host and copy 200 KB a row to the device."""
     length = vocab if ids is None or not len(ids) else int(ids.max()) + 1  # the row's columns needed
     keys = [(seed, t) for seed, row in zip(seeds, positions) for t in row]
+    if torch.device(device).type != "cpu":
+        noise = device_noise_rows(keys, length, torch.device(device))
+        noise = noise[:, :vocab] if ids is None else noise[:, ids.to(noise.device)]
+        return noise.reshape(len(seeds), -1, noise.shape[-1])
     if len(keys) > NoiseRows.KEYS:  # a batch this wide (a statistical test's): made at once, not kept
         made = noise_rows(keys, length) if keys else np.empty((0, length), np.float32)
     else:
@@ -255,6 +262,48 @@ def noise_rows(keys: list[tuple[int, int]], length: int) -> np.ndarray:
         np.log(u, out=u)
         np.negative(u, out=u)
     return u
+
+
+def device_noise_rows(keys: list[tuple[int, int]], length: int, device: torch.device) -> torch.Tensor:
+    """`noise_rows` made on `device` by torch's integer operations: the same hashes (32-bit products
+    in int64, masked), and each uniform's noise read from `gumbel_table` (made on the host by
+    `noise_rows`' own arithmetic), so the numbers are those of the host, bit for bit, whatever the
+    device's log."""
+    hashed = noise_keys([s for s, _ in keys], [[t] for _, t in keys])[:, 0]                      # (R,)
+    halves = np.stack([hashed & np.uint64(0xFFFFFFFF), hashed >> np.uint64(32)], 1).astype(np.int64)
+    low, high = torch.from_numpy(halves).to(device).unbind(1)
+    x = torch.arange(length, dtype=torch.int64, device=device)[None] ^ low[:, None]             # (R, length)
+    x = mix32(mix32(x) ^ high[:, None])
+    return gumbel_table(device)[x >> 9]
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """`_mix32` on int64 tensors holding uint32 values (any device)."""
+    x = x ^ (x >> 16)
+    x = times32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = times32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def times32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """x * m mod 2^32 for int64 tensors holding uint32 values, every product below 2^48 (no overflow)."""
+    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def gumbel_table(device: torch.device) -> torch.Tensor:
+    """(2^23,) float32 on `device`: the noise of each of the 2^23 uniforms `open_uniform` makes, in
+    the order of the hash's top 23 bits (32 MB, made once per device)."""
+    if device not in _TABLES:
+        u = open_uniform(np.arange(1 << 23, dtype=np.uint32) << np.uint32(9))
+        for _ in range(2):  # -log(-log(u)), as noise_rows
+            np.log(u, out=u)
+            np.negative(u, out=u)
+        _TABLES[device] = torch.from_numpy(u).to(device)
+    return _TABLES[device]
 
 
 def noise_hashes(low: np.ndarray, high: np.ndarray, length: int) -> np.ndarray:
@@ -319,7 +368,7 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
     column's noise, not one per token)."""
     free = finite_counts(logits) > 1                                                      # (R, n)
     if bool(free.all()):
-        noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids).to(logits.device)
+        noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids, logits.device)
         return log_weights(logits, configs) + noise
     r, i = free.nonzero(as_tuple=True)
     rows, columns = r.tolist(), i.tolist()
@@ -327,7 +376,7 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
     if rows:
         chosen = [configs[a] for a in rows]
         noise = gumbel([cfg.seed for cfg in chosen], [[positions[a][b]] for a, b in zip(rows, columns)],
-                       logits.shape[-1], ids).to(logits.device)                            # (F, 1, V)
+                       logits.shape[-1], ids, logits.device)                            # (F, 1, V)
         out[r, i] = (log_weights(logits[r, i][:, None], chosen) + noise)[:, 0]
     return out
 
@@ -379,7 +428,7 @@ class Draws:
         index = torch.tensor(rows, device=logits.device)
         shape = (len(rows), *logits.shape[1:])
         noise = gumbel([configs[b].seed for b in rows], [[self.positions[b] + depth] for b in rows],
-                       logits.shape[-1], ids).to(logits.device)                                   # (R, 1, N)
+                       logits.shape[-1], ids, logits.device)                                   # (R, 1, N)
         if probs is None:
             probs = row_probabilities(logits[index], [configs[b] for b in rows])
         else:
