@@ -122,13 +122,10 @@ def prepare(tokenizer: Tokenizer, context: int, options: Options, text: str | No
     """The prompt of `text` (to continue) or of chat `messages` by the checkpoint's rules, refused
     when it and options.max_new_tokens do not fit the context (name, budget: as the caller calls them);
     options.constraint compiled over the target's `vocab` ids (BadConstraint where it does not
-    compile), or a healed prompt's rule for its first token over them (default: the tokenizer's)."""
+    compile), or a healed prompt's rule for its first token over them (`encode`)."""
     constrained = options.constraint is not None
-    prompt = encode(tokenizer, text, messages, options.special_tokens, options.heal and not constrained)
+    prompt = encode(tokenizer, text, messages, options.special_tokens, options.heal and not constrained, vocab)
     check_fits(prompt.length, options.max_new_tokens, context, name, budget)
-    if prompt.healed:
-        vocab = len(tokenizer.token_bytes) if vocab is None else vocab
-        return Prompt(prompt.ids, prompt.healed, prompt.stop, healing(tokenizer, prompt.healed, vocab))
     if not constrained:
         return prompt
     try:
@@ -138,9 +135,10 @@ def prepare(tokenizer: Tokenizer, context: int, options: Options, text: str | No
 
 
 def encode(tokenizer: Tokenizer, text: str | None = None, messages: list[dict] | None = None,
-           special_tokens: bool = False, heal: bool = True) -> Prompt:
+           special_tokens: bool = False, heal: bool = True, vocab: int | None = None) -> Prompt:
     """The prompt of `text` (to continue) or of chat `messages` (rendered by the template of the
-    checkpoint folder the tokenizer was loaded from), by the rules of the module docstring."""
+    checkpoint folder the tokenizer was loaded from), by the rules of the module docstring; a healed
+    one with the rule for its first token over the target's `vocab` ids (default: the tokenizer's)."""
     if messages is not None:
         if tokenizer.folder is None:
             raise SpecdecError("a chat needs the checkpoint folder's chat template; load the tokenizer from its folder")
@@ -148,7 +146,10 @@ def encode(tokenizer: Tokenizer, text: str | None = None, messages: list[dict] |
         return Prompt(chat.ids(messages), "", chat.stops)
     ids = tokenizer.encode(text, special_tokens)
     healed = back_off(tokenizer, text, ids) if heal else ""
-    return Prompt(tokenizer.prefix + ids[:len(ids) - bool(healed)], healed)
+    if not healed:
+        return Prompt(tokenizer.prefix + ids)
+    rule = healing(tokenizer, healed, len(tokenizer.token_bytes) if vocab is None else vocab)
+    return Prompt(tokenizer.prefix + ids[:-1], healed, (), rule)
 
 
 def back_off(tokenizer: Tokenizer, text: str, ids: list[int]) -> str:
