@@ -378,3 +378,26 @@ def test_an_eagle3_layout_head_drafts_in_one_kernel_call_what_its_pytorch_layer_
     rows, _ = speculative_generate(target.model, native, prompts, StopRule(12), GREEDY, 3)
     plain, _ = plain_generate(target.model, prompts, StopRule(12), GREEDY)
     assert [r.tokens for r in rows] == [r.tokens for r in plain]
+
+
+@needs_kernels
+@torch.inference_mode()
+def test_the_registrys_eagle_head_drafts_from_q8_0_matrices_and_decoding_stays_exact():
+    """Loaded through the registry where the kernels run, a bf16 head drafts from Q8_0 matrices (its
+    layer, projections and unembedding; a smaller draft vocabulary keeps its rows as stored, each logit
+    the number the whole unembedding gives it), in one kernel call per level; greedy output is plain
+    decoding's."""
+    from specdec.api import TOY_TARGET, load, load_drafter
+    from specdec.lm.model import stored_formats
+    target = load(TOY_TARGET)
+    full = load_drafter(target, "eagle")
+    small = load_drafter(target, "eagle", options=VocabOptions(1024))
+    assert stored_formats(full.head) == "q8_0" and full.native and small.native
+    assert small.vocab.unembedding.stored.format == "q8_0"
+    x = torch.randn(3, target.model.config.hidden_size)
+    rows = torch.searchsorted(full.draft_ids, small.draft_ids)  # the smaller vocabulary's rows of the whole one
+    assert torch.equal(small.vocab.unembedding(x), full.vocab.unembedding(x)[:, rows])
+    prompts = [p[:12] for p in PROMPTS]
+    rows_spec, _ = speculative_generate(target.model, small, prompts, StopRule(16), GREEDY, 3)
+    plain, _ = plain_generate(target.model, prompts, StopRule(16), GREEDY)
+    assert [r.tokens for r in rows_spec] == [r.tokens for r in plain]

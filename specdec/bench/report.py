@@ -153,7 +153,8 @@ def conditions_text(result: dict) -> str:
     if isinstance(eagle, dict):
         parts.append(f"EAGLE head `{eagle['path']}` ({eagle['head_kind']}, target layers "
                      f"{' '.join(map(str, eagle['layer_ids']))}, {eagle['draft_vocab']}-token draft vocabulary, "
-                     f"{eagle['parameters'] / 1e6:.1f}M)")
+                     f"{eagle['parameters'] / 1e6:.1f}M" + (f", {eagle['matrices']} matrices" if "matrices" in eagle else "")
+                     + ")")
     features = " ".join(h["cpu_features"]) if isinstance(h["cpu_features"], list) else h["cpu_features"]
     parts += ["n-gram 3..1", f"{h['cpu']} ({h['cores']} cores, {h['threads']} threads, features {features}, torch "
               f"CPU capability {h['torch_cpu_capability']}; accelerator {h['accelerator']}, used: {h['device_used']})", f"python {s['python']}, torch {s['torch']}, transformers {s['transformers']}, "

@@ -29,6 +29,16 @@ def per_row(sampling: SamplingConfig | list[SamplingConfig], rows: int) -> list[
     return list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * rows
 
 
+def linear_rows(linear: Linear, rows: torch.Tensor) -> Linear:
+    """A frozen Linear over the output rows `rows` (N,) of `linear`, in its format (a quantized one's
+    rows as stored: each output the very number the whole matrix gives it)."""
+    if linear.stored is not None and linear.stored.quantized:
+        part = Linear(linear.in_features, len(rows), bias=False, device="meta")
+        part.store(matrix=linear.stored.rows(rows))
+        return part
+    return frozen_linear(linear.dense_rows(rows))
+
+
 class DraftVocabulary:
     """A drafter's unembedding over the N token ids most frequent in its training tokens, and the
     map back to target ids. Lossless: the draft's probability is 0 outside the N ids, which the
@@ -38,11 +48,7 @@ class DraftVocabulary:
 
     def __init__(self, ids: torch.Tensor, lm_head: Linear):
         self.ids = ids  # (N,) sorted target ids
-        if lm_head.stored is not None and lm_head.stored.quantized:
-            self.unembedding = Linear(lm_head.in_features, len(ids), bias=False, device="meta")
-            self.unembedding.store(matrix=lm_head.stored.rows(ids))  # (N, C) rows of the lm_head, as stored
-        else:
-            self.unembedding = frozen_linear(lm_head.dense_rows(ids))
+        self.unembedding = linear_rows(lm_head, ids)
 
     @classmethod
     def trained(cls, ids: torch.Tensor, unembedding: torch.nn.Module) -> "DraftVocabulary":

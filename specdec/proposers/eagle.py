@@ -33,8 +33,8 @@ from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache
-from ..lm.model import LlamaForCausalLM, frozen_linear
-from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, with_alternatives
+from ..lm.model import LlamaForCausalLM
+from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, linear_rows, with_alternatives
 from .eagle_head import EagleHead, check_head_fits
 
 
@@ -75,7 +75,7 @@ class EagleProposer:
             f"this {self.drafter} was saved without its training token counts, so no smaller draft vocabulary can "
             "be chosen: draft over its own, or retrain it with this version of specdec", head.draft_ids.device)
         self.vocab = (DraftVocabulary.trained(head.draft_ids, head.lm_head) if ids is None else  # rows of its own
-                      DraftVocabulary.trained(head.draft_ids[ids], frozen_linear(head.lm_head.weight[ids])))
+                      DraftVocabulary.trained(head.draft_ids[ids], linear_rows(head.lm_head, ids)))
         self.native = self.runs_natively()
 
     def runs_natively(self) -> bool:
