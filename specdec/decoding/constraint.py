@@ -211,7 +211,7 @@ class Matcher:
     def advance(self, tokens: list[int]) -> None:
         """Consume tokens the grammar allows (the engine emits only such); an EOS ends the row, so
         it and anything after it are not consumed."""
-        tokens = next((tokens[:i] for i, t in enumerate(tokens) if t in self.eos), tokens)
+        tokens = before_eos(tokens, self.eos)
         if tokens and not self.m.consume_tokens(tokens):
             raise SpecdecError(f"the constraint refused tokens {tokens} that its own mask allowed{self.reason()}; "
                                "this is a bug in specdec: please report it with the request")
@@ -250,7 +250,7 @@ class FirstTokenMatcher:
         return token in self.eos and (self.consumed > 0 or bool(self.ok[token]))
 
     def advance(self, tokens: list[int]) -> None:
-        self.consumed += len(next((tokens[:i] for i, t in enumerate(tokens) if t in self.eos), tokens))
+        self.consumed += len(before_eos(tokens, self.eos))
 
     def rollback(self, n: int) -> None:
         self.consumed -= n
@@ -259,6 +259,11 @@ class FirstTokenMatcher:
     def free(self) -> bool:
         """Whether the rule restricts nothing more: its first token consumed."""
         return self.consumed > 0
+
+
+def before_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+    """The tokens before the first EOS (all of them without one): what a matcher consumes."""
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
 
 
 def flags(bits: np.ndarray, vocab: int) -> np.ndarray:

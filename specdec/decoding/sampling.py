@@ -249,16 +249,25 @@ def gumbel(seeds: list[int], positions: list[list[int]], vocab: int, ids: torch.
 def noise_rows(keys: list[tuple[int, int]], length: int) -> np.ndarray:
     """(len(keys), length) the noise of (seed, position) keys over token ids 0..length-1 (`gumbel`):
     the hashes by the CPU kernels where they run (the same integers), the uniforms and logs here."""
-    hashed = noise_keys([s for s, _ in keys], [[t] for _, t in keys])[:, 0]      # (R,)
-    low, high = (hashed & np.uint64(0xFFFFFFFF)).astype(np.uint32), (hashed >> np.uint64(32)).astype(np.uint32)
+    low, high = key_halves(keys)
     module = kernels.compiled()
     if module is not None:
         x = module.noise_hashes(torch.from_numpy(low.view(np.int32)), torch.from_numpy(high.view(np.int32)),
                                 length).numpy().view(np.uint32)
     else:
         x = noise_hashes(low, high, length)
-    u = open_uniform(x)
-    for _ in range(2):  # -log(-log(u)), in place
+    return gumbel_of(open_uniform(x))
+
+
+def key_halves(keys: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(R,) uint32 each: the low and high halves of each (seed, position) key's 64-bit hash."""
+    hashed = noise_keys([s for s, _ in keys], [[t] for _, t in keys])[:, 0]      # (R,)
+    return (hashed & np.uint64(0xFFFFFFFF)).astype(np.uint32), (hashed >> np.uint64(32)).astype(np.uint32)
+
+
+def gumbel_of(u: np.ndarray) -> np.ndarray:
+    """-log(-log(u)) of float32 uniforms, in place (NumPy's log: the numbers every device gets)."""
+    for _ in range(2):
         np.log(u, out=u)
         np.negative(u, out=u)
     return u
@@ -269,9 +278,7 @@ def device_noise_rows(keys: list[tuple[int, int]], length: int, device: torch.de
     in int64, masked), and each uniform's noise read from `gumbel_table` (made on the host by
     `noise_rows`' own arithmetic), so the numbers are those of the host, bit for bit, whatever the
     device's log."""
-    hashed = noise_keys([s for s, _ in keys], [[t] for _, t in keys])[:, 0]                      # (R,)
-    halves = np.stack([hashed & np.uint64(0xFFFFFFFF), hashed >> np.uint64(32)], 1).astype(np.int64)
-    low, high = torch.from_numpy(halves).to(device).unbind(1)
+    low, high = torch.from_numpy(np.stack(key_halves(keys), 1).astype(np.int64)).to(device).unbind(1)
     x = torch.arange(length, dtype=torch.int64, device=device)[None] ^ low[:, None]             # (R, length)
     x = mix32(mix32(x) ^ high[:, None])
     return gumbel_table(device)[x >> 9]
@@ -298,10 +305,7 @@ def gumbel_table(device: torch.device) -> torch.Tensor:
     """(2^23,) float32 on `device`: the noise of each of the 2^23 uniforms `open_uniform` makes, in
     the order of the hash's top 23 bits (32 MB, made once per device)."""
     if device not in _TABLES:
-        u = open_uniform(np.arange(1 << 23, dtype=np.uint32) << np.uint32(9))
-        for _ in range(2):  # -log(-log(u)), as noise_rows
-            np.log(u, out=u)
-            np.negative(u, out=u)
+        u = gumbel_of(open_uniform(np.arange(1 << 23, dtype=np.uint32) << np.uint32(9)))
         _TABLES[device] = torch.from_numpy(u).to(device)
     return _TABLES[device]
 
