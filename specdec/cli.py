@@ -377,12 +377,12 @@ def add_draft_arguments(p: argparse.ArgumentParser, k_default: str = "auto") -> 
                         "suffix: suffix-tree lookup over the prompt and earlier outputs; parallel: a draft model "
                         "that drafts a whole block in one forward; self: the target's own weights quantized to "
                         "4 bits, no training; hybrid: suffix lookup where it finds a continuation, the draft "
-                        "model elsewhere)")
+                        "model elsewhere; eagle-hybrid: the same with the EAGLE head)")
     p.add_argument("--draft-model", help="draft model folder, .gguf file or packaged name (qwen2.5-coder-0.5b) for "
                                          "--draft draft-model, hybrid or parallel (default: the shipped draft, "
                                          "models/draft or models/parallel-draft)")
-    p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle, "
-                                   "block head folder for --draft block (default: the shipped target's)")
+    p.add_argument("--heads", help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle or "
+                                   "eagle-hybrid, block head folder for --draft block (default: the shipped target's)")
     p.add_argument("--draft-vocab", type=count_or_auto("--draft-vocab", "token ids"), metavar="N",
                    help="--draft mtp, eagle, block, draft-model or parallel: draft over the N token ids most frequent "
                         "in the drafter's training tokens (a cheaper unembedding; lossless; default: the full vocabulary, "
@@ -477,7 +477,7 @@ def cmd_bench(args) -> None:
     from .bench.runner import run_bench
 
     paths = {"draft-model": args.draft_model, "hybrid": args.draft_model, "mtp": args.heads, "eagle": args.eagle,
-             "block": args.block}
+             "eagle-hybrid": args.eagle, "block": args.block}
     result = run_bench(bench_plan(args), args.model, {name: path for name, path in paths.items() if path},
                        torch_dtype(args.dtype), command=["specdec", *sys.argv[1:]], device=args.device,
                        skip_misfits=args.methods is None)
@@ -980,14 +980,15 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--draft-model", help="draft model folder, .gguf file or packaged name, for draft-model and "
                                          "hybrid (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
-    b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder (default: the shipped head)")
+    b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder, for eagle and eagle-hybrid (default: the shipped "
+                                                   "head)")
     b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
     add_placement_arguments(b)
     add_quantize_argument(b)
     b.add_argument("--methods", nargs="+",
                    help="speculative methods, each of which must fit the target (default: every drafter that fits "
                         "it, the others named with the reason: draft-model parallel ngram mtp suffix eagle block "
-                        "self hybrid)")
+                        "self hybrid eagle-hybrid)")
     b.add_argument("--workloads", nargs="+", help="run this grid instead of the plan: humaneval, stdlib-tests, "
                                                   "random-chars")
     b.add_argument("--ks", nargs="+", type=int, help="grid: draft lengths k")

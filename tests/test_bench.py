@@ -40,7 +40,8 @@ CONDITIONS = {"target", "method", "workload", "sampling", "batch_size", "hardwar
               "baseline"}
 
 
-METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block", "self", "hybrid")  # the registry's
+METHODS = ("draft-model", "parallel", "ngram", "mtp", "suffix", "eagle", "block", "self", "hybrid",
+           "eagle-hybrid")  # the registry's
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def models(tmp_path_factory, tokenizer_file):
 def result(models):
     # the peers in fp32 too: tiny random models have no rounding ties then, so every check is exact
     paths = {"draft-model": models / "draft", "hybrid": models / "draft", "mtp": models / "heads", "eagle": models / "eagle",
-             "block": models / "block", "parallel": models / "parallel"}
+             "eagle-hybrid": models / "eagle", "block": models / "block", "parallel": models / "parallel"}
     return run_bench(PLAN, models / "target", paths, progress=False, peer_dtype=torch.float32)
 
 
@@ -86,7 +87,8 @@ def test_every_configuration_runs_with_its_conditions(result):
                                                                    "parallel k=1", "parallel k=3", "ngram k=1",
                                                                    "ngram k=3", "mtp k=1", "suffix k=1", "suffix k=3",
                                                                    "eagle k=1", "eagle k=3", "block k=1", "self k=1",
-                                                                   "self k=3", "hybrid k=1", "hybrid k=3"]
+                                                                   "self k=3", "hybrid k=1", "hybrid k=3",
+                                                                   "eagle-hybrid k=1", "eagle-hybrid k=3"]
     assert not any(r["method"].startswith("hf-") for r in result["cells"][3]["results"])
     for cell in result["cells"]:
         for r in cell["results"]:
@@ -294,7 +296,7 @@ def own_model(tmp_path_factory):
     return folder
 
 
-SHIPPED_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block", "hybrid")
+SHIPPED_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block", "hybrid", "eagle-hybrid")
 
 
 def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips(own_model, tmp_path, capsys):
@@ -309,7 +311,8 @@ def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips
     assert len(re.findall(r"specdec bench: .*: about \d+ s more here \(its warm-up", err)) == len(quick_plan().cells)
     assert all("uses another tokenizer than the target" in skipped[name] for name in ("draft-model", "hybrid"))
     assert "was trained for another target" in skipped["parallel"]
-    assert all("pass the target" in skipped[name] and "trained for" in skipped[name] for name in ("mtp", "eagle", "block"))
+    assert all("pass the target" in skipped[name] and "trained for" in skipped[name]
+               for name in ("mtp", "eagle", "block", "eagle-hybrid"))
     result = json.loads((tmp_path / "out" / JSON_NAME).read_text())
     assert sorted(result["skipped"]) == sorted(SHIPPED_DRAFTERS) and (
         result["plan"]["methods"] == ["ngram", "suffix", "self"])

@@ -9,10 +9,12 @@ from specdec.decoding.protocol import Outcome
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.proposers import DraftModelProposer, SuffixProposer
+from specdec.proposers import DraftModelProposer, EagleProposer, SuffixProposer
 from specdec.proposers.hybrid import HybridProposer
 
 from .spec_helpers import noisy_copy, tiny_llama
+from .test_eagle import distilled
+from .test_engine import TARGET as EAGLE_TARGET  # the target test_eagle's head was distilled for
 
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7]  # suffix lookup continues it with 8, 9, 5, ...
 NOVEL = [11, 12, 13, 14, 15, 16]      # no token twice: lookup finds nothing
@@ -94,3 +96,58 @@ def test_sampled_rows_keep_each_drafts_distribution():
     assert probs is not None and probs.shape[:2] == (2, 2)
     assert torch.equal(probs[0], torch.nn.functional.one_hot(proposal.tokens[0], probs.shape[-1]).to(probs.dtype))
     assert torch.allclose(probs[1].sum(-1), torch.ones(2)) and bool((probs[1].max(-1).values < 1).all())
+
+
+# ---- an EAGLE head behind lookup (the registry's eagle-hybrid) ----
+
+def eagle_hybrid(min_match: int = 2) -> HybridProposer:
+    return HybridProposer(SuffixProposer(shared_nodes=0, min_match=min_match), EagleProposer(distilled(), EAGLE_TARGET),
+                          model_depth=2, name="eagle-hybrid")
+
+
+@pytest.mark.parametrize("k", [1, 4, "auto"])
+def test_an_eagle_head_behind_lookup_decodes_what_plain_decoding_does(k):
+    prompts = [REPEATING, NOVEL, [3, 9, 4, 3, 9]]
+    rule = StopRule(max_new_tokens=24)
+    expected = [reference_generate(EAGLE_TARGET, p, rule, SamplingConfig()).tokens for p in prompts]
+    rows, metrics = speculative_generate(EAGLE_TARGET, eagle_hybrid(), prompts, rule, SamplingConfig(), k)
+    assert [r.tokens for r in rows] == expected
+    assert [speculative_generate(EAGLE_TARGET, eagle_hybrid(), [p], rule, SamplingConfig(), k)[0][0].tokens
+            for p in prompts] == expected
+
+
+def test_the_eagle_head_drafts_after_lookups_steps_from_the_targets_features():
+    """Each step the head drafts (at most 2 levels), also after steps whose lookup drafts were
+    accepted, it drafts what a fresh head drafts on the whole committed sequence with the target's
+    features from one forward over it: the features of the tokens lookup's steps committed reached
+    the head."""
+    prompt = [1, 2, 3, 1, 2, 3, 1]  # the toy target continues it 27, 36, 20, 27, 27, 27, ..., 48, 42, 36, 36, ...
+    proposer = eagle_hybrid()
+    committed, drafted, steps = list(prompt), [], []  # steps: (the head drafted, drafts accepted)
+    model_propose, hybrid_observe = proposer.model.propose, proposer.observe
+
+    def propose(state, limits, widths, draws):
+        proposal = model_propose(state, limits, widths, draws)
+        if int(proposal.lengths[0]):
+            drafted.append((list(committed), proposal.tokens[0, :int(proposal.lengths[0])].tolist()))
+        return proposal
+
+    def observe(state, outcome):
+        if state.by_model:
+            steps.append((state.by_model[0], outcome.accepted[0]))
+        committed.extend(outcome.tokens[0][:outcome.counts[0]])
+        hybrid_observe(state, outcome)
+
+    proposer.model.propose, proposer.observe = propose, observe
+    speculative_generate(EAGLE_TARGET, proposer, [prompt], StopRule(max_new_tokens=40), SamplingConfig(), 4)
+    lookup_accepted = [i for i, (by_model, accepted) in enumerate(steps) if not by_model and accepted > 1]
+    assert lookup_accepted and any(by_model for by_model, _ in steps[lookup_accepted[0]:])  # then the head drafted
+    assert all(len(d) <= 2 for _, d in drafted)
+    fresh = EagleProposer(proposer.model.head, EAGLE_TARGET)
+    for sequence, drafts in drafted:
+        full = EAGLE_TARGET(torch.tensor([sequence]), output_layers=fresh.features)
+        features = torch.cat([full.layers[i] for i in fresh.features], -1)[:, :-1]
+        state = fresh.start(len(sequence) + 8, 2, 1)
+        fresh.join(state, [sequence], features, [SamplingConfig()])
+        again = fresh.propose(state, torch.tensor([len(drafts)]), (1,) * len(drafts), Draws())
+        assert again.tokens[0].tolist() == drafts, sequence

@@ -9,13 +9,14 @@ from specdec.decoding.sampling import Draws, SamplingConfig
 from specdec.errors import SpecdecError
 from specdec.proposers import (
     DRAFTERS,
-    PROPOSERS,
     DraftModelOptions,
     DraftModelProposer,
+    EagleProposer,
     NgramOptions,
     NgramProposer,
     ParallelDraftProposer,
     VocabOptions,
+    build_drafter,
 )
 
 # history, max_n, min_n, limit, proposal
@@ -64,10 +65,17 @@ def test_ngram_batch_equals_rows_one_by_one_and_observe_extends_history():
         assert state.rows[b].tokens == h + [9] * int(counts[b])
 
 
-def test_registry_names_each_proposer_class_by_its_name():
-    assert {"draft-model", "ngram"} <= set(PROPOSERS)
-    assert all(cls.name == name for name, cls in PROPOSERS.items())
-    assert issubclass(PROPOSERS["ngram"], NgramProposer)  # n-gram lookup that also walks a grammar
+def test_each_drafter_of_the_registry_makes_its_proposer_under_its_name():
+    """Every drafter, built for the toy target (each has a shipped folder for it, or none to read)."""
+    from specdec.api import TOY_TARGET, load
+    target = load(TOY_TARGET)
+    for name, entry in DRAFTERS.items():
+        proposer = build_drafter(name, target)
+        assert proposer.name == name and isinstance(proposer, entry.cls), name
+    assert issubclass(DRAFTERS["ngram"].cls, NgramProposer)  # n-gram lookup that also walks a grammar
+    hybrid = build_drafter("eagle-hybrid", target)
+    assert (type(hybrid.model), hybrid.model_depth, hybrid.lookup.min_match) == (EagleProposer, 2, 3)
+    assert hybrid.features == hybrid.model.features != ()  # the engine hands over the head's layers
 
 
 @pytest.mark.parametrize("name, options", [("ngram", VocabOptions(8)), ("eagle", DraftModelOptions(8)),

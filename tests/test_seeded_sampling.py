@@ -247,7 +247,8 @@ def test_one_seed_gives_the_same_tokens_with_any_draft_k_tree_and_batch():
 
 # ---- coupled drafts: a seeded row drafts with its verifier's noise ----
 
-SAMPLING_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block", "self", "hybrid")  # those that draw from a distribution
+SAMPLING_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block", "self", "hybrid",
+                     "eagle-hybrid")  # those that draw from a distribution
 TOY_PROMPTS = ["def add(a, b):\n", "import os\nfor path in", "class Stack:\n    def", "x = [i for i in",
                "def main():\n    args ="]
 

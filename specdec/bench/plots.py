@@ -16,7 +16,7 @@ from .runner import SPEC_METHODS  # noqa: E402
 
 COLORS = {"draft-model": "tab:blue", "ngram": "tab:orange", "mtp": "tab:green", "suffix": "tab:purple",
           "eagle": "tab:red", "parallel": "tab:cyan", "block": "tab:brown", "self": "tab:olive",
-          "hybrid": "tab:pink"}
+          "hybrid": "tab:pink", "eagle-hybrid": "tab:gray"}
 
 
 def suptitle(result: dict) -> str:

@@ -101,7 +101,8 @@ BENCH_OPTIONS = {"draft-model": DraftModelOptions(DRAFT_VOCAB, counted_only=True
                  "parallel": VocabOptions(DRAFT_VOCAB, counted_only=True),
                  "ngram": NgramOptions(max_n=3, min_n=1),
                  "mtp": VocabOptions(MTP_DRAFT_VOCAB, counted_only=True),
-                 "eagle": VocabOptions(EAGLE_DRAFT_VOCAB, counted_only=True)}  # the others: their defaults
+                 "eagle": VocabOptions(EAGLE_DRAFT_VOCAB, counted_only=True),
+                 "eagle-hybrid": VocabOptions(EAGLE_DRAFT_VOCAB, counted_only=True)}  # the others: their defaults
 CURVE_EXTRA_TOKENS = 16  # the batch-1 verify curve also reaches this many tokens (for the plot)
 SEED_AGREEMENT = 3.0     # seeded and unseeded α agree within this many standard errors of their difference
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..decoding.protocol import Outcome, Proposal, Proposer
 from .block import BlockProposer
 from .draft_model import DraftModelProposer
-from .drafters import (DRAFTERS, PROPOSERS, DraftModelOptions, NgramOptions, NoOptions, TreeOptions, VocabOptions,
+from .drafters import (DRAFTERS, DraftModelOptions, NgramOptions, NoOptions, TreeOptions, VocabOptions,
                        build_drafter)
 from .eagle import EagleProposer
 from .guided_ngram import GuidedNgramProposer
@@ -18,7 +18,7 @@ from .parallel import ParallelDraftProposer
 from .self_draft import SelfDraftProposer
 from .suffix import SuffixProposer
 
-__all__ = ["DRAFTERS", "PROPOSERS", "BlockProposer", "DraftModelOptions", "DraftModelProposer", "EagleProposer",
+__all__ = ["DRAFTERS", "BlockProposer", "DraftModelOptions", "DraftModelProposer", "EagleProposer",
            "GuidedNgramProposer", "HybridProposer", "MTPProposer", "NgramOptions", "NgramProposer", "NoOptions",
            "Outcome", "ParallelDraftProposer", "Proposal", "Proposer", "SelfDraftProposer", "SuffixProposer",
            "TreeOptions", "VocabOptions", "build_drafter"]

@@ -1,23 +1,28 @@
-"""Lookup first where it is sure, a draft model elsewhere: each step, suffix-tree lookup drafts the
-rows whose text ends in a long match (at least SURE_MATCH tokens seen before, and continued: code
-repeats its names, an answer quotes its question; such a copy costs next to nothing and is long and
-right), and the draft model drafts the others, in one batched call over just those rows. A draft
-model whose forward costs a third of the target's pays only where its drafts are accepted often;
-lookup spares it the steps where a copy is at hand. A short match is left to the draft model: on
-HumanEval with Qwen2.5-Coder-1.5B, suffix drafts from matches of 1-3 tokens had 0.5-1.1 tokens
-accepted per step, from matches of 5 or more 3.4-6.5 (8 prompts, 317 steps), where the 0.5B draft
-model's steps have about 3.
+"""Lookup first where it is sure, a model drafter elsewhere (a draft model, an EAGLE head): each
+step, suffix-tree lookup drafts the rows whose text ends in a long match (at least `min_match`
+tokens seen before, and continued: code repeats its names, an answer quotes its question; such a
+copy costs next to nothing and is long and right), and the model drafts the others, in one batched
+call over just those rows, at most `model_depth` levels deep. A draft model whose forward costs a
+third of the target's pays only where its drafts are accepted often; lookup spares it the steps
+where a copy is at hand. A short match is left to the draft model: on HumanEval with
+Qwen2.5-Coder-1.5B, suffix drafts from matches of 1-3 tokens had 0.5-1.1 tokens accepted per step,
+from matches of 5 or more 3.4-6.5 (8 prompts, 317 steps), where the 0.5B draft model's steps have
+about 3 (SURE_MATCH). An EAGLE head's drafts are accepted less often (about 0.5 a level on
+SmolLM2's HumanEval answers): lookup takes over from shorter matches, and the head drafts its own
+best depth while lookup drafts as deep as the step allows (the registry's eagle-hybrid).
 
 Both proposers see every row's committed tokens: the draft model reads a row's tokens since it last
 drafted for that row lazily (its pending tokens, draft_model.py), so a row that lookup drafts for
-many steps costs it nothing until it drafts for that row again. The draft model learns a step's
-outcome as a plain stretch for the rows it did not draft (none of their drafts is in its cache).
+many steps costs it nothing until it drafts for that row again; an EAGLE head keeps the target's
+features of those tokens pending likewise (the hybrid asks for the features its model reads). The
+model learns a step's outcome as a plain stretch for the rows it did not draft (none of their
+drafts is in its cache).
 
-Lossless as its parts: lookup drafts are deterministic (one-hot), the draft model's carry their
+Lossless as its parts: lookup drafts are deterministic (one-hot), the model's carry their
 distributions, and the merged proposal keeps each row's own. Trees where lookup drafts them; the
-draft model drafts chains here.
+model drafts chains here.
 
-This module knows nothing about particular lookup methods or draft models beyond the protocol.
+This module knows nothing about particular lookup methods or model drafters beyond the protocol.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import torch
 from ..decoding.protocol import Outcome, Proposal, Proposer
 from ..decoding.tree import chain_parents
 
-SURE_MATCH = 5  # the shortest suffix match lookup drafts from in the hybrid (its SuffixProposer's min_match)
+SURE_MATCH = 5  # the shortest suffix match lookup drafts from before a draft model (its SuffixProposer's min_match)
 
 
 @dataclass
@@ -40,14 +45,14 @@ class HybridState:
 
 
 class HybridProposer:
-    name = "hybrid"
     max_depth = None
-    features = ()  # the draft model reads tokens only
 
-    def __init__(self, lookup: Proposer, model: Proposer):
-        self.lookup, self.model = lookup, model
+    def __init__(self, lookup: Proposer, model: Proposer, model_depth: int | None = None, name: str = "hybrid"):
+        """model_depth: the most levels the model drafts in a step (None: as many as the step allows)."""
+        self.lookup, self.model, self.model_depth, self.name = lookup, model, model_depth, name
         self.vocab_size = model.vocab_size
         self.trees = lookup.trees
+        self.features = getattr(model, "features", ())  # lookup reads tokens only
 
     def forget(self) -> None:
         """Lookup's shared memory of earlier generations dropped (SuffixProposer.forget)."""
@@ -66,7 +71,8 @@ class HybridProposer:
 
     def propose(self, state: HybridState, limits, widths, draws) -> Proposal:
         found = self.lookup.propose(state.lookup, limits, widths, draws)
-        rest = torch.where(found.lengths > 0, 0, limits)  # rows lookup left empty
+        depth = limits if self.model_depth is None else limits.clamp(max=self.model_depth)
+        rest = torch.where(found.lengths > 0, 0, depth)  # rows lookup left empty
         drafted = self.model.propose(state.model, rest, (1,) * len(widths), draws)
         state.by_model = (drafted.lengths > 0).tolist()
         return merged(found, drafted, self.vocab_size)
