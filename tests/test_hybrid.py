@@ -1,4 +1,4 @@
-"""proposers/hybrid.py: suffix lookup where it finds a long match, the draft model elsewhere."""
+"""proposers/hybrid.py: suffix lookup where it finds a long match, a draft model or an EAGLE head elsewhere."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +23,11 @@ NOVEL = [11, 12, 13, 14, 15, 16]      # no token twice: lookup finds nothing
 def hybrid(target=None) -> HybridProposer:
     target = target if target is not None else tiny_llama(0)
     return HybridProposer(SuffixProposer(shared_nodes=0), DraftModelProposer(noisy_copy(target, 0.05, seed=1)))
+
+
+def eagle_hybrid() -> HybridProposer:
+    return HybridProposer(SuffixProposer(shared_nodes=0, min_match=2), EagleProposer(distilled(), EAGLE_TARGET),
+                          model_depth=2, name="eagle-hybrid")
 
 
 def greedy_drafts(proposer, prompt: list[int], k: int) -> list[int]:
@@ -71,13 +76,15 @@ def test_the_draft_model_reads_the_tokens_of_the_steps_lookup_drafted():
     assert after == greedy_drafts(proposer.model, REPEATING + [8, 9, 40], 3) != []
 
 
-@pytest.mark.parametrize("k", [2, 4, "auto"])
-def test_greedy_output_is_plain_decodings_at_batch_one_and_three(k):
-    target = tiny_llama(0)
+@pytest.mark.parametrize("model, k", [("draft-model", 2), ("draft-model", 4), ("draft-model", "auto"),
+                                      ("eagle", 1), ("eagle", 4), ("eagle", "auto")])
+def test_greedy_output_is_plain_decodings_at_batch_one_and_three(model, k):
+    """Behind lookup, a draft model or an EAGLE head (the registry's hybrid and eagle-hybrid)."""
+    target = EAGLE_TARGET
     prompts = [REPEATING, NOVEL, [3, 9, 4, 3, 9]]
     rule = StopRule(max_new_tokens=24)
     expected = [reference_generate(target, p, rule, SamplingConfig()).tokens for p in prompts]
-    proposer = hybrid(target)
+    proposer = hybrid(target) if model == "draft-model" else eagle_hybrid()
     rows, metrics = speculative_generate(target, proposer, prompts, rule, SamplingConfig(), k)
     assert [r.tokens for r in rows] == expected
     assert [speculative_generate(target, proposer, [p], rule, SamplingConfig(), k)[0][0].tokens
@@ -99,22 +106,6 @@ def test_sampled_rows_keep_each_drafts_distribution():
 
 
 # ---- an EAGLE head behind lookup (the registry's eagle-hybrid) ----
-
-def eagle_hybrid(min_match: int = 2) -> HybridProposer:
-    return HybridProposer(SuffixProposer(shared_nodes=0, min_match=min_match), EagleProposer(distilled(), EAGLE_TARGET),
-                          model_depth=2, name="eagle-hybrid")
-
-
-@pytest.mark.parametrize("k", [1, 4, "auto"])
-def test_an_eagle_head_behind_lookup_decodes_what_plain_decoding_does(k):
-    prompts = [REPEATING, NOVEL, [3, 9, 4, 3, 9]]
-    rule = StopRule(max_new_tokens=24)
-    expected = [reference_generate(EAGLE_TARGET, p, rule, SamplingConfig()).tokens for p in prompts]
-    rows, metrics = speculative_generate(EAGLE_TARGET, eagle_hybrid(), prompts, rule, SamplingConfig(), k)
-    assert [r.tokens for r in rows] == expected
-    assert [speculative_generate(EAGLE_TARGET, eagle_hybrid(), [p], rule, SamplingConfig(), k)[0][0].tokens
-            for p in prompts] == expected
-
 
 def test_the_eagle_head_drafts_after_lookups_steps_from_the_targets_features():
     """Each step the head drafts (at most 2 levels), also after steps whose lookup drafts were
