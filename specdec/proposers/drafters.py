@@ -318,7 +318,8 @@ class Head(Drafter):
 
     def describe(self, head, proposer, options) -> dict:
         """Its kind, draft vocabulary and size (matrices held as blocks counted too) and their formats."""
-        blocks = sum(m.in_features * m.out_features for m in head.modules() if isinstance(m, Linear) and m.weight is None)
+        blocks = sum(m.in_features * m.out_features for m in head.modules()
+                     if isinstance(m, Linear) and m.weight is None)
         return {"head_kind": head.kind, "draft_vocab": draft_vocab(options, head.token_counts) or "full",
                 "parameters": sum(p.numel() for p in head.parameters()) + blocks, "matrices": stored_formats(head)}
 
@@ -402,9 +403,9 @@ class BehindLookup(Drafter):
 EAGLE_SURE_MATCH, EAGLE_DEPTH = 3, 2
 
 DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),
-                                                    Eagle(), Block(), SelfDraft(),
-                                                    BehindLookup("hybrid", DraftModel()),
-                                                    BehindLookup("eagle-hybrid", Eagle(), EAGLE_SURE_MATCH, EAGLE_DEPTH))}
+                                                    Eagle(), Block(), SelfDraft(), BehindLookup("hybrid", DraftModel()),
+                                                    BehindLookup("eagle-hybrid", Eagle(), EAGLE_SURE_MATCH,
+                                                                 EAGLE_DEPTH))}
 
 
 def option_owners() -> dict[str, tuple[str, ...]]:
