@@ -153,6 +153,28 @@ def test_masked_columns_draw_what_the_dense_noise_draws_and_a_single_token_colum
     assert noised == [16]  # the 18 columns but the two with one token
 
 
+def test_seeded_rows_draw_their_perturbed_argmax_without_a_draft_distribution():
+    """A drafter's draw (proposers/base.draw) over seeded rows: each draft is the argmax of the row's
+    log-probabilities plus the noise of its position, and no draft distribution is made (verification
+    of a seeded row reads none); a row sampled without a seed beside them gets one, and the seeded
+    rows' drafts stay the same."""
+    from specdec.proposers.base import draw
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 3
+    seeded = [SamplingConfig(temperature=1.0, seed=5), SamplingConfig(temperature=0.6, seed=6),
+              SamplingConfig(temperature=0.0)]
+    positions = [11, 3, 8]
+    depth = 2
+    p, tokens, scores = draw(logits, seeded, sampling.Draws(None, positions), depth, None, 300)
+    assert p is None
+    noise = gumbel([5, 6], [[11 + depth], [3 + depth]], 300)[:, 0]
+    want = (sampling.row_probabilities(logits[:2], seeded[:2]).log() + noise).argmax(-1)
+    assert tokens[:2].tolist() == want.tolist() and int(tokens[2]) == int(logits[2].argmax())
+    assert torch.equal(scores[:2].argmax(-1), want)
+    mixed = [*seeded[:2], SamplingConfig(temperature=1.0)]
+    p, again, _ = draw(logits, mixed, sampling.Draws(torch.Generator().manual_seed(0), positions), depth, None, 300)
+    assert p is not None and torch.allclose(p.sum(-1), torch.ones(3)) and again[:2].tolist() == want.tolist()
+
+
 def test_noise_is_the_hash_of_seed_position_and_token():
     seeds, positions = [0, 7, 2 ** 63 - 1], [[0, 5], [1023, 3], [2, 2]]
     noise = gumbel(seeds, positions, 300)  # (3, 2, 300)

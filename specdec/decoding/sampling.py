@@ -83,7 +83,7 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def scaled(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """(..., V) logits of a sampled row -> float32 logits / temperature, -inf outside top-k: the log of
     `probabilities` before top-p, up to a constant per position."""
-    logits = logits.float() / cfg.temperature
+    logits = logits.float() if cfg.temperature == 1 else logits.float() / cfg.temperature  # x / 1 is x
     if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
         kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -370,8 +370,11 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
     grammar allows one token: structured output's forced tokens) is returned as it is: its argmax
     is that token whatever the noise, which is not computed (a forced run's window costs one
     column's noise, not one per token)."""
-    free = finite_counts(logits) > 1                                                      # (R, n)
-    if bool(free.all()):
+    if all_finite(logits):  # no grammar's mask: every column free (one pass, no count per column)
+        free = None
+    else:
+        free = finite_counts(logits) > 1                                                  # (R, n)
+    if free is None or bool(free.all()):
         noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids, logits.device)
         return log_weights(logits, configs) + noise
     r, i = free.nonzero(as_tuple=True)
@@ -393,6 +396,13 @@ def log_weights(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Te
     if any(cfg.top_p is not None and cfg.top_p < 1 for cfg in configs):
         return row_probabilities(logits, configs).log()
     return by_config(scaled, logits, configs)
+
+
+def all_finite(logits: torch.Tensor) -> bool:
+    """Whether every logit is finite (in NumPy on the CPU, as `finite_counts`)."""
+    if logits.device.type == "cpu" and not logits.requires_grad:
+        return bool(np.isfinite(logits.float().numpy()).all())
+    return bool(torch.isfinite(logits).all())
 
 
 def finite_counts(logits: torch.Tensor) -> torch.Tensor:
@@ -417,12 +427,10 @@ class Draws:
     # not read here: naming the type would tie sampling to guided, which builds on it); None: unconstrained
 
     def scores(self, logits: torch.Tensor, configs: list[SamplingConfig], depth: int,
-               ids: torch.Tensor | None = None, probs: torch.Tensor | None = None
-               ) -> tuple[list[int], torch.Tensor | None]:
+               ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
         """logits (B, ..., N) of depth `depth` (0-based) -> the seeded rows and their perturbed
         log-probabilities (R, ..., N) (the same noise across the middle dimensions: the nodes of one
-        depth share a position); ([], None) without seeded rows. ids: as `perturbed`; probs: the rows'
-        processed probabilities (row_probabilities of logits) where the caller has them already."""
+        depth share a position); ([], None) without seeded rows. ids: as `perturbed`."""
         rows = [b for b, cfg in enumerate(configs) if cfg.seeded]
         if not rows:
             return rows, None
@@ -433,8 +441,5 @@ class Draws:
         shape = (len(rows), *logits.shape[1:])
         noise = gumbel([configs[b].seed for b in rows], [[self.positions[b] + depth] for b in rows],
                        logits.shape[-1], ids, logits.device)                                   # (R, 1, N)
-        if probs is None:
-            probs = row_probabilities(logits[index], [configs[b] for b in rows])
-        else:
-            probs = probs[index]
-        return rows, (probs.reshape(len(rows), -1, shape[-1]).log() + noise).view(shape)
+        logp = torch.log_softmax(log_weights(logits[index], [configs[b] for b in rows]), -1)
+        return rows, (logp.reshape(len(rows), -1, shape[-1]) + noise).view(shape)

@@ -190,8 +190,9 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
     distribution each row's draft is drawn from under its own sampling settings, over the full
     vocabulary (B, V), the drawn target ids (B,), and the scores (B, N) that rank a depth's
     alternatives (with_alternatives): the logits, a seeded row's perturbed by its noise, so that its
-    draft is their argmax (`Draws`). When every row is greedy: None (greedy verification reads no
-    draft distribution) and the argmax; a greedy row among sampled ones gets the one-hot of its argmax.
+    draft is their argmax (`Draws`). The distribution is None where no row is sampled without a seed
+    (greedy verification, and a seeded row's, greedy on its perturbed log-probabilities, read none);
+    a greedy or seeded row among ones sampled without a seed gets its own (one-hot for a greedy row).
     Under a grammar (draws.grammar) the logits are first masked to each row's grammar after its
     drafts so far, and the drafts drawn move it on: depths are drawn once each, in order."""
     ids = None if vocab is None else vocab.ids
@@ -201,19 +202,19 @@ def draw(logits: torch.Tensor, samplings: list[SamplingConfig], draws: Draws, de
     if all(cfg.greedy for cfg in samplings):
         token = argmax(logits)
     else:
-        p = row_probabilities(logits, samplings)
         token = argmax(logits)  # a greedy row's
-        seeded, noisy = draws.scores(logits, samplings, depth, ids, p)
+        seeded, noisy = draws.scores(logits, samplings, depth, ids)
         coupled = set(seeded)
         drawn = [b for b, cfg in enumerate(samplings) if not cfg.greedy and b not in coupled]
         if drawn:  # sampled rows without a seed: one draw each from the generator
+            p = row_probabilities(logits, samplings)
             index = torch.tensor(drawn, device=logits.device)
             token[index] = sample(p[index], of_rows(draws.generator, drawn)).to(token.device)
         if seeded:
             index = torch.tensor(seeded, device=logits.device)
             token[index] = argmax(noisy).to(token.device)
-            scores = logits.float().index_copy(0, index, noisy)
-        if vocab is not None:
+            scores = noisy if len(seeded) == len(samplings) else logits.float().index_copy(0, index, noisy)
+        if p is not None and vocab is not None:
             p = p.new_zeros(p.shape[0], vocab_size).index_copy_(1, vocab.ids, p)
     token = token if vocab is None else vocab.ids[token]
     if draws.grammar is not None:
