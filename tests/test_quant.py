@@ -23,7 +23,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.kernels import blocks
 from specdec.lm.checkpoint import quantize_model
-from specdec.lm.model import Linear, store_matrices
+from specdec.lm.model import Embedding, Linear, store_matrices
 from specdec.api import Loaded
 from specdec.proposers import DRAFTERS, NgramProposer, SelfDraftProposer, build_drafter
 
@@ -302,6 +302,27 @@ def test_the_self_draft_is_the_target_in_4_bits():
                                                  if getattr(m, "stored", None) is not None and name != "lm_head")
     assert TARGET.lm_head.stored is None  # the target itself is left as it was
     assert (draft.lm_head.dense() - TARGET.lm_head.weight).abs().max() < 0.1
+
+
+def test_a_quantized_tables_lookups_are_its_rows_whether_kept_or_unpacked_and_few_are_kept(monkeypatch):
+    """An embedding held as Q8_0 blocks (a tied unembedding's: the self-draft's, a Q8_0 target's):
+    every lookup equals the blocks' rows exactly, unpacked (a first lookup) or kept (a repeated one,
+    no unpacking); at most KEPT_BYTES of rows are kept, the newest."""
+    table = Embedding(64, 32)
+    table.store(kernels.Matrix.store(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)), "q8_0"))
+    dense = table.stored.dense()
+    monkeypatch.setattr(type(table), "KEPT_BYTES", 4 * table.embedding_dim * 4)  # four fp32 rows
+    unpacked = []
+    row_blocks = kernels.Matrix.row_blocks
+    monkeypatch.setattr(kernels.Matrix, "row_blocks", lambda self, ids: unpacked.append(ids.tolist()) or
+                        row_blocks(self, ids))
+    ids = torch.tensor([[3, 5, 3], [7, 1, 5]])
+    with torch.inference_mode():
+        assert torch.equal(table(ids), dense[ids]) and torch.equal(table(ids), dense[ids])
+        assert unpacked == [[3, 5, 7, 1]] and list(table.kept) == [3, 5, 7, 1]
+        assert torch.equal(table(torch.tensor([9, 5])), dense[[9, 5]])
+        assert list(table.kept) == [7, 1, 9, 5] and unpacked[-1] == [9]  # 3 was the oldest
+        assert torch.equal(table(torch.tensor([3])), dense[[3]]) and unpacked[-1] == [3]
 
 
 def test_a_self_draft_with_a_bf16_head_drafts_over_a_draft_vocabulary():

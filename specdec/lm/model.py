@@ -13,7 +13,9 @@ This module knows nothing about decoding strategies, sampling or files.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
+from collections import OrderedDict
 from functools import cached_property
 from typing import NamedTuple
 
@@ -99,13 +101,39 @@ class Linear(nn.Linear):
 
 class Embedding(nn.Embedding):
     """nn.Embedding whose table may be held as a quantized kernels.Matrix (`stored`: a tied
-    unembedding's blocks, or a file's), each looked-up row dequantized exactly: `weight` is then None."""
+    unembedding's blocks, or a file's), each looked-up row dequantized exactly: `weight` is then None.
+    The rows looked up last are kept dequantized, up to KEPT_BYTES: decoding looks up the same few
+    thousand tokens again and again, and a row unpacked anew costs a dozen operations (0.3 ms a
+    token on 2 cores: 5% of the self-draft's step, 4% of a Q8_0 target's)."""
     stored: kernels.Matrix | None = None
+    kept: OrderedDict | None = None  # id -> its (C,) row, the oldest first
+    KEPT_BYTES = 4 << 20
 
     def forward(self, tokens):
         if self.stored is None:
             return super().forward(tokens)
-        return self.stored.row_blocks(tokens.reshape(-1)).dense().reshape(*tokens.shape, -1)
+        return self.kept_rows(tokens.reshape(-1)).reshape(*tokens.shape, -1)
+
+    def kept_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) ids -> (n, C) their rows in fp32, exactly as the blocks hold them; the newest kept."""
+        wanted = ids.tolist()
+        with _KEPT_LOCK:
+            if self.kept is None:
+                self.kept = OrderedDict()
+            kept, distinct = self.kept, list(dict.fromkeys(wanted))
+            found = {i: kept[i] for i in distinct if i in kept}
+            missing = [i for i in distinct if i not in found]
+            if missing:
+                made = self.stored.row_blocks(torch.tensor(missing, device=ids.device)).dense()
+                found.update(zip(missing, [made[0]] if len(missing) == 1 else [row.clone() for row in made]))
+            for i in distinct:  # rows of their own (not views of a batch's), newest last
+                kept[i] = found[i]
+                kept.move_to_end(i)
+            while len(kept) * self.embedding_dim * 4 > self.KEPT_BYTES:
+                kept.popitem(last=False)
+        if not wanted:
+            return torch.empty(0, self.embedding_dim, device=ids.device)
+        return torch.stack([found[i] for i in wanted])
 
     def reset_parameters(self) -> None:
         """nn.Embedding's random initialisation, skipped for a table built on the meta device to be
@@ -116,10 +144,14 @@ class Embedding(nn.Embedding):
 
     def store(self, matrix: kernels.Matrix) -> None:
         self.stored, self.weight = matrix, None
+        self.kept = None  # rows of another table
 
     def dense(self) -> torch.Tensor:
         """(V, C) the table's values (a quantized one's made anew on each call)."""
         return self.weight if self.weight is not None else self.stored.dense()
+
+
+_KEPT_LOCK = threading.Lock()  # the embeddings' kept rows: a server's threads may look up at once
 
 
 def frozen_linear(weight: torch.Tensor) -> Linear:
