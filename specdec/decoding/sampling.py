@@ -370,10 +370,8 @@ def perturbed(logits: torch.Tensor, configs: list[SamplingConfig], positions: li
     grammar allows one token: structured output's forced tokens) is returned as it is: its argmax
     is that token whatever the noise, which is not computed (a forced run's window costs one
     column's noise, not one per token)."""
-    if all_finite(logits):  # no grammar's mask: every column free (one pass, no count per column)
-        free = None
-    else:
-        free = finite_counts(logits) > 1                                                  # (R, n)
+    # (R, n) the columns with more than one finite logit; None where no grammar masked any (one pass)
+    free = None if all_finite(logits) else finite_counts(logits) > 1
     if free is None or bool(free.all()):
         noise = gumbel([cfg.seed for cfg in configs], positions, logits.shape[-1], ids, logits.device)
         return log_weights(logits, configs) + noise

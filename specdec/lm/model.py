@@ -125,8 +125,8 @@ class Embedding(nn.Embedding):
             missing = [i for i in distinct if i not in found]
             if missing:
                 made = self.stored.row_blocks(torch.tensor(missing, device=ids.device)).dense()
-                found.update(zip(missing, [made[0]] if len(missing) == 1 else [row.clone() for row in made]))
-            for i in distinct:  # rows of their own (not views of a batch's), newest last
+                found.update(zip(missing, [row.clone() for row in made]))  # rows of their own, not views of made
+            for i in distinct:  # newest last
                 kept[i] = found[i]
                 kept.move_to_end(i)
             while len(kept) * self.embedding_dim * 4 > self.KEPT_BYTES:
