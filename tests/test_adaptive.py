@@ -4,6 +4,7 @@ it is cheap), probes deeper options, says what it chose and why; the engine with
 lossless (greedy token for token, sampling in distribution)."""
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -594,36 +595,69 @@ def test_drafting_on_thin_evidence_after_a_plain_stretch_backs_off_like_a_probe(
     assert controller.choose()[0] == 1 and controller.stretch == 2 * PROBE_EVERY
 
 
-def test_probes_that_lose_wait_until_what_they_lost_is_a_small_share_of_the_stretch():
-    """A probe after a plain stretch pays the drafter's catch-up on it (EAGLE's layer over 8 rows: about
-    five plain steps), then drafts again to price the depth alone. At batch 8 on a curve where a token
-    more costs half a forward, with drafts rejected, that used to cost a probe every 16, 32, 64 ...
-    steps and one after 32 steps in every later run (0.92-0.95x in 64-token runs). Now the stretch
-    before a probe is long enough for what probes lost to be CHEAP of its time, in this run and the next."""
+def test_probes_wait_until_their_catch_up_is_a_small_share_of_the_stretch():
+    """A probe after a plain stretch pays the drafter's catch-up on what it has not read: the prompts
+    (a run's first probe) and the stretch (EAGLE's layer over 8 rows of SmolLM2: 30 µs a token). At
+    batch 8 on a curve where a token more costs half a forward, with drafts rejected, probes every
+    16, 32, 64 ... steps cost 0.92-0.95x in 64-token runs, and one after 32 steps in every later run
+    (its prompts' catch-up, about two plain steps). Now a probe waits until its catch-up, priced per
+    token not read, is at most CHEAP of the stretch before it, in this run and the next."""
     curve = VerifyCurve({n: 1e-3 * (1 + 0.5 * (n - 1)) for n in range(1, 20)})
-    proposer = NgramProposer()
+    per_token = 2.5e-6  # a catch-up of 20 µs a plain step: 1.9% of it
 
-    def run(steps: int) -> tuple[Adaptive, list]:
+    def run(steps: int, proposer) -> tuple[Adaptive, list]:
         controller = Adaptive.for_run({8: curve}, proposer, None)
-        controller.join(8)
-        stretches = []
+        controller.join(8, [100] * 8)
+        probes = []  # (catch-up seconds, plain steps before it) of each probe after a stretch
         while controller.steps < steps:
             depth, _, stretch = controller.choose(horizon=steps - controller.steps)
             if depth == 0:
-                stretches.append(min(stretch, steps - controller.steps))
-                controller.observe_plain(stretches[-1], stretches[-1] * 1.05e-3, stretches[-1] * 1e-3)
+                plain = min(stretch, steps - controller.steps)
+                controller.observe_plain(plain, plain * 1.05e-3, plain * 1e-3)
                 continue
-            draft = 5e-3 if controller.plain_run else 1e-4  # the catch-up after a stretch
-            controller.observe([depth] * 8, [0] * 8, 1 + depth, draft, curve.at(1 + depth) + draft + 5e-5,
-                               curve.at(1 + depth))
+            catch_up = per_token * controller.unread.sum()
+            if controller.plain_run:
+                probes.append((catch_up, controller.plain_run))
+            controller.observe([depth] * 8, [0] * 8, 1 + depth, 1e-4 + catch_up, curve.at(1 + depth) + 1e-4 + catch_up
+                               + 5e-5, curve.at(1 + depth))
         controller.remember()
-        return controller, stretches
+        return controller, probes
 
-    first, stretches = run(1000)
-    least = 5e-3 / (CHEAP * 1.05e-3)  # a probe loses at least its catch-up: 159 plain steps
-    assert first.probes >= 3 and all(s >= least for s in stretches[1:-1])  # after the first probe; the last is cut
-    second, stretches = run(64)  # the next 64-step run does not probe after REMEMBERED_STRETCH steps
+    first, probes = run(1000, NgramProposer())
+    assert len(probes) >= 3 and first.catch_up[0] == pytest.approx(per_token)
+    for cost, stretch in probes[1:]:  # once a catch-up was measured
+        assert cost <= CHEAP * stretch * 1.05e-3
+    proposer = NgramProposer()
+    run(64, proposer)
+    second, _ = run(64, proposer)  # the next 64-step run: its prompts' catch-up alone (2 ms) is CHEAP of 63 plain steps
     assert drafting_steps(second) == 0
+
+
+def test_drafting_resumes_only_where_it_repays_the_catch_up_on_what_the_drafter_has_not_read():
+    """Batch 8, a window of 2 tokens at 1.5 plain forwards, 5 of 8 drafts accepted: drafting pays
+    (1.1x). Resuming it after a plain stretch costs the drafter's catch-up on the stretch, measured
+    here at 3 ms for 16 steps of 8 rows (23 µs a token). With 4 steps left, drafting resumes after 1
+    plain step (a catch-up of 0.19 ms, which 4 steps of drafting save), not after 8 (1.5 ms: a batch
+    whose rows thin out near its end resumed drafting for its last steps, a catch-up on the whole
+    stretch each time); with 1,000 steps left it resumes."""
+    def primed(stretch: int) -> Adaptive:
+        controller = Adaptive(curve(0.5), 8, {"chain": (1,)})
+        for step in range(8):
+            controller.choose()
+            controller.chosen = (0, 1)  # each step drafts; rows take turns: 5 of 8 drafts accepted
+            accepted = [int((b + step) % 8 < 5) for b in range(8)]
+            catch_up = 3e-3 if step == 7 else 0.0  # the last after a plain stretch
+            controller.observe([1] * 8, accepted, 2, 1e-5 + catch_up, 1.5e-3 + 6e-5 + catch_up, 1.5e-3)
+            if step == 6:
+                controller.observe_plain(16, 16 * 1.05e-3, 16e-3)
+        controller.observe_plain(stretch, stretch * 1.05e-3, stretch * 1e-3)
+        assert controller.catch_up[0] * 16 * 8 == pytest.approx(3e-3)  # seconds per token not read
+        assert controller.rates()[0, 1] > 1.05 * controller.rates()[0, 0]
+        return controller
+
+    assert primed(stretch=1).choose(horizon=4)[0] == 1
+    assert primed(stretch=8).choose(horizon=4)[0] == 0
+    assert primed(stretch=8).choose(horizon=1000)[0] == 1
 
 
 def test_a_tree_step_teaches_the_chain_what_its_first_children_did():

@@ -61,6 +61,14 @@ for the same tokens (the catch-up, the step that prices the depth alone, rejecte
 running mean over the probes (0 while they gain). A probe of EAGLE or the self-draft after a
 stretch at batch 8 loses about five plain steps, so such probes come 160 or more steps apart.
 
+A drafting step after plain ones also pays the proposer's catch-up on the tokens it has not read
+(`unread`: the prompts of rows that joined, rows x steps of a plain stretch), priced per token
+(`catch_up`: such steps' draft seconds beyond the depth's price, a running mean; EAGLE's layer on
+SmolLM2 at batch 8: 30 µs a token, a run's prompts two plain steps). Drafting resumes only where it
+saves more than that over the steps the batch may still run (`repays`), and a probe waits until its
+catch-up, which grows with the stretch before it, is CHEAP of that stretch (`least_stretch`): after a
+run in which drafting lost at batch 8, the next 64-token run does not probe at all.
+
 While drafting pays, every PROBE_EVERY steps one level deeper than the best is drafted instead, so
 the estimates of levels not chosen stay fresh, and a drafting choice that pays on measured costs
 even at the plausible lower bounds of q holds for HOLD steps between weighings (one made on the
@@ -97,7 +105,7 @@ CHEAP = 0.03                          # a probe predicted to cost less than this
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
 LEARNED = ("draft_seconds", "draft_measured", "draft_clean", "overhead_seconds", "overhead_measured", "forward_scale",
-           "window", "probe_cost")
+           "window", "probe_cost", "catch_up")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -158,6 +166,8 @@ class Adaptive:
         self.confirm: tuple[int, int] | None = None           # a probe's option, drafted again at once
         self.episode: float | None = None                     # seconds lost to plain decoding since the last probe
         self.probe_cost = np.zeros(2)                         # (running mean of a probe's loss in seconds, probes)
+        self.catch_up = np.zeros(2)                           # (running mean of seconds per unread token, switches)
+        self.unread = np.zeros(rows)                          # per row: tokens the proposer has not read yet
         self.plain_run = 0                                    # plain steps since the last drafting step
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
         self.probes = 0
@@ -216,10 +226,12 @@ class Adaptive:
         self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch, "hopeless": self.verdict[1],
                                         **{name: getattr(self, name).copy() for name in LEARNED}}
 
-    def join(self, rows: int) -> None:
+    def join(self, rows: int, prompts: list[int] | None = None) -> None:
         """Rows appended to the batch: they start from what the rows gone before them taught (in this
         run and, remembered, in earlier ones), as at most REMEMBERED_WEIGHT pseudo-steps (fewer where
-        there was less evidence: a depth seldom reached)."""
+        there was less evidence: a depth seldom reached). prompts: their prompts' lengths in tokens,
+        which the proposer reads with its first draft for them (`repays`)."""
+        self.unread = np.concatenate([self.unread, np.asarray(prompts or [0] * rows, dtype=float)])
         offered = np.minimum(self.taught[1], REMEMBERED_WEIGHT)                     # (S, K)
         accepted = self.taught[0] / np.maximum(self.taught[1], 1e-12) * offered
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
@@ -230,6 +242,7 @@ class Adaptive:
         gone = np.setdiff1d(np.arange(self.accepted.shape[1]), keep)
         self.taught += np.stack([self.accepted[:, gone].sum(1), self.offered[:, gone].sum(1)])
         self.accepted, self.offered = self.accepted[:, keep], self.offered[:, keep]
+        self.unread = self.unread[keep]
 
     @property
     def widest(self) -> tuple[int, ...]:
@@ -339,6 +352,8 @@ class Adaptive:
         self.predicted_sum += rates / plain
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
+        if d and not self.repays(s, d, rows, horizon):
+            s, d = 0, 0
         if d == 0 and self.episode is not None:  # plain decoding again: what the drafting since the probe lost
             cost, probes = self.probe_cost
             self.probe_cost[:] = (self.episode if not probes else cost + SMOOTHING * (self.episode - cost), probes + 1)
@@ -380,6 +395,17 @@ class Adaptive:
         self.chosen = (int(s), int(d))
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
+    def repays(self, s: int, d: int, rows: int, horizon: float) -> bool:
+        """Whether drafting option (s, d) now repays the proposer's catch-up on the tokens it has not
+        read (`unread`: the prompts of rows that joined, the steps of a plain stretch) at `catch_up`
+        seconds a token: drafting must save more than that over the `horizon` steps the batch may still
+        run (not so for the last few steps of a batch whose rows thin out near its end)."""
+        cost = self.catch_up[0] * self.unread.sum()
+        if cost <= CHEAP * self.plain_seconds(rows):  # lookup's, or none pending while drafting goes on
+            return True
+        gain = 1 / self.rates()[0, 0] - 1 / self.rates()[s, d]  # seconds saved per token
+        return horizon * rows * gain >= cost
+
     def priced(self) -> bool:
         """Whether every measured depth that could pay (`could_pay`) has its price from at least two
         steps without a catch-up: only such prices may end the probing (one step's seconds may be a
@@ -392,13 +418,20 @@ class Adaptive:
         return float(self.forward_estimates(rows)[0, 0] + self.overhead_estimates()[0])
 
     def least_stretch(self, rows: int) -> int:
-        """The fewest plain steps before a probe: enough for what a probe lost against plain decoding
-        (`probe_cost`, its catch-up and the confirming step included) to be at most CHEAP of their
-        time (0 while probes gained on average)."""
+        """The fewest plain steps before a probe: enough for what a probe loses against plain decoding
+        to be at most CHEAP of their time: what probes lost on average (`probe_cost`, the confirming
+        step included; 0 while they gained), and at least the proposer's catch-up on what it will
+        not have read by then (`catch_up` seconds a token: the prompts, `rows` tokens a plain step),
+        which grows with the stretch (unless a plain step's share of it alone is more than CHEAP of the
+        step: then no probe is cheap)."""
+        cheap = CHEAP * self.plain_seconds(rows)
         cost, probes = self.probe_cost
-        if not probes or cost <= 0:
-            return 0
-        return math.ceil(cost / (CHEAP * self.plain_seconds(rows)))
+        least = math.ceil(cost / cheap) if probes and cost > 0 else 0
+        per_token, switches = self.catch_up
+        if not switches or per_token * rows >= cheap:  # not measured yet, or no probe is cheap
+            return least
+        more = (per_token * self.unread.sum() - cheap * self.plain_run) / (cheap - per_token * rows)
+        return max(least, self.plain_run + math.ceil(max(more, 0.0)))
 
     def probe(self, rates: np.ndarray, probed: np.ndarray, stretch: int | float) -> tuple[int, int]:
         """The shape and depth of a probe: one level deeper than the shape's best, cycling through
@@ -445,6 +478,11 @@ class Adaptive:
         # drafts in 6 requests; the self-draft of SmolLM2 on a busy machine: 0 drafts in a whole
         # benchmark, where k=4 gave 1.5x)
         clean = not (self.plain_run or first)
+        if not clean and self.draft_clean[d] and self.unread.sum():  # catching up beyond the depth's price
+            per_token, switches = self.catch_up
+            excess = (draft_seconds - self.draft_seconds[d]) / self.unread.sum()
+            self.catch_up[:] = (excess if not switches else per_token + SMOOTHING * (excess - per_token), switches + 1)
+        self.unread[:] = 0
         samples = self.draft_samples[d]
         if clean and not self.draft_clean[d]:
             samples.clear()
@@ -481,6 +519,7 @@ class Adaptive:
         """A plain stretch of `steps` steps took `seconds`, `forward_seconds` of them in forwards."""
         self.steps += steps
         self.plain_run += steps
+        self.unread += steps
         self.choices["plain"] += steps
         if steps:
             self.running_overhead(0, (seconds - forward_seconds) / steps)

@@ -398,7 +398,7 @@ class Engine:
                 hidden = prefill_joining(self.target, self.cache, prompts, self.features)
                 self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
             if self.adaptive:
-                self.adaptive.join(len(joining))
+                self.adaptive.join(len(joining), [len(p) for p in prompts])
             self.join_guide([r.constraint for r in joining])
             self.requests += joining
             self.last += [p[-1] for p in prompts]
