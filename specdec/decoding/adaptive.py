@@ -352,11 +352,10 @@ class Adaptive:
         self.predicted_sum += rates / plain
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
-        if d and not self.repays(s, d, rows, horizon):
+        if d and not self.repays(rates[s, d], plain, rows, horizon):
             s, d = 0, 0
         if d == 0 and self.episode is not None:  # plain decoding again: what the drafting since the probe lost
-            cost, probes = self.probe_cost
-            self.probe_cost[:] = (self.episode if not probes else cost + SMOOTHING * (self.episode - cost), probes + 1)
+            running_mean(self.probe_cost, self.episode)
             self.episode = None
         steps, cap, self.stopped, self.hopeless = 1, MAX_STRETCH, False, False
         probing = d == 0 or (self.steps + 1) % PROBE_EVERY == 0  # plain wins, or a probe deeper than the best
@@ -395,15 +394,15 @@ class Adaptive:
         self.chosen = (int(s), int(d))
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
-    def repays(self, s: int, d: int, rows: int, horizon: float) -> bool:
-        """Whether drafting option (s, d) now repays the proposer's catch-up on the tokens it has not
+    def repays(self, rate: float, plain: float, rows: int, horizon: float) -> bool:
+        """Whether drafting at `rate` tokens per second (plain decoding's: `plain`) now repays the proposer's catch-up on the tokens it has not
         read (`unread`: the prompts of rows that joined, the steps of a plain stretch) at `catch_up`
         seconds a token: drafting must save more than that over the `horizon` steps the batch may still
         run (not so for the last few steps of a batch whose rows thin out near its end)."""
         cost = self.catch_up[0] * self.unread.sum()
         if cost <= CHEAP * self.plain_seconds(rows):  # lookup's, or none pending while drafting goes on
             return True
-        gain = 1 / self.rates()[0, 0] - 1 / self.rates()[s, d]  # seconds saved per token
+        gain = 1 / plain - 1 / rate  # seconds saved per token
         return horizon * rows * gain >= cost
 
     def priced(self) -> bool:
@@ -478,10 +477,9 @@ class Adaptive:
         # drafts in 6 requests; the self-draft of SmolLM2 on a busy machine: 0 drafts in a whole
         # benchmark, where k=4 gave 1.5x)
         clean = not (self.plain_run or first)
-        if not clean and self.draft_clean[d] and self.unread.sum():  # catching up beyond the depth's price
-            per_token, switches = self.catch_up
-            excess = (draft_seconds - self.draft_seconds[d]) / self.unread.sum()
-            self.catch_up[:] = (excess if not switches else per_token + SMOOTHING * (excess - per_token), switches + 1)
+        unread = self.unread.sum()
+        if not clean and self.draft_clean[d] and unread:  # catching up beyond the depth's price, per token
+            running_mean(self.catch_up, (draft_seconds - self.draft_seconds[d]) / unread)
         self.unread[:] = 0
         samples = self.draft_samples[d]
         if clean and not self.draft_clean[d]:
@@ -544,6 +542,12 @@ class Adaptive:
         return {"shapes": dict(zip(self.names, self.shapes)), "choices": dict(self.choices),
                 "predicted_speedup": predicted, "probe_every": PROBE_EVERY,
                 "stopped_probing": bool(self.stopped), "note": self.note}
+
+
+def running_mean(pair: np.ndarray, value: float) -> None:
+    """Update pair = (running mean, samples) in place with `value`: the first sample, then SMOOTHING."""
+    mean, n = pair
+    pair[:] = (value if not n else mean + SMOOTHING * (value - mean), n + 1)
 
 
 def merge_summaries(summaries: list[dict | None]) -> dict | None:
