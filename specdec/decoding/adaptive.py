@@ -395,10 +395,11 @@ class Adaptive:
         return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], steps
 
     def repays(self, rate: float, plain: float, rows: int, horizon: float) -> bool:
-        """Whether drafting at `rate` tokens per second (plain decoding's: `plain`) now repays the proposer's catch-up on the tokens it has not
-        read (`unread`: the prompts of rows that joined, the steps of a plain stretch) at `catch_up`
-        seconds a token: drafting must save more than that over the `horizon` steps the batch may still
-        run (not so for the last few steps of a batch whose rows thin out near its end)."""
+        """Whether drafting at `rate` tokens per second (plain decoding's: `plain`) now repays the
+        proposer's catch-up on the tokens it has not read (`unread`: the prompts of rows that joined,
+        the steps of a plain stretch) at `catch_up` seconds a token: drafting must save more than that
+        over the `horizon` steps the batch may still run (not so for the last few steps of a batch
+        whose rows thin out near its end)."""
         cost = self.catch_up[0] * self.unread.sum()
         if cost <= CHEAP * self.plain_seconds(rows):  # lookup's, or none pending while drafting goes on
             return True
