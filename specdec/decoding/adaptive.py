@@ -8,7 +8,8 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
 - E_b(s, d) = 1 + Σ_{i<=d} Π_{j<=i} q_bj: q_bj is row b's chance that a draft at depth j is
   accepted once the accepted path got to depth j - 1 and the step allowed depth j (decayed counts
   per row with a prior: PRIOR at depth 1, deeper the estimate one level up, so that depths seldom
-  reached are not drafted on the prior's hope alone; its weight fades with the evidence). It folds
+  reached are not drafted on the prior's hope alone; its weight fades with the evidence; during a
+  plain stretch a row's q drifts back to what every drafting step taught, as DECAY a step). It folds
   the cost model's proposal rate p_j and acceptance α_j into one (costmodel.predicted_speedup), per
   shape: a tree's alternatives raise it.
 - t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
@@ -18,7 +19,8 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
   full proposal would carry). The curve is scaled by what this run's
   forwards took against it, for plain and drafting steps apart: a draft's work between forwards
   (weights evicted from the caches), the features a drafter asks for or a busier machine than when
-  the curve was measured make the same forward dearer, and the choice must see it.
+  the curve was measured make the same forward dearer, and the choice must see it (the median of
+  the latest five of each: one forward slowed by a stolen time slice does not price drafting out).
 - draft(d): the proposer's seconds per step at depth d, overhead(d): the engine's own seconds per
   step at depth d (running means of what the steps took, by depth: a sampled row's verification
   costs more the more tokens it verifies; a depth not yet measured is taken from the nearest one
@@ -35,8 +37,8 @@ this process (`remember`): the costs (a probe's among them), the probe stretch (
 REMEMBERED_STRETCH, so that a new run re-checks early, unless the last one ended knowing no draft
 could plausibly pay at its fullest batch, not just for the last rows left: a probe then costs a
 catch-up a short run never earns back)
-and, as the joining rows' prior, the acceptance counts per shape and depth of every row it decoded,
-those that left included (an earlier run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that
+and, as the joining rows' prior, the acceptance counts per shape and depth of every drafting step
+it made, undecayed (an earlier run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that
 the rows of this run soon outweigh them). A benchmark thus stops exploring what it already knows; a
 server's rows start from what the earlier ones taught.
 
@@ -45,7 +47,8 @@ steps (the engine's lean plain loop, with its own overhead estimate) followed by
 level drafted, cycling through the shapes that could plausibly pay (a tree whose window costs more
 than its drafts could save at this batch size is not probed); each probe that does not change the
 verdict doubles the next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not
-pay costs little. Where no option would pay even at the plausible upper bounds of q (PLAUSIBLE
+pay costs little; one whose drafting gained until plain decoding won again sets it back to
+PROBE_EVERY. Where no option would pay even at the plausible upper bounds of q (PLAUSIBLE
 standard errors above the estimates), the stretches keep doubling past MAX_STRETCH (a probe after as
 many steps as came before: their cost per token vanishes, and a text turning predictable is still
 found), the probes going to the shapes that would pay were every draft accepted; where none would,
@@ -157,7 +160,8 @@ class Adaptive:
         S = len(self.shapes)
         self.accepted = np.zeros((S, rows, K))  # per shape and row: decayed counts by depth
         self.offered = np.zeros((S, rows, K))
-        self.taught = np.zeros((2, S, K))  # (accepted, offered) counts of rows gone and of earlier runs
+        self.taught = np.zeros((2, S, K))  # (accepted, offered) counts of earlier runs
+        self.seen = np.zeros((2, S, K))    # (accepted, offered) counts of this run's steps, every row, undecayed
         self.window = np.array([[1.0 + sum(w[:d]) for d in range(K + 1)] for w in self.shapes])  # (S, K+1)
         self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
         self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
@@ -175,6 +179,7 @@ class Adaptive:
         self.overhead_seconds = np.zeros(K + 1)  # per step: [0] of a plain stretch, [d] of a drafting step at depth d
         self.overhead_measured = np.zeros(K + 1, dtype=bool)
         self.forward_scale = np.ones(2)  # the run's forwards / the curve's: [0] plain steps, [1] drafting steps
+        self.forward_samples = (deque(maxlen=5), deque(maxlen=5))  # the latest of each (`typical`)
         self.stopped = False             # plain decoding without probes: nothing would pay, every draft accepted
         self.hopeless = False            # nothing would pay at the plausible upper bounds of q either
         self.verdict = (0, False)        # (rows, hopeless) of the latest weighing at the most rows
@@ -209,6 +214,8 @@ class Adaptive:
             setattr(self, name, learned[name].copy())
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
                               for s, seen in zip(self.draft_seconds, self.draft_measured)]
+        self.forward_samples = (deque([self.forward_scale[0]], maxlen=5),
+                                deque([self.forward_scale[1]] if self.draft_measured.any() else [], maxlen=5))
         # a run that ended knowing no draft could plausibly pay does not make the next one probe early: a
         # probe after a stretch costs the proposer's catch-up on all of it (EAGLE's layer, a draft model's
         # forwards over every row), which a short run never earns back
@@ -222,25 +229,31 @@ class Adaptive:
         """Keep what this run learned for the next run (see the module docstring)."""
         if self.memory is None:
             return
-        taught = self.taught + np.stack([self.accepted.sum(1), self.offered.sum(1)])  # (2, S, K)
-        self.memory[self.memory_key] = {"taught": taught, "stretch": self.stretch, "hopeless": self.verdict[1],
+        self.memory[self.memory_key] = {"taught": self.taught + self.seen, "stretch": self.stretch,
+                                        "hopeless": self.verdict[1],
                                         **{name: getattr(self, name).copy() for name in LEARNED}}
 
     def join(self, rows: int, prompts: list[int] | None = None) -> None:
-        """Rows appended to the batch: they start from what the rows gone before them taught (in this
-        run and, remembered, in earlier ones), as at most REMEMBERED_WEIGHT pseudo-steps (fewer where
-        there was less evidence: a depth seldom reached). prompts: their prompts' lengths in tokens,
-        which the proposer reads with its first draft for them (`repays`)."""
+        """Rows appended to the batch: they start from what every step so far taught (`prior`).
+        prompts: their prompts' lengths in tokens, which the proposer reads with its first draft for
+        them (`repays`)."""
         self.unread = np.concatenate([self.unread, np.asarray(prompts or [0] * rows, dtype=float)])
-        offered = np.minimum(self.taught[1], REMEMBERED_WEIGHT)                     # (S, K)
-        accepted = self.taught[0] / np.maximum(self.taught[1], 1e-12) * offered
+        accepted, offered = self.prior()
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
         self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)
 
+    def prior(self) -> tuple[np.ndarray, np.ndarray]:
+        """(S, K) counts (accepted, offered) a row starts from: the acceptance of every drafting step
+        of this run and, remembered, of earlier ones, undecayed (a row's own decayed counts when it
+        left were its low point if it stopped drafting: the rejections that made plain decoding win),
+        as at most REMEMBERED_WEIGHT pseudo-steps (fewer where there was less evidence: a depth
+        seldom reached)."""
+        accepted, offered = self.taught + self.seen
+        weight = np.minimum(offered, REMEMBERED_WEIGHT)
+        return accepted / np.maximum(offered, 1e-12) * weight, weight
+
     def leave(self, keep: list[int]) -> None:
-        """Only rows `keep` stay, in that order; what the others taught is kept for rows to come."""
-        gone = np.setdiff1d(np.arange(self.accepted.shape[1]), keep)
-        self.taught += np.stack([self.accepted[:, gone].sum(1), self.offered[:, gone].sum(1)])
+        """Only rows `keep` stay, in that order (what the others taught is in `seen`)."""
         self.accepted, self.offered = self.accepted[:, keep], self.offered[:, keep]
         self.unread = self.unread[keep]
 
@@ -356,6 +369,8 @@ class Adaptive:
             s, d = 0, 0
         if d == 0 and self.episode is not None:  # plain decoding again: what the drafting since the probe lost
             running_mean(self.probe_cost, self.episode)
+            if self.episode < 0:  # it gained: the probe changed the verdict, the stretches start short again
+                self.stretch = PROBE_EVERY
             self.episode = None
         steps, cap, self.stopped, self.hopeless = 1, MAX_STRETCH, False, False
         probing = d == 0 or (self.steps + 1) % PROBE_EVERY == 0  # plain wins, or a probe deeper than the best
@@ -457,8 +472,6 @@ class Adaptive:
         s, d = self.chosen
         rows = len(limits)
         first = self.steps == self.choices["plain"]  # the run's first drafting step
-        if not self.draft_measured.any():  # the first drafting step: its forwards' scale starts from the plain steps'
-            self.forward_scale[1] = self.forward_scale[0]
         self.steps += 1
         self.choices[self.label(s, d)] += 1
         limits, accepted = np.asarray(limits)[:, None], np.asarray(accepted)[:, None]  # (B, 1)
@@ -487,7 +500,7 @@ class Adaptive:
             samples.clear()
         if clean or not self.draft_measured[d]:
             samples.append(draft_seconds)
-            self.draft_seconds[d] = min(samples) if len(samples) < 3 else statistics.median(samples)
+            self.draft_seconds[d] = typical(samples)
             self.draft_measured[d] |= not first
             self.draft_clean[d] |= clean
         if not (self.draft_clean[d] and len(samples) >= 2) and self.could_pay()[s, d]:
@@ -496,8 +509,7 @@ class Adaptive:
         lost = step_seconds - self.plain_seconds(rows) * (1 + accepted.sum() / rows)
         self.episode = lost if self.plain_run else None if self.episode is None else self.episode + lost
         self.plain_run = 0
-        scale = forward_seconds / float(self.curve_at(rows, width))
-        self.forward_scale[1] += SMOOTHING * (scale - self.forward_scale[1])
+        self.scale_forwards(1, forward_seconds / float(self.curve_at(rows, width)))
         other = step_seconds - forward_seconds - draft_seconds
         self.running_overhead(d, other)
 
@@ -506,8 +518,10 @@ class Adaptive:
         which accepted[b] were accepted: the levels judged are those up to the first rejection."""
         levels = np.arange(self.depth)[None]                                   # (1, K)
         judged = levels < np.minimum(limits, accepted + 1)
+        hits = judged & (levels < accepted)
         self.offered[s] = np.where(judged, DECAY * self.offered[s] + 1, self.offered[s])
-        self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + (levels < accepted), self.accepted[s])
+        self.accepted[s] = np.where(judged, DECAY * self.accepted[s] + hits, self.accepted[s])
+        self.seen[:, s] += np.stack([hits.sum(0), judged.sum(0)])
 
     def could_pay(self) -> np.ndarray:
         """(S, K+1) which options would pay were every draft accepted and free: only for those does a
@@ -515,15 +529,35 @@ class Adaptive:
         return self.rates("certain", draft=np.zeros(self.depth + 1)) >= self.rates()[0, 0]
 
     def observe_plain(self, steps: int, seconds: float, forward_seconds: float) -> None:
-        """A plain stretch of `steps` steps took `seconds`, `forward_seconds` of them in forwards."""
+        """A plain stretch of `steps` steps took `seconds`, `forward_seconds` of them in forwards. The
+        text moved on: each row's acceptance drifts back to what every drafting step taught, as its
+        older steps fade while drafting (DECAY a step), its weight of evidence kept. A row that went
+        plain after a dip of its estimate (one over about ten drafts, each accepted 40% of the time
+        independently, now and then falls below the 19% that breaks even) kept the dip's low point
+        for every stretch after it: plain 57% of the steps where drafting all along paid 1.18x."""
+        accepted, offered = self.taught + self.seen                                 # (S, K)
+        mean = (accepted / np.maximum(offered, 1e-12))[:, None]
+        own = self.accepted / np.maximum(self.offered, 1e-12)                       # (S, B, K)
+        fade = DECAY ** steps
+        drift = (offered > 0)[:, None] & (self.offered > 0)
+        self.accepted = np.where(drift, self.offered * (fade * own + (1 - fade) * mean), self.accepted)
         self.steps += steps
         self.plain_run += steps
         self.unread += steps
         self.choices["plain"] += steps
         if steps:
             self.running_overhead(0, (seconds - forward_seconds) / steps)
-            scale = forward_seconds / steps / float(self.curve_at(self.accepted.shape[1], 1))
-            self.forward_scale[0] += SMOOTHING * (scale - self.forward_scale[0])
+            self.scale_forwards(0, forward_seconds / steps / float(self.curve_at(self.accepted.shape[1], 1)))
+
+    def scale_forwards(self, drafting: int, scale: float) -> None:
+        """A step's (or a plain stretch's) forwards took `scale` times the curve's: the scale of plain
+        (0) or drafting (1) steps is the `typical` of the latest ones (a running mean took a third of
+        one 23 ms forward among 8.5 ms ones, a stolen time slice, and made EAGLE's drafts look dearer
+        than plain decoding on SmolLM2's chat for the rest of a benchmark: plain steps do not re-price
+        drafting's forwards)."""
+        samples = self.forward_samples[drafting]
+        samples.append(scale)
+        self.forward_scale[drafting] = typical(samples)
 
     def running_overhead(self, d: int, seconds: float) -> None:
         """The overhead at depth d: its first measurement, then a running mean."""
@@ -543,6 +577,12 @@ class Adaptive:
         return {"shapes": dict(zip(self.names, self.shapes)), "choices": dict(self.choices),
                 "predicted_speedup": predicted, "probe_every": PROBE_EVERY,
                 "stopped_probing": bool(self.stopped), "note": self.note}
+
+
+def typical(samples) -> float:
+    """What a step's seconds typically are, robust to the spikes of a first step (lazy set-up, cold
+    caches) or a busy machine: the fewest of up to 2 samples, the median of 3 or more."""
+    return min(samples) if len(samples) < 3 else statistics.median(samples)
 
 
 def running_mean(pair: np.ndarray, value: float) -> None:
