@@ -243,14 +243,19 @@ class Adaptive:
         self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)
 
     def prior(self) -> tuple[np.ndarray, np.ndarray]:
-        """(S, K) counts (accepted, offered) a row starts from: the acceptance of every drafting step
-        of this run and, remembered, of earlier ones, undecayed (a row's own decayed counts when it
-        left were its low point if it stopped drafting: the rejections that made plain decoding win),
-        as at most REMEMBERED_WEIGHT pseudo-steps (fewer where there was less evidence: a depth
-        seldom reached)."""
-        accepted, offered = self.taught + self.seen
+        """(S, K) counts (accepted, offered) a row starts from: what every drafting step taught
+        (`learned`), as at most REMEMBERED_WEIGHT pseudo-steps (fewer where there was less evidence:
+        a depth seldom reached)."""
+        mean, offered = self.learned()
         weight = np.minimum(offered, REMEMBERED_WEIGHT)
-        return accepted / np.maximum(offered, 1e-12) * weight, weight
+        return mean * weight, weight
+
+    def learned(self) -> tuple[np.ndarray, np.ndarray]:
+        """(S, K) the acceptance of every drafting step of this run and, remembered, of earlier ones,
+        undecayed (a row's own decayed counts when it left were its low point if it stopped drafting:
+        the rejections that made plain decoding win), and how many drafts it counts."""
+        accepted, offered = self.taught + self.seen
+        return accepted / np.maximum(offered, 1e-12), offered
 
     def leave(self, keep: list[int]) -> None:
         """Only rows `keep` stay, in that order (what the others taught is in `seen`)."""
@@ -535,12 +540,10 @@ class Adaptive:
         plain after a dip of its estimate (one over about ten drafts, each accepted 40% of the time
         independently, now and then falls below the 19% that breaks even) kept the dip's low point
         for every stretch after it: plain 57% of the steps where drafting all along paid 1.18x."""
-        accepted, offered = self.taught + self.seen                                 # (S, K)
-        mean = (accepted / np.maximum(offered, 1e-12))[:, None]
-        own = self.accepted / np.maximum(self.offered, 1e-12)                       # (S, B, K)
+        mean, offered = self.learned()                                              # (S, K)
         fade = DECAY ** steps
-        drift = (offered > 0)[:, None] & (self.offered > 0)
-        self.accepted = np.where(drift, self.offered * (fade * own + (1 - fade) * mean), self.accepted)
+        drifted = fade * self.accepted + (1 - fade) * self.offered * mean[:, None]  # (S, B, K)
+        self.accepted = np.where((offered > 0)[:, None], drifted, self.accepted)
         self.steps += steps
         self.plain_run += steps
         self.unread += steps
