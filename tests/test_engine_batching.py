@@ -17,7 +17,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.lm.interface import admit
-from specdec.proposers import DraftModelProposer, NgramProposer
+from specdec.proposers import DraftModelProposer, NgramProposer, SelfDraftProposer
 
 from . import test_engine_sampling as sampling_test
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
@@ -27,6 +27,7 @@ GREEDY = SamplingConfig()
 PROPOSERS = {
     "draft-model": lambda: DraftModelProposer(model=noisy_copy(TARGET, 0.02, seed=1)),
     "ngram": lambda: NgramProposer(),
+    "self": lambda: SelfDraftProposer(target=TARGET),  # attends to the engine's own cache (its layers' shapes)
 }
 CASES = [([5], 20), ([1, 2, 3, 1, 2, 3, 1], 9), (list(range(7, 19)), 24), ([3, 3, 3, 3], 3), ([9, 8], 30),
          ([4, 4, 1], 1), ([2, 7, 2, 7, 2], 16), ([11], 12)]

@@ -17,12 +17,13 @@ import torch
 
 from specdec import kernels
 from specdec.cli import main
-from specdec.decoding.engine import plain_generate, speculative_generate
+from specdec.decoding.engine import Engine, Request, plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.kernels import blocks
 from specdec.lm.checkpoint import quantize_model
+from specdec.lm.interface import admit
 from specdec.lm.model import Embedding, Linear, store_matrices
 from specdec.api import Loaded
 from specdec.proposers import DRAFTERS, NgramProposer, SelfDraftProposer, build_drafter
@@ -302,6 +303,34 @@ def test_the_self_draft_is_the_target_in_4_bits():
                                                  if getattr(m, "stored", None) is not None and name != "lm_head")
     assert TARGET.lm_head.stored is None  # the target itself is left as it was
     assert (draft.lm_head.dense() - TARGET.lm_head.weight).abs().max() < 0.1
+
+
+def test_the_self_draft_reads_the_targets_cache_and_feeds_only_its_newest_token_and_drafts():
+    """No cache and no prefill of its own: the draft attends to the engine's cache, each of its
+    forwards feeds one token per row (the newest committed one, then its drafts), even after a
+    prompt of 12 tokens and steps that accept several drafts; greedy output equals plain decoding's,
+    and the engine's cache is left as the engine keeps it (its host lengths)."""
+    target, rule = tiny_llama(3), StopRule(max_new_tokens=24)
+    proposer = SelfDraftProposer(target=target)
+    widths = []
+    forward = proposer.model.forward
+    proposer.model.forward = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+    engine = Engine(admit(target), proposer, 3, capacity=2, max_len=64)
+    assert engine.state.cache is engine.cache
+    requests = [Request(list(range(20, 32)), rule), Request([5, 9, 2], rule)]
+    for request in requests:
+        engine.submit(request)
+    while engine.busy:
+        engine.step()
+        assert engine.cache.held == engine.cached
+    assert widths and max(widths) == 1 and engine.metrics.accepted > engine.metrics.steps
+    plain, _ = plain_generate(target, [r.prompt for r in requests], rule, SamplingConfig())
+    assert [r.row.tokens for r in requests] == [row.tokens for row in plain]
+
+
+def test_a_self_draft_of_another_shape_refuses_the_targets_cache():
+    with pytest.raises(SpecdecError, match="do not have the target's shapes"):
+        Engine(admit(tiny_llama(3)), SelfDraftProposer(target=tiny_llama(3, layers=3)), 3, capacity=1, max_len=32)
 
 
 def test_a_quantized_tables_lookups_are_its_rows_whether_kept_or_unpacked_and_few_are_kept(monkeypatch):

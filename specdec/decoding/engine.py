@@ -133,7 +133,10 @@ class Engine:
         nodes = sum(self.widths)
         self.cache = self.target.new_cache(capacity, max_len + nodes, kv_dtype)  # + room for padded windows
         self.cache.regroup([])
-        self.state = proposer.start(max_len, k, capacity, nodes)
+        if getattr(proposer, "reads_target_cache", False):  # a draft of the target's own shapes (protocol.py)
+            self.state = proposer.start(max_len, k, capacity, nodes, target_cache=self.cache)
+        else:
+            self.state = proposer.start(max_len, k, capacity, nodes)
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
         self.cached: list[int] = []        # (B,) the target cache's lengths

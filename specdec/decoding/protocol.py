@@ -26,6 +26,11 @@ them (MTP, EAGLE, block): its final hidden states, or
 the outputs of the decoder layers the proposer declares once in `features` (EAGLE), which the
 target's forward returns at no extra pass. The target's cache always lags one token behind the
 sequence: the newest token ("last") is fed with the next verification window [last, drafts].
+A proposer whose layers have the target's shapes (the self-draft) may say `reads_target_cache = True`:
+`start` then gets the target's KV cache (`target_cache=`) and the proposer keeps none of its own. It
+attends to the target's keys and values of the committed tokens, writes those of what it feeds (each
+row's "last", its drafts) past the rows' lengths, where the verification then writes the target's,
+and leaves the lengths as it found them; the engine alone regroups that cache.
 
 A proposal may be a tree (tree.py): each draft names its parent. `widths[d]` caps the drafts at
 depth d + 1 (all ones: a chain); a proposer that can branch says so with `trees = True` and lists

@@ -70,6 +70,7 @@ class DraftState:
     committed: list[int]      # per row: cache entries holding committed tokens only
     fed_drafts: int = 0       # drafts of the last proposal written into the cache after `committed`
     chain: list[int] | None = None  # the last proposal's chain nodes when it was a tree
+    shared: bool = False      # the cache is the target's (`start`'s target_cache): pending is each row's newest token
 
 
 class DraftModelProposer:
@@ -111,11 +112,23 @@ class DraftModelProposer:
         """(N,) the token ids drafted over; None: all V."""
         return None if self.vocab is None else self.vocab.ids
 
-    def start(self, max_len, k, capacity, nodes=None) -> DraftState:
+    def start(self, max_len, k, capacity, nodes=None, target_cache: KVCache | None = None) -> DraftState:
+        """target_cache: the target's own KV cache, for a draft whose layers have the target's shapes
+        (`reads_target_cache`): the draft attends to the target's keys and values of everything
+        committed, writes only those of the tokens it feeds (each row's newest, then its drafts) past
+        the rows' lengths, where the verification writes the target's own, and leaves the lengths as
+        it found them. It then has no cache, no prefill and no catch-up of its own."""
         if max_len - 1 > self.context:
             raise SpecdecError(f"the draft model's context ({self.context} tokens) is shorter than the "
                                f"{max_len - 1} positions this generation needs: shorten the prompt or "
                                "max_new_tokens, or use a draft model with a longer context")
+        if target_cache is not None:
+            cfg, store = self.model.config, target_cache.store
+            if (store.shape[1], store.shape[3], store.shape[5]) != (cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                                    cfg.head_dim):
+                raise SpecdecError("this draft's layers do not have the target's shapes, so it cannot read the "
+                                   "target's cache: build the self-draft from the target it drafts for")
+            return DraftState(target_cache, [], [], [], shared=True)
         cache = self.new_cache(capacity, max_len, k, nodes)
         cache.regroup([])
         return DraftState(cache, [], [], [])
@@ -131,13 +144,18 @@ class DraftModelProposer:
         decoding) never pays the draft's prefill."""
         if not prompts:
             return
-        state.cache.regroup(list(range(len(state.pending))), empty=len(prompts))
         state.samplings += samplings
+        if state.shared:  # the engine has prefilled the target's cache with each prompt but its last token
+            state.pending += [[p[-1]] for p in prompts]
+            state.committed += [len(p) - 1 for p in prompts]
+            return
+        state.cache.regroup(list(range(len(state.pending))), empty=len(prompts))
         state.pending += [list(p) for p in prompts]
         state.committed += [0] * len(prompts)
 
     def leave(self, state: DraftState, keep: list[int]) -> None:
-        state.cache.regroup(keep)
+        if not state.shared:  # the target's cache is regrouped by the engine
+            state.cache.regroup(keep)
         state.samplings, state.pending, state.committed = ([rows[b] for b in keep] for rows in (
             state.samplings, state.pending, state.committed))
 
@@ -159,6 +177,18 @@ class DraftModelProposer:
         return [len(p) for p in state.pending]
 
     def propose(self, state: DraftState, limits, widths, draws) -> Proposal:
+        if not state.shared:
+            return self.draft(state, limits, widths, draws)
+        pending, lengths = [list(p) for p in state.pending], list(state.cache.held)
+        state.committed = list(lengths)
+        proposal = self.draft(state, limits, widths, draws)
+        # the target's cache as the draft found it: the verification writes [newest, drafts] there itself
+        state.pending, state.committed, state.fed_drafts, state.chain = pending, lengths, 0, None
+        state.cache.rollback(lengths)
+        return proposal
+
+    def draft(self, state: DraftState, limits, widths, draws) -> Proposal:
+        """`propose` on the draft's own cache, or on the target's as `propose` restores it after."""
         limit = limits.tolist()
         B, m, lengths = len(limit), max(limit), self.pending_window(state, limit)
         if lengths is None:
@@ -198,6 +228,11 @@ class DraftModelProposer:
         return out.logits
 
     def observe(self, state: DraftState, outcome: Outcome) -> None:
+        if state.shared:  # the target's cache holds what was committed but each row's newest token
+            for b, (tokens, emitted) in enumerate(zip(outcome.tokens, outcome.counts)):
+                if emitted:
+                    state.pending[b] = [tokens[emitted - 1]]
+            return
         # accepted drafts already in the cache stay; the rest of the committed tokens become pending
         chained = outcome.accepted if state.chain is None else [
             on_chain(path, state.chain) for path in outcome.paths]  # accepted drafts of the fed chain

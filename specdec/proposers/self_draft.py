@@ -6,8 +6,11 @@ model. No training, no second checkpoint: any model specdec loads gets a draft t
 most of the time at a fraction of its weight traffic (a bf16 target's layers: 20 bytes per 32
 weights instead of 64).
 
-Everything else is DraftModelProposer's (its cache, trees, sampling); the engine's verification
-makes it lossless like any drafter.
+Its layers have the target's shapes, so it keeps no KV cache of its own: it attends to the target's
+keys and values of the text so far (DraftModelProposer.start's target_cache), which saves its
+prefill of every prompt and its catch-up after plain steps, and agrees with the target more often
+than over its own 4-bit keys and values (docs/self-draft-shared-cache.py). Everything else is
+DraftModelProposer's (trees, sampling); the engine's verification makes it lossless like any drafter.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ HEAD_FORMAT = "q8_0"
 
 class SelfDraftProposer(DraftModelProposer):
     name = "self"
+    reads_target_cache = True  # its layers have the target's shapes: it attends to the target's cache (`start`)
 
     def __init__(self, target, format: str = FORMAT, head_format: str = HEAD_FORMAT, draft_vocab: int | None = None,
                  token_counts: torch.Tensor | None = None, tree: str = "static", fine_head: bool = True):
