@@ -70,7 +70,8 @@ class DraftState:
     committed: list[int]      # per row: cache entries holding committed tokens only
     fed_drafts: int = 0       # drafts of the last proposal written into the cache after `committed`
     chain: list[int] | None = None  # the last proposal's chain nodes when it was a tree
-    shared: bool = False      # the cache is the target's (`start`'s target_cache): pending is each row's newest token
+    shared: bool = False      # the cache is the target's (`start`'s target_cache): pending is each row's newest
+    # token, and `committed` is read from the cache's lengths at each proposal (the engine moves them between)
 
 
 class DraftModelProposer:
