@@ -12,8 +12,9 @@ PY := $(VENV)/bin/python
 run: $(VENV)/.installed
 	$(VENV)/bin/specdec bench --quick
 
+# one pytest worker per core (pytest-xdist): each test runs on one thread (tests/conftest.py)
 test: $(VENV)/.installed chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # the live view's test drives Debian's Chromium with Selenium: install it when missing and we are root
 # (otherwise that one test is skipped and says how to enable it)
