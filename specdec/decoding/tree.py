@@ -93,24 +93,38 @@ def window_layout(parents: torch.Tensor, lengths: list[int], cache_lengths: list
                   context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The verification window's positions (B, 1+m) and tree mask (B, 1+m, 1+m) (True: may see).
     Positions past the context (padding, or a tree deeper than the context allows) are refused
-    for real nodes and clamped for padding."""
-    B, m = parents.shape
+    for real nodes and clamped for padding. Rows of one tree shape share its depths and mask."""
     rows = parents.tolist()
     check_parents(rows, lengths)
-    mask = torch.zeros(B, 1 + m, 1 + m, dtype=torch.bool)  # built on the host, moved once
-    mask[:, :, 0] = True                                  # everyone sees the root
-    positions = []
+    shapes: dict[tuple, int] = {}                          # (parents, real nodes) -> index into `layouts`
+    layouts: list[tuple[list[int], list[list[bool]]]] = []  # (depths, mask) of each shape
+    which, positions = [], []
     for b, (row, n, start) in enumerate(zip(rows, lengths, cache_lengths)):
-        row = [p if i < n else -1 for i, p in enumerate(row)]
-        depth = depths(row)
+        key = (tuple(row), n)
+        if key not in shapes:
+            shapes[key] = len(layouts)
+            layouts.append(tree_layout([p if i < n else -1 for i, p in enumerate(row)]))  # padding: off the root
+        depth = layouts[shapes[key]][0]
         if n and start + max(depth[:n]) >= context:
             raise SpecdecError(f"draft tree of row {b} reaches depth {max(depth[:n])} after {start + 1} tokens: "
                                f"beyond the target's context of {context} positions; draft fewer levels")
         positions.append([start] + [min(start + d, context - 1) for d in depth])
-        for i, p in enumerate(row):
-            mask[b, 1 + i] = mask[b, 1 + p]  # the parent's ancestors (root: column 0) ...
-            mask[b, 1 + i, 1 + i] = True     # ... and itself
-    return torch.tensor(positions, device=parents.device), mask.to(parents.device)
+        which.append(shapes[key])
+    masks = torch.tensor([mask for _, mask in layouts])  # built on the host, moved once
+    return (torch.tensor(positions, device=parents.device),
+            masks[torch.tensor(which, dtype=torch.long)].to(parents.device))
+
+
+def tree_layout(parents: list[int]) -> tuple[list[int], list[list[bool]]]:
+    """One tree's node depths and its mask over [root, nodes] (1+m, 1+m): each node sees the root,
+    its ancestors and itself; the root sees itself."""
+    m = len(parents)
+    mask = [[True] + [False] * m]
+    for i, p in enumerate(parents):
+        sees = list(mask[1 + p])  # the parent's ancestors (root: column 0) ...
+        sees[1 + i] = True         # ... and itself
+        mask.append(sees)
+    return depths(parents), mask
 
 
 def levels_reached(parents: torch.Tensor, lengths: list[int], paths: list[list[int]]) -> list[int]:
