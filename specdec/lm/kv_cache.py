@@ -132,14 +132,13 @@ class KVCache:
         node i's entry is at starts[b] + 1 + i, and path node j moves to starts[b] + 1 + j, so the
         kept entries follow each other as if the path alone had been fed (tree.py). Rows whose path
         is already in place move nothing. Set the lengths with `rollback` after."""
-        for b, (start, path) in enumerate(zip(starts, paths)):
-            moved = [(j, i) for j, i in enumerate(path) if i != j]
-            if moved:
-                dst = torch.tensor([start + 1 + j for j, _ in moved], device=self.keys.device)
-                src = torch.tensor([start + 1 + i for _, i in moved], device=self.keys.device)
-                # the right side is gathered (a copy) before anything is written
-                for store in (self.keys, self.values):
-                    store[:, b, :, dst] = store[:, b, :, src]
+        moved = [(b, start + 1 + j, start + 1 + i) for b, (start, path) in enumerate(zip(starts, paths))
+                 for j, i in enumerate(path) if i != j]  # (row, to slot, from slot)
+        if moved:
+            row, dst, src = torch.tensor(moved, device=self.keys.device).unbind(1)
+            # every row at once; the right side is gathered (a copy) before anything is written
+            for store in (self.keys, self.values):
+                store[:, row, :, dst] = store[:, row, :, src]
 
     def rollback(self, lengths: list[int] | int) -> None:
         """Set every row's committed length (O(1): entries past it become invisible), given on the
