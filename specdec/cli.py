@@ -185,6 +185,7 @@ def cmd_serve(args) -> None:
     from .api import default_k, load
     from .serve.app import create_app
     from .serve.guard import Limits, protocol
+    from .lm.kv_cache import describe
     from .serve.service import Service
 
     inputs.draft_options(args.draft, draft_options_given(args))
@@ -205,7 +206,10 @@ def cmd_serve(args) -> None:
     method = proposer.name if proposer is not None and k != 0 else "plain"
     name = args.served_model_name or target.path.name
     # k="auto": the engine reads or measures the verify curves as it is made, before the server listens
-    service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree)
+    service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree,
+                      kv_budget=args.kv_budget, kv_dtype=torch_dtype(args.kv_dtype))
+    if service.engine.cache.pool is not None:
+        print(f"specdec serve: {describe(service.engine.cache.pool)} ({service.kv_budget})", file=sys.stderr, flush=True)
     limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                     idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
                     key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))
@@ -933,6 +937,12 @@ def add_serve_parser(sub) -> None:
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a row; more are refused with 429")
+    v.add_argument("--kv-budget", metavar="TOKENS|SIZE",
+                   help="the target's KV cache: positions (20000) or a size (1.5GiB, 800MiB), taken as rows grow; "
+                        "a request waits until its prompt + max_tokens fits beside the running ones, and one that "
+                        "can never fit gets 400 (default: half the memory free at start, less 1 GiB)")
+    v.add_argument("--kv-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the KV cache's keys and values (default bfloat16: half the memory and bytes read)")
     v.add_argument("--threads", type=int, help=THREADS_HELP + "; the HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds running and queued requests may go on (new ones get 503 "

@@ -18,7 +18,7 @@ from specdec.decoding.reference import reference_generate
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, save_model, sha256
-from specdec.lm.kv_cache import KVCache
+from specdec.lm.kv_cache import cache_for
 from specdec.proposers import EagleProposer, VocabOptions, base
 from specdec.proposers.eagle_head import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
 from specdec.proposers.heads import load_heads
@@ -73,7 +73,7 @@ def test_drafting_with_the_cache_computes_what_the_training_time_test_unrolls(la
     unrolled = [h for _, h in head.unroll(features, x[:, 1:S + STEPS], target.model.embed_tokens, STEPS)]
     embed, cfg = target.model.embed_tokens, target.config
     for T in range(1, S + 1):
-        cache = KVCache(1, B, cfg.num_key_value_heads, cfg.head_dim, 64)
+        cache = cache_for(1, cfg.num_key_value_heads, cfg.head_dim, B, 64, torch.float32, "cpu")
         prev = head(embed(x[:, 1:T + 1]), head.fuse(features[:, :T]), head.window(None, cache, T))[:, -1:]
         cache.advance(T)
         torch.testing.assert_close(prev[:, 0], unrolled[0][:, T - 1], rtol=1e-5, atol=1e-5)

@@ -44,7 +44,7 @@ def assert_greedy_matches(prompt: list[int], rule: StopRule, tokens: list[int]) 
 def test_requests_joining_and_leaving_a_running_batch_equal_the_reference(name, k):
     engine = Engine(admit(TARGET), PROPOSERS[name](), k, capacity=3, max_len=64)
     requests = [Request(p, StopRule(n)) for p, n in CASES]
-    buffers = {engine.cache.store.data_ptr()}
+    buffers = {engine.cache.pool.store.data_ptr()}
     for request in requests[:2]:
         engine.submit(request)
     engine.step()
@@ -55,7 +55,7 @@ def test_requests_joining_and_leaving_a_running_batch_equal_the_reference(name, 
     while engine.busy:
         engine.step()
         sizes.append(len(engine.requests))
-        buffers.add(engine.cache.store.data_ptr())
+        buffers.add(engine.cache.pool.store.data_ptr())
     assert max(sizes) == 3 and engine.requests == [] and not engine.waiting
     assert len(buffers) == 1  # the cache is allocated once: rows are reused in place
     for request, (prompt, n) in zip(requests, CASES):

@@ -16,7 +16,7 @@ from specdec.decoding.tree import caterpillar_layout, chain_parents, chain_posit
 from specdec.decoding.verify import greedy_accept, rejection_sample, tree_rejection_sample
 from specdec.errors import SpecdecError
 from specdec.lm.interface import next_positions
-from specdec.lm.kv_cache import KVCache
+from specdec.lm.kv_cache import cache_for
 from specdec.proposers import DraftModelProposer, MTPProposer, NgramProposer
 from specdec.proposers.heads import build_heads
 from specdec.proposers.ngram import trie
@@ -48,7 +48,7 @@ def test_a_chains_positions_are_the_default_until_the_context_ends_then_clamped(
     """The engine lays out a chain's window (a plain step's too) from its host lengths, as the
     proposers do from their caches (lm.interface.next_positions): the model's default positions (None)
     while every row fits, else each row's own clamped at the context's last position."""
-    cache = KVCache(1, 2, 1, 4, 64)
+    cache = cache_for(1, 1, 4, 2, 64, torch.float32, "cpu")
     cache.rollback(held)
     for width in (1, 4):
         expected = next_positions(cache, width, 64)
@@ -133,8 +133,9 @@ def test_compaction_leaves_the_cache_of_the_accepted_path_alone():
     alone = model.new_cache(1, 32)
     model(torch.tensor([prefix + [8, 4, 6]]), cache=alone)
     n = start + 4
-    torch.testing.assert_close(cache.keys[:, :, :, :n], alone.keys[:, :, :, :n], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(cache.values[:, :, :, :n], alone.values[:, :, :, :n], rtol=1e-5, atol=1e-6)
+    for layer in range(model.config.num_hidden_layers):
+        for kept, fed in zip(cache.gathered(layer, n), alone.gathered(layer, n)):
+            torch.testing.assert_close(kept, fed, rtol=1e-5, atol=1e-6)
 
 
 def tiny_heads(target, kind: str, depth: int):

@@ -43,6 +43,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..lm.interface import Admitted, admit, declared_features, layer_request, prefill_joining
+from ..lm.kv_cache import BLOCK, blocks_for
 from .adaptive import Adaptive, curve_batches, options, window
 from .calibration import verify_curves
 from .constraint import Compiled, FirstToken, masked
@@ -95,7 +96,7 @@ class Engine:
     def __init__(self, target: Admitted, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                  tree_verify=tree_rejection_sample, forced_drafts: bool = True, name: str = "the target",
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, kv_tokens: int | None = None, share_prefixes: bool = True):
         """target: the causal LM as admitted at load (lm.interface.admit); proposer None: plain
         decoding (k must be 0; `NoDraft`).
         k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
@@ -106,7 +107,10 @@ class Engine:
         replace them to show a wrong rule is detected. forced_drafts: constrained rows propose the
         tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1). kv_dtype: the
         target's KV cache dtype (default its compute dtype; bfloat16 halves what a batched step's
-        attention reads, the keys and values rounded to it).
+        attention reads, the keys and values rounded to it). kv_tokens: the positions its pool holds
+        (default every row's max_len): a request joins when its worst case fits beside the rows'
+        (`promise`), else it waits. share_prefixes: joining prompts map the blocks of leading tokens
+        already in the cache (lm/kv_cache.py) where the proposer does not read prompt features.
         With "auto" the target's verify curves at every batch size up to `capacity` are read, or
         measured now and stored (calibration.verify_curves: said on stderr with `name`), so that no
         step pays for them; `verify_curve_seconds` says how long measuring took (0: they were stored)."""
@@ -131,8 +135,11 @@ class Engine:
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
-        self.cache = self.target.new_cache(capacity, max_len + nodes, kv_dtype)  # + room for padded windows
+        self.window_room = nodes  # beyond prompt + max_new_tokens: a verification window past the committed entries
+        self.cache = self.target.new_cache(capacity, max_len + nodes, kv_dtype, tokens=kv_tokens)
         self.cache.regroup([])
+        self.share = (share_prefixes and self.cache.pool is not None
+                      and not getattr(proposer, "prompt_features", True))
         if getattr(proposer, "reads_target_cache", False):  # a draft of the target's own shapes (protocol.py)
             self.state = proposer.start(max_len, k, capacity, nodes, target_cache=self.cache)
         else:
@@ -153,7 +160,31 @@ class Engine:
         """Queue a request (any thread); it joins the batch at the next step with room."""
         check_prompt(request.prompt, request.rule, self.target.config.vocab_size,
                      min(self.context, self.max_len), "the prompt")
+        self.check_memory(len(request.prompt), request.rule.max_new_tokens)
         self.waiting.append(request)
+
+    def blocks_needed(self, prompt: int, max_new_tokens: int) -> int:
+        """The most blocks a row may hold: its prompt, every new token, a verification window."""
+        return blocks_for(prompt + max_new_tokens + self.window_room)
+
+    def check_memory(self, prompt: int, max_new_tokens: int, budget: str = "max_new_tokens") -> None:
+        """Refuse a request whose row could never fit the target's KV cache, even alone (any thread)."""
+        pool, needed = self.cache.pool, self.blocks_needed(prompt, max_new_tokens)
+        if pool is not None and needed > pool.blocks:
+            raise SpecdecError(
+                f"the prompt ({prompt} tokens) with {budget}={max_new_tokens} needs {needed * BLOCK} positions of "
+                f"KV cache but the whole cache holds {pool.blocks * BLOCK}: lower {budget} or shorten the prompt "
+                "(a server: give it a larger --kv-budget)")
+
+    def promise(self, request: Request) -> int | None:
+        """Set the blocks of a request's worst case aside in the target's pool, less those of a prefix it
+        will share; None: they are not free now (it waits)."""
+        pool = self.cache.pool
+        if pool is None:
+            return 0
+        found = pool.lookup(request.prompt[:-1]) if self.share else []
+        need = self.blocks_needed(len(request.prompt), request.rule.max_new_tokens) - len(found)
+        return need if pool.promise(need, taken=sum(pool.refs[b] == 0 for b in found)) else None
 
     @property
     def busy(self) -> bool:
@@ -388,17 +419,23 @@ class Engine:
                 self.adaptive.leave(keep)
             self.requests, self.last, self.cached = ([rows[b] for b in keep] for rows in (
                 self.requests, self.last, self.cached))
-        joining = []
+        joining, promises = [], []
         while self.waiting and len(self.requests) + len(joining) < self.capacity:
-            request = self.waiting.popleft()
-            if not request.finished:
-                joining.append(request)
-            elif request.on_tokens is not None:  # max_new_tokens 0, or cancelled while it waited
-                request.on_tokens(request, [], 0)
+            request = self.waiting[0]
+            if request.finished:  # max_new_tokens 0, or cancelled while it waited
+                self.waiting.popleft()
+                if request.on_tokens is not None:
+                    request.on_tokens(request, [], 0)
+                continue
+            promise = self.promise(request)
+            if promise is None:  # not enough memory before rows leave: it waits, first in line
+                break
+            joining.append(self.waiting.popleft())
+            promises.append(promise)
         if joining:
             prompts = [r.prompt for r in joining]
             with self.metrics.timed("prefill_seconds"):
-                hidden = prefill_joining(self.target, self.cache, prompts, self.features)
+                hidden = prefill_joining(self.target, self.cache, prompts, self.features, promises, self.share)
                 self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
             if self.adaptive:
                 self.adaptive.join(len(joining), [len(p) for p in prompts])
@@ -496,6 +533,7 @@ class NoDraft:
     trees = False
     max_depth = 0
     features = ()
+    prompt_features = False
 
     def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> None:
         return None

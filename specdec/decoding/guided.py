@@ -398,6 +398,7 @@ class GrammarDrafts:
     trees = False
     max_depth = None
     features = ()
+    prompt_features = False  # joins without reading prompt_hidden
 
     def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> list[int]:
         return [0]  # the number of rows

@@ -127,6 +127,8 @@ class Proposer(Protocol):
     max_depth: int | None   # the most levels it drafts per step; None: any
     features: tuple[int, ...]  # target decoder layers whose outputs it reads, concatenated in this order,
                                # as prompt_hidden and Outcome.hidden; () or absent: the final hidden states
+    prompt_features: bool   # whether `join` reads prompt_hidden (absent: it does); one that does not lets
+                            # rows map the cached blocks of a prompt's leading tokens without prefilling them
 
     def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> Any:
         """New per-generation state without rows (they `join`). max_len: the longest sequence

@@ -344,7 +344,7 @@ class LayerWeights(NamedTuple):
 
 def stack(layers: list[LayerWeights], arch):
     """Decoder layers of architecture `arch` (lm.arch.Arch) as one kernel call: a `Stack` whose
-    forward(x, k_cache, v_cache, layer0, lengths, positions, inv_freq, tree, keep) runs them over a
+    forward(x, k_pool, v_pool, table, layer0, lengths, positions, inv_freq, tree, keep) runs them over a
     window of new tokens (cpu.cpp)."""
     weights, formats = [], []
     for layer in layers:
@@ -395,7 +395,7 @@ def can_store_bf16() -> bool:
 
 
 def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                lengths: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tensor, columns: torch.Tensor,
+                table: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor | None, inv_freq: torch.Tensor, columns: torch.Tensor,
                 norm: torch.Tensor, eps: float, unembedding: Matrix, vocab_ids: torch.Tensor, logits: bool,
                 fuse=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A drafter's step as ONE kernel call (cpu.cpp's draft_block): the rows of `embedding` (V, C) for
@@ -403,7 +403,7 @@ def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, keys: torch.T
     input proj([RMSNorm(emb); RMSNorm(prev)]), proj a Matrix; proj None for an EAGLE-3 layer (a stack
     whose LayerWeights.norm1 is None), whose q/k/v read that concatenation and whose residual is
     prev — through the decoder layers `stack`,
-    their cache keys and values written after each row's `lengths` (B,), then an RMSNorm multiplying
+    their cache keys and values (pool views, blocks `table` (B, W)) written after each row's `lengths` (B,), then an RMSNorm multiplying
     by `norm` (C,) with `eps`, and the unembedding (a Matrix over the ids vocab_ids (N,)) at columns
     (B, m). Norm scales are fp32. Returns each slot's argmax as target ids (B, m), the logits (B, m, N)
     when `logits` is asked (else None), and the layers' output at the columns (B, m, C); the caller's
@@ -413,7 +413,7 @@ def draft_block(stack, embedding: torch.Tensor, ids: torch.Tensor, keys: torch.T
     proj_format = 0 if fuse is None or fuse[3] is None else fuse[3].kernel_format
     tokens, out, picked = compiled().draft_block(
         stack, embedding.detach(), ids.contiguous(), prev, embed_norm, prev_norm, proj, proj_format, keys, values,
-        lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq, columns.contiguous(), norm,
+        table, lengths, _EMPTY_LONG if positions is None else positions.contiguous(), inv_freq, columns.contiguous(), norm,
         eps, unembedding.data, unembedding.kernel_format, vocab_ids, logits)
     return tokens, out if logits else None, picked
 

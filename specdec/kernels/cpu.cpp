@@ -397,13 +397,14 @@ struct Stack {
     layer_bytes = total_bytes / static_cast<int64_t>(weights.size());
   }
 
-  // x (B, T, C) the layer input; k_cache, v_cache (L', B, Hkv, S, D), each layer's rows contiguous, with this
-  // stack's layers at layer0..; lengths (B,) committed entries; positions (B, T) or empty (lengths[b] + t); tree
-  // (B, T, T) bool or empty (causal).
+  // x (B, T, C) the layer input; k_pool, v_pool (L', N, Hkv, BLOCK, D) views of a pool of N blocks
+  // (lm/kv_cache.py), with this stack's layers at layer0..; table (B, W) int32 each row's blocks; lengths (B,)
+  // committed entries; positions (B, T) or empty (lengths[b] + t); tree (B, T, T) bool or empty (causal).
   // Returns [x after the last layer, then x after each layer in `keep`]; the cache gains the new
-  // entries at slots lengths[b] + t (the caller advances the lengths).
+  // entries at positions lengths[b] + t (the caller lent their blocks, and advances the lengths).
   // With an EAGLE-3 first layer, `wide` (B, T, 2C) is what its q/k/v read (x: the residual, g).
-  std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+  std::vector<torch::Tensor> forward(const torch::Tensor& x, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                     const torch::Tensor& table,
                                      int64_t layer0, const torch::Tensor& lengths, const torch::Tensor& positions,
                                      const torch::Tensor& inv_freq, const torch::Tensor& tree,
                                      const std::vector<int64_t>& keep, const torch::Tensor& wide_rows) {
@@ -415,14 +416,21 @@ struct Stack {
                     (!wide || (wide_rows.scalar_type() == torch::kFloat32 && wide_rows.is_contiguous())),
                 wide ? "Stack: an EAGLE-3 layer needs its (B, T, 2C) contiguous float32 input rows"
                      : "Stack: 2C-wide rows are for an EAGLE-3 layer");
-    for (const auto* c : {&k_cache, &v_cache})
+    const int64_t BS = k_pool.dim() == 5 ? k_pool.size(3) : 0;
+    for (const auto* c : {&k_pool, &v_pool})
       TORCH_CHECK((c->scalar_type() == torch::kFloat32 || c->scalar_type() == torch::kBFloat16) &&
-                  c->scalar_type() == k_cache.scalar_type() && c->dim() == 5 && c->size(1) == B && c->size(2) == s.Hkv &&
-                  c->size(4) == s.D && c->stride(4) == 1 && c->stride(3) == s.D && c->stride(2) == c->size(3) * s.D &&
-                  c->stride(1) == s.Hkv * c->size(3) * s.D && c->stride(0) >= B * c->stride(1) &&
-                  c->stride(0) == k_cache.stride(0) && layer0 >= 0 && layer0 + nl <= c->size(0),
-                  "Stack: caches must be (layers, B, Hkv, S, D) float32 or bf16, each layer's rows contiguous, "
-                  "holding this stack's layers");
+                  c->scalar_type() == k_pool.scalar_type() && c->dim() == 5 && c->sizes() == k_pool.sizes() &&
+                  c->strides() == k_pool.strides() && c->size(2) == s.Hkv && c->size(4) == s.D &&
+                  c->stride(4) == 1 && c->stride(3) == s.D && c->stride(2) == BS * s.D && BS > 0 &&
+                  (BS & (BS - 1)) == 0 && layer0 >= 0 && layer0 + nl <= c->size(0),
+                  "Stack: the pools must be (layers, N, Hkv, BLOCK, D) float32 or bf16 views, each block's "
+                  "(Hkv, BLOCK, D) contiguous, BLOCK a power of two, holding this stack's layers");
+    TORCH_CHECK(table.scalar_type() == torch::kInt32 && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
+                "Stack: table must be (B, W) int32");
+    const int32_t* blocks = table.data_ptr<int32_t>();
+    for (int64_t i = 0; i < table.numel(); ++i)
+      TORCH_CHECK(blocks[i] >= 0 && blocks[i] < k_pool.size(1), "Stack: block ", blocks[i], " outside the pool of ",
+                  k_pool.size(1));
     TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() && lengths.numel() == B,
                 "Stack: lengths must be (B,) int64");
     const bool given = positions.numel() > 0;
@@ -434,11 +442,11 @@ struct Stack {
     const bool treed = tree.numel() > 0;
     TORCH_CHECK(!treed || (tree.scalar_type() == torch::kBool && tree.is_contiguous() && tree.numel() == B * T * T),
                 "Stack: tree must be (B, T, T) bool");
-    const int64_t S = k_cache.size(3);
+    const int64_t S = table.size(1) * BS;
     const int64_t* len = lengths.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(len[b] >= 0 && len[b] + T <= S, "Stack: row ", b, " has ", len[b], " cached entries; ", T,
-                  " more do not fit in the cache of ", S);
+                  " more do not fit in the ", S, " positions of its blocks");
     for (int64_t l : keep) TORCH_CHECK(l >= 0 && l < nl, "Stack: kept layer ", l, " out of range");
 
     auto out = x.contiguous().clone();
@@ -458,12 +466,14 @@ struct Stack {
       kept[l] = result.back().data_ptr<float>();
     }
     std::vector<Cache> caches;
-    // a layer's bytes, from the stride: the cache may be laid out for more rows than B (kv_cache.py)
-    const int64_t per_layer = k_cache.stride(0) * k_cache.element_size();
-    const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+    const int64_t per_layer = k_pool.stride(0) * k_pool.element_size();
+    const bool bf16 = k_pool.scalar_type() == torch::kBFloat16;
+    int64_t shift = 0;
+    while ((int64_t{1} << shift) < BS) ++shift;
     for (int64_t l = 0; l < nl; ++l)
-      caches.push_back({static_cast<char*>(k_cache.data_ptr()) + (layer0 + l) * per_layer,
-                        static_cast<char*>(v_cache.data_ptr()) + (layer0 + l) * per_layer, S, bf16});
+      caches.push_back({static_cast<char*>(k_pool.data_ptr()) + (layer0 + l) * per_layer,
+                        static_cast<char*>(v_pool.data_ptr()) + (layer0 + l) * per_layer, k_pool.stride(1), blocks,
+                        table.size(1), shift, bf16});
     const Window w{B, T, len, given ? positions.data_ptr<int64_t>() : nullptr, treed ? tree.data_ptr<bool>() : nullptr,
                          inv_freq.data_ptr<float>()};
     const Scratch scratch{h.data_ptr<float>(), qkv.data_ptr<float>(), y.data_ptr<float>(), gu.data_ptr<float>(),
@@ -488,8 +498,9 @@ struct Stack {
 std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table, const torch::Tensor& ids,
                                        const torch::Tensor& prev, const torch::Tensor& embed_norm,
                                        const torch::Tensor& prev_norm, const torch::Tensor& proj, int64_t proj_format,
-                                       const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                       const torch::Tensor& lengths, const torch::Tensor& positions,
+                                       const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                       const torch::Tensor& cache_table, const torch::Tensor& lengths,
+                                       const torch::Tensor& positions,
                                        const torch::Tensor& inv_freq, const torch::Tensor& columns,
                                        const torch::Tensor& norm, double eps, const torch::Tensor& unembed,
                                        int64_t unembed_format, const torch::Tensor& vocab_ids, bool logits) {
@@ -542,7 +553,7 @@ std::vector<torch::Tensor> draft_block(Stack& stack, const torch::Tensor& table,
     else
       run_matmul(Pj, Z, M, X, nullptr, nullptr);
   }
-  const auto out = stack.forward(x, k_cache, v_cache, 0, lengths, positions, inv_freq,
+  const auto out = stack.forward(x, k_pool, v_pool, cache_table, 0, lengths, positions, inv_freq,
                                  torch::empty({0}, ids.options().dtype(torch::kBool)), {},
                                  stack.wide ? both : torch::empty({0}, table.options()))[0];
   const int64_t* col = columns.data_ptr<int64_t>();

@@ -310,7 +310,7 @@ inline void rotate_and_cache(const LayerWeights& L, const Shape& s, const Window
       }
     }
     for (int64_t kv = 0; kv < s.Hkv; ++kv) {
-      const int64_t at = ((b * s.Hkv + kv) * cache.S + slot) * D;
+      const int64_t at = cache.at(b, kv, slot, D);
       const float *k = qkv + m * E + (s.H + kv) * D, *v = qkv + m * E + (s.H + s.Hkv + kv) * D;
       if (cache.bf16) {
         for (int64_t i = 0; i < D; ++i) {
@@ -338,9 +338,10 @@ inline void attend(const Shape& s, const Window& w, const Cache& cache, const fl
     int64_t n_new = 0;
     for (int64_t u = 0; u < w.T; ++u)
       if (w.tree ? w.tree[(b * w.T + t) * w.T + u] : u <= t) visible[n_new++] = static_cast<int>(u);
-    const int64_t first = (b * s.Hkv + kv) * cache.S * D;
-    auto key = [&](const auto* base) {
-      return [=](int64_t i) { return base + first + (i < committed ? i : committed + visible[i - committed]) * D; };
+    auto key = [&](const auto* base) {  // through the row's block table, in position order
+      return [=, &cache](int64_t i) {
+        return base + cache.at(b, kv, i < committed ? i : committed + visible[i - committed], D);
+      };
     };
     const float *q = qkv + m * E + head * D, scale = 1.f / std::sqrt(static_cast<float>(D));
     if (cache.bf16)

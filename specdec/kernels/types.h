@@ -80,11 +80,23 @@ struct Window {  // the new tokens of one forward and where their keys and value
   const float* inv_freq;     // (R/2,)
 };
 
-struct Cache {  // one layer's keys and values: (B, Hkv, S, D) each, float32 or bf16
+// One layer's keys and values in blocks of 2^shift positions (lm/kv_cache.py), float32 or bf16: a block
+// is (Hkv, 2^shift, D) elements, block_stride elements after the one before it in the pool; row b's
+// position i lies in block table[b * W + (i >> shift)].
+struct Cache {
   void* k;
   void* v;
-  int64_t S;
+  int64_t block_stride;
+  const int32_t* table;  // (B, W) each row's blocks, in position order
+  int64_t W;
+  int64_t shift;
   bool bf16;
+
+  int64_t S() const { return W << shift; }  // the positions a row's table covers
+  // the element offset of row b's key (or value) of kv head `kv` at position i
+  int64_t at(int64_t b, int64_t kv, int64_t i, int64_t D) const {
+    return table[b * W + (i >> shift)] * block_stride + ((kv << shift) + (i & ((int64_t{1} << shift) - 1))) * D;
+  }
 };
 
 // x rounded to bf16, to nearest even (as PyTorch converts); a NaN stays a NaN.

@@ -21,6 +21,8 @@ class HFCache:
     """Per-row transformers caches with the interface of kv_cache.KVCache (lengths, held,
     longest, advance, rollback, regroup, staging); no trees (no compact)."""
 
+    pool = None  # no blocks: each row is a transformers cache of its own, grown as it goes
+
     def __init__(self, config, rows: int, device: torch.device):
         self.config, self.device = config, device
         self.rows = [DynamicCache(config=config) for _ in range(rows)]
@@ -31,13 +33,15 @@ class HFCache:
         self.rows, self.held = rows, list(held)
         self.lengths = torch.tensor(held, dtype=torch.long, device=self.device)
 
-    def regroup(self, keep: list[int], joining: "HFCache | None" = None, empty: int = 0) -> None:
-        """Rows `keep` (in that order), then every row of `joining`, then `empty` new rows."""
+    def regroup(self, keep: list[int], joining: "HFCache | None" = None, empty: int = 0,
+                promises: list[int] | None = None) -> None:
+        """Rows `keep` (in that order), then every row of `joining`, then `empty` new rows (`promises`:
+        nothing to promise, memory is transformers')."""
         rows = [self.rows[b] for b in keep] + (joining.rows if joining is not None else [])
         held = [self.held[b] for b in keep] + (joining.held if joining is not None else [])
         self._set(rows + [DynamicCache(config=self.config) for _ in range(empty)], held + [0] * empty)
 
-    def staging(self, rows: int) -> "HFCache":
+    def staging(self, rows: int, promises: list[int] | None = None) -> "HFCache":
         return HFCache(self.config, rows, self.device)
 
     @property
@@ -71,7 +75,8 @@ class HFCausalLM:
                                    backend=f"transformers {type(model).__name__}: "
                                            f"{backend(model.device, model.dtype)}")
 
-    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> HFCache:
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                  tokens: int | None = None) -> HFCache:
         if dtype not in (None, self.model.dtype):
             raise SpecdecError(f"a transformers model keeps its cache in its own dtype ({self.model.dtype}), "
                                f"not {dtype}: leave the KV cache's dtype unset")

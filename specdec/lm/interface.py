@@ -111,9 +111,11 @@ def next_positions(cache, width: int, context: int) -> torch.Tensor | None:
 
 
 def prefill_all_but_last(model, cache, prompts: list[list[int]], features: tuple[int, ...] = ()) -> torch.Tensor:
-    """Write every prompt except its last token into the cache (the last one opens the first
-    window); return the features there (`declared_features`), right-padded."""
-    heads, lengths = pad_right([p[:-1] for p in prompts], device=cache.lengths.device)  # (B, P-1), (B,)
+    """Write every prompt except its last token into the cache, after what each row already holds
+    (the last one opens the first window); return the features of the positions written
+    (`declared_features`), right-padded."""
+    held = list(cache.held)
+    heads, lengths = pad_right([p[n:-1] for p, n in zip(prompts, held)], device=cache.lengths.device)  # (B, W), (B,)
     if heads.shape[1] == 0:
         return no_features(model, len(prompts), features)
     out = model(heads, cache=cache, logits_index=lengths.clamp(min=1)[:, None] - 1, **layer_request(features))
@@ -132,15 +134,30 @@ def declared_features(out, features: tuple[int, ...]) -> torch.Tensor:
     return out.hidden if not features else torch.cat([out.layers[i] for i in features], -1)
 
 
-def prefill_joining(model, cache, prompts: list[list[int]], features: tuple[int, ...] = ()) -> torch.Tensor:
-    """Append each prompt as a new row after the cache's rows, prefilled without its last token
-    (as `prefill_all_but_last`, in a staging cache when rows are already there); return the
-    features there (`declared_features`, (n, P-1, ...)), right-padded."""
-    rows = cache.lengths.shape[0]
-    if rows == 0:
-        cache.regroup([], empty=len(prompts))
-        return prefill_all_but_last(model, cache, prompts, features)
-    staging = cache.staging(len(prompts))
-    hidden = prefill_all_but_last(model, staging, prompts, features)
-    cache.regroup(list(range(rows)), staging)
+def prefill_joining(model, cache, prompts: list[list[int]], features: tuple[int, ...] = (),
+                    promises: list[int] | None = None, share: bool = False) -> torch.Tensor:
+    """Append each prompt as a new row after the cache's rows, prefilled without its last token in a
+    staging cache (its rows promised `promises` blocks, lm/kv_cache.py); return the features there
+    (`declared_features`, (n, P-1, ...)), right-padded. share: each row first maps the cached blocks
+    of its leading tokens and prefills only after them, then registers its own full blocks (the
+    features are then those of the positions prefilled: for proposers that read none). Rows left
+    with different numbers of tokens to prefill go one at a time in a cache of blocks, so that
+    none writes (and holds) padding."""
+    staging = cache.staging(len(prompts), promises)
+    heads = [p[:-1] for p in prompts]
+    starts = [staging.share(b, head) for b, head in enumerate(heads)] if share else [0] * len(heads)
+    if getattr(staging, "pool", None) is None or len({(len(h), s) for h, s in zip(heads, starts)}) == 1:
+        hidden = prefill_all_but_last(model, staging, prompts, features)
+    else:
+        rows = []
+        for b in range(len(prompts)):
+            alone = staging.row(b)
+            rows.append(prefill_all_but_last(model, alone, [prompts[b]], features)[0])
+            staging.put_row(b, alone)
+        width = max(len(r) for r in rows)
+        hidden = torch.stack([torch.cat([r, r.new_zeros(width - len(r), *r.shape[1:])]) for r in rows])
+    if share:
+        for b, head in enumerate(heads):
+            staging.register(b, head)
+    cache.regroup(list(range(len(cache.held))), staging)
     return hidden

@@ -27,7 +27,7 @@ from .. import kernels
 from ..errors import SpecdecError
 from .arch import Arch
 from .device import backend, placement
-from .kv_cache import KVCache
+from .kv_cache import KVCache, cache_for
 
 
 class ModelOutput(NamedTuple):
@@ -217,7 +217,8 @@ class StackedLayers:
         cache = window.cache
         if self.stack is None or cache is None or torch.is_grad_enabled():
             return None
-        return self.stack.forward(x.contiguous(), cache.keys, cache.values, layer, *window.kernel_args(), list(keep),
+        return self.stack.forward(x.contiguous(), cache.keys, cache.values, cache.table, layer, *window.kernel_args(),
+                                  list(keep),
                                   _NO_ROWS)
 
     def stack_layers(self) -> None:
@@ -318,7 +319,7 @@ class Window:
         if self.cache is None:
             return None if self.tree is None else self.tree[:, None]
         # one new token after equal-length rows sees the whole span: no mask to build or apply
-        if self.width > 1 or self.tree is not None or self.slots.start is None:
+        if self.width > 1 or self.tree is not None or min(self.cache.held) != self.cache.longest:
             return attention_mask_for(self.cache, self.width, self.span, self.tree, self.dtype)
         return None
 
@@ -475,13 +476,16 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
     def stacked(self) -> list[DecoderLayer]:
         return list(self.model.layers)
 
-    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        """A cache of `batch_size` rows; dtype: its keys' and values' (default: the model's compute dtype;
-        bfloat16 halves the bytes a batched step's attention reads, the entries rounded to it)."""
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                  tokens: int | None = None) -> KVCache:
+        """A cache of up to `batch_size` rows of `max_len` positions (default the context) over a pool of
+        `tokens` positions (default enough for every row's whole length; memory is taken as rows grow);
+        dtype: its keys' and values' (default: the model's compute dtype; bfloat16 halves the bytes,
+        the entries rounded to it)."""
         cfg = self.config
-        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
-                       max_len or cfg.max_position_embeddings, dtype=dtype or placement(self).dtype,
-                       device=placement(self).device)
+        return cache_for(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, batch_size,
+                         max_len or cfg.max_position_embeddings, dtype or placement(self).dtype,
+                         placement(self).device, tokens)
 
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T, C): the embedding's rows, unscaled: what a draft head reads."""
@@ -510,7 +514,7 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
         if table is None or self.model.embedding_scale is not None:  # held as blocks, or scaled: the rows first
             table = self.model.embed(ids).reshape(-1, self.config.hidden_size).contiguous()
             ids = torch.arange(table.shape[0], device=ids.device).view(ids.shape)
-        out = kernels.draft_block(layers.stack, table, ids, cache.keys, cache.values,
+        out = kernels.draft_block(layers.stack, table, ids, cache.keys, cache.values, cache.table,
                                   cache.lengths, positions, inv_freq, columns, kernel_scale(norm), norm.eps,
                                   unembedding, vocab_ids, logits, fuse)
         cache.advance(ids.shape[1])

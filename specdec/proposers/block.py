@@ -31,7 +31,7 @@ import torch
 from ..decoding.protocol import Proposal
 from ..errors import SpecdecError
 from ..lm.device import placement
-from ..lm.kv_cache import KVCache
+from ..lm.kv_cache import cache_for
 from .base import draw, with_alternatives
 from .block_head import check_head_fits
 from .eagle import EagleProposer, EagleState
@@ -59,8 +59,8 @@ class BlockProposer(EagleProposer):
                                f"with a longer block (--block-size)")
         cfg, head, (device, dtype) = self.target.config, self.head, placement(self.target)
         # the longest row's entries stay below max_len; drafts, masks and padded windows add less than this
-        cache = KVCache(len(head.layers), capacity, cfg.num_key_value_heads, cfg.head_dim,
-                        max_len + 2 * (k + 1) + head.block, dtype=dtype, device=device)
+        cache = cache_for(len(head.layers), cfg.num_key_value_heads, cfg.head_dim, capacity,
+                          max_len + 2 * (k + 1) + head.block, dtype, device)
         cache.regroup([])
         features = torch.zeros(0, 0, cfg.hidden_size * len(self.features), dtype=dtype, device=device)
         return EagleState([], cache, [], features, torch.zeros(0, 0, dtype=torch.long, device=device), [])

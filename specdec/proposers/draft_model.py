@@ -82,6 +82,7 @@ class DraftModelProposer:
     trees = True
     max_depth = None
     features = ()  # none read; the engine's default
+    prompt_features = False  # joins without reading prompt_hidden
 
     def __init__(self, model, draft_vocab: int | None = None, token_counts: torch.Tensor | None = None,
                  tree: str = "static", stop_below: float | None = None):
@@ -124,8 +125,8 @@ class DraftModelProposer:
                                f"{max_len - 1} positions this generation needs: shorten the prompt or "
                                "max_new_tokens, or use a draft model with a longer context")
         if target_cache is not None:
-            cfg, store = self.model.config, target_cache.store
-            if (store.shape[1], store.shape[3], store.shape[5]) != (cfg.num_hidden_layers, cfg.num_key_value_heads,
+            cfg, store = self.model.config, target_cache.pool.store
+            if (store.shape[2], store.shape[3], store.shape[5]) != (cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                                     cfg.head_dim):
                 raise SpecdecError("this draft's layers do not have the target's shapes, so it cannot read the "
                                    "target's cache: build the self-draft from the target it drafts for")

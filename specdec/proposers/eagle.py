@@ -32,7 +32,7 @@ from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import abilities, next_positions
-from ..lm.kv_cache import KVCache
+from ..lm.kv_cache import KVCache, cache_for
 from ..lm.model import LlamaForCausalLM
 from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, linear_rows, with_alternatives
 from .eagle_head import EagleHead, check_head_fits
@@ -104,8 +104,7 @@ class EagleProposer:
         # the longest row's entries stay below max_len; a window pads every row to the widest pending
         # stretch (a prompt, the plain steps since the head last drafted: < max_len) and drafts add < 2 (k + 1);
         # one layer's entries: the room costs little
-        cache = KVCache(1, capacity, cfg.num_key_value_heads, cfg.head_dim, 2 * max_len + 2 * (k + 1), dtype=dtype,
-                        device=device)
+        cache = cache_for(1, cfg.num_key_value_heads, cfg.head_dim, capacity, 2 * max_len + 2 * (k + 1), dtype, device)
         cache.regroup([])
         features = torch.zeros(0, 0, cfg.hidden_size * len(self.features), dtype=dtype, device=device)
         return EagleState([], cache, [], features, torch.zeros(0, 0, dtype=torch.long, device=device), [])

@@ -53,6 +53,7 @@ class HybridProposer:
         self.vocab_size = model.vocab_size
         self.trees = lookup.trees
         self.features = getattr(model, "features", ())  # lookup reads tokens only
+        self.prompt_features = getattr(model, "prompt_features", True)
 
     def forget(self) -> None:
         """Lookup's shared memory of earlier generations dropped (SuffixProposer.forget)."""

@@ -41,7 +41,7 @@ from ..decoding.tree import caterpillar_layout, on_chain
 from ..errors import SpecdecError
 from ..lm.device import placement
 from ..lm.interface import abilities, next_positions
-from ..lm.kv_cache import KVCache
+from ..lm.kv_cache import KVCache, cache_for
 from ..lm.model import LlamaForCausalLM, frozen_linear
 from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, with_alternatives
 from .heads import MTPHeads, check_heads_fit
@@ -102,8 +102,7 @@ class MTPProposer:
         cfg, (device, dtype) = self.target.config, placement(self.target)
         # positions written stay below max_len + the widest window (every row padded to the widest pending
         # stretch: a prompt, the plain steps since the heads last drafted: < max_len) + 3 (k + 1)
-        cache = KVCache(k, capacity, cfg.num_key_value_heads, cfg.head_dim, 2 * max_len + 3 * (k + 1), dtype=dtype,
-                        device=device)
+        cache = cache_for(k, cfg.num_key_value_heads, cfg.head_dim, capacity, 2 * max_len + 3 * (k + 1), dtype, device)
         cache.regroup([])
         return MTPState([], k, cache, [], torch.zeros(0, 0, cfg.hidden_size, dtype=dtype, device=device),
                         torch.zeros(0, 0, dtype=torch.long, device=device), [])

@@ -105,6 +105,7 @@ class NgramState:
 class NgramProposer:
     name = "ngram"
     features = ()  # none read; the engine's default
+    prompt_features = False  # joins without reading prompt_hidden
     vocab_size = None  # proposes only ids it has seen
     trees = True
     max_depth = None

@@ -169,6 +169,7 @@ class SuffixProposer:
     vocab_size = None  # proposes only ids it has seen
     trees = True
     max_depth = None   # levels per step: as many as the match allows (factor), within the limits
+    prompt_features = False  # joins without reading prompt_hidden
 
     def __init__(self, trie_depth: int = 24, max_match: int = 12, min_score: float = 0.1, factor: float = 1.0,
                  shared_nodes: int = 1_000_000, min_match: int = 1):

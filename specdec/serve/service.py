@@ -34,10 +34,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from ..api import Loaded
 from ..decoding.engine import Engine, Request
 from ..decoding.pipeline import Prompt, prepare, request
 from ..errors import SpecdecError
+from ..lm.kv_cache import BLOCK, budget_blocks
 from ..lm.tokenizer import has_template
 from .prometheus import Metrics
 from .requests import Params
@@ -97,12 +100,18 @@ class Job:
 
 class Service:
     def __init__(self, target: Loaded, proposer, k: int | str, method: str, capacity: int = 16, max_queue: int = 64,
-                 name: str | None = None, widths: tuple[int, ...] | None = None):
-        """proposer None (k = 0): plain decoding."""
+                 name: str | None = None, widths: tuple[int, ...] | None = None, kv_budget: str | None = None,
+                 kv_dtype: torch.dtype | None = torch.bfloat16):
+        """proposer None (k = 0): plain decoding. kv_budget: the target's KV cache in tokens or a size
+        (lm/kv_cache.budget_blocks; None: from the memory free now); kv_dtype: its keys' and values'."""
         self.target, self.method, self.k = target, method, k
         self.name = name or target.path.name
         self.context = target.lm.context
-        self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths, name=self.name)
+        cfg = target.lm.lm.config
+        block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * BLOCK * cfg.head_dim * kv_dtype.itemsize
+        blocks, self.kv_budget = budget_blocks(kv_budget, block)
+        self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths, name=self.name,
+                             kv_dtype=kv_dtype, kv_tokens=blocks * BLOCK)
         self.capacity, self.max_queue = capacity, max_queue
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
@@ -151,6 +160,7 @@ class Service:
             job.prompt = prepare(self.target.tokenizer, self.context, p.options, p.prompt,
                                  None if p.messages is None else list(p.messages), budget="max_tokens",
                                  vocab=self.target.lm.lm.config.vocab_size)
+        self.engine.check_memory(job.prompt.length, p.options.max_new_tokens, "max_tokens")
 
     def submit(self, job: Job) -> None:
         """Hand an encoded job to the engine (handlers' loop)."""
