@@ -7,8 +7,10 @@ starts with it.
 
 Another checkpoint's prompts follow its own rules, as transformers applies them: the BOS from
 tokenizer_config.json (`bos_token`) or config.json, put first where `add_bos_token` says so (or,
-without that key, where tokenizer.json's post-processor adds it); generation ends at any EOS of
-generation_config.json (a list for Llama-3), else config.json's, else tokenizer_config.json's.
+without that key, where tokenizer.json's post-processor adds it); generation ends at any id of its
+end-of-generation set (`end_of_generation`): generation_config.json's eos_token_id (a list for
+Llama-3), else config.json's, else tokenizer_config.json's eos_token. A folder converted from a GGUF
+file holds llama.cpp's set in its config.json (gguf.end_ids).
 
 A chat (`template`: used by `specdec serve`'s /v1/chat/completions, `specdec generate --chat` and
 `api.generate(messages=...)`) becomes the prompt's ids by the checkpoint's own chat template,
@@ -174,10 +176,17 @@ def prompt_rules(tok: _HFTokenizer, folder: Path) -> tuple[tuple[int, ...], tupl
         bare, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a", add_special_tokens=True).ids
         starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
         prefix = tuple(full[:starts[0]]) if starts else ()
+    return prefix, end_of_generation(tok, folder)
+
+
+def end_of_generation(tok: _HFTokenizer, folder: Path) -> tuple[int, ...]:
+    """The ids that end a generation of a transformers checkpoint folder, any one of them:
+    generation_config.json's eos_token_id (one id or a list), else config.json's, else
+    tokenizer_config.json's eos_token (a GGUF file's folder: llama.cpp's set, written into its
+    config.json by gguf.end_ids)."""
+    tcfg, cfg, gen = (_json(folder / name) for name in (TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG))
     eos = _ids(gen.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
-    if not eos:
-        eos = _ids(_token_id(tok, tcfg.get("eos_token"), folder / TOKENIZER_CONFIG))
-    return prefix, eos
+    return eos or _ids(_token_id(tok, tcfg.get("eos_token"), folder / TOKENIZER_CONFIG))
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
