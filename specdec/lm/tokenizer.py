@@ -12,6 +12,8 @@ end-of-generation set (`end_of_generation`): generation_config.json's eos_token_
 Llama-3), else config.json's, else tokenizer_config.json's eos_token. A folder converted from a GGUF
 file holds llama.cpp's set in its config.json (gguf.end_ids).
 
+Special tokens stand for no text: `decode` leaves them out unless asked (skip_special_tokens=False).
+
 A chat (`template`: used by `specdec serve`'s /v1/chat/completions, `specdec generate --chat` and
 `api.generate(messages=...)`) becomes the prompt's ids by the checkpoint's own chat template,
 rendered by transformers exactly as `tokenizer.apply_chat_template(messages,
@@ -21,7 +23,8 @@ a model without one is refused with a clear SpecdecError. Special-token text ins
 a user typing "<|endoftext|>") is encoded as text, not as the control token (transformers'
 sanitize_control_tokens); the template's own control tokens are encoded as tokens. The template's
 end-of-turn token (its eos_token, when it is not the target's <|endoftext|>) is a stop string of
-every chat request.
+every chat request (a stop string that is a special token's text ends the row at that token:
+decoding/pipeline.py).
 
 This module knows nothing about models, sampling or serving.
 """
@@ -113,6 +116,11 @@ class Tokenizer:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     @cached_property
+    def special_ids(self) -> dict[str, int]:
+        """The special tokens' ids by their text (the tokens `decode` leaves out)."""
+        return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    @cached_property
     def token_bytes(self) -> list[bytes | None]:
         """The bytes each token id stands for (None: a special token, which stands for no text);
         a token not written in the byte-level alphabet (a SentencePiece-style vocabulary) by its
@@ -129,8 +137,10 @@ class Tokenizer:
                 table[i] = self.tok.decode([i], skip_special_tokens=False).encode("utf-8")
         return table
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; special tokens ("<|im_end|>", "<|fim_pad|>") are left out unless
+        skip_special_tokens=False."""
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "config.json", "generation_config.json"
