@@ -15,7 +15,8 @@
 
 Prompts follow the checkpoint's rules (tokenizer.py): specdec's own models see the document
 separator <|endoftext|> first, as every training document was; another checkpoint its BOS where
-its tokenizer config adds it, and generation ends at any of its EOS ids. A
+its tokenizer config adds it, and generation ends at any id of its end-of-generation set (a GGUF
+file's: llama.cpp's); special tokens are left out of the texts unless asked for. A
 prompt ending in whitespace is token-healed (decoding/pipeline.py): its last token is backed off and the
 first generated token must extend the prompt's text, so the completion of a prompt P is always
 P + result.texts[i]; the first of result.tokens[i] then also covers P's trailing whitespace.
@@ -177,17 +178,18 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
              stop: tuple[str, ...] = (), proposer: Proposer | None = None, k: int | str | None = None,
              widths: tuple[int, ...] | None = None, messages: list[dict] | None = None,
              on_text: Callable[[int, str], None] | None = None, special_tokens: bool = False,
-             heal: bool = True, constraint: Constraint | None = None) -> Result:
+             heal: bool = True, constraint: Constraint | None = None, skip_special_tokens: bool = True) -> Result:
     """Plain decoding, or speculative decoding when a proposer is given (see `load_drafter`);
     k: draft tokens per step, or "auto" (the default with a proposer: chosen each step from what
     pays); widths: a draft tree's most nodes per depth (with "auto": the tree tried beside chains).
     messages: a chat ([{"role": "user", "content": ...}, ...]) instead of prompts, rendered by the
     checkpoint's chat template (lm/tokenizer.py); the reply is texts[0]. Prompts take the one request path
     (decoding/pipeline.py): special-token text is text unless special_tokens=True; a prompt ending
-    in whitespace is token-healed unless heal=False. With a seed, each prompt's sampled tokens depend
-    only on the seed, the prompt and the target (sampling.py): prompts that share a seed share its
-    noise. on_text(i, piece): called as prompt i's tokens are committed, with text that is never
-    taken back; prompt i's pieces add up to texts[i].
+    in whitespace is token-healed unless heal=False. Generation ends at any id of the checkpoint's
+    end-of-generation set; the texts leave special tokens out unless skip_special_tokens=False.
+    With a seed, each prompt's sampled tokens depend only on the seed, the prompt and the target
+    (sampling.py): prompts that share a seed share its noise. on_text(i, piece): called as prompt
+    i's tokens are committed, with text that is never taken back; prompt i's pieces add up to texts[i].
     constraint: structured output (decoding/constraint.py: JSON Schema, json_object, regex, grammar),
     the target's distribution masked to it at every position; prompts are then not healed, and the
     grammar's forced tokens are drafted (stats "forced"); plain decoding under it runs k = 0 with the
@@ -200,7 +202,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     stop = inputs.generation(max_new_tokens, stop)
     inputs.draft_length(k, proposer, widths)
     options = Options(max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), stop, special_tokens, heal,
-                      constraint)
+                      constraint, skip_special_tokens)
     texts = None if prompts is None else inputs.prompts(prompts)
     k = default_k(proposer) if k is None else k
     setup = run_setup(target)

@@ -125,7 +125,8 @@ def cmd_generate(args) -> None:
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       stop=tuple(args.stop), proposer=proposer, k=k if proposer is not None else None,
                       widths=args.tree, messages=chat, on_text=show if streaming else None,
-                      special_tokens=args.special_tokens, heal=not args.no_heal, constraint=constraint_of(args))
+                      special_tokens=args.special_tokens, heal=not args.no_heal, constraint=constraint_of(args),
+                      skip_special_tokens=not args.keep_special_tokens)
     if args.json:
         print(json.dumps({"text": result.texts[0], "tokens": result.tokens[0],
                           "finish_reason": result.finish_reasons[0], "stats": result.stats}))
@@ -881,6 +882,9 @@ def add_generate_parser(sub) -> None:
     g.add_argument("--special-tokens", action="store_true",
                    help="special-token text in the prompt (e.g. <|im_start|>) stands for the special token "
                         "(default: it is text, as every entry point encodes it)")
+    g.add_argument("--keep-special-tokens", action="store_true",
+                   help="special tokens the model writes (e.g. <|fim_prefix|>) stay in the text (default: left "
+                        "out; the token that ends the generation never is in it)")
     g.add_argument("--no-heal", action="store_true",
                    help="keep the tokens of a prompt ending in whitespace as they are (default: token healing: its "
                         "last token is backed off and the first generated token must extend the prompt's text)")

@@ -188,7 +188,8 @@ def add_tokenizer(w: GGUFWriter, tok: Tokenizer, add_bos: bool, bos: str | None,
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])  # 3: control
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    w.add_token_types([3 if t in specials else 1 for t in tokens])  # 3: control
     w.add_token_merges(merges)
     if bos is not None:
         w.add_bos_token_id(tok.token_to_id(bos))

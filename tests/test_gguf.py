@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import transformers
+from gguf import GGUFWriter
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -70,8 +71,9 @@ def test_tensors_and_config_are_transformers_gguf_reading(written):
         assert torch.equal(value, tensors[name].to(value.dtype)), name
     mine = json.loads((folder / "config.json").read_text())
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "max_position_embeddings", "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+                "max_position_embeddings", "vocab_size", "tie_word_embeddings", "bos_token_id"):
         assert mine[key] == config[key], key
+    assert mine["eos_token_id"][0] == config["eos_token_id"]  # then the other ends llama.cpp finds (<|endoftext|>)
     assert mine["rms_norm_eps"] == pytest.approx(config["rms_norm_eps"], rel=1e-6)
     assert mine["rope_parameters"]["rope_theta"] == config["rope_theta"]
 
@@ -140,12 +142,64 @@ def test_tokenizer_bos_eos_and_chat_template_come_from_the_metadata(written, tok
     ours = Tokenizer.load(folder)
     text = "def f(x):\n    return json.dumps(x)  # é\n"
     assert ours.encode(text) == tok.encode(text).ids
-    assert ours.prefix == [] and ours.eos_ids == (tok.token_to_id("<|im_end|>"),)
+    # the file names <|im_end|> its EOS; llama.cpp also ends at the vocabulary's <|endoftext|>
+    assert ours.prefix == [] and ours.eos_ids == (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
     messages = [{"role": "user", "content": "hi <|im_end|>"}]
     chat = template(folder)
     assert chat.tokenizer.chat_template == CHATML
     ids = chat.ids(messages)
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(tok.token_to_id("<|im_end|>")) == 1
+
+
+def vocabulary_file(path, tokens: list[str], **named: str):
+    """A GGUF file of a vocabulary and the special tokens `named` by kind (eos=..., fim_pad=...), no tensors."""
+    w = GGUFWriter(str(path), "qwen2")
+    w.add_token_list(tokens)
+    for kind, text in named.items():
+        w.add_uint32(f"tokenizer.ggml.{kind}_token_id", tokens.index(text))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf.open_file(path)
+
+
+QWEN_CODER = ["def", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>",
+              "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+@pytest.mark.parametrize("tokens, named, ends", [
+    # Qwen2.5-Coder: the file names <|im_end|>; llama.cpp also ends at <|endoftext|> and the FIM pad,
+    # repo and file-separator tokens, not at the other FIM tokens
+    (QWEN_CODER, {"eos": "<|im_end|>"}, ["<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]),
+    # SmolLM2: <reponame> is its FIM repo token; <repo_name> and <file_sep> are not llama.cpp's
+    (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>"], {"eos": "<|im_end|>"},
+     ["<|im_end|>", "<|endoftext|>", "<reponame>"]),
+    # Llama 3.1: the end of a turn, of a message and of the text
+    (["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>", "x"], {"eos": "<|eot_id|>"},
+     ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"]),
+    # Phi-3: the named EOS and end of turn first
+    (["<unk>", "<s>", "</s>", "<|end|>", "<|endoftext|>"], {"eos": "<|endoftext|>", "eot": "<|end|>"},
+     ["<|endoftext|>", "<|end|>", "</s>"]),
+    # a FIM pad the metadata names, whatever its text
+    (["a", "<pad_here>", "</s>"], {"eos": "</s>", "fim_pad": "<pad_here>"}, ["</s>", "<pad_here>"]),
+    # gpt-oss: <|return|> and <|call|> end a turn, so <|end|> does not
+    (["<|start|>", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>"], {"eos": "<|return|>"},
+     ["<|return|>", "<|call|>", "<|endoftext|>"]),
+], ids=["qwen2.5-coder", "smollm2", "llama3.1", "phi3", "named-fim", "gpt-oss"])
+def test_the_end_of_generation_set_is_llama_cpps(tmp_path, tokens, named, ends):
+    got = gguf.end_ids(vocabulary_file(tmp_path / "vocab.gguf", tokens, **named))
+    assert [tokens[i] for i in ([got] if isinstance(got, int) else got)] == ends
+
+
+def test_a_converted_file_ends_at_each_id_of_its_set(tmp_path, gguf_cache):
+    """A vocabulary with <|endoftext|>, <|im_end|> and <|fim_pad|>, the file's EOS only <|im_end|>:
+    the converted folder's tokenizer ends at all three, the named EOS first."""
+    raw = byte_level_tokenizer()
+    raw.add_special_tokens(["<|fim_prefix|>", "<|fim_pad|>"])
+    path = write_gguf(tmp_path / "coder.gguf", hf_model("qwen2", vocab_size=raw.get_vocab_size()), raw, "qwen2")
+    ends = Tokenizer.load(gguf.folder(path)).eos_ids
+    assert ends == tuple(raw.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>"))
 
 
 def test_expert_counts_of_zero_are_a_dense_model_and_others_are_refused(tmp_path, gguf_cache, tok):

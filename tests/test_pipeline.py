@@ -88,13 +88,16 @@ def test_a_character_split_across_tokens_is_streamed_whole(target):
 
 
 def test_every_option_reaches_the_engines_request(target):
-    options = Options(7, SamplingConfig(0.5, top_k=3, seed=4), ("\n\n",), special_tokens=True, heal=False)
+    options = Options(7, SamplingConfig(0.5, top_k=3, seed=4), ("\n\n",), special_tokens=True, heal=False,
+                      skip_special_tokens=False)
     prompt = prepare(target.tokenizer, 256, options, "<|endoftext|>x")
     assert prompt.ids == target.tokenizer.prefix + target.tokenizer.encode("<|endoftext|>x", True)
     generator = torch.Generator()
     row = request(target.tokenizer, prompt, options, generator, None)
     assert (row.prompt, row.sampling, row.generator, row.on_tokens) == (prompt.ids, options.sampling, generator, None)
-    assert row.rule == stop_rule(target.tokenizer, 7, ("\n\n",))
+    rule = stop_rule(target.tokenizer, 7, ("\n\n",), skip_special_tokens=False)
+    assert (row.rule.max_new_tokens, row.rule.eos_ids, row.rule.stop_strings) == (7, rule.eos_ids, ("\n\n",))
+    assert row.rule.decode(prompt.ids) == rule.decode(prompt.ids) == "<|endoftext|><|endoftext|>x"
 
 
 def test_healing_a_batch_is_healing_each_prompt_alone(target):

@@ -6,8 +6,9 @@
              cannot fit; a constraint (structured output) compiled against the tokenizer
     heal     a prompt that ended in whitespace gets a rule for its first token (`healing`, token
              healing below), which the engine applies at that token as a grammar's mask (guided.py)
-    stop     `stop_rule`, per row: EOS ids, the request's stop strings and the prompt's (a chat's end
-             of turn), max_new_tokens; a healed row's stop strings skip the backed-off text
+    stop     `stop_rule`, per row: the checkpoint's end-of-generation ids, the request's stop strings
+             and the prompt's (a chat's end of turn), max_new_tokens; a healed row's stop strings
+             skip the backed-off text
     stream   `TextStream`: pieces that are never taken back
     engine   an `engine.Request`, to `Engine.submit` (the server) or, for a closed batch, `generate`:
              the whole path and one `Engine.run`; an engine without a proposer decodes plainly
@@ -22,8 +23,13 @@ The checkpoint's rules (`encode`):
 - A text ending in whitespace is token-healed unless heal=False or the request is constrained (a
   healed prompt's first token would be chosen outside the grammar): its last token is backed off
   (`back_off`) and the first generated token must extend the text.
-- Generation ends at any of the checkpoint's EOS ids (its end-of-turn ids among them), at a stop
-  string, or after max_new_tokens.
+- Generation ends at any id of the checkpoint's end-of-generation set (tokenizer.py: a GGUF file's
+  is llama.cpp's, its end-of-turn and FIM end tokens among them), at a stop string, or after
+  max_new_tokens.
+- Special tokens stand for no text: the text (and its stream) leaves them out unless the caller
+  asks for them (skip_special_tokens=False; the command line's --keep-special-tokens, a request's
+  "skip_special_tokens": false, vLLM's name). Stop strings are found in that text; a stop string
+  that is a special token's text (a chat template's "<|im_end|>") ends the row at that token.
 
 Token healing. Byte-level BPE merges a line break with the indentation after it ("\n    " is one
 token, "\n        " another), so where a prompt's text ends and where the model would have put a
@@ -52,8 +58,9 @@ through the same encoding and context rule.
 A stream of text (`TextStream`) turns a request's tokens, as they arrive step by step, into pieces
 that are safe to send: a piece is never taken back. The text is decoded from all tokens so far
 (byte-level BPE decodes by concatenation, except a character split across tokens, held back until
-complete), and a tail that could be the start of a stop string is held back until it is known not
-to be one. The final text (the engine's Row.text: stop string and EOS cut) closes the stream. Each
+complete; special tokens left out as in the final text), and a tail that could be the start of a
+stop string is held back until it is known not to be one. The final text (the engine's Row.text:
+stop string and EOS cut) closes the stream. Each
 piece is labelled with who chose its tokens: "draft" (accepted draft tokens) or "target" (the
 recovered or bonus token, or every token of plain decoding).
 
@@ -114,6 +121,7 @@ class Options:
     special_tokens: bool = False   # special-token text in the prompt is the control token, not text
     heal: bool = True              # token-heal a prompt that ends in whitespace (never under a constraint)
     constraint: Constraint | None = None  # structured output: what its tokens must match (constraint.py)
+    skip_special_tokens: bool = True  # special tokens the model writes are left out of the text
 
 
 def prepare(tokenizer: Tokenizer, context: int, options: Options, text: str | None = None,
@@ -172,12 +180,17 @@ def healing(tokenizer: Tokenizer, text: str, vocab: int) -> FirstToken:
     return FirstToken(np.packbits(ok, bitorder="little").view(np.int32), frozenset(tokenizer.eos_ids))
 
 
-def stop_rule(tokenizer: Tokenizer, max_new_tokens: int, stop: tuple[str, ...] = (), skip: int = 0) -> StopRule:
-    """When a generation ends: the checkpoint's EOS ids, the stop strings, max_new_tokens. skip:
-    characters at the start of the generated text the stop strings do not see (a healed prompt's
-    backed-off text, which the first token repeats)."""
-    decode = tokenizer.decode if not skip else (lambda tokens: tokenizer.decode(tokens)[skip:])
-    return StopRule(max_new_tokens, tokenizer.eos_ids, stop, decode)
+def stop_rule(tokenizer: Tokenizer, max_new_tokens: int, stop: tuple[str, ...] = (), skip: int = 0,
+              skip_special_tokens: bool = True) -> StopRule:
+    """When a generation ends: the checkpoint's end-of-generation ids, the stop strings (one that is
+    a special token's text: that token), max_new_tokens. skip: characters at the start of the
+    generated text the stop strings do not see (a healed prompt's backed-off text, which the first
+    token repeats); skip_special_tokens: the text leaves special tokens out."""
+    render = partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    decode = render if not skip else (lambda tokens: render(tokens)[skip:])
+    special = tokenizer.special_ids
+    return StopRule(max_new_tokens, tokenizer.eos_ids, tuple(s for s in stop if s not in special), decode,
+                    tuple(special[s] for s in stop if s in special))
 
 
 def fixed_prompts(tokenizer: Tokenizer, context: int, texts: list[str], max_new_tokens: int,
@@ -197,10 +210,11 @@ def request(tokenizer: Tokenizer, prompt: Prompt, options: Options, generator: t
     rule and, where on_text is given, its text stream. generator: the row's (rows may share one)."""
     skip = len(prompt.healed)
     stop = options.stop + prompt.stop
-    rule = stop_rule(tokenizer, options.max_new_tokens, stop, skip)
+    rule = stop_rule(tokenizer, options.max_new_tokens, stop, skip, options.skip_special_tokens)
     on_tokens = None
     if on_text is not None:
-        text = TextStream(tokenizer.decode, stop, skip)
+        text = TextStream(partial(tokenizer.decode, skip_special_tokens=options.skip_special_tokens),
+                          rule.stop_strings, skip)
 
         def on_tokens(request: Request, tokens: list[int], drafted: int) -> None:
             final = request.row.text() if request.row.done else None

@@ -4,9 +4,12 @@ Every decoder (reference, plain, speculative) emits tokens one at a time through
 so a stop that falls inside an accepted run of draft tokens cuts the run there and nothing after
 it is emitted.
 
-- EOS: the EOS token is kept in `tokens` (it was generated) and left out of the text.
+- EOS (any id of the checkpoint's end-of-generation set): the EOS token is kept in `tokens` (it was
+  generated) and left out of the text.
 - stop string: `tokens` ends with the token that completed the first occurrence; the text ends
   just before the stop string.
+- stop token (a stop string that is a special token's text, which the text does not hold): as an
+  EOS, but finishes as a stop string does.
 - max_new_tokens: exactly that many tokens at most.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ class StopRule:
     eos_id: int | tuple[int, ...] | None = None  # one id, or several (Llama-3 ends at any of its EOS ids)
     stop_strings: tuple[str, ...] = ()
     decode: Callable[[list[int]], str] | None = None  # needed for stop strings
+    stop_tokens: tuple[int, ...] = ()  # ids that end the row as a stop string does
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -62,6 +66,8 @@ class Row:
         self.tokens.append(token)
         if token in self.rule.eos_ids:
             self.finish_reason = "eos"
+        elif token in self.rule.stop_tokens:
+            self.finish_reason = "stop"
         elif self.rule.stop_strings and self._find_stop():
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.rule.max_new_tokens:
@@ -76,5 +82,6 @@ class Row:
         return bool(hits)
 
     def text(self) -> str:
-        body = self.tokens[:-1] if self.finish_reason == "eos" else self.tokens
+        by_token = self.finish_reason == "eos" or (self.finish_reason == "stop" and self.text_end is None)
+        body = self.tokens[:-1] if by_token else self.tokens
         return self.rule.decode(body)[:self.text_end]

@@ -15,8 +15,10 @@ conversion follows transformers' own GGUF loading (modeling_gguf_pytorch_utils, 
   refused by name), matrices stored in bfloat16, norms and biases in float32; llama.cpp's row
   permutation of Llama's q and k projections (its rotary layout) is undone;
 - the tokenizer is built by transformers from the metadata (tokenizer.json, tokenizer_config.json
-  with the BOS, the EOS, whether a BOS is added, and the chat template); generation ends at the EOS
-  and the end-of-turn ids the file names (config.json's eos_token_id).
+  with the BOS, the EOS, whether a BOS is added, and the chat template); generation ends at any id
+  of llama.cpp's end-of-generation set (`end_ids`: the metadata's eos, eot and eom, and the tokens
+  it ends at by their text, such as <|endoftext|>, <|im_end|>, <|fim_pad|>), config.json's
+  eos_token_id.
 
 The folder is written through atomic.atomic_dir: a killed conversion leaves nothing half-written.
 Processes using a file for the first time at once (a bench and a generate, two server workers):
@@ -51,7 +53,7 @@ from .atomic import atomic_dir, exclusive, recover, write_error
 from .checkpoint import CONFIG, META, WEIGHTS, sha256
 
 SUFFIX = ".gguf"
-FORMAT = 1  # of the converted folders: a conversion that changes bumps it, so older folders are not reused
+FORMAT = 2  # of the converted folders: a conversion that changes bumps it, so older folders are not reused
 # general.architecture -> (model_type, transformers class); llama.cpp writes Mistral as "llama"
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
             "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
@@ -83,6 +85,16 @@ TENSOR_NAMES = [
 FUSED = [(r"blk\.(\d+)\.attn_qkv\.weight", r"model.layers.\1.self_attn.qkv_proj.weight"),
          (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight")]
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rotary scaling as per-frequency factors: read into the config
+# the texts of the tokens llama.cpp ends a generation at, whatever the metadata names (llama-vocab.cpp's
+# end-of-generation set, kept by token text until converters write every end id into the metadata)
+END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<｜end▁of▁sentence｜>", "[e~[")
+# the fill-in-the-middle tokens llama.cpp also ends at: the metadata's id, else the first of these texts found
+FIM_ENDS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+            "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+            "fim_sep": ("<|file_sep|>",)}
 
 
 def cache_root() -> Path:
@@ -195,10 +207,29 @@ def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, where: str)
 
 
 def end_ids(reader) -> int | list[int] | None:
-    """The ids that end a generation: the EOS, and the end-of-turn/end-of-message ids llama.cpp stops at."""
-    ids = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    ids = list(dict.fromkeys(i for i in ids if i is not None))
-    return ids[0] if len(ids) == 1 else ids or None
+    """The ids that end a generation, as llama.cpp derives its end-of-generation set (llama-vocab.cpp):
+    the metadata's eos, eot and eom ids first, then, ascending, every token whose text is an end
+    marker (END_TEXTS) and the FIM pad, repo and file-separator tokens (the metadata's ids, else found
+    by text: FIM_ENDS). As llama.cpp, <|end|> is left out where <|return|> and <|call|> (or <|calls|>
+    and <|flush|>) end a turn instead, and </s> beside <|tool_response>; an id outside the
+    vocabulary names no token."""
+    tokens = [str(t) for t in field(reader, "tokenizer.ggml.tokens", [])]
+    first = {text: i for i, text in reversed(list(enumerate(tokens)))}
+
+    def named(kind: str, texts: tuple[str, ...] = ()) -> int | None:
+        i = field(reader, f"tokenizer.ggml.{kind}_token_id")
+        if i is not None and 0 <= i < len(tokens):
+            return i
+        return next((first[t] for t in texts if t in first), None)
+    fim = {named(kind, texts) for kind, texts in FIM_ENDS.items()} - {None}
+    marked = {first[t] for t in END_TEXTS if t in first}
+    ends = [i for i in dict.fromkeys([*map(named, ("eos", "eot", "eom")), *sorted(fim | marked)]) if i is not None]
+    texts = {tokens[i] for i in ends}
+    if {"<|return|>", "<|call|>"} <= texts or (texts & {"<|call|>", "<|calls|>"} and "<|flush|>" in texts):
+        ends = [i for i in ends if tokens[i] != "<|end|>"]
+    if "<|tool_response>" in texts:
+        ends = [i for i in ends if tokens[i] != "</s>"]
+    return ends[0] if len(ends) == 1 else ends or None
 
 
 def hf_name(gguf_name: str, family: str) -> str | None:

@@ -7,8 +7,12 @@ starts with it.
 
 Another checkpoint's prompts follow its own rules, as transformers applies them: the BOS from
 tokenizer_config.json (`bos_token`) or config.json, put first where `add_bos_token` says so (or,
-without that key, where tokenizer.json's post-processor adds it); generation ends at any EOS of
-generation_config.json (a list for Llama-3), else config.json's, else tokenizer_config.json's.
+without that key, where tokenizer.json's post-processor adds it); generation ends at any id of its
+end-of-generation set (`end_of_generation`): generation_config.json's eos_token_id (a list for
+Llama-3), else config.json's, else tokenizer_config.json's eos_token. A folder converted from a GGUF
+file holds llama.cpp's set in its config.json (gguf.end_ids).
+
+Special tokens stand for no text: `decode` leaves them out unless asked (skip_special_tokens=False).
 
 A chat (`template`: used by `specdec serve`'s /v1/chat/completions, `specdec generate --chat` and
 `api.generate(messages=...)`) becomes the prompt's ids by the checkpoint's own chat template,
@@ -19,7 +23,8 @@ a model without one is refused with a clear SpecdecError. Special-token text ins
 a user typing "<|endoftext|>") is encoded as text, not as the control token (transformers'
 sanitize_control_tokens); the template's own control tokens are encoded as tokens. The template's
 end-of-turn token (its eos_token, when it is not the target's <|endoftext|>) is a stop string of
-every chat request.
+every chat request (a stop string that is a special token's text ends the row at that token:
+decoding/pipeline.py).
 
 This module knows nothing about models, sampling or serving.
 """
@@ -111,6 +116,11 @@ class Tokenizer:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     @cached_property
+    def special_ids(self) -> dict[str, int]:
+        """The special tokens' ids by their text (the tokens `decode` leaves out)."""
+        return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    @cached_property
     def token_bytes(self) -> list[bytes | None]:
         """The bytes each token id stands for (None: a special token, which stands for no text);
         a token not written in the byte-level alphabet (a SentencePiece-style vocabulary) by its
@@ -127,8 +137,10 @@ class Tokenizer:
                 table[i] = self.tok.decode([i], skip_special_tokens=False).encode("utf-8")
         return table
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; special tokens ("<|im_end|>", "<|fim_pad|>") are left out unless
+        skip_special_tokens=False."""
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "config.json", "generation_config.json"
@@ -174,10 +186,17 @@ def prompt_rules(tok: _HFTokenizer, folder: Path) -> tuple[tuple[int, ...], tupl
         bare, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a", add_special_tokens=True).ids
         starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
         prefix = tuple(full[:starts[0]]) if starts else ()
+    return prefix, end_of_generation(tok, folder)
+
+
+def end_of_generation(tok: _HFTokenizer, folder: Path) -> tuple[int, ...]:
+    """The ids that end a generation of a transformers checkpoint folder, any one of them:
+    generation_config.json's eos_token_id (one id or a list), else config.json's, else
+    tokenizer_config.json's eos_token (a GGUF file's folder: llama.cpp's set, written into its
+    config.json by gguf.end_ids)."""
+    tcfg, cfg, gen = (_json(folder / name) for name in (TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG))
     eos = _ids(gen.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
-    if not eos:
-        eos = _ids(_token_id(tok, tcfg.get("eos_token"), folder / TOKENIZER_CONFIG))
-    return prefix, eos
+    return eos or _ids(_token_id(tok, tcfg.get("eos_token"), folder / TOKENIZER_CONFIG))
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")

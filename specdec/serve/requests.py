@@ -7,7 +7,8 @@ specdec cannot honour exactly (penalties, logit_bias, logprobs, n > 1, tools, ..
 name unless it holds its neutral value; a field nobody defines is refused by name, as OpenAI
 does. `stop` is a string or a list of strings; text must be valid Unicode (no lone surrogates).
 Special-token text in a prompt (e.g. "<|endoftext|>") is text unless "special_tokens": true; a
-prompt ending in whitespace is token-healed unless "heal": false (decoding/pipeline.py).
+prompt ending in whitespace is token-healed unless "heal": false; special tokens the model writes are
+left out of the text unless "skip_special_tokens": false (vLLM's name) (decoding/pipeline.py).
 
 This module knows nothing about models or the engine.
 """
@@ -27,7 +28,8 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 512
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
-COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", "response_format", *SAMPLING}
+COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", "response_format", "skip_special_tokens",
+          *SAMPLING}
 COMPLETION = COMMON | {"prompt", "special_tokens", "heal"}
 CHAT = COMMON | {"messages", "max_completion_tokens"}
 # defined by OpenAI (or vLLM), not honoured by specdec: allowed only at a neutral value
@@ -66,11 +68,13 @@ class Params:
     special_tokens: bool = False  # the prompt's special-token text stands for the special tokens
     heal: bool = True             # a prompt ending in whitespace is token-healed
     constraint: Constraint | None = None  # response_format json_object / json_schema (structured output)
+    skip_special_tokens: bool = True  # special tokens the model writes are left out of the text
 
     @property
     def options(self) -> Options:
         """The request's settings as the pipeline carries them to the engine (decoding/pipeline.py)."""
-        return Options(self.max_tokens, self.sampling, self.stop, self.special_tokens, self.heal, self.constraint)
+        return Options(self.max_tokens, self.sampling, self.stop, self.special_tokens, self.heal, self.constraint,
+                       self.skip_special_tokens)
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,8 @@ def completion(body, model: str) -> Parsed:
         raise APIError(400, "heal must be true (a prompt ending in whitespace is token-healed, the default) or "
                             "false (its tokens are kept as they are)", "heal")
     constraint = response_format(body.get("response_format"))
-    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special, heal, constraint), stream, usage)
+    return Parsed(Params(prompt, None, max_tokens, sampling, stop, special, heal, constraint, skip_special(body)),
+                  stream, usage)
 
 
 def chat(body, model: str) -> Parsed:
@@ -207,7 +212,18 @@ def chat(body, model: str) -> Parsed:
     except SpecdecError as e:
         raise APIError(400, str(e), "messages") from None
     return Parsed(Params(None, tuple(messages), max_tokens, sampling, stop,
-                         constraint=response_format(body.get("response_format"))), stream, usage)
+                         constraint=response_format(body.get("response_format")),
+                         skip_special_tokens=skip_special(body)), stream, usage)
+
+
+def skip_special(body: dict) -> bool:
+    """skip_special_tokens: true (the default: special tokens the model writes are left out of the text)
+    or false."""
+    skip = value(body, "skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise APIError(400, "skip_special_tokens must be true (special tokens the model writes are left out of the "
+                            "text, the default) or false (they are written)", "skip_special_tokens")
+    return skip
 
 
 def response_format(v) -> Constraint | None:
