@@ -194,8 +194,18 @@ class KVCache:
 
     def _set(self, held: list[int], tables: list[list[int]], promises: list[int]) -> None:
         self.held, self.tables, self.promises = list(held), tables, promises
-        self.lengths = torch.tensor(held, dtype=torch.long, device=self.pool.store.device)  # (B,)
-        self._table = None
+        self._changed()
+
+    def _changed(self) -> None:
+        """The rows' lengths or tables changed on the host: the device's copies are made anew when read."""
+        self._lengths = self._table = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(B,) the rows' committed lengths on the cache's device."""
+        if self._lengths is None:
+            self._lengths = torch.tensor(self.held, dtype=torch.long, device=self.pool.store.device)
+        return self._lengths
 
     @property
     def keys(self) -> torch.Tensor:
@@ -264,7 +274,7 @@ class KVCache:
         self.pool.shared_hits += len(found)
         self.tables[b] = found
         self.held[b] = len(found) * BLOCK
-        self._set(self.held, self.tables, self.promises)
+        self._changed()
         return self.held[b]
 
     def register(self, b: int, tokens: list[int]) -> None:
@@ -279,7 +289,7 @@ class KVCache:
 
     def put_row(self, b: int, alone: "KVCache") -> None:
         self.held[b], self.tables[b], self.promises[b] = alone.held[0], alone.tables[0], alone.promises[0]
-        self._set(self.held, self.tables, self.promises)
+        self._changed()
 
     def reserve(self, num_new: int) -> None:
         """Lend every row the blocks its next `num_new` positions need (its promise first)."""
@@ -326,7 +336,8 @@ class KVCache:
         return rows[0, :, :, :span], rows[1, :, :, :span]
 
     def advance(self, num_new: int) -> None:
-        self.lengths += num_new
+        if self._lengths is not None:
+            self._lengths += num_new
         self.held = [n + num_new for n in self.held]
 
     def compact(self, starts: list[int], paths: list[list[int]]) -> None:
@@ -352,7 +363,8 @@ class KVCache:
         if held == self.held:
             return
         self.held = held
-        self.lengths.copy_(torch.tensor(held, dtype=torch.long), non_blocking=True)
+        if self._lengths is not None:
+            self._lengths.copy_(torch.tensor(held, dtype=torch.long), non_blocking=True)
 
 
 def cache_for(num_layers: int, num_kv_heads: int, head_dim: int, rows: int, max_len: int,
