@@ -1,7 +1,7 @@
 """Small GGUF files written here with the `gguf` package from small transformers models, as
 llama.cpp's convert_hf_to_gguf.py writes them: its tensor names, Llama's q/k row permutation, norms
 and biases in F32 and the matrices in the types given (F32, F16, BF16, Q8_0, Q4_0, Q4_1 by default,
-cycled so every type occurs; Q4_K and Q6_K, which gguf.quants cannot make, by `quantize_any`), a
+cycled so every type occurs; the K-quants, which gguf.quants cannot make, by `quantize_any`), a
 byte-level BPE tokenizer with its special tokens marked as control tokens. Nothing is downloaded."""
 from __future__ import annotations
 
@@ -128,10 +128,10 @@ def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bo
 
 
 def quantize_any(w: np.ndarray, qtype) -> np.ndarray:
-    """gguf.quants.quantize, and for Q4_K and Q6_K (which it cannot make) blocks built here following
+    """gguf.quants.quantize, and for Q4_K, Q5_K and Q6_K (which it cannot make) blocks built here following
     GGUF's layout (plain rounding, not llama.cpp's search for the best scales)."""
-    if qtype == Q.Q4_K:
-        return q4_k_by_hand(w)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return q4_k_by_hand(w, fifth=qtype == Q.Q5_K)
     if qtype == Q.Q6_K:
         return q6_k_by_hand(w)
     return quantize(w, qtype)
@@ -141,22 +141,28 @@ def _nearest(x: np.ndarray) -> np.ndarray:
     return np.floor(x + 0.5)
 
 
-def q4_k_by_hand(w: np.ndarray) -> np.ndarray:
+def q4_k_by_hand(w: np.ndarray, fifth: bool = False) -> np.ndarray:
     """(N, K) fp32, K a multiple of 256 -> (N, K/256 * 144) bytes of Q4_K: per sub-block of 32 its
-    range as a 6-bit scale and min of the super-block's d and dmin, 4-bit codes."""
+    range as a 6-bit scale and min of the super-block's d and dmin, 4-bit codes; `fifth`: (N, K/256 * 176)
+    bytes of Q5_K, 5-bit codes whose fifth bits come before the nibbles (k 32c + j's: bit c of byte j)."""
     N, K = w.shape
+    top = 31 if fifth else 15
     x = w.reshape(N, K // 256, 8, 32).astype(np.float32)
     low = np.minimum(x.min(-1), 0)  # (N, S, 8)
-    scale = (x.max(-1) - low) / 15
+    scale = (x.max(-1) - low) / top
     d = (scale.max(-1) / 63).astype(np.float16)  # (N, S)
     dmin = (-low.min(-1) / 63).astype(np.float16)
     inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
     sc = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
     m = np.clip(_nearest(-low * inv(dmin.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
     step = d.astype(np.float32)[..., None] * sc
-    u = np.clip(_nearest((x + (dmin.astype(np.float32)[..., None] * m)[..., None]) * inv(step)[..., None]), 0, 15)
-    u = u.astype(np.uint8).reshape(N, K // 256, 4, 2, 32)  # chunk c: k 64c..64c+31, then 64c+32..
+    u = np.clip(_nearest((x + (dmin.astype(np.float32)[..., None] * m)[..., None]) * inv(step)[..., None]), 0, top)
+    u = u.astype(np.uint8)
+    qh = sum((u[:, :, c] >> 4) << c for c in range(8)).astype(np.uint8)  # (N, S, 32)
+    u = (u & 15).reshape(N, K // 256, 4, 2, 32)  # chunk c: k 64c..64c+31, then 64c+32..
     qs = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).reshape(N, K // 256, 128)
+    if fifth:
+        qs = np.concatenate([qh, qs], axis=-1)
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)  # (N, S, 12)
     head = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], axis=-1)

@@ -1,5 +1,5 @@
 """Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1;
-as GGUF files store them also Q5_0, Q4_K, Q6_K) and fp32 arithmetic (see cpu.cpp).
+as GGUF files store them also Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and fp32 arithmetic (see cpu.cpp).
 
 Built from cpu.cpp and its headers (SOURCES) by the machine's C++ compiler the first time they are
 needed (about a minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by
@@ -135,9 +135,9 @@ def _inference(*tensors: torch.Tensor) -> bool:
 
 FORMATS = ("bf16",) + blocks.QUANTIZED  # the formats a weight can be stored in (Matrix.store)
 # every format a Matrix may hold -> cpu.cpp's Format (types.h)
-KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q4_k": 5, "q6_k": 6}
+KERNEL_FORMAT = {"bf16": 0, **{name: f.kernel for name, f in blocks.BLOCK_FORMATS.items()}}
 MIXED = 7  # cpu.cpp's kMixed: runs of outputs in different quantized formats (Matrix.from_runs)
-FINE = 16  # cpu.cpp's kFine: a format's flag, the matrix multiplies fine activations (Matrix.fine)
+FINE = 32  # cpu.cpp's kFine: a format's flag, the matrix multiplies fine activations (Matrix.fine)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
     or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
-    Q5_0 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
+    Q5_0, Q5_1 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
     "q4_k+q6_k", say). What a model holds per Linear: the packed data alone (a run of a mixed one is a
     Matrix over its part of that data), the Blocks (a byte per code) unpacked where asked for.
 

@@ -1,5 +1,5 @@
-// CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0; the
-// K-quants Q4_K, Q6_K) and fp32 arithmetic, for AVX-512 and AVX2.
+// CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; the
+// K-quants Q4_K, Q5_K, Q6_K) and fp32 arithmetic, for AVX-512 and AVX2.
 //
 // Why: speculative decoding pays only when verifying k+1 tokens costs about what one token costs.
 // One token reads every weight once (memory-bound); k+1 tokens must share each weight load and
@@ -149,9 +149,9 @@ Mat mixed_matrix(const torch::Tensor& w, int64_t N, int64_t K, const char* what)
   int64_t n = 0, bytes = kMixedHeader;
   for (int32_t i = 0; i < head[0]; ++i) {
     const int32_t f = head[1 + 2 * i], rows = head[2 + 2 * i];
-    TORCH_CHECK(f >= kQ8_0 && f <= kQ6_K && rows > 0 && (i + 1 == head[0] || rows % 16 == 0), what,
+    TORCH_CHECK(is_quantized(f) && rows > 0 && (i + 1 == head[0] || rows % 16 == 0), what,
                 ": run ", i, " of a mixed matrix is format ", f, " with ", rows, " outputs");
-    TORCH_CHECK(K % (f >= kQ4_K ? 256 : kBlock) == 0, what, ": run ", i, " cannot hold rows of ", K);
+    TORCH_CHECK(K % kFileBlock[f] == 0, what, ": run ", i, " cannot hold rows of ", K);
     n += rows;
     bytes += matrix_bytes(f, rows, K);
   }
@@ -173,8 +173,8 @@ Mat matrix(const torch::Tensor& w, int64_t format, int64_t N, int64_t K, const c
     return {kBf16, bf16_data(w), N, K};
   }
   if (format == kMixed) return mixed_matrix(w, N, K, what);
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, what, ": unknown matrix format ", format);
-  const int64_t block = format >= kQ4_K ? 256 : kBlock;  // a K-quant's super-blocks (kquant.h)
+  TORCH_CHECK(is_quantized(format), what, ": unknown matrix format ", format);
+  const int64_t block = kFileBlock[format];  // a K-quant's super-blocks (kquant.h)
   TORCH_CHECK(K % block == 0, what, ": a matrix in this format needs K a multiple of ", block, ", got ", K);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == matrix_bytes(format, N, K), what,
               ": expected its packed blocks as ", matrix_bytes(format, N, K), " contiguous uint8 (kernels.Matrix)");

@@ -1,14 +1,14 @@
-// Matrices in llama.cpp's K-quants as GGUF files store them (Q4_K, Q6_K: super-blocks of 256 weights),
+// Matrices in llama.cpp's K-quants as GGUF files store them (Q4_K, Q5_K, Q6_K: super-blocks of 256 weights),
 // times activation rows quantized per block of 32 to int8 as for the other quantized formats
 // (quantize_row in quant.h): written once over the 16-lane int32 vector `VI` and included by
 // cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
-// format: the K-quants here, the others (Q8_0, Q4_0, Q4_1, Q5_0) by quant.h, and a
+// format: the K-quants here, the others (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) by quant.h, and a
 // matrix whose outputs come in runs of different formats (kMixed: a fused q/k/v whose v is stored in
 // another type than q and k, as Q4_K_M files do) run by run.
 //
 // The arithmetic (kernels/blocks.py's block_terms is the same in PyTorch): output n of row m is the
 // fp32 sum over blocks b of 32 k, in order from 0, one mul and one add at a time (no FMA), of
-//   Q4_K:  ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum)     s = sum_k u q (u the 4-bit code)
+//   Q4_K, Q5_K:  ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum)   s = sum_k u q (u the 4- or 5-bit code)
 //   Q6_K:  (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c))  s_a = sum over the block's first
 //          16 k of (u - 32) q (u the 6-bit code), s_c over its last 16
 // with d, dmin the super-block's fp16 scales, sc, mn (6-bit) or sc_a, sc_c (int8) the sub-blocks'
@@ -17,13 +17,14 @@
 // fp32): so only the fp32 steps written shape a result, the same on both instruction sets.
 //
 // Packed layout of a matrix (N, K), K a multiple of 256: panels of 16 outputs (zero past N); panel
-// p is K/256 super-blocks of kSuperBytes[format] bytes: 16 fp16 d, [Q4_K: 16 fp16 dmin,] the
+// p is K/256 super-blocks of kSuperBytes[format] bytes: 16 fp16 d, [Q4_K, Q5_K: 16 fp16 dmin,] the
 // sub-block scales, then 8 blocks of 32 k of codes. The scales of Q6_K: 4 vector loads, lane n (4
-// bytes) of load t holding output n's sc + 128 of sub-blocks 4t..4t+3 (16 k each). Those of Q4_K
+// bytes) of load t holding output n's sc + 128 of sub-blocks 4t..4t+3 (16 k each). Those of Q4_K (and Q5_K)
 // are unpacked into 4 such loads C_t, lane n holding output n's [sc, mn] of sub-blocks 2t and 2t+1,
 // from their 6 bits as the file holds them: loads 0 and 1 hold the low 4 bits of C_{2u} (low
 // nibbles of load u) and C_{2u+1} (its high nibbles), load 2 their high bit pairs (bits 2t, 2t+1 of
-// each byte: C_t's). The codes: Q4_K as quant.h's Q4_x (4 loads of nibbles); Q6_K as many bits as
+// each byte: C_t's). The codes: Q4_K as quant.h's Q4_x (4 loads of nibbles), Q5_K as quant.h's Q5_0
+// (those nibbles, then a load of their fifth bits); Q6_K as many bits as
 // the file holds: the low 4 bits of its codes as Q4_x's nibbles, then 2 loads of their high bit
 // pairs, lane n byte t of load h holding in bits 2i, 2i+1 those of k = 16h + 4i + t (joined to
 // nibble load i: VI::bit_pair).
@@ -31,10 +32,11 @@
 // Expects, defined before inclusion: what quant.h expects, and quant.h.
 
 constexpr int64_t kSuper = 256;                       // weights per super-block, along K
-constexpr int64_t kSuperBytes[2] = {2304, 3360};      // Q4_K, Q6_K: 16 outputs x 256 k
-constexpr int kScalesAt[2] = {64, 32};                // bytes before the sub-block scales
-constexpr int kScaleBytes[2] = {192, 256};            // bytes of sub-block scales
-constexpr int64_t kSuperCodes[2] = {256, 384};        // bytes of codes per block of 32 k
+// Indexed by I (ktile's): 0 Q4_K, 1 Q6_K, 2 Q5_K
+constexpr int64_t kSuperBytes[3] = {2304, 3360, 2816};  // 16 outputs x 256 k
+constexpr int kScalesAt[3] = {64, 32, 64};              // bytes before the sub-block scales
+constexpr int kScaleBytes[3] = {192, 256, 192};         // bytes of sub-block scales
+constexpr int64_t kSuperCodes[3] = {256, 384, 320};     // bytes of codes per block of 32 k
 
 // The sum of q over the first 16 k of each block of 32, rows [0, M) of x (Q6_K's first sub-block;
 // the second is the block's sum minus it), into `out` (M x x.blocks).
@@ -76,13 +78,13 @@ inline void q4_k_scales(const uint8_t* base, typename VI::Raw (&c)[4]) {
   }
 }
 
-// Q4_K: acc[r][j] += ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum) for block k.b (scales: the
-// super-block's C_t of each panel).
-template <int R, int NB>
+// Q4_K (F = kQ4_1: nibbles) or Q5_K (F = kQ5_1: nibbles and fifth bits): acc[r][j] += ((d sc) dx) float(s) -
+// ((dmin mn) dx) float(qsum) for block k.b (scales: the super-block's C_t of each panel).
+template <int F, int R, int NB>
 inline void q4_k_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const V (&dmin)[NB],
                        const typename VI::Raw (&scales)[NB][4], V (&acc)[R][NB]) {
   VI s[R][NB];
-  qsums<kQ4_1, R, NB>(k.codes, k.xq, s);  // quant.h: Q4_K's codes are laid out as Q4_1's
+  qsums<F, R, NB>(k.codes, k.xq, s);  // quant.h: Q4_K's codes are laid out as Q4_1's, Q5_K's as Q5_1's
   for (int j = 0; j < NB; ++j) {
     const auto raw = scales[j][k.c / 2];
     const V scale = V::mul(d[j], scale_bytes(raw, 2 * (k.c % 2), 0));
@@ -141,7 +143,7 @@ inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t
 }
 
 // Rows r0..r0+R-1 (quantized; halves: their first-16 sums, Q6_K) against panels p0..p0+NB-1 of a
-// K-quant matrix (I: 0 Q4_K, 1 Q6_K).
+// K-quant matrix (I: 0 Q4_K, 1 Q6_K, 2 Q5_K).
 template <int I, int R, int NB>
 inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, int64_t nsuper, int64_t p0, int64_t r0,
                   float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
@@ -154,11 +156,11 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
   k.r0 = r0;
   for (int64_t sb = 0; sb < nsuper; ++sb) {
     V d[NB], dmin[NB];
-    typename VI::Raw scales[I == 0 ? NB : 1][4];
+    typename VI::Raw scales[I != 1 ? NB : 1][4];
     for (int j = 0; j < NB; ++j) {
       k.base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
       d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j]));
-      if constexpr (I == 0) {
+      if constexpr (I != 1) {
         dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
         q4_k_scales(k.base[j], scales[j]);
       }
@@ -168,7 +170,9 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
       for (int r = 0; r < R; ++r) k.xq[r] = x.q + (r0 + r) * x.ld + k.b * kBlock;
       for (int j = 0; j < NB; ++j) k.codes[j] = k.base[j] + codes_at + k.c * kSuperCodes[I];
       if constexpr (I == 0)
-        q4_k_block<R, NB>(k, x, d, dmin, scales, acc);
+        q4_k_block<kQ4_1, R, NB>(k, x, d, dmin, scales, acc);
+      else if constexpr (I == 2)
+        q4_k_block<kQ5_1, R, NB>(k, x, d, dmin, scales, acc);
       else
         q6_k_block<R, NB>(k, x, halves, d, acc);
     }
@@ -247,6 +251,7 @@ inline void kquant_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y,
   switch (W.format) {
     case kQ4_K: return kmatmul_format<0>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kQ6_K: return kmatmul_format<1>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kQ5_K: return kmatmul_format<2>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kMixed: return mixed_matmul(x, M, W, Y, ldy, add, bias, q0, q1);
     default: return qmatmul_panels(x, M, W, Y, ldy, add, bias, q0, q1);
   }

@@ -1,5 +1,5 @@
-"""A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K
-tensors (what a Q4_K_M file holds) become the kernels' Matrix of each Linear of specdec's model,
+"""A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K
+and Q6_K tensors (what a Q4_K_M or Q5_K_M file holds) become the kernels' Matrix of each Linear of specdec's model,
 block for block, never dequantized and re-rounded (`--quantize gguf`). q, k and v are fused into
 qkv_proj and gate and up into gate_up_proj by stacking their rows (blocks run along a row, so this
 is exact); the blocks come from gguf.raw_tensors, which has already put Llama's q and k rows back
@@ -7,7 +7,7 @@ in transformers' order.
 
 A fused matrix whose parts are stored in different types (a Q4_K_M file's q and k in Q4_K with v
 in Q6_K, in some layers) runs as runs of its parts' formats (kernels.Matrix.from_runs) where each
-part but the last is a whole number of panels of 16 outputs. A matrix of another type (F16, Q5_K,
+part but the last is a whole number of panels of 16 outputs. A matrix of another type (F16, Q3_K,
 ...), or whose parts do not cut into panels, keeps the values of the file's converted checkpoint
 (bf16, gguf.folder), said once in a warning. The embedding table is the file's blocks too (a tied
 one, the unembedding's), each looked-up row dequantized to the file's values exactly; of another type,
@@ -34,14 +34,13 @@ import torch
 from .. import kernels
 from ..errors import SpecdecError
 from ..kernels import Matrix
-from ..kernels.blocks import from_gguf
+from ..kernels.blocks import BLOCK_FORMATS, from_gguf
 from .checkpoint import read_arch
 from .gguf import RawTensor, dequantized, folder, raw_tensors
 from .model import LlamaForCausalLM, place, store_matrices
 
 AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k",
-           "Q6_K": "q6_k"}  # GGUF type name -> kernels format
+FORMATS = {f.gguf: name for name, f in BLOCK_FORMATS.items()}  # GGUF type name -> kernels format
 # a decoder layer's matrix (transformers' name) -> specdec's Linear holding it, and its part (row order)
 PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.qkv_proj": ("self_attn.qkv_proj", 0),
