@@ -128,12 +128,14 @@ def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bo
 
 
 def quantize_any(w: np.ndarray, qtype) -> np.ndarray:
-    """gguf.quants.quantize, and for Q4_K, Q5_K and Q6_K (which it cannot make) blocks built here following
-    GGUF's layout (plain rounding, not llama.cpp's search for the best scales)."""
+    """gguf.quants.quantize, and for Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS (which it cannot make) blocks built
+    here following GGUF's layout (plain rounding, not llama.cpp's search for the best scales)."""
     if qtype in (Q.Q4_K, Q.Q5_K):
         return q4_k_by_hand(w, fifth=qtype == Q.Q5_K)
     if qtype == Q.Q6_K:
         return q6_k_by_hand(w)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        return iq4_by_hand(w, qtype == Q.IQ4_XS)
     return quantize(w, qtype)
 
 
@@ -185,6 +187,36 @@ def q6_k_by_hand(w: np.ndarray) -> np.ndarray:
     qh = (u[:, :, :, 0] >> 4) | ((u[:, :, :, 1] >> 4) << 2) | ((u[:, :, :, 2] >> 4) << 4) | ((u[:, :, :, 3] >> 4) << 6)
     return np.concatenate([ql.reshape(N, -1, 128), qh.reshape(N, -1, 64), sc.view(np.uint8),
                            d[..., None].view(np.uint8)], axis=-1).reshape(N, -1)
+
+
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def iq4_by_hand(w: np.ndarray, xs: bool) -> np.ndarray:
+    """(N, K) fp32 -> IQ4_NL bytes (N, K/32 * 18): per block of 32 d = -w' / 127 (w' its weight of largest
+    magnitude, which becomes the level -127) and each weight's nearest level; or (xs, K a multiple of 256)
+    IQ4_XS bytes (N, K/256 * 136): per sub-block of 32 that scale as the 6-bit ls - 32 of the super-block's d."""
+    N, K = w.shape
+    x = w.reshape(N, -1, 32).astype(np.float32)
+    scale = -np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0] / 127  # (N, K/32)
+    inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
+    if xs:
+        scale = scale.reshape(N, K // 256, 8)
+        d = (np.abs(scale).max(-1) / 31).astype(np.float16)  # (N, S)
+        ls = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), -32, 31).astype(np.int64)  # (N, S, 8)
+        step = (d.astype(np.float32)[..., None] * ls).reshape(N, -1)
+    else:
+        d = scale.astype(np.float16)
+        step = d.astype(np.float32)
+    u = np.abs(x * inv(step)[..., None] - IQ4_LEVELS[:, None, None, None]).argmin(0).astype(np.uint8)  # (N, B, 32)
+    qs = u[..., :16] | (u[..., 16:] << 4)  # (N, K/32, 16)
+    if not xs:
+        return np.concatenate([d[..., None].view(np.uint8), qs], axis=-1).reshape(N, -1)
+    six, c = ls + 32, np.arange(8)
+    high = ((six >> 4) << (2 * c)).sum(-1).astype(np.uint16)  # (N, S)
+    low = ((six & 15) << (4 * c)).sum(-1).astype(np.uint32)
+    return np.concatenate([d[..., None].view(np.uint8), high[..., None].view(np.uint8), low[..., None].view(np.uint8),
+                           qs.reshape(N, K // 256, 128)], axis=-1).reshape(N, -1)
 
 
 def add_tokenizer(w: GGUFWriter, tok: Tokenizer, add_bos: bool, bos: str | None, eos: str) -> None:

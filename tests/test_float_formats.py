@@ -66,7 +66,7 @@ def test_the_fma_reference_rounds_once():
     for i in range(4000):
         exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
         below = torch.tensor(float(exact), dtype=torch.float32)  # a candidate; the nearest fp32 is it or a neighbour
-        near = [below, torch.nextafter(below, torch.tensor(torch.inf)), torch.nextafter(below, torch.tensor(-torch.inf))]
+        near = [below] + [torch.nextafter(below, torch.tensor(side)) for side in (torch.inf, -torch.inf)]
         best = min(near, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(torch.int32)) & 1))
         assert float(got[i]) == float(best), (i, float(a[i]), float(b[i]), float(c[i]))
 

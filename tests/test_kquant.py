@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
-from gguf.quants import dequantize
+from gguf.quants import IQ4_NL, dequantize
 
 from specdec import kernels
 from specdec.api import load, load_drafter
@@ -32,7 +32,7 @@ from .test_quant import needs_kernels, on_each_isa
 
 TYPES = {f: Q[blocks.BLOCK_FORMATS[f].gguf] for f in blocks.AS_STORED}
 SCALE_BYTES = {"q5_0": [(0, 2)], "q5_1": [(0, 2), (2, 4)], "q4_k": [(0, 2), (2, 4)], "q5_k": [(0, 2), (2, 4)],
-               "q6_k": [(208, 210)]}  # fp16 scales (and mins) in a GGUF block
+               "q6_k": [(208, 210)], "iq4_nl": [(0, 2)], "iq4_xs": [(0, 2)]}  # fp16 scales (and mins) in a GGUF block
 
 
 def test_each_format_is_described_once():
@@ -43,6 +43,7 @@ def test_each_format_is_described_once():
         assert GGML_QUANT_SIZES[Q[f.gguf]] == (f.size, f.bytes), name
         assert blocks.PANEL_BLOCK_BYTES[name] * f.size == LANES * f.bytes * blocks.BLOCK
         assert kernels.KERNEL_FORMAT[name] == f.kernel and FORMATS[f.gguf] == name
+    assert blocks.LEVELS["iq4_nl"] == IQ4_NL.kvalues and blocks.LEVELS["iq4_xs"] == IQ4_NL.kvalues
     ids = list(kernels.KERNEL_FORMAT.values()) + [kernels.MIXED]
     assert len(set(ids)) == len(ids) and max(ids) < kernels.FINE
     assert set(TYPES) | set(blocks.QUANTIZED) == set(blocks.BLOCK_FORMATS) == set(SCALE_BYTES) | set(blocks.QUANTIZED)
@@ -208,13 +209,15 @@ def test_a_k_quant_needs_rows_of_whole_super_blocks():
         blocks.quantize(torch.randn(4, 256), "q4_k")
 
 
-# ---- GGUF files in these types (Q4_K_M's, Q5_K_M's), every matrix as stored ----
+# ---- GGUF files in these types (Q4_K_M's, Q5_K_M's, IQ4's), every matrix as stored ----
 
 # cycled over the matrices as written (the embedding, then q, k, v, o, gate, up, down of each layer):
-# the embedding, v and down in Q6_K, q/k and gate/up in Q4_K (Q5_K), o in Q5_0 (Q5_1) (q, k, v fused:
-# runs); the formats the model then holds
+# the embedding, v and down in Q6_K, q/k and gate/up in Q4_K (Q5_K, IQ4_XS), o in Q5_0 (Q5_1, IQ4_NL) (q, k,
+# v fused: runs); the formats the model then holds
 FILES = {"Q4_K_M": ((Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_K, Q.Q4_K), {"q4_k", "q6_k", "q5_0", "q4_k+q6_k"}),
-         "Q5_K_M": ((Q.Q6_K, Q.Q5_K, Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_K, Q.Q5_K), {"q5_k", "q6_k", "q5_1", "q5_k+q6_k"})}
+         "Q5_K_M": ((Q.Q6_K, Q.Q5_K, Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_K, Q.Q5_K), {"q5_k", "q6_k", "q5_1", "q5_k+q6_k"}),
+         "IQ4": ((Q.Q6_K, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL, Q.IQ4_NL, Q.IQ4_XS, Q.IQ4_XS),
+                 {"iq4_xs", "q6_k", "iq4_nl", "iq4_xs+iq4_nl"})}
 
 
 @pytest.fixture(scope="module", params=FILES)

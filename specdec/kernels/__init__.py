@@ -1,5 +1,6 @@
 """Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1;
-as GGUF files store them also f16, f32, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and fp32 arithmetic (see cpu.cpp).
+as GGUF files store them also f16, f32, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) and fp32 arithmetic
+(see cpu.cpp).
 
 Built from cpu.cpp and its headers (SOURCES) by the machine's C++ compiler the first time they are
 needed (about a minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by
@@ -164,8 +165,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
     or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
-    f16 and f32 panels, Q5_0, Q5_1 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
-    "q4_k+q6_k", say). What a model holds per Linear: the packed data alone (a run of a mixed one is a
+    f16 and f32 panels, Q5_0, Q5_1, IQ4_NL, and the K-quants and IQ4_XS (kquant.h), or runs of outputs in
+    several of these (`from_runs`, format "q4_k+q6_k", say). What a model holds per Linear: the packed data alone (a run of a mixed one is a
     Matrix over its part of that data), the Blocks (a byte per code) unpacked where asked for.
 
     `fine`: a quantized matrix that multiplies each input row twice, as its int8 rows and as the int8

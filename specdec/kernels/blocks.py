@@ -1,5 +1,5 @@
 """Block-quantized matrices (llama.cpp's Q8_0, Q4_0, Q4_1, and as GGUF files store them Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K) in PyTorch: quantizing a weight (the first three), the kernels' packed layout
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) in PyTorch: quantizing a weight (the first three), the kernels' packed layout
 (quant.h, kquant.h) both ways, and the arithmetic of the quantized kernels as a PyTorch reference
 that computes the very same fp32 numbers. BLOCK_FORMATS describes each format once.
 
@@ -8,7 +8,8 @@ fp16 scale d (Q4_1, Q5_1 also an fp16 min m): Q8_0 w = d (u - 128), Q4_0 w = d (
 w = d u + m, Q5_0 w = d (u - 16). The K-quants group 256 weights in a super-block with an fp16 scale d:
 Q4_K and Q5_K (also an fp16 dmin) hold 8 sub-blocks of 32 with 6-bit scale sc and min m each,
 w = (d sc) u - (dmin m), u 4- or 5-bit; Q6_K holds 16 sub-blocks of 16 with an int8 scale sc each,
-w = (d sc) (u - 32), u 6-bit.
+w = (d sc) (u - 32), u 6-bit. IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d
+and a 6-bit ls - 32 per sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u].
 (`from_gguf` turns a GGUF tensor's raw bytes into Blocks.)
 An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
 format; each output is the sum over blocks of 32, in order, of an exact integer dot product times
@@ -43,7 +44,11 @@ BLOCK_FORMATS = {
     "q4_1": BlockFormat("Q4_1", 3, BLOCK, 20, 0), "q5_0": BlockFormat("Q5_0", 4, BLOCK, 22, 16),
     "q5_1": BlockFormat("Q5_1", 8, BLOCK, 24, 0), "q4_k": BlockFormat("Q4_K", 5, SUPER, 144, 0),
     "q5_k": BlockFormat("Q5_K", 9, SUPER, 176, 0), "q6_k": BlockFormat("Q6_K", 6, SUPER, 210, 32),
+    "iq4_nl": BlockFormat("IQ4_NL", 12, BLOCK, 18, 0), "iq4_xs": BlockFormat("IQ4_XS", 13, SUPER, 136, 0),
 }
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's and IQ4_XS's
+LEVELS = {"iq4_nl": IQ4_LEVELS, "iq4_xs": IQ4_LEVELS}  # the level each code stands for (quant.h: kIq4Levels)
+NIBBLES = ("q4_0", "q4_1", "iq4_nl")  # blocks of 32 whose codes are 4 bits (quant.h: 4 loads of nibbles)
 QUANTIZED = ("q8_0", "q4_0", "q4_1")  # formats `quantize` makes
 AS_STORED = tuple(f for f in BLOCK_FORMATS if f not in QUANTIZED)  # formats read from a file's blocks only
 OFFSET = {f: b.offset for f, b in BLOCK_FORMATS.items()}  # u - OFFSET [+ m]
@@ -55,7 +60,8 @@ TINY = 2.0 ** -64  # quantize_rows scales a block whose largest magnitude is bel
 class Blocks(NamedTuple):
     """A quantized matrix (N, K): codes (N, K) uint8; scales fp16, (N, K/32) or per super-block (N, K/256)
     (the K-quants); mins fp16 of the same shape (Q4_1, Q5_1; Q4_K's and Q5_K's dmin) or None; sub the
-    K-quants' sub-block scales: Q4_K, Q5_K (N, K/32, 2) uint8 [sc, m], Q6_K (N, K/16) int8, else None."""
+    K-quants' sub-block scales: Q4_K, Q5_K (N, K/32, 2) uint8 [sc, m], Q6_K (N, K/16) int8, IQ4_XS's
+    ls (N, K/32) int8, else None."""
     format: str
     codes: torch.Tensor
     scales: torch.Tensor
@@ -73,21 +79,30 @@ class Blocks(NamedTuple):
 
     def sub_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The K-quants' fp32 scales per sub-block, exact (fp16 times a 6- or 8-bit integer): Q4_K, Q5_K
-        (d sc, dmin m) each (N, K/32), Q6_K (d sc (N, K/16), None)."""
+        (d sc, dmin m) each (N, K/32), Q6_K (d sc (N, K/16), None), IQ4_XS (d ls (N, K/32), None)."""
         if self.format in SIX_BIT:
             d, dmin = (t.float().repeat_interleave(SUPER // BLOCK, 1) for t in (self.scales, self.mins))
             return d * self.sub[..., 0].float(), dmin * self.sub[..., 1].float()
-        return self.scales.float().repeat_interleave(SUPER // 16, 1) * self.sub.float(), None
+        per = self.sub.shape[1] // self.scales.shape[1]  # sub-blocks per super-block
+        return self.scales.float().repeat_interleave(per, 1) * self.sub.float(), None
+
+    def levels(self) -> torch.Tensor:
+        """(N, K) int32: the integer each code stands for, u - offset or (IQ4) its level."""
+        if self.format in LEVELS:
+            return torch.tensor(LEVELS[self.format], dtype=torch.int32)[self.codes.long()]
+        return self.codes.int() - OFFSET[self.format]
 
     def dense(self) -> torch.Tensor:
         """(N, K) fp32: the weights the blocks hold, each in fp32 as gguf.quants dequantizes them:
-        d (u - offset) [+ m]; Q4_K, Q5_K (d sc) u - (dmin m); Q6_K (d sc) (u - 32)."""
-        u = self.codes.float() - OFFSET[self.format]
+        d (u - offset) [+ m]; Q4_K, Q5_K (d sc) u - (dmin m); Q6_K (d sc) (u - 32); IQ4_NL d L[u]; IQ4_XS
+        (d ls) L[u]."""
+        u = self.levels().float()
         if self.format in SIX_BIT:
             scale, low = self.sub_scales()
             return scale.repeat_interleave(BLOCK, 1) * u - low.repeat_interleave(BLOCK, 1)
-        if self.format == "q6_k":
-            return self.sub_scales()[0].repeat_interleave(16, 1) * u
+        if self.format in ("q6_k", "iq4_xs"):
+            scale = self.sub_scales()[0]
+            return scale.repeat_interleave(self.codes.shape[1] // scale.shape[1], 1) * u
         w = self.scales.float().repeat_interleave(BLOCK, 1) * u
         return w if self.mins is None else w + self.mins.float().repeat_interleave(BLOCK, 1)
 
@@ -170,7 +185,8 @@ def from_gguf(raw: np.ndarray, format: str, shape: tuple[int, int]) -> Blocks:
     """A GGUF tensor's raw blocks (bytes, in file order) of shape (N, K) as Blocks, exactly: Q8_0
     [d f16, 32 int8], Q4_0 [d f16, 16 bytes: k j in the low nibble of byte j, k 16 + j in its high],
     Q4_1 [d f16, m f16, 16 bytes], Q5_0 [d f16, 4 bytes: bit j the 5th bit of k j, 16 bytes as Q4_0],
-    Q5_1 [d f16, m f16, then as Q5_0]; the K-quants per 256: `_q4_k` (Q4_K, Q5_K), `_q6_k`."""
+    Q5_1 [d f16, m f16, then as Q5_0], IQ4_NL as Q4_0 (its codes the levels'); the K-quants per 256: `_q4_k`
+    (Q4_K, Q5_K), `_q6_k`, `_iq4_xs`."""
     N, K = shape
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // BLOCK_FORMATS[format].size,
                                                             GGUF_BLOCK_BYTES[format])
@@ -178,6 +194,8 @@ def from_gguf(raw: np.ndarray, format: str, shape: tuple[int, int]) -> Blocks:
         return _q4_k(rows, N, K, format)
     if format == "q6_k":
         return _q6_k(rows, N, K)
+    if format == "iq4_xs":
+        return _iq4_xs(rows, N, K)
     scales = torch.from_numpy(rows[..., 0:2].copy().view(np.float16)[..., 0])
     if format == "q8_0":
         codes = torch.from_numpy((rows[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
@@ -230,6 +248,32 @@ def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
     sub = rows[..., 192:208].copy().view(np.int8).reshape(N, K // 16)
     d = rows[..., 208:210].copy().view(np.float16)[..., 0]
     return Blocks("q6_k", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), None, torch.from_numpy(sub))
+
+
+def _iq4_xs(rows: np.ndarray, N: int, K: int) -> Blocks:
+    """IQ4_XS super-blocks (N, K/256, 136): [d f16, the 8 ls' high bit pairs (u16: c's in bits 2c, 2c+1),
+    their low nibbles (4 bytes: c's in bits 4c..4c+3 of the 32 bits), 8 x 16 bytes: sub-block c's k j and
+    16 + j in the low and high nibble of its byte j]."""
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0]
+    ls = _iq4_xs_ls(torch.from_numpy(rows[..., 2:4].copy().view(np.int16)[..., 0]),
+                    torch.from_numpy(rows[..., 4:8].copy().view(np.int32)[..., 0]))
+    codes = _nibbles(rows[..., 8:].reshape(N, -1, 8, 16))  # (N, S, 8, 32)
+    return Blocks("iq4_xs", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), None, ls.reshape(N, K // BLOCK))
+
+
+def _iq4_xs_ls(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's scales (..., S): high bit pairs (int16), low nibbles (int32) -> ls (..., S, 8) int8, in -32..31."""
+    c = torch.arange(8)
+    six = ((low[..., None].long() >> (4 * c)) & 15) | (((high[..., None].long() >> (2 * c)) & 3) << 4)
+    return (six - 32).to(torch.int8)
+
+
+def _iq4_xs_packed(ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of _iq4_xs_ls: ls (..., S, 8) -> (high (..., S) int16, low (..., S) int32)."""
+    six, c = ls.long() + 32, torch.arange(8)
+    high = ((six >> 4) << (2 * c)).sum(-1)
+    low = ((six & 15) << (4 * c)).sum(-1)
+    return high.to(torch.int32).to(torch.int16), low.to(torch.int64).to(torch.int32)
 
 
 # ------------------------------------------------------------------------ the kernels' layout
@@ -328,6 +372,11 @@ def pack(blocks: Blocks) -> torch.Tensor:
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
     fifth = [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)]  # 5-bit codes, as the file holds them
+    if f == "iq4_xs":
+        S = K // SUPER
+        high, low = _iq4_xs_packed(blocks.sub.reshape(N, S, 8))
+        head = [_per_panel(blocks.scales, P), _per_panel(low, P), _per_panel(high, P)]
+        return torch.cat(head + [_codes(u, nibbles=True).reshape(P, S, -1)], dim=-1).contiguous()
     if f in SIX_BIT + ("q6_k",):
         S, six = K // SUPER, f in SIX_BIT
         sub = _six_bits(blocks.sub.reshape(N, S, 4, 4)) if six else (blocks.sub.short() + 128).to(torch.uint8)
@@ -341,13 +390,20 @@ def pack(blocks: Blocks) -> torch.Tensor:
     head = [_per_panel(blocks.scales, P)] + ([] if blocks.mins is None else [_per_panel(blocks.mins, P)])
     if f in ("q5_0", "q5_1"):
         return torch.cat(head + fifth, dim=-1).contiguous()
-    return torch.cat(head + [_codes(u, nibbles=f in ("q4_0", "q4_1"))], dim=-1).contiguous()
+    return torch.cat(head + [_codes(u, nibbles=f in NIBBLES)], dim=-1).contiguous()
 
 
 def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
     """Inverse of pack."""
     N, K = shape
     P, nb = -(-N // LANES), K // BLOCK
+    if format == "iq4_xs":
+        S = K // SUPER
+        data = data.reshape(P, S, -1)
+        scales = _from_panel(data[..., :32], N, torch.float16)
+        ls = _iq4_xs_ls(_from_panel(data[..., 96:128], N, torch.int16), _from_panel(data[..., 32:96], N, torch.int32))
+        codes = _uncodes(data[..., 128:].reshape(P, nb, -1), nibbles=True)[:N]
+        return Blocks(format, codes.contiguous(), scales, None, ls.reshape(N, nb).contiguous())
     if format in SIX_BIT + ("q6_k",):
         S, k4 = K // SUPER, format in SIX_BIT
         data = data.reshape(P, S, -1)
@@ -369,7 +425,7 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
     if format in ("q5_0", "q5_1"):
         codes = (_uncodes(data[..., at:at + 256], nibbles=True) | (_unfifth_bits(data[..., at + 256:]) << 4))[:N]
     else:
-        codes = _uncodes(data[..., at:], nibbles=format in ("q4_0", "q4_1"))[:N]
+        codes = _uncodes(data[..., at:], nibbles=format in NIBBLES)[:N]
     return Blocks(format, codes.contiguous(), scales, mins)
 
 
@@ -431,6 +487,7 @@ def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
       Q4_1, Q5_1:        (d dx) s + (m dx) qsum
       Q4_K, Q5_K:        ((d sc) dx) s - ((dmin m) dx) qsum            (d sc, dmin m exact in fp32)
       Q6_K:              (d dx) (sc_a s_a + sc_c s_c)                  (sub-blocks a, c of 16: an exact integer)
+      IQ4_NL:            (d dx) s;  IQ4_XS: ((d ls) dx) s              (s over the codes' levels; d ls exact)
     each product rounded to fp32 in the order written."""
     N, K = blocks.shape
     q, dx, qsum = quantize_rows(rows)
@@ -438,8 +495,10 @@ def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     # exact integer sums: every partial sum is an integer below 2^24, exact in float64
     width = 16 if f == "q6_k" else BLOCK
     s = torch.einsum("mbk,nbk->bmn", q.double().reshape(M, K // width, width),
-                     (blocks.codes.double() - OFFSET[f]).reshape(N, K // width, width))  # (K/width, M, N)
+                     blocks.levels().double().reshape(N, K // width, width))  # (K/width, M, N)
     dxb = dx.T[:, :, None]  # (nb, M, 1)
+    if f == "iq4_xs":
+        return (blocks.sub_scales()[0].T[:, None, :] * dxb) * s.float()
     if f in SIX_BIT:
         scale, low = (t.T[:, None, :] for t in blocks.sub_scales())  # (nb, 1, N)
         return (scale * dxb) * s.float() - (low * dxb) * qsum.T[:, :, None].float()

@@ -1,5 +1,5 @@
 // CPU kernels for decoding with float-stored (bf16, f16, f32) or block-quantized weights (Q8_0, Q4_0, Q4_1,
-// Q5_0, Q5_1; the K-quants Q4_K, Q5_K, Q6_K) and fp32 arithmetic, for AVX-512 and AVX2.
+// Q5_0, Q5_1, IQ4_NL; the K-quants Q4_K, Q5_K, Q6_K and IQ4_XS) and fp32 arithmetic, for AVX-512 and AVX2.
 //
 // Why: speculative decoding pays only when verifying k+1 tokens costs about what one token costs.
 // One token reads every weight once (memory-bound); k+1 tokens must share each weight load and

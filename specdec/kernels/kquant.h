@@ -1,4 +1,5 @@
-// Matrices in llama.cpp's K-quants as GGUF files store them (Q4_K, Q5_K, Q6_K: super-blocks of 256 weights),
+// Matrices in llama.cpp's K-quants as GGUF files store them (Q4_K, Q5_K, Q6_K, and IQ4_XS: super-blocks of
+// 256 weights),
 // times activation rows quantized per block of 32 to int8 as for the other quantized formats
 // (quantize_row in quant.h): written once over the 16-lane int32 vector `VI` and included by
 // cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
@@ -11,9 +12,10 @@
 //   Q4_K, Q5_K:  ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum)   s = sum_k u q (u the 4- or 5-bit code)
 //   Q6_K:  (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c))  s_a = sum over the block's first
 //          16 k of (u - 32) q (u the 6-bit code), s_c over its last 16
-// with d, dmin the super-block's fp16 scales, sc, mn (6-bit) or sc_a, sc_c (int8) the sub-blocks'
-// scales, dx, qsum the activation block's scale and sum of q. d sc and dmin mn are exact in fp32
-// (11-bit times 6-bit significands); each |sc s| and their sum are integers below 2^24 (exact in
+//   IQ4_XS:  ((d ls) dx) float(s)   s = sum_k w q, w the level (quant.h's kIq4Levels - 128) of the 4-bit code
+// with d, dmin the super-block's fp16 scales, sc, mn (6-bit), ls (6-bit, -32..31) or sc_a, sc_c (int8)
+// the sub-blocks' scales, dx, qsum the activation block's scale and sum of q. d sc, dmin mn and d ls are
+// exact in fp32 (11-bit times 6-bit significands); each |sc s| and their sum are integers below 2^24 (exact in
 // fp32): so only the fp32 steps written shape a result, the same on both instruction sets.
 //
 // Packed layout of a matrix (N, K), K a multiple of 256: panels of 16 outputs (zero past N); panel
@@ -29,14 +31,18 @@
 // pairs, lane n byte t of load h holding in bits 2i, 2i+1 those of k = 16h + 4i + t (joined to
 // nibble load i: VI::bit_pair).
 // A lane's scale byte reaches an int32 lane as VI::dot against x4 = 1 in that byte's place.
+// IQ4_XS: 16 fp16 d, each output's 6-bit ls of its 8 sub-blocks of 32 as the file holds them (a load of
+// lane n = output n's 4 bytes of low nibbles, sub-block c's in bits 4c..4c+3, then 16 x 2 bytes, its high
+// bit pairs, c's in bits 2c, 2c+1; read once a super-block, `iq4_xs_scales`), then 8 blocks of codes as
+// quant.h's IQ4_NL.
 // Expects, defined before inclusion: what quant.h expects, and quant.h.
 
 constexpr int64_t kSuper = 256;                       // weights per super-block, along K
-// Indexed by I (ktile's): 0 Q4_K, 1 Q6_K, 2 Q5_K
-constexpr int64_t kSuperBytes[3] = {2304, 3360, 2816};  // 16 outputs x 256 k
-constexpr int kScalesAt[3] = {64, 32, 64};              // bytes before the sub-block scales
-constexpr int kScaleBytes[3] = {192, 256, 192};         // bytes of sub-block scales
-constexpr int64_t kSuperCodes[3] = {256, 384, 320};     // bytes of codes per block of 32 k
+// Indexed by I (ktile's): 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS
+constexpr int64_t kSuperBytes[4] = {2304, 3360, 2816, 2176};  // 16 outputs x 256 k
+constexpr int kScalesAt[4] = {64, 32, 64, 32};                // bytes before the sub-block scales
+constexpr int kScaleBytes[4] = {192, 256, 192, 96};           // bytes of sub-block scales
+constexpr int64_t kSuperCodes[4] = {256, 384, 320, 256};      // bytes of codes per block of 32 k
 
 // The sum of q over the first 16 k of each block of 32, rows [0, M) of x (Q6_K's first sub-block;
 // the second is the block's sum minus it), into `out` (M x x.blocks).
@@ -99,6 +105,35 @@ inline void q4_k_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[
   }
 }
 
+// IQ4_XS's sub-block scales of a super-block (`base`: its d, scales) as floats: out[c][n] = ls of output n's
+// sub-block c, exact.
+inline void iq4_xs_scales(const uint8_t* base, float (&out)[8][kLanes]) {
+  for (int n = 0; n < kLanes; ++n) {
+    uint32_t low;
+    uint16_t high;
+    std::memcpy(&low, base + kScalesAt[3] + 4 * n, 4);
+    std::memcpy(&high, base + kScalesAt[3] + 64 + 2 * n, 2);
+    for (int c = 0; c < 8; ++c)
+      out[c][n] = static_cast<float>(static_cast<int>(((low >> (4 * c)) & 15) | (((high >> (2 * c)) & 3) << 4)) - 32);
+  }
+}
+
+// IQ4_XS: acc[r][j] += ((d ls) dx) float(s) for block k.b (ls: the super-block's, iq4_xs_scales).
+template <int R, int NB>
+inline void iq4_xs_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const float (&ls)[NB][8][kLanes],
+                         V (&acc)[R][NB]) {
+  VI s[R][NB];
+  qsums<kIQ4_NL, R, NB>(k.codes, k.xq, s);  // quant.h: IQ4_XS's codes are laid out as IQ4_NL's
+  for (int j = 0; j < NB; ++j) {
+    const V scale = V::mul(d[j], V::load(ls[j][k.c]));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (k.r0 + r) * x.blocks + k.b;
+      const VI exact = VI::sub(s[r][j], VI::kWideOffset * x.sums[at]);
+      acc[r][j] = V::add(acc[r][j], V::mul(V::mul(scale, V::bcast(x.d[at])), VI::to_float(exact)));
+    }
+  }
+}
+
 // Q6_K: acc[r][j] += (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c)) for block k.b.
 template <int R, int NB>
 inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t* halves, const V (&d)[NB],
@@ -143,7 +178,7 @@ inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t
 }
 
 // Rows r0..r0+R-1 (quantized; halves: their first-16 sums, Q6_K) against panels p0..p0+NB-1 of a
-// K-quant matrix (I: 0 Q4_K, 1 Q6_K, 2 Q5_K).
+// K-quant matrix (I: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS).
 template <int I, int R, int NB>
 inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, int64_t nsuper, int64_t p0, int64_t r0,
                   float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
@@ -156,14 +191,17 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
   k.r0 = r0;
   for (int64_t sb = 0; sb < nsuper; ++sb) {
     V d[NB], dmin[NB];
-    typename VI::Raw scales[I != 1 ? NB : 1][4];
+    constexpr bool six = I == 0 || I == 2;  // Q4_K's and Q5_K's 6-bit (sc, m)
+    typename VI::Raw scales[six ? NB : 1][4];
+    alignas(64) float ls[I == 3 ? NB : 1][8][kLanes];
     for (int j = 0; j < NB; ++j) {
       k.base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
       d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j]));
-      if constexpr (I != 1) {
+      if constexpr (six) {
         dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
         q4_k_scales(k.base[j], scales[j]);
       }
+      if constexpr (I == 3) iq4_xs_scales(k.base[j], ls[j]);
     }
     for (k.c = 0; k.c < 8; ++k.c) {
       k.b = sb * 8 + k.c;
@@ -173,6 +211,8 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
         q4_k_block<kQ4_1, R, NB>(k, x, d, dmin, scales, acc);
       else if constexpr (I == 2)
         q4_k_block<kQ5_1, R, NB>(k, x, d, dmin, scales, acc);
+      else if constexpr (I == 3)
+        iq4_xs_block<R, NB>(k, x, d, ls, acc);
       else
         q6_k_block<R, NB>(k, x, halves, d, acc);
     }
@@ -252,6 +292,7 @@ inline void kquant_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y,
     case kQ4_K: return kmatmul_format<0>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kQ6_K: return kmatmul_format<1>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kQ5_K: return kmatmul_format<2>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kIQ4_XS: return kmatmul_format<3>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kMixed: return mixed_matmul(x, M, W, Y, ldy, add, bias, q0, q1);
     default: return qmatmul_panels(x, M, W, Y, ldy, add, bias, q0, q1);
   }

@@ -1,6 +1,6 @@
-"""A GGUF file's matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
-tensors (what a Q4_K_M or Q5_K_M file holds), and its F16, BF16 and F32 ones, become the kernels'
-Matrix of each Linear of specdec's model,
+"""A GGUF file's matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL
+and IQ4_XS tensors (what a Q4_K_M, Q5_K_M or IQ4_XS file holds: kernels.blocks.BLOCK_FORMATS), and its
+F16, BF16 and F32 ones, become the kernels' Matrix of each Linear of specdec's model,
 block for block, never dequantized and re-rounded (`--quantize gguf`). q, k and v are fused into
 qkv_proj and gate and up into gate_up_proj by stacking their rows (blocks run along a row, so this
 is exact); the blocks come from gguf.raw_tensors, which has already put Llama's q and k rows back
@@ -12,9 +12,9 @@ part but the last is a whole number of panels of 16 outputs. F16, BF16 and F32 m
 panels of the file's values (kernels.FLOAT_FORMATS), bit for bit in as many bytes; a fused one whose
 parts are in several of these, as f32 panels (each value exact, 4 bytes a weight). A matrix of another
 type (Q3_K, IQ2_XS, ...), or whose parts do not cut into panels or mix float and quantized types, keeps
-the values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning. The embedding table is the file's blocks too (a tied
-one, the unembedding's), each looked-up row dequantized to the file's values exactly; of another type,
-those values in fp32.
+the values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning. The embedding
+table is the file's blocks too (a tied one, the unembedding's), each looked-up row dequantized to the
+file's values exactly; of another type (a float one included), those values in fp32.
 
 The model holds what it runs and nothing beside it (`load_as_stored`): built on the meta device and
 filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
