@@ -32,7 +32,8 @@ from .test_quant import needs_kernels, on_each_isa
 
 TYPES = {f: Q[blocks.BLOCK_FORMATS[f].gguf] for f in blocks.AS_STORED}
 SCALE_BYTES = {"q5_0": [(0, 2)], "q5_1": [(0, 2), (2, 4)], "q4_k": [(0, 2), (2, 4)], "q5_k": [(0, 2), (2, 4)],
-               "q6_k": [(208, 210)], "iq4_nl": [(0, 2)], "iq4_xs": [(0, 2)]}  # fp16 scales (and mins) in a GGUF block
+               "q6_k": [(208, 210)], "iq4_nl": [(0, 2)], "iq4_xs": [(0, 2)], "q3_k": [(108, 110)],
+               "q2_k": [(80, 82), (82, 84)]}  # fp16 scales (and mins) in a GGUF block
 
 
 def test_each_format_is_described_once():
@@ -74,7 +75,8 @@ def test_blocks_hold_what_gguf_dequantizes(format):
         held, raw = make(format, 24, 512, 1)
         assert torch.equal(held.dense(), torch.from_numpy(dequantize(raw, TYPES[format]))), make.__name__
     w = (np.random.default_rng(1).standard_normal((24, 512)) * 0.05).astype(np.float32)
-    assert np.abs(stored(format, 24, 512, 1)[0].dense().numpy() - w).max() < 0.02  # a quantization of w
+    error = np.abs(stored(format, 24, 512, 1)[0].dense().numpy() - w).max()
+    assert error < {"q3_k": 0.04, "q2_k": 0.07}.get(format, 0.02)  # a quantization of w (3 and 2 bits: coarser)
 
 
 @pytest.mark.parametrize("format", TYPES)
@@ -161,13 +163,21 @@ def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(f
 @pytest.mark.parametrize("format", TYPES)
 def test_each_row_of_the_kernel_equals_the_reference_exactly(format):
     """N not a multiple of 16, one to three super-blocks, rows 1..16 in every split, bias and residual,
-    blocks of every code, both instruction sets: the same bits as blocks.linear."""
+    blocks of every code, and the extremes (the first 64 k of an output all the largest code, or all 0,
+    against activations all +-127: the largest integer sums AVX2's int16 lanes hold), both instruction
+    sets: the same bits as blocks.linear."""
     g = torch.Generator().manual_seed(4)
     for seed, (N, K) in enumerate([(1, 256), (37, 512), (53, 768)]):
         for make in (stored, random_blocks):
             held, _ = make(format, N, K, seed)
+            codes = held.codes.clone()
+            codes[0, :64] = held.codes.max()
+            if N > 1:
+                codes[1, :64] = 0
+            held = blocks.Blocks(format, codes, *held[2:])
             matrix = kernels.Matrix.from_blocks(held)
             x = torch.randn(16, K, generator=g) * 4
+            x[0, :64], x[1, :64] = 1.0, -1.0  # q = 127, -127 in the first two blocks
             x[3, :32] = 0  # a block of zeros: scale 0
             bias, add = torch.randn(N, generator=g), torch.randn(16, N, generator=g)
             reference = blocks.linear(x, held, bias)
@@ -209,7 +219,7 @@ def test_a_k_quant_needs_rows_of_whole_super_blocks():
         blocks.quantize(torch.randn(4, 256), "q4_k")
 
 
-# ---- GGUF files in these types (Q4_K_M's, Q5_K_M's, IQ4's), every matrix as stored ----
+# ---- GGUF files in these types (Q4_K_M's, Q5_K_M's, IQ4's, the low-bit K-quants'), every matrix as stored ----
 
 # cycled over the matrices as written (the embedding, then q, k, v, o, gate, up, down of each layer):
 # the embedding, v and down in Q6_K, q/k and gate/up in Q4_K (Q5_K, IQ4_XS), o in Q5_0 (Q5_1, IQ4_NL) (q, k,
@@ -217,7 +227,8 @@ def test_a_k_quant_needs_rows_of_whole_super_blocks():
 FILES = {"Q4_K_M": ((Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_K, Q.Q4_K), {"q4_k", "q6_k", "q5_0", "q4_k+q6_k"}),
          "Q5_K_M": ((Q.Q6_K, Q.Q5_K, Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_K, Q.Q5_K), {"q5_k", "q6_k", "q5_1", "q5_k+q6_k"}),
          "IQ4": ((Q.Q6_K, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL, Q.IQ4_NL, Q.IQ4_XS, Q.IQ4_XS),
-                 {"iq4_xs", "q6_k", "iq4_nl", "iq4_xs+iq4_nl"})}
+                 {"iq4_xs", "q6_k", "iq4_nl", "iq4_xs+iq4_nl"}),
+         "Q3_K_M/Q2_K": ((Q.Q6_K, Q.Q3_K, Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q2_K, Q.Q2_K), {"q6_k", "q3_k+q5_k", "q4_k", "q2_k"})}
 
 
 @pytest.fixture(scope="module", params=FILES)

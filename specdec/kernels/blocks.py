@@ -1,5 +1,5 @@
 """Block-quantized matrices (llama.cpp's Q8_0, Q4_0, Q4_1, and as GGUF files store them Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) in PyTorch: quantizing a weight (the first three), the kernels' packed layout
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) in PyTorch: quantizing a weight (the first three), the kernels' packed layout
 (quant.h, kquant.h) both ways, and the arithmetic of the quantized kernels as a PyTorch reference
 that computes the very same fp32 numbers. BLOCK_FORMATS describes each format once.
 
@@ -8,7 +8,8 @@ fp16 scale d (Q4_1, Q5_1 also an fp16 min m): Q8_0 w = d (u - 128), Q4_0 w = d (
 w = d u + m, Q5_0 w = d (u - 16). The K-quants group 256 weights in a super-block with an fp16 scale d:
 Q4_K and Q5_K (also an fp16 dmin) hold 8 sub-blocks of 32 with 6-bit scale sc and min m each,
 w = (d sc) u - (dmin m), u 4- or 5-bit; Q6_K holds 16 sub-blocks of 16 with an int8 scale sc each,
-w = (d sc) (u - 32), u 6-bit. IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d
+w = (d sc) (u - 32), u 6-bit; Q3_K likewise with a 6-bit sc - 32, w = (d sc) (u - 4), u 3-bit; Q2_K holds
+16 sub-blocks of 16 with 4-bit sc and m and an fp16 dmin, w = (d sc) u - (dmin m), u 2-bit. IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d
 and a 6-bit ls - 32 per sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u].
 (`from_gguf` turns a GGUF tensor's raw bytes into Blocks.)
 An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
@@ -45,6 +46,7 @@ BLOCK_FORMATS = {
     "q5_1": BlockFormat("Q5_1", 8, BLOCK, 24, 0), "q4_k": BlockFormat("Q4_K", 5, SUPER, 144, 0),
     "q5_k": BlockFormat("Q5_K", 9, SUPER, 176, 0), "q6_k": BlockFormat("Q6_K", 6, SUPER, 210, 32),
     "iq4_nl": BlockFormat("IQ4_NL", 12, BLOCK, 18, 0), "iq4_xs": BlockFormat("IQ4_XS", 13, SUPER, 136, 0),
+    "q3_k": BlockFormat("Q3_K", 14, SUPER, 110, 4), "q2_k": BlockFormat("Q2_K", 15, SUPER, 84, 0),
 }
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's and IQ4_XS's
 LEVELS = {"iq4_nl": IQ4_LEVELS, "iq4_xs": IQ4_LEVELS}  # the level each code stands for (quant.h: kIq4Levels)
@@ -54,14 +56,16 @@ AS_STORED = tuple(f for f in BLOCK_FORMATS if f not in QUANTIZED)  # formats rea
 OFFSET = {f: b.offset for f, b in BLOCK_FORMATS.items()}  # u - OFFSET [+ m]
 MINS = ("q4_1", "q5_1")  # formats of 32 with a min per block
 SIX_BIT = ("q4_k", "q5_k")  # K-quants with 6-bit (sc, m) per sub-block of 32
+SIXTEENS = ("q6_k", "q3_k", "q2_k")  # K-quants with sub-blocks of 16
+LOW_BITS = ("q3_k", "q2_k")  # K-quants whose codes' low 2 bits are planes of bit pairs (kquant.h)
 TINY = 2.0 ** -64  # quantize_rows scales a block whose largest magnitude is below this by 1 / TINY
 
 
 class Blocks(NamedTuple):
     """A quantized matrix (N, K): codes (N, K) uint8; scales fp16, (N, K/32) or per super-block (N, K/256)
     (the K-quants); mins fp16 of the same shape (Q4_1, Q5_1; Q4_K's and Q5_K's dmin) or None; sub the
-    K-quants' sub-block scales: Q4_K, Q5_K (N, K/32, 2) uint8 [sc, m], Q6_K (N, K/16) int8, IQ4_XS's
-    ls (N, K/32) int8, else None."""
+    K-quants' sub-block scales: Q4_K, Q5_K (N, K/32, 2) uint8 [sc, m], Q2_K (N, K/16, 2) uint8 [sc, m],
+    Q6_K (N, K/16) int8, Q3_K's sc - 32 (N, K/16) int8, IQ4_XS's ls (N, K/32) int8, else None."""
     format: str
     codes: torch.Tensor
     scales: torch.Tensor
@@ -78,12 +82,13 @@ class Blocks(NamedTuple):
                       None if self.sub is None else self.sub[ids])
 
     def sub_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The K-quants' fp32 scales per sub-block, exact (fp16 times a 6- or 8-bit integer): Q4_K, Q5_K
-        (d sc, dmin m) each (N, K/32), Q6_K (d sc (N, K/16), None), IQ4_XS (d ls (N, K/32), None)."""
-        if self.format in SIX_BIT:
-            d, dmin = (t.float().repeat_interleave(SUPER // BLOCK, 1) for t in (self.scales, self.mins))
-            return d * self.sub[..., 0].float(), dmin * self.sub[..., 1].float()
+        """The K-quants' fp32 scales per sub-block, exact (fp16 times an integer of at most 8 bits): Q4_K,
+        Q5_K (d sc, dmin m) each (N, K/32), Q2_K the same (N, K/16), Q6_K, Q3_K (d sc (N, K/16), None),
+        IQ4_XS (d ls (N, K/32), None)."""
         per = self.sub.shape[1] // self.scales.shape[1]  # sub-blocks per super-block
+        if self.mins is not None:
+            d, dmin = (t.float().repeat_interleave(per, 1) for t in (self.scales, self.mins))
+            return d * self.sub[..., 0].float(), dmin * self.sub[..., 1].float()
         return self.scales.float().repeat_interleave(per, 1) * self.sub.float(), None
 
     def levels(self) -> torch.Tensor:
@@ -94,15 +99,14 @@ class Blocks(NamedTuple):
 
     def dense(self) -> torch.Tensor:
         """(N, K) fp32: the weights the blocks hold, each in fp32 as gguf.quants dequantizes them:
-        d (u - offset) [+ m]; Q4_K, Q5_K (d sc) u - (dmin m); Q6_K (d sc) (u - 32); IQ4_NL d L[u]; IQ4_XS
-        (d ls) L[u]."""
+        d (u - offset) [+ m]; Q4_K, Q5_K, Q2_K (d sc) u - (dmin m); Q6_K, Q3_K (d sc) (u - offset);
+        IQ4_NL d L[u]; IQ4_XS (d ls) L[u]."""
         u = self.levels().float()
-        if self.format in SIX_BIT:
+        if self.sub is not None:  # per sub-block
             scale, low = self.sub_scales()
-            return scale.repeat_interleave(BLOCK, 1) * u - low.repeat_interleave(BLOCK, 1)
-        if self.format in ("q6_k", "iq4_xs"):
-            scale = self.sub_scales()[0]
-            return scale.repeat_interleave(self.codes.shape[1] // scale.shape[1], 1) * u
+            width = self.codes.shape[1] // scale.shape[1]
+            w = scale.repeat_interleave(width, 1) * u
+            return w if low is None else w - low.repeat_interleave(width, 1)
         w = self.scales.float().repeat_interleave(BLOCK, 1) * u
         return w if self.mins is None else w + self.mins.float().repeat_interleave(BLOCK, 1)
 
@@ -186,7 +190,7 @@ def from_gguf(raw: np.ndarray, format: str, shape: tuple[int, int]) -> Blocks:
     [d f16, 32 int8], Q4_0 [d f16, 16 bytes: k j in the low nibble of byte j, k 16 + j in its high],
     Q4_1 [d f16, m f16, 16 bytes], Q5_0 [d f16, 4 bytes: bit j the 5th bit of k j, 16 bytes as Q4_0],
     Q5_1 [d f16, m f16, then as Q5_0], IQ4_NL as Q4_0 (its codes the levels'); the K-quants per 256: `_q4_k`
-    (Q4_K, Q5_K), `_q6_k`, `_iq4_xs`."""
+    (Q4_K, Q5_K), `_q6_k`, `_iq4_xs`, `_low_bits` (Q3_K, Q2_K)."""
     N, K = shape
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // BLOCK_FORMATS[format].size,
                                                             GGUF_BLOCK_BYTES[format])
@@ -196,6 +200,8 @@ def from_gguf(raw: np.ndarray, format: str, shape: tuple[int, int]) -> Blocks:
         return _q6_k(rows, N, K)
     if format == "iq4_xs":
         return _iq4_xs(rows, N, K)
+    if format in LOW_BITS:
+        return _low_bits(rows, N, K, format)
     scales = torch.from_numpy(rows[..., 0:2].copy().view(np.float16)[..., 0])
     if format == "q8_0":
         codes = torch.from_numpy((rows[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
@@ -248,6 +254,42 @@ def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
     sub = rows[..., 192:208].copy().view(np.int8).reshape(N, K // 16)
     d = rows[..., 208:210].copy().view(np.float16)[..., 0]
     return Blocks("q6_k", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), None, torch.from_numpy(sub))
+
+
+def _low_bits(rows: np.ndarray, N: int, K: int, format: str) -> Blocks:
+    """Q3_K super-blocks (N, K/256, 110): [32 bytes: the codes' third bits (k 32j + b's: bit j of byte b), 64
+    bytes of their low 2 bits (k 128h + 32j + b's: bits 2j, 2j+1 of byte 32h + b), 12 bytes of 6-bit scales
+    (_q3_k_scales), d f16]; Q2_K's (N, K/256, 84): [16 bytes of [sc, m] nibbles, 64 bytes of codes as Q3_K's
+    low 2 bits, d f16, dmin f16]."""
+    S, three = K // SUPER, format == "q3_k"
+    at = 32 if three else 16
+    qs = torch.from_numpy(rows[..., at:at + 64].copy()).reshape(N, S, 2, 1, 32)
+    codes = ((qs >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3).reshape(N, K)
+    raw = torch.from_numpy(rows[..., 96:108].copy() if three else rows[..., 0:16].copy())
+    d = torch.from_numpy(rows[..., 108:110].copy().view(np.float16)[..., 0] if three else
+                         rows[..., 80:82].copy().view(np.float16)[..., 0])
+    if three:
+        hmask = torch.from_numpy(rows[..., 0:32].copy()).reshape(N, S, 1, 32)
+        codes = codes | (((hmask >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1).reshape(N, K) << 2)
+        return Blocks(format, codes, d, None, _q3_k_scales(raw).reshape(N, K // 16))
+    dmin = torch.from_numpy(rows[..., 82:84].copy().view(np.float16)[..., 0])
+    return Blocks(format, codes, d, dmin, torch.stack((raw & 15, raw >> 4), dim=-1).reshape(N, K // 16, 2))
+
+
+def _q3_k_scales(raw: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes of scales (..., 12) -> sc - 32 (..., 16) int8: sub-block i's low 4 bits in the low
+    (i < 8) or high nibble of byte i % 8, its high 2 in bits 2g, 2g+1 of byte 8 + j (i = 4g + j)."""
+    low = torch.cat((raw[..., :8] & 15, raw[..., :8] >> 4), dim=-1)
+    high = torch.cat([(raw[..., 8:12] >> (2 * g)) & 3 for g in range(4)], dim=-1)
+    return ((low | (high << 4)).short() - 32).to(torch.int8)
+
+
+def _q3_k_packed(sc: torch.Tensor) -> torch.Tensor:
+    """Inverse of _q3_k_scales: (..., 16) int8 -> (..., 12) uint8."""
+    six = (sc.short() + 32).to(torch.uint8)
+    low = (six[..., :8] & 15) | ((six[..., 8:] & 15) << 4)
+    high = sum(((six[..., 4 * g:4 * g + 4] >> 4) & 3) << (2 * g) for g in range(4))
+    return torch.cat((low, high), dim=-1)
 
 
 def _iq4_xs(rows: np.ndarray, N: int, K: int) -> Blocks:
@@ -372,6 +414,13 @@ def pack(blocks: Blocks) -> torch.Tensor:
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
     fifth = [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)]  # 5-bit codes, as the file holds them
+    if f in LOW_BITS:
+        S, three = K // SUPER, f == "q3_k"
+        head = [_per_panel(blocks.scales, P)] + ([] if three else [_per_panel(blocks.mins, P)])
+        raw = (_q3_k_packed(blocks.sub.reshape(N, S, 16)) if three else
+               (blocks.sub[..., 0] | (blocks.sub[..., 1] << 4)).reshape(N, S, 16))
+        codes = [_bit_pairs(u & 3)] + ([_fifth_bits(u >> 2)] if three else [])
+        return torch.cat(head + [_per_panel(raw, P), torch.cat(codes, dim=-1).reshape(P, S, -1)], dim=-1).contiguous()
     if f == "iq4_xs":
         S = K // SUPER
         high, low = _iq4_xs_packed(blocks.sub.reshape(N, S, 8))
@@ -397,6 +446,20 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
     """Inverse of pack."""
     N, K = shape
     P, nb = -(-N // LANES), K // BLOCK
+    if format in LOW_BITS:
+        S, three = K // SUPER, format == "q3_k"
+        data = data.reshape(P, S, -1)
+        scales = _from_panel(data[..., :32], N, torch.float16)
+        mins = None if three else _from_panel(data[..., 32:64], N, torch.float16)
+        at, width = (32, 12) if three else (64, 16)  # bytes of each output's scales
+        raw = data[..., at:at + LANES * width].reshape(P, S, LANES, width).transpose(1, 2).reshape(P * LANES, S, width)
+        sub = (_q3_k_scales(raw[:N]).reshape(N, K // 16) if three else
+               torch.stack((raw[:N] & 15, raw[:N] >> 4), dim=-1).reshape(N, K // 16, 2))
+        codes = data[..., at + LANES * width:].reshape(P, nb, -1)
+        u = _unbit_pairs(codes[..., :128])
+        if three:
+            u = u | (_unfifth_bits(codes[..., 128:]) << 2)
+        return Blocks(format, u[:N].contiguous(), scales, mins, sub.contiguous())
     if format == "iq4_xs":
         S = K // SUPER
         data = data.reshape(P, S, -1)
@@ -487,13 +550,15 @@ def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
       Q4_1, Q5_1:        (d dx) s + (m dx) qsum
       Q4_K, Q5_K:        ((d sc) dx) s - ((dmin m) dx) qsum            (d sc, dmin m exact in fp32)
       Q6_K:              (d dx) (sc_a s_a + sc_c s_c)                  (sub-blocks a, c of 16: an exact integer)
+      Q3_K:              as Q6_K (s over u - 4)
+      Q2_K:              (d dx) (sc_a s_a + sc_c s_c) - (dmin dx) (m_a qsum_a + m_c qsum_c)   (exact integers)
       IQ4_NL:            (d dx) s;  IQ4_XS: ((d ls) dx) s              (s over the codes' levels; d ls exact)
     each product rounded to fp32 in the order written."""
     N, K = blocks.shape
     q, dx, qsum = quantize_rows(rows)
     M, nb, f = rows.shape[0], K // BLOCK, blocks.format
     # exact integer sums: every partial sum is an integer below 2^24, exact in float64
-    width = 16 if f == "q6_k" else BLOCK
+    width = 16 if f in SIXTEENS else BLOCK
     s = torch.einsum("mbk,nbk->bmn", q.double().reshape(M, K // width, width),
                      blocks.levels().double().reshape(N, K // width, width))  # (K/width, M, N)
     dxb = dx.T[:, :, None]  # (nb, M, 1)
@@ -502,10 +567,17 @@ def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     if f in SIX_BIT:
         scale, low = (t.T[:, None, :] for t in blocks.sub_scales())  # (nb, 1, N)
         return (scale * dxb) * s.float() - (low * dxb) * qsum.T[:, :, None].float()
-    if f == "q6_k":
+    if f in ("q6_k", "q3_k"):
         exact = (s * blocks.sub.double().T[:, None, :]).reshape(nb, 2, M, N).sum(1)  # (nb, M, N)
         d = blocks.scales.float().repeat_interleave(SUPER // BLOCK, 1).T[:, None, :]
         return (d * dxb) * exact.float()
+    if f == "q2_k":
+        sc, m = (blocks.sub[..., i].double().T[:, None, :] for i in (0, 1))  # (K/16, 1, N)
+        exact = (s * sc).reshape(nb, 2, M, N).sum(1)
+        sums = q.reshape(M, K // 16, 16).double().sum(-1).T[:, :, None]  # (K/16, M, 1)
+        low = (sums * m).reshape(nb, 2, M, N).sum(1)
+        d, dmin = (t.float().repeat_interleave(SUPER // BLOCK, 1).T[:, None, :] for t in (blocks.scales, blocks.mins))
+        return (d * dxb) * exact.float() - (dmin * dxb) * low.float()
     d = blocks.scales.float().T[:, None, :]  # (nb, 1, N)
     terms = (d * dxb) * s.float()
     if blocks.mins is not None:
