@@ -137,10 +137,10 @@ def test_a_files_float_matrices_run_as_stored(float_file):
     assert {m.stored.format for m in held.values()} == {"f16", "bf16", "f32"} and target.stack is not None
     assert all(m.weight is None for m in held.values())  # the panels alone, no second copy
     embedding = next(raw for raw in gguf.raw_tensors(float_file) if raw.name == "model.embed_tokens.weight")
-    assert torch.equal(target.model.embed_tokens.weight, torch.from_numpy(dequantize(embedding.data, Q.F16)))
+    assert torch.equal(target.model.embed_tokens.weight, torch.from_numpy(np.array(dequantize(embedding.data, Q.F16))))
     for raw in gguf.raw_tensors(float_file):
         if raw.name.endswith("proj.weight") and raw.name.startswith("model.layers.1.mlp.down"):
-            values = torch.from_numpy(dequantize(raw.data, Q[raw.type])).reshape(raw.shape)
+            values = torch.from_numpy(np.array(dequantize(raw.data, Q[raw.type]))).reshape(raw.shape)
             assert torch.equal(held["model.layers.1.mlp.down_proj"].dense().float(), values)
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(1))
     converted = load(float_file).model  # the default: the file's bf16 conversion, another model where F16 or F32

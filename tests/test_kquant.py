@@ -228,7 +228,8 @@ FILES = {"Q4_K_M": ((Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_K, Q.Q4_K), {"
          "Q5_K_M": ((Q.Q6_K, Q.Q5_K, Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_K, Q.Q5_K), {"q5_k", "q6_k", "q5_1", "q5_k+q6_k"}),
          "IQ4": ((Q.Q6_K, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL, Q.IQ4_NL, Q.IQ4_XS, Q.IQ4_XS),
                  {"iq4_xs", "q6_k", "iq4_nl", "iq4_xs+iq4_nl"}),
-         "Q3_K_M/Q2_K": ((Q.Q6_K, Q.Q3_K, Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q2_K, Q.Q2_K), {"q6_k", "q3_k+q5_k", "q4_k", "q2_k"})}
+         "Q3_K_M/Q2_K": ((Q.Q6_K, Q.Q3_K, Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q2_K, Q.Q2_K),
+                         {"q6_k", "q3_k+q5_k", "q4_k", "q2_k"})}
 
 
 @pytest.fixture(scope="module", params=FILES)

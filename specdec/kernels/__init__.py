@@ -166,8 +166,9 @@ class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
     or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
     f16 and f32 panels, Q5_0, Q5_1, IQ4_NL, and the K-quants and IQ4_XS (kquant.h), or runs of outputs in
-    several of these (`from_runs`, format "q4_k+q6_k", say). What a model holds per Linear: the packed data alone (a run of a mixed one is a
-    Matrix over its part of that data), the Blocks (a byte per code) unpacked where asked for.
+    several of these (`from_runs`, format "q4_k+q6_k", say). What a model holds per Linear: the packed data
+    alone (a run of a mixed one is a Matrix over its part of that data), the Blocks (a byte per code)
+    unpacked where asked for.
 
     `fine`: a quantized matrix that multiplies each input row twice, as its int8 rows and as the int8
     rows of their rounding residuals, and adds the two products (blocks.fine_linear): the same weight
@@ -202,8 +203,8 @@ class Matrix:
         code, and its copies) stays small beside a table of V rows."""
         N, K = shape
         if format in FLOAT_FORMATS:
-            values = float_values(raw, format, shape)
-            return cls(format, shape, torch.cat([pack(values[i:i + SLICE]) for i in range(0, N, SLICE)]))
+            return cls(format, shape, torch.cat([pack(float_values(raw[i:i + SLICE], format, (min(SLICE, N - i), K)))
+                                                 for i in range(0, N, SLICE)]))
         return cls(format, shape, torch.cat([blocks.pack(blocks.from_gguf(raw[i:i + SLICE], format,
                                                                           (min(SLICE, N - i), K)))
                                              for i in range(0, N, SLICE)]))
@@ -299,9 +300,8 @@ class Matrix:
 
 def float_values(raw, format: str, shape: tuple[int, int]) -> torch.Tensor:
     """A GGUF tensor of a float format (its values, or their bytes: N rows) as (N, K) in that format's
-    dtype, bit for bit (no copy where the rows are contiguous)."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(shape[0], -1)).view(
-        FLOAT_FORMATS[format].dtype)
+    dtype, bit for bit (a copy: the file's memory map stays read-only)."""
+    return torch.from_numpy(np.array(raw).view(np.uint8).reshape(shape[0], -1)).view(FLOAT_FORMATS[format].dtype)
 
 
 def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None = None) -> str | None:

@@ -1,16 +1,17 @@
 """Block-quantized matrices (llama.cpp's Q8_0, Q4_0, Q4_1, and as GGUF files store them Q5_0, Q5_1,
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) in PyTorch: quantizing a weight (the first three), the kernels' packed layout
-(quant.h, kquant.h) both ways, and the arithmetic of the quantized kernels as a PyTorch reference
-that computes the very same fp32 numbers. BLOCK_FORMATS describes each format once.
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) in PyTorch: quantizing a weight (the first three), the
+kernels' packed layout (quant.h, kquant.h) both ways, and the arithmetic of the quantized kernels as a
+PyTorch reference that computes the very same fp32 numbers. BLOCK_FORMATS describes each format once.
 
 A matrix (N, K) is cut along K into blocks of 32 weights; each block holds unsigned codes u and an
 fp16 scale d (Q4_1, Q5_1 also an fp16 min m): Q8_0 w = d (u - 128), Q4_0 w = d (u - 8), Q4_1 and Q5_1
 w = d u + m, Q5_0 w = d (u - 16). The K-quants group 256 weights in a super-block with an fp16 scale d:
 Q4_K and Q5_K (also an fp16 dmin) hold 8 sub-blocks of 32 with 6-bit scale sc and min m each,
 w = (d sc) u - (dmin m), u 4- or 5-bit; Q6_K holds 16 sub-blocks of 16 with an int8 scale sc each,
-w = (d sc) (u - 32), u 6-bit; Q3_K likewise with a 6-bit sc - 32, w = (d sc) (u - 4), u 3-bit; Q2_K holds
-16 sub-blocks of 16 with 4-bit sc and m and an fp16 dmin, w = (d sc) u - (dmin m), u 2-bit. IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d
-and a 6-bit ls - 32 per sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u].
+w = (d sc) (u - 32), u 6-bit; Q3_K likewise with a 6-bit sc - 32, w = (d sc) (u - 4), u 3-bit; Q2_K
+holds 16 sub-blocks of 16 with 4-bit sc and m and an fp16 dmin, w = (d sc) u - (dmin m), u 2-bit.
+IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d and a 6-bit ls - 32 per
+sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u].
 (`from_gguf` turns a GGUF tensor's raw bytes into Blocks.)
 An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
 format; each output is the sum over blocks of 32, in order, of an exact integer dot product times
