@@ -28,7 +28,7 @@ from specdec.lm.model import Linear
 from specdec.proposers import NgramProposer, SelfDraftProposer
 
 from .gguf_helpers import Q, byte_level_tokenizer, hf_model, quantize_any, write_gguf
-from .test_quant import needs_kernels, on_each_isa
+from .test_quant import RUNS, needs_kernels, on_each_isa
 
 TYPES = {f: Q[blocks.BLOCK_FORMATS[f].gguf] for f in blocks.AS_STORED}
 SCALE_BYTES = {"q5_0": [(0, 2)], "q5_1": [(0, 2), (2, 4)], "q4_k": [(0, 2), (2, 4)], "q5_k": [(0, 2), (2, 4)],
@@ -38,8 +38,8 @@ SCALE_BYTES = {"q5_0": [(0, 2)], "q5_1": [(0, 2), (2, 4)], "q4_k": [(0, 2), (2, 
 
 def test_each_format_is_described_once():
     """blocks.BLOCK_FORMATS is the one description the reader, the packing and the kernels' ids derive
-    from: its block sizes are gguf's, its kernel ids distinct (types.h's Format; cpu.cpp refuses packed
-    data of another size than kPanelBlockBytes, which the kernel tests below pass), every format runs."""
+    from: its block sizes are gguf's, its kernel ids distinct, and the kernels' own table (types.h) says
+    the same bytes and blocks of each format, and of no other."""
     for name, f in blocks.BLOCK_FORMATS.items():
         assert GGML_QUANT_SIZES[Q[f.gguf]] == (f.size, f.bytes), name
         assert blocks.PANEL_BLOCK_BYTES[name] * f.size == LANES * f.bytes * blocks.BLOCK
@@ -48,6 +48,10 @@ def test_each_format_is_described_once():
     ids = list(kernels.KERNEL_FORMAT.values()) + [kernels.MIXED]
     assert len(set(ids)) == len(ids) and max(ids) < kernels.FINE
     assert set(TYPES) | set(blocks.QUANTIZED) == set(blocks.BLOCK_FORMATS) == set(SCALE_BYTES) | set(blocks.QUANTIZED)
+    if RUNS:
+        table = kernels.compiled().format_table()
+        assert {f.kernel: (blocks.PANEL_BLOCK_BYTES[name], f.size) for name, f in blocks.BLOCK_FORMATS.items()} == {
+            kernel: entry for kernel, entry in enumerate(table) if entry[0] > 0}
 
 
 def stored(format: str, N: int, K: int, seed: int) -> tuple[blocks.Blocks, np.ndarray]:

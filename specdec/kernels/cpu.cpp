@@ -38,6 +38,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "threads.h"
@@ -611,6 +612,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "run on avx512 or avx2 (same results; for tests and measurements)");
   m.def("linear", &linear,
         "x (..., K) fp32 times a packed matrix (format) with N outputs, transposed [+ bias] [+ add]");
+  m.def("format_table", [] {
+    std::vector<std::pair<int64_t, int64_t>> table;
+    for (int f = 0; f < kFormats; ++f) table.emplace_back(kPanelBlockBytes[f], kFileBlock[f]);
+    return table;
+  }, "per Format (types.h): a quantized format's bytes per 16 outputs x 32 k (0: not one), its file's block along K");
   m.def("quantize_rows", &quantize_rows, "x (M, K) quantized per block of 32 as the quantized kernels do: q, d, sums");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
   m.def("noise_hashes", &noise_hashes, "(R, length) int32: seeded sampling's 32-bit hashes of token ids 0.. per key");

@@ -17,8 +17,8 @@ enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ4_K
                     kQ5_1 = 8, kQ5_K = 9, kF16 = 10, kF32 = 11, kIQ4_NL = 12, kIQ4_XS = 13, kQ3_K = 14, kQ2_K = 15 };
 constexpr int kFormats = 16;
 constexpr int64_t kBlock = 32;  // weights per quantized block, along K
-// bytes per 16 outputs x 32 k of a quantized format (the file's bytes: 16 of its blocks of 32, or half a
-// super-block's), 0 for the others (quant.h; the K-quants': kquant.h)
+// bytes per 16 outputs x 32 k of a quantized format (the file's bytes: 16 outputs' blocks of 32, or an eighth
+// of their super-blocks of 256), 0 for the others (quant.h; the K-quants': kquant.h)
 constexpr int64_t kPanelBlockBytes[kFormats] = {0, 544, 288, 320, 352, 288, 420, 0, 384, 352, 0, 0, 288, 272, 220, 168};
 // weights along K per block of the file: 32, or a K-quant's super-block of 256
 constexpr int64_t kFileBlock[kFormats] = {1, 32, 32, 32, 32, 256, 256, 1, 32, 256, 1, 1, 32, 256, 256, 256};
