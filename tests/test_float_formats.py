@@ -17,9 +17,9 @@ from specdec.api import load
 from specdec.decoding.engine import plain_generate, speculative_generate
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
-from specdec.lm import gguf
+from specdec.lm import device, gguf
 from specdec.lm.gguf_blocks import FORMATS
-from specdec.lm.model import Linear
+from specdec.lm.model import Linear, stored_formats
 from specdec.proposers import NgramProposer, SelfDraftProposer
 
 from .gguf_helpers import Q, byte_level_tokenizer, hf_model, write_gguf
@@ -156,3 +156,11 @@ def test_speculative_greedy_equals_plain_greedy_in_float_formats(float_file):
         for proposer, k in [(SelfDraftProposer(target=target), 3), (NgramProposer(), 2)]:
             rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
             assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0, isa
+
+
+@needs_kernels
+def test_the_conditions_name_the_quantized_kernels_only_where_a_matrix_is_quantized(float_file):
+    target = load(float_file, quantize="gguf").model
+    said = device.backend(torch.device("cpu"), torch.float32, target.stack, stored=stored_formats(target))
+    assert "f16" in said and "bf16" in said and "quantized:" not in said
+    assert "quantized:" in device.backend(torch.device("cpu"), torch.float32, target.stack, stored="f16 + q4_k")
