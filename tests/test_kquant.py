@@ -153,11 +153,13 @@ def test_a_files_tensor_packed_a_slice_of_rows_at_a_time_is_packed_exactly(forma
 
 @pytest.mark.parametrize("format", TYPES)
 def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(format):
-    held, _ = random_blocks(format, 20, 512, 3)
+    """blocks.linear is, to fp32 rounding, the product of the quantized activations and the weights as
+    gguf.quants dequantizes the file's blocks."""
+    held, raw = random_blocks(format, 20, 512, 3)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
     q, d, _ = blocks.quantize_rows(x)
     xq = (q.double().reshape(3, 16, 32) * d.double()[..., None]).reshape(3, 512)
-    exact = xq @ held.dense().double().T
+    exact = xq @ torch.from_numpy(dequantize(raw, TYPES[format])).double().reshape(20, 512).T
     torch.testing.assert_close(blocks.linear(x, held).double(), exact, rtol=1e-5, atol=1e-4)
     wrong = blocks.Blocks(format, held.codes.roll(1, dims=1), *held[2:])  # codes one k off: another product
     assert (blocks.linear(x, wrong).double() - exact).abs().max() > 0.1
