@@ -88,8 +88,9 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     `device` ("cpu", the default, or "cuda"), computing in `dtype` (default: float32 on the CPU,
     bfloat16 on CUDA). The backend goes with the device and is fixed here (device.backend).
     quantize: "q8_0", "q4_0" or "q4_1", every matrix quantized at load (CPU, float32;
-    checkpoint.quantize_model); "gguf", a .gguf file's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K matrices as the file stores
-    them (lm/gguf_blocks.py; default: a .gguf runs as its bf16 conversion, the checkpoint drafters
+    checkpoint.quantize_model); "gguf", a .gguf file's matrices in the kernels' formats (Q8_0, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS: kernels.blocks.BLOCK_FORMATS; F16, BF16, F32) as the file
+    stores them (lm/gguf_blocks.py; default: a .gguf runs as its bf16 conversion, the checkpoint drafters
     are trained for)."""
     t0 = time.perf_counter()
     device = resolve_device(device)

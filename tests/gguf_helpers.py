@@ -1,7 +1,7 @@
 """Small GGUF files written here with the `gguf` package from small transformers models, as
 llama.cpp's convert_hf_to_gguf.py writes them: its tensor names, Llama's q/k row permutation, norms
 and biases in F32 and the matrices in the types given (F32, F16, BF16, Q8_0, Q4_0, Q4_1 by default,
-cycled so every type occurs; Q4_K and Q6_K, which gguf.quants cannot make, by `quantize_any`), a
+cycled so every type occurs; the K-quants, which gguf.quants cannot make, by `quantize_any`), a
 byte-level BPE tokenizer with its special tokens marked as control tokens. Nothing is downloaded."""
 from __future__ import annotations
 
@@ -128,12 +128,18 @@ def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bo
 
 
 def quantize_any(w: np.ndarray, qtype) -> np.ndarray:
-    """gguf.quants.quantize, and for Q4_K and Q6_K (which it cannot make) blocks built here following
-    GGUF's layout (plain rounding, not llama.cpp's search for the best scales)."""
-    if qtype == Q.Q4_K:
-        return q4_k_by_hand(w)
+    """gguf.quants.quantize, and for the K-quants, IQ4_NL and IQ4_XS (which it cannot make) blocks built
+    here following GGUF's layout (plain rounding, not llama.cpp's search for the best scales)."""
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return q4_k_by_hand(w, fifth=qtype == Q.Q5_K)
     if qtype == Q.Q6_K:
         return q6_k_by_hand(w)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        return iq4_by_hand(w, qtype == Q.IQ4_XS)
+    if qtype == Q.Q3_K:
+        return q3_k_by_hand(w)
+    if qtype == Q.Q2_K:
+        return q2_k_by_hand(w)
     return quantize(w, qtype)
 
 
@@ -141,22 +147,28 @@ def _nearest(x: np.ndarray) -> np.ndarray:
     return np.floor(x + 0.5)
 
 
-def q4_k_by_hand(w: np.ndarray) -> np.ndarray:
+def q4_k_by_hand(w: np.ndarray, fifth: bool = False) -> np.ndarray:
     """(N, K) fp32, K a multiple of 256 -> (N, K/256 * 144) bytes of Q4_K: per sub-block of 32 its
-    range as a 6-bit scale and min of the super-block's d and dmin, 4-bit codes."""
+    range as a 6-bit scale and min of the super-block's d and dmin, 4-bit codes; `fifth`: (N, K/256 * 176)
+    bytes of Q5_K, 5-bit codes whose fifth bits come before the nibbles (k 32c + j's: bit c of byte j)."""
     N, K = w.shape
+    top = 31 if fifth else 15
     x = w.reshape(N, K // 256, 8, 32).astype(np.float32)
     low = np.minimum(x.min(-1), 0)  # (N, S, 8)
-    scale = (x.max(-1) - low) / 15
+    scale = (x.max(-1) - low) / top
     d = (scale.max(-1) / 63).astype(np.float16)  # (N, S)
     dmin = (-low.min(-1) / 63).astype(np.float16)
     inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
     sc = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
     m = np.clip(_nearest(-low * inv(dmin.astype(np.float32))[..., None]), 0, 63).astype(np.uint8)
     step = d.astype(np.float32)[..., None] * sc
-    u = np.clip(_nearest((x + (dmin.astype(np.float32)[..., None] * m)[..., None]) * inv(step)[..., None]), 0, 15)
-    u = u.astype(np.uint8).reshape(N, K // 256, 4, 2, 32)  # chunk c: k 64c..64c+31, then 64c+32..
+    u = np.clip(_nearest((x + (dmin.astype(np.float32)[..., None] * m)[..., None]) * inv(step)[..., None]), 0, top)
+    u = u.astype(np.uint8)
+    qh = sum((u[:, :, c] >> 4) << c for c in range(8)).astype(np.uint8)  # (N, S, 32)
+    u = (u & 15).reshape(N, K // 256, 4, 2, 32)  # chunk c: k 64c..64c+31, then 64c+32..
     qs = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).reshape(N, K // 256, 128)
+    if fifth:
+        qs = np.concatenate([qh, qs], axis=-1)
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)  # (N, S, 12)
     head = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], axis=-1)
@@ -179,6 +191,80 @@ def q6_k_by_hand(w: np.ndarray) -> np.ndarray:
     qh = (u[:, :, :, 0] >> 4) | ((u[:, :, :, 1] >> 4) << 2) | ((u[:, :, :, 2] >> 4) << 4) | ((u[:, :, :, 3] >> 4) << 6)
     return np.concatenate([ql.reshape(N, -1, 128), qh.reshape(N, -1, 64), sc.view(np.uint8),
                            d[..., None].view(np.uint8)], axis=-1).reshape(N, -1)
+
+
+def _low_bit_planes(u: np.ndarray) -> np.ndarray:
+    """(N, S, 256) codes -> (N, S, 64) bytes of their low 2 bits: k 128h + 32j + b's in bits 2j, 2j+1 of
+    byte 32h + b."""
+    u = (u & 3).reshape(*u.shape[:2], 2, 4, 32)
+    return sum(u[:, :, :, j] << (2 * j) for j in range(4)).astype(np.uint8).reshape(*u.shape[:2], 64)
+
+
+def q3_k_by_hand(w: np.ndarray) -> np.ndarray:
+    """(N, K) fp32, K a multiple of 256 -> (N, K/256 * 110) bytes of Q3_K: per sub-block of 16 the scale
+    that takes its weight of largest magnitude to -4, as a 6-bit sc - 32 of the super-block's d; codes
+    u = round(w / (d sc)) + 4 in 0..7."""
+    N, K = w.shape
+    x = w.reshape(N, K // 256, 16, 16).astype(np.float32)
+    scale = -np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0] / 4  # (N, S, 16)
+    d = (np.abs(scale).max(-1) / 31).astype(np.float16)
+    inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
+    sc = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), -32, 31).astype(np.int64)
+    step = d.astype(np.float32)[..., None] * sc
+    u = np.clip(_nearest(x * inv(step)[..., None]) + 4, 0, 7).astype(np.uint8).reshape(N, K // 256, 256)
+    hmask = sum((u.reshape(N, -1, 8, 32)[:, :, j] >> 2) << j for j in range(8)).astype(np.uint8)  # (N, S, 32)
+    six = (sc + 32).astype(np.uint8)
+    low = (six[..., :8] & 15) | ((six[..., 8:] & 15) << 4)
+    high = sum(((six[..., 4 * g:4 * g + 4] >> 4) & 3) << (2 * g) for g in range(4)).astype(np.uint8)
+    return np.concatenate([hmask, _low_bit_planes(u), low, high, d[..., None].view(np.uint8)], axis=-1).reshape(N, -1)
+
+
+def q2_k_by_hand(w: np.ndarray) -> np.ndarray:
+    """(N, K) fp32, K a multiple of 256 -> (N, K/256 * 84) bytes of Q2_K: per sub-block of 16 its range as
+    4-bit sc and m of the super-block's d and dmin, 2-bit codes."""
+    N, K = w.shape
+    x = w.reshape(N, K // 256, 16, 16).astype(np.float32)
+    low = np.minimum(x.min(-1), 0)  # (N, S, 16)
+    scale = (x.max(-1) - low) / 3
+    d, dmin = (scale.max(-1) / 15).astype(np.float16), (-low.min(-1) / 15).astype(np.float16)
+    inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
+    sc = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), 0, 15).astype(np.uint8)
+    m = np.clip(_nearest(-low * inv(dmin.astype(np.float32))[..., None]), 0, 15).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    u = np.clip(_nearest((x + (dmin.astype(np.float32)[..., None] * m)[..., None]) * inv(step)[..., None]), 0, 3)
+    u = u.astype(np.uint8).reshape(N, K // 256, 256)
+    return np.concatenate([sc | (m << 4), _low_bit_planes(u), d[..., None].view(np.uint8),
+                           dmin[..., None].view(np.uint8)], axis=-1).reshape(N, -1)
+
+
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def iq4_by_hand(w: np.ndarray, xs: bool) -> np.ndarray:
+    """(N, K) fp32 -> IQ4_NL bytes (N, K/32 * 18): per block of 32 d = -w' / 127 (w' its weight of largest
+    magnitude, which becomes the level -127) and each weight's nearest level; or (xs, K a multiple of 256)
+    IQ4_XS bytes (N, K/256 * 136): per sub-block of 32 that scale as the 6-bit ls - 32 of the super-block's d."""
+    N, K = w.shape
+    x = w.reshape(N, -1, 32).astype(np.float32)
+    scale = -np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0] / 127  # (N, K/32)
+    inv = lambda a: np.divide(1, a, out=np.zeros_like(a), where=a != 0)  # noqa: E731
+    if xs:
+        scale = scale.reshape(N, K // 256, 8)
+        d = (np.abs(scale).max(-1) / 31).astype(np.float16)  # (N, S)
+        ls = np.clip(_nearest(scale * inv(d.astype(np.float32))[..., None]), -32, 31).astype(np.int64)  # (N, S, 8)
+        step = (d.astype(np.float32)[..., None] * ls).reshape(N, -1)
+    else:
+        d = scale.astype(np.float16)
+        step = d.astype(np.float32)
+    u = np.abs(x * inv(step)[..., None] - IQ4_LEVELS[:, None, None, None]).argmin(0).astype(np.uint8)  # (N, B, 32)
+    qs = u[..., :16] | (u[..., 16:] << 4)  # (N, K/32, 16)
+    if not xs:
+        return np.concatenate([d[..., None].view(np.uint8), qs], axis=-1).reshape(N, -1)
+    six, c = ls + 32, np.arange(8)
+    high = ((six >> 4) << (2 * c)).sum(-1).astype(np.uint16)  # (N, S)
+    low = ((six & 15) << (4 * c)).sum(-1).astype(np.uint32)
+    return np.concatenate([d[..., None].view(np.uint8), high[..., None].view(np.uint8), low[..., None].view(np.uint8),
+                           qs.reshape(N, K // 256, 128)], axis=-1).reshape(N, -1)
 
 
 def add_tokenizer(w: GGUFWriter, tok: Tokenizer, add_bos: bool, bos: str | None, eos: str) -> None:

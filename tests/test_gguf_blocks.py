@@ -115,11 +115,11 @@ def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(fa
 
 def test_a_matrix_of_another_type_is_named_and_keeps_the_bf16_values(tmp_path, gguf_cache):
     path = write_gguf(tmp_path / "mixed.gguf", hf_model("qwen2", tie_word_embeddings=False),
-                      byte_level_tokenizer(), "qwen2", types=(Q.Q4_0, Q.F16, Q.Q8_0))
+                      byte_level_tokenizer(), "qwen2", types=(Q.Q4_0, Q.MXFP4, Q.Q8_0))
     given, others = gguf_matrices({raw.name: raw for raw in gguf.raw_tensors(path)})
-    assert set(others.values()) <= {"F16", "F16+Q4_0", "F16+Q8_0", "F16+Q4_0+Q8_0"} and others and given
+    assert set(others.values()) <= {"MXFP4", "MXFP4+Q4_0", "MXFP4+Q8_0", "MXFP4+Q4_0+Q8_0"} and others and given
     with pytest.warns(UserWarning, match=r"mixed\.gguf: \d+ matrices run from the converted checkpoint's bf16 values"
-                                         r".*stored as F16"):
+                                         r".*stored as MXFP4"):
         target = load(path, quantize="gguf")
     held = {name: m.stored.format for name, m in target.model.named_modules() if isinstance(m, Linear)}
     assert {held[name] for name in others} == {"bf16"} and {held[name] for name in given} <= {"q4_0", "q8_0"}

@@ -1,15 +1,19 @@
-"""The formats read from GGUF files as stored (kernels/blocks.py's Q5_0, Q4_K, Q6_K; kquant.h): the
-blocks hold exactly what gguf.quants dequantizes (blocks gguf quantizes, Q5_0, or built here following
-GGUF's layout, the K-quants; and blocks of random bytes: every code and scale), the kernels compute
+"""The formats read from GGUF files as stored (kernels/blocks.py's AS_STORED: Q5_0, Q5_1, the K-quants;
+quant.h, kquant.h), each described once (blocks.BLOCK_FORMATS, checked against gguf's sizes): the
+blocks hold exactly what gguf.quants dequantizes (blocks gguf quantizes, Q5_0 and Q5_1, or built here
+following GGUF's layout, the K-quants; and blocks of random bytes: every code and scale), the kernels compute
 blocks.linear's very bits at every row count on each instruction set, blocks.linear is the product of
 the quantized activations and the weights, and a GGUF file in these types runs every matrix as
 stored, as a target and as a draft model, with speculative greedy equal to plain greedy."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
-from gguf.quants import dequantize
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import IQ4_NL, dequantize
 
 from specdec import kernels
 from specdec.api import load, load_drafter
@@ -19,14 +23,35 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.kernels import LANES, blocks
 from specdec.lm import gguf
+from specdec.lm.gguf_blocks import FORMATS
 from specdec.lm.model import Linear
 from specdec.proposers import NgramProposer, SelfDraftProposer
 
 from .gguf_helpers import Q, byte_level_tokenizer, hf_model, quantize_any, write_gguf
-from .test_quant import needs_kernels, on_each_isa
+from .test_quant import RUNS, needs_kernels, on_each_isa
 
-TYPES = {"q5_0": Q.Q5_0, "q4_k": Q.Q4_K, "q6_k": Q.Q6_K}
-SCALE_BYTES = {"q5_0": [(0, 2)], "q4_k": [(0, 2), (2, 4)], "q6_k": [(208, 210)]}  # fp16 scales in a GGUF block
+TYPES = {f: Q[blocks.BLOCK_FORMATS[f].gguf] for f in blocks.AS_STORED}
+SCALE_BYTES = {"q5_0": [(0, 2)], "q5_1": [(0, 2), (2, 4)], "q4_k": [(0, 2), (2, 4)], "q5_k": [(0, 2), (2, 4)],
+               "q6_k": [(208, 210)], "iq4_nl": [(0, 2)], "iq4_xs": [(0, 2)], "q3_k": [(108, 110)],
+               "q2_k": [(80, 82), (82, 84)]}  # fp16 scales (and mins) in a GGUF block
+
+
+def test_each_format_is_described_once():
+    """blocks.BLOCK_FORMATS is the one description the reader, the packing and the kernels' ids derive
+    from: its block sizes are gguf's, its kernel ids distinct, and the kernels' own table (types.h) says
+    the same bytes and blocks of each format, and of no other."""
+    for name, f in blocks.BLOCK_FORMATS.items():
+        assert GGML_QUANT_SIZES[Q[f.gguf]] == (f.size, f.bytes), name
+        assert blocks.PANEL_BLOCK_BYTES[name] * f.size == LANES * f.bytes * blocks.BLOCK
+        assert kernels.KERNEL_FORMAT[name] == f.kernel and FORMATS[f.gguf] == name
+    assert blocks.LEVELS["iq4_nl"] == IQ4_NL.kvalues and blocks.LEVELS["iq4_xs"] == IQ4_NL.kvalues
+    ids = list(kernels.KERNEL_FORMAT.values()) + [kernels.MIXED]
+    assert len(set(ids)) == len(ids) and max(ids) < kernels.FINE
+    assert set(TYPES) | set(blocks.QUANTIZED) == set(blocks.BLOCK_FORMATS) == set(SCALE_BYTES) | set(blocks.QUANTIZED)
+    if RUNS:
+        table = kernels.compiled().format_table()
+        assert {f.kernel: (blocks.PANEL_BLOCK_BYTES[name], f.size) for name, f in blocks.BLOCK_FORMATS.items()} == {
+            kernel: entry for kernel, entry in enumerate(table) if entry[0] > 0}
 
 
 def stored(format: str, N: int, K: int, seed: int) -> tuple[blocks.Blocks, np.ndarray]:
@@ -40,7 +65,7 @@ def random_blocks(format: str, N: int, K: int, seed: int) -> tuple[blocks.Blocks
     """GGUF blocks of random bytes (every code, every sub-block scale, Q6_K's -128 too), their fp16
     scales random of either sign: blocks no quantizer makes, which a file may hold."""
     rng = np.random.default_rng(seed)
-    size = 32 if format == "q5_0" else 256
+    size = blocks.BLOCK_FORMATS[format].size
     raw = rng.integers(0, 256, (N, K // size, blocks.GGUF_BLOCK_BYTES[format]), dtype=np.uint8)
     for a, b in SCALE_BYTES[format]:
         raw[..., a:b] = (rng.standard_normal((N, K // size, 1)) * 0.01).astype(np.float16).view(np.uint8)
@@ -54,7 +79,8 @@ def test_blocks_hold_what_gguf_dequantizes(format):
         held, raw = make(format, 24, 512, 1)
         assert torch.equal(held.dense(), torch.from_numpy(dequantize(raw, TYPES[format]))), make.__name__
     w = (np.random.default_rng(1).standard_normal((24, 512)) * 0.05).astype(np.float32)
-    assert np.abs(stored(format, 24, 512, 1)[0].dense().numpy() - w).max() < 0.02  # a quantization of w
+    error = np.abs(stored(format, 24, 512, 1)[0].dense().numpy() - w).max()
+    assert error < {"q3_k": 0.04, "q2_k": 0.07}.get(format, 0.02)  # a quantization of w (3 and 2 bits: coarser)
 
 
 @pytest.mark.parametrize("format", TYPES)
@@ -69,10 +95,10 @@ def test_the_packed_layout_holds_the_blocks_exactly(format):
     assert torch.equal(picked.dense(), held.dense()[[3, 0, 36]])
 
 
-@pytest.mark.parametrize("format", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("format", TYPES)
 def test_the_packed_layout_takes_the_files_bytes(format):
-    """A K-quant runs as stored in memory: its packed panels hold what the file's blocks hold, in as
-    many bytes (Q4_K's sub-block scales and Q6_K's codes keep their 6 bits)."""
+    """A format runs as stored in memory: its packed panels hold what the file's blocks hold, in as
+    many bytes (Q4_K's and Q5_K's sub-block scales and Q6_K's codes keep their 6 bits, Q5_x's codes 5)."""
     held, raw = random_blocks(format, 64, 512, 9)
     assert blocks.pack(held).numel() == raw.nbytes
 
@@ -127,11 +153,13 @@ def test_a_files_tensor_packed_a_slice_of_rows_at_a_time_is_packed_exactly(forma
 
 @pytest.mark.parametrize("format", TYPES)
 def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(format):
-    held, _ = random_blocks(format, 20, 512, 3)
+    """blocks.linear is, to fp32 rounding, the product of the quantized activations and the weights as
+    gguf.quants dequantizes the file's blocks."""
+    held, raw = random_blocks(format, 20, 512, 3)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
     q, d, _ = blocks.quantize_rows(x)
     xq = (q.double().reshape(3, 16, 32) * d.double()[..., None]).reshape(3, 512)
-    exact = xq @ held.dense().double().T
+    exact = xq @ torch.from_numpy(dequantize(raw, TYPES[format])).double().reshape(20, 512).T
     torch.testing.assert_close(blocks.linear(x, held).double(), exact, rtol=1e-5, atol=1e-4)
     wrong = blocks.Blocks(format, held.codes.roll(1, dims=1), *held[2:])  # codes one k off: another product
     assert (blocks.linear(x, wrong).double() - exact).abs().max() > 0.1
@@ -141,13 +169,21 @@ def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(f
 @pytest.mark.parametrize("format", TYPES)
 def test_each_row_of_the_kernel_equals_the_reference_exactly(format):
     """N not a multiple of 16, one to three super-blocks, rows 1..16 in every split, bias and residual,
-    blocks of every code, both instruction sets: the same bits as blocks.linear."""
+    blocks of every code, and the extremes (the first 64 k of an output all the largest code, or all 0,
+    against activations all +-127: the largest integer sums AVX2's int16 lanes hold), both instruction
+    sets: the same bits as blocks.linear."""
     g = torch.Generator().manual_seed(4)
     for seed, (N, K) in enumerate([(1, 256), (37, 512), (53, 768)]):
         for make in (stored, random_blocks):
             held, _ = make(format, N, K, seed)
+            codes = held.codes.clone()
+            codes[0, :64] = held.codes.max()
+            if N > 1:
+                codes[1, :64] = 0
+            held = blocks.Blocks(format, codes, *held[2:])
             matrix = kernels.Matrix.from_blocks(held)
             x = torch.randn(16, K, generator=g) * 4
+            x[0, :64], x[1, :64] = 1.0, -1.0  # q = 127, -127 in the first two blocks
             x[3, :32] = 0  # a block of zeros: scale 0
             bias, add = torch.randn(N, generator=g), torch.randn(16, N, generator=g)
             reference = blocks.linear(x, held, bias)
@@ -189,29 +225,40 @@ def test_a_k_quant_needs_rows_of_whole_super_blocks():
         blocks.quantize(torch.randn(4, 256), "q4_k")
 
 
-# ---- a GGUF file in these types (Q4_K_M's), every matrix as stored ----
+# ---- GGUF files in these types (Q4_K_M's, Q5_K_M's, IQ4's, the low-bit K-quants'), every matrix as stored ----
 
 # cycled over the matrices as written (the embedding, then q, k, v, o, gate, up, down of each layer):
-# the embedding, v and down in Q6_K, q/k and gate/up in Q4_K, o in Q5_0 (q, k, v fused: runs)
-FILE_TYPES = (Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_K, Q.Q4_K)
-FILE_FORMATS = {"q4_k", "q6_k", "q5_0", "q4_k+q6_k"}
+# the embedding, v and down in Q6_K, q/k and gate/up in Q4_K (Q5_K, IQ4_XS), o in Q5_0 (Q5_1, IQ4_NL) (q, k,
+# v fused: runs); the formats the model then holds
+FILES = {"Q4_K_M": ((Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_K, Q.Q4_K), {"q4_k", "q6_k", "q5_0", "q4_k+q6_k"}),
+         "Q5_K_M": ((Q.Q6_K, Q.Q5_K, Q.Q5_K, Q.Q6_K, Q.Q5_1, Q.Q5_K, Q.Q5_K), {"q5_k", "q6_k", "q5_1", "q5_k+q6_k"}),
+         "IQ4": ((Q.Q6_K, Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL, Q.IQ4_NL, Q.IQ4_XS, Q.IQ4_XS),
+                 {"iq4_xs", "q6_k", "iq4_nl", "iq4_xs+iq4_nl"}),
+         "Q3_K_M/Q2_K": ((Q.Q6_K, Q.Q3_K, Q.Q3_K, Q.Q5_K, Q.Q4_K, Q.Q2_K, Q.Q2_K),
+                         {"q6_k", "q3_k+q5_k", "q4_k", "q2_k"})}
 
 
-@pytest.fixture(scope="module")
-def k_quant_file(tmp_path_factory, gguf_cache):
-    """A qwen2 model (rows of 256 and 512: whole super-blocks) written in FILE_TYPES, tied embeddings."""
+@pytest.fixture(scope="module", params=FILES)
+def k_quant_file(request, tmp_path_factory, gguf_cache):
+    """(a qwen2 model (rows of 256 and 512: whole super-blocks) written in FILES' types, tied
+    embeddings; the formats it runs in)."""
     model = hf_model("qwen2", tie_word_embeddings=True, hidden_size=256, intermediate_size=512)
+    types, formats = FILES[request.param]
     return write_gguf(tmp_path_factory.mktemp("kquant") / "kq.gguf", model, byte_level_tokenizer(), "qwen2",
-                      types=FILE_TYPES)
+                      types=types), formats
 
 
 @needs_kernels
 @torch.no_grad()
 def test_a_files_k_quants_run_as_stored_near_the_exact_product(k_quant_file):
-    target = load(k_quant_file, quantize="gguf").model
+    path, held = k_quant_file
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        target = load(path, quantize="gguf").model
+    assert not [w for w in said if "not as stored" in str(w.message)]
     formats = {name: m.stored.format for name, m in target.named_modules() if isinstance(m, Linear)}
-    assert set(formats.values()) == FILE_FORMATS and target.stack is not None  # all in the kernels
-    raws = {raw.name: raw for raw in gguf.raw_tensors(k_quant_file)}
+    assert set(formats.values()) == held and target.stack is not None  # all in the kernels
+    raws = {raw.name: raw for raw in gguf.raw_tensors(path)}
     down = raws["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(target.model.layers[1].mlp.down_proj.stored.dense(),
                        torch.from_numpy(dequantize(down.data, Q.Q6_K)).reshape(down.shape))
@@ -230,7 +277,7 @@ def test_a_files_k_quants_run_as_stored_near_the_exact_product(k_quant_file):
 
 @needs_kernels
 def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
-    target = load(k_quant_file, quantize="gguf").model
+    target = load(k_quant_file[0], quantize="gguf").model
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24), SamplingConfig()
     for isa in on_each_isa():
         plain, _ = plain_generate(target, prompts, rule, greedy)
@@ -243,13 +290,14 @@ def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
 def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
     """The file as its own draft: as stored (the target's very arithmetic, so every draft is accepted);
     beside a target run as its bf16 conversion, the draft is that conversion too."""
-    target = load(k_quant_file, quantize="gguf")
-    proposer = load_drafter(target, "draft-model", k_quant_file)
-    assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == FILE_FORMATS
+    path, held = k_quant_file
+    target = load(path, quantize="gguf")
+    proposer = load_drafter(target, "draft-model", path)
+    assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == held
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=16), SamplingConfig()
     plain, _ = plain_generate(target.model, prompts, rule, greedy)
     rows, metrics = speculative_generate(target.model, proposer, prompts, rule, greedy, 3)
     assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.accepted == metrics.proposed > 0
-    unquantized = load(k_quant_file)
-    draft = load_drafter(unquantized, "draft-model", k_quant_file).model
+    unquantized = load(path)
+    draft = load_drafter(unquantized, "draft-model", path).model
     assert {m.stored.format for m in draft.modules() if isinstance(m, Linear) and m.stored} <= {"bf16"}

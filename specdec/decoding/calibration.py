@@ -171,8 +171,8 @@ def _model_identity(target: Admitted) -> list:
     inner = getattr(lm, "model", lm)
     if inner not in _IDENTITIES:
         head = getattr(lm, "lm_head", None)
-        if head is not None and head.weight is None:  # a quantized unembedding: a sum of its packed bytes
-            fingerprint = int(head.stored.data.sum()), head.stored.shape, head.stored.format
+        if head is not None and head.weight is None:  # held as stored (blocks or a file's floats): a sum of its bytes
+            fingerprint = int(head.stored.data.view(torch.uint8).sum()), head.stored.shape, head.stored.format
         else:
             weights = next(lm.parameters()) if head is None else head.weight
             fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)

@@ -1,5 +1,6 @@
 """Compiled CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1;
-as GGUF files store them also Q5_0, Q4_K, Q6_K) and fp32 arithmetic (see cpu.cpp).
+as GGUF files store them also f16, f32, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) and fp32 arithmetic
+(see cpu.cpp).
 
 Built from cpu.cpp and its headers (SOURCES) by the machine's C++ compiler the first time they are
 needed (about a minute, once per machine and version; cached under ~/.cache/specdec/kernels, keyed by
@@ -37,6 +38,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -134,14 +136,26 @@ def _inference(*tensors: torch.Tensor) -> bool:
 
 
 FORMATS = ("bf16",) + blocks.QUANTIZED  # the formats a weight can be stored in (Matrix.store)
+
+
+class FloatFormat(NamedTuple):
+    """A float format of panels (isa.h), as a GGUF file stores it and as the kernels run it."""
+    gguf: str    # the GGML type's name
+    kernel: int  # cpu.cpp's Format (types.h)
+    dtype: torch.dtype
+
+
+FLOAT_FORMATS = {"bf16": FloatFormat("BF16", 0, torch.bfloat16), "f16": FloatFormat("F16", 10, torch.float16),
+                 "f32": FloatFormat("F32", 11, torch.float32)}
 # every format a Matrix may hold -> cpu.cpp's Format (types.h)
-KERNEL_FORMAT = {"bf16": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q4_k": 5, "q6_k": 6}
+KERNEL_FORMAT = {name: f.kernel for name, f in (FLOAT_FORMATS | blocks.BLOCK_FORMATS).items()}
+GGUF_FORMATS = {f.gguf: name for name, f in (FLOAT_FORMATS | blocks.BLOCK_FORMATS).items()}  # GGML type -> format
 MIXED = 7  # cpu.cpp's kMixed: runs of outputs in different quantized formats (Matrix.from_runs)
-FINE = 16  # cpu.cpp's kFine: a format's flag, the matrix multiplies fine activations (Matrix.fine)
+FINE = 32  # cpu.cpp's kFine: a format's flag, the matrix multiplies fine activations (Matrix.fine)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """A bf16 matrix (N, K) as the kernels read it: panels of 16 outputs, (ceil(N/16), K, 16)."""
+    """A float matrix (N, K) as the kernels read it, in its dtype: panels of 16 outputs, (ceil(N/16), K, 16)."""
     N, K = w.shape
     panels = -(-N // LANES)
     padded = F.pad(w.detach(), (0, 0, 0, panels * LANES - N))
@@ -151,9 +165,10 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 class Matrix:
     """A weight matrix (N, K) stored for inference in one of FORMATS: bf16 panels of 16 outputs (`pack`),
     or blocks of 32 quantized weights (blocks.py) packed for quant.h — also, as a GGUF file stores them,
-    Q5_0 and the K-quants (kquant.h), or runs of outputs in several of these (`from_runs`, format
-    "q4_k+q6_k", say). What a model holds per Linear: the packed data alone (a run of a mixed one is a
-    Matrix over its part of that data), the Blocks (a byte per code) unpacked where asked for.
+    f16 and f32 panels, Q5_0, Q5_1, IQ4_NL, and the K-quants and IQ4_XS (kquant.h), or runs of outputs in
+    several of these (`from_runs`, format "q4_k+q6_k", say). What a model holds per Linear: the packed data
+    alone (a run of a mixed one is a Matrix over its part of that data), the Blocks (a byte per code)
+    unpacked where asked for.
 
     `fine`: a quantized matrix that multiplies each input row twice, as its int8 rows and as the int8
     rows of their rounding residuals, and adds the two products (blocks.fine_linear): the same weight
@@ -162,16 +177,18 @@ class Matrix:
 
     def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, runs: list[Matrix] | None = None,
                  fine: bool = False):
-        if fine and format == "bf16":
-            raise ValueError("fine activations are for a quantized matrix; a bf16 one multiplies fp32 rows as they are")
+        if fine and format in FLOAT_FORMATS:
+            raise ValueError(f"fine activations are for a quantized matrix; a {format} one multiplies fp32 rows as "
+                             "they are")
         self.format, self.shape, self.data, self.runs, self.fine = format, tuple(shape), data, runs, fine
         self._reference: list[blocks.Blocks] | None = None  # unpacked by the first `reference` call, then kept
 
     @classmethod
     def store(cls, weight: torch.Tensor, format: str = "bf16", fine: bool = False) -> Matrix:
-        """weight (N, K) in `format` (quantized with llama.cpp's rounding: blocks.quantize), `fine` as above."""
-        if format == "bf16":
-            return cls(format, weight.shape, pack(weight.detach().to(torch.bfloat16)), fine=fine)
+        """weight (N, K) in `format` (a float format's values rounded to it; quantized with llama.cpp's
+        rounding: blocks.quantize), `fine` as above."""
+        if format in FLOAT_FORMATS:
+            return cls(format, weight.shape, pack(weight.detach().to(FLOAT_FORMATS[format].dtype)), fine=fine)
         return cls.from_blocks(blocks.quantize(weight, format), fine)
 
     @classmethod
@@ -181,10 +198,13 @@ class Matrix:
 
     @classmethod
     def from_gguf(cls, raw, format: str, shape: tuple[int, int]) -> Matrix:
-        """A GGUF tensor's raw blocks (N rows of bytes, blocks.from_gguf) packed exactly, SLICE rows at a
-        time: what is unpacked at once (a byte per code, and its copies) stays small beside a table of
-        V rows."""
+        """A GGUF tensor's raw blocks (N rows of bytes, blocks.from_gguf) or values (a float format: its
+        values, or their bytes) packed exactly, SLICE rows at a time: what is unpacked at once (a byte per
+        code, and its copies) stays small beside a table of V rows."""
         N, K = shape
+        if format in FLOAT_FORMATS:
+            return cls(format, shape, torch.cat([pack(float_values(raw[i:i + SLICE], format, (min(SLICE, N - i), K)))
+                                                 for i in range(0, N, SLICE)]))
         return cls(format, shape, torch.cat([blocks.pack(blocks.from_gguf(raw[i:i + SLICE], format,
                                                                           (min(SLICE, N - i), K)))
                                              for i in range(0, N, SLICE)]))
@@ -231,7 +251,7 @@ class Matrix:
 
     @property
     def quantized(self) -> bool:
-        return self.format != "bf16"
+        return self.format not in FLOAT_FORMATS
 
     @property
     def kernel_format(self) -> int:
@@ -264,7 +284,7 @@ class Matrix:
         return held.rows(torch.arange(len(ids)) * LANES + ids % LANES)
 
     def dense(self) -> torch.Tensor:
-        """(N, K) the weights it holds, exactly: fp32 for a quantized format, bf16 otherwise."""
+        """(N, K) the weights it holds, exactly: fp32 for a quantized format, else in its float format's dtype."""
         if not self.quantized:
             return self.data.transpose(1, 2).reshape(-1, self.shape[1])[:self.shape[0]]
         if self.runs is not None:
@@ -274,8 +294,14 @@ class Matrix:
     def rows(self, ids: torch.Tensor) -> Matrix:
         """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
         if not self.quantized:
-            return Matrix.store(self.dense()[ids])
+            return Matrix.store(self.dense()[ids], self.format)
         return Matrix.from_blocks(self.row_blocks(ids), self.fine)
+
+
+def float_values(raw, format: str, shape: tuple[int, int]) -> torch.Tensor:
+    """A GGUF tensor of a float format (its values, or their bytes: N rows) as (N, K) in that format's
+    dtype, bit for bit (a copy: the file's memory map stays read-only)."""
+    return torch.from_numpy(np.array(raw).view(np.uint8).reshape(shape[0], -1)).view(FLOAT_FORMATS[format].dtype)
 
 
 def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None = None) -> str | None:
@@ -295,13 +321,16 @@ def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None
 def linear(x: torch.Tensor, w: torch.Tensor, stored: Matrix | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T [+ bias] for nn.Linear's weight layout. With `stored`, w as the kernels hold it: fp32 x
-    times bf16 panels by the kernels; a quantized format always in its own arithmetic (the kernels,
-    or blocks.linear where they cannot run: the same numbers)."""
+    times float panels by the kernels (w None: the panels' values alone, a file's as stored); a quantized
+    format always in its own arithmetic (the kernels, or blocks.linear where they cannot run: the same
+    numbers)."""
     if stored is not None and x.dtype == torch.float32 and _inference(x) and compiled():
         return compiled().linear(x, stored.data, stored.kernel_format, stored.shape[0], _EMPTY,
                                  _EMPTY if bias is None else bias.detach())
     if stored is not None and stored.quantized:
         return stored.reference(x, bias).to(x.dtype)
+    if w is None:
+        w = stored.dense()
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
 
 

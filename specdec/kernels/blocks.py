@@ -1,13 +1,17 @@
-"""Block-quantized matrices (llama.cpp's Q8_0, Q4_0, Q4_1, and as GGUF files store them Q5_0, Q4_K,
-Q6_K) in PyTorch: quantizing a weight (the first three), the kernels' packed layout (quant.h,
-kquant.h) both ways, and the arithmetic of the quantized kernels as a PyTorch reference that
-computes the very same fp32 numbers.
+"""Block-quantized matrices (llama.cpp's Q8_0, Q4_0, Q4_1, and as GGUF files store them Q5_0, Q5_1,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) in PyTorch: quantizing a weight (the first three), the
+kernels' packed layout (quant.h, kquant.h) both ways, and the arithmetic of the quantized kernels as a
+PyTorch reference that computes the very same fp32 numbers. BLOCK_FORMATS describes each format once.
 
 A matrix (N, K) is cut along K into blocks of 32 weights; each block holds unsigned codes u and an
-fp16 scale d (Q4_1 also an fp16 min m): Q8_0 w = d (u - 128), Q4_0 w = d (u - 8), Q4_1 w = d u + m,
-Q5_0 w = d (u - 16). The K-quants group 256 weights in a super-block with an fp16 scale d: Q4_K
-(also an fp16 dmin) holds 8 sub-blocks of 32 with 6-bit scale sc and min m each, w = (d sc) u - (dmin m),
-u 4-bit; Q6_K holds 16 sub-blocks of 16 with an int8 scale sc each, w = (d sc) (u - 32), u 6-bit.
+fp16 scale d (Q4_1, Q5_1 also an fp16 min m): Q8_0 w = d (u - 128), Q4_0 w = d (u - 8), Q4_1 and Q5_1
+w = d u + m, Q5_0 w = d (u - 16). The K-quants group 256 weights in a super-block with an fp16 scale d:
+Q4_K and Q5_K (also an fp16 dmin) hold 8 sub-blocks of 32 with 6-bit scale sc and min m each,
+w = (d sc) u - (dmin m), u 4- or 5-bit; Q6_K holds 16 sub-blocks of 16 with an int8 scale sc each,
+w = (d sc) (u - 32), u 6-bit; Q3_K likewise with a 6-bit sc - 32, w = (d sc) (u - 4), u 3-bit; Q2_K
+holds 16 sub-blocks of 16 with 4-bit sc and m and an fp16 dmin, w = (d sc) u - (dmin m), u 2-bit.
+IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d and a 6-bit ls - 32 per
+sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u].
 (`from_gguf` turns a GGUF tensor's raw bytes into Blocks.)
 An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
 format; each output is the sum over blocks of 32, in order, of an exact integer dot product times
@@ -25,17 +29,44 @@ import torch
 
 BLOCK = 32
 SUPER = 256  # weights per K-quant super-block
-QUANTIZED = ("q8_0", "q4_0", "q4_1")  # formats `quantize` makes
-AS_STORED = ("q5_0", "q4_k", "q6_k")  # formats read from a file's blocks only
-OFFSET = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q6_k": 32, "q4_k": 0}  # u - OFFSET [+ m]
 LANES = 16
+
+
+class BlockFormat(NamedTuple):
+    """A quantized format, as a GGUF file stores it and as the kernels run it."""
+    gguf: str    # the GGML type's name
+    kernel: int  # cpu.cpp's Format (types.h: kQ8_0 ...)
+    size: int    # weights per block of the file, along K: 32, or a K-quant's super-block of 256
+    bytes: int   # bytes per block of the file; the kernels' panels hold 16 outputs' blocks in as many
+    offset: int  # a code u stands for u - offset (times its scale [+ a min])
+
+
+BLOCK_FORMATS = {
+    "q8_0": BlockFormat("Q8_0", 1, BLOCK, 34, 128), "q4_0": BlockFormat("Q4_0", 2, BLOCK, 18, 8),
+    "q4_1": BlockFormat("Q4_1", 3, BLOCK, 20, 0), "q5_0": BlockFormat("Q5_0", 4, BLOCK, 22, 16),
+    "q5_1": BlockFormat("Q5_1", 8, BLOCK, 24, 0), "q4_k": BlockFormat("Q4_K", 5, SUPER, 144, 0),
+    "q5_k": BlockFormat("Q5_K", 9, SUPER, 176, 0), "q6_k": BlockFormat("Q6_K", 6, SUPER, 210, 32),
+    "iq4_nl": BlockFormat("IQ4_NL", 12, BLOCK, 18, 0), "iq4_xs": BlockFormat("IQ4_XS", 13, SUPER, 136, 0),
+    "q3_k": BlockFormat("Q3_K", 14, SUPER, 110, 4), "q2_k": BlockFormat("Q2_K", 15, SUPER, 84, 0),
+}
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL's and IQ4_XS's
+LEVELS = {"iq4_nl": IQ4_LEVELS, "iq4_xs": IQ4_LEVELS}  # the level each code stands for (quant.h: kIq4Levels)
+NIBBLES = ("q4_0", "q4_1", "iq4_nl")  # blocks of 32 whose codes are 4 bits (quant.h: 4 loads of nibbles)
+QUANTIZED = ("q8_0", "q4_0", "q4_1")  # formats `quantize` makes
+AS_STORED = tuple(f for f in BLOCK_FORMATS if f not in QUANTIZED)  # formats read from a file's blocks only
+OFFSET = {f: b.offset for f, b in BLOCK_FORMATS.items()}  # u - OFFSET [+ m]
+MINS = ("q4_1", "q5_1")  # formats of 32 with a min per block
+SIX_BIT = ("q4_k", "q5_k")  # K-quants with 6-bit (sc, m) per sub-block of 32
+SIXTEENS = ("q6_k", "q3_k", "q2_k")  # K-quants with sub-blocks of 16
+LOW_BITS = ("q3_k", "q2_k")  # K-quants whose codes' low 2 bits are planes of bit pairs (kquant.h)
 TINY = 2.0 ** -64  # quantize_rows scales a block whose largest magnitude is below this by 1 / TINY
 
 
 class Blocks(NamedTuple):
     """A quantized matrix (N, K): codes (N, K) uint8; scales fp16, (N, K/32) or per super-block (N, K/256)
-    (Q4_K, Q6_K); mins fp16 of the same shape (Q4_1; Q4_K's dmin) or None; sub the K-quants' sub-block
-    scales: Q4_K (N, K/32, 2) uint8 [sc, m], Q6_K (N, K/16) int8, else None."""
+    (the K-quants); mins fp16 of the same shape (Q4_1, Q5_1; Q4_K's and Q5_K's dmin) or None; sub the
+    K-quants' sub-block scales: Q4_K, Q5_K (N, K/32, 2) uint8 [sc, m], Q2_K (N, K/16, 2) uint8 [sc, m],
+    Q6_K (N, K/16) int8, Q3_K's sc - 32 (N, K/16) int8, IQ4_XS's ls (N, K/32) int8, else None."""
     format: str
     codes: torch.Tensor
     scales: torch.Tensor
@@ -52,29 +83,38 @@ class Blocks(NamedTuple):
                       None if self.sub is None else self.sub[ids])
 
     def sub_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The K-quants' fp32 scales per sub-block, exact (fp16 times a 6- or 8-bit integer): Q4_K
-        (d sc, dmin m) each (N, K/32), Q6_K (d sc (N, K/16), None)."""
-        if self.format == "q4_k":
-            d, dmin = (t.float().repeat_interleave(SUPER // BLOCK, 1) for t in (self.scales, self.mins))
+        """The K-quants' fp32 scales per sub-block, exact (fp16 times an integer of at most 8 bits): Q4_K,
+        Q5_K (d sc, dmin m) each (N, K/32), Q2_K the same (N, K/16), Q6_K, Q3_K (d sc (N, K/16), None),
+        IQ4_XS (d ls (N, K/32), None)."""
+        per = self.sub.shape[1] // self.scales.shape[1]  # sub-blocks per super-block
+        if self.mins is not None:
+            d, dmin = (t.float().repeat_interleave(per, 1) for t in (self.scales, self.mins))
             return d * self.sub[..., 0].float(), dmin * self.sub[..., 1].float()
-        return self.scales.float().repeat_interleave(SUPER // 16, 1) * self.sub.float(), None
+        return self.scales.float().repeat_interleave(per, 1) * self.sub.float(), None
+
+    def levels(self) -> torch.Tensor:
+        """(N, K) int32: the integer each code stands for, u - offset or (IQ4) its level."""
+        if self.format in LEVELS:
+            return torch.tensor(LEVELS[self.format], dtype=torch.int32)[self.codes.long()]
+        return self.codes.int() - OFFSET[self.format]
 
     def dense(self) -> torch.Tensor:
         """(N, K) fp32: the weights the blocks hold, each in fp32 as gguf.quants dequantizes them:
-        d (u - offset) [+ m]; Q4_K (d sc) u - (dmin m); Q6_K (d sc) (u - 32)."""
-        u = self.codes.float() - OFFSET[self.format]
-        if self.format == "q4_k":
+        d (u - offset) [+ m]; Q4_K, Q5_K, Q2_K (d sc) u - (dmin m); Q6_K, Q3_K (d sc) (u - offset);
+        IQ4_NL d L[u]; IQ4_XS (d ls) L[u]."""
+        u = self.levels().float()
+        if self.sub is not None:  # per sub-block
             scale, low = self.sub_scales()
-            return scale.repeat_interleave(BLOCK, 1) * u - low.repeat_interleave(BLOCK, 1)
-        if self.format == "q6_k":
-            return self.sub_scales()[0].repeat_interleave(16, 1) * u
+            width = self.codes.shape[1] // scale.shape[1]
+            w = scale.repeat_interleave(width, 1) * u
+            return w if low is None else w - low.repeat_interleave(width, 1)
         w = self.scales.float().repeat_interleave(BLOCK, 1) * u
         return w if self.mins is None else w + self.mins.float().repeat_interleave(BLOCK, 1)
 
 
 def blocking_error(format: str, K: int) -> str | None:
     """Why a matrix with rows of K values cannot be stored in `format`, or None."""
-    size = SUPER if format in ("q4_k", "q6_k") else BLOCK
+    size = BLOCK_FORMATS[format].size if format in BLOCK_FORMATS else BLOCK
     if K % size:
         return f"{format} stores rows in blocks of {size} values, and a row here has {K}"
     return None
@@ -143,30 +183,36 @@ def _round_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q4_k": 144, "q6_k": 210}
+GGUF_BLOCK_BYTES = {f: b.bytes for f, b in BLOCK_FORMATS.items()}
 
 
 def from_gguf(raw: np.ndarray, format: str, shape: tuple[int, int]) -> Blocks:
     """A GGUF tensor's raw blocks (bytes, in file order) of shape (N, K) as Blocks, exactly: Q8_0
     [d f16, 32 int8], Q4_0 [d f16, 16 bytes: k j in the low nibble of byte j, k 16 + j in its high],
-    Q4_1 [d f16, m f16, 16 bytes], Q5_0 [d f16, 4 bytes: bit j the 5th bit of k j, 16 bytes as Q4_0];
-    the K-quants per 256: `_q4_k`, `_q6_k`."""
+    Q4_1 [d f16, m f16, 16 bytes], Q5_0 [d f16, 4 bytes: bit j the 5th bit of k j, 16 bytes as Q4_0],
+    Q5_1 [d f16, m f16, then as Q5_0], IQ4_NL as Q4_0 (its codes the levels'); the K-quants per 256: `_q4_k`
+    (Q4_K, Q5_K), `_q6_k`, `_iq4_xs`, `_low_bits` (Q3_K, Q2_K)."""
     N, K = shape
-    size = SUPER if format in ("q4_k", "q6_k") else BLOCK
-    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // size, GGUF_BLOCK_BYTES[format])
-    if format == "q4_k":
-        return _q4_k(rows, N, K)
+    rows = np.ascontiguousarray(raw).view(np.uint8).reshape(N, K // BLOCK_FORMATS[format].size,
+                                                            GGUF_BLOCK_BYTES[format])
+    if format in SIX_BIT:
+        return _q4_k(rows, N, K, format)
     if format == "q6_k":
         return _q6_k(rows, N, K)
+    if format == "iq4_xs":
+        return _iq4_xs(rows, N, K)
+    if format in LOW_BITS:
+        return _low_bits(rows, N, K, format)
     scales = torch.from_numpy(rows[..., 0:2].copy().view(np.float16)[..., 0])
     if format == "q8_0":
         codes = torch.from_numpy((rows[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
         return Blocks(format, codes.reshape(N, K), scales, None)
-    start = 4 if format == "q4_1" else 2 if format == "q4_0" else 6
-    mins = None if format != "q4_1" else torch.from_numpy(rows[..., 2:4].copy().view(np.float16)[..., 0])
+    at = 4 if format in MINS else 2  # where the codes' fifth bits, or their nibbles, start
+    start = at + 4 if format in ("q5_0", "q5_1") else at
+    mins = None if format not in MINS else torch.from_numpy(rows[..., 2:4].copy().view(np.float16)[..., 0])
     codes = torch.from_numpy(_nibbles(rows[..., start:]))  # (N, K/32, 32): k 0-15, then 16-31
-    if format == "q5_0":
-        high = rows[..., 2:6].copy().view(np.uint32)  # (N, K/32, 1)
+    if start > at:
+        high = rows[..., at:start].copy().view(np.uint32)  # (N, K/32, 1)
         bits = (high >> np.arange(32, dtype=np.uint32)) & 1  # (N, K/32, 32)
         codes = codes | torch.from_numpy((bits << 4).astype(np.uint8))
     return Blocks(format, codes.reshape(N, K), scales, mins)
@@ -177,19 +223,23 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate((packed & 0x0F, packed >> 4), axis=-1)
 
 
-def _q4_k(rows: np.ndarray, N: int, K: int) -> Blocks:
+def _q4_k(rows: np.ndarray, N: int, K: int, format: str) -> Blocks:
     """Q4_K super-blocks (N, K/256, 144): [d f16, dmin f16, 12 bytes of 6-bit (sc, m) x 8, 128 bytes]
-    where k 64c + j (j < 32) is the low nibble of byte 32c + j and k 64c + 32 + j its high nibble."""
+    where k 64c + j (j < 32) is the low nibble of byte 32c + j and k 64c + 32 + j its high nibble; Q5_K's
+    (N, K/256, 176) hold 32 bytes of fifth bits before those 128 (k 32c + j's: bit c of byte j)."""
     d = rows[..., 0:2].copy().view(np.float16)[..., 0]
     dmin = rows[..., 2:4].copy().view(np.float16)[..., 0]
     s = rows[..., 4:16].astype(np.uint8)  # (N, S, 12)
     low, high, both = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # sub-blocks 0-3 in 0-7; 4-7 split over all
     sc = np.concatenate((low & 63, (both & 0x0F) | ((low >> 6) << 4)), axis=-1)  # (N, S, 8)
     m = np.concatenate((high & 63, (both >> 4) | ((high >> 6) << 4)), axis=-1)
-    qs = rows[..., 16:].reshape(N, -1, 4, 32)  # (N, S, chunk, 32)
-    codes = _nibbles(qs)  # (N, S, 4, 64): chunk c's k 64c .. 64c + 63
+    fifth = format == "q5_k"
+    qs = rows[..., 48 if fifth else 16:].reshape(N, -1, 4, 32)  # (N, S, chunk, 32)
+    codes = _nibbles(qs).reshape(N, -1, 8, 32)  # (N, S, 8, 32): chunk c's k 64c .. 64c + 63 as 2 blocks
+    if fifth:
+        codes = codes | (((rows[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1) << 4).swapaxes(-1, -2)
     sub = torch.from_numpy(np.stack((sc, m), axis=-1).reshape(N, K // BLOCK, 2))
-    return Blocks("q4_k", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), torch.from_numpy(dmin), sub)
+    return Blocks(format, torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), torch.from_numpy(dmin), sub)
 
 
 def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
@@ -207,10 +257,72 @@ def _q6_k(rows: np.ndarray, N: int, K: int) -> Blocks:
     return Blocks("q6_k", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), None, torch.from_numpy(sub))
 
 
+def _low_bits(rows: np.ndarray, N: int, K: int, format: str) -> Blocks:
+    """Q3_K super-blocks (N, K/256, 110): [32 bytes: the codes' third bits (k 32j + b's: bit j of byte b), 64
+    bytes of their low 2 bits (k 128h + 32j + b's: bits 2j, 2j+1 of byte 32h + b), 12 bytes of 6-bit scales
+    (_q3_k_scales), d f16]; Q2_K's (N, K/256, 84): [16 bytes of [sc, m] nibbles, 64 bytes of codes as Q3_K's
+    low 2 bits, d f16, dmin f16]."""
+    S, three = K // SUPER, format == "q3_k"
+    at = 32 if three else 16
+    qs = torch.from_numpy(rows[..., at:at + 64].copy()).reshape(N, S, 2, 1, 32)
+    codes = ((qs >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3).reshape(N, K)
+    raw = torch.from_numpy(rows[..., 96:108].copy() if three else rows[..., 0:16].copy())
+    d = torch.from_numpy(rows[..., 108:110].copy().view(np.float16)[..., 0] if three else
+                         rows[..., 80:82].copy().view(np.float16)[..., 0])
+    if three:
+        hmask = torch.from_numpy(rows[..., 0:32].copy()).reshape(N, S, 1, 32)
+        codes = codes | (((hmask >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1).reshape(N, K) << 2)
+        return Blocks(format, codes, d, None, _q3_k_scales(raw).reshape(N, K // 16))
+    dmin = torch.from_numpy(rows[..., 82:84].copy().view(np.float16)[..., 0])
+    return Blocks(format, codes, d, dmin, torch.stack((raw & 15, raw >> 4), dim=-1).reshape(N, K // 16, 2))
+
+
+def _q3_k_scales(raw: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes of scales (..., 12) -> sc - 32 (..., 16) int8: sub-block i's low 4 bits in the low
+    (i < 8) or high nibble of byte i % 8, its high 2 in bits 2g, 2g+1 of byte 8 + j (i = 4g + j)."""
+    low = torch.cat((raw[..., :8] & 15, raw[..., :8] >> 4), dim=-1)
+    high = torch.cat([(raw[..., 8:12] >> (2 * g)) & 3 for g in range(4)], dim=-1)
+    return ((low | (high << 4)).short() - 32).to(torch.int8)
+
+
+def _q3_k_packed(sc: torch.Tensor) -> torch.Tensor:
+    """Inverse of _q3_k_scales: (..., 16) int8 -> (..., 12) uint8."""
+    six = (sc.short() + 32).to(torch.uint8)
+    low = (six[..., :8] & 15) | ((six[..., 8:] & 15) << 4)
+    high = sum(((six[..., 4 * g:4 * g + 4] >> 4) & 3) << (2 * g) for g in range(4))
+    return torch.cat((low, high), dim=-1)
+
+
+def _iq4_xs(rows: np.ndarray, N: int, K: int) -> Blocks:
+    """IQ4_XS super-blocks (N, K/256, 136): [d f16, the 8 ls' high bit pairs (u16: c's in bits 2c, 2c+1),
+    their low nibbles (4 bytes: c's in bits 4c..4c+3 of the 32 bits), 8 x 16 bytes: sub-block c's k j and
+    16 + j in the low and high nibble of its byte j]."""
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0]
+    ls = _iq4_xs_ls(torch.from_numpy(rows[..., 2:4].copy().view(np.int16)[..., 0]),
+                    torch.from_numpy(rows[..., 4:8].copy().view(np.int32)[..., 0]))
+    codes = _nibbles(rows[..., 8:].reshape(N, -1, 8, 16))  # (N, S, 8, 32)
+    return Blocks("iq4_xs", torch.from_numpy(codes.reshape(N, K)), torch.from_numpy(d), None, ls.reshape(N, K // BLOCK))
+
+
+def _iq4_xs_ls(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's scales (..., S): high bit pairs (int16), low nibbles (int32) -> ls (..., S, 8) int8, in -32..31."""
+    c = torch.arange(8)
+    six = ((low[..., None].long() >> (4 * c)) & 15) | (((high[..., None].long() >> (2 * c)) & 3) << 4)
+    return (six - 32).to(torch.int8)
+
+
+def _iq4_xs_packed(ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of _iq4_xs_ls: ls (..., S, 8) -> (high (..., S) int16, low (..., S) int32)."""
+    six, c = ls.long() + 32, torch.arange(8)
+    high = ((six >> 4) << (2 * c)).sum(-1)
+    low = ((six & 15) << (4 * c)).sum(-1)
+    return high.to(torch.int32).to(torch.int16), low.to(torch.int64).to(torch.int32)
+
+
 # ------------------------------------------------------------------------ the kernels' layout
 
-PANEL_BLOCK_BYTES = {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q5_0": 32 + 256 + 64,
-                     "q4_k": (64 + 192 + 8 * 256) // 8, "q6_k": (32 + 256 + 8 * 384) // 8}  # per 16 outputs x 32 k
+# per 16 outputs x 32 k: 16 outputs' blocks in the file's bytes (types.h: kPanelBlockBytes)
+PANEL_BLOCK_BYTES = {f: LANES * b.bytes * BLOCK // b.size for f, b in BLOCK_FORMATS.items()}
 
 
 def _per_panel(t: torch.Tensor, P: int) -> torch.Tensor:
@@ -293,38 +405,71 @@ def _unsix_bits(p: torch.Tensor) -> torch.Tensor:
 
 def pack(blocks: Blocks) -> torch.Tensor:
     """The panels quant.h and kquant.h read, as uint8: per panel of 16 outputs (zero past N), per block of
-    32 k: 16 fp16 scales, [Q4_1: 16 fp16 mins,] then the codes (_codes: Q8_0's bytes, Q4_x's nibbles;
-    Q5_0 the file's 5 bits: its low 4 as nibbles, then its fifth, _fifth_bits). The K-quants per
-    super-block of 256 k: 16 fp16 d, [Q4_K: 16 fp16 dmin,] sub-block scales, 4 bytes per output a load
-    (Q4_K: [sc, m] of 2 sub-blocks a load, in their 6 bits as 3 loads, _six_bits; Q6_K: sc + 128 of 4, 4
-    loads), then 8 blocks of codes (Q4_K nibbles; Q6_K the file's 6 bits: its low 4 as nibbles, then its
-    high 2, _bit_pairs)."""
+    32 k: 16 fp16 scales, [Q4_1, Q5_1: 16 fp16 mins,] then the codes (_codes: Q8_0's bytes, Q4_x's nibbles;
+    Q5_0, Q5_1 the file's 5 bits: their low 4 as nibbles, then their fifth, _fifth_bits). The K-quants per
+    super-block of 256 k: 16 fp16 d, [Q4_K, Q5_K: 16 fp16 dmin,] sub-block scales, 4 bytes per output a
+    load (Q4_K, Q5_K: [sc, m] of 2 sub-blocks a load, in their 6 bits as 3 loads, _six_bits; Q6_K: sc + 128
+    of 4, 4 loads), then 8 blocks of codes (Q4_K nibbles; Q5_K as Q5_0's; Q6_K the file's 6 bits: its
+    low 4 as nibbles, then its high 2, _bit_pairs)."""
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
-    if f in ("q4_k", "q6_k"):
+    fifth = [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)]  # 5-bit codes, as the file holds them
+    if f in LOW_BITS:
+        S, three = K // SUPER, f == "q3_k"
+        head = [_per_panel(blocks.scales, P)] + ([] if three else [_per_panel(blocks.mins, P)])
+        raw = (_q3_k_packed(blocks.sub.reshape(N, S, 16)) if three else
+               (blocks.sub[..., 0] | (blocks.sub[..., 1] << 4)).reshape(N, S, 16))
+        codes = [_bit_pairs(u & 3)] + ([_fifth_bits(u >> 2)] if three else [])
+        return torch.cat(head + [_per_panel(raw, P), torch.cat(codes, dim=-1).reshape(P, S, -1)], dim=-1).contiguous()
+    if f == "iq4_xs":
         S = K // SUPER
-        sub = (_six_bits(blocks.sub.reshape(N, S, 4, 4)) if f == "q4_k" else
-               (blocks.sub.short() + 128).to(torch.uint8))
-        head = [_per_panel(blocks.scales, P)] + ([_per_panel(blocks.mins, P)] if f == "q4_k" else [])
-        loads = 3 if f == "q4_k" else 4
+        high, low = _iq4_xs_packed(blocks.sub.reshape(N, S, 8))
+        head = [_per_panel(blocks.scales, P), _per_panel(low, P), _per_panel(high, P)]
+        return torch.cat(head + [_codes(u, nibbles=True).reshape(P, S, -1)], dim=-1).contiguous()
+    if f in SIX_BIT + ("q6_k",):
+        S, six = K // SUPER, f in SIX_BIT
+        sub = _six_bits(blocks.sub.reshape(N, S, 4, 4)) if six else (blocks.sub.short() + 128).to(torch.uint8)
+        head = [_per_panel(blocks.scales, P)] + ([_per_panel(blocks.mins, P)] if six else [])
+        loads = 3 if six else 4
         head.append(_per_panel(sub.reshape(N, S * loads, 4), P).reshape(P, S, loads * 64))
-        codes = _codes(u, nibbles=True) if f == "q4_k" else torch.cat((_codes(u & 15, nibbles=True),
-                                                                         _bit_pairs(u >> 4)), dim=-1)
+        codes = (_codes(u, nibbles=True) if f == "q4_k" else torch.cat(fifth, dim=-1) if f == "q5_k" else
+                 torch.cat((_codes(u & 15, nibbles=True), _bit_pairs(u >> 4)), dim=-1))
         codes = codes.reshape(P, S, -1)
         return torch.cat(head + [codes], dim=-1).contiguous()
     head = [_per_panel(blocks.scales, P)] + ([] if blocks.mins is None else [_per_panel(blocks.mins, P)])
-    if f == "q5_0":
-        return torch.cat(head + [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)], dim=-1).contiguous()
-    return torch.cat(head + [_codes(u, nibbles=f in ("q4_0", "q4_1"))], dim=-1).contiguous()
+    if f in ("q5_0", "q5_1"):
+        return torch.cat(head + fifth, dim=-1).contiguous()
+    return torch.cat(head + [_codes(u, nibbles=f in NIBBLES)], dim=-1).contiguous()
 
 
 def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
     """Inverse of pack."""
     N, K = shape
     P, nb = -(-N // LANES), K // BLOCK
-    if format in ("q4_k", "q6_k"):
-        S, k4 = K // SUPER, format == "q4_k"
+    if format in LOW_BITS:
+        S, three = K // SUPER, format == "q3_k"
+        data = data.reshape(P, S, -1)
+        scales = _from_panel(data[..., :32], N, torch.float16)
+        mins = None if three else _from_panel(data[..., 32:64], N, torch.float16)
+        at, width = (32, 12) if three else (64, 16)  # bytes of each output's scales
+        raw = data[..., at:at + LANES * width].reshape(P, S, LANES, width).transpose(1, 2).reshape(P * LANES, S, width)
+        sub = (_q3_k_scales(raw[:N]).reshape(N, K // 16) if three else
+               torch.stack((raw[:N] & 15, raw[:N] >> 4), dim=-1).reshape(N, K // 16, 2))
+        codes = data[..., at + LANES * width:].reshape(P, nb, -1)
+        u = _unbit_pairs(codes[..., :128])
+        if three:
+            u = u | (_unfifth_bits(codes[..., 128:]) << 2)
+        return Blocks(format, u[:N].contiguous(), scales, mins, sub.contiguous())
+    if format == "iq4_xs":
+        S = K // SUPER
+        data = data.reshape(P, S, -1)
+        scales = _from_panel(data[..., :32], N, torch.float16)
+        ls = _iq4_xs_ls(_from_panel(data[..., 96:128], N, torch.int16), _from_panel(data[..., 32:96], N, torch.int32))
+        codes = _uncodes(data[..., 128:].reshape(P, nb, -1), nibbles=True)[:N]
+        return Blocks(format, codes.contiguous(), scales, None, ls.reshape(N, nb).contiguous())
+    if format in SIX_BIT + ("q6_k",):
+        S, k4 = K // SUPER, format in SIX_BIT
         data = data.reshape(P, S, -1)
         scales = _from_panel(data[..., :32], N, torch.float16)
         mins = _from_panel(data[..., 32:64], N, torch.float16) if k4 else None
@@ -333,16 +478,18 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
         sub = (_unsix_bits(sub.reshape(N, S, 3, 4)).reshape(N, K // BLOCK, 2) if k4 else
                (sub.reshape(N, K // 16).short() - 128).to(torch.int8))
         codes = data[..., at + loads * 64:].reshape(P, nb, -1)
-        codes = (_uncodes(codes, nibbles=True) if k4 else
+        codes = (_uncodes(codes, nibbles=True) if format == "q4_k" else
+                 _uncodes(codes[..., :256], nibbles=True) | (_unfifth_bits(codes[..., 256:]) << 4) if k4 else
                  _uncodes(codes[..., :256], nibbles=True) | (_unbit_pairs(codes[..., 256:]) << 4))[:N]
         return Blocks(format, codes.contiguous(), scales, mins, sub.contiguous())
     data = data.reshape(P, nb, -1)
     scales = _from_panel(data[..., :32], N, torch.float16)
-    mins = _from_panel(data[..., 32:64], N, torch.float16) if format == "q4_1" else None
-    if format == "q5_0":
-        codes = (_uncodes(data[..., 32:288], nibbles=True) | (_unfifth_bits(data[..., 288:]) << 4))[:N]
+    at = 64 if format in MINS else 32  # where the codes start
+    mins = _from_panel(data[..., 32:64], N, torch.float16) if format in MINS else None
+    if format in ("q5_0", "q5_1"):
+        codes = (_uncodes(data[..., at:at + 256], nibbles=True) | (_unfifth_bits(data[..., at + 256:]) << 4))[:N]
     else:
-        codes = _uncodes(data[..., 64 if format == "q4_1" else 32:], nibbles=format in ("q4_0", "q4_1"))[:N]
+        codes = _uncodes(data[..., at:], nibbles=format in NIBBLES)[:N]
     return Blocks(format, codes.contiguous(), scales, mins)
 
 
@@ -401,25 +548,37 @@ def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     """(K/32, M, N) fp32: block b's term of output n of row m, rows (M, K) quantized by quantize_rows
     (q, dx, qsum per block), s the exact integer sum over the block of the weight's u - OFFSET times q:
       Q8_0, Q4_0, Q5_0:  (d dx) s
-      Q4_1:              (d dx) s + (m dx) qsum
-      Q4_K:              ((d sc) dx) s - ((dmin m) dx) qsum            (d sc, dmin m exact in fp32)
+      Q4_1, Q5_1:        (d dx) s + (m dx) qsum
+      Q4_K, Q5_K:        ((d sc) dx) s - ((dmin m) dx) qsum            (d sc, dmin m exact in fp32)
       Q6_K:              (d dx) (sc_a s_a + sc_c s_c)                  (sub-blocks a, c of 16: an exact integer)
+      Q3_K:              as Q6_K (s over u - 4)
+      Q2_K:              (d dx) (sc_a s_a + sc_c s_c) - (dmin dx) (m_a qsum_a + m_c qsum_c)   (exact integers)
+      IQ4_NL:            (d dx) s;  IQ4_XS: ((d ls) dx) s              (s over the codes' levels; d ls exact)
     each product rounded to fp32 in the order written."""
     N, K = blocks.shape
     q, dx, qsum = quantize_rows(rows)
     M, nb, f = rows.shape[0], K // BLOCK, blocks.format
     # exact integer sums: every partial sum is an integer below 2^24, exact in float64
-    width = 16 if f == "q6_k" else BLOCK
+    width = 16 if f in SIXTEENS else BLOCK
     s = torch.einsum("mbk,nbk->bmn", q.double().reshape(M, K // width, width),
-                     (blocks.codes.double() - OFFSET[f]).reshape(N, K // width, width))  # (K/width, M, N)
+                     blocks.levels().double().reshape(N, K // width, width))  # (K/width, M, N)
     dxb = dx.T[:, :, None]  # (nb, M, 1)
-    if f == "q4_k":
+    if f == "iq4_xs":
+        return (blocks.sub_scales()[0].T[:, None, :] * dxb) * s.float()
+    if f in SIX_BIT:
         scale, low = (t.T[:, None, :] for t in blocks.sub_scales())  # (nb, 1, N)
         return (scale * dxb) * s.float() - (low * dxb) * qsum.T[:, :, None].float()
-    if f == "q6_k":
+    if f in ("q6_k", "q3_k"):
         exact = (s * blocks.sub.double().T[:, None, :]).reshape(nb, 2, M, N).sum(1)  # (nb, M, N)
         d = blocks.scales.float().repeat_interleave(SUPER // BLOCK, 1).T[:, None, :]
         return (d * dxb) * exact.float()
+    if f == "q2_k":
+        sc, m = (blocks.sub[..., i].double().T[:, None, :] for i in (0, 1))  # (K/16, 1, N)
+        exact = (s * sc).reshape(nb, 2, M, N).sum(1)
+        sums = q.reshape(M, K // 16, 16).double().sum(-1).T[:, :, None]  # (K/16, M, 1)
+        low = (sums * m).reshape(nb, 2, M, N).sum(1)
+        d, dmin = (t.float().repeat_interleave(SUPER // BLOCK, 1).T[:, None, :] for t in (blocks.scales, blocks.mins))
+        return (d * dxb) * exact.float() - (dmin * dxb) * low.float()
     d = blocks.scales.float().T[:, None, :]  # (nb, 1, N)
     terms = (d * dxb) * s.float()
     if blocks.mins is not None:

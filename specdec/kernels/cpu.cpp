@@ -1,5 +1,5 @@
-// CPU kernels for decoding with bf16-stored or block-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0; the
-// K-quants Q4_K, Q6_K) and fp32 arithmetic, for AVX-512 and AVX2.
+// CPU kernels for decoding with float-stored (bf16, f16, f32) or block-quantized weights (Q8_0, Q4_0, Q4_1,
+// Q5_0, Q5_1, IQ4_NL; the K-quants Q4_K, Q5_K, Q6_K and IQ4_XS) and fp32 arithmetic, for AVX-512 and AVX2.
 //
 // Why: speculative decoding pays only when verifying k+1 tokens costs about what one token costs.
 // One token reads every weight once (memory-bound); k+1 tokens must share each weight load and
@@ -38,6 +38,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "threads.h"
@@ -78,7 +79,7 @@ namespace {
 
 struct Ops {
   const char* name;
-  void (*matmul_panels)(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t,
+  void (*matmul_panels)(const float*, int64_t, int64_t, const void*, int, int64_t, int64_t, float*, int64_t,
                         const float*, const float*, int64_t, int64_t);
   void (*rms_norm_row)(const float*, const float*, float, int64_t, float*);
   float (*fma_loop)(int64_t);
@@ -113,13 +114,11 @@ int threads(int64_t bytes, int64_t rows) {
   return bytes * rows < (int64_t{1} << 20) ? 1 : thread_policy::threads(std::max(1, at::get_num_threads()));
 }
 
-const uint16_t* bf16_data(const torch::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-}
-
-void check_packed(const torch::Tensor& w, int64_t K, int64_t N, const char* what) {
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 3 && w.size(2) == 16 && w.is_contiguous(),
-              what, ": expected a packed (panels, K, 16) contiguous bfloat16 matrix (kernels.Matrix)");
+// The packed float panels `w` (panels, K, 16) of a matrix in float `format` (bf16, f16, f32), checked.
+void check_packed(const torch::Tensor& w, int64_t format, int64_t K, int64_t N, const char* what) {
+  const auto dtype = format == kF32 ? torch::kFloat32 : format == kF16 ? torch::kFloat16 : torch::kBFloat16;
+  TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 3 && w.size(2) == 16 && w.is_contiguous(), what,
+              ": expected a packed (panels, K, 16) contiguous ", dtype, " matrix (kernels.Matrix)");
   TORCH_CHECK(w.size(1) == K && w.size(0) == (N + 15) / 16, what, ": packed matrix is (", w.size(0), ", ",
               w.size(1), ", 16), expected (", (N + 15) / 16, ", ", K, ", 16)");
 }
@@ -127,7 +126,8 @@ void check_packed(const torch::Tensor& w, int64_t K, int64_t N, const char* what
 // Bytes of a packed matrix of N outputs from K inputs in `format` (not kMixed).
 int64_t matrix_bytes(int64_t format, int64_t N, int64_t K) {
   const int64_t panels = (N + 15) / 16;
-  return format == kBf16 ? panels * K * 16 * 2 : panels * (K / kBlock) * kPanelBlockBytes[format];
+  if (is_float(format)) return panels * K * 16 * (format == kF32 ? 4 : 2);
+  return panels * (K / kBlock) * kPanelBlockBytes[format];
 }
 
 // Bytes of a matrix's weights (kMixed: its runs').
@@ -149,9 +149,9 @@ Mat mixed_matrix(const torch::Tensor& w, int64_t N, int64_t K, const char* what)
   int64_t n = 0, bytes = kMixedHeader;
   for (int32_t i = 0; i < head[0]; ++i) {
     const int32_t f = head[1 + 2 * i], rows = head[2 + 2 * i];
-    TORCH_CHECK(f >= kQ8_0 && f <= kQ6_K && rows > 0 && (i + 1 == head[0] || rows % 16 == 0), what,
+    TORCH_CHECK(is_quantized(f) && rows > 0 && (i + 1 == head[0] || rows % 16 == 0), what,
                 ": run ", i, " of a mixed matrix is format ", f, " with ", rows, " outputs");
-    TORCH_CHECK(K % (f >= kQ4_K ? 256 : kBlock) == 0, what, ": run ", i, " cannot hold rows of ", K);
+    TORCH_CHECK(K % kFileBlock[f] == 0, what, ": run ", i, " cannot hold rows of ", K);
     n += rows;
     bytes += matrix_bytes(f, rows, K);
   }
@@ -163,18 +163,18 @@ Mat mixed_matrix(const torch::Tensor& w, int64_t N, int64_t K, const char* what)
 // The packed matrix `w` in `format` (kernels.FORMATS) with N outputs from K inputs, checked.
 Mat matrix(const torch::Tensor& w, int64_t format, int64_t N, int64_t K, const char* what) {
   if (format & kFine) {  // a quantized matrix times its rows and their rounding residuals (fine_matmul)
-    TORCH_CHECK((format & ~kFine) != kBf16, what, ": fine activations are for a quantized matrix");
+    TORCH_CHECK(!is_float(format & ~kFine), what, ": fine activations are for a quantized matrix");
     Mat W = matrix(w, format & ~kFine, N, K, what);
     W.fine = true;
     return W;
   }
-  if (format == kBf16) {
-    check_packed(w, K, N, what);
-    return {kBf16, bf16_data(w), N, K};
+  if (is_float(format)) {
+    check_packed(w, format, K, N, what);
+    return {static_cast<int>(format), w.data_ptr(), N, K};
   }
   if (format == kMixed) return mixed_matrix(w, N, K, what);
-  TORCH_CHECK(format >= kQ8_0 && format <= kQ6_K, what, ": unknown matrix format ", format);
-  const int64_t block = format >= kQ4_K ? 256 : kBlock;  // a K-quant's super-blocks (kquant.h)
+  TORCH_CHECK(is_quantized(format), what, ": unknown matrix format ", format);
+  const int64_t block = kFileBlock[format];  // a K-quant's super-blocks (kquant.h)
   TORCH_CHECK(K % block == 0, what, ": a matrix in this format needs K a multiple of ", block, ", got ", K);
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == matrix_bytes(format, N, K), what,
               ": expected its packed blocks as ", matrix_bytes(format, N, K), " contiguous uint8 (kernels.Matrix)");
@@ -228,7 +228,7 @@ void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* 
   const int64_t P = (W.N + 15) / 16;
   if (M == 0 || P == 0) return;  // nothing to compute (and no thread to run it on)
   if (W.fine) return fine_matmul(W, X, M, Y, add, bias);
-  const bool quantized = W.format != kBf16;
+  const bool quantized = !is_float(W.format);
   QuantBuffer xq(quantized ? M : 0, quantized ? W.K : 0);
   for (int64_t m = 0; quantized && m < M; ++m) g_quant->quantize_row(X + m * W.K, W.K, xq.rows, m);
   const int nt = static_cast<int>(std::min<int64_t>(threads(matrix_bytes(W), M), P));
@@ -239,7 +239,7 @@ void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* 
     if (quantized)
       g_quant->matmul(xq.rows, M, W, Y, W.N, add, bias, q0, q1);
     else
-      g_ops->matmul_panels(X, M, W.K, static_cast<const uint16_t*>(W.data), W.K, W.N, Y, W.N, add, bias, q0, q1);
+      g_ops->matmul_panels(X, M, W.K, W.data, W.format, W.K, W.N, Y, W.N, add, bias, q0, q1);
   }
 }
 
@@ -379,7 +379,7 @@ struct Stack {
         const Mat m = matrix(it->second, f->second, N, K, name);
         TORCH_CHECK(!m.fine, "Stack: ", name, " has fine activations, which only a lone matrix's call multiplies");
         total_bytes += matrix_bytes(m);
-        if (m.format != kBf16) quantized_k = std::max(quantized_k, K);
+        if (!is_float(m.format)) quantized_k = std::max(quantized_k, K);
         return m;
       };
       const float* norm1 = floats(layer, "norm1", s.C, true);  // none: an EAGLE-3 layer (types.h), first of its stack
@@ -623,6 +623,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "run on avx512 or avx2 (same results; for tests and measurements)");
   m.def("linear", &linear,
         "x (..., K) fp32 times a packed matrix (format) with N outputs, transposed [+ bias] [+ add]");
+  m.def("format_table", [] {
+    std::vector<std::pair<int64_t, int64_t>> table;
+    for (int f = 0; f < kFormats; ++f) table.emplace_back(kPanelBlockBytes[f], kFileBlock[f]);
+    return table;
+  }, "per Format (types.h): a quantized format's bytes per 16 outputs x 32 k (0: not one), its file's block along K");
   m.def("quantize_rows", &quantize_rows, "x (M, K) quantized per block of 32 as the quantized kernels do: q, d, sums");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
   m.def("noise_hashes", &noise_hashes, "(R, length) int32: seeded sampling's 32-bit hashes of token ids 0.. per key");

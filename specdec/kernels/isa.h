@@ -83,10 +83,12 @@ inline void rms_norm_row(const float* x, const float* w, float eps, int64_t K, f
 
 // ------------------------------------------------------------------------------ matrices
 
-// A packed matrix holds the bf16 weight W (N, K) as panels of 16 outputs: panel p is (K, 16),
-// element [k][l] = W[16 p + l][k] (zero past N). Output n of row m is the sum over k = 0..K-1,
-// in that order, of x[m][k] * W[n][k], one FMA at a time in its own lane: its value depends on
-// nothing but x[m] and W[n] — not on the row count, the tile shape, the thread split or the ISA.
+// A packed matrix holds the weight W (N, K) in bf16, f16 or f32 (F: kBf16, kF16, kF32) as panels of 16
+// outputs: panel p is (K, 16), element [k][l] = W[16 p + l][k] (zero past N). Output n of row m is the sum
+// over k = 0..K-1, in that order, of x[m][k] * W[n][k], one FMA at a time in its own lane (each format's
+// weights widened to fp32 exactly: a shift, F16C's conversion, or none): its value depends on nothing but
+// x[m] and W[n] — not on the row count, the tile shape, the thread split, the ISA or the format that
+// holds W's values.
 
 // A tile's sums (rows r0.., panels p0..) to Y: acc + bias, then add + that (the projection's bias
 // and the residual, each after the whole sum), the outputs past N left out.
@@ -112,22 +114,30 @@ inline void store_tile(const V (&acc)[R][NB], int64_t p0, int64_t r0, float* Y, 
     }
 }
 
+// The weights of one k of a panel (16 of them at p), in fp32, exactly.
+template <int F>
+inline V load_weights(const void* p) {
+  if constexpr (F == kF32) return V::load(static_cast<const float*>(p));
+  if constexpr (F == kF16) return V::load_f16(static_cast<const uint16_t*>(p));
+  return V::load_bf16(static_cast<const uint16_t*>(p));
+}
+
 // Rows r0..r0+R-1 of X against panels p0..p0+NB-1: R x NB accumulators held in registers, so
 // each weight load serves R rows and each row load serves NB panels.
-template <int R, int NB>
-inline void tile(const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0, int64_t r0,
+template <int F, int R, int NB>
+inline void tile(const float* X, int64_t ldx, const void* W, int64_t K, int64_t p0, int64_t r0,
                  float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
+  constexpr int64_t size = F == kF32 ? 4 : 2;  // bytes per weight
   V acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
-  const uint16_t* wp = W + p0 * K * kLanes;
+  const char* wp = static_cast<const char*>(W) + p0 * K * kLanes * size;
   const float* xr = X + r0 * ldx;
   for (int64_t k = 0; k < K; ++k) {
-    if ((k & 1) == 0)  // one cache line of each panel per two k; fetched kPrefetch lines ahead
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(wp + (j * K + k) * kLanes) + kPrefetch * 64, _MM_HINT_T0);
+    if (size == 4 || (k & 1) == 0)  // one cache line of each panel per k (or two); fetched kPrefetch lines ahead
+      for (int j = 0; j < NB; ++j) _mm_prefetch(wp + (j * K + k) * kLanes * size + kPrefetch * 64, _MM_HINT_T0);
     V w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = V::load_bf16(wp + (j * K + k) * kLanes);
+    for (int j = 0; j < NB; ++j) w[j] = load_weights<F>(wp + (j * K + k) * kLanes * size);
     for (int r = 0; r < R; ++r) {
       const V xb = V::bcast(xr[r * ldx + k]);
       for (int j = 0; j < NB; ++j) acc[r][j] = V::fma(xb, w[j], acc[r][j]);
@@ -148,25 +158,26 @@ constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;
 // 1.5B's matrices at 20-27 GB/s, 4 at 25-33, 2 about as 4.
 constexpr int kOneRowPanels = 4;
 
-template <int R, int NB>
-inline void tile_dispatch_nb(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
+template <int F, int R, int NB>
+inline void tile_dispatch_nb(int nb, const float* X, int64_t ldx, const void* W, int64_t K, int64_t p0,
                              int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
   if constexpr (NB >= 1) {
-    if (nb == NB) return tile<R, NB>(X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
-    return tile_dispatch_nb<R, NB - 1>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
+    if (nb == NB) return tile<F, R, NB>(X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
+    return tile_dispatch_nb<F, R, NB - 1>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
   }
 }
 
-template <int R>
-inline void tile_rows(int nb, const float* X, int64_t ldx, const uint16_t* W, int64_t K, int64_t p0,
+template <int F, int R>
+inline void tile_rows(int nb, const float* X, int64_t ldx, const void* W, int64_t K, int64_t p0,
                       int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
-  tile_dispatch_nb<R, panels_for(R)>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
+  tile_dispatch_nb<F, R, panels_for(R)>(nb, X, ldx, W, K, p0, r0, Y, ldy, N, add, bias);
 }
 
-// Y (M, N) = X (M, K) W^T [+ bias (N,)] [+ add], for the panels [q0, q1) of the packed W: the share
-// of one thread. bias and add may be null.
-inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t* W, int64_t K, int64_t N,
-                          float* Y, int64_t ldy, const float* add, const float* bias, int64_t q0, int64_t q1) {
+// Y (M, N) = X (M, K) W^T [+ bias (N,)] [+ add], for the panels [q0, q1) of the packed W in format F: the
+// share of one thread. bias and add may be null.
+template <int F>
+inline void matmul_panels_of(const float* X, int64_t M, int64_t ldx, const void* W, int64_t K, int64_t N,
+                             float* Y, int64_t ldy, const float* add, const float* bias, int64_t q0, int64_t q1) {
   // rows in blocks of nearly equal size (8 = 4 + 4, not 6 + 2), panels per tile as many as the
   // registers hold for the largest block; the row blocks of a tile reuse its panels from cache
   if (M == 0) return;
@@ -177,17 +188,25 @@ inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const uint16_t
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
       const int R = static_cast<int>(std::min<int64_t>(rows, M - r0));
       switch (R) {
-        case 1: tile_rows<1>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
-        case 2: tile_rows<2>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
-        case 3: tile_rows<3>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
-        case 4: tile_rows<4>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
-        case 5: tile_rows<5>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
-        case 6: tile_rows<6>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
-        case 7: tile_rows<7>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
-        default: tile_rows<8>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 1: tile_rows<F, 1>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 2: tile_rows<F, 2>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 3: tile_rows<F, 3>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 4: tile_rows<F, 4>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 5: tile_rows<F, 5>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 6: tile_rows<F, 6>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        case 7: tile_rows<F, 7>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
+        default: tile_rows<F, 8>(nb, X, ldx, W, K, p, r0, Y, ldy, N, add, bias); break;
       }
     }
   }
+}
+
+// matmul_panels_of for the float format of W (kBf16, kF16, kF32).
+inline void matmul_panels(const float* X, int64_t M, int64_t ldx, const void* W, int format, int64_t K, int64_t N,
+                          float* Y, int64_t ldy, const float* add, const float* bias, int64_t q0, int64_t q1) {
+  if (format == kF32) return matmul_panels_of<kF32>(X, M, ldx, W, K, N, Y, ldy, add, bias, q0, q1);
+  if (format == kF16) return matmul_panels_of<kF16>(X, M, ldx, W, K, N, Y, ldy, add, bias, q0, q1);
+  return matmul_panels_of<kBf16>(X, M, ldx, W, K, N, Y, ldy, add, bias, q0, q1);
 }
 
 // `reps` rounds of 12 independent FMA chains on 16 lanes: the core's FMA throughput, nothing else.
@@ -267,14 +286,14 @@ inline void share(int64_t n, int tid, int nt, int64_t& q0, int64_t& q1) {
   q1 = n * (tid + 1) / nt;
 }
 
-// Y (M, N) = X (M, K) W^T [+ bias] [+ add] for thread tid's share of W's panels: bf16 panels here,
+// Y (M, N) = X (M, K) W^T [+ bias] [+ add] for thread tid's share of W's panels: float panels here,
 // a quantized format by the quantized kernels (quant.h; xq: X's rows quantized, quantize_row).
 inline void matmul(const Mat& W, const float* X, int64_t ldx, const QuantRows& xq, int64_t M, float* Y, int64_t ldy,
                    const float* add, const float* bias, int tid, int nt) {
   int64_t q0, q1;
   share((W.N + kLanes - 1) / kLanes, tid, nt, q0, q1);
-  if (W.format == kBf16)
-    matmul_panels(X, M, ldx, static_cast<const uint16_t*>(W.data), W.K, W.N, Y, ldy, add, bias, q0, q1);
+  if (is_float(W.format))
+    matmul_panels(X, M, ldx, W.data, W.format, W.K, W.N, Y, ldy, add, bias, q0, q1);
   else
     g_quant->matmul(xq, M, W, Y, ldy, add, bias, q0, q1);
 }
@@ -355,7 +374,7 @@ inline void attend(const Shape& s, const Window& w, const Cache& cache, const fl
 
 // Row m of a matrix's input, quantized for W where W is quantized (Scratch.xq).
 inline void quantize_input(const Mat& W, const float* row, const QuantRows& xq, int64_t m) {
-  if (W.format != kBf16) g_quant->quantize_row(row, W.K, xq, m);
+  if (!is_float(W.format)) g_quant->quantize_row(row, W.K, xq, m);
 }
 
 // f(m) for the rows m = 0..M-1 of a step between two matrices (a norm, an activation, a row's

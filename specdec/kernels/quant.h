@@ -1,4 +1,4 @@
-// Matrices stored in blocks of 32 quantized weights along K (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0), times
+// Matrices stored in blocks of 32 quantized weights along K (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL), times
 // activation rows quantized per block to int8: written once over the 16-lane vectors V and VI of
 // the including namespace (vectors.h: AVX-512 VNNI, AVX2) and included by cpu.cpp for each; the
 // plain structs (Mat, QuantRows) from types.h; store_tile from isa.h.
@@ -7,29 +7,39 @@
 // matrix, and identical on both instruction sets): row m's block b of 32 inputs is quantized to
 // q[m][k] = round_half_even(x[m][k] / dx) in [-127, 127], dx = max|x| / 127 (quantize_row).
 // Output n of row m is the fp32 sum over blocks b = 0.. in order of
-//   Q8_0, Q4_0, Q5_0:  (d[n][b] * dx[m][b]) * float(s)                  s = sum_k w[n][k] q[m][k]
-//   Q4_1:              (d[n][b] * dx[m][b]) * float(s) + (mn[n][b] * dx[m][b]) * float(sum_k q[m][k])
+//   Q8_0, Q4_0, Q5_0, IQ4_NL:  (d[n][b] * dx[m][b]) * float(s)          s = sum_k w[n][k] q[m][k]
+//   Q4_1, Q5_1:        (d[n][b] * dx[m][b]) * float(s) + (mn[n][b] * dx[m][b]) * float(sum_k q[m][k])
 // one mul and one add at a time (no FMA), starting from 0; w is the signed weight (Q8_0: int8,
-// Q4_0: 4-bit code - 8, Q5_0: 5-bit code - 16) or the 4-bit code (Q4_1). s is an exact integer
+// Q4_0: 4-bit code - 8, Q5_0: 5-bit code - 16, IQ4_NL: the level kIq4Levels[code] - 128 of its 4-bit code)
+// or the 4- or 5-bit code (Q4_1, Q5_1). s is an exact integer
 // whatever order or instructions compute it, so only the fp32 steps above, the same everywhere,
 // shape the result (a Q5_0 matrix gives the bits of the Q8_0 matrix of the same w and d).
 // The kernels compute s as sum_k u q - o sum_k q from the stored unsigned codes u = w + o.
 //
 // Packed layout of a matrix (N, K): panels of 16 outputs (zero past N); panel p is K/32 blocks of
-// kPanelBlockBytes[format] bytes: 16 fp16 scales d, [Q4_1: 16 fp16 mins mn,] then the codes, 64 bytes
+// kPanelBlockBytes[format] bytes: 16 fp16 scales d, [Q4_1, Q5_1: 16 fp16 mins mn,] then the codes, 64 bytes
 // per vector load where lane n (4 bytes) holds 4 consecutive k of output n:
 //   Q8_0: 8 loads, load j = k 4j..4j+3 of the block, u = w + 128
 //   Q4_x: 4 loads, load i: low nibbles k 4i..4i+3, high nibbles k 16+4i..16+4i+3
 //   Q5_0: Q4_x's 4 loads of the codes' low 4 bits, then one load of their fifth bits: lane n byte t
 //         holding in bit i that of k 4i+t and in bit 4+i that of k 16+4i+t (a shift, a mask and an
 //         or join it to nibble load i: VI::put_bit4) -- 22 bytes per 32 weights, as the file has them
+//   Q5_1: as Q5_0 (24 bytes per 32 weights, with the mins)
+//   IQ4_NL: as Q4_x; each nibble load's codes looked up in the levels (+128, unsigned: VI::lookup), then
+//         summed as Q8_0's bytes (18 bytes per 32 weights, as the file has them)
 //
 // A tile is R rows x NB panels: each block's codes are loaded and unpacked once per tile and serve
 // its R rows; a row's 4 activation bytes are broadcast once and serve its NB panels. On AVX2 a Q4
 // block's products are summed in int16 lanes and widened once per block (vectors.h: VI::Sum), a
-// Q5_0 block's twice (VI::kFifthLoads).
+// Q5_0 or Q5_1 block's twice (VI::kFifthLoads).
 
-constexpr int kPanelHeader[5] = {0, 32, 32, 64, 32};  // bytes of scales (and mins) per panel block
+// IQ4_NL's (and IQ4_XS's, kquant.h) 16 levels, each + 128: the unsigned bytes Q8_0's dot products take
+alignas(16) constexpr uint8_t kIq4Levels[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                129, 141, 153, 166, 181, 197, 217, 241};
+
+constexpr bool has_mins(int F) { return F == kQ4_1 || F == kQ5_1; }   // Q4_1's and Q5_1's mn
+constexpr bool has_fifth(int F) { return F == kQ5_0 || F == kQ5_1; }  // codes of 5 bits
+constexpr int panel_header(int F) { return has_mins(F) ? 64 : 32; }  // bytes of scales (and mins) per panel block
 
 // Row m of `rows` from x (K values, K a multiple of 32), per block of 32: dx = max|x| / 127 and
 // q = round_half_even(x (1 / dx)) (0 where dx is 0), as kernels/blocks.py's quantize_rows. A block
@@ -63,8 +73,9 @@ inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64
 }
 
 // The exact integer sums s[r][j] of one block: rows xq[0..R-1] (their 32 int8 of this block) against
-// the codes at codes[j] (Q8_0's 8 loads of bytes, or 4 loads of nibbles: Q4_0, Q4_1, kquant.h's Q4_K;
-// Q5_0's joined to their fifth bits).
+// the codes at codes[j] (Q8_0's 8 loads of bytes; IQ4_NL's, and kquant.h's IQ4_XS's, 4 loads of nibbles
+// standing for their levels; or 4 loads of nibbles: Q4_0, Q4_1, kquant.h's Q4_K;
+// Q5_0's and Q5_1's, and kquant.h's Q5_K's, joined to their fifth bits).
 template <int F, int R, int NB>
 inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R], VI (&s)[R][NB]) {
   if constexpr (F == kQ8_0) {
@@ -82,9 +93,26 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
         for (int j = 0; j < NB; ++j) s[r][j] = VI::dot_wide(s[r][j], w[j], x4);
       }
     }
+  } else if constexpr (F == kIQ4_NL) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) s[r][j] = VI::zero();
+    for (int i = 0; i < 4; ++i) {
+      typename VI::Wide lo[NB], hi[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* p = codes[j] + i * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
+        const auto v = VI::load(p);
+        lo[j] = VI::wide(VI::lookup(VI::low_nibbles(v), kIq4Levels));
+        hi[j] = VI::wide(VI::lookup(VI::high_nibbles(v), kIq4Levels));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t xlo = VI::quad(xq[r] + 4 * i), xhi = VI::quad(xq[r] + 16 + 4 * i);
+        for (int j = 0; j < NB; ++j) s[r][j] = VI::dot_wide(VI::dot_wide(s[r][j], lo[j], xlo), hi[j], xhi);
+      }
+    }
   } else {
-    // loads whose products a Sum lane holds: a Q5_0 code is up to 31 (AVX2's int16: two loads)
-    constexpr int every = F == kQ5_0 ? VI::kFifthLoads : 4;
+    // loads whose products a Sum lane holds: a 5-bit code is up to 31 (AVX2's int16: two loads)
+    constexpr int every = has_fifth(F) ? VI::kFifthLoads : 4;
     typename VI::Sum t[R][NB];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) t[r][j] = VI::sum_zero();
@@ -96,7 +124,7 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
         const auto v = VI::load(p);
         lo[j] = VI::low_nibbles(v);
         hi[j] = VI::high_nibbles(v);
-        if constexpr (F == kQ5_0) {  // bit i of a fifth-bits byte to bit 4 of the low nibble, bit 4 + i of the high
+        if constexpr (has_fifth(F)) {  // bit i of a fifth-bits byte to bit 4 of the low nibble, bit 4 + i of the high
           const uint8_t* fifth = codes[j] + 256;
           if (i == 0) _mm_prefetch(reinterpret_cast<const char*>(fifth) + kPrefetch * 64, _MM_HINT_T0);
           const auto bits = VI::load(fifth);
@@ -117,7 +145,7 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
             }
       }
     };
-    if constexpr (F == kQ5_0) {
+    if constexpr (has_fifth(F)) {
 #pragma GCC unroll 4  // constant shifts (measured: a third faster in cache on AVX2, a sixth on AVX-512)
       for (int i = 0; i < 4; ++i) load(i);
     } else {
@@ -131,11 +159,12 @@ inline void qsums(const uint8_t* const (&codes)[NB], const int8_t* const (&xq)[R
 }
 
 // acc[r][j] += block b's fp32 term (see the top) for rows r0.. and the panels whose headers (scales,
-// Q4_1's mins) are at block + j stride.
+// Q4_1's and Q5_1's mins) are at block + j stride.
 template <int F, int R, int NB>
 inline void qterms(const uint8_t* block, int64_t stride, const QuantRows& x, int64_t r0, int64_t b,
                    const VI (&s)[R][NB], V (&acc)[R][NB]) {
-  constexpr int offset = F == kQ8_0 ? VI::kWideOffset : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : 0;  // s = sum u q - o sum q
+  // s = sum u q - o sum q
+  constexpr int offset = F == kQ8_0 || F == kIQ4_NL ? VI::kWideOffset : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : 0;
   for (int j = 0; j < NB; ++j) {
     const uint8_t* head = block + j * stride;
     const V d = V::load_f16(reinterpret_cast<const uint16_t*>(head));
@@ -143,7 +172,7 @@ inline void qterms(const uint8_t* block, int64_t stride, const QuantRows& x, int
       const int64_t at = (r0 + r) * x.blocks + b;
       const V dx = V::bcast(x.d[at]);
       const int32_t qsum = x.sums[at];
-      if constexpr (F == kQ4_1) {
+      if constexpr (has_mins(F)) {
         const V mn = V::load_f16(reinterpret_cast<const uint16_t*>(head + 32));
         const V part = V::add(V::mul(V::mul(d, dx), VI::to_float(s[r][j])),
                               V::mul(V::mul(mn, dx), V::bcast(static_cast<float>(qsum))));
@@ -170,7 +199,7 @@ inline void qtile(const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t
     const int8_t* xq[R];
     for (int r = 0; r < R; ++r) xq[r] = x.q + (r0 + r) * x.ld + b * kBlock;
     const uint8_t* codes[NB];
-    for (int j = 0; j < NB; ++j) codes[j] = block + j * stride + kPanelHeader[F];
+    for (int j = 0; j < NB; ++j) codes[j] = block + j * stride + panel_header(F);
     VI s[R][NB];
     qsums<F, R, NB>(codes, xq, s);
     qterms<F, R, NB>(block, stride, x, r0, b, s, acc);
@@ -228,6 +257,8 @@ inline void qmatmul_panels(const QuantRows& x, int64_t M, const Mat& W, float* Y
     case kQ8_0: return qmatmul_format<kQ8_0>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kQ4_0: return qmatmul_format<kQ4_0>(x, M, W, Y, ldy, add, bias, q0, q1);
     case kQ5_0: return qmatmul_format<kQ5_0>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kQ5_1: return qmatmul_format<kQ5_1>(x, M, W, Y, ldy, add, bias, q0, q1);
+    case kIQ4_NL: return qmatmul_format<kIQ4_NL>(x, M, W, Y, ldy, add, bias, q0, q1);
     default: return qmatmul_format<kQ4_1>(x, M, W, Y, ldy, add, bias, q0, q1);
   }
 }

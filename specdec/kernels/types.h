@@ -10,14 +10,23 @@
 constexpr int kLanes = 16;     // fp32 lanes of a vector V, outputs per packed panel (kernels.LANES)
 constexpr int kPrefetch = 48;  // cache lines ahead in each stream of packed weights
 
-// How a matrix is stored (kernels.FORMATS): bf16 panels (isa.h) or blocks of 32 quantized weights (quant.h).
-// K-quants and kMixed (runs of outputs in different quantized formats): kquant.h
-enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ4_K = 5, kQ6_K = 6, kMixed = 7 };
+// How a matrix is stored (kernels.KERNEL_FORMAT, blocks.BLOCK_FORMATS): panels of 16-bit or 32-bit floats
+// (bf16, f16, f32: isa.h) or blocks of 32 quantized weights (quant.h); K-quants and kMixed (runs of outputs
+// in different quantized formats): kquant.h. Below kFine, which flags a format.
+enum Format : int { kBf16 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 4, kQ4_K = 5, kQ6_K = 6, kMixed = 7,
+                    kQ5_1 = 8, kQ5_K = 9, kF16 = 10, kF32 = 11, kIQ4_NL = 12, kIQ4_XS = 13, kQ3_K = 14, kQ2_K = 15 };
+constexpr int kFormats = 16;
 constexpr int64_t kBlock = 32;  // weights per quantized block, along K
-// bytes per 16 outputs x 32 k (quant.h; the K-quants' per 32 k of a super-block: kquant.h)
-constexpr int64_t kPanelBlockBytes[7] = {0, 32 + 512, 32 + 256, 64 + 256, 32 + 256 + 64, 288, 420};
+// bytes per 16 outputs x 32 k of a quantized format (the file's bytes: 16 outputs' blocks of 32, or an eighth
+// of their super-blocks of 256), 0 for the others (quant.h; the K-quants': kquant.h)
+constexpr int64_t kPanelBlockBytes[kFormats] = {0, 544, 288, 320, 352, 288, 420, 0, 384, 352, 0, 0, 288, 272, 220, 168};
+// weights along K per block of the file: 32, or a K-quant's super-block of 256
+constexpr int64_t kFileBlock[kFormats] = {1, 32, 32, 32, 32, 256, 256, 1, 32, 256, 1, 1, 32, 256, 256, 256};
+inline bool is_quantized(int64_t format) { return format >= 0 && format < kFormats && kPanelBlockBytes[format] > 0; }
+// panels of floats, fp32 activations times the stored weights (isa.h)
+inline bool is_float(int64_t format) { return format == kBf16 || format == kF16 || format == kF32; }
 constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
-constexpr int kFine = 16;  // a format's flag: a quantized matrix times its rows' rounding residuals too (Mat::fine)
+constexpr int kFine = 32;  // a format's flag: a quantized matrix times its rows' rounding residuals too (Mat::fine)
 
 struct Mat {  // a packed matrix of N outputs from K inputs
   int format;

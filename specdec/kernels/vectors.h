@@ -111,6 +111,11 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
     return _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(a, 2 * i), 4), _mm512_set1_epi8(0x30));
   }
   static Raw join(Raw a, Raw b) { return _mm512_or_si512(a, b); }
+  static Raw mask(Raw a, uint8_t m) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(m))); }  // a & m
+  // each byte i (0-15) of a as table[i] (IQ4's levels, quant.h)
+  static Raw lookup(Raw a, const uint8_t* table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), a);
+  }
   // Q5_0's fifth bits (quant.h): the bytes of a shifted by n, then bit 4 of b's bytes or-ed into a's
   static Raw shift_left(Raw a, int n) { return _mm512_slli_epi16(a, n); }
   static Raw shift_right(Raw a, int n) { return _mm512_srli_epi16(a, n); }
@@ -238,6 +243,14 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
   }
   static Raw bit_pair(Raw a, int i) { return {pair(a.lo, i), pair(a.hi, i)}; }  // as AVX-512's
   static Raw join(Raw a, Raw b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+  static Raw mask(Raw a, uint8_t m) {  // as AVX-512's
+    const __m256i v = _mm256_set1_epi8(static_cast<char>(m));
+    return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
+  }
+  static Raw lookup(Raw a, const uint8_t* table) {  // as AVX-512's
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+    return {_mm256_shuffle_epi8(t, a.lo), _mm256_shuffle_epi8(t, a.hi)};
+  }
   static Raw shift_left(Raw a, int n) { return {_mm256_slli_epi16(a.lo, n), _mm256_slli_epi16(a.hi, n)}; }  // as AVX-512's
   static Raw shift_right(Raw a, int n) { return {_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
   static Raw put_bit4(Raw a, Raw b) {

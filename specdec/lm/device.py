@@ -67,7 +67,8 @@ def backend(device: torch.device, dtype: torch.dtype, stack=None, unstacked: str
     formats its matrices are stored in (model.stored_formats)."""
     from .. import kernels
     dtype = str(dtype).removeprefix("torch.")
-    isa = kernels.isa() if stored == "bf16" else f"{kernels.isa()}; quantized: {kernels.quant_isa()}"
+    floats = all(part in kernels.FLOAT_FORMATS for part in stored.replace("+", " ").split())  # no quantized one
+    isa = kernels.isa() if floats else f"{kernels.isa()}; quantized: {kernels.quant_isa()}"
     if stack is not None:
         return f"specdec CPU kernels ({isa}), {dtype} arithmetic on {stored}-stored matrices"
     if unstacked is not None:  # the kernels run its matrices, not its layers

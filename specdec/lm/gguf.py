@@ -349,14 +349,15 @@ def check_types(reader, where: str) -> None:
                            "does not dequantize them; convert the file with another quantization")
 
 
-def dequantized(raw: RawTensor) -> torch.Tensor:
-    """A raw tensor's values: matrices in bfloat16, vectors (norms, biases) in float32."""
+def dequantized(raw: RawTensor, matrices: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A raw tensor's values: matrices in `matrices` (bfloat16: the converted checkpoint's; float32: the
+    file's values exactly), vectors (norms, biases) in float32."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     values = torch.from_numpy(np.array(dequantize(raw.data, GGMLQuantizationType[raw.type])))  # a writable copy
     values = values.reshape(raw.shape)
-    return values.to(torch.bfloat16 if values.dim() > 1 else torch.float32).contiguous()
+    return values.to(matrices if values.dim() > 1 else torch.float32).contiguous()
 
 
 def folder(path: str | Path) -> Path:

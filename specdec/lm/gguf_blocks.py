@@ -1,5 +1,6 @@
-"""A GGUF file's quantized matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K
-tensors (what a Q4_K_M file holds) become the kernels' Matrix of each Linear of specdec's model,
+"""A GGUF file's matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL
+and IQ4_XS tensors (what a Q4_K_M, Q5_K_M or IQ4_XS file holds: kernels.blocks.BLOCK_FORMATS), and its
+F16, BF16 and F32 ones, become the kernels' Matrix of each Linear of specdec's model,
 block for block, never dequantized and re-rounded (`--quantize gguf`). q, k and v are fused into
 qkv_proj and gate and up into gate_up_proj by stacking their rows (blocks run along a row, so this
 is exact); the blocks come from gguf.raw_tensors, which has already put Llama's q and k rows back
@@ -7,11 +8,13 @@ in transformers' order.
 
 A fused matrix whose parts are stored in different types (a Q4_K_M file's q and k in Q4_K with v
 in Q6_K, in some layers) runs as runs of its parts' formats (kernels.Matrix.from_runs) where each
-part but the last is a whole number of panels of 16 outputs. A matrix of another type (F16, Q5_K,
-...), or whose parts do not cut into panels, keeps the values of the file's converted checkpoint
-(bf16, gguf.folder), said once in a warning. The embedding table is the file's blocks too (a tied
-one, the unembedding's), each looked-up row dequantized to the file's values exactly; of another type,
-those values in fp32.
+part but the last is a whole number of panels of 16 outputs. F16, BF16 and F32 matrices run as their
+panels of the file's values (kernels.FLOAT_FORMATS), bit for bit in as many bytes; a fused one whose
+parts are in several of these, as f32 panels (each value exact, 4 bytes a weight). A matrix of another
+type (Q3_K, IQ2_XS, ...), or whose parts do not cut into panels or mix float and quantized types, keeps
+the values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning. The embedding
+table is the file's blocks too (a tied one, the unembedding's), each looked-up row dequantized to the
+file's values exactly; of another type (a float one included), those values in fp32.
 
 The model holds what it runs and nothing beside it (`load_as_stored`): built on the meta device and
 filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
@@ -29,19 +32,19 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import kernels
 from ..errors import SpecdecError
 from ..kernels import Matrix
-from ..kernels.blocks import from_gguf
+from ..kernels.blocks import BLOCK_FORMATS, from_gguf
 from .checkpoint import read_arch
 from .gguf import RawTensor, dequantized, folder, raw_tensors
 from .model import LlamaForCausalLM, place, store_matrices
 
 AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k",
-           "Q6_K": "q6_k"}  # GGUF type name -> kernels format
+FORMATS = kernels.GGUF_FORMATS  # GGUF type name -> kernels format (BF16, F16, F32 panels; quantized blocks)
 # a decoder layer's matrix (transformers' name) -> specdec's Linear holding it, and its part (row order)
 PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
          "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.qkv_proj": ("self_attn.qkv_proj", 0),
@@ -68,8 +71,19 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
         if any(kind not in FORMATS for kind in kinds):
             others[name] = "+".join(kinds)
             continue
-        if len(pieces) == 1:  # one tensor (an unembedding of V rows, say): packed a slice of rows at a time
-            given[name] = Matrix.from_gguf(pieces[0][1].data, FORMATS[pieces[0][1].type], pieces[0][1].shape)
+        in_order = [raw for _, raw in sorted(pieces, key=lambda p: p[0])]
+        floats = [FORMATS[kind] in kernels.FLOAT_FORMATS for kind in kinds]
+        if len(pieces) == 1 or (kinds[1:] == [] and floats[0]):  # one tensor (an unembedding of V rows, say), or
+            # the parts of one float type stacked: packed a slice of rows at a time
+            rows = sum(raw.shape[0] for raw in in_order), in_order[0].shape[1]
+            given[name] = Matrix.from_gguf(np.concatenate([raw.data for raw in in_order]), FORMATS[kinds[0]], rows)
+            continue
+        if all(floats):  # parts in several float types: their values in f32, each exactly
+            given[name] = Matrix.store(torch.cat([kernels.float_values(raw.data, FORMATS[raw.type], raw.shape).float()
+                                                  for raw in in_order]), "f32")
+            continue
+        if any(floats):  # a float part beside quantized ones: runs hold quantized formats only
+            others[name] = "+".join(kinds)
             continue
         stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
         try:
@@ -103,12 +117,15 @@ def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32, device:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     embedding = embedding_blocks(raws)
-    tied_to_blocks = "lm_head.weight" not in raws and "lm_head" in given
+    tied = "lm_head.weight" not in raws and "lm_head" in given
+    tied_to_blocks = tied and given["lm_head"].quantized  # else a float table: the embedding holds its values
     held = set(given) | ({"model.embed_tokens"} if embedding is not None or tied_to_blocks else set())
-    for name in held:  # filled below from their blocks
-        model.get_submodule(name).weight = None
-    model.load_hf_state_dict({name: dequantized(raw) for name, raw in raws.items()
-                              if not (name.endswith(".weight") and holder(name) in held)}, assign=True)
+    for name in held - ({"lm_head"} if tied and not tied_to_blocks else set()):  # filled below from their blocks
+        model.get_submodule(name).weight = None  # (a tied float table's: the embedding's values, then its panels)
+    model.load_hf_state_dict({name: dequantized(raw, torch.float32 if name == "model.embed_tokens.weight" else
+                                                 torch.bfloat16)
+                              for name, raw in raws.items() if not (name.endswith(".weight") and holder(name) in held)},
+                             assign=True)
     if embedding is not None:
         model.model.embed_tokens.store(embedding)
     elif model.model.embed_tokens.weight is not None:  # the file's values, or a tied bf16 unembedding's
@@ -147,6 +164,6 @@ def embedding_blocks(raws: dict[str, RawTensor]) -> Matrix | None:
     """The file's own embedding table as its blocks, where they are in a kernel format (None for a tied
     one: the unembedding's blocks serve both)."""
     raw = raws["model.embed_tokens.weight"]
-    if "lm_head.weight" not in raws or raw.type not in FORMATS:
+    if "lm_head.weight" not in raws or FORMATS.get(raw.type) not in BLOCK_FORMATS:
         return None
     return Matrix.from_gguf(raw.data, FORMATS[raw.type], raw.shape)

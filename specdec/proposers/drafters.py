@@ -191,10 +191,11 @@ class DraftModel(Drafter):
 
     def network(self, target, folder) -> DraftCheckpoint:
         """The draft in the target's dtype and device; a .gguf draft of a target whose matrices run
-        quantized runs its file's blocks as stored too (gguf_blocks)."""
+        quantized (or as a file stores them: held without a float copy) runs its file's blocks as stored too
+        (gguf_blocks)."""
         self.check(target, folder)
         path = gguf.folder(folder) if gguf.is_gguf(folder) else folder
-        if gguf.is_gguf(folder) and any(isinstance(m, Linear) and m.stored is not None and m.stored.quantized
+        if gguf.is_gguf(folder) and any(isinstance(m, Linear) and m.stored is not None and m.weight is None
                                         for m in target.model.modules()):
             model = load_as_stored(folder, target.lm.dtype, target.lm.device)
         else:
