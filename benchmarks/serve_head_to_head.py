@@ -204,11 +204,10 @@ def run(args) -> dict:
         specdec[f"specdec {args.draft}"] = specdec["specdec plain"] + ["--draft", args.draft, "--draft-model", draft]
     servers = [specdec_server(name, model, extra, top, args.kv_budget) for name, extra in specdec.items()]
     if args.llama_server:
-        peers = {"llama-server plain": [], "llama-server ngram-mod": ["--spec-type", "ngram-mod"]}
-        if draft:
-            peers["llama-server draft"] = ["-md", draft, "--spec-type", "draft-simple"]
-        servers += [llama_server(name, args.llama_server, model, extra, top, args.context, args.threads)
-                    for name, extra in peers.items()]
+        peers = {"plain": [], "ngram-mod": ["--spec-type", "ngram-mod"],
+                 "draft": ["-md", draft, "--spec-type", "draft-simple"] if draft else None}
+        servers += [llama_server(f"llama-server {name}", args.llama_server, model, peers[name], top, args.context,
+                                 args.threads) for name in args.peers if peers[name] is not None]
     up, failed = [], {}
     for s in servers:
         if s.wait():
@@ -307,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft-model", help="the draft model's GGUF file or name (specdec's draft and llama-server's -md)")
     p.add_argument("--draft", default="hybrid", help="specdec's --draft with the draft model (default hybrid)")
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary (built natively); absent: specdec alone")
+    p.add_argument("--peers", nargs="+", choices=("plain", "ngram-mod", "draft"), default=["plain", "ngram-mod", "draft"],
+                   help="llama-server's configurations: plain, --spec-type ngram-mod, -md DRAFT (draft-simple)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--prompts", type=int, default=16, help="requests per wave (default 16)")

@@ -39,6 +39,7 @@ from specdec.bench import llamacpp, llamacpp_native
 from specdec.bench.conditions import hardware, software
 from specdec.bench.workloads import humaneval_prompts
 from specdec.decoding.engine import plain_generate, speculative_generate
+from specdec.decoding.pipeline import stop_rule
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm import packaged
@@ -97,7 +98,7 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
                     count)
     texts = humaneval_prompts(prompts)
     ids = [target.tokenizer.encode(t) for t in texts]
-    rule = StopRule(n)
+    rule = stop_rule(target.tokenizer, n)  # the model's own end-of-generation set, as llama.cpp's programs stop
 
     def ours(drafter, k, i):
         """specdec's tokens and decoding seconds: the time of the whole request less that of a

@@ -23,3 +23,24 @@ def test_the_serve_head_to_head_drives_specdecs_server_and_writes_its_figures(tm
     assert all(c["tokens"] == 3 * 8 and c["failed_requests"] == 0 and c["ttft_p50_s"] > 0 for c in cells)
     assert result["conditions"]["resident_bytes"]["specdec plain"]["peak"] > 0
     assert (out / "head-to-head.png").stat().st_size > 0 and "| specdec plain |" in (out / "head-to-head.md").read_text()
+
+
+def test_the_serve_soak_answers_everything_and_reports_memory(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_soak.py"), "--minutes", "0.3",
+                          "--clients", "6", "--max-tokens", "24", "--workloads", "humaneval", "--",
+                          "--model", str(ROOT / "models" / "target")], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:] + run.stdout[-2000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["answered"] > 6 and summary.get("failed", 0) == 0 and summary["healthy_after"]
+    assert summary["abandoned"] >= 1  # clients did hang up mid-answer
+    assert summary["resident_gib"]["highest"] > 0
+
+
+def test_the_shared_prefix_bench_times_a_first_request_and_its_repeats(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_shared_prefix.py"), "--tokens", "200",
+                          "--rounds", "1", "--repeats", "2", "--", "--model", str(ROOT / "models" / "target")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(summary["first_s"]) == 1 and len(summary["repeat_s"]) == 2 and summary["prompt_tokens"][0] > 100

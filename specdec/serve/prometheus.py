@@ -76,3 +76,11 @@ class Metrics:
         yield gauge("specdec_batch_size", "Rows in the running batch.", len(s.engine.requests))
         yield gauge("specdec_jobs", "Requests in the server: running, queued or being encoded "
                     "(at most --max-batch + --max-queue).", len(s.jobs))
+        pool = s.engine.cache.pool
+        if pool is not None:  # the target's KV cache in blocks (lm/kv_cache.py)
+            yield gauge("specdec_kv_blocks", "The target's KV cache blocks by state: held by rows, cached prefix "
+                        "blocks no row holds, free; promised: set aside for running rows' growth.", label="state",
+                        samples=[("in_use", pool.in_use), ("idle", len(pool.idle)), ("free", len(pool.free)),
+                                 ("promised", pool.promised)])
+            yield counter("specdec_kv_shared_blocks", "Prompt blocks mapped from the prefix cache instead of "
+                          "prefilled.", pool.shared_hits)

@@ -29,6 +29,7 @@ with a final event whose finish_reason is "shutdown" (the handler turns it into 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 import time
 from collections import deque
@@ -201,6 +202,8 @@ class Service:
                     self._admit(self.intake.popleft())
                 self.engine.step()
                 self._hand_over()
+                if not self.engine.busy:  # the last row has left: what the step loop freed goes back too
+                    trim_heap()
         except Exception as e:  # the engine is broken: say so to every waiting handler and to /health
             self.failure = f"{type(e).__name__}: {e}"
             for request in [*self.engine.requests, *self.engine.waiting]:
@@ -257,6 +260,17 @@ class Service:
     @property
     def queue_length(self) -> int:
         return len(self.intake) + len(self.engine.waiting)
+
+
+def trim_heap() -> None:
+    """Give the C allocator's free memory back to the system (glibc's malloc_trim; elsewhere nothing):
+    a batch's activations are freed into its arenas, which otherwise keep them resident."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+_LIBC = ctypes.CDLL(None)
 
 
 def _deliver(batch: list[tuple[Job, Event]]) -> None:
