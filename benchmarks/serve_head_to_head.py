@@ -156,8 +156,11 @@ async def wave(server: Server, workload: str, prompts: list[str], max_tokens: in
             index, prompt = todo.pop(0)
             await one(client, index, prompt)
 
+    # a connection per request, for every server alike: a kept-alive connection the server has closed
+    # (llama-server does between requests) would fail the next request before it is sent
     async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30),
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+                                 limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
+                                 ) as client:
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
