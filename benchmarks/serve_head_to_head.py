@@ -246,7 +246,7 @@ def run(args) -> dict:
     files = {"model": model, "draft_model": draft}
     return {"cells": cells, "conditions": {
         "files": {k: v and {"path": Path(v).name, "bytes": Path(v).stat().st_size} for k, v in files.items()},
-        "servers": {s.name: [Path(a).name if a in (model, draft, sys.executable) else a for a in s.argv]
+        "servers": {s.name: [Path(a).name if a in (model, draft, sys.executable, args.llama_server) else a for a in s.argv]
                     for s in servers},
         "failed_to_start": failed, "workloads": {w: WORKLOADS[w] for w in args.workloads},
         "prompts_per_wave": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="a folder for head-to-head.json, .md and .png")
     args = p.parse_args(argv)
     result = run(args)
-    result["command"] = ["python", "benchmarks/serve_head_to_head.py", *(argv if argv is not None else sys.argv[1:])]
+    given = argv if argv is not None else sys.argv[1:]
+    result["command"] = ["python", "benchmarks/serve_head_to_head.py",  # the peer's build folder by its role, not its path
+                         *("LLAMA_BUILD/bin/llama-server" if a == args.llama_server else a for a in given)]
     text = table(result)
     print(text)
     if args.out:
