@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024, help="llama-server's positions per slot (its -c / -np)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
     p.add_argument("--kv-budget", help="specdec serve's --kv-budget (default its own)")
-    p.add_argument("--out", help="a folder for head-to-head.json, .md and .png")
+    p.add_argument("--out", help="a folder for head-to-head.json, .txt (the tables) and .png")
     args = p.parse_args(argv)
     result = run(args)
     given = argv if argv is not None else sys.argv[1:]
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "head-to-head.json").write_text(json.dumps(result, indent=1))
-        (out / "head-to-head.md").write_text(text + "\n")
+        (out / "head-to-head.txt").write_text(text + "\n")  # not .md: the folder may lie inside the docs site
         plot(result, out / "head-to-head.png")
     print(json.dumps({"cells": len(result["cells"]), "failed_to_start": result["conditions"]["failed_to_start"],
                       "median_tokens_per_s": statistics.median(c["tokens_per_s"] for c in result["cells"])

@@ -22,7 +22,7 @@ def test_the_serve_head_to_head_drives_specdecs_server_and_writes_its_figures(tm
     assert [(c["server"], c["concurrency"]) for c in cells] == [("specdec plain", 1), ("specdec plain", 3)]
     assert all(c["tokens"] == 3 * 8 and c["failed_requests"] == 0 and c["ttft_p50_s"] > 0 for c in cells)
     assert result["conditions"]["resident_bytes"]["specdec plain"]["peak"] > 0
-    assert (out / "head-to-head.png").stat().st_size > 0 and "| specdec plain |" in (out / "head-to-head.md").read_text()
+    assert (out / "head-to-head.png").stat().st_size > 0 and "| specdec plain |" in (out / "head-to-head.txt").read_text()
 
 
 def test_the_serve_soak_answers_everything_and_reports_memory(tmp_path):
