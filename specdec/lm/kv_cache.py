@@ -305,8 +305,6 @@ class KVCache:
                 self.promises[b] -= promised
                 self._table = None
 
-    check_room = reserve
-
     def slots(self, num_new: int) -> Slots:
         """Where the next `num_new` tokens of each row go (their blocks lent)."""
         self.reserve(num_new)

@@ -509,7 +509,7 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
             head.layer, head.inv_freq, head.norm)
         fuse = None if head is None else (prev, kernel_scale(head.embed_norm), kernel_scale(head.hidden_norm),
                                           head.proj.stored if head.layout == "specdec" else None)
-        cache.check_room(ids.shape[1])
+        cache.reserve(ids.shape[1])
         table = self.model.embed_tokens.weight  # the kernels read a float table's rows as they are
         if table is None or self.model.embedding_scale is not None:  # held as blocks, or scaled: the rows first
             table = self.model.embed(ids).reshape(-1, self.config.hidden_size).contiguous()
@@ -541,7 +541,7 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
         x = self.model.embed(tokens)  # (B, T, C)
         window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T, self.config.attention_factor)
         if cache is not None:
-            cache.check_room(T)
+            cache.reserve(T)
         keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
         stacked = self.stacked_forward(x, window, 0, keep)
         if stacked is not None:

@@ -128,7 +128,7 @@ class BlockHead(StackedLayers, nn.Module):
         window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, visible,
                         rotary_factor=self.config.attention_factor)
         if cache is not None:
-            cache.check_room(window.width)
+            cache.reserve(window.width)
         return window
 
     def training_outputs(self, features: torch.Tensor, ahead: torch.Tensor, embedding: nn.Embedding,

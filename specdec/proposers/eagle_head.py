@@ -179,7 +179,7 @@ class EagleHead(nn.Module):
         window = Window(positions, self.inv_freq, self.norm.weight.dtype, cache, width=width,
                         rotary_factor=self.config.attention_factor)
         if cache is not None:
-            cache.check_room(window.width)
+            cache.reserve(window.width)
         return window
 
     def unroll(self, features: torch.Tensor, ahead: torch.Tensor, embedding: nn.Embedding, steps: int):

@@ -72,7 +72,7 @@ class MTPHeads(nn.Module):
         attention is causal over the input (training)."""
         window = Window(positions, self.inv_freq, dtype, cache, width=width, rotary_factor=self.config.attention_factor)
         if cache is not None:
-            cache.check_room(window.width)
+            cache.reserve(window.width)
         return window
 
     def forward_head(self, j: int, trunk, prev: torch.Tensor, ahead: torch.Tensor, window: Window) -> torch.Tensor:
