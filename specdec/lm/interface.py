@@ -146,7 +146,7 @@ def prefill_joining(model, cache, prompts: list[list[int]], features: tuple[int,
     staging = cache.staging(len(prompts), promises)
     heads = [p[:-1] for p in prompts]
     starts = [staging.share(b, head) for b, head in enumerate(heads)] if share else [0] * len(heads)
-    if getattr(staging, "pool", None) is None or len({(len(h), s) for h, s in zip(heads, starts)}) == 1:
+    if staging.pool is None or len({(len(h), s) for h, s in zip(heads, starts)}) == 1:
         hidden = prefill_all_but_last(model, staging, prompts, features)
     else:
         rows = []
