@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ import torch
 from ..errors import SpecdecError
 from .atomic import atomic_dir, exclusive, recover, write_error
 from .checkpoint import CONFIG, META, WEIGHTS, sha256
+from .gguf_file import GGUFFile
 
 SUFFIX = ".gguf"
 FORMAT = 2  # of the converted folders: a conversion that changes bumps it, so older folders are not reused
@@ -105,19 +107,14 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).lower().endswith(SUFFIX)
 
 
-def open_file(path: str | Path):
-    """The file's gguf.GGUFReader (metadata parsed, tensors memory-mapped), or SpecdecError."""
-    from gguf import GGUFReader
-
+def open_file(path: str | Path) -> GGUFFile:
+    """The file mapped (gguf_file.GGUFFile: metadata read, tensors views of the mapped bytes), or SpecdecError."""
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"no GGUF file at {path}: pass --model with an existing .gguf file or a checkpoint folder")
     try:
-        reader = GGUFReader(path)
-        for t in reader.tensors:  # a truncated file ends inside some tensor's data
-            if t.data.nbytes != t.n_bytes:
-                raise ValueError(f"tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes")
-    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as e:
+        reader = GGUFFile(path)
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, OverflowError, struct.error) as e:
         raise SpecdecError(f"{path} is not a readable GGUF file (truncated or corrupt: {e}); "
                            "download it again") from None
     return reader
@@ -125,10 +122,9 @@ def open_file(path: str | Path):
 
 def field(reader, key: str, default=None):
     """A metadata value; a float32 as the shortest decimal that reads back to it (1e-05, as config.json says)."""
-    f = reader.fields.get(key)
-    if f is None:
+    value = reader.fields.get(key)
+    if value is None:
         return default
-    value = f.contents()
     return float(str(np.float32(value))) if isinstance(value, float) else value
 
 
@@ -152,7 +148,7 @@ def config_of(reader, where: str) -> dict:
                            "compute a different model")
     cfg = {read[k]: field(reader, keys[k]) for k in keys if k in read}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    cfg.setdefault("vocab_size", len(tokens.data) if tokens is not None else None)
+    cfg.setdefault("vocab_size", len(tokens) if tokens is not None else None)
     cfg.setdefault("rope_theta", 10000.0)
     heads = cfg.get("num_attention_heads") or 1
     head_dim = cfg.setdefault("head_dim", (cfg.get("hidden_size") or 0) // heads)
