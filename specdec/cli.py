@@ -205,7 +205,7 @@ def cmd_serve(args) -> None:
     inputs.draft_length(args.k, proposer, args.tree)
     k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
     method = proposer.name if proposer is not None and k != 0 else "plain"
-    name = args.served_model_name or target.path.name
+    name = args.served_model_name or target.name
     # k="auto": the engine reads or measures the verify curves as it is made, before the server listens
     service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree,
                       kv_budget=args.kv_budget, kv_dtype=torch_dtype(args.kv_dtype))
@@ -239,7 +239,7 @@ def cmd_serve(args) -> None:
         time.sleep(0.02)
     if not server.started:
         raise SpecdecError(f"the HTTP server did not start on {args.host}:{args.port} (see the message above)")
-    print(f"specdec serve: {name}" + ("" if name == target.path.name else f" ({target.path})") + f", {method}"
+    print(f"specdec serve: {name}" + ("" if name == target.name else f" ({target.path})") + f", {method}"
           + (f" k={k}" if k else "") + f", up to {counted(args.max_batch, 'request')} per batch and "
           f"{args.max_queue} queued" +
           (", API key required" if api_key else "") + f"; http://{args.host}:{args.port}/", file=sys.stderr,
@@ -289,11 +289,13 @@ def set_threads(threads: int | None) -> None:
 
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1", "gguf"],
+    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1", "bf16", "gguf"],
                    help="store every matrix of the target in this block format at load (llama.cpp's Q8_0 or "
-                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic); gguf: a .gguf file's Q8_0/Q4_0/Q4_1 matrices "
-                        "as the file stores them (default: a folder as it stores them, a .gguf as its bf16 "
-                        "conversion)")
+                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic; a .gguf's from its bf16 conversion); bf16: a "
+                        ".gguf file's values rounded to bf16 (its conversion, in memory); gguf: a .gguf file's "
+                        "blocks as stored, the default said explicitly (default: a folder as it stores its "
+                        "weights, a .gguf file as it stores its blocks; --dtype bfloat16 or --device cuda: the "
+                        ".gguf's values converted to that dtype)")
 
 
 def add_placement_arguments(p: argparse.ArgumentParser) -> None:
@@ -656,7 +658,7 @@ def cmd_simulate(args) -> None:
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
         curve = measure_verify_curve(target.lm, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
-        source = (f"the verify curve of target {target.path.name} measured now with "
+        source = (f"the verify curve of target {target.name} measured now with "
                   f"{target.lm.abilities.backend}"
                   + (f", on {h['cpu']}, {h['threads']} threads" if args.device == "cpu" else ""))
     if args.moe_experts is not None:

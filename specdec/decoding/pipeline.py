@@ -144,8 +144,8 @@ def prepare(tokenizer: Tokenizer, context: int, options: Options, text: str | No
 
 def encode(tokenizer: Tokenizer, text: str | None = None, messages: list[dict] | None = None,
            special_tokens: bool = False, heal: bool = True, vocab: int | None = None) -> Prompt:
-    """The prompt of `text` (to continue) or of chat `messages` (rendered by the template of the
-    checkpoint folder the tokenizer was loaded from), by the rules of the module docstring; a healed
+    """The prompt of `text` (to continue) or of chat `messages` (rendered by the checkpoint's chat
+    template, Tokenizer.chat_template), by the rules of the module docstring; a healed
     one with the rule for its first token over the target's `vocab` ids (default: the tokenizer's)."""
     if messages is not None:
         chat = tokenizer.chat_template()
