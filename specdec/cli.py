@@ -445,7 +445,8 @@ def tree_widths(text: str) -> tuple[int, ...]:
 
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
-              "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
+              "stay bf16 and are read by specdec's CPU kernels, exactly upcast, and a .gguf file's blocks run as "
+              "stored; bfloat16 on CUDA; bfloat16 with a .gguf file: its values converted to bf16)")
 DEVICES = ("cpu", "cuda")
 DEVICE_HELP = ("where the models run: cpu (specdec's CPU kernels) or cuda (PyTorch's operators: SDPA, matmuls in "
                "the dtype); cuda:N picks a GPU")

@@ -42,6 +42,7 @@ This module knows nothing about decoding or serving.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -64,7 +65,7 @@ from .tokenizer import Tokenizer
 
 SUFFIX = ".gguf"
 FORMAT = 2  # of the converted folders: a conversion that changes bumps it, so older folders are not reused
-KEEP = 2  # files whose conversions the cache keeps (the most recently used: a target and its draft)
+KEEP = 3  # files whose conversions the cache keeps, the most recently used (a target, its draft, a teacher)
 INDEX, INDEX_SIZE = "index.json", 64  # in the cache: each file's conversion's weights' sha256, the 64 latest
 # general.architecture -> (model_type, transformers class); llama.cpp writes Mistral as "llama"
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -432,7 +433,7 @@ def weights_sha256(path: str | Path) -> str:
         if not (path / WEIGHTS).exists():
             raise SpecdecError(f"{path} has no {WEIGHTS}: pass the target's checkpoint folder or .gguf file")
         return sha256(path / WEIGHTS)
-    key = sha256(path)
+    key = file_sha256(path)
     index = read_index()
     if key not in index:
         cached = cache_root() / f"{key[:16]}-v{FORMAT}" / path.stem / WEIGHTS
@@ -444,6 +445,17 @@ def weights_sha256(path: str | Path) -> str:
             index[key] = hashlib.sha256(save(converted(path)[1], metadata={"format": "pt"})).hexdigest()
         write_index(index)
     return index[key]
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, hashed once per process while its size and modification time stay the same."""
+    stat = path.stat()
+    return _hashed(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _hashed(path: str, size: int, modified: int) -> str:
+    return sha256(path)
 
 
 def read_index() -> dict[str, str]:
@@ -488,7 +500,7 @@ def entry(path: Path) -> Path:
     """The file's entry in the cache, keyed by its sha256 (cache_root()/SHA256-vFORMAT): its converted
     folder and what else is made from it when asked (a draft's token counts), marked as just used; the
     cache keeps KEEP entries (`evict`)."""
-    where = cache_root() / f"{sha256(path)[:16]}-v{FORMAT}"
+    where = cache_root() / f"{file_sha256(path)[:16]}-v{FORMAT}"
     try:
         where.mkdir(parents=True, exist_ok=True)
         os.utime(where)
