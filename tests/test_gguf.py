@@ -372,3 +372,13 @@ def test_train_takes_a_gguf_target(tmp_path, gguf_cache, tok):
     heads = next(out.rglob("heads.json")).parent
     target = load(path)
     assert load_drafter(target, "eagle", heads).head.config.hidden_size == target.model.config.hidden_size
+
+
+def test_a_head_of_another_shape_is_refused_before_any_hash(tmp_path, gguf_cache, tok):
+    """A head trained for another target (the shipped 22M target's EAGLE head) beside a .gguf target:
+    refused by the shape its metadata records, before the file's conversion is hashed."""
+    path = write_gguf(tmp_path / "other.gguf", hf_model("qwen2", seed=8), tok, "qwen2")
+    target = load(path)
+    with pytest.raises(SpecdecError, match=r"belongs to a target of hidden_size 384, but .*other\.gguf has 64"):
+        load_drafter(target, "eagle", api.MODELS / "eagle")
+    assert not (gguf_cache / gguf.INDEX).exists()

@@ -38,7 +38,7 @@ from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.atomic import atomic_dir
 from ..lm.checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices
-from ..lm.gguf import weights_sha256
+from ..lm.gguf import is_gguf, target_config, weights_sha256
 from ..lm.device import placement
 from ..lm.kv_cache import KVCache
 from ..lm.model import DecoderLayer, Linear, RMSNorm, Window, place
@@ -313,6 +313,12 @@ def check_trained_for(path: Path, target: str | Path, meta: dict, belongs: str, 
     folder or .gguf file `target` (the sha256 of its model.safetensors, gguf.weights_sha256); `belongs`
     (formatted with path) and `train` word the error."""
     target = Path(target)
+    if is_gguf(target):  # a .gguf's hash is its conversion's (seconds to make): refuse another shape first
+        shape, config = meta.get("target_config") or {}, target_config(target)
+        for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+            if key in shape and shape[key] != config.get(key):
+                raise SpecdecError(f"{belongs.format(path=path)} to a target of {key} {shape[key]}, but {target} "
+                                   f"has {config.get(key)}: {train}")
     actual = weights_sha256(target)
     if actual != meta["target_sha256"]:
         raise SpecdecError(f"{belongs.format(path=path)} to the target with model.safetensors sha256 "
