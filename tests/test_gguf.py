@@ -381,4 +381,4 @@ def test_a_head_of_another_shape_is_refused_before_any_hash(tmp_path, gguf_cache
     target = load(path)
     with pytest.raises(SpecdecError, match=r"belongs to a target of hidden_size 384, but .*other\.gguf has 64"):
         load_drafter(target, "eagle", api.MODELS / "eagle")
-    assert not (gguf_cache / gguf.INDEX).exists()
+    assert sha256(path) not in gguf.read_index()
