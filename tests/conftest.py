@@ -63,10 +63,12 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def gguf_cache(tmp_path_factory):
-    """The GGUF conversions' cache (lm/gguf.py), private to the test module that uses it."""
+    """The GGUF conversions' cache (lm/gguf.py), private to the test module that uses it; it keeps every
+    file's conversion (no eviction: a module's tests read the folders its fixtures converted)."""
     from specdec.lm import gguf
 
     root = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "cache_root", lambda: root)
+        mp.setattr(gguf, "KEEP", 1000)
         yield root

@@ -143,7 +143,11 @@ def test_a_files_float_matrices_run_as_stored(float_file):
             values = torch.from_numpy(np.array(dequantize(raw.data, Q[raw.type]))).reshape(raw.shape)
             assert torch.equal(held["model.layers.1.mlp.down_proj"].dense().float(), values)
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(1))
-    converted = load(float_file).model  # the default: the file's bf16 conversion, another model where F16 or F32
+    default = load(float_file).model  # the default: as stored, the very same panels
+    assert all(torch.equal(m.dense(), held[name].dense()) for name, m in default.named_modules()
+               if isinstance(m, Linear))
+    assert torch.equal(default(ids).logits, target(ids).logits)
+    converted = load(float_file, quantize="bf16").model  # the bf16 conversion: another model where F16 or F32
     assert (target(ids).logits - converted(ids).logits).abs().max() > 0
 
 

@@ -1,9 +1,11 @@
 """GGUF files (written here by tests/gguf_helpers.py as llama.cpp writes them: a llama and a qwen2 and
-a qwen3 architecture, F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors) load as transformers' own GGUF loading
-reads them (modeling_gguf_pytorch_utils.load_gguf_checkpoint: the same tensors, bf16-rounded, the
-same config), compute what transformers computes on those weights, tokenize as the tokenizer they
-were written from, and are converted once into the cache; a broken file is one clear error and
-leaves nothing in the cache."""
+a qwen3 architecture, F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors) run as stored by default, their config,
+tokenizer and chat template read from the metadata in memory, nothing written to disk; converted
+(asked for: `quantize="bf16"`, a dtype, a folder for transformers) they hold what transformers' own
+GGUF loading reads (modeling_gguf_pytorch_utils.load_gguf_checkpoint: the same tensors, bf16-rounded,
+the same config) and compute what transformers computes on those weights; they tokenize as the
+tokenizer they were written from; a folder is converted once into the cache, which keeps the most
+recently used; a broken file is one clear error and leaves nothing in the cache."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ from gguf import GGUFWriter
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from specdec import api
 from specdec.api import load, load_drafter
 from specdec.cli import main
 from specdec.decoding.reference import reference_generate
@@ -22,6 +25,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm import gguf
+from specdec.lm.checkpoint import sha256
 from specdec.lm.tokenizer import template
 from specdec.lm.tokenizer import Tokenizer
 
@@ -84,8 +88,8 @@ def test_logits_and_greedy_tokens_equal_transformers_on_the_dequantized_weights(
     _, model, tensors = transformers_gguf(path, family)
     model.load_state_dict({k: v.bfloat16().float() if v.dim() > 1 else v for k, v in tensors.items()}, strict=False)
     model.tie_weights()
-    target = load(path)
-    assert target.path == folder
+    target = load(path, quantize="bf16")
+    assert target.path == path and target.name == family and api.weights_format(target) == "bf16"
     ids = torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(1))
     assert (target.model(ids).logits - model(ids).logits).abs().max().item() <= 1e-4
     model.generation_config.eos_token_id = None
@@ -131,24 +135,84 @@ def test_phi3_with_fused_projections_partial_rotary_and_a_window_computes_as_tra
     target = load(path)
     assert target.model.config.max_position_embeddings == 128 and target.model.config.partial_rotary_factor == 0.5
     _, _, tensors = transformers_gguf(path, "phi3")
-    ours = load_file(target.path / "model.safetensors")
+    ours = load_file(gguf.folder(path) / "model.safetensors")
     assert all(torch.equal(v, tensors[k].to(v.dtype)) for k, v in ours.items())
     ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(3))
     assert (target.model(ids).logits - model(ids).logits).abs().max().item() <= 1e-4
 
 
-def test_tokenizer_bos_eos_and_chat_template_come_from_the_metadata(written, tok):
-    _, _, _, folder = written
-    ours = Tokenizer.load(folder)
+@pytest.mark.parametrize("held", ["in memory", "in the converted folder"])
+def test_tokenizer_bos_eos_and_chat_template_come_from_the_metadata(written, tok, held):
+    _, _, path, folder = written
+    ours = gguf.tokenizer(path) if held == "in memory" else Tokenizer.load(folder)
     text = "def f(x):\n    return json.dumps(x)  # é\n"
     assert ours.encode(text) == tok.encode(text).ids
     # the file names <|im_end|> its EOS; llama.cpp also ends at the vocabulary's <|endoftext|>
     assert ours.prefix == [] and ours.eos_ids == (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
     messages = [{"role": "user", "content": "hi <|im_end|>"}]
-    chat = template(folder)
-    assert chat.tokenizer.chat_template == CHATML
+    chat = ours.chat_template()
+    assert chat.tokenizer.chat_template == CHATML and ours.has_chat_template
     ids = chat.ids(messages)
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(tok.token_to_id("<|im_end|>")) == 1
+    assert ids == template(folder).ids(messages) and chat.stops == template(folder).stops
+
+
+def test_a_gguf_runs_as_stored_and_writes_nothing(tmp_path, gguf_cache, tok):
+    """The default: each matrix the file's blocks, the config, tokenizer and chat template from its
+    metadata; a generation (a chat too) writes nothing; its tokenizer is the converted folder's."""
+    model = hf_model("qwen2", seed=5)
+    path = write_gguf(tmp_path / "stored.gguf", model, tok, "qwen2", types=(Q.Q8_0,))
+    before = sorted(gguf_cache.rglob("*"))
+    target = load(path)
+    assert target.path == path and target.name == "stored" and target.model.config.num_hidden_layers == 2
+    assert api.weights_format(target) == "q8_0"
+    messages = [{"role": "user", "content": "hi"}]
+    assert api.generate(target, messages=messages, max_new_tokens=4).tokens[0]
+    assert sorted(gguf_cache.rglob("*")) == before and sorted(tmp_path.iterdir()) == [path]
+    folder = Tokenizer.load(gguf.folder(path))  # asked for: converted now
+    assert folder.tok.to_str() == target.tokenizer.tok.to_str()
+    assert (folder.prefix, folder.eos_ids) == (target.tokenizer.prefix, target.tokenizer.eos_ids)
+
+
+def test_a_conversion_is_what_was_asked_for(tmp_path, gguf_cache, tok):
+    """bf16 (the file's values in bf16, fp32 arithmetic), a bfloat16 dtype, q8_0 at load: each in memory,
+    nothing written; as stored with another dtype is refused by name."""
+    path = write_gguf(tmp_path / "asked.gguf", hf_model("llama", seed=6), tok, "llama", types=(Q.Q4_0,))
+    before = sorted(gguf_cache.rglob("*"))
+    assert api.weights_format(load(path, quantize="bf16")) == "bf16"
+    assert load(path, dtype=torch.bfloat16).lm.dtype == torch.bfloat16
+    assert api.weights_format(load(path, quantize="q8_0")) == "q8_0"
+    with pytest.raises(SpecdecError, match="--quantize gguf runs the file's blocks as stored, on the CPU in float32"):
+        load(path, dtype=torch.bfloat16, quantize="gguf")
+    assert sorted(gguf_cache.rglob("*")) == before and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_the_cache_keeps_the_most_recently_used_files(tmp_path, tok, monkeypatch):
+    """Each conversion marks its file's entry used; the cache keeps the KEEP most recent, older FORMATs
+    first out."""
+    root = tmp_path / "cache"
+    monkeypatch.setattr(gguf, "cache_root", lambda: root)
+    monkeypatch.setattr(gguf, "KEEP", 2)
+    (root / f"0123456789abcdef-v{gguf.FORMAT - 1}" / "old").mkdir(parents=True)
+    paths = [write_gguf(tmp_path / f"m{i}.gguf", hf_model("llama", seed=10 + i), tok, "llama", types=(Q.F32,))
+             for i in range(3)]
+    entries = [gguf.folder(p).parent for p in paths[:2]]
+    assert sorted(root.iterdir()) == sorted(entries)  # the older FORMAT's entry went first
+    gguf.folder(paths[0])  # used again: now the most recent
+    third = gguf.folder(paths[2]).parent
+    assert sorted(root.iterdir()) == sorted([entries[0], third])
+
+
+def test_the_conversions_weights_hash_is_known_without_writing_it(tmp_path, tok, monkeypatch):
+    """What a head trained for a .gguf target records (its conversion's model.safetensors sha256) is
+    computed in memory where no folder is cached and remembered in the cache's index: the same hash."""
+    path = write_gguf(tmp_path / "h.gguf", hf_model("qwen2", seed=7), tok, "qwen2")
+    monkeypatch.setattr(gguf, "cache_root", lambda: tmp_path / "a")
+    written = sha256(gguf.folder(path) / "model.safetensors")
+    monkeypatch.setattr(gguf, "cache_root", lambda: tmp_path / "b")
+    assert gguf.weights_sha256(path) == written
+    assert [p.name for p in (tmp_path / "b").iterdir()] == [gguf.INDEX]
+    assert gguf.weights_sha256(path) == written == gguf.read_index()[sha256(path)]
 
 
 def vocabulary_file(path, tokens: list[str], **named: str):
@@ -200,6 +264,7 @@ def test_a_converted_file_ends_at_each_id_of_its_set(tmp_path, gguf_cache):
     path = write_gguf(tmp_path / "coder.gguf", hf_model("qwen2", vocab_size=raw.get_vocab_size()), raw, "qwen2")
     ends = Tokenizer.load(gguf.folder(path)).eos_ids
     assert ends == tuple(raw.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>"))
+    assert gguf.tokenizer(path).eos_ids == ends
 
 
 def test_expert_counts_of_zero_are_a_dense_model_and_others_are_refused(tmp_path, gguf_cache, tok):
@@ -214,6 +279,7 @@ def test_expert_counts_of_zero_are_a_dense_model_and_others_are_refused(tmp_path
 def test_a_bos_is_added_where_the_file_says_so(tmp_path, gguf_cache, tok):
     path = write_gguf(tmp_path / "bos.gguf", hf_model("llama"), tok, "llama", add_bos=True)
     assert Tokenizer.load(gguf.folder(path)).prefix == [tok.token_to_id("<|endoftext|>")]
+    assert gguf.tokenizer(path).prefix == [tok.token_to_id("<|endoftext|>")]
 
 
 def test_converted_once_keyed_by_the_files_hash(tmp_path, gguf_cache, tok, capsys):
@@ -296,7 +362,8 @@ def test_special_token_ids_are_the_files(tok):
 
 
 def test_train_takes_a_gguf_target(tmp_path, gguf_cache, tok):
-    """`specdec train --target FILE.gguf`: the head is trained for the converted folder and loads for it."""
+    """`specdec train --target FILE.gguf`: the head is trained for the converted folder and loads for the
+    file run as stored."""
     path = write_gguf(tmp_path / "target.gguf", hf_model("qwen2", tie_word_embeddings=False), tok, "qwen2")
     out = tmp_path / "eagle"
     assert main(["train", "--preset", "tiny", "--objective", "eagle", "--target", str(path), "--corpus", str(JSON_PKG),
@@ -305,3 +372,13 @@ def test_train_takes_a_gguf_target(tmp_path, gguf_cache, tok):
     heads = next(out.rglob("heads.json")).parent
     target = load(path)
     assert load_drafter(target, "eagle", heads).head.config.hidden_size == target.model.config.hidden_size
+
+
+def test_a_head_of_another_shape_is_refused_before_any_hash(tmp_path, gguf_cache, tok):
+    """A head trained for another target (the shipped 22M target's EAGLE head) beside a .gguf target:
+    refused by the shape its metadata records, before the file's conversion is hashed."""
+    path = write_gguf(tmp_path / "other.gguf", hf_model("qwen2", seed=8), tok, "qwen2")
+    target = load(path)
+    with pytest.raises(SpecdecError, match=r"belongs to a target of hidden_size 384, but .*other\.gguf has 64"):
+        load_drafter(target, "eagle", api.MODELS / "eagle")
+    assert sha256(path) not in gguf.read_index()

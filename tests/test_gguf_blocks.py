@@ -1,6 +1,6 @@
-"""A GGUF file's Q8_0/Q4_0/Q4_1 matrices run as stored (`--quantize gguf`, lm/gguf_blocks.py): files
-written here as llama.cpp writes them (tests/gguf_helpers.py) load with each Linear holding the
-file's blocks, and compute the logits of transformers' model whose every matrix is the PyTorch
+"""A GGUF file's Q8_0/Q4_0/Q4_1 matrices run as stored (the default; `--quantize gguf` says so,
+lm/gguf_blocks.py): files written here as llama.cpp writes them (tests/gguf_helpers.py) load with
+each Linear holding the file's blocks, and compute the logits of transformers' model whose every matrix is the PyTorch
 reference of those blocks (kernels/blocks.py) on weights quantized here in transformers' own row
 order; Phi-3 (fused projections) and Qwen3 files run every matrix as stored; speculative greedy
 equals plain greedy; a matrix of another type is named and runs; a model run as stored holds its blocks
@@ -85,7 +85,9 @@ def test_each_matrix_holds_the_files_blocks_and_computes_the_reference_logits(wr
     # transformers' fp32 attention differs from specdec's in the last bits, which now and then moves an
     # activation across an int8 rounding boundary (then ~0.05 on that position and the later ones of its row)
     assert (error <= 1e-5).float().mean() >= 0.75 and error.max() <= 0.25, error
-    assert (ours - load(path).model(ids).logits).abs().max() > 1e-2  # the default, the bf16 conversion: another model
+    assert torch.equal(load(path).model(ids).logits, ours)  # the default: as stored
+    converted = load(path, quantize="bf16").model  # the bf16 conversion, asked for: another model
+    assert (ours - converted(ids).logits).abs().max() > 1e-2
 
 
 def test_speculative_greedy_equals_plain_greedy_as_stored(written):
@@ -110,7 +112,7 @@ def test_other_families_run_every_matrix_as_stored_near_their_bf16_conversion(fa
     embedding = next(raw for raw in gguf.raw_tensors(path) if raw.name == "model.embed_tokens.weight")
     assert torch.equal(target.model.embed_tokens.dense(), torch.from_numpy(dequantize(embedding.data, Q.Q8_0)))
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
-    assert (target(ids).logits - load(path).model(ids).logits).abs().max() < 0.25  # 8-bit rounding apart
+    assert (target(ids).logits - load(path, quantize="bf16").model(ids).logits).abs().max() < 0.25  # 8-bit apart
 
 
 def test_a_matrix_of_another_type_is_named_and_keeps_the_bf16_values(tmp_path, gguf_cache):
@@ -129,8 +131,9 @@ def test_a_matrix_of_another_type_is_named_and_keeps_the_bf16_values(tmp_path, g
 
 def test_a_checkpoint_folder_is_refused_by_name(written):
     _, path = written
-    with pytest.raises(SpecdecError, match=r"--quantize gguf runs a \.gguf file's blocks as stored.*folder"):
-        load(gguf.folder(path), quantize="gguf")
+    for asked in ("gguf", "bf16"):
+        with pytest.raises(SpecdecError, match=rf"--quantize {asked} is for a \.gguf file.*checkpoint folder"):
+            load(gguf.folder(path), quantize=asked)
 
 
 def test_generate_names_the_formats(written, capsys):
@@ -141,7 +144,9 @@ def test_generate_names_the_formats(written, capsys):
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["weights"] in ("q8_0 + q4_1", "q4_1 + q8_0") and "stored" in stats["backend"]
     assert main(args) == 0
-    assert json.loads(capsys.readouterr().out)["stats"]["weights"] == "bf16"  # the default: the bf16 conversion
+    assert json.loads(capsys.readouterr().out)["stats"]["weights"] == stats["weights"]  # the default: as stored
+    assert main([*args, "--quantize", "bf16"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["weights"] == "bf16"  # the bf16 conversion, asked for
 
 
 def held_bytes(model) -> int:
@@ -207,7 +212,8 @@ def draft_file(tmp_path_factory, gguf_cache):
 @torch.no_grad()
 def test_a_gguf_draft_drafts_over_a_vocabulary_counted_here_exactly(written, draft_file, monkeypatch):
     """A GGUF draft saved without token counts: asked for a draft vocabulary, it counts the tokens of
-    local text once (lm/local_counts) and saves the counts beside its conversion; the vocabulary's
+    local text once (lm/local_counts) and saves the counts in its cache entry (keyed by its hash; no
+    conversion written); the vocabulary's
     unembedding keeps the file's format, each logit the full unembedding's very number; greedy and
     seeded T=1 speculative decoding give plain decoding's tokens, with and without stopping unsure."""
     from specdec.lm import local_counts
@@ -216,8 +222,8 @@ def test_a_gguf_draft_drafts_over_a_vocabulary_counted_here_exactly(written, dra
     monkeypatch.setattr(local_counts, "corpus", lambda: COUNTED)
     target = load(written[1], quantize="gguf")
     proposer = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab=40))
-    saved = gguf.folder(draft_file) / f"local_token_counts-v{local_counts.VERSION}.safetensors"
-    assert saved.is_file()
+    saved = gguf.entry(draft_file) / f"local_token_counts-v{local_counts.VERSION}.safetensors"
+    assert saved.is_file() and [p.name for p in saved.parent.iterdir()] == [saved.name]
     ids = proposer.draft_ids
     specials = [i for i in target.tokenizer.tok.get_added_tokens_decoder()]
     assert len(ids) == 40 and set(specials) <= set(ids.tolist())  # the end of a turn is always draftable

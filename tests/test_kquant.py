@@ -289,15 +289,15 @@ def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
 @needs_kernels
 def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
     """The file as its own draft: as stored (the target's very arithmetic, so every draft is accepted);
-    beside a target run as its bf16 conversion, the draft is that conversion too."""
+    beside a target run as its bf16 conversion (asked for), the draft is that conversion too."""
     path, held = k_quant_file
-    target = load(path, quantize="gguf")
+    target = load(path)  # the default: as stored
     proposer = load_drafter(target, "draft-model", path)
     assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == held
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=16), SamplingConfig()
     plain, _ = plain_generate(target.model, prompts, rule, greedy)
     rows, metrics = speculative_generate(target.model, proposer, prompts, rule, greedy, 3)
     assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.accepted == metrics.proposed > 0
-    unquantized = load(path)
+    unquantized = load(path, quantize="bf16")
     draft = load_drafter(unquantized, "draft-model", path).model
     assert {m.stored.format for m in draft.modules() if isinstance(m, Linear) and m.stored} <= {"bf16"}

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from specdec import api
 from specdec.errors import SpecdecError
-from specdec.lm.tokenizer import ChatTemplate, check_messages
+from specdec.lm.tokenizer import check_messages, template
 from specdec.serve.guard import Limits
 
 from .test_serve_fuzz import InProcess, error_of
@@ -43,7 +43,7 @@ def app(chat_checkpoint):
 def test_rendering_equals_transformers_apply_chat_template(chat_checkpoint):
     reference = PreTrainedTokenizerFast(tokenizer_file=str(chat_checkpoint / "tokenizer.json"), chat_template=TEMPLATE,
                                         bos_token="<|bos|>", eos_token="<|endoftext|>")
-    chat = ChatTemplate(chat_checkpoint)
+    chat = template(chat_checkpoint)
     for messages in (MESSAGES, MESSAGES[1:], [*MESSAGES, {"role": "assistant", "content": "return x"},
                                               {"role": "user", "content": [{"type": "text", "text": "again"}]}]):
         # text parts are joined into one string first (what an OpenAI server does for a string template)

@@ -14,6 +14,7 @@ from .. import kernels
 from ..decoding.calibration import cpu_model
 from ..lm.checkpoint import WEIGHTS, sha256, shown_path
 from ..lm.device import UNKNOWN, cpu_features, placement
+from ..lm.gguf import is_gguf
 from ..lm.interface import abilities
 from ..lm.model import stored_formats
 
@@ -79,8 +80,10 @@ def matrix_parameters(model) -> int:
 
 
 def model_info(model, path: Path) -> dict:
-    weights = path / WEIGHTS
-    return {"name": path.name, "path": shown_path(path), "parameters": model.num_parameters(),
+    """A model's name, size, formats and the sha256 of its weights (a folder's model.safetensors, a
+    .gguf file itself)."""
+    weights = path if is_gguf(path) else path / WEIGHTS
+    return {"name": path.stem if is_gguf(path) else path.name, "path": shown_path(path), "parameters": model.num_parameters(),
             "matrix_parameters": matrix_parameters(model),
             "dtype": str(placement(model).dtype).removeprefix("torch."),
             "matrices": stored_formats(model) if model.lm_head.stored is not None

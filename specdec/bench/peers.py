@@ -13,6 +13,7 @@ import torch
 
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
+from ..lm.gguf import checkpoint
 
 PEERS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 PEER_DTYPE = torch.bfloat16
@@ -25,8 +26,8 @@ class Peers:
 
         self.version, self.dtype, self.device = transformers.__version__, dtype, device
         load = transformers.AutoModelForCausalLM.from_pretrained
-        self.target, self.draft = (load(path, dtype=dtype).to(device).eval() if path else None
-                                   for path in (target_path, draft_path))
+        self.target, self.draft = (load(checkpoint(path), dtype=dtype).to(device).eval() if path else None
+                                   for path in (target_path, draft_path))  # a .gguf: its converted folder
         for model in (self.target, self.draft):
             if model is not None:
                 model.generation_config.eos_token_id = None   # exactly max_new_tokens, as specdec's runs

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .. import kernels
-from ..api import encode_prompts, load
+from ..api import checkpoint_folder, encode_prompts, load
 from ..decoding.calibration import measure_verify_curve
 from ..decoding.costmodel import VerifyCurve, predicted_speedup
 from ..decoding.engine import plain_generate
@@ -80,7 +80,7 @@ def llama_cpp_peers(target, prompts: list[list[int]], enabled: bool, dtypes: tup
     models, info = {}, {}
     for dtype in dtypes:
         settings = llamacpp.PEER_SETTINGS[dtype]
-        model = llamacpp.LlamaCppModel(llamacpp.convert(target.path, dtype), threads,
+        model = llamacpp.LlamaCppModel(llamacpp.convert(checkpoint_folder(target.path), dtype), threads,
                                        target.model.config.max_position_embeddings, **settings)
         logits = model.logits(prompts[0])
         name = f"llama.cpp {dtype}"
@@ -153,7 +153,7 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
     peers = {f"transformers.generate {short(d)}": d for d in dict.fromkeys([same, torch.bfloat16])}
     hfs = {}
     for name, d in peers.items():
-        hfs[name] = transformers.AutoModelForCausalLM.from_pretrained(target.path, dtype=d).eval()
+        hfs[name] = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_folder(target.path), dtype=d).eval()
         hfs[name].generation_config.eos_token_id = None   # every decoder produces exactly max_new_tokens
         hfs[name].generation_config.pad_token_id = 0
     prompts = encode_prompts(target, humaneval_prompts(n_prompts), max_new_tokens)

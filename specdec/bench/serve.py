@@ -155,7 +155,7 @@ def bench_serve(target: Loaded, method: str, serve_args: list[str], proposer, k:
         cell["speculative_over_plain"] = {side: cell[side]["tokens_per_s"] / base[side]["tokens_per_s"]
                                           for side in ("offline", "server")}
     return {"cells": cells, "conditions": {
-        "target": target.path.name, "method": method, "k": k, "workload": f"humaneval, first {n_prompts} prompts "
+        "target": target.name, "method": method, "k": k, "workload": f"humaneval, first {n_prompts} prompts "
         "(trailing whitespace stripped)", "max_tokens": max_tokens, "sampling": "greedy", "repeats": repeats,
         "client": "httpx streaming clients in the bench process, same machine", "server_args": serve_args,
         "hardware": hardware(),

@@ -173,8 +173,7 @@ def bench_structured(target, configs: dict, temperatures: list[float], workload:
     next; the whole pass `repeats` times), at each temperature (seed 0); per configuration the
     totals (`run`'s figures) and its tokens/s over the baseline's, the median over repeats. A
     target without a chat template gets the prompts as text."""
-    from ..lm.tokenizer import has_template
-    chat, rows = has_template(target.path), []
+    chat, rows = target.tokenizer.has_chat_template, []
     for proposer, k in configs.values():  # warm-up, untimed: kernels, allocator, -k auto's verify curve
         run(target, workload[:1], 8, proposer, k, chat=chat)
     for temperature in temperatures:

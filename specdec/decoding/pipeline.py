@@ -80,7 +80,7 @@ from ..errors import SpecdecError
 import numpy as np
 
 from ..lm.interface import Admitted
-from ..lm.tokenizer import Tokenizer, template
+from ..lm.tokenizer import Tokenizer
 from .constraint import Compiled, Constraint, FirstToken, compile_constraint
 from .engine import Engine, Request, check_fits
 from .guided import GrammarDrafts
@@ -144,13 +144,11 @@ def prepare(tokenizer: Tokenizer, context: int, options: Options, text: str | No
 
 def encode(tokenizer: Tokenizer, text: str | None = None, messages: list[dict] | None = None,
            special_tokens: bool = False, heal: bool = True, vocab: int | None = None) -> Prompt:
-    """The prompt of `text` (to continue) or of chat `messages` (rendered by the template of the
-    checkpoint folder the tokenizer was loaded from), by the rules of the module docstring; a healed
+    """The prompt of `text` (to continue) or of chat `messages` (rendered by the checkpoint's chat
+    template, Tokenizer.chat_template), by the rules of the module docstring; a healed
     one with the rule for its first token over the target's `vocab` ids (default: the tokenizer's)."""
     if messages is not None:
-        if tokenizer.folder is None:
-            raise SpecdecError("a chat needs the checkpoint folder's chat template; load the tokenizer from its folder")
-        chat = template(tokenizer.folder)
+        chat = tokenizer.chat_template()
         return Prompt(chat.ids(messages), "", chat.stops)
     ids = tokenizer.encode(text, special_tokens)
     healed = back_off(tokenizer, text, ids) if heal else ""

@@ -91,11 +91,16 @@ def cache_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+def cache_root() -> Path:
+    """Where the kernels built for each key lie."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels"
+
+
 def _load_or_build():
     """Load the module built for this key, or build it: in a private folder renamed into place
     when complete, under a lock that the operating system releases if its holder dies (a killed
     build leaves no lock to wait on, and its half-built folder is removed by the next one)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels"
+    root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key()
     built = root / key / "specdec_cpu.so"

@@ -414,7 +414,9 @@ def pack(blocks: Blocks) -> torch.Tensor:
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
-    fifth = [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)]  # 5-bit codes, as the file holds them
+
+    def fifth() -> list[torch.Tensor]:  # 5-bit codes, as the file holds them (made only for the formats that have them)
+        return [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)]
     if f in LOW_BITS:
         S, three = K // SUPER, f == "q3_k"
         head = [_per_panel(blocks.scales, P)] + ([] if three else [_per_panel(blocks.mins, P)])
@@ -433,13 +435,13 @@ def pack(blocks: Blocks) -> torch.Tensor:
         head = [_per_panel(blocks.scales, P)] + ([_per_panel(blocks.mins, P)] if six else [])
         loads = 3 if six else 4
         head.append(_per_panel(sub.reshape(N, S * loads, 4), P).reshape(P, S, loads * 64))
-        codes = (_codes(u, nibbles=True) if f == "q4_k" else torch.cat(fifth, dim=-1) if f == "q5_k" else
+        codes = (_codes(u, nibbles=True) if f == "q4_k" else torch.cat(fifth(), dim=-1) if f == "q5_k" else
                  torch.cat((_codes(u & 15, nibbles=True), _bit_pairs(u >> 4)), dim=-1))
         codes = codes.reshape(P, S, -1)
         return torch.cat(head + [codes], dim=-1).contiguous()
     head = [_per_panel(blocks.scales, P)] + ([] if blocks.mins is None else [_per_panel(blocks.mins, P)])
     if f in ("q5_0", "q5_1"):
-        return torch.cat(head + fifth, dim=-1).contiguous()
+        return torch.cat(head + fifth(), dim=-1).contiguous()
     return torch.cat(head + [_codes(u, nibbles=f in NIBBLES)], dim=-1).contiguous()
 
 

@@ -136,8 +136,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     (exact: bf16 -> fp32 loses nothing); elsewhere they are converted to fp32. quantize: store every
     matrix in that format instead (quantize_model)."""
     path = Path(path)
-    cfg = read_arch(path)
-    state = read_weights(path, device)
+    return build_model(read_arch(path), read_weights(path, device), dtype, device, quantize, path)
+
+
+def build_model(cfg: Arch, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+                device: str | torch.device = "cpu", quantize: str | None = None,
+                path: str | Path = "the checkpoint") -> LlamaForCausalLM:
+    """The model of architecture `cfg` holding the tensors `state` (transformers' names), as
+    `load_model` makes it; `path` names where they come from in errors."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {k: tuple(v.shape) for k, v in model.hf_state_dict().items()}

@@ -1,45 +1,54 @@
-"""GGUF files (llama.cpp's one-file checkpoints) as checkpoint folders.
+"""GGUF files (llama.cpp's one-file checkpoints): their metadata read into specdec's terms, in memory,
+and a conversion into a checkpoint folder where something asks for one.
 
-A .gguf is converted once into a folder of checkpoint.py's layout in the user cache
-($XDG_CACHE_HOME or ~/.cache, then specdec/from-gguf/SHA256-vFORMAT/NAME), keyed by the file's
-sha256, and read from there ever after (a new FORMAT of the conversion converts again). The
-conversion follows transformers' own GGUF loading (modeling_gguf_pytorch_utils, integrations/gguf):
+A file is mapped (gguf_file.GGUFFile: the header read once, the tensors views of the mapped bytes),
+never copied. From its metadata, read as transformers' own GGUF loading reads it
+(modeling_gguf_pytorch_utils, integrations/gguf):
 
-- the architecture comes from the metadata (`general.architecture` and its `ARCH.*` keys) into a
-  transformers config.json, then through arch.py's strict reading; a metadata key specdec does not
-  read is refused by name, as a config key is; Llama 3.1's rotary scaling, which llama.cpp stores as
+- the architecture (`config_of`): `general.architecture` and its `ARCH.*` keys into a transformers
+  config.json's keys, then through arch.py's strict reading; a metadata key specdec does not read is
+  refused by name, as a config key is; Llama 3.1's rotary scaling, which llama.cpp stores as
   per-frequency factors (rope_freqs) and transformers' GGUF loading drops, is read back into its
-  llama3 parameters;
-- Phi-3's fused q/k/v and gate/up (attn_qkv, ffn_up) stay fused, as transformers' Phi3 holds them;
-- every tensor is dequantized with the `gguf` package (every type it dequantizes; any other is
-  refused by name), matrices stored in bfloat16, norms and biases in float32; llama.cpp's row
-  permutation of Llama's q and k projections (its rotary layout) is undone;
-- the tokenizer is built by transformers from the metadata (tokenizer.json, tokenizer_config.json
-  with the BOS, the EOS, whether a BOS is added, and the chat template); generation ends at any id
-  of llama.cpp's end-of-generation set (`end_ids`: the metadata's eos, eot and eom, and the tokens
-  it ends at by their text, such as <|endoftext|>, <|im_end|>, <|fim_pad|>), config.json's
-  eos_token_id.
+  llama3 parameters; Phi-3's fused q/k/v and gate/up (attn_qkv, ffn_up) stay fused, as transformers'
+  Phi3 holds them;
+- the tokenizer (`tokenizer`): built in memory by transformers' GGUF tokenizer converter (the vocabulary,
+  merges and special tokens; the chat template), with llama.cpp's prompt rules: its BOS first where the
+  file says so, and generation ending at any id of llama.cpp's end-of-generation set (`end_ids`: the
+  metadata's eos, eot and eom, and the tokens it ends at by their text, such as <|endoftext|>,
+  <|im_end|>, <|fim_pad|>);
+- the weights (`raw_tensors`): each as stored (quantized blocks, their type and shape) under its
+  transformers name, llama.cpp's row permutation of Llama's q and k projections (its rotary layout)
+  undone; what lm/gguf_blocks.py runs, the default. Or, asked to (`requantize`), a matrix of some types
+  rounded again into another, from the file's own values (`requantized`): a draft model, which only
+  proposes, runs in fewer bytes so (Q4_1 holds 5 bits a weight where Q5_0 holds 5.5 and Q6_K 6.56, in the
+  kernels' layout as in the file), while the target, which decides, stays as stored.
 
-The folder is written through atomic.atomic_dir: a killed conversion leaves nothing half-written.
-Processes using a file for the first time at once (a bench and a generate, two server workers):
-the first converts while holding the folder's lock (atomic.exclusive), the others wait for it and
-then read the folder it wrote.
-A truncated or corrupt file, an architecture specdec does not run, a tensor type the `gguf`
-package cannot dequantize: one SpecdecError line, checked before anything is written.
+Its conversion (`converted`: in memory, for a model computing in another dtype or re-quantized at load)
+dequantizes every tensor with the `gguf` package (every type it dequantizes; any other is refused by
+name), matrices in bfloat16, norms and biases in float32. Where a checkpoint folder is needed
+(transformers itself, llama.cpp's converter, training, a head trained for the conversion: `checkpoint`),
+the conversion is written once into the user cache ($XDG_CACHE_HOME or ~/.cache, then
+specdec/from-gguf/SHA256-vFORMAT/NAME), keyed by the file's sha256 (a new FORMAT of the conversion
+converts again), with config.json, tokenizer.json, tokenizer_config.json and the chat template; the
+cache keeps the KEEP most recently used files' entries (`specdec cache` lists and clears it). The folder
+is written through atomic.atomic_dir: a killed conversion leaves nothing half-written. Processes using
+a file's folder for the first time at once: the first converts while holding the folder's lock
+(atomic.exclusive), the others wait for it and then read the folder it wrote.
 
-`raw_tensors` yields each weight as stored (quantized blocks, their type and shape) under its
-transformers name, for code that runs quantized blocks as they are; or, asked to (`requantize`), a
-matrix of some types rounded again into another, from the file's own values (`requantized`): a
-draft model, which only proposes, runs in fewer bytes so (Q4_1 holds 5 bits a weight where Q5_0 holds
-5.5 and Q6_K 6.56, in the kernels' layout as in the file), while the target, which decides, stays as stored.
+A truncated or corrupt file, an architecture specdec does not run, a tensor type the `gguf` package
+cannot dequantize: one SpecdecError line, before anything is built or written.
 
-This module knows nothing about models, decoding or serving.
+This module knows nothing about decoding or serving.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
+import shutil
+import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,9 +60,13 @@ import torch
 from ..errors import SpecdecError
 from .atomic import atomic_dir, exclusive, recover, write_error
 from .checkpoint import CONFIG, META, WEIGHTS, sha256
+from .gguf_file import GGUFFile
+from .tokenizer import Tokenizer
 
 SUFFIX = ".gguf"
 FORMAT = 2  # of the converted folders: a conversion that changes bumps it, so older folders are not reused
+KEEP = 3  # files whose conversions the cache keeps, the most recently used (a target, its draft, a teacher)
+INDEX, INDEX_SIZE = "index.json", 64  # in the cache: each file's conversion's weights' sha256, the 64 latest
 # general.architecture -> (model_type, transformers class); llama.cpp writes Mistral as "llama"
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
             "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
@@ -105,19 +118,14 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).lower().endswith(SUFFIX)
 
 
-def open_file(path: str | Path):
-    """The file's gguf.GGUFReader (metadata parsed, tensors memory-mapped), or SpecdecError."""
-    from gguf import GGUFReader
-
+def open_file(path: str | Path) -> GGUFFile:
+    """The file mapped (gguf_file.GGUFFile: metadata read, tensors views of the mapped bytes), or SpecdecError."""
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"no GGUF file at {path}: pass --model with an existing .gguf file or a checkpoint folder")
     try:
-        reader = GGUFReader(path)
-        for t in reader.tensors:  # a truncated file ends inside some tensor's data
-            if t.data.nbytes != t.n_bytes:
-                raise ValueError(f"tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes")
-    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as e:
+        reader = GGUFFile(path)
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, OverflowError, struct.error) as e:
         raise SpecdecError(f"{path} is not a readable GGUF file (truncated or corrupt: {e}); "
                            "download it again") from None
     return reader
@@ -125,10 +133,9 @@ def open_file(path: str | Path):
 
 def field(reader, key: str, default=None):
     """A metadata value; a float32 as the shortest decimal that reads back to it (1e-05, as config.json says)."""
-    f = reader.fields.get(key)
-    if f is None:
+    value = reader.fields.get(key)
+    if value is None:
         return default
-    value = f.contents()
     return float(str(np.float32(value))) if isinstance(value, float) else value
 
 
@@ -152,7 +159,7 @@ def config_of(reader, where: str) -> dict:
                            "compute a different model")
     cfg = {read[k]: field(reader, keys[k]) for k in keys if k in read}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    cfg.setdefault("vocab_size", len(tokens.data) if tokens is not None else None)
+    cfg.setdefault("vocab_size", len(tokens) if tokens is not None else None)
     cfg.setdefault("rope_theta", 10000.0)
     heads = cfg.get("num_attention_heads") or 1
     head_dim = cfg.setdefault("head_dim", (cfg.get("hidden_size") or 0) // heads)
@@ -259,13 +266,13 @@ class RawTensor:
     data: np.ndarray          # (rows, bytes per row) uint8 blocks for a quantized type; else the values
 
 
-def raw_tensors(path: str | Path, requantize: dict[str, str] | None = None) -> Iterator[RawTensor]:
+def raw_tensors(path: str | Path, requantize: dict[str, str] | None = None, reader=None) -> Iterator[RawTensor]:
     """Each weight of the GGUF file at `path` as stored (quantized blocks as they are, rows of
     Llama's q and k in transformers' order), without dequantizing; a file specdec cannot run, or a
     tensor with no place in its architecture, is refused by name. requantize {GGML type: GGML type}
     (e.g. {"Q5_0": "Q4_1"}): each matrix stored in a key's type comes rounded into its value's
-    (`requantized`)."""
-    reader = open_file(path)
+    (`requantized`). reader: the file already open (`open_file`)."""
+    reader = open_file(path) if reader is None else reader
     check_requantize(requantize or {})
     for raw in stored(reader, config_of(reader, Path(path).name)):
         to = (requantize or {}).get(raw.type)
@@ -360,12 +367,171 @@ def dequantized(raw: RawTensor, matrices: torch.dtype = torch.bfloat16) -> torch
     return values.to(matrices if values.dim() > 1 else torch.float32).contiguous()
 
 
+def tokenizer(path: str | Path, reader=None) -> Tokenizer:
+    """The file's tokenizer, built in memory from its metadata (`hf_tokenizer`), with llama.cpp's
+    prompt rules: its BOS first where the file says so (`adds_bos`), its end-of-generation set
+    (`end_ids`) ending a generation; its chat template rendered by transformers. reader: the file
+    already open (`open_file`)."""
+    from tokenizers import Tokenizer as Backend
+
+    path = Path(path)
+    reader = open_file(path) if reader is None else reader
+    config = config_of(reader, path.name)
+    hf = hf_tokenizer(path)
+    settings = {"bos_token": hf.bos_token, "eos_token": hf.eos_token, "add_bos_token": adds_bos(reader)}
+    # a copy of its backend: the chat's transformers tokenizer sets its own options on the one it holds
+    return Tokenizer.held(Backend.from_str(hf.backend_tokenizer.to_str()), hf, settings, config, path.name)
+
+
+def hf_tokenizer(path: Path):
+    """The transformers tokenizer of the file's metadata (vocabulary, merges, special tokens, chat
+    template), built in memory by transformers' own GGUF tokenizer converter: what
+    AutoTokenizer.from_pretrained(..., gguf_file=...) builds, without the rest of that loading."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    try:
+        architecture, vocabulary, settings = get_gguf_tokenizer(str(path))
+        backend, extra = convert_gguf_tokenizer(architecture, vocabulary)
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **extra)
+    except (ValueError, KeyError, OSError, TypeError, IndexError) as e:
+        raise SpecdecError(f"{path.name}: transformers cannot build its tokenizer from the metadata ({e})") from None
+    hf.name_or_path = path.stem
+    return hf
+
+
+def adds_bos(reader) -> bool:
+    """llama.cpp's rule, as transformers reads it: a prompt starts with the BOS where the metadata says
+    so, and a sentencepiece vocabulary without the flag adds one."""
+    return bool(field(reader, "tokenizer.ggml.add_bos_token", field(reader, "tokenizer.ggml.model") == "llama"))
+
+
+def converted(path: str | Path, reader=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json's keys, the tensors) of the file's conversion, in memory: every tensor dequantized,
+    matrices in bfloat16, norms and biases in float32 (`dequantized`), checked against the architecture
+    its metadata describes; what `convert` writes to a folder. reader: the file already open."""
+    from .arch import resolve
+
+    path = Path(path)
+    reader = open_file(path) if reader is None else reader
+    config = config_of(reader, path.name)
+    arch = resolve(config, where=path.name)
+    check_types(reader, path.name)
+    state = {raw.name: dequantized(raw) for raw in stored(reader, config)}
+    check_weights({name: tuple(value.shape) for name, value in state.items()}, arch, path.name)
+    return config, state
+
+
+def weights_sha256(path: str | Path) -> str:
+    """The sha256 of a target's weights, as the heads and parallel drafts trained for it record it: a
+    folder's model.safetensors; a .gguf file's conversion's (the model.safetensors `folder` writes),
+    without writing it: read from the cached folder where there is one, else the conversion serialized
+    in memory; kept in the cache's index under the file's sha256 (INDEX_SIZE files), so that the file's
+    hash alone finds it next time."""
+    path = Path(path)
+    if not is_gguf(path):
+        if not (path / WEIGHTS).exists():
+            raise SpecdecError(f"{path} has no {WEIGHTS}: pass the target's checkpoint folder or .gguf file")
+        return sha256(path / WEIGHTS)
+    key = file_sha256(path)
+    index = read_index()
+    if key not in index:
+        cached = cache_root() / f"{key[:16]}-v{FORMAT}" / path.stem / WEIGHTS
+        if cached.is_file():
+            index[key] = sha256(cached)
+        else:
+            from safetensors.torch import save
+
+            index[key] = hashlib.sha256(save(converted(path)[1], metadata={"format": "pt"})).hexdigest()
+        write_index(index)
+    return index[key]
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, hashed once per process while its size and modification time stay the same."""
+    stat = path.stat()
+    return _hashed(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _hashed(path: str, size: int, modified: int) -> str:
+    return sha256(path)
+
+
+def read_index() -> dict[str, str]:
+    """The cache's index, {a .gguf file's sha256: its conversion's weights' sha256} (empty where none)."""
+    try:
+        index = json.loads((cache_root() / INDEX).read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError:  # a torn write of another process: the entries are made again when asked
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def write_index(index: dict[str, str]) -> None:
+    """Write the index, its INDEX_SIZE most recent entries, atomically (renamed into place)."""
+    file = cache_root() / INDEX
+    tmp = file.with_name(f".{INDEX}.tmp-{os.getpid()}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(dict(list(index.items())[-INDEX_SIZE:]), indent=1) + "\n")
+        os.replace(tmp, file)
+    except OSError as e:
+        raise write_error(file, e) from None
+
+
+def target_config(path: str | Path) -> dict:
+    """A target's config.json keys: a folder's file, a .gguf file's metadata (`config_of`)."""
+    from .checkpoint import read_config
+
+    path = Path(path)
+    return config_of(open_file(path), path.name) if is_gguf(path) else read_config(path)
+
+
+def checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder as given, or a .gguf file's converted folder (`folder`: written on first use):
+    for what needs a transformers folder (transformers itself, llama.cpp's converter, training, a head
+    trained for the conversion)."""
+    return folder(path) if is_gguf(path) else Path(path)
+
+
+def entry(path: Path) -> Path:
+    """The file's entry in the cache, keyed by its sha256 (cache_root()/SHA256-vFORMAT): its converted
+    folder and what else is made from it when asked (a draft's token counts), marked as just used; the
+    cache keeps KEEP entries (`evict`)."""
+    where = cache_root() / f"{file_sha256(path)[:16]}-v{FORMAT}"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        os.utime(where)
+    except OSError as e:
+        raise write_error(where, e) from None
+    evict(where)
+    return where
+
+
+def evict(keep: Path) -> None:
+    """Remove the cache's entries beyond the KEEP most recently used (`keep` among them), entries of an
+    older FORMAT first."""
+    def used(entry: Path) -> tuple[bool, float]:
+        try:
+            return entry.name.endswith(f"-v{FORMAT}"), entry.stat().st_mtime
+        except FileNotFoundError:  # another process removed it meanwhile
+            return False, 0.0
+    others = [p for p in keep.parent.iterdir() if p.is_dir() and p != keep]
+    for stale in sorted(others, key=used, reverse=True)[KEEP - 1:]:
+        try:
+            shutil.rmtree(stale)
+        except FileNotFoundError:  # another process removed it meanwhile
+            continue
+
+
 def folder(path: str | Path) -> Path:
     """The checkpoint folder of the GGUF file at `path`, converted on first use."""
     path = Path(path)
     if not path.is_file():
         raise SpecdecError(f"no GGUF file at {path}: pass --model with an existing .gguf file or a checkpoint folder")
-    dest = cache_root() / f"{sha256(path)[:16]}-v{FORMAT}" / path.stem  # named as the file: the model's name
+    dest = entry(path) / path.stem  # named as the file: the model's name
     recover(dest)
     if (dest / CONFIG).exists():  # a folder appears there complete (renamed last) or not at all
         return dest
@@ -397,7 +563,7 @@ def convert(path: Path, dest: Path) -> None:
         for raw in tqdm(stored(reader, config), total=len(reader.tensors), desc="dequantizing", unit="tensor",
                         file=sys.stderr):
             state[raw.name] = dequantized(raw)
-        check_weights(state, arch, path.name)
+        check_weights({name: tuple(value.shape) for name, value in state.items()}, arch, path.name)
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
         del state
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -406,12 +572,14 @@ def convert(path: Path, dest: Path) -> None:
         (tmp / META).write_text(json.dumps({"converted_from": source}, indent=2) + "\n")
 
 
-def check_weights(state: dict, arch, where: str) -> None:
+def check_weights(shapes: dict[str, tuple[int, ...]], arch, where: str) -> None:
+    """Refuse a file whose tensors ({transformers name: shape}) are not those of the architecture its
+    metadata describes."""
     from .model import LlamaForCausalLM
 
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in LlamaForCausalLM(arch).hf_state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items() if not (arch.tie_word_embeddings and k == "lm_head.weight")}
+    got = {k: v for k, v in shapes.items() if not (arch.tie_word_embeddings and k == "lm_head.weight")}
     if expected != got:
         missing = sorted(set(expected) - set(got))[:3]
         wrong = [f"{k}: {got[k]}, not {expected[k]}" for k in expected if k in got and got[k] != expected[k]][:3]
@@ -420,18 +588,10 @@ def check_weights(state: dict, arch, where: str) -> None:
 
 
 def write_tokenizer(path: Path, reader, out: Path) -> None:
-    """tokenizer.json, tokenizer_config.json (BOS, EOS, add_bos_token) and the chat template, as
-    transformers builds them from the metadata (offline)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise SpecdecError(f"{path.name}: transformers cannot build its tokenizer from the metadata ({e})") from None
-    tok.save_pretrained(str(out))
+    """tokenizer.json, tokenizer_config.json (BOS, EOS, add_bos_token) and the chat template of the
+    tokenizer `hf_tokenizer` builds from the metadata (the one `tokenizer` holds in memory)."""
+    hf_tokenizer(path).save_pretrained(str(out))
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    # llama.cpp's rule, as transformers reads it: a sentencepiece vocabulary without the flag adds a BOS
-    config["add_bos_token"] = bool(field(reader, "tokenizer.ggml.add_bos_token",
-                                         field(reader, "tokenizer.ggml.model") == "llama"))
+    config["add_bos_token"] = adds_bos(reader)
     config_file.write_text(json.dumps(config, indent=2) + "\n")

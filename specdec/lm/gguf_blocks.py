@@ -1,7 +1,8 @@
 """A GGUF file's matrices as it stores them: its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL
 and IQ4_XS tensors (what a Q4_K_M, Q5_K_M or IQ4_XS file holds: kernels.blocks.BLOCK_FORMATS), and its
 F16, BF16 and F32 ones, become the kernels' Matrix of each Linear of specdec's model,
-block for block, never dequantized and re-rounded (`--quantize gguf`). q, k and v are fused into
+block for block, never dequantized and re-rounded: how a .gguf runs unless a conversion is asked for
+(`--quantize gguf` says so explicitly). q, k and v are fused into
 qkv_proj and gate and up into gate_up_proj by stacking their rows (blocks run along a row, so this
 is exact); the blocks come from gguf.raw_tensors, which has already put Llama's q and k rows back
 in transformers' order.
@@ -12,15 +13,15 @@ part but the last is a whole number of panels of 16 outputs. F16, BF16 and F32 m
 panels of the file's values (kernels.FLOAT_FORMATS), bit for bit in as many bytes; a fused one whose
 parts are in several of these, as f32 panels (each value exact, 4 bytes a weight). A matrix of another
 type (Q3_K, IQ2_XS, ...), or whose parts do not cut into panels or mix float and quantized types, keeps
-the values of the file's converted checkpoint (bf16, gguf.folder), said once in a warning. The embedding
+the file's values rounded to bf16 (as its conversion holds them), said once in a warning. The embedding
 table is the file's blocks too (a tied one, the unembedding's), each looked-up row dequantized to the
 file's values exactly; of another type (a float one included), those values in fp32.
 
 The model holds what it runs and nothing beside it (`load_as_stored`): built on the meta device and
 filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
 holds about the file's size (the kernels' layout holds each format in the file's bytes), and what
-the load freed goes back to the system. The file's converted checkpoint gives the architecture and
-the tokenizer only.
+the load freed goes back to the system. The architecture comes from the file's metadata (gguf.config_of);
+nothing is written to disk.
 This module knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or
 about decoding.
 """
@@ -39,11 +40,12 @@ from .. import kernels
 from ..errors import SpecdecError
 from ..kernels import Matrix
 from ..kernels.blocks import BLOCK_FORMATS, from_gguf
-from .checkpoint import read_arch
-from .gguf import RawTensor, dequantized, folder, raw_tensors
+from .arch import resolve
+from .gguf import RawTensor, check_types, check_weights, config_of, dequantized, open_file, raw_tensors
 from .model import LlamaForCausalLM, place, store_matrices
 
-AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored
+AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored (a .gguf's default, said explicitly)
+CONVERTED = "bf16"  # --quantize bf16: the file's values rounded to bf16, its conversion (gguf.converted)
 FORMATS = kernels.GGUF_FORMATS  # GGUF type name -> kernels format (BF16, F16, F32 panels; quantized blocks)
 # a decoder layer's matrix (transformers' name) -> specdec's Linear holding it, and its part (row order)
 PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -94,23 +96,29 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
 
 
 def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                   requantize: dict[str, str] | None = None) -> LlamaForCausalLM:
-    """The model of the GGUF file at `path` (its architecture from the file's converted checkpoint,
-    gguf.folder) holding what it runs: each matrix the file stores in a kernel format as its blocks
-    (gguf_matrices), the others as the converted checkpoint's bf16 values (said once in a warning), the
+                   requantize: dict[str, str] | None = None, reader=None) -> LlamaForCausalLM:
+    """The model of the GGUF file at `path` (its architecture from its metadata) holding what it runs:
+    each matrix the file stores in a kernel format as its blocks (gguf_matrices), the others as its
+    values rounded to bf16, as its conversion holds them (said once in a warning), the
     embedding as the file's blocks where they are in a kernel format (a tied one: the unembedding's), else
     its values in fp32, the norms and biases in fp32. Built on the meta device and filled tensor by
     tensor, so that no float copy of the model is ever made: it holds about the file's size.
-    requantize: matrices of some types rounded into others first (gguf.raw_tensors; a draft's)."""
+    requantize: matrices of some types rounded into others first (gguf.raw_tensors; a draft's). reader:
+    the file already open (gguf.open_file)."""
     if dtype != torch.float32 or torch.device(device).type != "cpu":
         raise SpecdecError("a GGUF file's blocks as stored (--quantize gguf) run on the CPU in float32: drop "
                            "--dtype/--device, or --quantize")
-    cfg = read_arch(folder(path))
-    raws = {raw.name: raw for raw in raw_tensors(path, requantize)}
+    path = Path(path)
+    reader = open_file(path) if reader is None else reader
+    config = config_of(reader, path.name)
+    cfg = resolve(config, where=path.name)
+    check_types(reader, path.name)
+    raws = {raw.name: raw for raw in raw_tensors(path, requantize, reader)}
+    check_weights({name: raw.shape for name, raw in raws.items()}, cfg, path.name)
     given, others = gguf_matrices(raws)
     if others:
         kinds = sorted(set(others.values()))
-        warnings.warn(f"specdec: {Path(path).name}: {len(others)} matrices run from the converted checkpoint's bf16 "
+        warnings.warn(f"specdec: {path.name}: {len(others)} matrices run from the converted checkpoint's bf16 "
                       f"values, not as stored: they are stored as {', '.join(kinds)}, and the kernels run "
                       f"{', '.join(FORMATS)} (a fused matrix: its parts in these, each but the last whole panels of "
                       "16 outputs)", stacklevel=2)

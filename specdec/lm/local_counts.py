@@ -13,8 +13,8 @@ lost on 2 chat prompts at T=1, and cost nothing on code: docs/quantized.md). Eve
 adds beside its vocabulary (end of turn, end of text: what a chat ends with) counts as often as the
 most frequent token, so that every draft vocabulary holds them.
 
-The counts are made once per folder (a GGUF draft's conversion) and saved there under this corpus's
-VERSION: a corpus that changes counts again.
+The counts are made once per folder (a GGUF draft's entry in specdec's cache, keyed by its file's
+sha256: gguf.entry) and saved there under this corpus's VERSION: a corpus that changes counts again.
 
 This module knows nothing about models or decoding.
 """

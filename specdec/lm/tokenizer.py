@@ -9,8 +9,9 @@ Another checkpoint's prompts follow its own rules, as transformers applies them:
 tokenizer_config.json (`bos_token`) or config.json, put first where `add_bos_token` says so (or,
 without that key, where tokenizer.json's post-processor adds it); generation ends at any id of its
 end-of-generation set (`end_of_generation`): generation_config.json's eos_token_id (a list for
-Llama-3), else config.json's, else tokenizer_config.json's eos_token. A folder converted from a GGUF
-file holds llama.cpp's set in its config.json (gguf.end_ids).
+Llama-3), else config.json's, else tokenizer_config.json's eos_token. A GGUF file's tokenizer is held
+in memory (`Tokenizer.held`, built by lm/gguf.py from the file's metadata) under the same rules, its
+config (llama.cpp's end-of-generation set: gguf.end_ids) and its tokenizer settings given as dicts.
 
 Special tokens stand for no text: `decode` leaves them out unless asked (skip_special_tokens=False).
 
@@ -18,7 +19,8 @@ A chat (`template`: used by `specdec serve`'s /v1/chat/completions, `specdec gen
 `api.generate(messages=...)`) becomes the prompt's ids by the checkpoint's own chat template,
 rendered by transformers exactly as `tokenizer.apply_chat_template(messages,
 add_generation_prompt=True)` renders it. The template comes from the checkpoint folder
-(tokenizer_config.json's "chat_template" or a chat_template.jinja file, as transformers reads them);
+(tokenizer_config.json's "chat_template" or a chat_template.jinja file, as transformers reads them),
+or from the transformers tokenizer a GGUF file's metadata built in memory;
 a model without one is refused with a clear SpecdecError. Special-token text inside a message (e.g.
 a user typing "<|endoftext|>") is encoded as text, not as the control token (transformers'
 sanitize_control_tokens); the template's own control tokens are encoded as tokens. The template's
@@ -56,13 +58,15 @@ def byte_level_alphabet() -> dict[str, int]:
 
 class Tokenizer:
     def __init__(self, tok: _HFTokenizer, prefix: tuple[int, ...] = (EOS_ID,), eos_ids: tuple[int, ...] = (EOS_ID,),
-                 folder: Path | None = None):
+                 folder: Path | None = None, chat=None):
         """prefix: the ids every prompt starts with; eos_ids: the ids that end a generation; folder:
-        the checkpoint folder it was loaded from (its chat template is there), if any."""
+        the checkpoint folder it was loaded from (its chat template is there), if any; chat: a
+        transformers tokenizer held in memory that renders the chat template instead (a GGUF file's)."""
         self.tok = tok
         self.prefix, self.eos_ids = list(prefix), tuple(eos_ids)
         self.eos_id = eos_ids[0] if eos_ids else None
         self.folder = folder
+        self.chat = chat
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
@@ -90,6 +94,30 @@ class Tokenizer:
         if is_specdecs(tok, folder):
             return cls(tok, folder=folder)
         return cls(tok, *prompt_rules(tok, folder), folder=folder)
+
+    @classmethod
+    def held(cls, tok: _HFTokenizer, chat, settings: dict, config: dict, where: str) -> "Tokenizer":
+        """A foreign checkpoint's tokenizer held in memory (a GGUF file's, lm/gguf.py): `tok` its
+        tokenizer, `chat` the transformers tokenizer that renders its chat template, `settings` what a
+        tokenizer_config.json would say (bos_token, eos_token, add_bos_token), `config` its config.json's
+        keys; the prompt rules are a folder's (`rules`). `where` names it in errors."""
+        return cls(tok, *rules(tok, settings, config, {}, where), chat=chat)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the checkpoint has a chat template, without loading transformers for a folder (seconds)."""
+        if self.chat is not None:
+            return bool(self.chat.chat_template)
+        return self.folder is not None and has_template(self.folder)
+
+    def chat_template(self) -> "ChatTemplate":
+        """The checkpoint's chat template (ChatTemplate), or SpecdecError where it has none."""
+        if self.chat is not None:
+            return held_template(self.chat)
+        if self.folder is None:
+            raise SpecdecError("a chat needs the checkpoint's chat template: load the tokenizer from its folder "
+                               "or its GGUF file")
+        return template(self.folder)
 
     def save(self, path: str | Path) -> None:
         self.tok.save(str(path))
@@ -177,7 +205,13 @@ def _ids(value) -> tuple[int, ...]:
 def prompt_rules(tok: _HFTokenizer, folder: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(prefix, eos_ids) of a transformers checkpoint folder (see the module docstring)."""
     tcfg, cfg, gen = (_json(folder / name) for name in (TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG))
-    bos = _token_id(tok, tcfg.get("bos_token"), folder / TOKENIZER_CONFIG)
+    return rules(tok, tcfg, cfg, gen, folder / TOKENIZER_CONFIG)
+
+
+def rules(tok: _HFTokenizer, tcfg: dict, cfg: dict, gen: dict, where) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefix, eos_ids) of a checkpoint whose tokenizer_config.json, config.json and
+    generation_config.json say `tcfg`, `cfg` and `gen` (see the module docstring)."""
+    bos = _token_id(tok, tcfg.get("bos_token"), where)
     if bos is None:
         bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
     if "add_bos_token" in tcfg:
@@ -186,17 +220,15 @@ def prompt_rules(tok: _HFTokenizer, folder: Path) -> tuple[tuple[int, ...], tupl
         bare, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a", add_special_tokens=True).ids
         starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
         prefix = tuple(full[:starts[0]]) if starts else ()
-    return prefix, end_of_generation(tok, folder)
+    return prefix, end_of_generation(tok, tcfg, cfg, gen, where)
 
 
-def end_of_generation(tok: _HFTokenizer, folder: Path) -> tuple[int, ...]:
-    """The ids that end a generation of a transformers checkpoint folder, any one of them:
-    generation_config.json's eos_token_id (one id or a list), else config.json's, else
-    tokenizer_config.json's eos_token (a GGUF file's folder: llama.cpp's set, written into its
-    config.json by gguf.end_ids)."""
-    tcfg, cfg, gen = (_json(folder / name) for name in (TOKENIZER_CONFIG, MODEL_CONFIG, GENERATION_CONFIG))
+def end_of_generation(tok: _HFTokenizer, tcfg: dict, cfg: dict, gen: dict, where) -> tuple[int, ...]:
+    """The ids that end a generation, any one of them: generation_config.json's eos_token_id (one id
+    or a list), else config.json's, else tokenizer_config.json's eos_token (a GGUF file's:
+    llama.cpp's set, in its config by gguf.end_ids)."""
     eos = _ids(gen.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
-    return eos or _ids(_token_id(tok, tcfg.get("eos_token"), folder / TOKENIZER_CONFIG))
+    return eos or _ids(_token_id(tok, tcfg.get("eos_token"), where))
 
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -232,17 +264,14 @@ def check_messages(messages) -> list[dict]:
 
 
 class ChatTemplate:
-    """The chat template of a checkpoint folder, through transformers' tokenizer of that folder."""
+    """The chat template of a checkpoint, through its transformers tokenizer (`name` names the model)."""
 
-    def __init__(self, folder: str | Path):
-        from transformers import AutoTokenizer
-
-        self.folder = Path(folder)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
+    def __init__(self, tokenizer, name: str):
+        self.tokenizer = tokenizer
         if not self.tokenizer.chat_template:
-            raise SpecdecError(f"the model {self.folder.name} has no chat template (no \"chat_template\" in its "
-                               "tokenizer_config.json, no chat_template.jinja): send a plain prompt to "
-                               "/v1/completions (command line: generate without --chat)")
+            raise SpecdecError(f"the model {name} has no chat template (no \"chat_template\" in its "
+                               "tokenizer_config.json or its GGUF metadata, no chat_template.jinja): send a plain "
+                               "prompt to /v1/completions (command line: generate without --chat)")
         eos = self.tokenizer.eos_token
         self.stops: tuple[str, ...] = (eos,) if eos and eos != "<|endoftext|>" else ()
 
@@ -269,7 +298,15 @@ def template(folder: str | Path) -> ChatTemplate:
 
 @lru_cache(maxsize=8)
 def read_template(folder: str | Path) -> ChatTemplate:
-    return ChatTemplate(folder)
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    return ChatTemplate(AutoTokenizer.from_pretrained(str(folder), local_files_only=True), folder.name)
+
+
+def held_template(tokenizer) -> ChatTemplate:
+    """The chat template of a transformers tokenizer held in memory (a GGUF file's)."""
+    return ChatTemplate(tokenizer, tokenizer.name_or_path or "loaded from a GGUF file")
 
 
 def has_template(folder: str | Path) -> bool:

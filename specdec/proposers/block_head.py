@@ -44,7 +44,7 @@ from torch import nn
 
 from ..errors import SpecdecError
 from ..lm.arch import Arch
-from ..lm.checkpoint import read_config
+from ..lm.gguf import target_config
 from ..lm.model import DecoderLayer, Linear, RMSNorm, StackedLayers, Window
 from .eagle_head import check_head_fits as check_eagle_head_fits
 from .eagle_head import check_draft_ids, check_layer_ids
@@ -172,8 +172,8 @@ def build_block(meta: dict, state: dict) -> BlockHead:
 
 
 def target_has_layers(meta: dict, target: str | Path) -> None:
-    """The target folder's model has every decoder layer the head reads."""
-    check_layers(meta["layer_ids"], read_config(target).get("num_hidden_layers", 0), target)
+    """The target's model (a folder's, a .gguf file's) has every decoder layer the head reads."""
+    check_layers(meta["layer_ids"], target_config(target).get("num_hidden_layers", 0), target)
 
 
 BLOCK_FOLDER = HeadFolder(read_block_meta, "the block head in {path} belongs",

@@ -21,13 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
 from ..kernels import storing_error
 from ..kernels.blocks import blocking_error
 from ..lm import gguf, local_counts, packaged
-from ..lm.checkpoint import (META, PARALLEL_KIND, WEIGHTS, load_model, load_token_counts, read_config, read_meta,
-                             sha256)
+from ..lm.arch import resolve
+from ..lm.checkpoint import (META, PARALLEL_KIND, build_model, load_model, load_token_counts, read_config,
+                             read_meta)
 from ..lm.gguf_blocks import load_as_stored
 from ..lm.model import Linear, LlamaForCausalLM, store_matrices, stored_formats
 from ..lm.tokenizer import Tokenizer
@@ -96,7 +99,7 @@ class DraftCheckpoint:
     path: Path
     token_counts: object = None   # (V,) of its training tokens, where saved
     meta: dict | None = None      # its specdec.json
-    gguf: bool = False            # a GGUF file's conversion (in specdec's cache): counts are made here when asked
+    gguf: bool = False            # a GGUF file (path): its counts are made here when asked, kept in specdec's cache
 
 
 class Drafter:
@@ -179,32 +182,42 @@ class DraftModel(Drafter):
 
     def check(self, target, folder) -> None:
         super().check(target, folder)
-        folder = gguf.folder(folder) if gguf.is_gguf(folder) else folder  # a .gguf: its converted checkpoint
-        read_config(folder)  # a checkpoint folder (not a heads folder, not nothing)
-        self.check_tokenizer(target, folder)
+        if gguf.is_gguf(folder):  # its tokenizer from its metadata, in memory
+            tokenizer = gguf.tokenizer(folder)
+        else:
+            read_config(folder)  # a checkpoint folder (not a heads folder, not nothing)
+            tokenizer = Tokenizer.load(folder)
+        self.check_tokenizer(target, folder, tokenizer)
 
-    def check_tokenizer(self, target, folder) -> None:
-        if Tokenizer.load(folder).tok.get_vocab() != target.tokenizer.tok.get_vocab():
+    def check_tokenizer(self, target, folder, tokenizer: Tokenizer) -> None:
+        if tokenizer.tok.get_vocab() != target.tokenizer.tok.get_vocab():
+            source = ("the tokenizer.json of its converted folder, api.checkpoint_folder" if gguf.is_gguf(target.path)
+                      else f"{target.path}/tokenizer.json")
             raise SpecdecError(f"the draft model {folder} uses another tokenizer than the target {target.path}; "
-                               "a draft must share the target's tokenizer (train it with --tokenizer "
-                               f"{target.path}/tokenizer.json)")
+                               f"a draft must share the target's tokenizer (train it with --tokenizer: {source})")
 
     def network(self, target, folder) -> DraftCheckpoint:
-        """The draft in the target's dtype and device; a .gguf draft of a target whose matrices run
-        quantized (or as a file stores them: held without a float copy) runs its file's blocks as stored too
-        (gguf_blocks)."""
+        """The draft in the target's dtype and device; a .gguf draft runs its file's blocks as stored
+        (gguf_blocks) where the target computes in float32 on the CPU, else its conversion (in memory)
+        in the target's dtype: a target whose matrices are bf16 (a .gguf's `--quantize bf16`), its
+        draft's values in bf16 too."""
         self.check(target, folder)
-        path = gguf.folder(folder) if gguf.is_gguf(folder) else folder
-        if gguf.is_gguf(folder) and any(isinstance(m, Linear) and m.stored is not None and m.weight is None
-                                        for m in target.model.modules()):
-            model = load_as_stored(folder, target.lm.dtype, target.lm.device)
+        if not gguf.is_gguf(folder):
+            model = load_model(folder, dtype=target.lm.dtype, device=target.lm.device)
+            return DraftCheckpoint(model, folder, load_token_counts(folder), read_meta(folder))
+        quantized = any(isinstance(m, Linear) and m.stored is not None and m.weight is None
+                        for m in target.model.modules())
+        if quantized and target.lm.dtype == torch.float32 and torch.device(target.lm.device).type == "cpu":
+            model = load_as_stored(folder)
         else:
-            model = load_model(path, dtype=target.lm.dtype, device=target.lm.device)
-        return DraftCheckpoint(model, path, load_token_counts(path), read_meta(path), gguf.is_gguf(folder))
+            config, state = gguf.converted(folder)
+            model = build_model(resolve(config, where=folder.name), state, target.lm.dtype, target.lm.device,
+                                path=folder)
+        return DraftCheckpoint(model, folder, None, {}, gguf=True)
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
-        if draft.gguf and options.draft_vocab is not None:  # a GGUF holds no counts: made here (once)
-            draft.token_counts = local_counts.counted_once(draft.path, target.tokenizer.tok,
+        if draft.gguf and options.draft_vocab is not None:  # a GGUF holds no counts: made here (once, cached)
+            draft.token_counts = local_counts.counted_once(gguf.entry(draft.path), target.tokenizer.tok,
                                                            draft.model.config.vocab_size)
         size = draft_vocab(options, draft.token_counts)
         if size == "auto":  # without counts the one size to choose is the whole vocabulary
@@ -231,11 +244,11 @@ class ParallelDraft(DraftModel):
         if not isinstance(parallel, dict) or not {"mask_token_id", "block", "target_sha256"} <= parallel.keys():
             raise SpecdecError(f"{folder} is not a parallel draft (its {META} names no mask token, block and "
                                "target): a plain draft model drafts with --draft draft-model; " + self.train)
-        if parallel["target_sha256"] != sha256(Path(target.path) / WEIGHTS):
+        if parallel["target_sha256"] != gguf.weights_sha256(target.path):
             raise SpecdecError(f"the parallel draft {folder} was trained for another target (model.safetensors "
                                f"sha256 {parallel['target_sha256'][:12]}..., not {target.path}'s): train one for "
                                "this target")
-        self.check_tokenizer(target, folder)
+        self.check_tokenizer(target, folder, Tokenizer.load(folder))
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
         parallel = draft.meta["parallel"]
@@ -308,7 +321,7 @@ class Head(Drafter):
         if not target.lm.abilities.layers:
             raise SpecdecError(f"the {self.what} draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target.model).__name__}")
-        check_head_target(self.kind, folder, target.path)
+        check_head_target(self.kind, folder, target.path)  # a .gguf's: trained for its conversion's weights
 
     def network(self, target, folder):
         Drafter.check(self, target, folder)  # the loader checks the rest

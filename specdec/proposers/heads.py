@@ -37,7 +37,8 @@ from torch import nn
 from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.atomic import atomic_dir
-from ..lm.checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices, sha256
+from ..lm.checkpoint import CONFIG, DTYPES, WEIGHTS, keep_bf16_matrices
+from ..lm.gguf import is_gguf, target_config, weights_sha256
 from ..lm.device import placement
 from ..lm.kv_cache import KVCache
 from ..lm.model import DecoderLayer, Linear, RMSNorm, Window, place
@@ -201,7 +202,8 @@ class HeadFolder:
 
 def check_head_target(kind: HeadFolder, path: str | Path, target: str | Path) -> dict:
     """The metadata of the head folder `path`, refused unless it is of this kind and was trained for
-    the target checkpoint folder `target` (the sha256 of its model.safetensors); no weight is read."""
+    the target `target`, a checkpoint folder or a .gguf file (the sha256 of its model.safetensors, a
+    .gguf's conversion's: gguf.weights_sha256); no weight is read."""
     meta = kind.read_meta(path)
     if kind.check is not None:
         kind.check(meta, target)
@@ -308,12 +310,16 @@ def read_single_head_meta(path: str | Path, kind: str, name: str, objective: str
 
 def check_trained_for(path: Path, target: str | Path, meta: dict, belongs: str, train: str) -> None:
     """Refuse the head folder `path` (its metadata `meta`) unless it was trained for the checkpoint
-    folder `target` (the sha256 of its model.safetensors); `belongs` (formatted with path) and
-    `train` word the error."""
+    folder or .gguf file `target` (the sha256 of its model.safetensors, gguf.weights_sha256); `belongs`
+    (formatted with path) and `train` word the error."""
     target = Path(target)
-    if not (target / WEIGHTS).exists():
-        raise SpecdecError(f"{target} has no {WEIGHTS}: pass the target's checkpoint folder")
-    actual = sha256(target / WEIGHTS)
+    if is_gguf(target):  # a .gguf's hash is its conversion's (seconds to make): refuse another shape first
+        shape, config = meta.get("target_config") or {}, target_config(target)
+        for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
+            if key in shape and shape[key] != config.get(key):
+                raise SpecdecError(f"{belongs.format(path=path)} to a target of {key} {shape[key]}, but {target} "
+                                   f"has {config.get(key)}: {train}")
+    actual = weights_sha256(target)
     if actual != meta["target_sha256"]:
         raise SpecdecError(f"{belongs.format(path=path)} to the target with model.safetensors sha256 "
                            f"{meta['target_sha256'][:16]}..., but {target} has {actual[:16]}...: {train}")

@@ -42,7 +42,6 @@ from ..decoding.engine import Engine, Request
 from ..decoding.pipeline import Prompt, prepare, request
 from ..errors import SpecdecError
 from ..lm.kv_cache import BLOCK, budget_blocks
-from ..lm.tokenizer import has_template
 from .prometheus import Metrics
 from .requests import Params
 
@@ -106,7 +105,7 @@ class Service:
         """proposer None (k = 0): plain decoding. kv_budget: the target's KV cache in tokens or a size
         (lm/kv_cache.budget_blocks; None: from the memory free now); kv_dtype: its keys' and values'."""
         self.target, self.method, self.k = target, method, k
-        self.name = name or target.path.name
+        self.name = name or target.name
         self.context = target.lm.context
         cfg = target.lm.lm.config
         block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * BLOCK * cfg.head_dim * kv_dtype.itemsize
@@ -117,7 +116,7 @@ class Service:
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)
         self.max_prompt_chars = self.context * longest  # a longer prompt cannot fit the context
-        self.chat = has_template(target.path)  # the template itself is loaded by the first chat request
+        self.chat = target.tokenizer.has_chat_template  # a folder's template is loaded by the first chat request
         self.encoding = threading.BoundedSemaphore(2)  # prompts encoded at once
         self.intake: deque[Job] = deque()  # jobs not yet healed and submitted (this thread reads them)
         self.loop: asyncio.AbstractEventLoop | None = None  # the handlers' loop

@@ -36,7 +36,6 @@ from ..decoding.pipeline import Prompt as Encoded
 from ..decoding.pipeline import encode, stop_rule
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
-from ..lm.tokenizer import template
 from ..lm.checkpoint import WEIGHTS, load_model, sha256
 from ..lm.tokenizer import Tokenizer
 from .corpus import HELD_OUT_DIRS, STDLIB, source_files
@@ -159,7 +158,7 @@ def prompts(tokenizer: Tokenizer, recipe: Recipe) -> list[Prompt]:
             for text in code_prompts(recipe.code_prompts, recipe.seed)]
     chat = []
     if recipe.chat_prompts:
-        rendering = template(tokenizer.folder)
+        rendering = tokenizer.chat_template()
         for request in chat_requests(recipe.chat_prompts, recipe.seed):
             messages = [{"role": "user", "content": request}]
             chat.append(Prompt("chat", rendering.render(messages), encode(tokenizer, messages=messages)))
