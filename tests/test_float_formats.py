@@ -14,16 +14,12 @@ from gguf.quants import dequantize, quantize
 
 from specdec import kernels
 from specdec.api import load
-from specdec.decoding.engine import plain_generate, speculative_generate
-from specdec.decoding.sampling import SamplingConfig
-from specdec.decoding.stopping import StopRule
 from specdec.lm import device, gguf
 from specdec.lm.gguf_blocks import FORMATS
 from specdec.lm.model import Linear, stored_formats
-from specdec.proposers import NgramProposer, SelfDraftProposer
 
 from .gguf_helpers import Q, byte_level_tokenizer, hf_model, write_gguf
-from .test_quant import needs_kernels, on_each_isa
+from .test_quant import assert_speculation_equals_plain_on_each_isa, needs_kernels, on_each_isa
 
 TYPES = {name: Q[f.gguf] for name, f in kernels.FLOAT_FORMATS.items()}
 
@@ -154,12 +150,7 @@ def test_a_files_float_matrices_run_as_stored(float_file):
 @needs_kernels
 def test_speculative_greedy_equals_plain_greedy_in_float_formats(float_file):
     target = load(float_file, quantize="gguf").model
-    prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24), SamplingConfig()
-    for isa in on_each_isa():
-        plain, _ = plain_generate(target, prompts, rule, greedy)
-        for proposer, k in [(SelfDraftProposer(target=target), 3), (NgramProposer(), 2)]:
-            rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
-            assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0, isa
+    assert_speculation_equals_plain_on_each_isa(target)
 
 
 @needs_kernels

@@ -25,10 +25,9 @@ from specdec.kernels import LANES, blocks
 from specdec.lm import gguf
 from specdec.lm.gguf_blocks import FORMATS
 from specdec.lm.model import Linear
-from specdec.proposers import NgramProposer, SelfDraftProposer
 
 from .gguf_helpers import Q, byte_level_tokenizer, hf_model, quantize_any, write_gguf
-from .test_quant import RUNS, needs_kernels, on_each_isa
+from .test_quant import RUNS, assert_speculation_equals_plain_on_each_isa, needs_kernels, on_each_isa
 
 TYPES = {f: Q[blocks.BLOCK_FORMATS[f].gguf] for f in blocks.AS_STORED}
 SCALE_BYTES = {"q5_0": [(0, 2)], "q5_1": [(0, 2), (2, 4)], "q4_k": [(0, 2), (2, 4)], "q5_k": [(0, 2), (2, 4)],
@@ -278,12 +277,7 @@ def test_a_files_k_quants_run_as_stored_near_the_exact_product(k_quant_file):
 @needs_kernels
 def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
     target = load(k_quant_file[0], quantize="gguf").model
-    prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24), SamplingConfig()
-    for isa in on_each_isa():
-        plain, _ = plain_generate(target, prompts, rule, greedy)
-        for proposer, k in [(SelfDraftProposer(target=target), 3), (NgramProposer(), 2)]:
-            rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
-            assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0, isa
+    assert_speculation_equals_plain_on_each_isa(target)
 
 
 @needs_kernels

@@ -40,6 +40,17 @@ ISAS = (["avx2"] + (["avx512"] if kernels.compiled().isa() == "avx512" else []))
 needs_kernels = pytest.mark.skipif(not RUNS, reason="the CPU kernels do not run here")
 
 
+def assert_speculation_equals_plain_on_each_isa(target) -> None:
+    """On every instruction set here: the self-draft (k=3) and n-gram lookup (k=2) over two prompts,
+    greedy, emit plain decoding's tokens exactly, having drafted."""
+    prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24), SamplingConfig()
+    for isa in on_each_isa():
+        plain, _ = plain_generate(target, prompts, rule, greedy)
+        for proposer, k in [(SelfDraftProposer(target=target), 3), (NgramProposer(), 2)]:
+            rows, metrics = speculative_generate(target, proposer, prompts, rule, greedy, k)
+            assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0, isa
+
+
 def on_each_isa():
     """Yields each instruction set the kernels can run on here, set, and restores the first."""
     before = kernels.isa()
