@@ -92,6 +92,19 @@ class Server:
         self.log.close()
 
 
+def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A script's own arguments, then those after `--` (for `specdec serve`)."""
+    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
+def model_and_rest(server_args: list[str]) -> tuple[str, list[str]]:
+    """`specdec serve` arguments split into --model's value and the others."""
+    if "--model" not in server_args:
+        raise SystemExit("give the server's --model after --")
+    at = server_args.index("--model")
+    return server_args[at + 1], server_args[:at] + server_args[at + 2:]
+
+
 def specdec_server(name: str, model: str, extra: list[str], concurrency: int, budget: str | None) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--port", str(port),

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from serve_head_to_head import specdec_server
+from serve_head_to_head import model_and_rest, specdec_server, split_at_dashes
 
 QUESTIONS = ["# What does the function above return for an empty input?\n",
              "# Write a test for the class above.\n",
@@ -46,15 +46,13 @@ def first_token_seconds(url: str, prompt: str) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, server_args = split_at_dashes(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=1000, help="the preamble's length, about (default 1000)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3, help="requests reusing each round's preamble")
     args = p.parse_args(ours)
-    model = server_args[server_args.index("--model") + 1]
-    extra = [a for i, a in enumerate(server_args) if a != "--model" and (i == 0 or server_args[i - 1] != "--model")]
+    model, extra = model_and_rest(server_args)
     server = specdec_server("specdec", model, extra, 4, None)
     if not server.wait():
         raise SystemExit(f"the server did not start: {server.error}")

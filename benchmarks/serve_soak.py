@@ -24,7 +24,7 @@ from collections import Counter
 
 import httpx
 
-from serve_head_to_head import request_body, specdec_server
+from serve_head_to_head import model_and_rest, request_body, specdec_server, split_at_dashes
 from specdec.bench.workloads import chat_prompts, humaneval_prompts
 
 
@@ -73,16 +73,14 @@ async def client(url: str, index: int, deadline: float, prompts: dict, max_token
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, server_args = split_at_dashes(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--workloads", nargs="+", choices=("humaneval", "chat"), default=["humaneval", "chat"])
     args = p.parse_args(ours)
-    model = server_args[server_args.index("--model") + 1]
-    extra = [a for i, a in enumerate(server_args) if a != "--model" and (i == 0 or server_args[i - 1] != "--model")]
+    model, extra = model_and_rest(server_args)
     server = specdec_server("specdec", model, extra, args.clients, None)
     if not server.wait():
         raise SystemExit(f"the server did not start: {server.error}")

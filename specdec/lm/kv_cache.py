@@ -53,6 +53,11 @@ def blocks_for(positions: int) -> int:
     return -(-positions // BLOCK)
 
 
+def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The bytes of one block: BLOCK positions of every layer's keys and values."""
+    return 2 * num_layers * num_kv_heads * BLOCK * head_dim * dtype.itemsize
+
+
 class Pool:
     """N blocks of keys and values for every layer, lent to the rows of caches and given back."""
 

@@ -41,7 +41,7 @@ from ..api import Loaded
 from ..decoding.engine import Engine, Request
 from ..decoding.pipeline import Prompt, prepare, request
 from ..errors import SpecdecError
-from ..lm.kv_cache import BLOCK, budget_blocks
+from ..lm.kv_cache import BLOCK, block_bytes, budget_blocks
 from .prometheus import Metrics
 from .requests import Params
 
@@ -108,8 +108,8 @@ class Service:
         self.name = name or target.name
         self.context = target.lm.context
         cfg = target.lm.lm.config
-        block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * BLOCK * cfg.head_dim * kv_dtype.itemsize
-        blocks, self.kv_budget = budget_blocks(kv_budget, block)
+        blocks, self.kv_budget = budget_blocks(kv_budget, block_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                                      cfg.head_dim, kv_dtype))
         self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths, name=self.name,
                              kv_dtype=kv_dtype, kv_tokens=blocks * BLOCK)
         self.capacity, self.max_queue = capacity, max_queue
