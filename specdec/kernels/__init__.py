@@ -178,14 +178,18 @@ class Matrix:
     `fine`: a quantized matrix that multiplies each input row twice, as its int8 rows and as the int8
     rows of their rounding residuals, and adds the two products (blocks.fine_linear): the same weight
     bytes read once, twice the integer work, and a product within ~1e-5 of each block's largest input
-    where int8 rows alone are within ~4e-3 (a drafter's unembedding, whose logits decide agreement)."""
+    where int8 rows alone are within ~4e-3 (a drafter's unembedding, whose logits decide agreement).
+
+    `damage`: why a file's blocks cannot run (scales or mins not finite), found while they were packed,
+    or None."""
 
     def __init__(self, format: str, shape: tuple[int, int], data: torch.Tensor, runs: list[Matrix] | None = None,
-                 fine: bool = False):
+                 fine: bool = False, damage: str | None = None):
         if fine and format in FLOAT_FORMATS:
             raise ValueError(f"fine activations are for a quantized matrix; a {format} one multiplies fp32 rows as "
                              "they are")
         self.format, self.shape, self.data, self.runs, self.fine = format, tuple(shape), data, runs, fine
+        self.damage = damage
         self._reference: list[blocks.Blocks] | None = None  # unpacked by the first `reference` call, then kept
 
     @classmethod
@@ -199,7 +203,7 @@ class Matrix:
     @classmethod
     def from_blocks(cls, stored: blocks.Blocks, fine: bool = False) -> Matrix:
         """Quantized weights as stored (a GGUF file's, say), repacked exactly."""
-        return cls(stored.format, stored.shape, blocks.pack(stored), fine=fine)
+        return cls(stored.format, stored.shape, blocks.pack(stored), fine=fine, damage=blocks.stored_error(stored))
 
     @classmethod
     def from_gguf(cls, raw, format: str, shape: tuple[int, int]) -> Matrix:
@@ -210,9 +214,12 @@ class Matrix:
         if format in FLOAT_FORMATS:
             return cls(format, shape, torch.cat([pack(float_values(raw[i:i + SLICE], format, (min(SLICE, N - i), K)))
                                                  for i in range(0, N, SLICE)]))
-        return cls(format, shape, torch.cat([blocks.pack(blocks.from_gguf(raw[i:i + SLICE], format,
-                                                                          (min(SLICE, N - i), K)))
-                                             for i in range(0, N, SLICE)]))
+        packed, damage = [], None
+        for i in range(0, N, SLICE):
+            part = blocks.from_gguf(raw[i:i + SLICE], format, (min(SLICE, N - i), K))
+            damage = damage or blocks.stored_error(part)
+            packed.append(blocks.pack(part))
+        return cls(format, shape, torch.cat(packed), damage=damage)
 
     @classmethod
     def from_runs(cls, parts: list[blocks.Blocks]) -> Matrix:
@@ -238,10 +245,11 @@ class Matrix:
         packed = [blocks.pack(run) for run in runs]
         data = torch.cat([header.view(torch.uint8)] + [p.reshape(-1) for p in packed])
         ends = (header.numel() * 4 + torch.tensor([p.numel() for p in packed]).cumsum(0)).tolist()
+        damage = next((why for why in map(blocks.stored_error, runs) if why), None)
         views = [cls(run.format, run.shape, data[end - p.numel():end].view(p.shape))
                  for run, p, end in zip(runs, packed, ends)]
         shape = (sum(run.shape[0] for run in runs), runs[0].shape[1])
-        return cls("+".join(run.format for run in runs), shape, data, runs=views)
+        return cls("+".join(run.format for run in runs), shape, data, runs=views, damage=damage)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (..., K) times the quantized matrix, transposed [+ bias], in PyTorch: blocks.linear's numbers
@@ -300,7 +308,8 @@ class Matrix:
         """The output rows `ids` (N',) as a Matrix of the same format (a draft vocabulary's unembedding)."""
         if not self.quantized:
             return Matrix.store(self.dense()[ids], self.format)
-        return Matrix.from_blocks(self.row_blocks(ids), self.fine)
+        rows = self.row_blocks(ids)
+        return Matrix(rows.format, rows.shape, blocks.pack(rows), fine=self.fine)
 
 
 def float_values(raw, format: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -314,10 +323,7 @@ def storing_error(weight: torch.Tensor, format: str | None, given: Matrix | None
     blocks) run as stored, or None. bf16 (or None, nothing to store) takes any weight; a quantized
     format refuses rows that do not cut into blocks and values that are not finite."""
     if given is not None:
-        if not given.quantized:
-            return None
-        parts = given.runs or [given]  # a fused matrix: each run
-        return next((why for why in (blocks.stored_error(part.blocks()) for part in parts) if why), None)
+        return given.damage
     if format is None or format == "bf16":
         return None
     return blocks.quantizing_error(format, weight)
