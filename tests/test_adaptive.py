@@ -14,6 +14,7 @@ import torch
 from specdec.decoding import adaptive, calibration, engine
 from specdec.decoding.adaptive import CHEAP, MAX_STRETCH, PROBE_EVERY, Adaptive
 from specdec.decoding.costmodel import VerifyCurve
+from specdec.decoding.protocol import Joining
 from specdec.decoding.engine import speculative_generate
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
@@ -24,6 +25,11 @@ from specdec.proposers import DraftModelProposer, MTPProposer, NgramProposer
 from .spec_helpers import NEAR_TIE, greedy_divergence, noisy_copy, tiny_llama
 from .test_engine_sampling import DRAFT, PROMPT, SETTINGS, TARGET, N, distribution_test, exact_joint, passes
 from .test_tree import tiny_heads
+
+
+def joining(rows: int, prompt: int = 0) -> Joining:
+    """Rows joining a controller, each with a prompt of `prompt` tokens (0: nothing to catch up on)."""
+    return Joining([[0] * prompt] * rows, [SamplingConfig()] * rows, [None] * rows, [0] * rows)
 
 STEEP = VerifyCurve({n: 1e-3 * n for n in range(1, 20)})   # every token costs a full forward
 FLAT = VerifyCurve({n: 1e-3 * (1 + 0.01 * n) for n in range(1, 20)})
@@ -232,7 +238,7 @@ def test_rows_joining_start_from_what_earlier_rows_taught():
     controller.remember()
     fresh = Adaptive(FLAT, 0, {"chain": (1,) * 6})
     fresh.recall(controller.memory["key"])
-    fresh.join(3)
+    fresh.join(joining(3))
     assert fresh.accepted.shape == (1, 3, 6) and (fresh.accepted / fresh.offered > 0.9).all()
     assert fresh.choose()[0] > 1  # it drafts at once, where a fresh controller would explore first
     fresh.leave([2])
@@ -249,7 +255,7 @@ def test_a_closed_batch_remembers_what_its_rows_taught_after_they_left():
     fresh = Adaptive(FLAT, 0, {"chain": (1,) * 6})
     fresh.recall(controller.memory["key"])
     assert fresh.taught[1].max() <= adaptive.REMEMBERED_WEIGHT  # an earlier run is soon outweighed
-    fresh.join(2)
+    fresh.join(joining(2))
     assert fresh.acceptance()[0, :, 0].max() < 0.25
     assert fresh.choose()[0] == 0  # plain from the start, no exploring on the prior's hope
 
@@ -397,12 +403,12 @@ def test_a_run_that_knew_no_draft_could_pay_does_not_make_the_next_one_probe_ear
     proposer = NgramProposer()
     curves = {1: FLAT, 2: FLAT}
     first = Adaptive.for_run(curves, proposer, None)
-    first.join(2)
+    first.join(joining(2))
     run_controller(FLAT, accept=False, steps=400, controller=first)
     assert first.hopeless and not first.stopped  # every draft accepted would pay on this curve
     first.remember()
     second = Adaptive.for_run(curves, proposer, None)
-    second.join(2)
+    second.join(joining(2))
     run_controller(FLAT, accept=False, steps=64, controller=second)
     assert drafting_steps(second) == 0
     run_controller(FLAT, accept=False, steps=400, controller=second)
@@ -410,12 +416,12 @@ def test_a_run_that_knew_no_draft_could_pay_does_not_make_the_next_one_probe_ear
     # the control: a run whose verdict was open (drafts accepted) starts the next one probing early
     other = NgramProposer()  # its own memory
     open_verdict = Adaptive.for_run(curves, other, None)
-    open_verdict.join(2)
+    open_verdict.join(joining(2))
     run_controller(FLAT, accept=False, steps=40, controller=open_verdict)
     open_verdict.verdict = (2, False)
     open_verdict.remember()
     after = Adaptive.for_run(curves, other, None)
-    after.join(2)
+    after.join(joining(2))
     run_controller(FLAT, accept=False, steps=64, controller=after)
     assert drafting_steps(after) >= 1
 
@@ -555,7 +561,7 @@ def test_the_remembered_verdict_is_the_full_batchs_not_its_last_rows():
     verdict of the full batch (no plausible gain: its first probe waits), not of the last row."""
     proposer = NgramProposer()
     first = Adaptive.for_run({1: FLAT, 2: curve(0.7)}, proposer, None)
-    first.join(2)
+    first.join(joining(2))
     run_controller(curve(0.7), accept=False, steps=400, controller=first)
     assert first.hopeless
     first.leave([0])
@@ -608,7 +614,7 @@ def test_probes_wait_until_their_catch_up_is_a_small_share_of_the_stretch():
 
     def run(steps: int, proposer) -> tuple[Adaptive, list]:
         controller = Adaptive.for_run({8: curve}, proposer, None)
-        controller.join(8, [100] * 8)
+        controller.join(joining(8, prompt=100))
         probes = []  # (catch-up seconds, plain steps before it) of each probe after a stretch
         while controller.steps < steps:
             depth, _, stretch = controller.choose(horizon=steps - controller.steps)

@@ -28,6 +28,7 @@ from specdec import api
 from specdec.decoding.constraint import Constraint, Matcher, allowed, compile_constraint
 from specdec.decoding.engine import Engine, Request, speculative_generate
 from specdec.decoding.guided import DraftGrammar, GrammarDrafts, Guide
+from specdec.decoding.protocol import Joining
 from specdec.decoding.sampling import Draws, SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
@@ -176,9 +177,9 @@ def test_a_batch_mixes_constrained_and_free_rows_and_each_matches_its_own_run(to
     assert requests[2].row.text().split(",")[0] in ("yes", "no", "maybe")
 
 
-def test_the_guide_is_made_when_the_first_constrained_row_joins_a_running_batch(toy, schema):
-    """Free rows spend nothing on grammars: the engine has no guide until a constrained request
-    joins; it then joins rows already running, and every row matches its own run alone."""
+def test_the_guide_wakes_when_the_first_constrained_row_joins_a_running_batch(toy, schema):
+    """Free rows spend nothing on grammars: the engine's guide stays inactive until a constrained
+    request joins; it then holds rows already running, and every row matches its own run alone."""
     constraints = [None, schema, None]
     alone = [run(toy, c, GrammarDrafts(), 0, prompts=[p])[0][0].tokens for c, p in zip(constraints, PROMPTS)]
     engine = Engine(toy.lm, NgramProposer(), 4, 3, 200)
@@ -187,12 +188,13 @@ def test_the_guide_is_made_when_the_first_constrained_row_joins_a_running_batch(
     engine.submit(requests[0])
     for _ in range(3):
         engine.step()
-    assert engine.guide is None and requests[0].row.tokens and not requests[0].row.done
+    assert engine.constrained is None and requests[0].row.tokens and not requests[0].row.done
     for r in requests[1:]:
         engine.submit(r)
+    engine.step()
+    assert engine.constrained is not None and engine.guide.matchers[0] is None
     while engine.busy:
         engine.step()
-    assert engine.guide is not None
     assert [r.row.tokens for r in requests] == alone
 
 
@@ -245,7 +247,7 @@ def test_guided_lookup_drafts_through_forced_runs_and_matches_the_grammar_allows
     for proposer in (GuidedNgramProposer(), NgramProposer()):
         state, guide = proposer.start(100, 40, 1), Guide(vocab)
         proposer.join(state, [prompt], None, [SamplingConfig()])
-        guide.join([schema])
+        guide.join(Joining([prompt], [SamplingConfig()], [schema], [0]))
         proposal = proposer.propose(state, torch.tensor([40]), (1,), Draws(None, None, guide.drafting()))
         proposal = guide.propose(proposal, [40], [True])
         chains[type(proposer)] = proposal.tokens[0, :int(proposal.lengths[0])].tolist()

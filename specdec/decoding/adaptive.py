@@ -92,6 +92,7 @@ from typing import Callable
 import numpy as np
 
 from .costmodel import VerifyCurve
+from .protocol import Joining
 
 AUTO_DEPTH = 8                        # the deepest option considered
 AUTO_TREE = (3, 2, 2, 1, 1, 1, 1, 1)  # the tree shape tried beside chains, for proposers that draft trees
@@ -233,11 +234,11 @@ class Adaptive:
                                         "hopeless": self.verdict[1],
                                         **{name: getattr(self, name).copy() for name in LEARNED}}
 
-    def join(self, rows: int, prompts: list[int] | None = None) -> None:
-        """Rows appended to the batch: they start from what every step so far taught (`prior`).
-        prompts: their prompts' lengths in tokens, which the proposer reads with its first draft for
-        them (`repays`)."""
-        self.unread = np.concatenate([self.unread, np.asarray(prompts or [0] * rows, dtype=float)])
+    def join(self, joining: Joining) -> None:
+        """Rows appended to the batch: they start from what every step so far taught (`prior`); their
+        prompts are tokens the proposer reads with its first draft for them (`repays`)."""
+        rows = len(joining.prompts)
+        self.unread = np.concatenate([self.unread, np.asarray([len(p) for p in joining.prompts], dtype=float)])
         accepted, offered = self.prior()
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
         self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)

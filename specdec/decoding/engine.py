@@ -49,11 +49,11 @@ from .calibration import verify_curves
 from .constraint import Compiled, FirstToken, masked
 from .guided import Guide
 from .metrics import SpecMetrics
-from .protocol import Outcome, Proposal, Proposer
-from .sampling import Draws, RowGenerators, SamplingConfig, of_rows, perturbed, pick_rows, row_probabilities
-from .stopping import Row, StopRule
-from .tree import chain_positions, chain_runs, depths, levels_reached, path_columns, window_layout
-from .verify import Verdict, greedy_accept, rejection_sample, tree_rejection_sample
+from .protocol import Drafting, Joining, NoDraft, Outcome, Proposal, Proposer, RowState
+from .sampling import Draws, RowGenerators, SamplingConfig, pick_rows
+from .stopping import Row, StopRule, emit, emit_runs
+from .tree import chain_positions, chain_runs, levels_reached, path_columns, window_layout
+from .verify import Verdict, by_kind, rejection_sample, tree_rejection_sample
 
 
 @dataclass(eq=False)
@@ -144,6 +144,10 @@ class Engine:
             self.state = proposer.start(max_len, k, capacity, nodes, target_cache=self.cache)
         else:
             self.state = proposer.start(max_len, k, capacity, nodes)
+        self.guide = Guide(self.target.config.vocab_size, forced_drafts)  # constrained rows (guided.py)
+        # what keeps state per row beside the lists below, joining in this order (protocol.RowState)
+        self.holders: list[RowState] = [TargetRows(self.target, self.cache, self.features, self.share),
+                                         Drafting(proposer, self.state), self.guide, *filter(None, [self.adaptive])]
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
         self.cached: list[int] = []        # (B,) the target cache's lengths
@@ -153,8 +157,6 @@ class Engine:
         self.plain = PlainStretch([])
         self.closed = False  # a closed batch (`run`): no request comes after those given, so auto knows the steps left
         self.metrics = SpecMetrics(k=k, batch_size=capacity)
-        self.forced_drafts = forced_drafts
-        self.guide: Guide | None = None  # made when the first constrained request joins (`join_guide`)
 
     def submit(self, request: Request) -> None:
         """Queue a request (any thread); it joins the batch at the next step with room."""
@@ -218,16 +220,11 @@ class Engine:
             self.plain_stretch()
             return
         clock.mark("chosen")
-        guide = self.constrained
+        guide = self.constrained  # this step's, though its rows may go free as they commit
         limit = draft_limits([r.row.budget for r in self.requests], depth)
         limits, last = torch.tensor([limit, self.last], device=self.device)  # (B,) each, one copy
         self.next_window = None
-        # a seeded row's first draft: position cached + 1; constrained rows draft under their grammars
-        draws = Draws(self.generator(), [c + 1 for c in self.cached], guide and guide.drafting())
-        proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()  # propose
-        if guide:  # forced runs in place of drafts; chains cut where they leave the grammar
-            proposal = guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
-                                                            or r.sampling.seeded for r in self.requests]).trimmed()
+        proposal = self.propose(limits, limit, shape, guide)                                  # propose
         clock.mark("proposed")
         if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
             self.plain_left = 1
@@ -237,19 +234,15 @@ class Engine:
         forced = guide is not None and guide.forced_only(proposal)  # every draft forced: certain, only the column after them decides
         out = self.verify_forward(window, proposal, clock, proposal.lengths[:, None] if forced else None)  # verify
         verdict = (self.after_forced(proposal, out.logits) if forced                     # accept: logits (B, 1, V)
-                   else self.verify(proposal, self.masked(out.logits, proposal)))        # or (B, 1+m, V)
+                   else self.accept(proposal, self.masked(out.logits, proposal)))        # or (B, 1+m, V)
         # what the host needs of the step, read from the device at once: (B, 3 + m)
         read = torch.cat([verdict.accepted[:, None], verdict.next_token[:, None], proposal.lengths[:, None],
                           proposal.tokens], 1).tolist()
         accepted, next_tokens, lengths = ([row[i] for row in read] for i in range(3))
         clock.mark("accepted")
-        outcome = self.commit([row[3:] for row in read], accepted, verdict, next_tokens, out)  # commit
-        if guide:
-            guide.commit(outcome.tokens, outcome.counts)
-            outcome = guide.outcome(outcome)  # what the drafter hears of forced runs
-            self.metrics.forced = guide.forced
+        outcome = self.commit([row[3:] for row in read], accepted, verdict, next_tokens, out, guide)  # commit
         clock.mark("committed")
-        self.proposer.observe(self.state, outcome)                                             # observe
+        self.observe(outcome, guide)                                                           # observe
         clock.mark("observed")
         self.metrics.record_step(lengths, accepted, outcome.counts, None if verdict.paths is None
                                  else levels_reached(proposal.parents, lengths, verdict.paths))
@@ -259,6 +252,18 @@ class Engine:
         if self.adaptive:
             chain = None if verdict.paths is None else chain_runs(proposal.parents, verdict.paths)
             self.adaptive.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward, chain)
+
+    def propose(self, limits: torch.Tensor, limit: list[int], shape: tuple[int, ...], guide: Guide | None
+                ) -> Proposal:
+        """The proposer's drafts, at most limits[b] (B,; on the host: limit) levels per row in `shape`; with constrained rows,
+        drafted under their grammars, forced runs in place of drafts and chains cut where they leave the
+        grammar (guided.py). A seeded row's first draft: position cached + 1."""
+        draws = Draws(self.generator(), [c + 1 for c in self.cached], guide and guide.drafting())
+        proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()
+        if guide:
+            proposal = guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
+                                                                 or r.sampling.seeded for r in self.requests]).trimmed()
+        return proposal
 
     def choose(self) -> tuple[int, tuple[int, ...]]:
         """This step's depth and shape (k="auto": the controller's choice; a depth of 0 starts a
@@ -320,11 +325,11 @@ class Engine:
         return Verdict(proposal.lengths, picked.to(self.device))
 
     def commit(self, drafts: list[list[int]], accepted: list[int], verdict: Verdict, next_tokens: list[int],
-               out) -> Outcome:
+               out, guide: Guide | None) -> Outcome:
         """Emit each row's run (emit_runs), keep what the target computed along what was emitted: its
         cache entries (a tree's accepted path moved to follow the root) and, for the proposer, its
-        features in the verify forward `out`; open the next window with the newest token. Returns
-        the step's Outcome: the runs, the counts emitted and those features."""
+        features in the verify forward `out`; open the next window with the newest token; the constrained
+        rows' grammars move on. Returns the step's Outcome: the runs, the counts emitted and those features."""
         paths = verdict.paths or [range(n) for n in accepted]
         runs, counts = emit_runs([r.row for r in self.requests], drafts, paths, next_tokens)
         if verdict.paths is not None:  # keep the window entries that predicted an emitted token
@@ -332,7 +337,14 @@ class Engine:
         self.cached = [n + c for n, c in zip(self.cached, counts)]
         self.cache.rollback(self.cached)
         self.last = [run[n - 1] if n else old for run, n, old in zip(runs, counts, self.last)]
+        if guide:
+            guide.commit(runs, counts)
+            self.metrics.forced = guide.forced
         return Outcome(accepted, runs, counts, self.features_along(out, verdict), verdict.paths)
+
+    def observe(self, outcome: Outcome, guide: Guide | None) -> None:
+        """The proposer learns what was committed (of a forced run, that none of its drafts was accepted)."""
+        self.proposer.observe(self.state, guide.outcome(outcome) if guide else outcome)
 
     def features_along(self, out, verdict: Verdict) -> torch.Tensor:
         """The declared features (B, 1+m, ...) of the verify forward, along a tree's accepted path."""
@@ -404,21 +416,32 @@ class Engine:
 
     def regroup(self) -> None:
         """Finished and cancelled rows leave (the others keep their places where they can, so that
-        the caches copy few rows); waiting requests join while there is room."""
+        the caches copy few rows); waiting requests join while there is room: every holder of rows
+        hears of both (protocol.RowState)."""
         keep = compacted([not r.finished for r in self.requests])
-        if len(keep) < len(self.requests) or self.waiting:
+        leaving = len(keep) < len(self.requests)
+        if leaving or self.waiting:
             self.next_window = None
-        if self.adaptive and (len(keep) < len(self.requests) or self.waiting):
             self.end_plain()  # the proposer's rows must be up to date before they regroup
-        if len(keep) < len(self.requests):
-            self.cache.regroup(keep)
-            if self.guide:
-                self.guide.leave(keep)
-            self.proposer.leave(self.state, keep)
-            if self.adaptive:
-                self.adaptive.leave(keep)
+        if leaving:
+            for holder in self.holders:
+                holder.leave(keep)
             self.requests, self.last, self.cached = ([rows[b] for b in keep] for rows in (
                 self.requests, self.last, self.cached))
+        joining, promises = self.admit()
+        if joining:
+            prompts = [r.prompt for r in joining]
+            news = Joining(prompts, [r.sampling for r in joining], [r.constraint for r in joining], promises)
+            with self.metrics.timed("prefill_seconds"):
+                for holder in self.holders:
+                    holder.join(news)
+            self.requests += joining
+            self.last += [p[-1] for p in prompts]
+            self.cached += [len(p) - 1 for p in prompts]
+
+    def admit(self) -> tuple[list[Request], list[int]]:
+        """The waiting requests that join now, first in line first, while there is room in the batch and
+        their worst case can be promised (else the first waits), and the blocks promised to each."""
         joining, promises = [], []
         while self.waiting and len(self.requests) + len(joining) < self.capacity:
             request = self.waiting[0]
@@ -432,32 +455,12 @@ class Engine:
                 break
             joining.append(self.waiting.popleft())
             promises.append(promise)
-        if joining:
-            prompts = [r.prompt for r in joining]
-            with self.metrics.timed("prefill_seconds"):
-                hidden = prefill_joining(self.target, self.cache, prompts, self.features, promises, self.share)
-                self.proposer.join(self.state, prompts, hidden, [r.sampling for r in joining])
-            if self.adaptive:
-                self.adaptive.join(len(joining), [len(p) for p in prompts])
-            self.join_guide([r.constraint for r in joining])
-            self.requests += joining
-            self.last += [p[-1] for p in prompts]
-            self.cached += [len(p) - 1 for p in prompts]
-
-    def join_guide(self, constraints: list[Compiled | FirstToken | None]) -> None:
-        """The joining rows' constraints to the guide (guided.py), made with the first constrained
-        row, the rows already there unconstrained: until then no step spends anything on grammars."""
-        if self.guide is None:
-            if all(c is None for c in constraints):
-                return
-            self.guide = Guide(self.target.config.vocab_size, self.forced_drafts)
-            self.guide.join([None] * len(self.requests))
-        self.guide.join(constraints)
+        return joining, promises
 
     @property
     def constrained(self) -> Guide | None:
         """The guide while a row of the batch is constrained, else None."""
-        return self.guide if self.guide is not None and self.guide.active else None
+        return self.guide if self.guide.active else None
 
     def generator(self):
         """The rows' random generators: their common one, or one per row."""
@@ -466,91 +469,34 @@ class Engine:
             return generators[0]
         return RowGenerators(generators)
 
+    def accept(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
+        """Each row's verdict on the proposal from the target's logits (B, 1+m, V), under its own sampling
+        settings (verify.by_kind)."""
+        return by_kind(proposal, logits, [r.sampling for r in self.requests], self.cached, self.generator(),
+                       self.sampled_verify, self.tree_verify)
+
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) logits -> (B,) each row's next token under its own sampling settings (sampling.pick_rows;
         a seeded row's noise is that of its next position)."""
         return pick_rows(logits, [r.sampling for r in self.requests], self.generator(),
                          [n + 1 for n in self.cached])
 
-    def verify(self, proposal: Proposal, logits: torch.Tensor) -> Verdict:
-        """Greedy rows by greedy acceptance; seeded rows by greedy acceptance on their perturbed
-        log-probabilities (sampling.perturbed: the noise of each window column's position); other
-        sampled rows by `sampled_verify` (chains) or `tree_verify` (trees) on their own sampling
-        settings' probabilities (logits (B, 1+m, V)); one call for each kind present."""
-        kinds = {"greedy": [], "seeded": [], "sampled": []}
-        for b, r in enumerate(self.requests):
-            kinds["greedy" if r.sampling.greedy else "seeded" if r.sampling.seeded else "sampled"].append(b)
-        parents = proposal.parents
-        generator = self.generator()
 
-        def by_greedy(rows, index, row_logits):
-            return greedy_accept(proposal.tokens[index], row_logits, proposal.lengths[index],
-                                 None if parents is None else parents[index])
+@dataclass
+class TargetRows:
+    """The target's KV cache as a holder of rows: joining prompts prefilled (their features handed on to
+    the holders after it), leaving rows' blocks given back."""
+    model: object
+    cache: object
+    features: tuple[int, ...]
+    share: bool  # map the cached blocks of a prompt's leading tokens (lm/kv_cache.py)
 
-        def by_seed(rows, index, row_logits):
-            columns = row_logits.shape[1]
-            if parents is None:
-                depth = [list(range(columns))] * len(rows)
-            else:
-                lengths = proposal.lengths[index].tolist()
-                depth = [[0] + depths([p if i < n else -1 for i, p in enumerate(row)])
-                         for row, n in zip(parents[index].tolist(), lengths)]
-            positions = [[self.cached[b] + 1 + d for d in row] for b, row in zip(rows, depth)]
-            noisy = perturbed(row_logits, [self.requests[b].sampling for b in rows], positions)
-            return by_greedy(rows, index, noisy)
+    def join(self, joining: Joining) -> None:
+        joining.hidden = prefill_joining(self.model, self.cache, joining.prompts, self.features, joining.promises,
+                                         self.share)
 
-        def by_sampling(rows, index, row_logits):
-            tokens, lengths = proposal.tokens[index], proposal.lengths[index]
-            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[index]
-            target_probs = row_probabilities(row_logits, [self.requests[b].sampling for b in rows])
-            g = of_rows(generator, rows)
-            if parents is None:
-                return self.sampled_verify(tokens, draft_probs, target_probs, g, lengths)
-            return self.tree_verify(tokens, draft_probs, target_probs, parents[index], g, lengths)
-
-        rules = {"greedy": by_greedy, "seeded": by_seed, "sampled": by_sampling}
-        present = [(kind, rows) for kind, rows in kinds.items() if rows]
-        if len(present) == 1:
-            kind, rows = present[0]
-            return rules[kind](rows, slice(None), logits)
-        accepted, next_token = (torch.empty(len(self.requests), dtype=torch.long, device=self.device) for _ in range(2))
-        paths = None if parents is None else [None] * len(self.requests)
-        for kind, rows in present:
-            index = torch.tensor(rows, device=self.device)
-            verdict = rules[kind](rows, index, logits[index])
-            accepted[index], next_token[index] = verdict.accepted, verdict.next_token
-            if paths is not None:
-                for b, path in zip(rows, verdict.paths):
-                    paths[b] = path
-        return Verdict(accepted, next_token, paths)
-
-
-class NoDraft:
-    """The proposer of plain decoding (`Engine(target, None, 0, ...)`): it proposes nothing and
-    keeps no state, so every step is a plain step of the target."""
-    name = "plain"
-    vocab_size = None
-    trees = False
-    max_depth = 0
-    features = ()
-    prompt_features = False
-
-    def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> None:
-        return None
-
-    def join(self, state: None, prompts: list[list[int]], prompt_hidden: torch.Tensor,
-             samplings: list[SamplingConfig]) -> None:
-        return None
-
-    def leave(self, state: None, keep: list[int]) -> None:
-        return None
-
-    def propose(self, state: None, limits: torch.Tensor, widths: tuple[int, ...],
-                generator: torch.Generator | None) -> Proposal:
-        return Proposal.empty(limits.shape[0], limits.device)
-
-    def observe(self, state: None, outcome: Outcome) -> None:
-        return None
+    def leave(self, keep: list[int]) -> None:
+        self.cache.regroup(keep)
 
 
 class Clock:
@@ -641,26 +587,6 @@ def draft_limits(budgets: list[int], k: int) -> list[int]:
     The context needs no separate clip: check_prompt ensured that prompt + max_new_tokens fits,
     and the budget bounds every row's sequence."""
     return [min(max(budget - 1, 0), k) for budget in budgets]
-
-
-def emit_runs(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]
-              ) -> tuple[list[list[int]], list[int]]:
-    """Emit each row's accepted drafts (the nodes of its path) and then its recovered/bonus token
-    through Row.emit, one at a time, so a stop inside the run cuts it. Returns each row's run
-    (the path's drafts, the recovered or bonus token, zeros up to 1+m) and the counts emitted:
-    accepted + 1, fewer where the row finished, 0 for rows already finished."""
-    runs = [[row_drafts[i] for i in path] + [token] + [0] * (len(row_drafts) - len(path))
-            for row_drafts, path, token in zip(drafts, paths, next_tokens)]
-    return runs, [emit(row, run, len(path) + 1) for row, run, path in zip(rows, runs, paths)]
-
-
-def emit(row: Row, run: list[int], n: int) -> int:
-    """Append run[:n] one token at a time until the row finishes; return how many it took."""
-    for i in range(n):
-        if row.done:
-            return i
-        row.emit(run[i])
-    return n
 
 
 def check_setup(target, proposer: Proposer, k: int, widths: tuple[int, ...] | None) -> tuple[int, ...]:

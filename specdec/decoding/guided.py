@@ -51,7 +51,7 @@ import torch
 
 from ..errors import SpecdecError
 from .constraint import Compiled, Matcher, flags, masked
-from .protocol import Outcome, Proposal
+from .protocol import Joining, Outcome, Proposal
 from .tree import chain_parents
 
 
@@ -68,8 +68,10 @@ class Guide:
         self.active = False                # whether any row is constrained (kept by join and leave)
         self.forced = 0                    # emitted tokens that their grammar forced
 
-    def join(self, constraints: list[Compiled | None]) -> None:
-        self.matchers += [None if c is None else c.matcher() for c in constraints]
+    def join(self, joining: Joining) -> None:
+        """The joining rows' constraints (None: unconstrained): until the first constrained row joins, no step
+        spends anything on grammars."""
+        self.matchers += [None if c is None else c.matcher() for c in joining.constraints]
         self.replaced, self.heads = [], []
         self.active = any(m is not None for m in self.matchers)
 

@@ -36,6 +36,11 @@ A proposal may be a tree (tree.py): each draft names its parent. `widths[d]` cap
 depth d + 1 (all ones: a chain); a proposer that can branch says so with `trees = True` and lists
 its main chain first (nodes 0, 1, ..), the alternatives after it; one that cannot ignores widths.
 
+The engine's row seam (`RowState`): everything that keeps state per row beside the engine's own lists
+(the target's cache, the proposer through `Drafting`, the constraint guide, the `-k auto` controller)
+hears of rows joining (`Joining`, in that order: the cache's prefill fills in the prompts' features
+the others read) and leaving through the same two calls.
+
 This module knows nothing about particular proposers, verification or stopping.
 """
 from __future__ import annotations
@@ -150,3 +155,65 @@ class Proposer(Protocol):
 
     def observe(self, state: Any, outcome: Outcome) -> None:
         """Learn what the target committed for the last proposal; drop what it rejected."""
+
+
+
+class NoDraft:
+    """The proposer of plain decoding (engine.Engine(target, None, 0, ...)): it proposes nothing and
+    keeps no state, so every step is a plain step of the target."""
+    name = "plain"
+    vocab_size = None
+    trees = False
+    max_depth = 0
+    features = ()
+    prompt_features = False
+
+    def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> None:
+        return None
+
+    def join(self, state: None, prompts: list[list[int]], prompt_hidden: torch.Tensor,
+             samplings: list[SamplingConfig]) -> None:
+        return None
+
+    def leave(self, state: None, keep: list[int]) -> None:
+        return None
+
+    def propose(self, state: None, limits: torch.Tensor, widths: tuple[int, ...],
+                generator: torch.Generator | None) -> Proposal:
+        return Proposal.empty(limits.shape[0], limits.device)
+
+    def observe(self, state: None, outcome: Outcome) -> None:
+        return None
+
+
+@dataclass
+class Joining:
+    """Requests joining the batch, as each holder of per-row state hears of them."""
+    prompts: list[list[int]]
+    samplings: list[SamplingConfig]
+    constraints: list                   # each one's grammar (guided.py) or None
+    promises: list[int]                 # blocks of KV cache set aside for each (Engine.promise)
+    hidden: torch.Tensor | None = None  # the target's features of the prompts, once its cache has prefilled them
+
+
+class RowState(Protocol):
+    """What keeps state per row of the engine's batch, in the batch's order."""
+
+    def join(self, joining: Joining) -> None:
+        """Append rows for the joining requests."""
+
+    def leave(self, keep: list[int]) -> None:
+        """Keep only rows `keep`, in that order."""
+
+
+@dataclass
+class Drafting:
+    """A proposer and its generation's state, as a holder of rows."""
+    proposer: Proposer
+    state: Any
+
+    def join(self, joining: Joining) -> None:
+        self.proposer.join(self.state, joining.prompts, joining.hidden, joining.samplings)
+
+    def leave(self, keep: list[int]) -> None:
+        self.proposer.leave(self.state, keep)

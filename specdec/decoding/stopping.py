@@ -85,3 +85,23 @@ class Row:
         by_token = self.finish_reason == "eos" or (self.finish_reason == "stop" and self.text_end is None)
         body = self.tokens[:-1] if by_token else self.tokens
         return self.rule.decode(body)[:self.text_end]
+
+
+def emit_runs(rows: list[Row], drafts: list[list[int]], paths: list, next_tokens: list[int]
+              ) -> tuple[list[list[int]], list[int]]:
+    """Emit each row's accepted drafts (the nodes of its path) and then its recovered/bonus token
+    through Row.emit, one at a time, so a stop inside the run cuts it. Returns each row's run
+    (the path's drafts, the recovered or bonus token, zeros up to 1+m) and the counts emitted:
+    accepted + 1, fewer where the row finished, 0 for rows already finished."""
+    runs = [[row_drafts[i] for i in path] + [token] + [0] * (len(row_drafts) - len(path))
+            for row_drafts, path, token in zip(drafts, paths, next_tokens)]
+    return runs, [emit(row, run, len(path) + 1) for row, run, path in zip(rows, runs, paths)]
+
+
+def emit(row: Row, run: list[int], n: int) -> int:
+    """Append run[:n] one token at a time until the row finishes; return how many it took."""
+    for i in range(n):
+        if row.done:
+            return i
+        row.emit(run[i])
+    return n

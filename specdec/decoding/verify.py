@@ -38,6 +38,9 @@ from typing import NamedTuple
 
 import torch
 
+from .sampling import of_rows, perturbed, row_probabilities
+from .tree import depths
+
 from .sampling import argmax, sample, uniform
 from .tree import children
 
@@ -192,3 +195,58 @@ def tree_rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor 
         last_probs.append(p)
     next_token = sample(torch.stack(last_probs), generator)
     return Verdict(torch.tensor([len(p) for p in paths], device=draft_tokens.device), next_token, paths)
+
+
+def by_kind(proposal, logits: torch.Tensor, samplings: list, cached: list[int], generator, sampled_verify,
+            tree_verify) -> Verdict:
+    """The verdict of a batch whose rows sample differently (one call per kind present): greedy rows by
+    greedy acceptance; seeded rows by greedy acceptance on their perturbed log-probabilities
+    (sampling.perturbed: the noise of each window column's position, after each row's `cached` tokens);
+    other sampled rows by `sampled_verify` (chains) or `tree_verify` (trees) on their own settings'
+    probabilities. proposal: protocol.Proposal; logits (B, 1+m, V); samplings (B,) SamplingConfig;
+    generator: the rows' (one, or sampling.RowGenerators)."""
+    kinds = {"greedy": [], "seeded": [], "sampled": []}
+    for b, sampling in enumerate(samplings):
+        kinds["greedy" if sampling.greedy else "seeded" if sampling.seeded else "sampled"].append(b)
+    parents = proposal.parents
+
+    def by_greedy(rows, index, row_logits):
+        return greedy_accept(proposal.tokens[index], row_logits, proposal.lengths[index],
+                             None if parents is None else parents[index])
+
+    def by_seed(rows, index, row_logits):
+        columns = row_logits.shape[1]
+        if parents is None:
+            depth = [list(range(columns))] * len(rows)
+        else:
+            lengths = proposal.lengths[index].tolist()
+            depth = [[0] + depths([p if i < n else -1 for i, p in enumerate(row)])
+                     for row, n in zip(parents[index].tolist(), lengths)]
+        positions = [[cached[b] + 1 + d for d in row] for b, row in zip(rows, depth)]
+        return by_greedy(rows, index, perturbed(row_logits, [samplings[b] for b in rows], positions))
+
+    def by_sampling(rows, index, row_logits):
+        tokens, lengths = proposal.tokens[index], proposal.lengths[index]
+        draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[index]
+        target_probs = row_probabilities(row_logits, [samplings[b] for b in rows])
+        g = of_rows(generator, rows)
+        if parents is None:
+            return sampled_verify(tokens, draft_probs, target_probs, g, lengths)
+        return tree_verify(tokens, draft_probs, target_probs, parents[index], g, lengths)
+
+    rules = {"greedy": by_greedy, "seeded": by_seed, "sampled": by_sampling}
+    present = [(kind, rows) for kind, rows in kinds.items() if rows]
+    if len(present) == 1:
+        kind, rows = present[0]
+        return rules[kind](rows, slice(None), logits)
+    device = logits.device
+    accepted, next_token = (torch.empty(len(samplings), dtype=torch.long, device=device) for _ in range(2))
+    paths = None if parents is None else [None] * len(samplings)
+    for kind, rows in present:
+        index = torch.tensor(rows, device=device)
+        verdict = rules[kind](rows, index, logits[index])
+        accepted[index], next_token[index] = verdict.accepted, verdict.next_token
+        if paths is not None:
+            for b, path in zip(rows, verdict.paths):
+                paths[b] = path
+    return Verdict(accepted, next_token, paths)
