@@ -5,78 +5,12 @@ The predicted rate of an option (shape s, depth d) is tokens per second over the
 
     rate(s, d) = Σ_rows E_b(s, d) / (t_B(n(s, d)) + draft(d) + overhead(d))
 
-- E_b(s, d) = 1 + Σ_{i<=d} Π_{j<=i} q_bj: q_bj is row b's chance that a draft at depth j is
-  accepted once the accepted path got to depth j - 1 and the step allowed depth j (decayed counts
-  per row with a prior: PRIOR at depth 1, deeper the estimate one level up, so that depths seldom
-  reached are not drafted on the prior's hope alone; its weight fades with the evidence; during a
-  plain stretch a row's q drifts back to what every drafting step taught, as DECAY a step). It folds
-  the cost model's proposal rate p_j and acceptance α_j into one (costmodel.predicted_speedup), per
-  shape: a tree's alternatives raise it.
-- t_B(n): the target's forward over n tokens per row at the batch's current size B (rows join and
-  leave), measured on this machine once per batch size (powers of two) and cached
-  (calibration.py; the engine hands the curves over, this module never sees the model); n(s, d)
-  the window such a step really carried (a running mean; it starts at 1 + Σ widths[:d], what a
-  full proposal would carry). The curve is scaled by what this run's
-  forwards took against it, for plain and drafting steps apart: a draft's work between forwards
-  (weights evicted from the caches), the features a drafter asks for or a busier machine than when
-  the curve was measured make the same forward dearer, and the choice must see it (the median of
-  the latest five of each: one forward slowed by a stolen time slice does not price drafting out).
-- draft(d): the proposer's seconds per step at depth d, overhead(d): the engine's own seconds per
-  step at depth d (running means of what the steps took, by depth: a sampled row's verification
-  costs more the more tokens it verifies; a depth not yet measured is taken from the nearest one
-  that was, the draft's scaled in proportion to d; draft(d) is the median of its latest five steps,
-  or the fewest seconds of its first two, so one spike does not keep a depth from being drafted; a
-  probe after a plain stretch also pays the proposer's catch-up on the stretch, so its seconds count
-  only until a step without one prices the depth: the option is drafted again at once for that
-  price where the price matters (an option that would pay were its drafts all accepted and free);
-  the plausible bounds below take a depth's fewest recent seconds, and only prices without a
-  catch-up may end the probing).
-
-What a run learned carries over to the next run of the same proposer, target and capacity in
-this process (`remember`): the costs (a probe's among them), the probe stretch (at most
-REMEMBERED_STRETCH, so that a new run re-checks early, unless the last one ended knowing no draft
-could plausibly pay at its fullest batch, not just for the last rows left: a probe then costs a
-catch-up a short run never earns back)
-and, as the joining rows' prior, the acceptance counts per shape and depth of every drafting step
-it made, undecayed (an earlier run's count for at most REMEMBERED_WEIGHT pseudo-steps, so that
-the rows of this run soon outweigh them). A benchmark thus stops exploring what it already knows; a
-server's rows start from what the earlier ones taught.
-
-The option of highest rate is drafted. Plain decoding, when it is the best, runs as a stretch of
-steps (the engine's lean plain loop, with its own overhead estimate) followed by a probe: one
-level drafted, cycling through the shapes that could plausibly pay (a tree whose window costs more
-than its drafts could save at this batch size is not probed); each probe that does not change the
-verdict doubles the next stretch (PROBE_EVERY up to MAX_STRETCH steps), so a method that does not
-pay costs little; one whose drafting gained until plain decoding won again sets it back to
-PROBE_EVERY. Where no option would pay even at the plausible upper bounds of q (PLAUSIBLE
-standard errors above the estimates), the stretches keep doubling past MAX_STRETCH (a probe after as
-many steps as came before: their cost per token vanishes, and a text turning predictable is still
-found), the probes going to the shapes that would pay were every draft accepted; where none would,
-there is no probe at all until the batch changes (`summary()["stopped_probing"]`). A probe informs
-the steps after it: in a closed batch (the engine says how many steps its rows may still run) none
-comes with fewer steps left than the stretch before it. When a one-level probe costs less than CHEAP
-of the throughput at the plausible lower bounds of q (n-gram lookup on a flat verify curve), it comes
-after every plain step instead, since such matches come in bursts; where it is cheap only on thin
-evidence (a batch of 8 on whose curve a window of two tokens costs 1.6 of one), it waits for its
-stretch. Whatever the stretch, a probe waits until what probes lost is CHEAP of the steps before
-it: the loss of the drafting from a probe to the next plain stretch against plain decoding's steps
-for the same tokens (the catch-up, the step that prices the depth alone, rejected drafts), a
-running mean over the probes (0 while they gain). A probe of EAGLE or the self-draft after a
-stretch at batch 8 loses about five plain steps, so such probes come 160 or more steps apart.
-
-A drafting step after plain ones also pays the proposer's catch-up on the tokens it has not read
-(`unread`: the prompts of rows that joined, rows x steps of a plain stretch), priced per token
-(`catch_up`: such steps' draft seconds beyond the depth's price, a running mean; EAGLE's layer on
-SmolLM2 at batch 8: 30 µs a token, a run's prompts two plain steps). Drafting resumes only where it
-saves more than that over the steps the batch may still run (`repays`), and a probe waits until its
-catch-up, which grows with the stretch before it, is CHEAP of that stretch (`least_stretch`): after a
-run in which drafting lost at batch 8, the next 64-token run does not probe at all.
-
-While drafting pays, every PROBE_EVERY steps one level deeper than the best is drafted instead, so
-the estimates of levels not chosen stay fresh, and a drafting choice that pays on measured costs
-even at the plausible lower bounds of q holds for HOLD steps between weighings (one made on the
-prior or on a lucky step or two is weighed again after its step). `summary()` says what was chosen
-and why: each option's mean predicted speedup over plain decoding.
+E_b from each row's decayed acceptance by depth with a prior (`acceptance`); t_B the target's verify
+curve at the batch's size (calibration.py; the engine hands the curves over), scaled by what this run's
+forwards took; draft and overhead from what the steps cost, a probe's catch-up on what the proposer
+has not read priced apart (`catch_up`, `repays`). Plain decoding runs as stretches that double while a
+probe one level deeper does not change the verdict (`choose`, `probe`); what a run learned carries over
+to the next run of the same proposer (`remember`). docs/methods/auto.md tells the whole policy and why.
 
 This module knows nothing about models or tokens: the engine hands it the verify curves and
 reports each step's outcome.

@@ -1,31 +1,15 @@
-"""Speculative decoding as a step loop: propose -> verify -> accept -> commit, over a batch of
-requests that join and leave between steps (continuous batching).
+"""Speculative decoding as a step loop: propose -> verify -> accept -> commit -> observe, over a batch
+of requests that join and leave between steps (continuous batching).
 
-Every row of the batch is one request with its own sequence, cache length, sampling settings,
-random generator, stop rule and stream. The target's cache lags one token behind each sequence:
-the newest token ("last") opens the next verification window [last, d_1..d_m], scored by ONE
-target forward pass for all rows. Tokens are emitted through `Row.emit` one at a time, so EOS,
-stop strings and max_new_tokens cut exactly inside an accepted run; then each row's target cache
-is rolled back to the tokens it kept and the proposer is told what was committed.
-
-A proposal may be a tree (tree.py; `widths` caps the drafts per depth): the window then carries
-every node, with positions by depth and a tree attention mask, acceptance walks the tree, and the
-cache keeps the accepted path's entries moved to follow each other (`KVCache.compact`).
-
-Depth 0 is plain decoding, lean one-token steps (`Engine.plain_step`); a stretch of them is told to
-the proposer once, at its end. An engine without a proposer (`NoDraft`, k = 0) is plain decoding
-itself: the one fast plain decoder (`plain_generate`; reference.py stays the simple oracle). k = "auto" chooses each step's depth (0 included) and shape
-from what pays (adaptive.py); the controller is told what each step accepted and cost.
-
-Everything the engine creates lives on the target's device. The host keeps the bookkeeping (each
-row's tokens, cache length and budget) and reads the device once per step where it can: what the
-target accepted, with the drafts, in one copy (syncs.py counts these points).
-
-Between steps (`Engine.regroup`) finished or cancelled rows leave and waiting requests join: the
-joining prompts are prefilled, and the target's cache, the proposer's state and the controller
-regroup their rows; caches are allocated once, for `capacity` rows. `Engine.run` runs one closed
-batch of requests; `speculative_generate` and `plain_generate` are it for token ids under one
-setting. Requests from text come through pipeline.py (encode, heal, stop rule, stream).
+Every row is one request with its own sequence, sampling settings, generator, stop rule and stream.
+The target's cache lags one token behind each sequence: the newest token ("last") opens the next
+window [last, drafts], scored by ONE target forward for all rows (a tree's nodes with positions by
+depth and a tree mask: tree.py). Tokens are emitted one at a time (`stopping.emit_runs`), so a stop
+cuts exactly inside an accepted run; the cache rolls back to what was kept and the proposer hears
+what was committed. Depth 0 is plain decoding in lean one-token steps (`plain_step`); k = "auto"
+chooses each step's depth and shape (adaptive.py). Between steps rows leave and join through one
+seam (protocol.RowState: the cache, the proposer, the constraint guide, the controller). The host
+reads the device once per step where it can (syncs.py counts these points).
 
 This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py),
 model internals (lm/) or serving (serve/).
@@ -51,7 +35,7 @@ from .guided import Guide
 from .metrics import SpecMetrics
 from .protocol import Drafting, Joining, NoDraft, Outcome, Proposal, Proposer, RowState
 from .sampling import Draws, RowGenerators, SamplingConfig, pick_rows
-from .stopping import Row, StopRule, emit, emit_runs
+from .stopping import Row, StopRule, check_inputs, check_prompt, emit, emit_runs
 from .tree import chain_positions, chain_runs, levels_reached, path_columns, window_layout
 from .verify import Verdict, by_kind, rejection_sample, tree_rejection_sample
 
@@ -97,23 +81,19 @@ class Engine:
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                  tree_verify=tree_rejection_sample, forced_drafts: bool = True, name: str = "the target",
                  kv_dtype: torch.dtype | None = None, kv_tokens: int | None = None, share_prefixes: bool = True):
-        """target: the causal LM as admitted at load (lm.interface.admit); proposer None: plain
-        decoding (k must be 0; `NoDraft`).
-        k: drafts per step, or "auto" (adaptive.py); widths: the most drafts per depth (len k;
-        default all ones, a chain; with "auto", the tree tried beside chains). capacity: the most
-        rows in the batch; max_len: the longest sequence (prompt + generated) a row may reach.
-        `sampled_verify` and `tree_verify` are the acceptance rules of sampled rows for chains and
-        trees (signatures of verify.rejection_sample and verify.tree_rejection_sample); tests
-        replace them to show a wrong rule is detected. forced_drafts: constrained rows propose the
-        tokens their grammar forces in place of the drafter's (guided.py; needs k >= 1). kv_dtype: the
-        target's KV cache dtype (default its compute dtype; bfloat16 halves what a batched step's
-        attention reads, the keys and values rounded to it). kv_tokens: the positions its pool holds
-        (default every row's max_len): a request joins when its worst case fits beside the rows'
-        (`promise`), else it waits. share_prefixes: joining prompts map the blocks of leading tokens
-        already in the cache (lm/kv_cache.py) where the proposer does not read prompt features.
-        With "auto" the target's verify curves at every batch size up to `capacity` are read, or
-        measured now and stored (calibration.verify_curves: said on stderr with `name`), so that no
-        step pays for them; `verify_curve_seconds` says how long measuring took (0: they were stored)."""
+        """target: the causal LM as admitted at load (lm.interface.admit); proposer None: plain decoding
+        (k must be 0; `NoDraft`). k: drafts per step, or "auto" (adaptive.py: the target's verify curves
+        at every batch size up to `capacity` are read, or measured now and stored, said on stderr with
+        `name`; `verify_curve_seconds` says how long that took); widths: the most drafts per depth (len k;
+        default a chain; with "auto", the tree tried beside chains). capacity: the most rows in the batch;
+        max_len: the longest sequence (prompt + generated) a row may reach. `sampled_verify` and
+        `tree_verify`: the acceptance rules of sampled rows for chains and trees (tests replace them to
+        show a wrong rule is detected). forced_drafts: constrained rows propose the tokens their grammar
+        forces in place of the drafter's (guided.py; needs k >= 1). kv_dtype: the target's KV cache dtype
+        (default its compute dtype); kv_tokens: the positions its pool holds (default every row's
+        max_len): a request joins when its worst case fits beside the rows' (`promise`), else it waits.
+        share_prefixes: joining prompts map the blocks of leading tokens already in the cache
+        (lm/kv_cache.py) where the proposer does not read prompt features."""
         self.started = time.perf_counter()  # first_token_seconds and other_seconds count from here
         self.admitted = target
         self.target, self.context = target.lm, target.context
@@ -604,28 +584,3 @@ def check_setup(target, proposer: Proposer, k: int, widths: tuple[int, ...] | No
         raise SpecdecError(f"the {proposer.name} proposer has a vocabulary of {proposer.vocab_size} tokens "
                            f"but the target has {vocab}: draft and target must share one tokenizer")
     return widths
-
-
-def check_prompt(prompt: list[int], rule: StopRule, vocab: int, context: int, name: str) -> None:
-    if not prompt:
-        raise SpecdecError(f"{name} needs at least one token")
-    if max(prompt) >= vocab or min(prompt) < 0:
-        raise SpecdecError(f"{name} holds token ids outside the target's vocabulary (0..{vocab - 1})")
-    check_fits(len(prompt), rule.max_new_tokens, context, name)
-
-
-def check_fits(length: int, max_new_tokens: int, context: int, name: str, budget: str = "max_new_tokens") -> None:
-    """The one context rule: a row of `length` prompt tokens needs length + max_new_tokens - 1
-    positions in the cache (every generated token but the last is fed back), at most `context`.
-    budget: what the caller names max_new_tokens (a server request's max_tokens)."""
-    needed = length + max_new_tokens - 1
-    if needed > context:
-        raise SpecdecError(f"{name} has {length} tokens; with {budget}={max_new_tokens} it needs {needed} positions "
-                           f"but the model's context is {context}: shorten the prompt or lower {budget}")
-
-
-def check_inputs(target, prompts: list[list[int]], rule: StopRule, context: int) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise SpecdecError("every prompt needs at least one token (and at least one prompt is needed)")
-    for b, p in enumerate(prompts):
-        check_prompt(p, rule, target.config.vocab_size, context, f"prompt {b}")
