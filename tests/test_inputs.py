@@ -177,7 +177,7 @@ def test_the_registry_says_which_drafter_takes_which_option():
     """The draft options' owners and the drafters a message lists come from the registry: none is
     forgotten (the self-draft once was)."""
     from specdec import inputs
-    from specdec.cli import draft_options_given
+    from specdec.cli.common import draft_options_given
     from specdec.proposers.drafters import DRAFTERS, option_owners
 
     args = build_parser().parse_args(["generate", "--prompt", "x"])
