@@ -1,6 +1,6 @@
 """The one validation layer for what a user hands specdec, shared by the `specdec` command and the
-Python API: prompts, sampling settings, k, draft options, and the arguments of `simulate` and
-`bench`. Every check runs before any model is loaded or any output is written, and a bad value
+Python API: prompts, sampling settings, k, draft options, and the arguments of `simulate`, `serve`
+and `bench`. Every check runs before any model is loaded or any output is written, and a bad value
 raises SpecdecError naming the value and what to give instead, never a traceback.
 
 This module knows nothing about models, tokens or timing.
@@ -195,6 +195,17 @@ def simulate(alpha, alpha_per_position, ks, draft_cost, batch_size, verify_ms, v
         integer("--moe-experts", moe_experts, low=1)
         integer("--moe-top-k", moe_top_k, low=1, high=moe_experts)
         number("--expert-fraction", expert_fraction, low=0, high=1)
+
+
+def serve(max_batch, max_queue, port, max_body_bytes, max_connections, timeouts: dict[str, float]) -> None:
+    """`specdec serve`'s limits; `timeouts` by option name (shutdown_timeout may be 0, the others not)."""
+    integer("--max-batch", max_batch, low=1)
+    integer("--max-queue", max_queue, low=0)
+    integer("--port", port, low=1, high=65535)
+    integer("--max-body-bytes", max_body_bytes, low=1024)
+    integer("--max-connections", max_connections, low=1)
+    for name, seconds in timeouts.items():
+        number("--" + name.replace("_", "-"), seconds, low=0, low_open=name != "shutdown_timeout")
 
 
 def bench(prompts, repeats, max_new_tokens, ks, temperatures, batch_sizes) -> None:

@@ -5,7 +5,7 @@ import json
 
 from ..errors import SpecdecError
 from .common import (add_draft_arguments, add_placement_arguments, add_sampling_arguments, add_threads_argument,
-                     DEFAULT_MODEL, draft_options_given, make_proposer, set_threads, torch_dtype)
+                     check_draft_flags, DEFAULT_MODEL, make_proposer, set_threads, torch_dtype)
 
 
 def cmd_check(args) -> int:
@@ -16,7 +16,7 @@ def cmd_check(args) -> int:
     from ..decoding.sampling import SamplingConfig
 
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    inputs.draft_options(args.draft, draft_options_given(args))
+    check_draft_flags(args)
     if args.draft == "none":
         raise SpecdecError("specdec check needs a draft: --draft draft-model --draft-model PATH (or ngram, mtp, "
                            "eagle, suffix)")

