@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from ..errors import SpecdecError
 from .common import add_placement_arguments, add_threads_argument, DEFAULT_MODEL, set_threads, torch_dtype
@@ -13,7 +12,7 @@ from .common import add_placement_arguments, add_threads_argument, DEFAULT_MODEL
 def cmd_calibrate(args) -> None:
     from ..api import load
     from ..bench.conditions import hardware
-    from ..decoding.calibration import cached_verify_curve, machine
+    from ..decoding.calibration import cached_verify_curve, machine, write_curve_file
     from ..lm.checkpoint import shown_path
 
     set_threads(args.threads)
@@ -27,29 +26,10 @@ def cmd_calibrate(args) -> None:
         print(f"batch {batch}: {row} ms")
     print(f"stored for -k auto on this machine: {json.dumps(machine())}, {target.lm.abilities.backend}")
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "schema": "specdec-verify-curve/1", "target": shown_path(target.path),
-            "backend": target.lm.abilities.backend,
-            "hardware": hardware(target.lm.device), "machine": machine(),
-            "note": "seconds of one target forward over n new tokens per row, the fastest of 5 repeats, "
-                    "made non-decreasing in n", "seconds": curves}, indent=1))
+        write_curve_file(args.out, curves, shown_path(target.path), target.lm.abilities.backend,
+                         hardware(target.lm.device))
         print(f"written to {args.out} (specdec simulate --verify-curve {args.out} predicts from it)")
 
-def stored_curve(path: str, batch_size: int):
-    """The verify curve at `batch_size` from a `specdec calibrate --out` file, and where it came from."""
-    from ..decoding.costmodel import VerifyCurve
-
-    try:
-        stored = json.loads(Path(path).read_text())
-        curves = {int(b): {int(n): float(s) for n, s in seconds.items()} for b, seconds in stored["seconds"].items()}
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise SpecdecError(f"{path} is not a verify-curve file of `specdec calibrate --out` ({type(e).__name__}: {e})")
-    if batch_size not in curves:
-        raise SpecdecError(f"{path} holds curves at batch sizes {sorted(curves)}, not {batch_size}: pick one of them "
-                           "with --batch-size, or calibrate that batch size")
-    device = stored.get("hardware", {}).get("device_used", "unknown")
-    return VerifyCurve(curves[batch_size], batch_size), (f"the verify curve in {path} (target {stored.get('target')}, "
-                                                          f"{stored.get('backend')}, measured on {device})")
 
 def add_calibrate_parser(sub) -> None:
     c = sub.add_parser("calibrate", help="measure the target's verify-cost curve on this machine for -k auto",
@@ -69,14 +49,15 @@ def add_calibrate_parser(sub) -> None:
 def cmd_simulate(args) -> None:
     from .. import inputs
     from ..bench.noise import implausible_verify_points
-    from ..decoding.costmodel import VerifyCurve, break_even_alpha, expected_tokens, moe_curve, predicted_speedup
+    from ..decoding.calibration import read_curve_file
+    from ..decoding.costmodel import VerifyCurve, moe_curve, predictions
 
     inputs.simulate(args.alpha, args.alpha_per_position, args.ks, args.draft_cost, args.batch_size, args.verify_ms,
                     args.verify_tokens, args.moe_experts, args.moe_top_k, args.expert_fraction)
     if args.verify_curve is not None:
         if args.verify_ms is not None:
             raise SpecdecError("give the verify curve once: --verify-curve FILE or --verify-ms values")
-        curve, source = stored_curve(args.verify_curve, args.batch_size)
+        curve, source = read_curve_file(args.verify_curve, args.batch_size)
         needed = 1 + (len(args.alpha_per_position) if args.alpha_per_position else max(args.ks))
         if max(curve.seconds) < needed:
             raise SpecdecError(f"{args.verify_curve} reaches {max(curve.seconds)} tokens per row at batch "
@@ -103,21 +84,14 @@ def cmd_simulate(args) -> None:
         curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)
         source += (f", as an MoE target ({args.moe_experts} experts, top-{args.moe_top_k}, expert bytes "
                    f"{args.expert_fraction:.0%} of a 1-token forward)")
-    cases = ([(len(args.alpha_per_position), list(args.alpha_per_position))] if args.alpha_per_position
-             else [(k, [args.alpha] * k) for k in args.ks])
+    chains = [list(args.alpha_per_position)] if args.alpha_per_position else [[args.alpha] * k for k in args.ks]
     print("| k | E (tokens per step) | t_verify(B(k+1)) / t_verify(B) | draft / t_verify(B) | predicted speedup | "
           "S_limit (free draft) | break-even α |")
     print("|---|---|---|---|---|---|---|")
-    rows = args.batch_size if curve.batch_size == 1 else 1  # a batch-1 curve costs B rows as B x n tokens of one
-    t1 = curve.at(rows)
-    for k, alphas in cases:
-        draft = args.draft_cost * k * t1
-        E = expected_tokens(alphas)
-        ratio = curve.at(rows * (k + 1)) / t1
-        even = break_even_alpha(k, ratio + draft / t1)
-        print(f"| {k} | {E:.2f} | {ratio:.2f} | {draft / t1:.2f} | "
-              f"{predicted_speedup(alphas, draft, curve, batch_size=args.batch_size):.2f}x | "
-              f"{E / ratio:.2f}x | {'never' if even is None else f'{even:.2f}'} |")
+    for p in predictions(chains, args.draft_cost, curve, args.batch_size):
+        even = "never" if p.break_even is None else f"{p.break_even:.2f}"
+        print(f"| {p.k} | {p.tokens_per_step:.2f} | {p.verify_ratio:.2f} | {p.draft_ratio:.2f} | {p.speedup:.2f}x | "
+              f"{p.limit:.2f}x | {even} |")
     acceptance = (f"i.i.d. α = {args.alpha}" if args.alpha is not None
                   else f"α_i = {' '.join(map(str, args.alpha_per_position))}")
     print(f"\npredicted, not measured: a chain of k drafts, acceptance {acceptance}, draft cost "
