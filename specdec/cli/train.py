@@ -8,14 +8,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..errors import SpecdecError
 from .common import device_name
 
 
 def cmd_train(args) -> None:
     from ..train.config import TrainConfig, gguf_converted
     from ..train.loop import stopped_at, train
-    from ..train.presets import DEFAULT_TARGET, defaults, described
+    from ..train.presets import DEFAULT_TARGET, OBJECTIVE_OPTIONS, chosen_objective, defaults, described
     from ..train.presets import preset as recipe
 
     if args.preset is None:
@@ -33,7 +32,8 @@ def cmd_train(args) -> None:
         preset["corpus"] = args.corpus
     if args.vocab_size:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
-    objective = train_objective(args, preset.get("objective"))
+    objective = chosen_objective(args.objective, {o: getattr(args, o) for o in OBJECTIVE_OPTIONS},
+                                 preset.get("objective"))
     if getattr(objective, "target", None) == DEFAULT_TARGET:
         from ..api import default_target
         objective = dataclasses.replace(objective, target=str(default_target()))
@@ -52,42 +52,6 @@ def cmd_train(args) -> None:
               + f"; resume with: {' '.join(shlex.quote(a) for a in command)}")
     elif int(os.environ.get("RANK", 0)) == 0:
         print(f"{'draft heads' if path.name == 'heads' else 'model'} written to {path}")
-
-MTP_OBJECTIVES = ("mtp-parallel", "mtp-sequential")
-
-OBJECTIVE_OPTIONS = {  # option of `specdec train` -> the objectives it is a setting of, and that setting's name
-    "mtp_depth": (MTP_OBJECTIVES, "depth"), "mtp_lambda": (MTP_OBJECTIVES, "lam"),
-    "mtp_lambda_late": (MTP_OBJECTIVES, "lam_late"), "mtp_beta": (MTP_OBJECTIVES, "beta"),
-    "frozen_trunk": (MTP_OBJECTIVES, "frozen_trunk"), "teacher": (("distill", "parallel"), "teacher"),
-    "distill_temperature": (("distill",), "temperature"), "distill_top_k": (("distill",), "top_k"),
-    "target": (("eagle", "block"), "target"), "eagle_layers": (("eagle", "block"), "layers"),
-    "draft_vocab": (("eagle", "block"), "draft_vocab"), "eagle_steps": (("eagle",), "steps"),
-    "eagle_decay": (("eagle",), "decay"), "eagle_layout": (("eagle",), "layout"),
-    "parallel_block": (("parallel",), "block"), "parallel_anchors": (("parallel",), "anchors"),
-    "block_size": (("block",), "size"), "block_anchors": (("block",), "anchors"),
-    "block_attention": (("block",), "attention"), "block_layers": (("block",), "num_layers"),
-    "naive_mtp_order": (MTP_OBJECTIVES, "memory_saving"),
-}
-
-def train_objective(args, preset):
-    """--objective (default: the preset's) with the settings its options give, the others the
-    preset's (for the preset's own objective) or the defaults; an option of another objective is refused."""
-    from ..train.objectives import objective
-
-    name = args.objective or (preset.name if preset is not None else "next-token")
-    given = {**vars(args), "eagle_layers": args.eagle_layers and tuple(args.eagle_layers),
-             "naive_mtp_order": False if args.naive_mtp_order else None}  # the order: memory_saving off
-    settings = {}
-    for option, (names, setting) in OBJECTIVE_OPTIONS.items():
-        if given[option] is None:
-            continue
-        settings[setting] = given[option]
-        if name not in names:
-            raise SpecdecError(f"--{option.replace('_', '-')} is a setting of --objective {' or '.join(names)}, "
-                               f"but this run trains {name}: give that objective, or leave the option out")
-    if preset is not None and preset.name == name:
-        return dataclasses.replace(preset, **settings)
-    return objective(name, **settings)
 
 def add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
@@ -126,7 +90,7 @@ def add_train_parser(sub) -> None:
     t.set_defaults(func=cmd_train)
 
 def add_objective_arguments(t: argparse.ArgumentParser) -> None:
-    """`specdec train`'s objective and each objective's settings (OBJECTIVE_OPTIONS)."""
+    """`specdec train`'s objective and each objective's settings (train/presets.OBJECTIVE_OPTIONS)."""
     t.add_argument("--objective",
                    choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel"],
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ..lm.arch import Arch
 from .config import LongRun
-from .objectives import MTP, Block, Distill, Eagle, Parallel
+from ..errors import SpecdecError
+from .objectives import MTP, Block, Distill, Eagle, Objective, Parallel, objective
 from .selfdistill import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,6 +109,42 @@ def described(recipe: dict) -> str:
         values += f", {objective.name}: " + ", ".join(f"{key}={value}" for key, value in
                                                        dataclasses.asdict(objective).items() if value is not None)
     return values + (f", model: {m.num_hidden_layers} layers x {m.hidden_size}, vocabulary {m.vocab_size}" if m else "")
+
+
+MTP_OBJECTIVES = ("mtp-parallel", "mtp-sequential")
+OBJECTIVE_OPTIONS = {  # option of `specdec train` -> the objectives it is a setting of, and that setting's name
+    "mtp_depth": (MTP_OBJECTIVES, "depth"), "mtp_lambda": (MTP_OBJECTIVES, "lam"),
+    "mtp_lambda_late": (MTP_OBJECTIVES, "lam_late"), "mtp_beta": (MTP_OBJECTIVES, "beta"),
+    "frozen_trunk": (MTP_OBJECTIVES, "frozen_trunk"), "teacher": (("distill", "parallel"), "teacher"),
+    "distill_temperature": (("distill",), "temperature"), "distill_top_k": (("distill",), "top_k"),
+    "target": (("eagle", "block"), "target"), "eagle_layers": (("eagle", "block"), "layers"),
+    "draft_vocab": (("eagle", "block"), "draft_vocab"), "eagle_steps": (("eagle",), "steps"),
+    "eagle_decay": (("eagle",), "decay"), "eagle_layout": (("eagle",), "layout"),
+    "parallel_block": (("parallel",), "block"), "parallel_anchors": (("parallel",), "anchors"),
+    "block_size": (("block",), "size"), "block_anchors": (("block",), "anchors"),
+    "block_attention": (("block",), "attention"), "block_layers": (("block",), "num_layers"),
+    "naive_mtp_order": (MTP_OBJECTIVES, "memory_saving"),
+}
+
+
+def chosen_objective(name: str | None, options: dict, preset: Objective | None) -> Objective:
+    """Objective `name` (None: the preset's, else next-token) with the settings `options` give (by
+    OBJECTIVE_OPTIONS' names; None: not given; naive_mtp_order True: memory_saving off), the others the
+    preset's (for the preset's own objective) or the defaults; an option of another objective is refused."""
+    name = name or (preset.name if preset is not None else "next-token")
+    given = {**options, "eagle_layers": options["eagle_layers"] and tuple(options["eagle_layers"]),
+             "naive_mtp_order": False if options["naive_mtp_order"] else None}
+    settings = {}
+    for option, (names, setting) in OBJECTIVE_OPTIONS.items():
+        if given[option] is None:
+            continue
+        settings[setting] = given[option]
+        if name not in names:
+            raise SpecdecError(f"--{option.replace('_', '-')} is a setting of --objective {' or '.join(names)}, "
+                               f"but this run trains {name}: give that objective, or leave the option out")
+    if preset is not None and preset.name == name:
+        return dataclasses.replace(preset, **settings)
+    return objective(name, **settings)
 
 
 def preset(name: str) -> dict:
