@@ -141,13 +141,14 @@ def draft_length(k, proposer, widths=None) -> None:
 
 def draft_options(draft: str, given: dict[str, object]) -> None:
     """Command-line draft options: each belongs to the --draft choices the drafter registry says
-    take it (drafters.option_owners); `given` maps the option names set on the command line (e.g.
-    "--heads") to their values."""
+    take it (drafters.option_owners: by the option's name, --draft-vocab's draft_vocab); `given` maps
+    the flags set on the command line (e.g. "--heads") to their values."""
     owners = option_owners()
-    for option, value in given.items():
-        if value is not None and draft not in owners[option]:
-            raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "
-                               f"add --draft {owners[option][0]} or leave {option} out")
+    for flag, value in given.items():
+        takers = owners[flag.lstrip("-").replace("-", "_")]
+        if value is not None and draft not in takers:
+            raise SpecdecError(f"{flag} applies to --draft {' or '.join(takers)}, but --draft is {draft}: "
+                               f"add --draft {takers[0]} or leave {flag} out")
     vocab = given.get("--draft-vocab")
     if vocab == "auto" and DRAFTERS[draft].options is not DraftModelOptions:
         raise SpecdecError(f"--draft-vocab auto (the cost model's size) is a draft model's; give --draft {draft} "

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecdecError
-from .common import (add_placement_arguments, add_quantize_argument, add_threads_argument, DEFAULT_MODEL, drafter,
-                     set_threads, torch_dtype, tree_widths)
+from .common import add_target_arguments, add_threads_argument, drafter, set_threads, torch_dtype, tree_widths
 
 
 def cmd_bench(args) -> None:
@@ -148,15 +147,13 @@ def add_bench_parser(sub) -> None:
                         "each cell first says how long it will take here (default: the full plan)")
     b.add_argument("--out", help="folder for bench.json, report.md and the PNG plots "
                                  "(default: runs/bench or runs/bench-quick)")
-    b.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
+    add_target_arguments(b, quantize=True)
     b.add_argument("--draft-model", help="draft model folder, .gguf file or packaged name, for draft-model and "
                                          "hybrid (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
     b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder, for eagle and eagle-hybrid (default: the shipped "
                                                    "head)")
     b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
-    add_placement_arguments(b)
-    add_quantize_argument(b)
     b.add_argument("--methods", nargs="+",
                    help="speculative methods, each of which must fit the target (default: every drafter that fits "
                         "it, the others named with the reason: draft-model parallel ngram mtp suffix eagle block "

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 from ..errors import SpecdecError
-from .common import (add_draft_arguments, add_placement_arguments, add_sampling_arguments, add_threads_argument,
-                     check_draft_flags, DEFAULT_MODEL, make_proposer, set_threads, torch_dtype)
+from .common import (add_draft_arguments, add_sampling_arguments, add_target_arguments, add_threads_argument,
+                     check_draft_flags, make_proposer, set_threads, torch_dtype)
 
 
 def cmd_check(args) -> int:
@@ -49,8 +49,7 @@ def add_check_parser(sub) -> None:
                                     "plain decoding. Prints the verdict, the p-values, the false-alarm rate, the "
                                     "test's power and the conditions. Exit status: 0 PASS, 1 FAIL, 3 UNDECIDED (no "
                                     "draft was proposed), 2 the check could not run.")
-    ch.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
-    add_placement_arguments(ch)
+    add_target_arguments(ch)
     add_draft_arguments(ch, k_default="3, or the --tree's depth: fixed, so that every step verifies drafts")
     ch.add_argument("--prompt", action="append", help="a prompt (repeat for more; default: HumanEval's first --prompts)")
     ch.add_argument("--prompts", type=int, default=8, help="HumanEval prompts used without --prompt")

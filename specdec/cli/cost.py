@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..errors import SpecdecError
-from .common import add_placement_arguments, add_threads_argument, DEFAULT_MODEL, set_threads, torch_dtype
+from .common import add_target_arguments, add_threads_argument, set_threads, torch_dtype
 
 
 def cmd_calibrate(args) -> None:
@@ -36,8 +36,7 @@ def add_calibrate_parser(sub) -> None:
                        description="Re-measure t(n), the seconds of one target forward over n tokens per row, at "
                                    "each batch size, and store it where -k auto reads it (it measures once by "
                                    "itself on first use; run this on a quiet machine after a change).")
-    c.add_argument("--model", help="target checkpoint folder or .gguf file " + DEFAULT_MODEL)
-    add_placement_arguments(c)
+    add_target_arguments(c)
     c.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16], help="batch sizes (default 1 4 16)")
     c.add_argument("--max-tokens", type=int, default=14, help="tokens per row measured, every n up to this "
                                                               "(default 14: the widest window of -k auto)")
@@ -122,8 +121,7 @@ def add_simulate_parser(sub) -> None:
     s.add_argument("--verify-tokens", nargs="+", type=int, help="tokens of each --verify-ms point (default 1, 2, ...)")
     s.add_argument("--verify-curve", metavar="FILE", help="the verify curve of `specdec calibrate --out FILE` "
                                                           "(measured on other hardware, a GPU say), at --batch-size")
-    s.add_argument("--model", help="target to measure the curve on, a folder or .gguf file " + DEFAULT_MODEL)
-    add_placement_arguments(s)
+    add_target_arguments(s, about="target to measure the curve on, a folder or .gguf file")
     s.add_argument("--moe-experts", type=int, help="estimate an MoE target with this many experts per layer")
     s.add_argument("--moe-top-k", type=int, default=2, help="experts per token (MoE estimate)")
     s.add_argument("--expert-fraction", type=float, default=0.6,

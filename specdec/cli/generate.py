@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecdecError, counted
-from .common import (add_draft_arguments, add_placement_arguments, add_quantize_argument, add_sampling_arguments,
-                     add_threads_argument, DEFAULT_MODEL, check_draft_flags, drafting, set_threads, torch_dtype)
+from .common import (add_draft_arguments, add_sampling_arguments, add_target_arguments, add_threads_argument,
+                     check_draft_flags, drafting, set_threads, torch_dtype)
 
 
 def cmd_generate(args) -> None:
@@ -107,7 +107,7 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
 
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="complete a prompt with the target")
-    g.add_argument("--model", help="checkpoint folder or .gguf file " + DEFAULT_MODEL)
+    add_target_arguments(g, quantize=True)
     g.add_argument("--prompt", help="text to continue")
     g.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 file ('-': standard input)")
     g.add_argument("--chat", action="store_true",
@@ -129,8 +129,6 @@ def add_generate_parser(sub) -> None:
     structured.add_argument("--json-object", action="store_true", help="the output is a JSON object")
     structured.add_argument("--regex", metavar="R", help="the output matches this regular expression")
     structured.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark, or GBNF)")
-    add_placement_arguments(g)
-    add_quantize_argument(g)
     add_sampling_arguments(g, 0.0, "0 = greedy", "seed of the sampling (default: a fresh random seed)")
     g.add_argument("--stop", nargs="*", default=[], help="stop strings (not included in the text)")
     g.add_argument("--json", action="store_true", help="print one JSON object, at the end")

@@ -5,8 +5,8 @@ import os
 import sys
 
 from ..errors import counted
-from .common import (add_draft_arguments, add_placement_arguments, add_quantize_argument, DEFAULT_MODEL,
-                     check_draft_flags, drafting, set_threads, THREADS_HELP, torch_dtype)
+from .common import (add_draft_arguments, add_target_arguments, add_threads_argument, check_draft_flags, drafting,
+                     set_threads, torch_dtype)
 
 
 def cmd_serve(args) -> None:
@@ -51,14 +51,12 @@ def add_serve_parser(sub) -> None:
                                    "with SSE), GET /v1/models, "
                                    "/health, /metrics (Prometheus) and the live view at /. Requests join and leave "
                                    "one running batch between steps (continuous batching).")
-    v.add_argument("--model", help="checkpoint folder or .gguf file " + DEFAULT_MODEL)
+    add_target_arguments(v, quantize=True)
     v.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API: /v1/models lists it and requests must name it "
                         "(default: the checkpoint folder's name)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=8000, help="TCP port")
-    add_placement_arguments(v)
-    add_quantize_argument(v)
     add_draft_arguments(v)
     v.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (rows of the caches)")
     v.add_argument("--max-queue", type=int, default=64,
@@ -69,7 +67,7 @@ def add_serve_parser(sub) -> None:
                         "can never fit gets 400 (default: half the memory free at start, less 1 GiB)")
     v.add_argument("--kv-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the KV cache's keys and values (default bfloat16: half the memory and bytes read)")
-    v.add_argument("--threads", type=int, help=THREADS_HELP + "; the HTTP side needs some CPU too")
+    add_threads_argument(v, "; the HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds running and queued requests may go on (new ones get 503 "
                         "and /health says closing); then each open request ends with an error; a second Ctrl-C "
