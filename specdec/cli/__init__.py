@@ -12,7 +12,7 @@ from .cost import add_calibrate_parser, add_simulate_parser
 from .files import add_cache_parser, add_export_parser, add_pair_parser
 from .generate import add_generate_parser
 from .serve import add_serve_parser
-from .train import add_train_parser
+from .train import add_longrun_parser, add_train_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     add_train_parser(sub)
+    add_longrun_parser(sub)
     add_generate_parser(sub)
     add_calibrate_parser(sub)
     add_serve_parser(sub)

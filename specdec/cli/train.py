@@ -1,4 +1,5 @@
-"""`specdec train`: a training run from a preset and the flags that override it."""
+"""`specdec train`: a training run from a preset and the flags that override it; `specdec longrun`:
+a head that keeps learning over many sittings."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,7 @@ import dataclasses
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from .common import device_name
@@ -138,3 +140,47 @@ def add_objective_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--naive-mtp-order", action="store_true",
                    help="one backward over all heads (more memory) instead of head by head")
 
+
+
+def cmd_longrun(args) -> None:
+    import torch
+
+    from ..train import longrun
+    from ..train.presets import long_run
+
+    cfg, default_out = long_run(args.preset)
+    out = Path(args.out or default_out)
+    torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", 2)))
+    if args.action == "run":
+        longrun.run(out, cfg, log=lambda line: print(time.strftime("%H:%M:%S"), line, flush=True), minutes=args.minutes)
+    elif args.action == "snapshot":
+        dest = longrun.snapshot(out, args.to or cfg.init, cfg, f"specdec longrun run --preset {args.preset}")
+        print(f"the head of {out} written to {dest}")
+    else:
+        points = longrun.learning_curve(out, cfg)
+        lines = longrun.break_even()
+        print(longrun.table(points) + "\n\nbreak-even α (cost model): " + ", ".join(
+            f"{k} {a:.2f}" for k, a in lines.items()))
+        if args.plot:
+            from ..train.plots import plot_learning_curve
+            plot_learning_curve(points, Path(args.plot), f"{args.preset}: held-out α against tokens seen", lines)
+
+
+def add_longrun_parser(sub) -> None:
+    from ..train.presets import LONG_RUNS
+
+    r = sub.add_parser("longrun", help="keep an EAGLE head learning from its target's own answers, in the "
+                                       "background over many sittings (train/longrun.py)",
+                       description="run: generate and train until SIGINT or SIGTERM (or --minutes), the state saved "
+                                   "to resume; snapshot: the head so far into a head folder; curve: the held-out "
+                                   "learning curve.")
+    r.add_argument("action", choices=("run", "snapshot", "curve"),
+                   help="run: start, or resume where it stopped; snapshot: write the head so far; curve: print it")
+    r.add_argument("--preset", default="smollm2-eagle3", choices=list(LONG_RUNS),
+                   help="the long run: its head, target, data and rates (train/presets.py)")
+    r.add_argument("--out", help="the run folder (default: runs/longrun-PRESET under the repository)")
+    r.add_argument("--to", help="snapshot: the head folder written (default: the preset's init folder)")
+    r.add_argument("--plot", help="curve: draw the learning curve into this .png as well")
+    r.add_argument("--minutes", type=float, help="run: stop after this many minutes (at the first step or "
+                                                 "shard that ends past them), with a held-out point")
+    r.set_defaults(func=cmd_longrun)

@@ -163,7 +163,7 @@ def preset(name: str) -> dict:
 
 
 # long runs (longrun.py): a head that keeps learning in the background over many sittings, from the committed
-# head onwards; `python -m specdec.train.longrun run --preset NAME` starts or resumes it in runs/longrun-NAME
+# head onwards; `specdec longrun run --preset NAME` starts or resumes it in runs/longrun-NAME
 LONG_RUNS = {
     # SmolLM2-135M-Instruct's EAGLE-3 head (models/smollm2-eagle3): data from the Q8_0 target by the batched engine;
     # rate 2e-4 (1e-3 took the GPU-trained head from held-out α_1 0.60/0.56 chat/code to 0.53/0.51 in 0.2M
