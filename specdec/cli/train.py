@@ -55,6 +55,7 @@ def cmd_train(args) -> None:
     elif int(os.environ.get("RANK", 0)) == 0:
         print(f"{'draft heads' if path.name == 'heads' else 'model'} written to {path}")
 
+
 def add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train a model (single process, or under torchrun)")
     from ..train.presets import PRESETS
@@ -90,6 +91,7 @@ def add_train_parser(sub) -> None:
                         "also stops after the step under way, saving it")
     add_objective_arguments(t)
     t.set_defaults(func=cmd_train)
+
 
 def add_objective_arguments(t: argparse.ArgumentParser) -> None:
     """`specdec train`'s objective and each objective's settings (train/presets.OBJECTIVE_OPTIONS)."""
@@ -139,7 +141,6 @@ def add_objective_arguments(t: argparse.ArgumentParser) -> None:
                    help="train only MTP heads on this checkpoint, its weights frozen (its tokenizer is used)")
     t.add_argument("--naive-mtp-order", action="store_true",
                    help="one backward over all heads (more memory) instead of head by head")
-
 
 
 def cmd_longrun(args) -> None:
