@@ -198,15 +198,18 @@ def simulate(alpha, alpha_per_position, ks, draft_cost, batch_size, verify_ms, v
         number("--expert-fraction", expert_fraction, low=0, high=1)
 
 
-def serve(max_batch, max_queue, port, max_body_bytes, max_connections, timeouts: dict[str, float]) -> None:
-    """`specdec serve`'s limits; `timeouts` by option name (shutdown_timeout may be 0, the others not)."""
+def serve(max_batch, max_queue, port, max_body_bytes, max_connections, shutdown_timeout, header_timeout,
+          body_timeout, idle_timeout) -> None:
+    """`specdec serve`'s limits (a shutdown timeout may be 0: no drain; the others must be positive)."""
     integer("--max-batch", max_batch, low=1)
     integer("--max-queue", max_queue, low=0)
     integer("--port", port, low=1, high=65535)
     integer("--max-body-bytes", max_body_bytes, low=1024)
     integer("--max-connections", max_connections, low=1)
-    for name, seconds in timeouts.items():
-        number("--" + name.replace("_", "-"), seconds, low=0, low_open=name != "shutdown_timeout")
+    number("--shutdown-timeout", shutdown_timeout, low=0)
+    for flag, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
+                          ("--idle-timeout", idle_timeout)):
+        number(flag, seconds, low=0, low_open=True)
 
 
 def bench(prompts, repeats, max_new_tokens, ks, temperatures, batch_sizes) -> None:

@@ -19,8 +19,7 @@ def cmd_serve(args) -> None:
 
     check_draft_flags(args)
     inputs.serve(args.max_batch, args.max_queue, args.port, args.max_body_bytes, args.max_connections,
-                 {name: getattr(args, name) for name in ("shutdown_timeout", "header_timeout", "body_timeout",
-                                                          "idle_timeout")})
+                 args.shutdown_timeout, args.header_timeout, args.body_timeout, args.idle_timeout)
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     set_threads(args.threads)
     sock = listening_socket(args.host, args.port)  # a port in use fails now, before loading anything
