@@ -156,8 +156,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--draft-model", help="draft model folder, .gguf file or packaged name, for draft-model and "
                                          "hybrid (default: the shipped draft)")
     b.add_argument("--heads", help="MTP heads folder (default: the shipped heads)")
-    b.add_argument("--eagle", metavar="HEAD", help="EAGLE head folder, for eagle and eagle-hybrid (default: the shipped "
-                                                   "head)")
+    b.add_argument("--eagle", metavar="HEAD",
+                   help="EAGLE head folder, for eagle and eagle-hybrid (default: the shipped head)")
     b.add_argument("--block", metavar="HEAD", help="block head folder (default: the shipped head)")
     b.add_argument("--methods", nargs="+",
                    help="speculative methods, each of which must fit the target (default: every drafter that fits "
@@ -180,9 +180,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--no-peers", action="store_true", help="skip transformers' generate, assisted and prompt lookup")
     b.add_argument("--no-moe", action="store_true", help="skip the MoE vs dense verify-cost check")
     b.add_argument("--size", metavar="NAME",
-                   help="plain: 0.2b or 1b (bench/sizes.py), a Llama-shaped model of this size with random weights, built once into "
-                        "~/.cache/specdec/sizes (instead of --model); adds the verify curve and the cost model's "
-                        "predictions for each draft design at that size")
+                   help="plain: 0.2b or 1b (bench/sizes.py), a Llama-shaped model of this size with random weights, "
+                        "built once into ~/.cache/specdec/sizes (instead of --model); adds the verify curve and the "
+                        "cost model's predictions for each draft design at that size")
     b.add_argument("--no-llamacpp", action="store_true",
                    help="plain: skip llama.cpp (run when llama-cpp-python is installed: pip install -e '.[llamacpp]')")
     add_threads_argument(b)

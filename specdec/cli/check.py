@@ -53,7 +53,8 @@ def add_check_parser(sub) -> None:
                                     "draft was proposed), 2 the check could not run.")
     add_target_arguments(ch)
     add_draft_arguments(ch, k_default="3, or the --tree's depth: fixed, so that every step verifies drafts")
-    ch.add_argument("--prompt", action="append", help="a prompt (repeat for more; default: HumanEval's first --prompts)")
+    ch.add_argument("--prompt", action="append",
+                    help="a prompt (repeat for more; default: HumanEval's first --prompts)")
     ch.add_argument("--prompts", type=int, default=8, help="HumanEval prompts used without --prompt")
     ch.add_argument("--sequences", type=int, default=128, help="continuations sampled (taken from the prompts in turn)")
     ch.add_argument("--max-new-tokens", type=int, default=32, help="tokens per continuation (EOS does not stop it)")

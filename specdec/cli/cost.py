@@ -103,8 +103,8 @@ def cmd_simulate(args) -> None:
         cause = ("check the --verify-ms values." if args.verify_ms is not None else "the machine was busy while "
                  "measuring. Rerun on a quiet machine, or give --verify-ms.")
         print(f"warning: noisy verify curve, the predictions above are not trustworthy: t(n) against the dearest "
-              f"smaller n (for a spike: against the dearest larger n) is {points}, but a forward over more tokens cannot cost much "
-              f"less than over fewer; {cause}", file=sys.stderr)
+              f"smaller n (for a spike: against the dearest larger n) is {points}, but a forward over more tokens "
+              f"cannot cost much less than over fewer; {cause}", file=sys.stderr)
 
 
 def add_simulate_parser(sub) -> None:

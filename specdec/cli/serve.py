@@ -31,7 +31,8 @@ def cmd_serve(args) -> None:
     service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree,
                       kv_budget=args.kv_budget, kv_dtype=torch_dtype(args.kv_dtype))
     if service.engine.cache.pool is not None:
-        print(f"specdec serve: {describe(service.engine.cache.pool)} ({service.kv_budget})", file=sys.stderr, flush=True)
+        print(f"specdec serve: {describe(service.engine.cache.pool)} ({service.kv_budget})", file=sys.stderr,
+              flush=True)
     limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                     idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
                     key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))

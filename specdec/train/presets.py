@@ -17,7 +17,7 @@ from .selfdistill import Recipe
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("tokenizer", "init_from")  # recipe entries naming files or folders
 OBJECTIVE_PATHS = ("frozen_trunk", "teacher", "target")  # objective settings naming folders
-DEFAULT_TARGET = "default target"  # a recipe's target: specdec's default target (SmolLM2-135M-Instruct, api.default_target)
+DEFAULT_TARGET = "default target"  # a recipe's target: specdec's default target (api.default_target)
 
 TARGET_MODEL = Arch(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=64,
