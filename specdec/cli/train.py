@@ -14,9 +14,8 @@ from .common import device_name
 
 
 def cmd_train(args) -> None:
-    from ..train.config import TrainConfig, gguf_converted
     from ..train.loop import stopped_at, train
-    from ..train.presets import DEFAULT_TARGET, OBJECTIVE_OPTIONS, chosen_objective, defaults, described
+    from ..train.presets import OBJECTIVE_OPTIONS, chosen_objective, defaults, described, run_config
     from ..train.presets import preset as recipe
 
     if args.preset is None:
@@ -36,20 +35,13 @@ def cmd_train(args) -> None:
         preset["model"] = dataclasses.replace(preset["model"], vocab_size=args.vocab_size)
     objective = chosen_objective(args.objective, {o: getattr(args, o) for o in OBJECTIVE_OPTIONS},
                                  preset.get("objective"))
-    if getattr(objective, "target", None) == DEFAULT_TARGET:
-        from ..api import default_target
-        objective = dataclasses.replace(objective, target=str(default_target()))
-    preset["init_from"], preset["objective"] = gguf_converted(preset.get("init_from"), objective)
-    data = preset.pop("selfdistill", None)
-    if data is not None and not args.corpus:  # the target's own answers, generated first (resumable)
-        from ..train.selfdistill import corpus_for
-        preset["corpus"] = [str(corpus_for(preset["objective"].target, args.out, data))]
+    cfg = run_config(args.out, preset, objective)
     command = ["specdec", *sys.argv[1:]]
-    path = train(TrainConfig(out=args.out, **preset), command=command)
+    path = train(cfg, command=command)
     if path is None:
         step = stopped_at(args.out)
         latest = Path(args.out) / "latest"
-        print(f"stopped at step {step} of {preset['steps']}, its state saved in {args.out}"
+        print(f"stopped at step {step} of {cfg.steps}, its state saved in {args.out}"
               + (f"; its weights: specdec generate --model {latest}" if latest.exists() else "")
               + f"; resume with: {' '.join(shlex.quote(a) for a in command)}")
     elif int(os.environ.get("RANK", 0)) == 0:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ..errors import SpecdecError
 from ..lm.arch import Arch
-from .config import LongRun
+from .config import LongRun, TrainConfig, gguf_converted
 from .objectives import MTP, Block, Distill, Eagle, Objective, Parallel, objective
-from .selfdistill import Recipe
+from .selfdistill import Recipe, corpus_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("tokenizer", "init_from")  # recipe entries naming files or folders
@@ -145,6 +145,22 @@ def chosen_objective(name: str | None, options: dict, preset: Objective | None) 
     if preset is not None and preset.name == name:
         return dataclasses.replace(preset, **settings)
     return objective(name, **settings)
+
+
+def run_config(out: str, recipe: dict, objective: Objective) -> TrainConfig:
+    """The config of a run into `out` from a recipe (a preset's values, flags over them) and its
+    objective: the default target found (api.default_target), each .gguf model given as its converted
+    folder, and a self-distilled recipe's corpus (the target's own answers) generated first, resumably,
+    unless the recipe names a corpus."""
+    if getattr(objective, "target", None) == DEFAULT_TARGET:
+        from ..api import default_target
+        objective = dataclasses.replace(objective, target=str(default_target()))
+    recipe = dict(recipe)
+    recipe["init_from"], recipe["objective"] = gguf_converted(recipe.get("init_from"), objective)
+    data = recipe.pop("selfdistill", None)
+    if data is not None and "corpus" not in recipe:
+        recipe["corpus"] = [str(corpus_for(recipe["objective"].target, out, data))]
+    return TrainConfig(out=out, **recipe)
 
 
 def preset(name: str) -> dict:
