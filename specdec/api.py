@@ -176,7 +176,7 @@ def load_drafter(target: Loaded, name: str, path: str | Path | None = None, opti
     tokenizer, trained for another target) is refused with the reason. options: the drafter's own
     (None: its defaults): VocabOptions(N) drafts over the N token ids most frequent in its training
     tokens (heads, parallel), DraftModelOptions(dynamic_tree=True) a draft model's EAGLE-2 trees
-    (TreeOptions the self-draft's), NgramOptions(max_n, min_n) the n-gram sizes."""
+    (TreeOptions the self-draft's), NgramOptions(ngram_max, ngram_min) the n-gram sizes."""
     return build_drafter(name, target, path, options)
 
 

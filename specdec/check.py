@@ -34,7 +34,7 @@ Greedy: every prompt is decoded greedily by speculative decoding and by plain de
 be equal, except a divergence where the target's top-2 logits are closer than NEAR_TIE (the
 floating-point rule of docs/design.md, "The lossless contract"), which is reported as such.
 
-This module knows nothing about argument parsing; cli.py prints what `check` returns.
+This module knows nothing about argument parsing; the command (cli/check.py) prints what `check` returns.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one validation layer for what a user hands specdec, shared by the `specdec` command and the
-Python API: prompts, sampling settings, k, draft options, and the arguments of `simulate` and
-`bench`. Every check runs before any model is loaded or any output is written, and a bad value
+Python API: prompts, sampling settings, k, draft options, and the arguments of `simulate`, `serve`
+and `bench`. Every check runs before any model is loaded or any output is written, and a bad value
 raises SpecdecError naming the value and what to give instead, never a traceback.
 
 This module knows nothing about models, tokens or timing.
@@ -141,13 +141,14 @@ def draft_length(k, proposer, widths=None) -> None:
 
 def draft_options(draft: str, given: dict[str, object]) -> None:
     """Command-line draft options: each belongs to the --draft choices the drafter registry says
-    take it (drafters.option_owners); `given` maps the option names set on the command line (e.g.
-    "--heads") to their values."""
+    take it (drafters.option_owners: by the option's name, --draft-vocab's draft_vocab); `given` maps
+    the flags set on the command line (e.g. "--heads") to their values."""
     owners = option_owners()
-    for option, value in given.items():
-        if value is not None and draft not in owners[option]:
-            raise SpecdecError(f"{option} applies to --draft {' or '.join(owners[option])}, but --draft is {draft}: "
-                               f"add --draft {owners[option][0]} or leave {option} out")
+    for flag, value in given.items():
+        takers = owners[flag.lstrip("-").replace("-", "_")]
+        if value is not None and draft not in takers:
+            raise SpecdecError(f"{flag} applies to --draft {' or '.join(takers)}, but --draft is {draft}: "
+                               f"add --draft {takers[0]} or leave {flag} out")
     vocab = given.get("--draft-vocab")
     if vocab == "auto" and DRAFTERS[draft].options is not DraftModelOptions:
         raise SpecdecError(f"--draft-vocab auto (the cost model's size) is a draft model's; give --draft {draft} "
@@ -195,6 +196,20 @@ def simulate(alpha, alpha_per_position, ks, draft_cost, batch_size, verify_ms, v
         integer("--moe-experts", moe_experts, low=1)
         integer("--moe-top-k", moe_top_k, low=1, high=moe_experts)
         number("--expert-fraction", expert_fraction, low=0, high=1)
+
+
+def serve(max_batch, max_queue, port, max_body_bytes, max_connections, shutdown_timeout, header_timeout,
+          body_timeout, idle_timeout) -> None:
+    """`specdec serve`'s limits (a shutdown timeout may be 0: no drain; the others must be positive)."""
+    integer("--max-batch", max_batch, low=1)
+    integer("--max-queue", max_queue, low=0)
+    integer("--port", port, low=1, high=65535)
+    integer("--max-body-bytes", max_body_bytes, low=1024)
+    integer("--max-connections", max_connections, low=1)
+    number("--shutdown-timeout", shutdown_timeout, low=0)
+    for flag, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
+                          ("--idle-timeout", idle_timeout)):
+        number(flag, seconds, low=0, low_open=True)
 
 
 def bench(prompts, repeats, max_new_tokens, ks, temperatures, batch_sizes) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.cli import main
+from specdec.decoding.calibration import read_curve_file, write_curve_file
 from specdec.decoding.costmodel import (
     VerifyCurve,
     break_even_alpha,
@@ -15,6 +16,7 @@ from specdec.decoding.costmodel import (
     moe_distinct_experts,
     moe_verify_ratio,
     predicted_speedup,
+    predictions,
     speedup_limit,
 )
 from specdec.errors import SpecdecError
@@ -159,3 +161,23 @@ def test_simulate_command(capsys):
     assert "predicted, not measured" in out and "batch 1" in out and "α = 1.0" in out
     code = main(["simulate", "--alpha", "0.5", "--alpha-per-position", "0.5", "--verify-ms", "10", "12"])
     assert code == 2 and "exactly one of --alpha" in capsys.readouterr().err
+
+
+def test_predictions_of_a_chain():
+    """A free draft on a flat curve: the speedup is E; break-even where E equals the verify ratio."""
+    [p] = predictions([[1.0, 1.0]], 0.0, FLAT)
+    assert (p.k, p.tokens_per_step, p.verify_ratio, p.speedup, p.limit) == (2, 3.0, 1.0, 3.0, 3.0)
+    [p] = predictions([[0.5]], 0.5, LINEAR)
+    assert p.draft_ratio == pytest.approx(0.5) and p.verify_ratio == pytest.approx(2.0)
+    assert p.break_even is None  # a forward of 2 tokens costs 2, plus the draft: a chain of 1 never pays
+
+
+def test_a_calibrated_curve_file_is_what_simulate_reads(tmp_path, capsys):
+    path = tmp_path / "curve.json"
+    write_curve_file(path, {1: {1: 0.01, 2: 0.011, 3: 0.012}}, "models/target", "cpu-kernels", {"device_used": "cpu"})
+    curve, source = read_curve_file(path, 1)
+    assert curve.seconds == {1: 0.01, 2: 0.011, 3: 0.012} and "target models/target" in source
+    assert main(["simulate", "--alpha", "0.5", "--ks", "2", "--verify-curve", str(path)]) == 0
+    assert "| 2 | 1.75 | 1.20 |" in capsys.readouterr().out
+    assert main(["simulate", "--alpha", "0.5", "--ks", "2", "--verify-curve", str(path), "--batch-size", "4"]) == 2
+    assert "batch sizes [1], not 4" in capsys.readouterr().err

@@ -231,3 +231,15 @@ def test_heldout_greedy_alpha_is_eagle_metrics_alpha(chat_target, tmp_path):
     assert got["greedy_reached"] == reached.long().tolist()
     assert got["greedy_alpha"] == pytest.approx((hits / reached.clamp(min=1)).tolist())
     assert all(0 <= a <= 1 for a in got["t1_alpha"]) and got["t1_positions"][0] > 0
+
+
+def test_the_command_shows_the_committed_heads_curve_and_refuses_a_snapshot_of_nothing(tmp_path, capsys):
+    """`specdec longrun curve` of a run folder without points: the committed head's own curve; a
+    snapshot of a run that never saved is refused with what to do."""
+    from specdec.cli import main
+
+    assert main(["longrun", "curve", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| tokens seen |") and "break-even α (cost model): k=1" in out
+    assert main(["longrun", "snapshot", "--out", str(tmp_path / "run"), "--to", str(tmp_path / "head")]) == 2
+    assert "has no saved state yet; start the run (specdec longrun run)" in capsys.readouterr().err

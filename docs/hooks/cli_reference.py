@@ -1,5 +1,5 @@
 """MkDocs hook: the CLI reference page (docs/reference/cli.md) written from specdec's own argparse
-parser (specdec/cli.py's build_parser) at build time, so the page cannot drift from the command.
+parser (build_parser in specdec/cli/) at build time, so the page cannot drift from the command.
 
 The page holds the marker line `<!-- cli-reference -->`; it is replaced by one section per
 subcommand: its usage line, description, and a table of its arguments with their help and

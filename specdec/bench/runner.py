@@ -99,7 +99,7 @@ EAGLE_DRAFT_VOCAB = 2048
 BENCH_OPTIONS = {"draft-model": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
                  "hybrid": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
                  "parallel": VocabOptions(DRAFT_VOCAB, counted_only=True),
-                 "ngram": NgramOptions(max_n=3, min_n=1),
+                 "ngram": NgramOptions(ngram_max=3, ngram_min=1),
                  "mtp": VocabOptions(MTP_DRAFT_VOCAB, counted_only=True),
                  "eagle": VocabOptions(EAGLE_DRAFT_VOCAB, counted_only=True),
                  "eagle-hybrid": VocabOptions(EAGLE_DRAFT_VOCAB, counted_only=True)}  # the others: their defaults

@@ -5,7 +5,8 @@ Adaptive speculation (adaptive.py) needs t(n) at the batch size it runs at befor
 the bench (bench/) measures the same curve for its reports. A stored curve is keyed by what
 changes it: the model (config, compute dtype and a fingerprint of its weights), the batch size
 and the points, and the machine (CPU model, kernel instruction set, threads, torch version), so
-another machine or model never reuses it. `specdec calibrate` re-measures.
+another machine or model never reuses it. `specdec calibrate` re-measures, and can write the
+curves to a file of their own (`write_curve_file`) that `specdec simulate` reads.
 
 This module knows nothing about drafting or verification.
 """
@@ -26,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from .. import kernels
+from ..errors import SpecdecError
 from ..lm.device import synchronize
 from ..lm.interface import Admitted
 from .costmodel import VerifyCurve
@@ -194,3 +196,30 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+CURVE_SCHEMA = "specdec-verify-curve/1"
+
+
+def write_curve_file(path: str | Path, curves: dict[int, dict[int, float]], target: str, backend: str,
+                     hardware: dict) -> None:
+    """The curves by batch size (`specdec calibrate --out`) with their conditions, as JSON."""
+    Path(path).write_text(json.dumps({
+        "schema": CURVE_SCHEMA, "target": target, "backend": backend, "hardware": hardware, "machine": machine(),
+        "note": "seconds of one target forward over n new tokens per row, the fastest of 5 repeats, "
+                "made non-decreasing in n", "seconds": curves}, indent=1))
+
+
+def read_curve_file(path: str | Path, batch_size: int) -> tuple[VerifyCurve, str]:
+    """The verify curve at `batch_size` from a `write_curve_file` file, and where it came from."""
+    try:
+        stored = json.loads(Path(path).read_text())
+        curves = {int(b): {int(n): float(s) for n, s in seconds.items()} for b, seconds in stored["seconds"].items()}
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise SpecdecError(f"{path} is not a verify-curve file of `specdec calibrate --out` ({type(e).__name__}: {e})")
+    if batch_size not in curves:
+        raise SpecdecError(f"{path} holds curves at batch sizes {sorted(curves)}, not {batch_size}: pick one of them "
+                           "with --batch-size, or calibrate that batch size")
+    device = stored.get("hardware", {}).get("device_used", "unknown")
+    return VerifyCurve(curves[batch_size], batch_size), (f"the verify curve in {path} (target {stored.get('target')}, "
+                                                          f"{stored.get('backend')}, measured on {device})")

@@ -157,3 +157,32 @@ def break_even_alpha(k: int, cost_ratio: float) -> float | None:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if expected_tokens_iid(mid, k) < cost_ratio else (lo, mid)
     return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's figures for one chain of k drafts (a row of `specdec simulate`)."""
+    k: int
+    tokens_per_step: float       # E
+    verify_ratio: float          # t_verify(B (k + 1)) / t_verify(B)
+    draft_ratio: float           # the draft's seconds per step / t_verify(B)
+    speedup: float               # predicted
+    limit: float                 # S_limit: the speedup with a free draft, E / verify_ratio
+    break_even: float | None     # the i.i.d. α below which this chain loses (None: it never pays)
+
+
+def predictions(chains: list[list[float]], draft_cost: float, curve: VerifyCurve, batch_size: int = 1
+                ) -> list[Prediction]:
+    """A Prediction for each chain's α_1..α_k, its draft costing `draft_cost` x t_verify(1 token)
+    per drafted token, at `batch_size` rows."""
+    rows = batch_size if curve.batch_size == 1 else 1  # a batch-1 curve costs B rows as B x n tokens of one
+    t1 = curve.at(rows)
+    out = []
+    for alphas in chains:
+        k = len(alphas)
+        draft = draft_cost * k * t1
+        E = expected_tokens(alphas)
+        ratio = curve.at(rows * (k + 1)) / t1
+        out.append(Prediction(k, E, ratio, draft / t1, predicted_speedup(alphas, draft, curve, batch_size=batch_size),
+                              E / ratio, break_even_alpha(k, ratio + draft / t1)))
+    return out

@@ -18,7 +18,7 @@ nothing about the command line, benchmarks or serving.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -88,8 +88,8 @@ class DraftModelOptions(TreeOptions):
 
 @dataclass(frozen=True)
 class NgramOptions:
-    max_n: int | None = None        # the longest n-gram matched (None: the proposer's default)
-    min_n: int | None = None        # the shortest
+    ngram_max: int | None = None    # the longest n-gram matched (None: the proposer's default)
+    ngram_min: int | None = None    # the shortest
 
 
 @dataclass
@@ -109,8 +109,7 @@ class Drafter:
     shipped: tuple[str, ...] = ()  # its folders under models/, one per target it was trained for (none: it reads no folder)
     what: str = ""              # how messages name it
     train: str = ""             # how to make one that fits
-    path_flag: str | None = None  # the command-line flag naming its folder (None: it reads no folder)
-    flags: tuple[str, ...] = ()   # the draft options it takes besides -k and --tree (its options' fields)
+    reads: str | None = None    # what its folder holds, "draft_model" or "heads" (None: it reads no folder)
     options: type = NoOptions     # the dataclass of its options
 
     def folder(self, path=None, target=None) -> Path | None:
@@ -176,8 +175,7 @@ def draft_vocab(options: VocabOptions, token_counts) -> int | None:
 
 class DraftModel(Drafter):
     name, cls, shipped, what = "draft-model", DraftModelProposer, ("draft",), "draft model"
-    path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab", "--dynamic-tree", "--stop-below")
-    options = DraftModelOptions
+    reads, options = "draft_model", DraftModelOptions
     train = "train one with `specdec train --preset draft` (it must share the target's tokenizer)"
 
     def check(self, target, folder) -> None:
@@ -231,7 +229,6 @@ class DraftModel(Drafter):
 
 class ParallelDraft(DraftModel):
     name, cls, shipped, what = "parallel", ParallelDraftProposer, ("parallel-draft",), "parallel draft"
-    path_flag, flags = "--draft-model", ("--draft-model", "--draft-vocab")
     options = VocabOptions
     train = "train one with `specdec train --objective parallel --init-from DRAFT --teacher TARGET`"
 
@@ -263,11 +260,10 @@ class ParallelDraft(DraftModel):
 class Ngram(Drafter):
     """N-gram lookup; under structured output it walks through the grammar (guided_ngram.py)."""
     name, cls, what = "ngram", GuidedNgramProposer, "n-gram lookup"
-    flags = ("--ngram-max", "--ngram-min")
     options = NgramOptions
 
     def proposer(self, network, target, options) -> Proposer:
-        sizes = {"max_n": options.max_n, "min_n": options.min_n}
+        sizes = {"max_n": options.ngram_max, "min_n": options.ngram_min}
         return self.cls(**{name: n for name, n in sizes.items() if n is not None})
 
     def describe(self, network, proposer, options) -> dict:
@@ -285,7 +281,6 @@ class SelfDraft(Drafter):
     """The target's own weights, quantized, as its draft model: no folder, fits specdec's own target
     whose matrices cut into the quantized formats' blocks."""
     name, cls, what = "self", SelfDraftProposer, "self-draft"
-    flags = ("--draft-vocab", "--dynamic-tree")
     options = TreeOptions
 
     def check(self, target, folder) -> None:
@@ -312,8 +307,7 @@ class SelfDraft(Drafter):
 
 class Head(Drafter):
     """A head trained on one target's features: its folder names that target's hash."""
-    path_flag, flags = "--heads", ("--heads", "--draft-vocab")
-    options = VocabOptions
+    reads, options = "heads", VocabOptions
     kind = MTP_FOLDER  # its folder's kind: read by the one head loader (heads.check_head_target, heads.load_head)
 
     def check(self, target, folder) -> None:
@@ -390,8 +384,7 @@ class BehindLookup(Drafter):
     def __init__(self, name: str, model: Drafter, sure_match: int = SURE_MATCH, model_depth: int | None = None):
         self.name, self.model, self.sure_match, self.model_depth = name, model, sure_match, model_depth
         self.what = f"{model.what} behind suffix lookup"
-        self.shipped, self.train, self.path_flag, self.flags, self.options = (
-            model.shipped, model.train, model.path_flag, model.flags, model.options)
+        self.shipped, self.train, self.reads, self.options = model.shipped, model.train, model.reads, model.options
 
     def check(self, target, folder) -> None:
         self.model.check(target, folder)
@@ -423,11 +416,12 @@ DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(
 
 
 def option_owners() -> dict[str, tuple[str, ...]]:
-    """Each command-line draft option and the drafters that take it (-k and --tree: every one)."""
-    owners = {"-k": tuple(DRAFTERS), "--tree": tuple(DRAFTERS)}
+    """Each option a drafter takes, by name (the folder it `reads` and its options' fields), and the
+    drafters that take it (k and tree: every one)."""
+    owners = {"k": tuple(DRAFTERS), "tree": tuple(DRAFTERS)}
     for d in DRAFTERS.values():
-        for flag in d.flags:
-            owners[flag] = owners.get(flag, ()) + (d.name,)
+        for option in ([d.reads] if d.reads else []) + [f.name for f in fields(d.options)]:
+            owners[option] = owners.get(option, ()) + (d.name,)
     return owners
 
 

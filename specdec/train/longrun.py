@@ -23,7 +23,7 @@ SIGINT/SIGTERM; SIGSTOP and SIGCONT pause and resume the process where it stands
 the current head into a head folder (bf16, no optimizer state) with its metadata: tokens seen,
 steps, the data recipe, and the held-out α of the latest evaluation point.
 
-This module knows nothing about the command line: cli-style entry points are at the bottom.
+This module knows nothing about the command line (`specdec longrun` runs it).
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -493,6 +492,17 @@ def whole_curve(init_meta: dict, points: list[dict]) -> list[dict]:
     return [p for p in init_meta.get("curve", []) if not mine or p["tokens_seen"] < mine[0]["tokens_seen"]] + mine
 
 
+def learning_curve(out: str | Path, cfg: LongRun) -> list[dict]:
+    """The whole learning curve of the run in `out` (`whole_curve`), its init head's points first;
+    refused while there is none."""
+    init_meta = Path(cfg.init) / "heads.json"
+    points = whole_curve(json.loads(init_meta.read_text()) if init_meta.exists() else {}, curve(out))
+    if not points:
+        raise SpecdecError(f"neither {cfg.init} nor {out} has an evaluation point yet (curve.jsonl); "
+                           "let the run reach its first one")
+    return points
+
+
 def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> Path:
     """Write the run's saved head into the head folder `dest` (bf16, no optimizer state) with its
     metadata: tokens seen, steps, the data recipe and its amounts (with the pool's next shard, where a
@@ -505,7 +515,7 @@ def snapshot(out: str | Path, dest: str | Path, cfg: LongRun, command: str) -> P
     meta_file = out / "state" / "state.json"
     recover(out / "state")
     if not meta_file.exists():
-        raise SpecdecError(f"{out} has no saved state yet; start the run (python -m specdec.train.longrun run) "
+        raise SpecdecError(f"{out} has no saved state yet; start the run (specdec longrun run) "
                            "and snapshot it after its first save")
     progress = Progress(**json.loads(meta_file.read_text())["progress"])
     tensors = load_file(out / "state" / "state.safetensors")
@@ -558,48 +568,3 @@ def table(points: list[dict]) -> str:
         lines.append(f"| {p['tokens_seen'] / 1e6:.2f}M | " + " | ".join(" ".join(f"{a:.2f}" for a in p[n])
                                                                       for n in names) + " |")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """python -m specdec.train.longrun {run,snapshot} [--preset NAME] [--out DIR] [--to DIR]"""
-    import argparse
-
-    from .presets import LONG_RUNS, long_run
-
-    parser = argparse.ArgumentParser(prog="python -m specdec.train.longrun", description=main.__doc__)
-    parser.add_argument("action", choices=("run", "snapshot", "curve"))
-    parser.add_argument("--preset", default="smollm2-eagle3", choices=list(LONG_RUNS))
-    parser.add_argument("--out", help="the run folder (default: runs/longrun-PRESET under the repository)")
-    parser.add_argument("--to", help="snapshot: the head folder written (default: the preset's init folder)")
-    parser.add_argument("--plot", help="curve: draw the learning curve into this .png as well")
-    parser.add_argument("--minutes", type=float, help="run: stop after this many minutes (at the first step or "
-                                                       "shard that ends past them), with a held-out point")
-    args = parser.parse_args(argv)
-    cfg, default_out = long_run(args.preset)
-    out = Path(args.out or default_out)
-    torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", 2)))
-    try:
-        if args.action == "run":
-            run(out, cfg, log=lambda line: print(time.strftime("%H:%M:%S"), line, flush=True), minutes=args.minutes)
-        elif args.action == "snapshot":
-            command = f"python -m specdec.train.longrun run --preset {args.preset}"
-            dest = snapshot(out, args.to or cfg.init, cfg, command)
-            print(f"the head of {out} written to {dest}")
-        else:
-            init_meta = Path(cfg.init) / "heads.json"
-            points = whole_curve(json.loads(init_meta.read_text()) if init_meta.exists() else {}, curve(out))
-            if not points:
-                raise SpecdecError(f"neither {cfg.init} nor {out} has an evaluation point yet (curve.jsonl); "
-                                   "let the run reach its first one")
-            lines = break_even()
-            print(table(points) + "\n\nbreak-even α (cost model): " + ", ".join(
-                f"{k} {a:.2f}" for k, a in lines.items()))
-            if args.plot:
-                from .plots import plot_learning_curve
-                plot_learning_curve(points, Path(args.plot), f"{args.preset}: held-out α against tokens seen", lines)
-    except SpecdecError as e:
-        sys.exit(f"specdec: {e}")
-
-
-if __name__ == "__main__":
-    main()

@@ -8,15 +8,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from ..errors import SpecdecError
 from ..lm.arch import Arch
-from .config import LongRun
-from .objectives import MTP, Block, Distill, Eagle, Parallel
-from .selfdistill import Recipe
+from .config import LongRun, TrainConfig, gguf_converted
+from .objectives import MTP, Block, Distill, Eagle, Objective, Parallel, objective
+from .selfdistill import Recipe, corpus_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("tokenizer", "init_from")  # recipe entries naming files or folders
 OBJECTIVE_PATHS = ("frozen_trunk", "teacher", "target")  # objective settings naming folders
-DEFAULT_TARGET = "default target"  # a recipe's target: specdec's default target (SmolLM2-135M-Instruct, cli.py)
+DEFAULT_TARGET = "default target"  # a recipe's target: specdec's default target (api.default_target)
 
 TARGET_MODEL = Arch(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                            num_attention_heads=6, num_key_value_heads=2, head_dim=64,
@@ -110,6 +111,58 @@ def described(recipe: dict) -> str:
     return values + (f", model: {m.num_hidden_layers} layers x {m.hidden_size}, vocabulary {m.vocab_size}" if m else "")
 
 
+MTP_OBJECTIVES = ("mtp-parallel", "mtp-sequential")
+OBJECTIVE_OPTIONS = {  # option of `specdec train` -> the objectives it is a setting of, and that setting's name
+    "mtp_depth": (MTP_OBJECTIVES, "depth"), "mtp_lambda": (MTP_OBJECTIVES, "lam"),
+    "mtp_lambda_late": (MTP_OBJECTIVES, "lam_late"), "mtp_beta": (MTP_OBJECTIVES, "beta"),
+    "frozen_trunk": (MTP_OBJECTIVES, "frozen_trunk"), "teacher": (("distill", "parallel"), "teacher"),
+    "distill_temperature": (("distill",), "temperature"), "distill_top_k": (("distill",), "top_k"),
+    "target": (("eagle", "block"), "target"), "eagle_layers": (("eagle", "block"), "layers"),
+    "draft_vocab": (("eagle", "block"), "draft_vocab"), "eagle_steps": (("eagle",), "steps"),
+    "eagle_decay": (("eagle",), "decay"), "eagle_layout": (("eagle",), "layout"),
+    "parallel_block": (("parallel",), "block"), "parallel_anchors": (("parallel",), "anchors"),
+    "block_size": (("block",), "size"), "block_anchors": (("block",), "anchors"),
+    "block_attention": (("block",), "attention"), "block_layers": (("block",), "num_layers"),
+    "naive_mtp_order": (MTP_OBJECTIVES, "memory_saving"),
+}
+
+
+def chosen_objective(name: str | None, options: dict, preset: Objective | None) -> Objective:
+    """Objective `name` (None: the preset's, else next-token) with the settings `options` give (by
+    OBJECTIVE_OPTIONS' names; None: not given; naive_mtp_order True: memory_saving off), the others the
+    preset's (for the preset's own objective) or the defaults; an option of another objective is refused."""
+    name = name or (preset.name if preset is not None else "next-token")
+    given = {**options, "eagle_layers": options["eagle_layers"] and tuple(options["eagle_layers"]),
+             "naive_mtp_order": False if options["naive_mtp_order"] else None}
+    settings = {}
+    for option, (names, setting) in OBJECTIVE_OPTIONS.items():
+        if given[option] is None:
+            continue
+        settings[setting] = given[option]
+        if name not in names:
+            raise SpecdecError(f"--{option.replace('_', '-')} is a setting of --objective {' or '.join(names)}, "
+                               f"but this run trains {name}: give that objective, or leave the option out")
+    if preset is not None and preset.name == name:
+        return dataclasses.replace(preset, **settings)
+    return objective(name, **settings)
+
+
+def run_config(out: str, recipe: dict, objective: Objective) -> TrainConfig:
+    """The config of a run into `out` from a recipe (a preset's values, flags over them) and its
+    objective: the default target found (api.default_target), each .gguf model given as its converted
+    folder, and a self-distilled recipe's corpus (the target's own answers) generated first, resumably,
+    unless the recipe names a corpus."""
+    if getattr(objective, "target", None) == DEFAULT_TARGET:
+        from ..api import default_target
+        objective = dataclasses.replace(objective, target=str(default_target()))
+    recipe = dict(recipe)
+    recipe["init_from"], recipe["objective"] = gguf_converted(recipe.get("init_from"), objective)
+    data = recipe.pop("selfdistill", None)
+    if data is not None and "corpus" not in recipe:
+        recipe["corpus"] = [str(corpus_for(recipe["objective"].target, out, data))]
+    return TrainConfig(out=out, **recipe)
+
+
 def preset(name: str) -> dict:
     """The recipe `name` with its paths made absolute against the repository root."""
     recipe = dict(PRESETS[name])
@@ -126,7 +179,7 @@ def preset(name: str) -> dict:
 
 
 # long runs (longrun.py): a head that keeps learning in the background over many sittings, from the committed
-# head onwards; `python -m specdec.train.longrun run --preset NAME` starts or resumes it in runs/longrun-NAME
+# head onwards; `specdec longrun run --preset NAME` starts or resumes it in runs/longrun-NAME
 LONG_RUNS = {
     # SmolLM2-135M-Instruct's EAGLE-3 head (models/smollm2-eagle3): data from the Q8_0 target by the batched engine;
     # rate 2e-4 (1e-3 took the GPU-trained head from held-out α_1 0.60/0.56 chat/code to 0.53/0.51 in 0.2M
