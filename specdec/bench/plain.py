@@ -130,7 +130,7 @@ def draft_predictions(size: str, curve_seconds: dict[int, float]) -> dict:
 
 
 # Per-position acceptance of each design at k = 3 on the shipped pair (22M target), HumanEval,
-# greedy, batch 1, as `specdec bench` measured it (docs/bench/bench.json; EAGLE: not in that run,
+# greedy, batch 1, as `specdec bench` measured it (docs/evidence/bench/bench.json; EAGLE: not in that run,
 # so the draft model's is assumed). At another target size it is an assumption, not a measurement.
 ASSUMED_ACCEPTANCE = {"draft-model": [0.656, 0.509, 0.503], "ngram": [0.625, 0.883, 0.915],
                       "mtp": [0.797, 0.575, 0.33], "eagle": [0.656, 0.509, 0.503]}

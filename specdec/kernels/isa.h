@@ -154,7 +154,7 @@ constexpr int panels_for(int R) {
 constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;
 // Panels per tile where the call has one row (plain decoding): enough independent FMA chains to keep
 // up with memory, few enough streams of weights at once. Measured on Zen 4 (one thread, matrices
-// streaming from memory, docs/kernel-efficiency.py streaming): 8 panels read SmolLM2's and the
+// streaming from memory, benchmarks/kernel_efficiency.py streaming): 8 panels read SmolLM2's and the
 // 1.5B's matrices at 20-27 GB/s, 4 at 25-33, 2 about as 4.
 constexpr int kOneRowPanels = 4;
 
