@@ -86,15 +86,12 @@ from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
 SPEC_METHODS = tuple(DRAFTERS)  # the drafters a plan compares: every entry of the registry
-# MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
-# heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
-# unembedding cost per head
+# MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): a quarter of the unembedding
+# cost per head for about the same acceptance (measured: docs/methods/mtp.md)
 MTP_DRAFT_VOCAB = 4096
 DRAFT_VOCAB = 4096  # the draft model's too, where it was saved with its token counts
-# the EAGLE head drafts over the 2048 most frequent of its 4096 ids (half the unembedding per draft): measured
-# on the shipped head (HumanEval, first 10 prompts, batch 1, k = 1..6, two bench runs), greedy τ is unchanged
-# and the best greedy speedup went from 1.19x to 1.24x; at temperature 1 τ drops (2.98 -> 2.74 at k = 3: the
-# head's mass outside the 2048 ids is lost) at about the same speed (best 0.98x -> 0.96x)
+# the EAGLE head drafts over the 2048 most frequent of its 4096 ids (half the unembedding per draft): greedy τ
+# is unchanged, at temperature 1 the head's mass outside the 2048 ids is lost (measured: docs/methods/eagle.md)
 EAGLE_DRAFT_VOCAB = 2048
 BENCH_OPTIONS = {"draft-model": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
                  "hybrid": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
@@ -145,7 +142,7 @@ def quick_plan() -> Plan:
 
 
 def full_plan() -> Plan:
-    """About twenty minutes on a quiet 2-core machine: the k sweep with trees against the chains
+    """The whole plan: the k sweep with trees against the chains
     that verify as many tokens, k=auto in every cell, three workloads, temperature 0 and 1, and
     batch 1, 4 and 16 on the same 16 prompts; 96 new tokens per prompt."""
     return Plan((Cell("humaneval", 0.0, 1, (1, 2, 4, 7), 6, peer_k=4, trees=((2, 2), (3, 2, 2))),
