@@ -5,9 +5,8 @@ transformers both in specdec's arithmetic dtype (like for like) and in bf16 (its
 on a CPU without native bf16). specdec and llama.cpp report prompt evaluation and decoding apart,
 so their decode-only tokens/s are compared too; transformers' figure includes its prefill.
 Also the memory bandwidth reached: the weight bytes one decoding step reads (every matrix except
-the embedding table, of which a step reads one row) times tokens/s, as a fraction of the 47 GB/s
-of the build machine (docs/design.md, "Machines: measure on the one you have") and of the read
-bandwidth measured on this machine now.
+the embedding table, of which a step reads one row) times tokens/s, as a fraction of the build
+machine's read bandwidth (MACHINE_READ_BANDWIDTH) and of the one measured on this machine now.
 """
 from __future__ import annotations
 
