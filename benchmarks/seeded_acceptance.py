@@ -7,16 +7,19 @@ PROMPTS HumanEval prompts, MAX_NEW tokens each, one prompt at a time; seeded run
 0..PROMPTS-1, unseeded ones draw from fresh random generators. Prints α (accepted /
 proposed) and τ (emitted tokens / steps) per proposer and rule; the last line is one JSON object.
 
-    python benchmarks/seeded_acceptance.py          (from the repository root)
+    python benchmarks/seeded_acceptance.py [--model models/target] [--draft-model models/draft] [--prompts 20]
 """
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from specdec import api
 from specdec.bench.workloads import humaneval_prompt
 from specdec.proposers import DraftModelProposer, NgramProposer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(target, proposer, prompts, seeded: bool, max_new: int) -> dict:
@@ -34,9 +37,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--model", default=str(ROOT / "models" / "target"), help="the target (default: the shipped 22M one)")
+    p.add_argument("--draft-model", help="its draft model (default: the one shipped for it)")
     args = p.parse_args()
-    target = api.load(quantize="bf16")  # the bf16 conversion: the form these figures were measured on
-    draft = api.load_draft_model(target)
+    target = api.load(args.model)
+    draft = api.load_draft_model(target, args.draft_model)
     proposers = {"draft-model": lambda: DraftModelProposer(model=draft.model),
                  "ngram": lambda: NgramProposer()}
     prompts = [humaneval_prompt(i) for i in range(args.prompts)]
@@ -48,7 +53,7 @@ def main() -> None:
             print(f"{name:>11}, {rule:<28}: alpha {r['alpha']:.3f}, tau {r['tau']:.2f} "
                   f"({r['proposed']} drafts, {r['steps']} steps)")
     print(json.dumps({"results": result, "conditions": {
-        "target": "models/target", "draft": "models/draft", "k": 4, "temperature": 1.0,
+        "target": str(target.path), "draft": str(draft.path), "k": 4, "temperature": 1.0,
         "prompts": f"HumanEval 0..{args.prompts - 1}", "max_new_tokens": args.max_new, "batch": 1}}))
 
 

@@ -1,13 +1,41 @@
-"""The scripts in benchmarks/ run end to end on the toy target (the real runs take the pair and a
-llama.cpp build; these show the scripts work and write what their docs say)."""
+"""Every script in benchmarks/ runs here on the toy models (the shipped 22M target and its drafters, or
+the suite's tiny checkpoints) at tiny sizes: the real runs take SmolLM2, the pair or a llama.cpp build
+and minutes; these show each script's code path works and writes what its docs say. A script that
+needs what no test machine has (llama.cpp's programs) has its own parts run instead."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+TARGET = ROOT / "models" / "target"
+
+
+def script(name: str, *args, cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python benchmarks/NAME ARGS...` in `cwd`, importing this checkout's specdec, on one thread (the
+    suite runs a test per core); fails the test with its output when it fails."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    run = subprocess.run([sys.executable, str(BENCHMARKS / name), *map(str, args)], capture_output=True, text=True,
+                         timeout=timeout, cwd=cwd, env=environ)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def last_json(run: subprocess.CompletedProcess) -> dict:
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def module(name: str):
+    """A benchmark script imported as a module (its `main` not run), to call its parts."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCHMARKS / name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_the_serve_head_to_head_drives_specdecs_server_and_writes_its_figures(tmp_path):
@@ -44,3 +72,12 @@ def test_the_shared_prefix_bench_times_a_first_request_and_its_repeats(tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(summary["first_s"]) == 1 and len(summary["repeat_s"]) == 2 and summary["prompt_tokens"][0] > 100
+
+
+def test_seeded_acceptance_compares_gumbel_coupling_with_rejection_sampling(tmp_path):
+    result = last_json(script("seeded_acceptance.py", "--prompts", 2, "--max-new", 8, cwd=tmp_path))
+    assert set(result["results"]) == {f"{p}, {r}" for p in ("draft-model", "ngram")
+                                      for r in ("rejection sampling (no seed)", "Gumbel-max (seed)")}
+    for r in result["results"].values():
+        assert 0 <= r["alpha"] <= 1 and 1 <= r["tau"] <= 5 and r["steps"] > 0
+    assert result["conditions"]["target"] == str(TARGET) and result["conditions"]["prompts"] == "HumanEval 0..1"
