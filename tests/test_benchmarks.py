@@ -81,3 +81,13 @@ def test_seeded_acceptance_compares_gumbel_coupling_with_rejection_sampling(tmp_
     for r in result["results"].values():
         assert 0 <= r["alpha"] <= 1 and 1 <= r["tau"] <= 5 and r["steps"] > 0
     assert result["conditions"]["target"] == str(TARGET) and result["conditions"]["prompts"] == "HumanEval 0..1"
+
+
+def test_structured_validity_runs_the_schema_workload_through_the_api_and_a_server(tmp_path, tiny_checkpoint):
+    run = script("structured_validity.py", "--model", tiny_checkpoint, "--tasks", 2, "--max-tokens", 8, cwd=tmp_path)
+    result = json.loads(run.stdout)
+    assert set(result) == {f"{name}, T={t}" for name in ("plain constrained", "forced + ngram k=6",
+                                                         "server, forced + ngram k=6, 4 at once") for t in (0, 1)}
+    for r in result.values():
+        assert r["tasks"] == 2 and r["valid"] + r["hit_length"] <= 2 and r["validity"] == r["valid"] / 2
+    assert 0 < result["forced + ngram k=6, T=0"]["forced_share"] <= 1  # the grammar forced some tokens
