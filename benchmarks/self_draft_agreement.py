@@ -14,7 +14,7 @@ differences are paired. Variants: the self-draft's Q8_0 unembedding multiplying 
 unembedding (`bf16`), all over the same Q4_1 layers. Prints one line per workload, then one JSON
 object.
 
-    python benchmarks/self_draft_agreement.py          (from the repository root)
+    python benchmarks/self_draft_agreement.py [--prompts 8] [--max-new-tokens 128] [--model PATH]
 """
 from __future__ import annotations
 
@@ -41,13 +41,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--noise", type=int, default=256, help="Gumbel draws per position (in chunks of 16)")
+    parser.add_argument("--model", help="the target (default: SmolLM2's bf16 conversion, the form these figures "
+                        "were measured on)")
     args = parser.parse_args()
-    target = api.load(quantize="bf16")  # the bf16 conversion: the form these figures were measured on
+    target = api.load(args.model) if args.model else api.load(quantize="bf16")
     drafts = {name: SelfDraftProposer(target.model, **options).model for name, options in VARIANTS.items()}
     noise_generator = torch.Generator().manual_seed(0)
     report = {}
-    for workload, prompts, chat in (("humaneval", humaneval_prompts(args.prompts), False),
-                                    ("chat", chat_prompts(args.prompts), True)):
+    workloads = [("humaneval", humaneval_prompts(args.prompts), False)]
+    if target.tokenizer.has_chat_template:  # the chat prompts need one (a plain checkpoint: code only)
+        workloads.append(("chat", chat_prompts(args.prompts), True))
+    for workload, prompts, chat in workloads:
         sums = {name: {"rejection": 0.0, "seeded": 0.0} for name in drafts}
         positions = 0
         for i, prompt in enumerate(prompts):

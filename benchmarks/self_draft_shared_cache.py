@@ -1,7 +1,7 @@
 """How often SmolLM2's self-draft agrees with its target when it attends to the target's own keys and
 values of the text so far, against its own (docs/quantized.md, "What a draft token costs").
 
-Today the self-draft keeps a KV cache of its own: it prefills every prompt itself (77 ms for 125
+When this was measured the self-draft kept a KV cache of its own: it prefills every prompt itself (77 ms for 125
 tokens on the 2-core Intel Xeon, 0.65 of the target's prefill) and catches up after a plain stretch.
 Its layers have the target's shapes, so it could instead read the target's cache, which holds every
 committed token but the newest, and write only the keys and values of the tokens it feeds (the
@@ -11,13 +11,15 @@ and chat prompts: for each answer position, the self-draft's distribution q from
 forward over prompt + answer) and from the target's (the target's cache rolled back to the
 position, the newest token fed by the draft; positions taken from the last to the first, so the
 slot a draft forward writes is never read again), against the target's p. Prints rejection
-sampling's acceptance E[sum min(p, q)] and greedy agreement (argmax q = argmax p) for both.
+sampling's acceptance E[sum min(p, q)] and greedy agreement (argmax q = argmax p) for both; the
+last line is one JSON object.
 
-    python benchmarks/self_draft_shared_cache.py          (from the repository root)
+    python benchmarks/self_draft_shared_cache.py [--prompts 8] [--max-new-tokens 128] [--model PATH]
 """
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -30,11 +32,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--model", help="the target (default: SmolLM2's bf16 conversion, the form these figures "
+                        "were measured on)")
     args = parser.parse_args()
-    target = api.load(quantize="bf16")  # the bf16 conversion: the form these figures were measured on
+    target = api.load(args.model) if args.model else api.load(quantize="bf16")
     draft = SelfDraftProposer(target.model).model
-    for workload, prompts, chat in (("humaneval", humaneval_prompts(args.prompts), False),
-                                    ("chat", chat_prompts(args.prompts), True)):
+    report = {}
+    workloads = [("humaneval", humaneval_prompts(args.prompts), False)]
+    if target.tokenizer.has_chat_template:  # the chat prompts need one (a plain checkpoint: code only)
+        workloads.append(("chat", chat_prompts(args.prompts), True))
+    for workload, prompts, chat in workloads:
         sums = {"own": [0.0, 0], "shared": [0.0, 0]}
         positions = 0
         for i, prompt in enumerate(prompts):
@@ -59,6 +66,9 @@ def main() -> None:
         print(workload, f"{positions} positions;", " | ".join(
             f"{name} cache: rejection {r / positions:.4f} greedy {g / positions:.4f}" for name, (r, g) in sums.items()),
             flush=True)
+        report[workload] = {name: {"rejection": r / positions, "greedy": g / positions, "positions": positions}
+                            for name, (r, g) in sums.items()}
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -91,3 +91,21 @@ def test_structured_validity_runs_the_schema_workload_through_the_api_and_a_serv
     for r in result.values():
         assert r["tasks"] == 2 and r["valid"] + r["hit_length"] <= 2 and r["validity"] == r["valid"] / 2
     assert 0 < result["forced + ngram k=6, T=0"]["forced_share"] <= 1  # the grammar forced some tokens
+
+
+def test_self_draft_agreement_scores_every_variant_under_both_rules(tmp_path):
+    report = last_json(script("self_draft_agreement.py", "--model", TARGET, "--prompts", 1, "--max-new-tokens", 6,
+                              "--noise", 16, cwd=tmp_path))
+    assert set(report) == {"humaneval"}  # the 22M target has no chat template: code prompts only
+    variants = report["humaneval"]
+    assert set(variants) == {"coarse", "fine", "bf16"}
+    for v in variants.values():
+        assert 0 < v["positions"] <= 6 and 0 < v["seeded"] <= 1 and 0 < v["rejection"] <= 1
+
+
+def test_self_draft_shared_cache_scores_its_own_cache_against_the_targets(tmp_path):
+    report = last_json(script("self_draft_shared_cache.py", "--model", TARGET, "--prompts", 1, "--max-new-tokens", 6,
+                              cwd=tmp_path))
+    own, shared = report["humaneval"]["own"], report["humaneval"]["shared"]
+    assert 0 < own["positions"] == shared["positions"] <= 6
+    assert all(0 < r[key] <= 1 for r in (own, shared) for key in ("rejection", "greedy"))
