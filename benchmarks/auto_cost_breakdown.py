@@ -7,11 +7,16 @@ making it (`__init__`: the target's cache, the proposer's start, the controller)
 verify forwards of drafting steps with the tokens they carried (min-max over the repeats).
 
     python benchmarks/auto_cost_breakdown.py chat 0 8 8 5 suffix,eagle,self   # workload T batch prompts repeats drafters
+        [--model PATH] [--max-new-tokens 64]
+
+The last line is one JSON object: per configuration, the median CPU seconds of the whole and of each
+part, and the ratios plain / it.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 
@@ -50,18 +55,28 @@ def counted_verify(verify_forward):
 
 
 def main() -> None:
-    name, temperature, batch, n, repeats = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
-        int(sys.argv[5])
-    methods = tuple(sys.argv[6].split(","))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("workload")
+    p.add_argument("temperature", type=float)
+    p.add_argument("batch", type=int)
+    p.add_argument("prompts", type=int)
+    p.add_argument("repeats", type=int)
+    p.add_argument("drafters", help="comma-separated")
+    p.add_argument("--model", help="the target (default: the default target)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    args = p.parse_args()
+    name, temperature, batch, n, repeats = args.workload, args.temperature, args.batch, args.prompts, args.repeats
+    methods, new = tuple(args.drafters.split(",")), args.max_new_tokens
     torch.set_num_threads(1)
     for part in ("__init__", "regroup", "plain_step", "end_plain", "choose"):
         timed(engine.Engine, part)
     engine.Engine.verify_forward = counted_verify(engine.Engine.verify_forward)
-    bench = Bench(Plan((Cell(name, temperature, batch, (), n),), methods=methods, max_new_tokens=64, moe=None))
+    bench = Bench(Plan((Cell(name, temperature, batch, (), n),), methods=methods, max_new_tokens=new, moe=None),
+                  args.model)
     wl = workload(name, n)
-    prompts = encode_prompts(bench.target, wl.prompts, 64, chat=wl.chat)
+    prompts = encode_prompts(bench.target, wl.prompts, new, chat=wl.chat)
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    sampling, rule = SamplingConfig(temperature, seed=0), StopRule(64)
+    sampling, rule = SamplingConfig(temperature, seed=0), StopRule(new)
     configs = [Config("plain")] + [Config(m, "auto") for m in methods]
     results = {c.label: defaultdict(list) for c in configs}
     for round in range(repeats + 1):  # the first round warms up
@@ -81,7 +96,7 @@ def main() -> None:
                     results[cfg.label][part].append(seconds)
                 for kind in COUNTS:
                     results[cfg.label][kind].append(FORWARDS[kind])
-    print(f"{name}, T={temperature:g}, batch {batch}, {n} prompts, 64 new tokens, {repeats} repeats, 1 thread, "
+    print(f"{name}, T={temperature:g}, batch {batch}, {n} prompts, {new} new tokens, {repeats} repeats, 1 thread, "
           "CPU ms (medians)")
     for cfg in configs:
         got = results[cfg.label]
@@ -91,6 +106,10 @@ def main() -> None:
         parts += "".join(f"  {kind} {min(got[kind])}-{max(got[kind])}" for kind in COUNTS)
         print(f"{cfg.label:14s} {statistics.median(got['total']) * 1e3:8.1f}  plain/this {statistics.median(ratios):.3f} "
               f"({min(ratios):.3f}-{max(ratios):.3f})  {parts}")
+    print(json.dumps({cfg.label: {"plain/this": statistics.median(x / y for x, y in zip(results["plain"]["total"],
+                                                                                     results[cfg.label]["total"])),
+                                  **{part: statistics.median(v) for part, v in results[cfg.label].items()}}
+                      for cfg in configs}))
 
 
 if __name__ == "__main__":

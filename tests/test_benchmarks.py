@@ -109,3 +109,16 @@ def test_self_draft_shared_cache_scores_its_own_cache_against_the_targets(tmp_pa
     own, shared = report["humaneval"]["own"], report["humaneval"]["shared"]
     assert 0 < own["positions"] == shared["positions"] <= 6
     assert all(0 < r[key] <= 1 for r in (own, shared) for key in ("rejection", "greedy"))
+
+
+def test_auto_cost_breakdown_splits_plain_and_auto_decoding_into_the_engines_parts(tmp_path):
+    run = script("auto_cost_breakdown.py", "humaneval", 0, 1, 1, 1, "ngram,eagle", "--model", TARGET,
+                 "--max-new-tokens", 32, cwd=tmp_path)
+    result = last_json(run)
+    assert set(result) == {"plain", "ngram k=auto", "eagle k=auto"}
+    for parts in result.values():
+        assert parts["total"] > 0 and parts["plain/this"] > 0
+        assert parts["__init__"] > 0 and parts["regroup"] > 0  # the engine's parts were timed
+    assert result["plain"]["verify forwards"] == 0 and result["plain"]["plain_step"] > 0
+    eagle = result["eagle k=auto"]  # the EAGLE head drafts on this prompt: its verify forwards are counted
+    assert eagle["verify forwards"] >= 1 and eagle["tokens"] > eagle["verify forwards"]
