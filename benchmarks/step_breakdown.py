@@ -61,9 +61,14 @@ def main() -> None:
     parser.add_argument("--label", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--model", default=str(MODELS / "target"), help="the target (default: the shipped one, "
+                        "whose draft and MTP heads it is measured with)")
     args = parser.parse_args()
-    target = load()
-    prompts = [[2] + target.tokenizer.encode(p["prompt"].rstrip()) for p in list(read_problems().values())[:5]]
+    target = load(args.model)
+    prompts = [[2] + target.tokenizer.encode(p["prompt"].rstrip())
+               for p in list(read_problems().values())[:args.prompts]]
     configs = {"plain (engine, k=0)": (NgramProposer(), 0), "ngram k=3": (NgramProposer(), 3),
                "draft-model k=3": (DraftModelProposer(model=load(MODELS / "draft").model), 3),
                "mtp k=1": (load_drafter(target, "mtp"), 1), "mtp k=3": (load_drafter(target, "mtp"), 3)}
@@ -72,12 +77,15 @@ def main() -> None:
     model.forward = timed(model.forward, "forward")
     engine.emit_runs = timed(engine.emit_runs, "commit")
     SpecMetrics.record_step = timed(SpecMetrics.record_step, "metrics")
-    verifier = engine._verifier
-    engine._verifier = lambda *a, **kw: timed(verifier(*a, **kw), "acceptance")
+    if hasattr(engine, "_verifier"):  # older engines picked the acceptance rule per call
+        verifier = engine._verifier
+        engine._verifier = lambda *a, **kw: timed(verifier(*a, **kw), "acceptance")
+    else:  # greedy: the rule the engine calls by its module's name
+        engine.greedy_accept = timed(engine.greedy_accept, "acceptance")
     for proposer, _ in configs.values():
         proposer.propose = timed(proposer.propose, "propose")
         proposer.observe = timed(proposer.observe, "observe")
-    rule, samples = StopRule(max_new_tokens=128), defaultdict(list)
+    rule, samples = StopRule(max_new_tokens=args.max_new_tokens), defaultdict(list)
     for repeat in range(args.repeats + 1):
         for name, (proposer, k) in configs.items():
             for prompt in prompts:

@@ -122,3 +122,16 @@ def test_auto_cost_breakdown_splits_plain_and_auto_decoding_into_the_engines_par
     assert result["plain"]["verify forwards"] == 0 and result["plain"]["plain_step"] > 0
     eagle = result["eagle k=auto"]  # the EAGLE head drafts on this prompt: its verify forwards are counted
     assert eagle["verify forwards"] >= 1 and eagle["tokens"] > eagle["verify forwards"]
+
+
+def test_step_breakdown_times_each_part_of_a_speculative_step(tmp_path):
+    out = tmp_path / "breakdown.json"
+    script("step_breakdown.py", "--label", "smoke", "--out", out, "--repeats", 1, "--prompts", 1,
+           "--max-new-tokens", 8, cwd=tmp_path)
+    result = json.loads(out.read_text())
+    assert result["label"] == "smoke" and result["t1_ms"] > 0
+    assert set(result["configs"]) == {"plain (engine, k=0)", "ngram k=3", "draft-model k=3", "mtp k=1", "mtp k=3"}
+    for name, parts in result["configs"].items():
+        assert parts["forward"] > 0 and parts["step"] > 0 and parts["tau"] >= 1, name
+        assert parts["bookkeeping_over_t1"] > 0
+    assert result["configs"]["draft-model k=3"]["propose"] > 0 and result["configs"]["ngram k=3"]["acceptance"] > 0
