@@ -135,3 +135,17 @@ def test_step_breakdown_times_each_part_of_a_speculative_step(tmp_path):
         assert parts["forward"] > 0 and parts["step"] > 0 and parts["tau"] >= 1, name
         assert parts["bookkeeping_over_t1"] > 0
     assert result["configs"]["draft-model k=3"]["propose"] > 0 and result["configs"]["ngram k=3"]["acceptance"] > 0
+
+
+def test_quant_matrix_speed_times_every_format_and_counts_a_gguf_models_bytes(tmp_path):
+    run = script("quant_matrix_speed.py", "--shape", 64, 256, "--rows", 1, 2, "--rounds", 2, "--evict", 1,
+                 "--formats", "q8_0,q4_1,q5_0,q4_k,q6_k,q5_0-as-q8_0", cwd=tmp_path)
+    lines = run.stdout.strip().splitlines()
+    isas = {line.split()[0] for line in lines}
+    assert len(lines) == len(isas) * 2 * 6  # every ISA here, both row counts, every format
+    assert all(" us " in line and " MB " in line and "x q8_0's time" in line for line in lines)
+    from .gguf_helpers import byte_level_tokenizer, hf_model, write_gguf
+    gguf = write_gguf(tmp_path / "tiny.gguf", hf_model("llama"), byte_level_tokenizer(), "llama")
+    lines = script("quant_matrix_speed.py", "--bytes-of", gguf, cwd=tmp_path).stdout.strip().splitlines()
+    assert lines[-1].startswith("all ") and "bytes a weight" in lines[-1]
+    assert any(line.startswith("q8_0") for line in lines) and any("(apart)" in line for line in lines)
