@@ -1,8 +1,8 @@
 """The multi-row matrix kernel against the machine's measured FMA peak, weights in cache; and
 each format's one-row streaming rate, weights from memory.
 
-    python benchmarks/kernel_efficiency.py
-    python benchmarks/kernel_efficiency.py streaming [THREADS] [ISA] [FORMATS]
+    python benchmarks/kernel_efficiency.py [--repeats 300] [--shapes N,K ...] [--rows 1 4 8 16 32]
+    python benchmarks/kernel_efficiency.py streaming [THREADS] [ISA] [FORMATS] [--shapes N,K ...] [--evict-mb 320]
 
 streaming: for each format (bf16, q8_0, q4_1, q4_k, q6_k; FORMATS comma-separated) and the matrix
 shapes of SmolLM2-135M (576x576, 1536x576, 576x1536, the 49152x576 unembedding) and
@@ -21,8 +21,8 @@ pybind's dispatch (a few microseconds, visible at small M).
 """
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
 import torch
@@ -44,7 +44,7 @@ def median_seconds(fn, repeats: int = 300, warmup: int = 30) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def in_cache(shapes: dict[str, tuple[int, int]], rows: list[int], repeats: int) -> None:
     torch.set_num_threads(2)
     module = kernels.compiled()
     if module is None:
@@ -52,12 +52,13 @@ def main() -> None:
     peak = module.fma_peak(torch.get_num_threads(), 0.5)
     print(f"FMA peak {peak:.0f} GFLOP/s ({kernels.isa()}, {torch.get_num_threads()} threads)")
     empty = torch.empty(0)
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in shapes.items():
         packed = kernels.pack(torch.randn(N, K).bfloat16())
         cells = []
-        for M in (1, 4, 8, 16, 32):
+        for M in rows:
             x = torch.randn(M, K)
-            t = median_seconds(lambda: module.linear(x, packed, 0, N, empty, empty))  # format 0: bf16
+            t = median_seconds(lambda: module.linear(x, packed, 0, N, empty, empty), repeats,
+                               repeats // 10)  # format 0: bf16
             rate = 2 * M * N * K / t / 1e9
             cells.append(f"M={M}: {1e6 * t:.0f} us {rate:.0f} GFLOP/s ({100 * rate / peak:.0f}%)")
         print(f"{name}: " + " | ".join(cells))
@@ -94,7 +95,8 @@ def streaming_rate(module, matrix: kernels.Matrix, K: int, threads: int, total: 
     return matrix.nbytes / best / 1e9
 
 
-def streaming(threads: int, isa: str | None, formats: list[str]) -> None:
+def streaming(threads: int, isa: str | None, formats: list[str], shapes=STREAMING_SHAPES,
+              evict_mb: int = 320) -> None:
     torch.set_num_threads(threads)
     module = kernels.compiled()
     if module is None:
@@ -105,14 +107,28 @@ def streaming(threads: int, isa: str | None, formats: list[str]) -> None:
     g = torch.Generator().manual_seed(0)
     print(f"GB/s of weights, one row, {threads} thread(s), {module.isa()} / {module.quant_isa()}")
     for format in formats:
-        cells = [f"{N}x{K} {streaming_rate(module, random_matrix(format, N, K, g), K, threads):.1f}"
-                 for N, K in STREAMING_SHAPES if format not in ("q4_k", "q6_k") or K % blocks.SUPER == 0]
+        cells = [f"{N}x{K} {streaming_rate(module, random_matrix(format, N, K, g), K, threads, evict_mb << 20):.1f}"
+                 for N, K in shapes if format not in ("q4_k", "q6_k") or K % blocks.SUPER == 0]
         print(f"{format}: " + " | ".join(cells), flush=True)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["streaming"]:
-        streaming(int(sys.argv[2]) if len(sys.argv) > 2 else 1, sys.argv[3] if len(sys.argv) > 3 else None,
-                  sys.argv[4].split(",") if len(sys.argv) > 4 else ["bf16", "q8_0", "q4_1", "q4_k", "q6_k"])
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", nargs="?", choices=["streaming"], help="one row's streaming rate, weights from memory")
+    p.add_argument("threads", nargs="?", type=int, default=1, help="streaming: threads")
+    p.add_argument("isa", nargs="?", help="streaming: the instruction set (default: the best here)")
+    p.add_argument("formats", nargs="?", default="bf16,q8_0,q4_1,q4_k,q6_k", help="streaming: comma-separated")
+    p.add_argument("--shapes", nargs="+", metavar="N,K", help="the matrix shapes (default: the module's)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="rows M per call (in cache)")
+    p.add_argument("--repeats", type=int, default=300, help="timed calls per cell (in cache; a tenth more warm up)")
+    p.add_argument("--evict-mb", type=int, default=320, help="streaming: the copies' size in all (more than the L3)")
+    args = p.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else None
+    if args.mode == "streaming":
+        streaming(args.threads, args.isa, args.formats.split(","), shapes or STREAMING_SHAPES, args.evict_mb)
     else:
-        main()
+        in_cache({f"{N}x{K}": (N, K) for N, K in shapes} if shapes else SHAPES, args.rows, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

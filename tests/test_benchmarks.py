@@ -149,3 +149,15 @@ def test_quant_matrix_speed_times_every_format_and_counts_a_gguf_models_bytes(tm
     lines = script("quant_matrix_speed.py", "--bytes-of", gguf, cwd=tmp_path).stdout.strip().splitlines()
     assert lines[-1].startswith("all ") and "bytes a weight" in lines[-1]
     assert any(line.startswith("q8_0") for line in lines) and any("(apart)" in line for line in lines)
+
+
+def test_kernel_efficiency_measures_the_matrix_kernel_in_cache_and_streaming(tmp_path):
+    lines = script("kernel_efficiency.py", "--shapes", "64,256", "--rows", 1, 2, "--repeats", 10,
+                   cwd=tmp_path).stdout.strip().splitlines()
+    assert lines[0].startswith("FMA peak ") and len(lines) == 2
+    assert lines[1].startswith("64x256: M=1: ") and "| M=2: " in lines[1] and "GFLOP/s" in lines[1]
+    lines = script("kernel_efficiency.py", "streaming", 1, "avx2", "q8_0,q4_k", "--shapes", "64,256", "--evict-mb", 1,
+                   cwd=tmp_path).stdout.strip().splitlines()
+    assert lines[0].startswith("GB/s of weights, one row, 1 thread(s), avx2")
+    rates = {line.split(":")[0]: float(line.split()[-1]) for line in lines[1:]}
+    assert set(rates) == {"q8_0", "q4_k"} and all(r > 0 for r in rates.values())
