@@ -20,15 +20,15 @@ its C++ types renamed (pybind11 registers a C++ type once per process) and under
     PYTHONPATH=. python benchmarks/quant_verify_curve.py gguf avx2 8 1 /tmp/old/specdec_cpu_old.so
 
 (arguments: the weights, gguf or q8_0 or q4_k; the instruction set; the repeats; the threads; the old
-build, if any). Prints one JSON line: t(n) in ms and the ratios, old and new (the least of the
+build, if any; --model: another target than the default one, e.g. a checkpoint folder with q8_0). Prints one JSON line: t(n) in ms and the ratios, old and new (the least of the
 repeats; `med_`: their median), and t_old(1) / t_new(1).
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -52,11 +52,11 @@ def bound(module):
 
 
 @torch.inference_mode()
-def curves(builds: list, form: str, repeats: int, threads: int) -> list[dict[int, list[float]]]:
+def curves(builds: list, form: str, repeats: int, threads: int, model=None) -> list[dict[int, list[float]]]:
     models = []
     for module in builds:
         bound(module)
-        models.append(load(default_target(), quantize=form).model)
+        models.append(load(model or default_target(), quantize=form).model)
     g = torch.Generator().manual_seed(0)
     context = torch.randint(0, models[0].config.vocab_size, (1, CONTEXT), generator=g)
     caches = [model.new_cache(1, CONTEXT + max(POINTS)) for model in models]
@@ -81,14 +81,22 @@ def curves(builds: list, form: str, repeats: int, threads: int) -> list[dict[int
 
 
 def main() -> None:
-    form, isa, repeats, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("form", help="the weights: gguf (the file as stored), q8_0 or q4_k")
+    p.add_argument("isa")
+    p.add_argument("repeats", type=int)
+    p.add_argument("threads", type=int)
+    p.add_argument("old", nargs="?", help="an old build of the kernels (a .so) to compare with")
+    p.add_argument("--model", help="the target (default: the default target)")
+    args = p.parse_args()
+    form, isa, repeats, threads = args.form, args.isa, args.repeats, args.threads
     torch.set_num_threads(threads)
-    builds = ([old_kernels(sys.argv[5])] if len(sys.argv) > 5 else []) + [kernels.compiled()]
+    builds = ([old_kernels(args.old)] if args.old else []) + [kernels.compiled()]
     for module in builds:
         module.set_isa(isa)
         module.set_fixed_threads(threads)
     result = {"weights": form, "quant_isa": builds[-1].quant_isa(), "threads": threads}
-    for name, samples in zip(["old", "new"][-len(builds):], curves(builds, form, repeats, threads)):
+    for name, samples in zip(["old", "new"][-len(builds):], curves(builds, form, repeats, threads, args.model)):
         for stat, f in (("", min), ("med_", statistics.median)):
             t = {n: f(samples[n]) for n in POINTS}
             result.update({f"{stat}{name}_t{n}_ms": round(1e3 * t[n], 3) for n in POINTS})

@@ -161,3 +161,11 @@ def test_kernel_efficiency_measures_the_matrix_kernel_in_cache_and_streaming(tmp
     assert lines[0].startswith("GB/s of weights, one row, 1 thread(s), avx2")
     rates = {line.split(":")[0]: float(line.split()[-1]) for line in lines[1:]}
     assert set(rates) == {"q8_0", "q4_k"} and all(r > 0 for r in rates.values())
+
+
+def test_quant_verify_curve_measures_t_of_n_for_a_quantized_target(tmp_path, tiny_checkpoint):
+    result = last_json(script("quant_verify_curve.py", "q8_0", "avx2", 2, 1, "--model", tiny_checkpoint,
+                              cwd=tmp_path))
+    assert result["weights"] == "q8_0" and result["threads"] == 1
+    assert all(result[f"new_t{n}_ms"] > 0 and result[f"med_new_t{n}_ms"] > 0 for n in (1, 2, 4, 8))
+    assert all(result[f"new_t{n}/t1"] > 0 for n in (2, 4, 8)) and "old_t1_ms" not in result  # no old build given
