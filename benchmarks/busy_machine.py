@@ -6,7 +6,8 @@ competitors are started by this script, each in its own session as another user'
 (Linux's autogroup scheduling shares the CPU between sessions first). Run it on an otherwise quiet
 machine:
 
-    python benchmarks/busy_machine.py [--size 0.2b] [--seconds 4] [--policy auto|old|both]
+    python benchmarks/busy_machine.py [--size 0.2b | --model PATH] [--seconds 4] [--policy auto|old|both]
+        [--competitors none,specdec,busy-loops] [--settle 6]
 
 Prints one line per case and the ratios to the quiet speed of the same policy, then one JSON line.
 """
@@ -47,14 +48,14 @@ def decode(path: str, seconds: float) -> None:
                       "threads": kernels.thread_report()}), flush=True)
 
 
-def case(path: str, env: dict, competitor: str, seconds: float) -> dict:
+def case(path: str, env: dict, competitor: str, seconds: float, settle: float = 6) -> dict:
     run = [sys.executable, __file__, "--decode", path, "--seconds"]
     environ = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
     others = []
     if competitor == "specdec":  # a second specdec process decoding, under the same policy, started first
         others.append(subprocess.Popen(run + [str(seconds + 20)], env=environ, stdout=subprocess.DEVNULL,
                                        start_new_session=True))
-        time.sleep(6)  # loaded and decoding
+        time.sleep(settle)  # loaded and decoding
     elif competitor == "busy loops":
         others += [subprocess.Popen(["sh", "-c", "while :; do :; done"], start_new_session=True)
                    for _ in range(os.cpu_count() or 1)]
@@ -70,8 +71,11 @@ def case(path: str, env: dict, competitor: str, seconds: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--size", default="0.2b")
+    p.add_argument("--size", default="0.2b", help="a random model of this size (bench/sizes.py)")
+    p.add_argument("--model", help="this model instead of a random one of --size")
     p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--competitors", default="none,specdec,busy-loops", help="the cases, comma-separated")
+    p.add_argument("--settle", type=float, default=6.0, help="seconds the competing specdec gets to load first")
     p.add_argument("--policy", choices=["auto", "old", "both"], default="both")
     p.add_argument("--decode", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -80,21 +84,23 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT))
     from specdec.bench import sizes
-    path = str(sizes.build(args.size))
+    path = args.model or str(sizes.build(args.size))
+    competitors = [c.replace("-", " ") for c in args.competitors.split(",")]
+    assert "none" in competitors, "the quiet case is every ratio's baseline"
     results = {}
     chosen = {name: env for name, env in POLICIES.items() if args.policy in ("both", name.split()[0].rstrip(":"))}
     for policy, env in chosen.items():
-        for competitor in ("none", "specdec", "busy loops"):
-            r = case(path, env, competitor, args.seconds)
+        for competitor in competitors:
+            r = case(path, env, competitor, args.seconds, args.settle)
             results[policy, competitor] = r
             print(f"{policy:40s} beside {competitor:10s}: {r['tokens_per_s']:6.1f} tokens/s, threads {r['threads']}",
                   flush=True)
     summary = {policy: {c: results[policy, c]["tokens_per_s"] / results[policy, "none"]["tokens_per_s"]
-                        for c in ("specdec", "busy loops")} for policy in chosen}
+                        for c in competitors if c != "none"} for policy in chosen}
     for policy, ratios in summary.items():
-        print(f"{policy}: beside a second specdec process {ratios['specdec']:.2f}x of quiet, beside "
-              f"{os.cpu_count()} busy loops {ratios['busy loops']:.2f}x")
-    print(json.dumps({"size": args.size, "cores": os.cpu_count(), "ratios": summary,
+        beside = {"specdec": "a second specdec process", "busy loops": f"{os.cpu_count()} busy loops"}
+        print(f"{policy}: " + ", ".join(f"beside {beside[c]} {r:.2f}x of quiet" for c, r in ratios.items()))
+    print(json.dumps({"size": args.model or args.size, "cores": os.cpu_count(), "ratios": summary,
                       "tokens_per_s": {f"{p} | {c}": r["tokens_per_s"] for (p, c), r in results.items()}}))
 
 

@@ -169,3 +169,11 @@ def test_quant_verify_curve_measures_t_of_n_for_a_quantized_target(tmp_path, tin
     assert result["weights"] == "q8_0" and result["threads"] == 1
     assert all(result[f"new_t{n}_ms"] > 0 and result[f"med_new_t{n}_ms"] > 0 for n in (1, 2, 4, 8))
     assert all(result[f"new_t{n}/t1"] > 0 for n in (2, 4, 8)) and "old_t1_ms" not in result  # no old build given
+
+
+def test_busy_machine_decodes_quiet_and_beside_a_second_specdec(tmp_path, tiny_checkpoint):
+    result = last_json(script("busy_machine.py", "--model", tiny_checkpoint, "--seconds", 0.3, "--policy", "auto",
+                              "--competitors", "none,specdec", "--settle", 0, cwd=tmp_path))
+    assert result["size"] == str(tiny_checkpoint)
+    assert set(result["ratios"]) == {"auto (default)"} and result["ratios"]["auto (default)"]["specdec"] > 0
+    assert set(result["tokens_per_s"]) == {"auto (default) | none", "auto (default) | specdec"}
