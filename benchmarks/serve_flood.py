@@ -10,7 +10,8 @@ their latencies per phase, the p99 ratio flood / quiet, and the time a 10 MB bod
 refused (measured first, alone: from sending its head to reading the 413); the last line is one
 JSON object.
 
-    python benchmarks/serve_flood.py          (from the repository root, on an otherwise idle machine)
+    python benchmarks/serve_flood.py [--repeats 3] [--quiet-seconds 8] [--flood-seconds 8] [--model PATH]
+        (on an otherwise idle machine)
 """
 from __future__ import annotations
 
@@ -143,6 +144,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quiet-seconds", type=float, default=8)
     p.add_argument("--flood-seconds", type=float, default=8)
+    p.add_argument("--refusals", type=int, default=20, help="10 MB bodies refused alone, timed first")
+    p.add_argument("--model", default=str(REPO / "models" / "target"), help="the served target (default: the "
+                   "shipped one)")
     p.add_argument("--flood-client", nargs=2, metavar=("PORT", "SECONDS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.flood_client:
@@ -151,7 +155,8 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--max-batch", "8",
+    server = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", args.model,
+                               "--port", str(port), "--max-batch", "8",
                                "--header-timeout", "10", "--max-connections", "256"], env=env,
                               stderr=subprocess.PIPE, text=True)
     try:
@@ -164,7 +169,7 @@ def main() -> None:
         httpx.post(url + "/v1/completions", json=BODY, timeout=60)  # warm
         quiet, flood, flooded_refusals = [], [], []
         per_repeat = []
-        alone = asyncio.run(refusals(port, 20))
+        alone = asyncio.run(refusals(port, args.refusals))
         for _ in range(args.repeats):
             q, _ = asyncio.run(phase(url, port, args.quiet_seconds, False))
             f, r = asyncio.run(phase(url, port, args.flood_seconds, True))
@@ -180,7 +185,7 @@ def main() -> None:
               "p99_ratio": p99(flood) / p99(quiet), "p99_ratio_per_repeat": per_repeat,
               "refusal_of_10MB_s": {"median": statistics.median(alone), "max": max(alone), "count": len(alone)},
               "flood_bodies_refused": sum(flooded_refusals),
-              "conditions": {"server": "specdec serve, shipped target, plain, --max-batch 8, 1 process",
+              "conditions": {"server": f"specdec serve, {args.model}, plain, --max-batch 8, 1 process",
                              "normal_clients": 4, "request": BODY, "oversized_clients": 16, "slow_clients": 50,
                              "flood_process": "separate, nice 19",
                              "repeats": args.repeats, "quiet_s": args.quiet_seconds, "flood_s": args.flood_seconds,

@@ -177,3 +177,14 @@ def test_busy_machine_decodes_quiet_and_beside_a_second_specdec(tmp_path, tiny_c
     assert result["size"] == str(tiny_checkpoint)
     assert set(result["ratios"]) == {"auto (default)"} and result["ratios"]["auto (default)"]["specdec"] > 0
     assert set(result["tokens_per_s"]) == {"auto (default) | none", "auto (default) | specdec"}
+
+
+def test_serve_flood_measures_normal_clients_quiet_and_beside_a_flood(tmp_path, tiny_checkpoint):
+    result = last_json(script("serve_flood.py", "--model", tiny_checkpoint, "--repeats", 1, "--quiet-seconds", 0.5,
+                              "--flood-seconds", 1, "--refusals", 2, cwd=tmp_path))
+    assert result["quiet"]["requests"] > 0 and result["flood"]["requests"] > 0  # normal clients were answered
+    # two 10 MB bodies refused with a 413 (the script checks each status); the flood's own count depends on how
+    # far its niced process gets in a second
+    assert result["refusal_of_10MB_s"]["count"] == 2 and len(result["p99_ratio_per_repeat"]) == 1
+    assert result["flood_bodies_refused"] >= 0
+    assert str(tiny_checkpoint) in result["conditions"]["server"]
