@@ -4,13 +4,14 @@ prompts (bench/workloads.CHAT_PROMPTS), and a model's greedy answers to them (pl
 stored, batched, each answer cut at its end of turn).
 
     specdec pair install qwen2.5-coder-0.5b
-    python benchmarks/pair_chat_answers.py qwen2.5-coder-0.5b [--new-tokens 128]
+    python benchmarks/pair_chat_answers.py qwen2.5-coder-0.5b [--new-tokens 128] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from pathlib import Path
 
 from specdec import api
 from specdec.bench.workloads import CHAT_PROMPTS
@@ -67,6 +68,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--out", default=str(local_counts.CHAT), help="where the answers go (default: the file "
+                   "lm/local_counts reads)")
     args = p.parse_args()
     if set(PROMPTS) & set(CHAT_PROMPTS):
         raise SystemExit("a request here is one of the chat benchmark's prompts: counting its answer would favour it")
@@ -79,11 +82,12 @@ def main() -> None:
     for row in rows:
         tokens = row.tokens[:next((i for i, t in enumerate(row.tokens) if t in ends), len(row.tokens))]
         answers.append(target.tokenizer.tok.decode(tokens, skip_special_tokens=True).strip())
-    local_counts.CHAT.write_text(json.dumps({
+    out = Path(args.out)
+    out.write_text(json.dumps({
         "made_by": f"python benchmarks/pair_chat_answers.py {args.model} --new-tokens {args.new_tokens}",
         "model": args.model, "prompts": list(PROMPTS), "answers": answers}, indent=1, ensure_ascii=False) + "\n",
         encoding="utf-8")
-    print(f"{len(answers)} answers in {time.time() - t0:.0f} s -> {local_counts.CHAT}")
+    print(f"{len(answers)} answers in {time.time() - t0:.0f} s -> {out}")
 
 
 if __name__ == "__main__":

@@ -188,3 +188,14 @@ def test_serve_flood_measures_normal_clients_quiet_and_beside_a_flood(tmp_path, 
     assert result["refusal_of_10MB_s"]["count"] == 2 and len(result["p99_ratio_per_repeat"]) == 1
     assert result["flood_bodies_refused"] >= 0
     assert str(tiny_checkpoint) in result["conditions"]["server"]
+
+
+def test_pair_chat_answers_writes_a_models_greedy_answers_to_its_requests(tmp_path):
+    from .gguf_helpers import byte_level_tokenizer, hf_model, write_gguf
+    gguf = write_gguf(tmp_path / "tiny.gguf", hf_model("qwen2"), byte_level_tokenizer(), "qwen2")
+    out = tmp_path / "answers.json"
+    script("pair_chat_answers.py", gguf, "--new-tokens", 4, "--out", out, cwd=tmp_path)
+    written = json.loads(out.read_text())
+    prompts = module("pair_chat_answers.py").PROMPTS
+    assert written["prompts"] == list(prompts) and len(written["answers"]) == len(prompts)
+    assert all(isinstance(a, str) for a in written["answers"]) and str(gguf) in written["made_by"]
