@@ -199,3 +199,30 @@ def test_pair_chat_answers_writes_a_models_greedy_answers_to_its_requests(tmp_pa
     prompts = module("pair_chat_answers.py").PROMPTS
     assert written["prompts"] == list(prompts) and len(written["answers"]) == len(prompts)
     assert all(isinstance(a, str) for a in written["answers"]) and str(gguf) in written["made_by"]
+
+
+def tiny_pair(folder: Path) -> tuple[Path, Path]:
+    """Two tiny GGUF files of one tokenizer (random weights, other seeds): a target and its draft."""
+    from .gguf_helpers import byte_level_tokenizer, hf_model, write_gguf
+    tok = byte_level_tokenizer()
+    context = {"max_position_embeddings": 1024}  # room for a HumanEval prompt in bytes
+    return (write_gguf(folder / "target.gguf", hf_model("llama", seed=0, **context), tok, "llama"),
+            write_gguf(folder / "draft.gguf", hf_model("llama", seed=1, tie_word_embeddings=True, **context), tok,
+                       "llama"))
+
+
+def test_pair_draft_speed_runs_every_draft_variant_against_plain_decoding(tmp_path):
+    target, draft = tiny_pair(tmp_path)
+    run = script("pair_draft_speed.py", target, "--draft", draft, "--prompts", 1, "--new-tokens", 6, "--rounds", 1,
+                 "--variants", "full,vocab,stop,hybrid,stop-requantized", "--requantize", "Q8_0=Q4_0",
+                 "--lookup", "ngram,suffix", "-k", 2, cwd=tmp_path)
+    rows = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("| decoder"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.setdefault(cells[0], []).append(cells)
+    assert set(rows) == {"plain", "draft-model, full", "draft-model, vocab", "draft-model, stop",
+                         "draft-model, stop-requantized", "hybrid: suffix, else draft-model, stop", "ngram", "suffix"}
+    assert all(len(r) == 2 for r in rows.values())  # humaneval greedy and chat at T=1, seeded
+    assert all(cells[-1] == "True" for r in rows.values() for cells in r)  # every output plain decoding's
+    assert "one step's forward (least of 15, ms): target " in run.stdout
