@@ -6,12 +6,13 @@ stopping rule as benchmarks/vs_llamacpp_native.py's) on the Q4_K_M files as stor
 
     specdec pair install
     python benchmarks/pair_vs_transformers.py [--prompts 3] [--new-tokens 128] [--rounds 1] [--draft-max 5]
+        [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b] [--out FILE]
 
 HumanEval prompts, greedy, exactly --new-tokens tokens each (EOS ignored on both sides); decoders
 interleaved prompt by prompt; tokens/s of the whole request (prefill included, the same on both
 sides). transformers runs in bfloat16 (its fastest setting on this CPU, bench/peers.py), so its
 outputs are checked against its own `generate`, specdec's against specdec plain. Writes
-docs/evidence/pair-transformers.json.
+docs/evidence/pair-transformers.json (or --out).
 """
 from __future__ import annotations
 
@@ -42,11 +43,15 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--draft-max", type=int, default=5)
+    p.add_argument("--target", default=TARGET, help="a .gguf file or a packaged model's name")
+    p.add_argument("--draft", default=DRAFT, help="its draft, the same")
+    p.add_argument("--out", default=str(EVIDENCE / "pair-transformers.json"))
     args = p.parse_args()
     greedy, n = SamplingConfig(), args.new_tokens
-    target = api.load(TARGET, quantize="gguf")
-    hybrid = api.load_drafter(target, "hybrid", DRAFT, DraftModelOptions(draft_vocab="auto", stop_below=0.3))
-    peers = Peers(api.checkpoint_folder(TARGET), api.checkpoint_folder(DRAFT), PEER_DTYPE, torch.device("cpu"))
+    target = api.load(args.target, quantize="gguf")
+    hybrid = api.load_drafter(target, "hybrid", args.draft, DraftModelOptions(draft_vocab="auto", stop_below=0.3))
+    peers = Peers(api.checkpoint_folder(args.target), api.checkpoint_folder(args.draft), PEER_DTYPE,
+                  torch.device("cpu"))
     prompts = [target.tokenizer.encode(t) for t in humaneval_prompts(args.prompts)]
 
     def ours(proposer, k):
@@ -89,7 +94,7 @@ def main() -> None:
                "humaneval tokens_per_s": speed,
                "vs transformers generate": {k: v / speed["transformers generate"] for k, v in speed.items()},
                "specdec acceptance": drafts, "identical to its own plain decoding": same}
-    out = EVIDENCE / "pair-transformers.json"
+    out = Path(args.out)
     out.write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures["humaneval tokens_per_s"], indent=1))
     print(json.dumps(figures["vs transformers generate"], indent=1), same)

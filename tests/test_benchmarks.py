@@ -226,3 +226,15 @@ def test_pair_draft_speed_runs_every_draft_variant_against_plain_decoding(tmp_pa
     assert all(len(r) == 2 for r in rows.values())  # humaneval greedy and chat at T=1, seeded
     assert all(cells[-1] == "True" for r in rows.values() for cells in r)  # every output plain decoding's
     assert "one step's forward (least of 15, ms): target " in run.stdout
+
+
+def test_pair_vs_transformers_runs_specdec_and_transformers_assisted_generation(tmp_path):
+    target, draft = tiny_pair(tmp_path)
+    out = tmp_path / "pair-transformers.json"
+    script("pair_vs_transformers.py", "--target", target, "--draft", draft, "--prompts", 1, "--new-tokens", 4,
+           "--draft-max", 2, "--out", out, cwd=tmp_path)
+    figures = json.loads(out.read_text())
+    decoders = {"specdec plain", "specdec hybrid auto", "transformers generate", "transformers assisted (k=2)"}
+    assert set(figures["humaneval tokens_per_s"]) == decoders and all(figures["humaneval tokens_per_s"].values())
+    assert figures["identical to its own plain decoding"] == dict.fromkeys(decoders, True)
+    assert figures["vs transformers generate"]["transformers generate"] == 1.0
