@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct, specdec against llama.cpp on the same GGUF file, in one run.
 
     python benchmarks/vs_llama_cpp_python.py [--prompts 8] [--max-new-tokens 128] [--repeats 3]
+        [--model FILE.gguf] [--out FILE] [--without-llama-cpp]
 
 Every decoder runs the same HumanEval prompts (token ids fed directly, no tokenizer round trip),
 exactly max_new_tokens tokens each (EOS ignored on both sides), prefill included in the time;
@@ -13,7 +14,8 @@ files converted from the same weights, plain greedy decoding, and the binding's 
 decoding (LlamaPromptLookupDecoding); at T=1 llama.cpp's cost per token is its greedy one (its
 sampler is not the cost), so its greedy figure stands for both.
 
-Writes docs/evidence/llamacpp.json and prints a markdown table with the conditions.
+Writes docs/evidence/llamacpp.json (or --out) and prints a markdown table with the conditions.
+--without-llama-cpp runs specdec's side alone (where llama-cpp-python is not installed), and says so.
 """
 from __future__ import annotations
 
@@ -66,8 +68,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=["ngram", "suffix", "eagle", "self"])
+    parser.add_argument("--model", help="a .gguf file (default: the default target's)")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--without-llama-cpp", action="store_true", help="specdec's side only")
     args = parser.parse_args()
-    gguf = api.default_target()
+    gguf = args.model or api.default_target()
     threads = torch.get_num_threads()
     targets = {"bf16": api.load(gguf, quantize="bf16"), "q8_0": api.load(gguf, quantize="q8_0"),
                "q4_1 (the file, as stored)": api.load(gguf, quantize="gguf")}
@@ -91,15 +96,16 @@ def main() -> None:
                 runners[name] = specdec_runner(target, proposer, temperature, n)
                 if temperature == 0:
                     plain_of[name] = plain
-    files = {"q4_1 (the file)": Path(gguf), "q8_0": llamacpp.convert(api.checkpoint_folder(gguf), "q8_0"),
-             "bf16": llamacpp.convert(api.checkpoint_folder(gguf), "bf16")}
-    context = max(map(len, prompts)) + n + 16
-    for fmt, path in files.items():
-        runners[f"llama.cpp {fmt} plain"] = llama_runner(llamacpp.LlamaCppModel(path, threads, context, kv="f16",
-                                                                                flash_attn="auto"), n)
-    for k in LOOKUP_KS:
-        runners[f"llama.cpp q4_1 (the file) prompt lookup k={k}"] = llama_runner(
-            llamacpp.LlamaCppLookup(files["q4_1 (the file)"], threads, context, k), n)
+    if not args.without_llama_cpp:
+        files = {"q4_1 (the file)": Path(gguf), "q8_0": llamacpp.convert(api.checkpoint_folder(gguf), "q8_0"),
+                 "bf16": llamacpp.convert(api.checkpoint_folder(gguf), "bf16")}
+        context = max(map(len, prompts)) + n + 16
+        for fmt, path in files.items():
+            runners[f"llama.cpp {fmt} plain"] = llama_runner(llamacpp.LlamaCppModel(path, threads, context, kv="f16",
+                                                                                    flash_attn="auto"), n)
+        for k in LOOKUP_KS:
+            runners[f"llama.cpp q4_1 (the file) prompt lookup k={k}"] = llama_runner(
+                llamacpp.LlamaCppLookup(files["q4_1 (the file)"], threads, context, k), n)
     for run in runners.values():  # warm-up, not timed (kernels built, verify curves measured)
         run(prompts[0], 0)
     speeds = {name: [] for name in runners}
@@ -120,7 +126,8 @@ def main() -> None:
                     for name, plain in plain_of.items()}
     result = {"conditions": {"hardware": hardware(), "software": software(), "threads": threads,
                              "kernels": kernels.isa(), "python": platform.python_version(),
-                             "llama_cpp_python": llamacpp.available(), "prompts": len(prompts),
+                             "llama_cpp_python": "not run (--without-llama-cpp)" if args.without_llama_cpp
+                             else llamacpp.available(), "prompts": len(prompts),
                              "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": n,
                              "repeats": args.repeats, "workload": "HumanEval prompts 0..N-1, in order",
                              "eos": "ignored: exactly max_new_tokens per prompt, on every side"},
@@ -128,12 +135,15 @@ def main() -> None:
                                for name, v in speeds.items()},
               "acceptance": {name: s for name, s in stats.items() if s}, "skipped": info,
               "greedy_identical_to_plain": greedy_equal}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1))
-    best_llama = max(v["median"] for name, v in result["tokens_per_s"].items() if name.startswith("llama.cpp"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    best_llama = max((v["median"] for name, v in result["tokens_per_s"].items() if name.startswith("llama.cpp")),
+                     default=None)
     print(f"\n| decoder | tokens/s (median of {args.repeats}) | min-max | vs llama.cpp's best |\n|---|---|---|---|")
     for name, v in sorted(result["tokens_per_s"].items(), key=lambda kv: -kv[1]["median"]):
-        print(f"| {name} | {v['median']:.1f} | {v['min']:.1f}-{v['max']:.1f} | {v['median'] / best_llama:.2f}x |")
+        versus = f"{v['median'] / best_llama:.2f}x" if best_llama else "-"
+        print(f"| {name} | {v['median']:.1f} | {v['min']:.1f}-{v['max']:.1f} | {versus} |")
     print(json.dumps({"greedy_identical_to_plain": greedy_equal, "skipped": info}))
 
 

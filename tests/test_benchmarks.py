@@ -238,3 +238,18 @@ def test_pair_vs_transformers_runs_specdec_and_transformers_assisted_generation(
     assert set(figures["humaneval tokens_per_s"]) == decoders and all(figures["humaneval tokens_per_s"].values())
     assert figures["identical to its own plain decoding"] == dict.fromkeys(decoders, True)
     assert figures["vs transformers generate"]["transformers generate"] == 1.0
+
+
+def test_vs_llama_cpp_python_runs_specdecs_side_on_every_form_of_a_gguf(tmp_path):
+    target, _ = tiny_pair(tmp_path)
+    out = tmp_path / "llamacpp.json"
+    run = script("vs_llama_cpp_python.py", "--model", target, "--prompts", 1, "--max-new-tokens", 4, "--repeats", 1,
+                 "--methods", "ngram", "eagle", "--out", out, "--without-llama-cpp", cwd=tmp_path)
+    result = json.loads(out.read_text())
+    forms = ("bf16", "q8_0", "q4_1 (the file, as stored)")
+    assert set(result["tokens_per_s"]) == {f"specdec {f} {m}T={t}" for f in forms for t in (0, 1)
+                                           for m in ("plain ", "ngram auto ")}
+    assert result["greedy_identical_to_plain"] == {f"specdec {f} ngram auto T=0": True for f in forms}
+    assert set(result["skipped"]) == {"specdec bf16 eagle"}  # no EAGLE head for this target: named, not hidden
+    assert result["conditions"]["llama_cpp_python"] == "not run (--without-llama-cpp)"
+    assert "| specdec bf16 plain T=0 |" in run.stdout
