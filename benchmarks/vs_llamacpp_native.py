@@ -20,8 +20,10 @@ each lookup starting every request afresh; decoding time only, prompts' encoding
 sides. Greedy outputs are checked against plain decoding. Also the acceptance of specdec's drafts
 per position, and a plot: tokens/s per decoder, α per position.
 
-Prints the figures and writes docs/evidence/llamacpp-native[-pair].json (or --out's name there),
-with --pair also its plot (the same name, .png).
+Prints the figures and writes docs/evidence/llamacpp-native[-pair].json (or --out's name there, or
+--out's path), with --pair also its plot (the same name, .png). --model (default: the default target)
+and --target / --draft (default: the packaged pair) name other GGUF files. It needs llama.cpp's
+programs: the test suite runs its own parts only.
 """
 from __future__ import annotations
 
@@ -68,8 +70,8 @@ def rounds(runners: dict, count: int) -> dict:
             for name, v in speeds.items()}
 
 
-def smollm2(bin_dir: Path, threads: int, n: int, count: int) -> dict:
-    gguf = api.default_target()
+def smollm2(bin_dir: Path, threads: int, n: int, count: int, gguf=None) -> dict:
+    gguf = gguf or api.default_target()
     bf16 = api.load(gguf, quantize="bf16")
     bf16_file = llamacpp.convert(api.checkpoint_folder(gguf), "bf16")
     files = {"q4_1 (the file)": Path(gguf), "q8_0": llamacpp_native.quantize(
@@ -88,10 +90,11 @@ def smollm2(bin_dir: Path, threads: int, n: int, count: int) -> dict:
 
 
 def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_max: int,
-         options: DraftModelOptions) -> dict:
-    target_file, draft_file = packaged.resolve("qwen2.5-coder-1.5b"), packaged.resolve("qwen2.5-coder-0.5b")
-    target = api.load("qwen2.5-coder-1.5b", quantize="gguf")
-    proposer = api.load_drafter(target, "draft-model", "qwen2.5-coder-0.5b", options)
+         options: DraftModelOptions, target_name: str = "qwen2.5-coder-1.5b",
+         draft_name: str = "qwen2.5-coder-0.5b") -> dict:
+    target_file, draft_file = packaged.resolve(target_name), packaged.resolve(draft_name)
+    target = api.load(target_name, quantize="gguf")
+    proposer = api.load_drafter(target, "draft-model", draft_name, options)
     specdec_decode_speed(target, 4)
     speeds = rounds({"specdec plain": lambda: specdec_decode_speed(target, n),
                      "llama.cpp plain": lambda: llamacpp_native.decode_speed(bin_dir, Path(target_file), threads, n)},
@@ -118,7 +121,7 @@ def pair(bin_dir: Path, threads: int, n: int, count: int, prompts: int, draft_ma
     decoders = (("specdec plain", None, 0), ("specdec draft-model auto", proposer, "auto"),
                 (f"specdec draft-model k={draft_max}", proposer, draft_max),
                 ("specdec suffix auto", api.load_drafter(target, "suffix"), "auto"),
-                ("specdec hybrid auto", api.load_drafter(target, "hybrid", "qwen2.5-coder-0.5b", options), "auto"))
+                ("specdec hybrid auto", api.load_drafter(target, "hybrid", draft_name, options), "auto"))
     fallback = llamacpp_native.Fallback()
     peers = {"llama.cpp speculative": lambda prompt_file: fallback("llama-speculative-simple", lambda extra:
                  llamacpp_native.speculative(bin_dir, Path(target_file), Path(draft_file), prompt_file, n, draft_max,
@@ -170,16 +173,20 @@ def main() -> None:
                    "size; full: all of it; or a number of ids)")
     p.add_argument("--stop-below", type=float, default=0.3, help="--pair: end a draft chain after a draft whose "
                    "probability is below this (0: never)")
-    p.add_argument("--out", help="the JSON's name in docs/evidence (default llamacpp-native[-pair].json)")
+    p.add_argument("--out", help="the JSON's name in docs/evidence (default llamacpp-native[-pair].json), or a path")
+    p.add_argument("--model", help="the GGUF file (default: the default target's)")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b", help="--pair: the target's file or packaged name")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b", help="--pair: the draft's")
     args = p.parse_args()
     bin_dir, threads = llamacpp_native.binaries(args.llama_cpp), torch.get_num_threads()
     if args.pair:
         vocab = None if args.draft_vocab == "full" else args.draft_vocab if args.draft_vocab == "auto" else int(
             args.draft_vocab)
         options = DraftModelOptions(draft_vocab=vocab, stop_below=args.stop_below or None)
-        figures = pair(bin_dir, threads, args.new_tokens, args.rounds, args.prompts, args.draft_max, options)
+        figures = pair(bin_dir, threads, args.new_tokens, args.rounds, args.prompts, args.draft_max, options,
+                       args.target, args.draft)
     else:
-        figures = smollm2(bin_dir, threads, args.new_tokens, args.rounds)
+        figures = smollm2(bin_dir, threads, args.new_tokens, args.rounds, args.model)
     conditions = {"hardware": hardware(), "software": software(), "threads": threads, "kernels": kernels.isa(),
                   "quant kernels": kernels.quant_isa(), "llama.cpp": llamacpp_native.build(bin_dir),
                   "new tokens": args.new_tokens, "rounds": args.rounds,

@@ -253,3 +253,24 @@ def test_vs_llama_cpp_python_runs_specdecs_side_on_every_form_of_a_gguf(tmp_path
     assert set(result["skipped"]) == {"specdec bf16 eagle"}  # no EAGLE head for this target: named, not hidden
     assert result["conditions"]["llama_cpp_python"] == "not run (--without-llama-cpp)"
     assert "| specdec bf16 plain T=0 |" in run.stdout
+
+
+def test_vs_llamacpp_native_parts_run_here_and_it_names_the_build_it_needs(tmp_path):
+    """The comparison itself needs llama.cpp's programs (llama-bench, llama-speculative-simple,
+    llama-lookup, llama-quantize), which no test machine has: its own parts run here, and without a
+    build it stops saying what to pass."""
+    from specdec import api
+    native = module("vs_llamacpp_native.py")
+    target = api.load(TARGET)
+    speeds = native.rounds({"specdec plain": lambda: native.specdec_decode_speed(target, 4)}, 2)
+    assert len(speeds["specdec plain"]["all"]) == 2 and speeds["specdec plain"]["median"] > 0
+    figures = {"humaneval tokens_per_s": {"specdec plain": {"median": 30.0, "all": [29.0, 31.0]},
+                                          "llama.cpp lookup": {"median": 25.0, "all": [25.0, 25.0]}},
+               "acceptance per position": {"specdec hybrid auto": [0.9, 0.8]}, "files": {"target": "t.gguf"}}
+    native.plot_pair(figures, tmp_path / "pair.png")
+    assert (tmp_path / "pair.png").stat().st_size > 0
+    env = {k: v for k, v in os.environ.items() if k != native.llamacpp_native.ENV}
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "vs_llamacpp_native.py"), "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
+    assert run.returncode != 0 and "no llama.cpp build named: pass --llama-cpp DIR" in run.stderr
+    assert not (tmp_path / "x.json").exists()
