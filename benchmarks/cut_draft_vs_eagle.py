@@ -13,6 +13,9 @@ saved as a checkpoint folder and decoded against plain decoding and the shipped 
 (k=1, 2, 3; 8 HumanEval and 8 chat prompts, 128 new tokens, greedy; interleaved rounds).
 
     python benchmarks/cut_draft_vs_eagle.py --run runs/gpu-pool --out runs/cut-draft   (from the repository root)
+
+--model names another target (a checkpoint folder with an EAGLE head shipped for it, such as the 22M
+target; default: SmolLM2), decoded as loaded instead of SmolLM2's bf16 conversion.
 """
 from __future__ import annotations
 
@@ -73,7 +76,10 @@ def decode(target_loaded, draft_folder: Path, n: int, tokens: int, rounds: int) 
     eagle = api.load_drafter(target_loaded, "eagle")
     configs = {"plain": (None, 0), **{f"cut k={k}": (cut_draft, k) for k in (1, 2, 3)}, "eagle k=1": (eagle, 1)}
     result = {}
-    for workload, prompts, chat in (("humaneval", humaneval_prompts(n), False), ("chat", chat_prompts(n), True)):
+    workloads = [("humaneval", humaneval_prompts(n), False)]
+    if target_loaded.tokenizer.has_chat_template:  # the chat prompts need one (a plain checkpoint: code only)
+        workloads.append(("chat", chat_prompts(n), True))
+    for workload, prompts, chat in workloads:
         sums = {m: [0, 0.0, 0, 0] for m in configs}
         for _ in range(rounds):
             for prompt in prompts:
@@ -104,10 +110,11 @@ def main() -> None:
     parser.add_argument("--decode-prompts", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-rounds", type=int, default=2)
+    parser.add_argument("--model", help="the target (default: SmolLM2)")
     args = parser.parse_args()
     torch.manual_seed(0)
     run, out = Path(args.run), Path(args.out)
-    folder = api.checkpoint_folder(None)
+    folder = api.checkpoint_folder(args.model)
     target = load_model(folder, dtype=torch.float32).requires_grad_(False).eval()
     bf16 = native_bf16()
     teacher = load_model(folder, dtype=torch.bfloat16).requires_grad_(False).eval() if bf16 else target
@@ -147,8 +154,8 @@ def main() -> None:
                               meta={"kind": "target-or-draft-model", "cut_from": str(folder.name),
                                     "layers": args.layers, "tokens": seen, "steps": step})
     result = {"layers": args.layers, "parameters": sum(p.numel() for p in draft.parameters()), "curve": curve,
-              "decoding": decode(api.load(quantize="bf16"), draft_folder, args.decode_prompts, args.decode_tokens,
-                                 args.decode_rounds)}
+              "decoding": decode(api.load(args.model) if args.model else api.load(quantize="bf16"), draft_folder,
+                                 args.decode_prompts, args.decode_tokens, args.decode_rounds)}
     (out / "cut-draft.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
 

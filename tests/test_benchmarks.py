@@ -274,3 +274,26 @@ def test_vs_llamacpp_native_parts_run_here_and_it_names_the_build_it_needs(tmp_p
                          capture_output=True, text=True, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
     assert run.returncode != 0 and "no llama.cpp build named: pass --llama-cpp DIR" in run.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_cut_draft_vs_eagle_trains_a_cut_of_the_target_and_decodes_with_it(tmp_path):
+    """A long-run folder made here (one shard of the target's token ids, held-out answers of every
+    group), a one-layer cut of the 22M target trained on it for a few steps, then decoded against
+    plain decoding and the target's shipped EAGLE head."""
+    import numpy as np
+    from specdec.train.longrun import EVAL_KINDS
+    rng = np.random.default_rng(0)
+    (tmp_path / "pool" / "shards").mkdir(parents=True)
+    np.save(tmp_path / "pool" / "shards" / "shard-00000.npy", rng.integers(5, 4000, 4000).astype(np.int32))
+    (tmp_path / "pool" / "shards" / "shard-00000.json").write_text("{}")
+    (tmp_path / "pool" / "heldout").mkdir()
+    rows = [{"kind": kind, "temperature": t, "ids": rng.integers(5, 4000, 40).tolist()} for kind, t in EVAL_KINDS]
+    (tmp_path / "pool" / "heldout" / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = last_json(script("cut_draft_vs_eagle.py", "--run", tmp_path / "pool", "--out", tmp_path / "cut",
+                              "--model", TARGET, "--layers", 1, "--points", 64, 128, "--batch-size", 2, "--seq-len", 16,
+                              "--decode-prompts", 1, "--decode-tokens", 8, "--decode-rounds", 1, cwd=tmp_path))
+    assert result["layers"] == 1 and [p["tokens"] for p in result["curve"]] == [0, 64, 128]
+    assert all(0 <= g["greedy_alpha_1"] <= 1 for p in result["curve"] for g in p.values() if isinstance(g, dict))
+    humaneval = result["decoding"]["humaneval"]
+    assert set(humaneval) == {"plain_tokens_per_second", "cut k=1", "cut k=2", "cut k=3", "eagle k=1"}
+    assert (tmp_path / "cut" / "model").is_dir() and (tmp_path / "cut" / "cut-draft.json").is_file()
