@@ -8,7 +8,9 @@ the naive vs memory-saving loss order.
     nice -n 10 .venv/bin/python benchmarks/mtp_equal_budget.py --out runs/mtp-experiment
 
 writes docs/evidence/mtp-experiment.json and docs/evidence/mtp-experiment.png (the runs go to --out and resume);
-with --shipped, measures the shipped heads instead (docs/evidence/mtp-target-heads.json).
+with --shipped, measures the shipped heads instead (docs/evidence/mtp-target-heads.json). Smaller
+runs: --steps, --batch-size, --eval-windows, --corpus, --prompts, --max-new-tokens, --step-time
+small|one, --evidence DIR (where the JSON and the plot go).
 Memory is the peak resident set size (VmHWM, reset just before the first step) of a fresh
 subprocess running 3 optimizer steps, minus its resident size before the first step.
 """
@@ -76,14 +78,20 @@ class GreedyDrafts:
     def __init__(self, inner):
         self.inner, self.name, self.vocab_size = inner, inner.name + "-greedy-drafts", inner.vocab_size
 
+    def __getattr__(self, name):  # what the engine asks of a proposer beyond the protocol: the inner one's
+        return getattr(self.inner, name)
+
     def start(self, max_len, k, capacity, nodes=None):
         return self.inner.start(max_len, k, capacity, nodes)
 
     def join(self, state, prompts, prompt_hidden, samplings):
         self.inner.join(state, prompts, prompt_hidden, [SamplingConfig()] * len(prompts))
 
-    def propose(self, state, limits, generator):
-        return self.inner.propose(state, limits, generator)
+    def leave(self, state, keep):
+        self.inner.leave(state, keep)
+
+    def propose(self, state, limits, widths, draws):
+        return self.inner.propose(state, limits, widths, draws)
 
     def observe(self, state, outcome):
         self.inner.observe(state, outcome)
@@ -239,11 +247,28 @@ def shipped() -> dict:
 
 
 def main() -> None:
+    global PROMPTS, MAX_NEW, EVIDENCE, CORPUS  # the smaller runs' options replace the experiment's settings
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="runs/mtp-experiment")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     p.add_argument("--shipped", action="store_true", help="only measure the shipped heads (docs/evidence/mtp-target-heads.json)")
+    p.add_argument("--steps", type=int, default=COMMON["steps"], help="optimizer steps of each run")
+    p.add_argument("--batch-size", type=int, default=COMMON["batch_size"], help="windows per step")
+    p.add_argument("--eval-windows", type=int, default=COMMON["eval_windows"], help="validation windows")
+    p.add_argument("--corpus", nargs="+", help="files or folders to train on (default: CORPUS, in the stdlib)")
+    p.add_argument("--prompts", type=int, default=PROMPTS, help="HumanEval prompts the heads draft on")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW)
+    p.add_argument("--step-time", choices=["all", "small", "one"], default="all", help="the step time and memory "
+                   "measurements: all, those of the experiment's model size only, or its next-token one only")
+    p.add_argument("--evidence", default=str(EVIDENCE), help="where the JSON and the plot are written")
     args = p.parse_args()
+    PROMPTS, MAX_NEW, EVIDENCE = args.prompts, args.max_new_tokens, Path(args.evidence)
+    CORPUS = args.corpus or CORPUS
+    COMMON.update(corpus=CORPUS, steps=args.steps, eval_every=min(COMMON["eval_every"], args.steps),
+                  save_every=min(COMMON["save_every"], args.steps),
+                  warmup=min(COMMON["warmup"], max(1, args.steps // 2)), batch_size=args.batch_size,
+                  micro_batch=args.batch_size, eval_windows=args.eval_windows)
+    EVIDENCE.mkdir(parents=True, exist_ok=True)
     if args.measure:
         print(json.dumps(measure(args.measure)))
         return
@@ -272,10 +297,12 @@ def main() -> None:
               flush=True)
     result = {
         "command": f"nice -n 10 .venv/bin/python benchmarks/mtp_equal_budget.py --out {args.out}",
-        "corpus": {"sources": [str(Path(c).relative_to(STDLIB)) for c in CORPUS], "root": "the standard library",
+        "corpus": {"sources": [str(Path(c).relative_to(STDLIB)) if Path(c).is_relative_to(STDLIB) else c
+                               for c in CORPUS], "root": "the standard library",
                    "tokens": read_meta(out / "next-token" / "model")["corpus"]["tokens"]},
         "runs": runs,
-        "step_time_and_memory": {**measure_all(MEASURE), **measure_all(MEASURE_TARGET)},
+        "step_time_and_memory": {**measure_all(list(MEASURE)[:1] if args.step_time == "one" else MEASURE),
+                                 **(measure_all(MEASURE_TARGET) if args.step_time == "all" else {})},
         "hardware": hardware(), "software": software(),
         "notes": "training_seconds include periodic validation and checkpoints, on a 2-core machine shared "
                  "with other jobs; step_seconds come from isolated subprocesses (random tokens).",

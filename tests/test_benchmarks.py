@@ -297,3 +297,25 @@ def test_cut_draft_vs_eagle_trains_a_cut_of_the_target_and_decodes_with_it(tmp_p
     humaneval = result["decoding"]["humaneval"]
     assert set(humaneval) == {"plain_tokens_per_second", "cut k=1", "cut k=2", "cut k=3", "eagle k=1"}
     assert (tmp_path / "cut" / "model").is_dir() and (tmp_path / "cut" / "cut-draft.json").is_file()
+
+
+def test_mtp_equal_budget_trains_the_three_objectives_and_measures_their_heads(tmp_path):
+    import sysconfig
+    evidence = tmp_path / "evidence"
+    script("mtp_equal_budget.py", "--out", tmp_path / "runs", "--steps", 4, "--batch-size", 2, "--eval-windows", 4,
+           "--prompts", 1, "--max-new-tokens", 8, "--corpus", Path(sysconfig.get_paths()["stdlib"]) / "json",
+           "--step-time", "one", "--evidence", evidence, cwd=tmp_path, timeout=600)
+    result = json.loads((evidence / "mtp-experiment.json").read_text())
+    assert set(result["runs"]) == {"next-token", "mtp-parallel", "mtp-sequential"}
+    assert all(r["config"]["steps"] == 4 and r["valid_next_token_loss"] > 0 for r in result["runs"].values())
+    for name in ("mtp-parallel", "mtp-sequential"):  # each head drafts through the engine, greedy and sampled
+        acceptance = result["runs"][name]["acceptance"]
+        assert {"greedy, k=1", "greedy, k=2", "T=1, greedy drafts, k=2"} <= set(acceptance)
+        assert all(0 <= a["alpha"] <= 1 and a["tau"] >= 1 for key, a in acceptance.items() if "k=" in key)
+    assert set(result["step_time_and_memory"]) == {"next-token"}
+    assert result["step_time_and_memory"]["next-token"]["step_seconds"] > 0
+    assert (evidence / "mtp-experiment.png").stat().st_size > 0
+    script("mtp_equal_budget.py", "--shipped", "--prompts", 1, "--max-new-tokens", 4, "--evidence", evidence,
+           cwd=tmp_path)
+    shipped = json.loads((evidence / "mtp-target-heads.json").read_text())
+    assert shipped["depth"] == 3 and len(shipped["acceptance"]) == 4 + 6  # its settings and six decoders
