@@ -319,3 +319,9 @@ def test_mtp_equal_budget_trains_the_three_objectives_and_measures_their_heads(t
            cwd=tmp_path)
     shipped = json.loads((evidence / "mtp-target-heads.json").read_text())
     assert shipped["depth"] == 3 and len(shipped["acceptance"]) == 4 + 6  # its settings and six decoders
+
+
+def test_every_benchmark_script_has_a_smoke_test_here():
+    source = Path(__file__).read_text()
+    untested = [p.name for p in sorted(BENCHMARKS.glob("*.py")) if f'"{p.name}"' not in source]
+    assert not untested, f"benchmarks without a smoke test in tests/test_benchmarks.py: {untested}"
