@@ -9,7 +9,7 @@ the naive vs memory-saving loss order.
 
 writes docs/evidence/mtp-experiment.json and docs/evidence/mtp-experiment.png (the runs go to --out and resume);
 with --shipped, measures the shipped heads instead (docs/evidence/mtp-target-heads.json). Smaller
-runs: --steps, --batch-size, --eval-windows, --corpus, --prompts, --max-new-tokens, --step-time
+runs: --steps, --batch-size, --eval-windows, --test-windows, --corpus, --prompts, --max-new-tokens, --step-time
 small|one, --evidence DIR (where the JSON and the plot go).
 Memory is the peak resident set size (VmHWM, reset just before the first step) of a fresh
 subprocess running 3 optimizer steps, minus its resident size before the first step.
@@ -181,8 +181,8 @@ def _status_mb(field: str) -> float:
 def measure_all(names) -> dict:
     out = {}
     for name in names:
-        proc = subprocess.run([sys.executable, __file__, "--measure", name], capture_output=True, text=True,
-                              check=True)
+        proc = subprocess.run([sys.executable, __file__, "--measure", name, "--batch-size", str(COMMON["batch_size"])],
+                              capture_output=True, text=True, check=True)
         out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(name, out[name], flush=True)
     return out
@@ -251,10 +251,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="runs/mtp-experiment")
     p.add_argument("--measure", help=argparse.SUPPRESS)
-    p.add_argument("--shipped", action="store_true", help="only measure the shipped heads (docs/evidence/mtp-target-heads.json)")
+    p.add_argument("--shipped", action="store_true",
+                   help="only measure the shipped heads (docs/evidence/mtp-target-heads.json)")
     p.add_argument("--steps", type=int, default=COMMON["steps"], help="optimizer steps of each run")
     p.add_argument("--batch-size", type=int, default=COMMON["batch_size"], help="windows per step")
     p.add_argument("--eval-windows", type=int, default=COMMON["eval_windows"], help="validation windows")
+    p.add_argument("--test-windows", type=int, default=TrainConfig.test_windows, help="held-out test windows")
     p.add_argument("--corpus", nargs="+", help="files or folders to train on (default: CORPUS, in the stdlib)")
     p.add_argument("--prompts", type=int, default=PROMPTS, help="HumanEval prompts the heads draft on")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW)
@@ -267,7 +269,7 @@ def main() -> None:
     COMMON.update(corpus=CORPUS, steps=args.steps, eval_every=min(COMMON["eval_every"], args.steps),
                   save_every=min(COMMON["save_every"], args.steps),
                   warmup=min(COMMON["warmup"], max(1, args.steps // 2)), batch_size=args.batch_size,
-                  micro_batch=args.batch_size, eval_windows=args.eval_windows)
+                  micro_batch=args.batch_size, eval_windows=args.eval_windows, test_windows=args.test_windows)
     EVIDENCE.mkdir(parents=True, exist_ok=True)
     if args.measure:
         print(json.dumps(measure(args.measure)))

@@ -20,8 +20,9 @@ its C++ types renamed (pybind11 registers a C++ type once per process) and under
     PYTHONPATH=. python benchmarks/quant_verify_curve.py gguf avx2 8 1 /tmp/old/specdec_cpu_old.so
 
 (arguments: the weights, gguf or q8_0 or q4_k; the instruction set; the repeats; the threads; the old
-build, if any; --model: another target than the default one, e.g. a checkpoint folder with q8_0). Prints one JSON line: t(n) in ms and the ratios, old and new (the least of the
-repeats; `med_`: their median), and t_old(1) / t_new(1).
+build, if any; --model: another target than the default one, e.g. a checkpoint folder with q8_0).
+Prints one JSON line: t(n) in ms and the ratios, old and new (the least of the repeats; `med_`: their
+median), and t_old(1) / t_new(1).
 """
 from __future__ import annotations
 

@@ -303,7 +303,7 @@ def test_mtp_equal_budget_trains_the_three_objectives_and_measures_their_heads(t
     import sysconfig
     evidence = tmp_path / "evidence"
     script("mtp_equal_budget.py", "--out", tmp_path / "runs", "--steps", 4, "--batch-size", 2, "--eval-windows", 4,
-           "--prompts", 1, "--max-new-tokens", 8, "--corpus", Path(sysconfig.get_paths()["stdlib"]) / "json",
+           "--test-windows", 4, "--prompts", 1, "--max-new-tokens", 8, "--corpus", Path(sysconfig.get_paths()["stdlib"]) / "json",
            "--step-time", "one", "--evidence", evidence, cwd=tmp_path, timeout=600)
     result = json.loads((evidence / "mtp-experiment.json").read_text())
     assert set(result["runs"]) == {"next-token", "mtp-parallel", "mtp-sequential"}
