@@ -110,3 +110,25 @@ def test_every_documented_command_line_parses(capsys):
         except SystemExit:
             wrong.append(f"{where}\n    {capsys.readouterr().err.strip().splitlines()[-1]}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_docs_folder_holds_prose_and_pictures_only():
+    """Experiments live in benchmarks/ and their data under docs/evidence/; besides the site's hooks,
+    docs/ holds Markdown, images and the evidence's data files, and no script."""
+    allowed = {".md", ".png", ".svg", ".jpg", ".json", ".txt"}
+    stray = [str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*") if p.is_file()
+             and "hooks" not in p.relative_to(ROOT / "docs").parts and "__pycache__" not in p.parts
+             and (p.suffix not in allowed or (p.suffix in {".json", ".txt"} and "evidence" not in p.parts))]
+    assert not stray, stray
+
+
+def test_the_readme_is_short_shows_the_two_commands_and_its_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    blocks = "".join(re.findall(r"```sh\n(.*?)```", readme, re.S))
+    assert "make run" in blocks and "make test" in blocks
+    first_table = readme[readme.index("\n|"):].split("\n\n")[0]
+    assert "llama.cpp" in first_table and "transformers" in first_table
+    broken = [link for link in re.findall(r"\]\(([^)#\s]+)", readme)
+              if not re.match(r"[a-z]+:", link) and not (ROOT / link).exists()]
+    assert not broken, broken

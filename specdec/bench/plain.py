@@ -5,9 +5,8 @@ transformers both in specdec's arithmetic dtype (like for like) and in bf16 (its
 on a CPU without native bf16). specdec and llama.cpp report prompt evaluation and decoding apart,
 so their decode-only tokens/s are compared too; transformers' figure includes its prefill.
 Also the memory bandwidth reached: the weight bytes one decoding step reads (every matrix except
-the embedding table, of which a step reads one row) times tokens/s, as a fraction of the 47 GB/s
-of the build machine (docs/design.md, "Machines: measure on the one you have") and of the read
-bandwidth measured on this machine now.
+the embedding table, of which a step reads one row) times tokens/s, as a fraction of the build
+machine's read bandwidth (MACHINE_READ_BANDWIDTH) and of the one measured on this machine now.
 """
 from __future__ import annotations
 
@@ -130,7 +129,7 @@ def draft_predictions(size: str, curve_seconds: dict[int, float]) -> dict:
 
 
 # Per-position acceptance of each design at k = 3 on the shipped pair (22M target), HumanEval,
-# greedy, batch 1, as `specdec bench` measured it (docs/bench/bench.json; EAGLE: not in that run,
+# greedy, batch 1, as `specdec bench` measured it (docs/evidence/bench/bench.json; EAGLE: not in that run,
 # so the draft model's is assumed). At another target size it is an assumption, not a measurement.
 ASSUMED_ACCEPTANCE = {"draft-model": [0.656, 0.509, 0.503], "ngram": [0.625, 0.883, 0.915],
                       "mtp": [0.797, 0.575, 0.33], "eagle": [0.656, 0.509, 0.503]}

@@ -1,54 +1,7 @@
 """`specdec bench`: plain decoding, every speculative method and transformers' peers on the same
-target weights, workloads, batch sizes and sampling settings, interleaved in one run.
-
-A plan is a list of cells; a cell fixes (workload, temperature, batch size, draft lengths k). In a
-cell every configuration (method, k) decodes the same prompts; repeat r runs every configuration
-before repeat r + 1 starts, and tokens/s is reported as median (min, max) over the repeats, the
-speedup as the median (min, max) of the per-repeat ratios to plain decoding of the same repeat.
-Greedy cells check losslessness: each method's tokens against plain decoding's (transformers'
-peers against transformers' own `generate`), every mismatch listed. Each cell also measures the
-target's verify-cost curve at its batch size, and the cost model (costmodel.py) predicts every
-speculative configuration's speedup from its per-position acceptance, its measured draft and
-bookkeeping seconds per step and that curve; the prediction error is reported next to the
-measurement.
-
-Output JSON (schema "specdec-bench/1"):
-
-    schema, command (argv), plan (the cells and settings run), seconds (wall time of the run)
-    conditions: target, draft, mtp_heads, eagle_head (name, parameters, dtype, checkpoint sha256, training),
-        hardware (cpu, cores, threads, accelerator), roofline (fma_peak_gflops and read_bandwidth_GBps
-        measured in the run, isa, threads), software (python, torch, transformers, specdec, git),
-        repeats, baseline
-    cells[]: workload {name, description, prompts, prompt_tokens: spread, max_new_tokens, eos},
-        sampling {temperature, top_k, top_p, seed}, batch_size, ks,
-        verify_curve {batch_size, context_tokens, tokens[], seconds[], implausible [[n, ratio]]} (median
-            seconds of one target forward over n new tokens per row after context_tokens cached ones: the
-            cell's median prompt plus half its new tokens; implausible points: noise.py),
-        noisy (bool: a result's noise or an implausible verify curve)
-        results[]: method, k, label, acceptance {rule, lossless}, lossless_method (bool: that rule is lossless),
-            host_syncs_per_step {reads, writes, total} (syncs.py: one untimed generation of the cell's first batch,
-                prefill included, over its steps; plain decoding: one step per token; null for the peers),
-            noise [reasons] (empty: the figures are not noisy, see noise.py),
-            tokens_per_s {median, min, max, n}, speedup {median, min, max, n} (vs plain, same repeat),
-            acceptance_rate (α), acceptance_per_position (α_i), mean_acceptance_length (τ),
-            draft_cost_ratio (c), seconds_per_step {draft, verify, other} (medians over repeats),
-            counters (metrics.SpecMetrics.to_dict of the last repeat, summed over the cell's batches),
-            predicted_speedup, prediction_error (predicted / measured median - 1), speedup_limit
-            (S_limit), efficiency (speedup / S_limit),
-            lossless {checked, reference, identical, prompts, mismatches[{prompt, first_difference}]}
-                (checked false under sampling, with the reason),
-            unseeded_acceptance (sampling cells, each method's first fixed-k chain; else null): {acceptance_rate,
-                proposed, accepted} of one untimed generation of the cell's prompts without a seed (rejection
-                sampling), difference (the seeded repeats' α minus it), standard_error, agree (|difference| <=
-                SEED_AGREEMENT standard errors),
-            conditions {target, method (full config), workload, sampling, batch_size, hardware,
-                software, repeats, baseline}
-        (speculative-only fields are null for plain decoding and the peers)
-    moe: the MoE vs dense verify-cost check (verify_cost.moe_vs_dense), or null
-    batch_effect[]: {workload, prompts, temperature, method, k, speedup_by_batch {B: median}, stops_paying_at}
-        (configurations measured at several batch sizes on the same prompts)
-
-Values that cannot be determined are "unknown" (conditions) or null (metrics), never guessed.
+target weights, workloads, batch sizes and sampling settings, interleaved in one run, with the cost
+model's prediction beside each measurement; writes bench.json (schema "specdec-bench/1", its fields
+in docs/guide/bench.md) and the report. What cannot be determined is "unknown" or null, never guessed.
 """
 from __future__ import annotations
 
@@ -86,15 +39,12 @@ from .workloads import WORKLOADS, workload
 
 SCHEMA = "specdec-bench/1"
 SPEC_METHODS = tuple(DRAFTERS)  # the drafters a plan compares: every entry of the registry
-# MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): measured on the shipped
-# heads, greedy acceptance is unchanged and τ at temperature 1 drops 1%, for a quarter of the
-# unembedding cost per head
+# MTP heads draft over the 4096 most frequent token ids (proposers/mtp.py): a quarter of the unembedding
+# cost per head for about the same acceptance (measured: docs/methods/mtp.md)
 MTP_DRAFT_VOCAB = 4096
 DRAFT_VOCAB = 4096  # the draft model's too, where it was saved with its token counts
-# the EAGLE head drafts over the 2048 most frequent of its 4096 ids (half the unembedding per draft): measured
-# on the shipped head (HumanEval, first 10 prompts, batch 1, k = 1..6, two bench runs), greedy τ is unchanged
-# and the best greedy speedup went from 1.19x to 1.24x; at temperature 1 τ drops (2.98 -> 2.74 at k = 3: the
-# head's mass outside the 2048 ids is lost) at about the same speed (best 0.98x -> 0.96x)
+# the EAGLE head drafts over the 2048 most frequent of its 4096 ids (half the unembedding per draft): greedy τ
+# is unchanged, at temperature 1 the head's mass outside the 2048 ids is lost (measured: docs/methods/eagle.md)
 EAGLE_DRAFT_VOCAB = 2048
 BENCH_OPTIONS = {"draft-model": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
                  "hybrid": DraftModelOptions(DRAFT_VOCAB, counted_only=True),
@@ -145,7 +95,7 @@ def quick_plan() -> Plan:
 
 
 def full_plan() -> Plan:
-    """About twenty minutes on a quiet 2-core machine: the k sweep with trees against the chains
+    """The whole plan: the k sweep with trees against the chains
     that verify as many tokens, k=auto in every cell, three workloads, temperature 0 and 1, and
     batch 1, 4 and 16 on the same 16 prompts; 96 new tokens per prompt."""
     return Plan((Cell("humaneval", 0.0, 1, (1, 2, 4, 7), 6, peer_k=4, trees=((2, 2), (3, 2, 2))),

@@ -408,7 +408,7 @@ class Adaptive:
         (tree.chain_runs), which the chain would have had accepted at the same depth: the chain's
         counts learn from it too (a chain judged on a few unlucky first steps, then never drafted
         while a tree of the same drafter was, kept its low estimate: the 0.5B draft of a 1.5B target
-        stayed at a tree of depth 1, 1.04x, where a chain of 3 gave 1.4x)."""
+        stayed at a tree of depth 1 where a chain of 3 paid more; docs/methods/auto.md)."""
         s, d = self.chosen
         rows = len(limits)
         first = self.steps == self.choices["plain"]  # the run's first drafting step
@@ -427,9 +427,7 @@ class Adaptive:
         # which replaces them, and the next steps draft the same option again until two steps
         # without one priced it (`confirm`, `priced`); the first step's seconds leave the depth
         # unmeasured. Priced at a catch-up, a draft always accepted did not pay, and auto decoded
-        # plainly from then on, never drafting to learn otherwise (a 0.5B draft of a 1.5B target: 0
-        # drafts in 6 requests; the self-draft of SmolLM2 on a busy machine: 0 drafts in a whole
-        # benchmark, where k=4 gave 1.5x)
+        # plainly from then on, never drafting to learn otherwise (docs/methods/auto.md)
         clean = not (self.plain_run or first)
         unread = self.unread.sum()
         if not clean and self.draft_clean[d] and unread:  # catching up beyond the depth's price, per token
@@ -473,8 +471,8 @@ class Adaptive:
         text moved on: each row's acceptance drifts back to what every drafting step taught, as its
         older steps fade while drafting (DECAY a step), its weight of evidence kept. A row that went
         plain after a dip of its estimate (one over about ten drafts, each accepted 40% of the time
-        independently, now and then falls below the 19% that breaks even) kept the dip's low point
-        for every stretch after it: plain 57% of the steps where drafting all along paid 1.18x."""
+        independently, now and then falls below break-even) kept the dip's low point for every
+        stretch after it (docs/methods/auto.md)."""
         mean, offered = self.learned()                                              # (S, K)
         fade = DECAY ** steps
         drifted = fade * self.accepted + (1 - fade) * self.offered * mean[:, None]  # (S, B, K)
@@ -489,10 +487,9 @@ class Adaptive:
 
     def scale_forwards(self, drafting: int, scale: float) -> None:
         """A step's (or a plain stretch's) forwards took `scale` times the curve's: the scale of plain
-        (0) or drafting (1) steps is the `typical` of the latest ones (a running mean took a third of
-        one 23 ms forward among 8.5 ms ones, a stolen time slice, and made EAGLE's drafts look dearer
-        than plain decoding on SmolLM2's chat for the rest of a benchmark: plain steps do not re-price
-        drafting's forwards)."""
+        (0) or drafting (1) steps is the `typical` of the latest ones (a running mean took in one slow
+        forward, a stolen time slice, and made EAGLE's drafts look dearer than plain decoding for the
+        rest of a benchmark: plain steps do not re-price drafting's forwards; docs/methods/auto.md)."""
         samples = self.forward_samples[drafting]
         samples.append(scale)
         self.forward_scale[drafting] = typical(samples)

@@ -2,7 +2,7 @@
 compiled against the target's tokenizer, and a per-row matcher that says which tokens may come next.
 
 The grammars are compiled by llguidance (Microsoft's Rust library, on PyPI without dependencies):
-its token masks cost ~15 us per position on SmolLM2's 49,152 tokens on this project's CPUs, and it
+its token masks cost a small part of a decoding step on SmolLM2's vocabulary, and it
 takes JSON Schema, regexes, Lark grammars and llama.cpp's GBNF (docs/structured.md says how it was
 chosen over xgrammar and what it measured).
 

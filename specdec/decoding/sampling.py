@@ -148,8 +148,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | RowGenerators | Non
 
     Inverse CDF: the first id whose cumulative mass exceeds u x the row's mass, u uniform in
     [0, 1), in float64 (so u x mass stays below the total and a zero-probability id is never
-    drawn). Exact, and one uniform per row: torch.multinomial took ~250 us per 16,384-id row on
-    the CPU, as much as a target forward."""
+    drawn). Exact, and one uniform per row: torch.multinomial cost as much as a small target's
+    forward on the CPU (docs/evidence/behind-the-code.md)."""
     cdf = probs.double().cumsum(-1)                                                      # (B, V)
     u = uniform(probs.shape[0], 1, generator, torch.float64, probs.device)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)

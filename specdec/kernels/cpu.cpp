@@ -597,8 +597,8 @@ static inline uint32_t mix32(uint32_t x) {
 }
 
 // Compiled for AVX2 (the kernels run only where it is: kernels.compiled), whose 8-lane 32-bit products
-// the loop is vectorised with; this file's baseline, SSE2, has none: a row of 49,152 ids took 65 us,
-// 24 us now (the call included; Intel Xeon, 2026-12-05).
+// the loop is vectorised with; this file's baseline, SSE2, has none, and the loop ran several times slower
+// there (docs/evidence/behind-the-code.md).
 __attribute__((target("avx2"))) static void hash_rows(const uint32_t* L, const uint32_t* H, int64_t R,
                                                        int64_t length, uint32_t* O) {
   for (int64_t r = 0; r < R; ++r)

@@ -153,9 +153,8 @@ constexpr int panels_for(int R) {
 // rows per block: AVX-512 8 (x 3 panels in 24 registers), AVX2 6 (x 1 panel in 12)
 constexpr int kMaxRows = kRegs >= 32 ? 8 : 6;
 // Panels per tile where the call has one row (plain decoding): enough independent FMA chains to keep
-// up with memory, few enough streams of weights at once. Measured on Zen 4 (one thread, matrices
-// streaming from memory, docs/kernel-efficiency.py streaming): 8 panels read SmolLM2's and the
-// 1.5B's matrices at 20-27 GB/s, 4 at 25-33, 2 about as 4.
+// up with memory, few enough streams of weights at once: 4 streamed fastest of 2, 4 and 8
+// (benchmarks/kernel_efficiency.py streaming; docs/evidence/behind-the-code.md).
 constexpr int kOneRowPanels = 4;
 
 template <int F, int R, int NB>

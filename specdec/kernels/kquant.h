@@ -336,9 +336,8 @@ inline void ktile_nb(int nb, const QuantRows& x, const int32_t* halves, const ui
 
 // The K-quant tiles' shape: panels per tile for R rows (a float and an int accumulator per (row,
 // panel), one code vector (two for the nibbles) per panel), and the most rows per tile. A call of one
-// row (plain decoding) takes one panel per tile, so the matrix streams as one run of bytes: measured
-// on Zen 4 (one thread, matrices streaming from memory, docs/kernel-efficiency.py streaming), tiles of
-// 4 panels read the 1.5B's Q4_K matrices at 12-24 GB/s, of one panel at 21-34 GB/s.
+// row (plain decoding) takes one panel per tile, so the matrix streams as one run of bytes: it streamed
+// faster than tiles of 4 panels (benchmarks/kernel_efficiency.py streaming; docs/evidence/behind-the-code.md).
 constexpr int kpanels_for(int R) {
   const int n = (kRegs - 4) / ((2 * R + 2) * kRegsPerV);
   return n < 1 ? 1 : n > 4 ? 4 : n;

@@ -209,7 +209,7 @@ inline void qtile(const QuantRows& x, const uint8_t* W, int64_t nblocks, int64_t
 
 // Tile shapes, measured (SmolLM2-135M's matrices, one thread): one panel per tile, whose codes stream
 // through the cache once per tile (on AVX-512 four panels at a time read a matrix that does not fit in
-// L2 40% slower at 1 and 4 rows); rows per tile as many as the registers hold the int sums of:
+// L2 slower at 1 and 4 rows); rows per tile as many as the registers hold the int sums of:
 // AVX2's 16 the int16 sums of 4 rows (two registers each) beside the panel's codes, AVX-512's 32 those of 8.
 // The fp32 sums, touched once per block, may live in L1.
 constexpr int kMaxQRows = kRegs >= 32 ? 8 : 4;

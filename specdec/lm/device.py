@@ -100,6 +100,6 @@ def cpu_features() -> list[str] | str:
 
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AMX or AVX-512 BF16), where PyTorch's bf16 matmuls
-    run several times faster than fp32 ones (4.5x for SmolLM2's forward over 8 x 256 tokens on AMX)."""
+    run several times faster than fp32 ones (docs/evidence/behind-the-code.md)."""
     features = cpu_features()
     return isinstance(features, list) and bool({"amx_bf16", "avx512_bf16"} & set(features))

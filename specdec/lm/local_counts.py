@@ -6,7 +6,7 @@ three parts: code, the Python standard library's own modules (its `.py` files bu
 by path, up to CODE_BYTES); prose, the descriptions of the installed distributions (their METADATA:
 mostly READMEs in Markdown, sorted by name); and chat, requests of specdec's own making and an
 instruction-tuned model's greedy answers to them (chat_answers.json, written by
-docs/pair-chat-answers.py; none of them among the chat benchmark's prompts). Each part weighs alike
+benchmarks/pair_chat_answers.py; none of them among the chat benchmark's prompts). Each part weighs alike
 (its counts scaled to one total), so that the words of a chat reply rank beside the megabytes of
 code (on the Qwen2.5-Coder pair it won back 1 of the 4 accepted tokens a vocabulary of 18,992 ids
 lost on 2 chat prompts at T=1, and cost nothing on code: docs/quantized.md). Every id the tokenizer

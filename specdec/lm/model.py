@@ -103,8 +103,8 @@ class Embedding(nn.Embedding):
     """nn.Embedding whose table may be held as a quantized kernels.Matrix (`stored`: a tied
     unembedding's blocks, or a file's), each looked-up row dequantized exactly: `weight` is then None.
     The rows looked up last are kept dequantized, up to KEPT_BYTES: decoding looks up the same few
-    thousand tokens again and again, and a row unpacked anew costs a dozen operations (0.35 ms a
-    lookup in a decoding step on 2 cores: 3.6% of a run of the self-draft, whose table this is)."""
+    thousand tokens again and again, and a row unpacked anew costs a dozen operations (a visible
+    share of a self-draft run, whose table this is: docs/evidence/behind-the-code.md)."""
     stored: kernels.Matrix | None = None
     kept: OrderedDict | None = None  # id -> its (C,) row, the oldest first
     KEPT_BYTES = 4 << 20

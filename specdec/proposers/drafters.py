@@ -344,9 +344,8 @@ class Eagle(Head):
     name, cls, shipped, what = "eagle", EagleProposer, ("eagle", "smollm2-eagle3"), "EAGLE head"
     train = "train one with `specdec train --objective eagle --target TARGET`"
     kind = EAGLE_FOLDER
-    matrices = "q8_0"  # where the kernels run its bf16 matrices, it drafts from them in Q8_0: measured on
-    # SmolLM2's head (8 prompts x 96 tokens, k = 1-2, interleaved), a draft step 1.69 -> 1.35 ms, α the same
-    # (0.52 / 0.30 HumanEval / chat greedy), 1.28x -> 1.32x and 1.13x -> 1.17x plain decoding
+    matrices = "q8_0"  # where the kernels run its bf16 matrices, it drafts from them in Q8_0: a cheaper draft
+    # step for the same acceptance (measured: docs/methods/eagle.md)
 
     def network(self, target, folder):
         """The head, its matrices in `matrices` where they are bf16 for the kernels and cut into its blocks."""
@@ -402,11 +401,8 @@ class BehindLookup(Drafter):
                 "model_depth": self.model_depth or "the step's"}
 
 
-# the EAGLE head behind lookup from 3 tokens on, drafting at most 2 levels. Measured on SmolLM2's head (8
-# HumanEval prompts x 128 tokens, greedy, -k 8, interleaved with plain decoding): lookup from matches of 2, 3,
-# 4 or 5 tokens 2.13x / 2.16x / 2.09x / 2.04x plain, the head drafting at most 1, 2 or 3 levels 2.05x / 2.16x /
-# 2.13x; the head alone at its best k = 2 1.41x, suffix lookup alone (-k auto) 1.89x; chat 1.20-1.22x against
-# the head's 1.16x
+# the EAGLE head behind lookup from 3 tokens on, drafting at most 2 levels: the best of the settings measured
+# on SmolLM2's head (docs/methods/eagle.md, "Behind suffix lookup")
 EAGLE_SURE_MATCH, EAGLE_DEPTH = 3, 2
 
 DRAFTERS: dict[str, Drafter] = {d.name: d for d in (DraftModel(), ParallelDraft(), Ngram(), MTP(), Suffix(),

@@ -9,7 +9,7 @@ weights instead of 64).
 Its layers have the target's shapes, so it keeps no KV cache of its own: it attends to the target's
 keys and values of the text so far (DraftModelProposer.start's target_cache), which saves its
 prefill of every prompt and its catch-up after plain steps, and agrees with the target more often
-than over its own 4-bit keys and values (docs/self-draft-shared-cache.py). Everything else is
+than over its own 4-bit keys and values (benchmarks/self_draft_shared_cache.py). Everything else is
 DraftModelProposer's (trees, sampling); the engine's verification makes it lossless like any drafter.
 """
 from __future__ import annotations

@@ -5,8 +5,8 @@ back as events.
 Why the main thread: the CPU kernels run each forward in an OpenMP region whose threads meet at a
 barrier in every layer. OpenMP keeps one thread team per thread that ever started a region; the
 main thread has one (loading the model starts regions), and a second team on another thread makes
-more OpenMP threads than cores, so libgomp stops spinning at barriers and sleeps instead: measured,
-a forward run from a second thread took 1.5 ms instead of 0.6 ms on 2 cores.
+more OpenMP threads than cores, so libgomp stops spinning at barriers and sleeps instead, and a
+forward run from a second thread is much slower (docs/evidence/behind-the-code.md).
 
 A job takes the one request path (decoding/pipeline.py), as `specdec generate` and the API do:
 its prompt encoded by the checkpoint's rules (its prefix, special-token text as text unless the

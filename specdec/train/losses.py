@@ -1,58 +1,7 @@
-"""The losses and validation figures of the training objectives (objectives.py), as pure
-functions: next-token prediction (NTP), multi-token prediction (MTP), distillation of a draft model
-from a frozen target, EAGLE, block and parallel drafting.
-
-A window of tokens (B, S+1) gives the trunk S positions. The trunk's own output ("head 0")
-predicts x_{t+1}; MTP head j (1..depth, heads.py) predicts x_{t+1+j}. The MTP loss is
-
-    loss = w_0 CE_0 + sum_j w_j CE_j,   w_0 = 1 (0 when the trunk is frozen),
-    w_j = lambda(step) * beta^(j-1)
-
-- Gloeckle et al. 2024 (parallel heads): lambda = 1, beta = 1, the plain sum of the n = depth+1
-  cross-entropies.
-- DeepSeek-V3 (sequential modules): lambda / depth per module, lambda 0.3 for the first part of
-  training, then 0.1 (`lambda_late` from `lambda_switch` x steps on).
-
-Two orders of computing the same gradient:
-- naive: every head's logits (B, S, V) stay alive until one backward at the end;
-- memory-saving (Gloeckle et al.): the trunk's hidden state is detached; each head's logits,
-  loss and backward run in turn, their gradient collecting at the detached hidden state (for
-  chained heads, at each module's detached output), and only then is the rest backpropagated
-  through the heads (in reverse) and once through the trunk. At most one (B, S, V) logits tensor
-  is alive at a time.
-
-Distillation (a draft that agrees with its target, rather than with the corpus) minimises the
-forward KL from the target's next-token distribution to the draft's, per position:
-
-    KL(target || draft) = sum_v target_probs[v] (log target_probs[v] - log draft_probs[v])
-
-both taken at temperature T, times T^2 so that the gradient's scale does not depend on T (Hinton
-et al. 2015). With top-k only the target's k most probable tokens are kept apart and the rest of
-the vocabulary is one bucket holding the remaining mass, for the target and for the draft alike:
-the KL of these k+1 outcomes, a lower bound of the full KL that needs (B, S, k+1) target values
-instead of (B, S, V). (Renormalising the k tokens instead teaches the draft to give the rest
-nothing, and the full KL grows while the top tokens agree better. Distilling the shipped draft,
-even the bucket let the full KL grow, so the default is the whole vocabulary; README.) Greedy speculative decoding accepts a draft
-token exactly when argmax(draft) == argmax(target), so that agreement rate is reported beside
-the KL.
-
-EAGLE (eagle.py): the head reads the frozen target's features and is unrolled for `steps` draft
-steps on its own outputs with the attention drafting uses (the training-time test); step j's loss
-is KL(target || head) against the target's distribution over the draft vocabulary at the position
-it drafts, weighted decay^j. Validation reports each step's KL and the greedy acceptance alpha_i
-of the draft it would make there.
-
-Parallel drafting (train/anchors.py): a draft model with a mask token of its own reads the window
-followed by k-1 mask slots per random anchor in one forward; block slot i of anchor a is trained
-by KL(target || draft) against the target's distribution at position a + i given the true
-prefix, every slot weighted alike, so that one draft forward over [sequence, mask x (k-1)]
-drafts k tokens. Validation reports each slot's KL and the greedy acceptance alpha_i of the blocks
-it would draft there.
-
-Block (block.py): the head drafts a whole block in one forward; trained on random anchors with the
-attention drafting uses (anchors.py), KL(target || head) at every block slot (section below).
-
-This module knows nothing about data, optimisers, checkpoints or distribution over processes.
+"""The losses and validation figures of the training objectives (objectives.py), as pure functions:
+next-token prediction, multi-token prediction, distillation of a draft from a frozen target, EAGLE,
+block and parallel drafting (what each computes: docs/guide/train.md, "The losses"). It knows
+nothing about data, optimisers, checkpoints or distribution over processes.
 """
 from __future__ import annotations
 

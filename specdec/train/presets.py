@@ -34,7 +34,7 @@ PRESETS = {
                   tokenizer="models/target/tokenizer.json"),
     # the shipped draft: the "draft" recipe's model, distilled from the shipped target (KL(target || draft) over
     # the whole vocabulary); give it --init-from runs/draft/model after `--preset draft --out runs/draft`
-    # (without --init-from the draft is distilled from fresh weights); about 25 minutes on a shared 2-core CPU
+    # (without --init-from the draft is distilled from fresh weights); training times: docs/models.md
     "draft-distill": dict(model=DRAFT_MODEL, objective=Distill(teacher="models/target"),
                           seq_len=512, batch_size=8, micro_batch=4, steps=250, lr=1e-3,
                           warmup=20, eval_every=50, eval_windows=32, test_windows=64, save_every=10),
@@ -45,12 +45,12 @@ PRESETS = {
                            steps=300, lr=1e-3, warmup=20, eval_every=50, eval_windows=24, test_windows=48,
                            save_every=10),
     # MTP heads for the shipped target: 3 sequential modules (DeepSeek-V3) trained on its frozen weights
-    # (embedding and lm_head included) and its tokenizer; about 25 minutes on 2 CPU cores
+    # (embedding and lm_head included) and its tokenizer
     "target-mtp": dict(objective=MTP(kind="sequential", depth=3, frozen_trunk="models/target"), seq_len=512,
                        batch_size=8, micro_batch=8, steps=130, lr=2e-3, warmup=10, eval_every=26, eval_windows=32,
                        test_windows=48, save_every=10),
     # the shipped EAGLE head (eagle.py) of the shipped target: layers 1, 3, 5, a 4096-token draft vocabulary,
-    # 5 draft steps unrolled in training; about 30 minutes on a shared 2-core CPU
+    # 5 draft steps unrolled in training
     "target-eagle": dict(objective=Eagle(target="models/target", draft_vocab=4096, steps=5),
                          seq_len=256, batch_size=8, micro_batch=8, steps=500, lr=2e-3, warmup=20, eval_every=50,
                          eval_windows=24, test_windows=48, save_every=10),
@@ -60,8 +60,7 @@ PRESETS = {
                           warmup=20, eval_every=50, eval_windows=24, test_windows=48, save_every=10),
     # the shipped block head (block.py) of the shipped target: layers 1, 3, 5, a 4096-token draft vocabulary,
     # one decoder layer, blocks of 8 drafts (7 mask queries, causal among themselves: as accepted as bidirectional
-    # ones at equal budget and cheaper, docs/block-head.md) at 32 random anchors per window; about 56 minutes
-    # on a shared 2-core CPU
+    # ones at equal budget and cheaper, docs/block-head.md) at 32 random anchors per window
     "target-block": dict(objective=Block(target="models/target", draft_vocab=4096, size=8, anchors=32,
                                              attention="causal", num_layers=1), seq_len=256,
                          batch_size=8, micro_batch=8, steps=260, lr=2e-3, warmup=20, eval_every=65,
