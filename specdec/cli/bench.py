@@ -91,7 +91,7 @@ def bench_plain_mode(args) -> None:
                            "llama.cpp) and the memory bandwidth; on a GPU run `specdec bench --device cuda`")
     if args.size and args.model:
         raise SpecdecError("give --model or --size, not both")
-    sized = args.size is not None  # smaller defaults: a ~1B model decodes ~20 tokens/s here
+    sized = args.size is not None  # smaller defaults: a model of a real size decodes slowly on a CPU
     result = bench_plain(args.model, n_prompts=args.prompts or (2 if sized else 10),
                          repeats=args.repeats or (3 if sized else 5),
                          max_new_tokens=args.max_new_tokens or (32 if sized else 128),
