@@ -47,7 +47,7 @@ from ..errors import SpecdecError
 from . import blocks
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "types.h", "vectors.h", "isa.h", "quant.h",
-                                                        "kquant.h", "threads.h")]
+                                                        "kquant.h", "threads.h", "matrices.h")]
 LANES = 16  # outputs per packed panel
 SLICE = 4096  # rows of a GGUF tensor unpacked at a time (Matrix.from_gguf): a whole number of panels
 _EMPTY = torch.empty(0)
