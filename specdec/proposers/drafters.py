@@ -25,6 +25,10 @@ import torch
 
 from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
+from ..heads.block import BLOCK_FOLDER
+from ..heads.eagle import EAGLE_FOLDER
+from ..heads.folder import check_head_target, load_head
+from ..heads.mtp import MTP_FOLDER
 from ..kernels import storing_error
 from ..kernels.blocks import blocking_error
 from ..lm import gguf, local_counts, packaged
@@ -35,11 +39,8 @@ from ..lm.gguf_blocks import load_as_stored
 from ..lm.model import Linear, LlamaForCausalLM, store_matrices, stored_formats
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
-from .block_head import BLOCK_FOLDER
 from .draft_model import DraftModelProposer, chosen_vocab
 from .eagle import EagleProposer
-from .eagle_head import EAGLE_FOLDER
-from .heads import MTP_FOLDER, check_head_target, load_head
 from .hybrid import SURE_MATCH, HybridProposer
 from .mtp import MTPProposer
 from .guided_ngram import GuidedNgramProposer

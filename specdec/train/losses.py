@@ -3,7 +3,7 @@ functions: next-token prediction (NTP), multi-token prediction (MTP), distillati
 from a frozen target, EAGLE, block and parallel drafting.
 
 A window of tokens (B, S+1) gives the trunk S positions. The trunk's own output ("head 0")
-predicts x_{t+1}; MTP head j (1..depth, heads.py) predicts x_{t+1+j}. The MTP loss is
+predicts x_{t+1}; MTP head j (1..depth, heads/mtp.py) predicts x_{t+1+j}. The MTP loss is
 
     loss = w_0 CE_0 + sum_j w_j CE_j,   w_0 = 1 (0 when the trunk is frozen),
     w_j = lambda(step) * beta^(j-1)
@@ -63,9 +63,9 @@ import torch.nn.functional as F
 
 from ..errors import SpecdecError
 from ..proposers.base import DraftVocabulary
-from ..proposers.block_head import BlockHead
-from ..proposers.eagle_head import EagleHead
-from ..proposers.heads import MTPHeads, teacher_forced
+from ..heads.block import BlockHead
+from ..heads.eagle import EagleHead
+from ..heads.mtp import MTPHeads, teacher_forced
 from .anchors import BlockLayout, block_acceptance, block_layout, random_anchors
 
 
