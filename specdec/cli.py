@@ -596,17 +596,17 @@ def cmd_calibrate(args) -> None:
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     curves = {}
     for batch in args.batch_sizes:
-        curve, _ = cached_verify_curve(target.lm, batch, args.max_tokens, remeasure=True,
+        curve, _ = cached_verify_curve(target.admitted, batch, args.max_tokens, remeasure=True,
                                        points=list(range(1, args.max_tokens + 1)))
         curves[batch] = curve.seconds
         row = "  ".join(f"t({n})={1000 * s:.3f}" for n, s in sorted(curve.seconds.items()))
         print(f"batch {batch}: {row} ms")
-    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {target.lm.abilities.backend}")
+    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {target.admitted.abilities.backend}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "schema": "specdec-verify-curve/1", "target": shown_path(target.path),
-            "backend": target.lm.abilities.backend,
-            "hardware": hardware(target.lm.device), "machine": machine(),
+            "backend": target.admitted.abilities.backend,
+            "hardware": hardware(target.admitted.device), "machine": machine(),
             "note": "seconds of one target forward over n new tokens per row, the fastest of 5 repeats, "
                     "made non-decreasing in n", "seconds": curves}, indent=1))
         print(f"written to {args.out} (specdec simulate --verify-curve {args.out} predicts from it)")
@@ -657,10 +657,10 @@ def cmd_simulate(args) -> None:
         set_threads(args.threads)
         target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
-        curve = measure_verify_curve(target.lm, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
+        curve = measure_verify_curve(target.admitted, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
         source = (f"the verify curve of target {target.name} measured now with "
-                  f"{target.lm.abilities.backend}"
+                  f"{target.admitted.abilities.backend}"
                   + (f", on {h['cpu']}, {h['threads']} threads" if args.device == "cpu" else ""))
     if args.moe_experts is not None:
         curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)

@@ -9,7 +9,7 @@ proposer of it with the options a caller gives: each drafter's own small datacla
 command line (generate, serve, check, bench), the API and the benchmark all call `build_drafter`;
 from networks already in hand, the proposer's class makes one (typed by its own signature).
 
-A target is a loaded checkpoint: anything with `model` (a causal LM), `lm` (it admitted:
+A target is a loaded checkpoint: anything with `model` (a causal LM), `admitted` (it admitted:
 lm/interface.Admitted, its device, dtype and abilities), `path` (its checkpoint folder) and
 `tokenizer` (api.Loaded).
 
@@ -204,16 +204,16 @@ class DraftModel(Drafter):
         draft's values in bf16 too."""
         self.check(target, folder)
         if not gguf.is_gguf(folder):
-            model = load_model(folder, dtype=target.lm.dtype, device=target.lm.device)
+            model = load_model(folder, dtype=target.admitted.dtype, device=target.admitted.device)
             return DraftCheckpoint(model, folder, load_token_counts(folder), read_meta(folder))
         quantized = any(isinstance(m, Linear) and m.stored is not None and m.weight is None
                         for m in target.model.modules())
-        if quantized and target.lm.dtype == torch.float32 and torch.device(target.lm.device).type == "cpu":
+        if quantized and target.admitted.dtype == torch.float32 and torch.device(target.admitted.device).type == "cpu":
             model = load_as_stored(folder)
         else:
             config, state = gguf.converted(folder)
-            model = build_model(resolve(config, where=folder.name), state, target.lm.dtype, target.lm.device,
-                                path=folder)
+            model = build_model(resolve(config, where=folder.name), state, target.admitted.dtype,
+                                target.admitted.device, path=folder)
         return DraftCheckpoint(model, folder, None, {}, gguf=True)
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
@@ -319,14 +319,14 @@ class Head(Drafter):
 
     def check(self, target, folder) -> None:
         super().check(target, folder)
-        if not target.lm.abilities.layers:
+        if not target.admitted.abilities.layers:
             raise SpecdecError(f"the {self.what} draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target.model).__name__}")
         check_head_target(self.kind, folder, target.path)  # a .gguf's: trained for its conversion's weights
 
     def network(self, target, folder):
         Drafter.check(self, target, folder)  # the loader checks the rest
-        return load_head(self.kind, folder, target.path, dtype=target.lm.dtype, device=target.lm.device)
+        return load_head(self.kind, folder, target.path, dtype=target.admitted.dtype, device=target.admitted.device)
 
     def proposer(self, head, target, options) -> Proposer:
         return self.cls(head, target.model, draft_vocab(options, head.token_counts))
