@@ -182,13 +182,13 @@ BLOCK_FOLDER = HeadFolder(read_block_meta, "the block head in {path} belongs",
 
 
 def check_block_target(path: str | Path, target: str | Path) -> dict:
-    """A block head's metadata, checked against the target folder (heads.check_head_target)."""
+    """A block head's metadata, checked against the target folder (heads.folder.check_head_target)."""
     return check_head_target(BLOCK_FOLDER, path, target)
 
 
 def load_block(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> BlockHead:
-    """A block head loaded for the target folder (heads.load_head)."""
+    """A block head loaded for the target folder (heads.folder.load_head)."""
     return load_head(BLOCK_FOLDER, path, target, dtype, device)
 
 

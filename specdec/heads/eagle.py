@@ -273,13 +273,13 @@ EAGLE_FOLDER = HeadFolder(read_eagle_meta, "the EAGLE head in {path} belongs",
 
 
 def check_eagle_target(path: str | Path, target: str | Path) -> dict:
-    """An EAGLE head's metadata, checked against the target folder (heads.check_head_target)."""
+    """An EAGLE head's metadata, checked against the target folder (heads.folder.check_head_target)."""
     return check_head_target(EAGLE_FOLDER, path, target)
 
 
 def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> EagleHead:
-    """An EAGLE head loaded for the target folder (heads.load_head)."""
+    """An EAGLE head loaded for the target folder (heads.folder.load_head)."""
     return load_head(EAGLE_FOLDER, path, target, dtype, device)
 
 

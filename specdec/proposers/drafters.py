@@ -315,7 +315,7 @@ class Head(Drafter):
     """A head trained on one target's features: its folder names that target's hash."""
     path_flag, flags = "--heads", ("--heads", "--draft-vocab")
     options = VocabOptions
-    kind = MTP_FOLDER  # its folder's kind: read by the one head loader (heads.check_head_target, heads.load_head)
+    kind = MTP_FOLDER  # its folder's kind, read by the one head loader (heads/folder.py)
 
     def check(self, target, folder) -> None:
         super().check(target, folder)

@@ -433,7 +433,7 @@ class Eagle(TargetHead):
     steps: int = 4                      # draft steps unrolled in training (the training-time test)
     decay: float = 0.8                  # step j's loss weight is decay^j
     draft_vocab: int = 4096             # the N most frequent training token ids the head drafts over
-    layout: str = "specdec"             # the head's weight layout (eagle_head.LAYOUTS; eagle3: exportable to vLLM)
+    layout: str = "specdec"             # the head's weight layout (heads.eagle.LAYOUTS; eagle3: exportable to vLLM)
     name: ClassVar[str] = "eagle"
 
     @property
