@@ -37,7 +37,7 @@ from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import load_model, read_meta
 from specdec.lm.tokenizer import EOS_ID, Tokenizer
 from specdec.proposers import DraftModelProposer, MTPProposer
-from specdec.proposers.heads import load_heads
+from specdec.heads.mtp import load_mtp
 from specdec.train.config import TrainConfig
 from specdec.train.loop import build, train
 from specdec.train.losses import mtp_backward, next_token_loss
@@ -100,7 +100,7 @@ class GreedyDrafts:
 def acceptance(out: Path, name: str) -> dict:
     model_dir = out / name / "model"
     target = load_model(model_dir, dtype=torch.float32)
-    heads = load_heads(out / name / "heads", model_dir, dtype=torch.float32)
+    heads = load_mtp(out / name / "heads", model_dir, dtype=torch.float32)
     tok = Tokenizer.load(model_dir)
     context = MODEL.max_position_embeddings - MAX_NEW
     prompts = [([EOS_ID] + tok.encode(p))[-context:] for p in humaneval_prompts(PROMPTS)]
@@ -214,7 +214,7 @@ def shipped() -> dict:
     summary and acceptance on HumanEval prompts, next to the shipped draft model's."""
     models = ROOT / "models"
     target = load_model(models / "target")
-    heads = load_heads(models / "target-mtp", models / "target")
+    heads = load_mtp(models / "target-mtp", models / "target")
     tok = Tokenizer.load(models / "target")
     prompts = [[EOS_ID] + tok.encode(p) for p in humaneval_prompts(PROMPTS)]
     meta = json.loads((models / "target-mtp" / "heads.json").read_text())

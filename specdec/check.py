@@ -172,17 +172,17 @@ def check(target, proposer: Proposer, prompts: list[list[int]], sampling: Sampli
     if sequences < 1 or max_new_tokens < 1 or batch_size < 1:
         raise SpecdecError(f"sequences, max_new_tokens and batch_size must be >= 1, got {sequences}, "
                            f"{max_new_tokens}, {batch_size}")
-    lm = admit(target, role="target")
-    check_fits(max(map(len, prompts)), max_new_tokens, lm.context, "the longest prompt")
+    admitted = admit(target, role="target")
+    check_fits(max(map(len, prompts)), max_new_tokens, admitted.context, "the longest prompt")
     t0 = time.perf_counter()
     chosen = [prompts[i % len(prompts)] for i in range(sequences)]
     runs, status = [], None
     while status is None:
         run_seed = seed + SECOND_RUN_SEED * len(runs)  # the second run's seeds: independent of the first's
-        runs.append(sampled_run(lm, proposer, chosen, sampling, k, max_new_tokens, batch_size, run_seed, widths,
+        runs.append(sampled_run(admitted, proposer, chosen, sampling, k, max_new_tokens, batch_size, run_seed, widths,
                                 sampled_verify, f"check: sampled run {len(runs) + 1}"))
         status = decide([r["p_value"] for r in runs], sum(r["impossible_tokens"] for r in runs))
-    greedy = greedy_check(lm, proposer, prompts, StopRule(max_new_tokens), k, widths)
+    greedy = greedy_check(admitted, proposer, prompts, StopRule(max_new_tokens), k, widths)
     accepted, proposed = sum(r.pop("accepted") for r in runs), sum(r.pop("proposed") for r in runs)
     if greedy["wrong"]:
         status = FAIL
@@ -203,12 +203,12 @@ def check(target, proposer: Proposer, prompts: list[list[int]], sampling: Sampli
     return CheckResult(status, sampled, greedy, conditions)
 
 
-def sampled_run(lm: Admitted, proposer: Proposer, prompts: list[list[int]], sampling: SamplingConfig, k: int | str,
-                max_new_tokens: int, batch_size: int, seed: int, widths: tuple[int, ...] | None, sampled_verify,
-                label: str) -> dict:
+def sampled_run(admitted: Admitted, proposer: Proposer, prompts: list[list[int]], sampling: SamplingConfig,
+                k: int | str, max_new_tokens: int, batch_size: int, seed: int, widths: tuple[int, ...] | None,
+                sampled_verify, label: str) -> dict:
     """One run of the sampled check: a continuation of each prompt by speculative decoding (seed
     `seed`), each token's randomized PIT under the target (seed `seed` + 1), their KS test."""
-    device = lm.device
+    device = admitted.device
     rule = StopRule(max_new_tokens)
     generator = torch.Generator(device).manual_seed(seed)
     pit_generator = torch.Generator().manual_seed(seed + 1)
@@ -216,12 +216,12 @@ def sampled_run(lm: Admitted, proposer: Proposer, prompts: list[list[int]], samp
     with tqdm(total=len(prompts), desc=label, unit="seq", leave=False, file=sys.stderr) as bar:
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
-            rows, metrics = speculative_generate(lm, proposer, batch, rule, sampling, k, generator, widths=widths,
+            rows, metrics = speculative_generate(admitted, proposer, batch, rule, sampling, k, generator, widths=widths,
                                                  sampled_verify=sampled_verify)
             accepted, proposed = accepted + metrics.accepted, proposed + metrics.proposed
             for prompt, row in zip(batch, rows):
                 ids = torch.tensor([prompt + row.tokens], device=device)                # (1, P + n)
-                logits = lm.lm(ids).logits[0, len(prompt) - 1:-1]                        # (n, V)
+                logits = admitted.model(ids).logits[0, len(prompt) - 1:-1]                        # (n, V)
                 u, bad = randomized_pit(probabilities(logits, sampling).cpu(), torch.tensor(row.tokens),
                                         pit_generator)
                 us.append(u)
@@ -232,19 +232,19 @@ def sampled_run(lm: Admitted, proposer: Proposer, prompts: list[list[int]], samp
             "accepted": accepted, "proposed": proposed}
 
 
-def greedy_check(lm: Admitted, proposer: Proposer, prompts: list[list[int]], rule: StopRule, k: int | str,
+def greedy_check(admitted: Admitted, proposer: Proposer, prompts: list[list[int]], rule: StopRule, k: int | str,
                  widths: tuple[int, ...] | None) -> dict:
     """Greedy speculative decoding of each prompt against plain decoding, one prompt at a time."""
     greedy, identical, near, wrong, first_wrong = SamplingConfig(), 0, 0, 0, None
     for i, prompt in enumerate(tqdm(prompts, desc="check: greedy", unit="prompt", leave=False, file=sys.stderr)):
-        spec, _ = speculative_generate(lm, proposer, [prompt], rule, greedy, k, widths=widths)
-        plain, _ = plain_generate(lm, [prompt], rule, greedy)
+        spec, _ = speculative_generate(admitted, proposer, [prompt], rule, greedy, k, widths=widths)
+        plain, _ = plain_generate(admitted, [prompt], rule, greedy)
         got, expected = spec[0].tokens, plain[0].tokens
         if got == expected:
             identical += 1
             continue
         j = next((t for t, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        logits = lm.lm(torch.tensor([prompt + expected[:j]], device=lm.device)).logits[0, -1].float()
+        logits = admitted.model(torch.tensor([prompt + expected[:j]], device=admitted.device)).logits[0, -1].float()
         top2 = logits.topk(2).values
         if float(top2[0] - top2[1]) < NEAR_TIE:
             near += 1

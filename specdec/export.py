@@ -50,8 +50,8 @@ from safetensors.torch import load_file, save_file
 from .errors import SpecdecError
 from .lm.atomic import atomic_dir
 from .lm.checkpoint import CONFIG, DTYPES, PARALLEL_KIND, TOKENIZER, WEIGHTS, load_model, read_config, read_meta, sha256
-from .proposers.eagle_head import SPECULATORS_VERSION, load_eagle, read_eagle_meta, speculators_metadata
-from .proposers.heads import HEADS_META, HEADS_WEIGHTS
+from .heads.eagle import SPECULATORS_VERSION, load_eagle, read_eagle_meta, speculators_metadata
+from .heads.folder import HEADS_META, HEADS_WEIGHTS
 
 FORMATS = ("speculators",)
 RECORD = "specdec_export.json"  # beside the exported checkpoint: where it came from, which verifier, how to serve

@@ -261,9 +261,9 @@ def test_a_closed_batch_remembers_what_its_rows_taught_after_they_left():
 
 
 def test_the_stored_curve_is_measured_once_and_never_decreases():
-    model = admit(tiny_llama(0))
-    curve, measured = calibration.cached_verify_curve(model, 2, 6, repeats=1)
-    again, measured_again = calibration.cached_verify_curve(model, 2, 6)
+    admitted = admit(tiny_llama(0))
+    curve, measured = calibration.cached_verify_curve(admitted, 2, 6, repeats=1)
+    again, measured_again = calibration.cached_verify_curve(admitted, 2, 6)
     assert measured and not measured_again and again.seconds == curve.seconds
     times = [curve.seconds[n] for n in sorted(curve.seconds)]
     assert times == sorted(times) and max(curve.seconds) >= 6

@@ -19,7 +19,7 @@ from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import hf_config, sha256
 from specdec.lm.tokenizer import EOS_ID
 from specdec.proposers import DraftModelProposer, NgramProposer
-from specdec.proposers.heads import build_heads, save_heads
+from specdec.heads.mtp import build_mtp, save_mtp
 from specdec.train.objectives import init_weights
 
 from .conftest import TINY
@@ -97,9 +97,9 @@ def test_generate_never_touches_the_global_random_generator(target):
 
 
 def test_the_mtp_proposers_default_k_is_its_number_of_heads(tmp_path, tiny_checkpoint, target):
-    heads = build_heads("mtp-parallel", TINY, 2)
+    heads = build_mtp("mtp-parallel", TINY, 2)
     init_weights(heads)
-    save_heads(heads, tmp_path / "heads", sha256(tiny_checkpoint / "model.safetensors"), dtype=torch.float32)
+    save_mtp(heads, tmp_path / "heads", sha256(tiny_checkpoint / "model.safetensors"), dtype=torch.float32)
     from specdec.api import load_drafter
     mtp = load_drafter(target, "mtp", tmp_path / "heads")
     result = generate(target, "def f(x):", max_new_tokens=8, proposer=mtp)

@@ -20,10 +20,10 @@ from specdec.bench.verify_cost import MoESpec
 from specdec.cli import main
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, sha256
-from specdec.proposers.block_head import initial_head as initial_block_head
-from specdec.proposers.block_head import save_block
-from specdec.proposers.eagle_head import initial_head, save_eagle
-from specdec.proposers.heads import build_heads, save_heads
+from specdec.heads.block import initial_head as initial_block_head
+from specdec.heads.block import save_block
+from specdec.heads.eagle import initial_head, save_eagle
+from specdec.heads.mtp import build_mtp, save_mtp
 from specdec.train.objectives import init_weights
 
 from .conftest import TINY, tiny_model
@@ -50,9 +50,9 @@ def models(tmp_path_factory, tokenizer_file):
     save_model(tiny_model(0, CFG), root / "target", tokenizer_file=tokenizer_file, dtype=torch.float32)
     save_model(tiny_model(1, CFG), root / "draft", tokenizer_file=tokenizer_file, dtype=torch.float32)
     torch.manual_seed(2)
-    heads = build_heads("mtp-sequential", CFG, 2)
+    heads = build_mtp("mtp-sequential", CFG, 2)
     init_weights(heads, std=0.1)
-    save_heads(heads, root / "heads", sha256(root / "target" / WEIGHTS), dtype=torch.float32)
+    save_mtp(heads, root / "heads", sha256(root / "target" / WEIGHTS), dtype=torch.float32)
     head = initial_head(tiny_model(0, CFG), (0, 1), torch.arange(0, CFG.vocab_size, 2))
     save_eagle(head, root / "eagle", sha256(root / "target" / WEIGHTS), dtype=torch.float32)
     parallel = tiny_model(3, dataclasses.replace(CFG, vocab_size=CFG.vocab_size + 1))  # its mask token: the last id

@@ -166,7 +166,7 @@ def test_a_batch_mixes_constrained_and_free_rows_and_each_matches_its_own_run(to
                                toy.model.config.vocab_size)
     constraints = [schema, None, regex]
     alone = [run(toy, c, GrammarDrafts(), 0, prompts=[p])[0][0].tokens for c, p in zip(constraints, PROMPTS)]
-    engine = Engine(toy.lm, NgramProposer(), 4, 3, 200)
+    engine = Engine(toy.admitted, NgramProposer(), 4, 3, 200)
     rule = StopRule(48, toy.tokenizer.eos_ids, decode=toy.tokenizer.decode)
     requests = [Request(toy.tokenizer.encode(p), rule, constraint=c) for p, c in zip(PROMPTS, constraints)]
     for r in requests:
@@ -182,7 +182,7 @@ def test_the_guide_wakes_when_the_first_constrained_row_joins_a_running_batch(to
     request joins; it then holds rows already running, and every row matches its own run alone."""
     constraints = [None, schema, None]
     alone = [run(toy, c, GrammarDrafts(), 0, prompts=[p])[0][0].tokens for c, p in zip(constraints, PROMPTS)]
-    engine = Engine(toy.lm, NgramProposer(), 4, 3, 200)
+    engine = Engine(toy.admitted, NgramProposer(), 4, 3, 200)
     rule = StopRule(48, toy.tokenizer.eos_ids, decode=toy.tokenizer.decode)
     requests = [Request(toy.tokenizer.encode(p), rule, constraint=c) for p, c in zip(PROMPTS, constraints)]
     engine.submit(requests[0])

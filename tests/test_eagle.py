@@ -20,8 +20,8 @@ from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, save_model, sha256
 from specdec.lm.kv_cache import cache_for
 from specdec.proposers import EagleProposer, VocabOptions, base
-from specdec.proposers.eagle_head import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
-from specdec.proposers.heads import load_heads
+from specdec.heads.eagle import LAYOUTS, EagleHead, initial_head, load_eagle, save_eagle
+from specdec.heads.mtp import load_mtp
 from specdec.train.losses import eagle_backward, eagle_metrics, eagle_targets
 
 from . import test_engine_sampling as sampling_test
@@ -287,7 +287,7 @@ def test_save_load_round_trip_and_refusals(tmp_path, layout):
     with pytest.raises(SpecdecError, match="holds draft heads .* `--draft eagle --heads PATH`"):
         load_model(folder)
     with pytest.raises(SpecdecError, match="kind 'eagle3', not MTP heads"):
-        load_heads(folder, target_dir)
+        load_mtp(folder, target_dir)
     with pytest.raises(SpecdecError, match="is a model checkpoint .* not an EAGLE head"):
         load_eagle(target_dir, target_dir)
 
@@ -363,7 +363,7 @@ def test_an_eagle3_layout_head_drafts_in_one_kernel_call_what_its_pytorch_layer_
     equals plain decoding."""
     from specdec.api import TOY_TARGET, load
     from specdec.lm.model import store_matrices
-    from specdec.proposers.eagle_head import default_layer_ids
+    from specdec.heads.eagle import default_layer_ids
     target = load(TOY_TARGET)
     torch.manual_seed(0)
     head = EagleHead(target.model.config, default_layer_ids(target.model.config.num_hidden_layers),

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from specdec.cli import main
 from specdec.export import RECORD, export
 from specdec.lm.checkpoint import load_model, sha256
-from specdec.proposers.eagle_head import load_eagle
+from specdec.heads.eagle import load_eagle
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 
@@ -171,7 +171,7 @@ def test_speculators_eagle3_cannot_reproduce_the_head_so_it_is_refused(tmp_path,
 def tiny_eagle3_head(tmp_path):
     """A tiny target saved as a checkpoint and an eagle3-layout head distilled on it, saved for it."""
     from specdec.lm.checkpoint import save_model
-    from specdec.proposers.eagle_head import save_eagle
+    from specdec.heads.eagle import save_eagle
 
     from .test_eagle import TARGET, distilled
     target_dir = tmp_path / "target"

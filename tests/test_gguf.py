@@ -180,7 +180,7 @@ def test_a_conversion_is_what_was_asked_for(tmp_path, gguf_cache, tok):
     path = write_gguf(tmp_path / "asked.gguf", hf_model("llama", seed=6), tok, "llama", types=(Q.Q4_0,))
     before = sorted(gguf_cache.rglob("*"))
     assert api.weights_format(load(path, quantize="bf16")) == "bf16"
-    assert load(path, dtype=torch.bfloat16).lm.dtype == torch.bfloat16
+    assert load(path, dtype=torch.bfloat16).admitted.dtype == torch.bfloat16
     assert api.weights_format(load(path, quantize="q8_0")) == "q8_0"
     with pytest.raises(SpecdecError, match="--quantize gguf runs the file's blocks as stored, on the CPU in float32"):
         load(path, dtype=torch.bfloat16, quantize="gguf")

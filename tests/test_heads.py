@@ -1,4 +1,4 @@
-"""MTP heads (heads.py) and their losses (train/losses.py): each head sees only what it may
+"""MTP heads (heads/mtp.py) and their losses (train/losses.py): each head sees only what it may
 see, the memory-saving order computes the naive order's gradient, and a heads folder is never
 taken for anything else nor attached to another target."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.lm.arch import Arch
 from specdec.lm.checkpoint import load_model, save_model, sha256
-from specdec.proposers.heads import HEAD_KINDS, build_heads, check_heads_fit, load_heads, save_heads, teacher_forced
+from specdec.heads.mtp import MTP_KINDS, build_mtp, check_mtp_fits, load_mtp, save_mtp, teacher_forced
 from specdec.train.losses import LossWeights, mtp_backward
 from specdec.train.objectives import init_weights
 
@@ -25,7 +25,7 @@ SMALL = Arch(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_lay
 def trunk_and_heads(kind: str, depth: int = 3, cfg: Arch = SMALL, seed: int = 0):
     trunk = tiny_model(seed, cfg)
     torch.manual_seed(seed + 1)
-    heads = build_heads(kind, cfg, depth)
+    heads = build_mtp(kind, cfg, depth)
     init_weights(heads, std=0.1)
     return trunk, heads
 
@@ -36,7 +36,7 @@ def head_outputs(trunk, heads, tokens: torch.Tensor) -> list[torch.Tensor]:
     return [out for _, out, _, _ in teacher_forced(heads, trunk, hidden, tokens)]
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", MTP_KINDS)
 def test_a_head_never_sees_the_token_it_predicts(kind):
     """Head j (0-based) at position t predicts x_{t+2+j}: changing that token (or any later one)
     leaves its output at t unchanged; a sequential module does read x_{t+1+j}, a parallel head not."""
@@ -55,7 +55,7 @@ def test_a_head_never_sees_the_token_it_predicts(kind):
         assert (not torch.allclose(changed, base[j][:, t])) == heads.reads_ahead
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", MTP_KINDS)
 @pytest.mark.parametrize("train_trunk", [True, False])
 def test_memory_saving_order_gives_the_naive_gradient(kind, train_trunk):
     trunk, heads = trunk_and_heads(kind)
@@ -94,48 +94,48 @@ def target_dir(tmp_path, tokenizer_file):
     return save_model(tiny_model(), tmp_path / "target", tokenizer_file=tokenizer_file, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", MTP_KINDS)
 def test_heads_round_trip_for_their_target(tmp_path, target_dir, kind):
     _, heads = trunk_and_heads(kind, depth=2, cfg=TINY)
     heads.token_counts = torch.arange(TINY.vocab_size)
-    path = save_heads(heads, tmp_path / "heads", sha256(target_dir / "model.safetensors"), meta={"note": "x"},
-                      dtype=torch.float32)
+    path = save_mtp(heads, tmp_path / "heads", sha256(target_dir / "model.safetensors"), meta={"note": "x"},
+                    dtype=torch.float32)
     meta = json.loads((path / "heads.json").read_text())
     assert (meta["kind"], meta["depth"], meta["note"]) == (kind, 2, "x")
     assert meta["target_sha256"] == sha256(target_dir / "model.safetensors")
-    loaded = load_heads(path, target_dir)
+    loaded = load_mtp(path, target_dir)
     assert type(loaded) is type(heads) and loaded.depth == 2
     assert torch.equal(loaded.token_counts, torch.arange(TINY.vocab_size))
     assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), loaded.state_dict().values()))
-    assert next(load_heads(path, target_dir, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
+    assert next(load_mtp(path, target_dir, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
 
 
 def test_heads_refuse_another_target_and_are_never_a_model(tmp_path, target_dir, tokenizer_file):
     _, heads = trunk_and_heads("mtp-sequential", depth=2, cfg=TINY)
-    path = save_heads(heads, tmp_path / "heads", sha256(target_dir / "model.safetensors"))
+    path = save_mtp(heads, tmp_path / "heads", sha256(target_dir / "model.safetensors"))
     other = save_model(tiny_model(seed=5), tmp_path / "other", tokenizer_file=tokenizer_file, dtype=torch.float32)
     with pytest.raises(SpecdecError, match="belong to the target with model.safetensors sha256"):
-        load_heads(path, other)
+        load_mtp(path, other)
     with pytest.raises(SpecdecError, match="holds draft heads .heads.json., not a model"):
         load_model(path)  # a heads folder loaded as a draft model or target
     with pytest.raises(SpecdecError, match="is a model checkpoint"):
-        load_heads(target_dir, target_dir)  # a model loaded as heads
+        load_mtp(target_dir, target_dir)  # a model loaded as heads
     with pytest.raises(SpecdecError, match="no heads.json"):
-        load_heads(tmp_path, target_dir)
+        load_mtp(tmp_path, target_dir)
     eagle = tmp_path / "eagle"
     shutil.copytree(path, eagle)
     meta = json.loads((eagle / "heads.json").read_text())
     (eagle / "heads.json").write_text(json.dumps({**meta, "kind": "eagle"}))
     with pytest.raises(SpecdecError, match="kind 'eagle', not MTP heads"):
-        load_heads(eagle, target_dir)
+        load_mtp(eagle, target_dir)
     with pytest.raises(SpecdecError, match="unknown MTP head kind"):
-        build_heads("medusa", TINY, 2)
+        build_mtp("medusa", TINY, 2)
 
 
 def test_heads_fit_only_the_model_they_were_built_for():
     _, heads = trunk_and_heads("mtp-parallel", depth=2, cfg=TINY)
-    check_heads_fit(heads, tiny_model(seed=3))  # same config: fits (weights are checked by load_heads)
+    check_mtp_fits(heads, tiny_model(seed=3))  # same config: fits (weights are checked by load_mtp)
     with pytest.raises(SpecdecError, match="built for another model"):
-        check_heads_fit(heads, tiny_model(cfg=SMALL))
+        check_mtp_fits(heads, tiny_model(cfg=SMALL))
     with pytest.raises(SpecdecError, match="load both in one dtype"):
-        check_heads_fit(heads, tiny_model().to(torch.bfloat16))
+        check_mtp_fits(heads, tiny_model().to(torch.bfloat16))

@@ -362,10 +362,10 @@ def test_speculative_greedy_equals_plain_decoding_exactly(bf16_checkpoint, name,
 def test_an_engine_with_a_bf16_kv_cache_speculates_losslessly_as_rows_join_and_leave(bf16_checkpoint, k):
     """The engine's kv_dtype: its cache in bf16; speculative greedy output equals plain decoding on
     that cache, token for token, in a batch of 2 rows that 4 requests pass through."""
-    target = admit(load_model(bf16_checkpoint))
+    admitted = admit(load_model(bf16_checkpoint))
     outputs = {}
     for kv, drafted in ((torch.bfloat16, k), (torch.bfloat16, 0), (None, 0)):
-        engine = Engine(target, NgramProposer(max_n=3, min_n=1) if drafted else None, drafted, 2, 64, kv_dtype=kv)
+        engine = Engine(admitted, NgramProposer(max_n=3, min_n=1) if drafted else None, drafted, 2, 64, kv_dtype=kv)
         assert engine.cache.keys.dtype == (kv or torch.float32)
         requests = [Request(p, StopRule(30)) for p in PROMPTS + [[3, 3, 4]]]
         engine.run(requests)

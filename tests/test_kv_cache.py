@@ -174,12 +174,12 @@ def test_a_shared_prefix_is_prefilled_once_and_the_rows_decode_what_they_decode_
     """Requests that begin with the same 48 tokens, one after another through the engine: the later
     ones map the first one's blocks (3 shared, nothing prefilled there) and emit the tokens they emit
     with sharing turned off."""
-    target = admit(tiny_model(0))
+    admitted = admit(tiny_model(0))
     preamble = [int(t) for t in torch.randint(3, TINY.vocab_size, (48,), generator=torch.Generator().manual_seed(2))]
     prompts = [preamble + [5, 6, 7], preamble + [9], preamble[:40] + [8, 8]]
     outputs = {}
     for share in (True, False):
-        engine = Engine(target, NgramProposer(max_n=3, min_n=1), 3, capacity=2, max_len=96, share_prefixes=share)
+        engine = Engine(admitted, NgramProposer(max_n=3, min_n=1), 3, capacity=2, max_len=96, share_prefixes=share)
         requests = []
         for prompt in prompts:  # one at a time: each joins after the one before has been prefilled
             requests.append(Request(prompt, StopRule(12)))
@@ -193,8 +193,8 @@ def test_a_shared_prefix_is_prefilled_once_and_the_rows_decode_what_they_decode_
 
 
 def test_a_request_waits_for_memory_and_one_that_can_never_fit_is_refused():
-    target = admit(tiny_model(0))
-    engine = Engine(target, None, 0, capacity=4, max_len=64, kv_tokens=3 * BLOCK)
+    admitted = admit(tiny_model(0))
+    engine = Engine(admitted, None, 0, capacity=4, max_len=64, kv_tokens=3 * BLOCK)
     with pytest.raises(SpecdecError, match="whole cache holds 48"):
         engine.submit(Request(list(range(3, 40)), StopRule(20)))  # fits the context (64), not the cache
     requests = [Request([3, 4, 5], StopRule(2 * BLOCK)) for _ in range(3)]  # 3 blocks each: one at a time

@@ -26,7 +26,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model
 from specdec.lm.tokenizer import Tokenizer
-from specdec.proposers.eagle_head import load_eagle, read_eagle_meta
+from specdec.heads.eagle import load_eagle, read_eagle_meta
 from specdec.train import longrun, prompt_pool
 from specdec.train.longrun import EVAL_KINDS, LongRun, acceptance, curve, encoded, heldout_groups, prompt_seed
 from specdec.train.losses import eagle_metrics

@@ -17,7 +17,7 @@ from specdec.decoding.sampling import SamplingConfig, probabilities
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.proposers import MTPProposer, base
-from specdec.proposers.heads import HEAD_KINDS, MTPHeads, build_heads, teacher_forced
+from specdec.heads.mtp import MTP_KINDS, MTPHeads, build_mtp, teacher_forced
 from specdec.train.losses import mtp_backward
 from specdec.train.objectives import init_weights
 
@@ -35,7 +35,7 @@ def distilled(kind: str, target=TARGET, depth: int = DEPTH, steps: int = 60) -> 
     data, g = own_continuations(target)  # (96, 32)
     V = target.config.vocab_size
     torch.manual_seed(1)
-    heads = build_heads(kind, target.config, depth)
+    heads = build_mtp(kind, target.config, depth)
     init_weights(heads)
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     frozen = copy.deepcopy(target).requires_grad_(False)  # the heads share its weights: same as the target's
@@ -54,7 +54,7 @@ def proposer(kind: str, target=TARGET, draft_vocab: int | None = None):
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", range(1, DEPTH + 1))
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", MTP_KINDS)
 def test_greedy_output_equals_reference(kind, k, batch):
     groups = [PROMPTS] if batch == 4 else [[p] for p in PROMPTS]
     for group in groups:
@@ -66,7 +66,7 @@ def test_greedy_output_equals_reference(kind, k, batch):
         assert 0 < metrics.accepted < metrics.proposed
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", MTP_KINDS)
 def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens(kind):
     """Drafting over the 24 most frequent of 64 token ids: output still equals the reference; every
     draft is one of those ids, and some target tokens fall outside them (so drafts were lost)."""
@@ -86,14 +86,14 @@ def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_only_its_tokens(kind)
 def test_prompts_up_to_the_end_of_the_context():
     prompts = [[(7 * i) % 64 for i in range(60)], [(11 * i + 3) % 64 for i in range(58)], [1, 2], [9]]
     rule = StopRule(max_new_tokens=5)
-    for kind in HEAD_KINDS:
+    for kind in MTP_KINDS:
         rows, _ = speculative_generate(TARGET, proposer(kind), prompts, rule, GREEDY, DEPTH)
         for prompt, row in zip(prompts, rows):
             assert_matches_reference(prompt, row.tokens, rule)
             assert len(row.tokens) == 5
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", MTP_KINDS)
 def test_eos_stop_strings_and_max_new_tokens_inside_accepted_runs(kind):
     """Every token of the reference output in turn is made the EOS token, then a stop string, and
     max_new_tokens runs below k: each row ends exactly where the reference ends, also when the
@@ -144,7 +144,7 @@ class Recorder:
         self.inner.observe(state, outcome)
 
 
-@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("kind", MTP_KINDS)
 def test_drafts_are_what_the_heads_compute_in_training(kind):
     """After every step and rollback, draft j's distribution equals head j's teacher-forced
     distribution at the last committed position, over the sequence followed by the drafts
@@ -217,6 +217,6 @@ def test_k_beyond_the_heads_is_refused_and_heads_must_fit():
         MTPProposer(heads=distilled("mtp-parallel"), target=torch.nn.Linear(4, 4))
     with pytest.raises(SpecdecError, match="draft_vocab must be >= 1"):
         proposer("mtp-parallel", draft_vocab=0)
-    uncounted = build_heads("mtp-parallel", TARGET.config, 1)
+    uncounted = build_mtp("mtp-parallel", TARGET.config, 1)
     with pytest.raises(SpecdecError, match="saved without their training token counts"):
         MTPProposer(heads=uncounted, target=TARGET, draft_vocab=8)

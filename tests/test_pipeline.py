@@ -41,7 +41,7 @@ def test_one_context_rule_at_its_edge_for_the_api_the_server_and_the_engine(targ
     assert (job.prompt.ids, job.prompt.healed, job.prompt.stop) == (prompt.ids, prompt.healed, prompt.stop)
     for refuse in (lambda: generate(target, text, max_new_tokens=edge + 1, heal=heal),
                    lambda: service.encode(Job(Params(text, None, edge + 1, SamplingConfig(), (), heal=heal))),
-                   lambda: Engine(target.lm, None, 0, 1, context + 1).submit(
+                   lambda: Engine(target.admitted, None, 0, 1, context + 1).submit(
                        Request(prompt.ids + [0] * heal, StopRule(edge + 1)))):
         with pytest.raises(SpecdecError, match=f"needs {context + 1} positions but the model's context is {context}"):
             refuse()
@@ -133,4 +133,4 @@ def test_plain_decoding_is_the_engine_without_a_proposer_and_equals_the_referenc
                                         for p in prompts]
     assert metrics.proposed == 0 and metrics.emitted == 36
     with pytest.raises(SpecdecError, match="k must be 0"):
-        Engine(target.lm, None, 3, 1, 32)
+        Engine(target.admitted, None, 3, 1, 32)

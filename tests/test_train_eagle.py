@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import sha256
-from specdec.proposers.eagle_head import load_eagle
+from specdec.heads.eagle import load_eagle
 from specdec.train.loop import train
 from specdec.train.objectives import Eagle
 

@@ -14,8 +14,8 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.lm.checkpoint import load_model
 from specdec.proposers import DraftModelProposer, EagleProposer, MTPProposer
-from specdec.proposers.eagle_head import load_eagle
-from specdec.proposers.heads import load_heads
+from specdec.heads.eagle import load_eagle
+from specdec.heads.mtp import load_mtp
 from specdec.train.loop import train
 from specdec.train.objectives import MTP, Distill, Eagle
 from specdec.train.presets import PRESETS
@@ -50,7 +50,7 @@ def test_an_eagle_head_mtp_heads_and_a_distilled_draft_train_for_the_target(tmp_
     eagle = train(tiny_cfg(tmp_path / "eagle", objective=Eagle(target=str(target), steps=2, draft_vocab=128), **FEW))
     greedy_equals_plain(target, lambda m: EagleProposer(head=load_eagle(eagle, target), target=m))
     mtp = train(tiny_cfg(tmp_path / "mtp", objective=MTP(kind="parallel", depth=2, frozen_trunk=str(target)), **FEW))
-    greedy_equals_plain(target, lambda m: MTPProposer(heads=load_heads(mtp, target), target=m))
+    greedy_equals_plain(target, lambda m: MTPProposer(heads=load_mtp(mtp, target), target=m))
     student = dataclasses.replace(PRESETS["tiny"]["model"], vocab_size=300, num_hidden_layers=1)
     draft = train(tiny_cfg(tmp_path / "draft", objective=Distill(teacher=str(target)), model=student, **FEW))
     greedy_equals_plain(target, lambda m: DraftModelProposer(model=load_model(draft)))

@@ -22,7 +22,7 @@ from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import load_model, read_meta, sha256
 from specdec.lm.model import LlamaForCausalLM
 from specdec.proposers import MTPProposer
-from specdec.proposers.heads import load_heads
+from specdec.heads.mtp import load_mtp
 from specdec.train.config import with_frozen
 from specdec.train.loop import build, train
 from specdec.train.objectives import MTP as MTPObjective
@@ -57,7 +57,7 @@ def test_mtp_pretraining_resumes_exactly_and_exports_a_model_and_its_heads(tmp_p
     assert heads_meta["kind"] == "mtp-sequential" and heads_meta["depth"] == 2
     assert heads_meta["target_sha256"] == sha256(resumed / "model.safetensors")
     assert len(heads_meta["final_valid_head_losses"]) == 2
-    load_heads(resumed.parent / "heads", resumed)
+    load_mtp(resumed.parent / "heads", resumed)
     assert (tmp_path / "cut" / "loss.png").stat().st_size > 1000
 
 
@@ -74,7 +74,7 @@ def test_an_mtp_trained_model_decodes_plainly_as_its_trunk(pretrained):
     rows, _ = plain_generate(model, prompts, rule, greedy)
     for prompt, row in zip(prompts, rows):
         assert row.tokens == reference_generate(trunk, prompt, rule, greedy).tokens
-    heads = load_heads(pretrained.parent / "heads", pretrained)
+    heads = load_mtp(pretrained.parent / "heads", pretrained)
     spec, metrics = speculative_generate(model, MTPProposer(heads=heads, target=model), prompts, rule,
                                          greedy, 2)
     assert [r.tokens for r in spec] == [r.tokens for r in rows] and metrics.proposed > 0
@@ -95,13 +95,13 @@ def test_heads_on_a_frozen_trunk_train_alone(tmp_path, pretrained):
     assert all(torch.equal(a[k], b[k]) for k in a)
     meta = json.loads((heads_dir / "heads.json").read_text())
     assert meta["target_sha256"] == before and meta["trunk"] == "frozen"
-    train_tokens = load_heads(heads_dir, pretrained).token_counts  # what drafting over a draft vocabulary reads
+    train_tokens = load_mtp(heads_dir, pretrained).token_counts  # what drafting over a draft vocabulary reads
     assert int(train_tokens.sum()) == meta["corpus"]["tokens"]["train"]
     history = meta["history"]
     assert len({loss for _, loss in history["valid"]}) == 1  # the trunk's next-token loss never moves
     assert [s for s, _ in history["valid_heads"]] == [4, 8] and len(meta["final_valid_head_losses"]) == 2
     _, initial = build(with_frozen(tiny_cfg(tmp_path / "unused", **frozen)))
-    trained = load_heads(heads_dir, pretrained, dtype=torch.float32)
+    trained = load_mtp(heads_dir, pretrained, dtype=torch.float32)
     assert all(not torch.equal(a, b) for a, b in zip(initial.parameters(), trained.parameters()))
 
 

@@ -18,7 +18,7 @@ from specdec.errors import SpecdecError
 from specdec.lm.interface import next_positions
 from specdec.lm.kv_cache import cache_for
 from specdec.proposers import DraftModelProposer, MTPProposer, NgramProposer
-from specdec.proposers.heads import build_heads
+from specdec.heads.mtp import build_mtp
 from specdec.proposers.ngram import trie
 
 from .spec_helpers import assert_greedy_rows_equal_reference, noisy_copy, tiny_llama
@@ -139,7 +139,7 @@ def test_compaction_leaves_the_cache_of_the_accepted_path_alone():
 
 
 def tiny_heads(target, kind: str, depth: int):
-    heads = build_heads(kind, target.config, depth)
+    heads = build_mtp(kind, target.config, depth)
     torch.manual_seed(7)
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.2)

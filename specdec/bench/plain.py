@@ -101,7 +101,7 @@ VERIFY_POINTS = [1, 2, 3, 4, 5, 6, 7, 8]
 @torch.inference_mode()
 def verify_curve(target) -> dict:
     """t(n) of the target (seconds, the median of 7 interleaved repeats after 128 cached tokens) and t(n)/t(1)."""
-    curve = measure_verify_curve(target.lm, VERIFY_POINTS)
+    curve = measure_verify_curve(target.admitted, VERIFY_POINTS)
     return {"seconds": curve.seconds, "relative": curve.relative()}
 
 
@@ -148,7 +148,7 @@ def bench_plain(target_path: str | Path | None = None, n_prompts: int = 20, repe
     if size is not None:
         target_path = sizes.build(size)
     target = load(target_path, dtype=dtype, quantize=quantize)
-    same = target.lm.dtype
+    same = target.admitted.dtype
     peers = {f"transformers.generate {short(d)}": d for d in dict.fromkeys([same, torch.bfloat16])}
     hfs = {}
     for name, d in peers.items():

@@ -177,7 +177,7 @@ class Bench:
                  peer_dtype: torch.dtype = PEER_DTYPE, device: str | torch.device | None = None,
                  skip_misfits: bool = False):
         self.target = load(target_path, dtype=dtype, device=device)
-        self.device = self.target.lm.device
+        self.device = self.target.admitted.device
         paths = paths or {}
         misfits = {name: DRAFTERS[name].misfit(self.target, paths.get(name)) for name in plan.methods} \
             if skip_misfits else {}
@@ -269,7 +269,7 @@ def run_bench(plan: Plan, target_path=None, paths: dict | None = None, dtype: to
             "mtp_heads": bench.method_info.get("mtp", "not used"),
             "eagle_head": bench.method_info.get("eagle", "not used"),
             "block_head": bench.method_info.get("block", "not used"),
-            "hardware": hardware(bench.device), "backend": bench.target.lm.abilities.backend,
+            "hardware": hardware(bench.device), "backend": bench.target.admitted.abilities.backend,
             # the CPU's roofs (its kernels' FMA peak, its memory bandwidth) where the models run on it
             "roofline": roofline(measured_read_bandwidth() / 1e9) if bench.device.type == "cpu" else "not measured: "
                         "the models run on the GPU (see hardware.device_used)",
@@ -361,7 +361,7 @@ def run_cell(bench: Bench, cell: Cell, configs: list[Config], run_conditions: di
     bar.set_description(f"verify-cost curve, batch {cell.batch_size}")
     # at the cell's typical context: its median prompt plus half the new tokens (attention grows with it)
     context = int(statistics.median(map(len, prompts))) + plan.max_new_tokens // 2
-    curve = measure_verify_curve(bench.target.lm, curve_tokens, cell.batch_size, context_tokens=context)
+    curve = measure_verify_curve(bench.target.admitted, curve_tokens, cell.batch_size, context_tokens=context)
     implausible = implausible_verify_points(curve.seconds)
     workload_info = {"name": wl.name, "description": wl.description, "prompts": len(prompts),
                      "prompt_tokens": spread([len(p) for p in prompts]), "max_new_tokens": plan.max_new_tokens,

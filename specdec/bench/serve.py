@@ -35,7 +35,7 @@ from .workloads import humaneval_prompts
 
 
 def offline(target, proposer, k: int, ids: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    engine = Engine(target.lm, proposer, k, concurrency, target.lm.context)
+    engine = Engine(target.admitted, proposer, k, concurrency, target.admitted.context)
     requests = [Request(p, stop_rule(target.tokenizer, max_tokens)) for p in ids]
     start = time.perf_counter()
     for request in requests:

@@ -19,15 +19,15 @@ def cmd_calibrate(args) -> None:
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     curves = {}
     for batch in args.batch_sizes:
-        curve, _ = cached_verify_curve(target.lm, batch, args.max_tokens, remeasure=True,
+        curve, _ = cached_verify_curve(target.admitted, batch, args.max_tokens, remeasure=True,
                                        points=list(range(1, args.max_tokens + 1)))
         curves[batch] = curve.seconds
         row = "  ".join(f"t({n})={1000 * s:.3f}" for n, s in sorted(curve.seconds.items()))
         print(f"batch {batch}: {row} ms")
-    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {target.lm.abilities.backend}")
+    print(f"stored for -k auto on this machine: {json.dumps(machine())}, {target.admitted.abilities.backend}")
     if args.out:
-        write_curve_file(args.out, curves, shown_path(target.path), target.lm.abilities.backend,
-                         hardware(target.lm.device))
+        write_curve_file(args.out, curves, shown_path(target.path), target.admitted.abilities.backend,
+                         hardware(target.admitted.device))
         print(f"written to {args.out} (specdec simulate --verify-curve {args.out} predicts from it)")
 
 
@@ -75,10 +75,10 @@ def cmd_simulate(args) -> None:
         set_threads(args.threads)
         target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         ks_needed = len(args.alpha_per_position) if args.alpha_per_position else max(args.ks)
-        curve = measure_verify_curve(target.lm, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
+        curve = measure_verify_curve(target.admitted, list(range(1, args.batch_size * (ks_needed + 1) + 1)))
         h = hardware()
         source = (f"the verify curve of target {target.name} measured now with "
-                  f"{target.lm.abilities.backend}"
+                  f"{target.admitted.abilities.backend}"
                   + (f", on {h['cpu']}, {h['threads']} threads" if args.device == "cpu" else ""))
     if args.moe_experts is not None:
         curve = moe_curve(curve, args.moe_experts, args.moe_top_k, args.expert_fraction)

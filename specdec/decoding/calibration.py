@@ -36,25 +36,25 @@ CONTEXT_TOKENS = 128  # cached tokens before the timed forward (a typical prompt
 
 
 @torch.inference_mode()
-def measure_verify_curve(target: Admitted, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
+def measure_verify_curve(admitted: Admitted, tokens_per_row: list[int], batch_size: int = 1, repeats: int = 7,
                          context_tokens: int = CONTEXT_TOKENS, reduce=statistics.median,
                          progress=None) -> VerifyCurve:
     """Median (or `reduce`) seconds of a forward over n new tokens per row (every n in
     tokens_per_row) at `batch_size` rows, after `context_tokens` cached ones; the n values are
     interleaved repeat by repeat and the cache is rolled back after each forward, so every forward
     sees the same context. `progress(1)` is called after each forward, when given."""
-    lm, vocab = target.lm, target.lm.config.vocab_size
-    context_tokens = min(context_tokens, target.context - max(tokens_per_row))
-    g, device = torch.Generator().manual_seed(0), target.device
-    cache = lm.new_cache(batch_size, context_tokens + max(tokens_per_row))
-    lm(torch.randint(0, vocab, (batch_size, context_tokens), generator=g).to(device), cache=cache)
+    model, vocab = admitted.model, admitted.model.config.vocab_size
+    context_tokens = min(context_tokens, admitted.context - max(tokens_per_row))
+    g, device = torch.Generator().manual_seed(0), admitted.device
+    cache = model.new_cache(batch_size, context_tokens + max(tokens_per_row))
+    model(torch.randint(0, vocab, (batch_size, context_tokens), generator=g).to(device), cache=cache)
     windows = {n: torch.randint(0, vocab, (batch_size, n), generator=g).to(device) for n in tokens_per_row}
     times = {n: [] for n in tokens_per_row}
     for r in range(repeats + 1):  # the first round warms up and is not kept
         for n, window in windows.items():
             synchronize(device)
             t0 = time.perf_counter()
-            lm(window, cache=cache)
+            model(window, cache=cache)
             synchronize(device)  # the device's work done, not only queued
             elapsed = time.perf_counter() - t0
             cache.rollback(context_tokens)
@@ -71,7 +71,7 @@ def curve_points(max_tokens: int) -> list[int]:
     return sorted({min(n, max_tokens) for n in points})
 
 
-def verify_curves(target: Admitted, batch_sizes: list[int], max_tokens: int, name: str = "the target",
+def verify_curves(admitted: Admitted, batch_sizes: list[int], max_tokens: int, name: str = "the target",
                   remeasure: bool = False, repeats: int = 5, points: list[int] | None = None
                   ) -> tuple[dict[int, VerifyCurve], float]:
     """The curves t(n), n = 1..max_tokens, at each batch size: from the disk cache where this model
@@ -79,34 +79,34 @@ def verify_curves(target: Admitted, batch_sizes: list[int], max_tokens: int, nam
     stored. Measuring says so first, once, on stderr ("measuring this machine's verify cost for
     NAME, once, ~N s"), then shows a progress bar. Returns the curves by batch size and the seconds
     spent measuring (0 when every curve was stored)."""
-    curves = {} if remeasure else {b: c for b in batch_sizes if (c := _stored(target, b, max_tokens)) is not None}
+    curves = {} if remeasure else {b: c for b in batch_sizes if (c := _stored(admitted, b, max_tokens)) is not None}
     missing = [b for b in batch_sizes if b not in curves]
     if not missing:
         return curves, 0.0
     t0 = time.perf_counter()
     points = points or curve_points(max_tokens)
     if not remeasure:  # `specdec calibrate` asked for it: no news
-        seconds = estimate(target, missing, points, repeats)
+        seconds = estimate(admitted, missing, points, repeats)
         print(f"measuring this machine's verify cost for {name}, once, ~{seconds:.0f} s (stored for later runs; "
               "not part of any timing)", file=sys.stderr, flush=True)
     with tqdm(total=(repeats + 1) * len(points) * len(missing), desc="verify cost", unit="forward", leave=False,
               file=sys.stderr) as bar:
         for batch in missing:
-            curves[batch] = _measure_and_store(target, batch, points, repeats, bar.update)
+            curves[batch] = _measure_and_store(admitted, batch, points, repeats, bar.update)
     return curves, time.perf_counter() - t0
 
 
-def cached_verify_curve(target: Admitted, batch_size: int, max_tokens: int, remeasure: bool = False,
+def cached_verify_curve(admitted: Admitted, batch_size: int, max_tokens: int, remeasure: bool = False,
                         repeats: int = 5, points: list[int] | None = None) -> tuple[VerifyCurve, bool]:
     """The curve at one batch size (as `verify_curves`), and whether it was measured now."""
-    curves, seconds = verify_curves(target, [batch_size], max_tokens, remeasure=remeasure, repeats=repeats,
+    curves, seconds = verify_curves(admitted, [batch_size], max_tokens, remeasure=remeasure, repeats=repeats,
                                     points=points)
     return curves[batch_size], seconds > 0
 
 
-def _stored(target: Admitted, batch_size: int, max_tokens: int) -> VerifyCurve | None:
+def _stored(admitted: Admitted, batch_size: int, max_tokens: int) -> VerifyCurve | None:
     """The curve measured for this model, batch size and machine before, if it reaches max_tokens."""
-    path = _cache_dir() / f"{_key(target, batch_size)}.json"
+    path = _cache_dir() / f"{_key(admitted, batch_size)}.json"
     if path not in _LOADED and path.exists():
         stored = json.loads(path.read_text())
         _LOADED[path] = VerifyCurve({int(n): s for n, s in stored["seconds"].items()}, stored["batch_size"])
@@ -114,13 +114,13 @@ def _stored(target: Admitted, batch_size: int, max_tokens: int) -> VerifyCurve |
     return curve if curve is not None and max(curve.seconds) >= max_tokens else None
 
 
-def _measure_and_store(target: Admitted, batch_size: int, points: list[int], repeats: int, progress) -> VerifyCurve:
+def _measure_and_store(admitted: Admitted, batch_size: int, points: list[int], repeats: int, progress) -> VerifyCurve:
     # the fastest of the repeats, made non-decreasing in n (more tokens never cost less): a stored
     # curve outlives the moment it was measured in, so a busy moment must not bend it
-    fastest = measure_verify_curve(target, points, batch_size, repeats, CONTEXT_TOKENS, min, progress)
+    fastest = measure_verify_curve(admitted, points, batch_size, repeats, CONTEXT_TOKENS, min, progress)
     points = sorted(fastest.seconds)
     curve = VerifyCurve({n: min(fastest.seconds[m] for m in points if m >= n) for n in points}, batch_size)
-    path = _cache_dir() / f"{_key(target, batch_size)}.json"
+    path = _cache_dir() / f"{_key(admitted, batch_size)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")  # written whole, then renamed: never half a file
     tmp.write_text(json.dumps({"seconds": curve.seconds, "batch_size": batch_size, "machine": machine()}, indent=1))
@@ -130,16 +130,16 @@ def _measure_and_store(target: Admitted, batch_size: int, points: list[int], rep
 
 
 @torch.inference_mode()
-def estimate(target: Admitted, batch_sizes: list[int], points: list[int], repeats: int) -> float:
+def estimate(admitted: Admitted, batch_sizes: list[int], points: list[int], repeats: int) -> float:
     """Seconds `verify_curves` will take to measure these batch sizes: two forwards timed now (one
     token, and as many as its largest forward carries), the cost linear in the tokens in between."""
-    lm, device = target.lm, target.device
-    largest = min(max(batch_sizes) * max(points), target.context)
+    model, device = admitted.model, admitted.device
+    largest = min(max(batch_sizes) * max(points), admitted.context)
     seconds = {}
     for n in (1, largest):
         synchronize(device)
         t0 = time.perf_counter()
-        lm(torch.zeros(1, n, dtype=torch.long, device=device))
+        model(torch.zeros(1, n, dtype=torch.long, device=device))
         synchronize(device)
         seconds[n] = time.perf_counter() - t0
     per_token = max(seconds[largest] - seconds[1], 0.0) / max(largest - 1, 1)
@@ -158,28 +158,28 @@ def machine() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def _key(target: Admitted, batch_size: int) -> str:
-    text = json.dumps([_model_identity(target), batch_size, machine()], sort_keys=True, default=str)
+def _key(admitted: Admitted, batch_size: int) -> str:
+    text = json.dumps([_model_identity(admitted), batch_size, machine()], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 _IDENTITIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _model_identity(target: Admitted) -> list:
+def _model_identity(admitted: Admitted) -> list:
     """The config, a fingerprint of the weights (a sum over the unembedding) and the backend, computed
     once per model object: a generation asks for it every time."""
-    lm = target.lm
-    inner = getattr(lm, "model", lm)
+    model = admitted.model
+    inner = getattr(model, "model", model)
     if inner not in _IDENTITIES:
-        head = getattr(lm, "lm_head", None)
+        head = getattr(model, "lm_head", None)
         if head is not None and head.weight is None:  # held as stored (blocks or a file's floats): a sum of its bytes
             fingerprint = int(head.stored.data.view(torch.uint8).sum()), head.stored.shape, head.stored.format
         else:
-            weights = next(lm.parameters()) if head is None else head.weight
+            weights = next(model.parameters()) if head is None else head.weight
             fingerprint = float(weights.detach().float().sum()), tuple(weights.shape), str(weights.dtype)
-        config = lm.config.to_dict() if hasattr(lm.config, "to_dict") else vars(lm.config)
-        _IDENTITIES[inner] = [config, fingerprint, target.abilities.backend]
+        config = model.config.to_dict() if hasattr(model.config, "to_dict") else vars(model.config)
+        _IDENTITIES[inner] = [config, fingerprint, admitted.abilities.backend]
     return _IDENTITIES[inner]
 
 

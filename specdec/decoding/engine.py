@@ -77,11 +77,11 @@ def compacted(staying: list[bool]) -> list[int]:
 
 
 class Engine:
-    def __init__(self, target: Admitted, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
+    def __init__(self, admitted: Admitted, proposer: Proposer | None, k: int | str, capacity: int, max_len: int,
                  *, widths: tuple[int, ...] | None = None, sampled_verify=rejection_sample,
                  tree_verify=tree_rejection_sample, forced_drafts: bool = True, name: str = "the target",
                  kv_dtype: torch.dtype | None = None, kv_tokens: int | None = None, share_prefixes: bool = True):
-        """target: the causal LM as admitted at load (lm.interface.admit); proposer None: plain decoding
+        """admitted: the target as admitted at load (lm.interface.admit); proposer None: plain decoding
         (k must be 0; `NoDraft`). k: drafts per step, or "auto" (adaptive.py: the target's verify curves
         at every batch size up to `capacity` are read, or measured now and stored, said on stderr with
         `name`; `verify_curve_seconds` says how long that took); widths: the most drafts per depth (len k;
@@ -95,8 +95,8 @@ class Engine:
         share_prefixes: joining prompts map the blocks of leading tokens already in the cache
         (lm/kv_cache.py) where the proposer does not read prompt features."""
         self.started = time.perf_counter()  # first_token_seconds and other_seconds count from here
-        self.admitted = target
-        self.target, self.context = target.lm, target.context
+        self.admitted = admitted
+        self.model, self.context = admitted.model, admitted.context
         if proposer is None:
             if k != 0:
                 raise SpecdecError(f"plain decoding (no proposer) drafts nothing: k must be 0, got {k!r}; "
@@ -104,19 +104,19 @@ class Engine:
             proposer = NoDraft()
         self.adaptive, self.verify_curve_seconds = None, 0.0
         if k == "auto":
-            check_setup(self.target, proposer, 0, None)
-            curves, self.verify_curve_seconds = verify_curves(target, curve_batches(capacity),
+            check_setup(self.model, proposer, 0, None)
+            curves, self.verify_curve_seconds = verify_curves(admitted, curve_batches(capacity),
                                                               window(options(proposer, widths)[0]), name)
             self.adaptive = Adaptive.for_run(curves, proposer, widths)
             k, widths = self.adaptive.depth, self.adaptive.widest
-        self.widths = check_setup(self.target, proposer, k, widths)
+        self.widths = check_setup(self.model, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
         self.device = self.admitted.device
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
         self.window_room = nodes  # beyond prompt + max_new_tokens: a verification window past the committed entries
-        self.cache = self.target.new_cache(capacity, max_len + nodes, kv_dtype, tokens=kv_tokens)
+        self.cache = self.model.new_cache(capacity, max_len + nodes, kv_dtype, tokens=kv_tokens)
         self.cache.regroup([])
         self.share = (share_prefixes and self.cache.pool is not None
                       and not getattr(proposer, "prompt_features", True))
@@ -124,9 +124,9 @@ class Engine:
             self.state = proposer.start(max_len, k, capacity, nodes, target_cache=self.cache)
         else:
             self.state = proposer.start(max_len, k, capacity, nodes)
-        self.guide = Guide(self.target.config.vocab_size, forced_drafts)  # constrained rows (guided.py)
+        self.guide = Guide(self.model.config.vocab_size, forced_drafts)  # constrained rows (guided.py)
         # what keeps state per row beside the lists below, joining in this order (protocol.RowState)
-        self.holders: list[RowState] = [TargetRows(self.target, self.cache, self.features, self.share),
+        self.holders: list[RowState] = [TargetRows(self.model, self.cache, self.features, self.share),
                                          Drafting(proposer, self.state), self.guide, *filter(None, [self.adaptive])]
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
@@ -140,7 +140,7 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue a request (any thread); it joins the batch at the next step with room."""
-        check_prompt(request.prompt, request.rule, self.target.config.vocab_size,
+        check_prompt(request.prompt, request.rule, self.model.config.vocab_size,
                      min(self.context, self.max_len), "the prompt")
         self.check_memory(len(request.prompt), request.rule.max_new_tokens)
         self.waiting.append(request)
@@ -274,8 +274,8 @@ class Engine:
         logits_index (B, N): the columns whose logits are computed (default all)."""
         positions, tree = self.layout(window.shape[1], proposal)
         clock.mark("window")
-        out = self.target(window, positions=positions, cache=self.cache, attention_mask=tree,
-                          logits_index=logits_index, **layer_request(self.features))
+        out = self.model(window, positions=positions, cache=self.cache, attention_mask=tree,
+                         logits_index=logits_index, **layer_request(self.features))
         clock.mark("forward")
         return out
 
@@ -344,7 +344,7 @@ class Engine:
         window = self.next_window
         if window is None:
             window = torch.tensor(self.last, device=self.device)[:, None]
-        out = self.target(window, cache=self.cache, positions=self.layout(1)[0], **layer_request(self.features))
+        out = self.model(window, cache=self.cache, positions=self.layout(1)[0], **layer_request(self.features))
         t_forward = clock()
         guide = self.constrained
         logits, masks = out.logits[:, -1], guide and guide.next_masks()  # (B, V); masks (B, W): None without constraints
@@ -528,10 +528,10 @@ def speculative_generate(target, proposer: Proposer | None, prompts: list[list[i
     generator (proposer None, k = 0: plain decoding). k, widths, sampled_verify, tree_verify,
     forced_drafts: as `Engine`; on_tokens(i, tokens): prompt i's tokens of each step, as they are
     committed (a stream); constraint: the grammar every row's tokens must match (constraint.py), or None."""
-    target = admit(target, role="target")
-    check_inputs(target.lm, prompts, rule, target.context)
+    admitted = admit(target, role="target")
+    check_inputs(admitted.model, prompts, rule, admitted.context)
     max_len = max(map(len, prompts)) + rule.max_new_tokens  # the longest sequence a row can reach
-    engine = Engine(target, proposer, k, len(prompts), max_len, widths=widths, sampled_verify=sampled_verify,
+    engine = Engine(admitted, proposer, k, len(prompts), max_len, widths=widths, sampled_verify=sampled_verify,
                     tree_verify=tree_verify, forced_drafts=forced_drafts)
     requests = [Request(p, rule, sampling, generator, None if on_tokens is None else partial(stream_to, on_tokens, i),
                         constraint) for i, p in enumerate(prompts)]

@@ -236,7 +236,7 @@ class Batch:
         return [r.row.text() for r in self.requests]
 
 
-def generate(target: Admitted, tokenizer: Tokenizer, options: Options, texts: list[str] | None = None,
+def generate(admitted: Admitted, tokenizer: Tokenizer, options: Options, texts: list[str] | None = None,
              messages: list[dict] | None = None, proposer: Proposer | None = None, k: int | str = 0,
              widths: tuple[int, ...] | None = None, name: str = "",
              on_text: Callable[[int, str], None] | None = None) -> Batch:
@@ -247,15 +247,15 @@ def generate(target: Admitted, tokenizer: Tokenizer, options: Options, texts: li
     measured first where missing. on_text(i, piece): prompt i's text as its tokens are committed."""
     asks = [(None, messages, "the prompt")] if messages is not None else [(t, None, f"prompt {i}")
                                                                            for i, t in enumerate(texts)]
-    prompts = [prepare(tokenizer, target.context, options, text, chat, name, vocab=target.lm.config.vocab_size)
+    prompts = [prepare(tokenizer, admitted.context, options, text, chat, name, vocab=admitted.model.config.vocab_size)
                for text, chat, name in asks]
     if options.constraint is not None and proposer is None:
         proposer = GrammarDrafts()
     longest = max(len(p.ids) for p in prompts) + options.max_new_tokens  # a healed prompt's first token is generated
-    engine = Engine(target, proposer, k, len(prompts), longest, widths=widths, name=name)  # k="auto": the verify
+    engine = Engine(admitted, proposer, k, len(prompts), longest, widths=widths, name=name)  # k="auto": the verify
     # curves, measured here where missing, before the timed region
     t0 = time.perf_counter()
-    generator = options.sampling.generator(target.device)
+    generator = options.sampling.generator(admitted.device)
     rows = [request(tokenizer, p, options, generator, partial(send_text, on_text, i) if on_text else None)
             for i, p in enumerate(prompts)]
     metrics = engine.run(rows)

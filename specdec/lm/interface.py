@@ -54,8 +54,9 @@ def causal_lm(model, role: str = "model"):
 @dataclass(frozen=True)
 class Admitted:
     """A causal LM admitted once (`admit`, at load): the model as the engine calls it and the facts
-    the request path needs, fixed then, so that nobody asks the model again."""
-    lm: Any                 # specdec's LlamaForCausalLM, or a transformers model behind HFCausalLM
+    the request path needs, fixed then, so that nobody asks the model again. Three words, each for one
+    thing: `model` the module, `admitted` an Admitted, a `Loaded` (api.py) the model with its tokenizer."""
+    model: Any              # specdec's LlamaForCausalLM, or a transformers model behind HFCausalLM
     device: torch.device    # where it computes and what the engine creates goes
     dtype: torch.dtype      # its compute dtype
     context: int            # the longest sequence it can hold (config.max_position_embeddings)
@@ -67,9 +68,9 @@ def admit(model, role: str = "model") -> Admitted:
     an Admitted is returned as it is."""
     if isinstance(model, Admitted):
         return model
-    lm = causal_lm(model, role)
-    device, dtype = placement(lm)
-    return Admitted(lm, device, dtype, context_length(lm), lm.abilities)
+    model = causal_lm(model, role)
+    device, dtype = placement(model)
+    return Admitted(model, device, dtype, context_length(model), model.abilities)
 
 
 NO_ABILITIES = Abilities(trees=False, layers=False, draft_vocab=False, batch=False, backend="none")

@@ -1,4 +1,4 @@
-"""A block head as the draft (block.py): ONE head forward per step drafts the whole block of k
+"""A block head as the draft (heads/block.py): ONE head forward per step drafts the whole block of k
 tokens from the target's features, which the engine hands over because the proposer declares them
 (`features`: the head's layer ids).
 
@@ -30,10 +30,10 @@ import torch
 
 from ..decoding.protocol import Proposal
 from ..errors import SpecdecError
+from ..heads.block import check_head_fits
 from ..lm.device import placement
 from ..lm.kv_cache import cache_for
 from .base import draw, with_alternatives
-from .block_head import check_head_fits
 from .eagle import EagleProposer, EagleState
 
 

@@ -9,7 +9,7 @@ proposer of it with the options a caller gives: each drafter's own small datacla
 command line (generate, serve, check, bench), the API and the benchmark all call `build_drafter`;
 from networks already in hand, the proposer's class makes one (typed by its own signature).
 
-A target is a loaded checkpoint: anything with `model` (a causal LM), `lm` (it admitted:
+A target is a loaded checkpoint: anything with `model` (a causal LM), `admitted` (it admitted:
 lm/interface.Admitted, its device, dtype and abilities), `path` (its checkpoint folder) and
 `tokenizer` (api.Loaded).
 
@@ -25,6 +25,10 @@ import torch
 
 from ..decoding.protocol import Proposer
 from ..errors import SpecdecError
+from ..heads.block import BLOCK_FOLDER
+from ..heads.eagle import EAGLE_FOLDER
+from ..heads.folder import check_head_target, load_head
+from ..heads.mtp import MTP_FOLDER
 from ..kernels import storing_error
 from ..kernels.blocks import blocking_error
 from ..lm import gguf, local_counts, packaged
@@ -35,11 +39,8 @@ from ..lm.gguf_blocks import load_as_stored
 from ..lm.model import Linear, LlamaForCausalLM, store_matrices, stored_formats
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
-from .block_head import BLOCK_FOLDER
 from .draft_model import DraftModelProposer, chosen_vocab
 from .eagle import EagleProposer
-from .eagle_head import EAGLE_FOLDER
-from .heads import MTP_FOLDER, check_head_target, load_head
 from .hybrid import SURE_MATCH, HybridProposer
 from .mtp import MTPProposer
 from .guided_ngram import GuidedNgramProposer
@@ -201,16 +202,16 @@ class DraftModel(Drafter):
         draft's values in bf16 too."""
         self.check(target, folder)
         if not gguf.is_gguf(folder):
-            model = load_model(folder, dtype=target.lm.dtype, device=target.lm.device)
+            model = load_model(folder, dtype=target.admitted.dtype, device=target.admitted.device)
             return DraftCheckpoint(model, folder, load_token_counts(folder), read_meta(folder))
         quantized = any(isinstance(m, Linear) and m.stored is not None and m.weight is None
                         for m in target.model.modules())
-        if quantized and target.lm.dtype == torch.float32 and torch.device(target.lm.device).type == "cpu":
+        if quantized and target.admitted.dtype == torch.float32 and torch.device(target.admitted.device).type == "cpu":
             model = load_as_stored(folder)
         else:
             config, state = gguf.converted(folder)
-            model = build_model(resolve(config, where=folder.name), state, target.lm.dtype, target.lm.device,
-                                path=folder)
+            model = build_model(resolve(config, where=folder.name), state, target.admitted.dtype,
+                                target.admitted.device, path=folder)
         return DraftCheckpoint(model, folder, None, {}, gguf=True)
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
@@ -308,18 +309,18 @@ class SelfDraft(Drafter):
 class Head(Drafter):
     """A head trained on one target's features: its folder names that target's hash."""
     reads, options = "heads", VocabOptions
-    kind = MTP_FOLDER  # its folder's kind: read by the one head loader (heads.check_head_target, heads.load_head)
+    kind = MTP_FOLDER  # its folder's kind, read by the one head loader (heads/folder.py)
 
     def check(self, target, folder) -> None:
         super().check(target, folder)
-        if not target.lm.abilities.layers:
+        if not target.admitted.abilities.layers:
             raise SpecdecError(f"the {self.what} draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target.model).__name__}")
         check_head_target(self.kind, folder, target.path)  # a .gguf's: trained for its conversion's weights
 
     def network(self, target, folder):
         Drafter.check(self, target, folder)  # the loader checks the rest
-        return load_head(self.kind, folder, target.path, dtype=target.lm.dtype, device=target.lm.device)
+        return load_head(self.kind, folder, target.path, dtype=target.admitted.dtype, device=target.admitted.device)
 
     def proposer(self, head, target, options) -> Proposer:
         return self.cls(head, target.model, draft_vocab(options, head.token_counts))

@@ -1,4 +1,4 @@
-"""An EAGLE-3 head as the draft (eagle.py): it drafts from the target's features, which the engine
+"""An EAGLE-3 head as the draft (heads/eagle.py): it drafts from the target's features, which the engine
 hands over because the proposer declares them (`features`: the head's layer ids).
 
 Alignment. The sequence is x_0..x_T (x_T the newest token, not yet in the target's cache), so the
@@ -30,12 +30,12 @@ import torch
 from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..errors import SpecdecError
+from ..heads.eagle import EagleHead, check_head_fits
 from ..lm.device import placement
 from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache, cache_for
 from ..lm.model import LlamaForCausalLM
 from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, linear_rows, with_alternatives
-from .eagle_head import EagleHead, check_head_fits
 
 
 @dataclass

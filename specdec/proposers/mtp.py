@@ -1,5 +1,5 @@
 """MTP heads as the draft ("native" or self-speculative decoding): the target's own MTP heads
-(heads.py) draft from the target's final hidden states, which the engine hands over.
+(heads/mtp.py) draft from the target's final hidden states, which the engine hands over.
 
 Alignment. The sequence is x_0..x_T (x_T the newest token, not yet in the target's cache), so the
 target's hidden states are known at positions 0..T-1, and h_{T-1} is the one that predicted x_T.
@@ -39,12 +39,12 @@ from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain
 from ..errors import SpecdecError
+from ..heads.mtp import MTPHeads, check_mtp_fits
 from ..lm.device import placement
 from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache, cache_for
 from ..lm.model import LlamaForCausalLM, frozen_linear
 from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, with_alternatives
-from .heads import MTPHeads, check_heads_fit
 
 
 @dataclass
@@ -71,7 +71,7 @@ class MTPProposer:
         if not abilities(target).layers:
             raise SpecdecError(f"MTP heads draft from specdec's own LlamaForCausalLM target, not "
                                f"{type(target).__name__}")
-        check_heads_fit(heads, target)
+        check_mtp_fits(heads, target)
         self.heads, self.target = heads, target
         self.vocab_size = V = target.config.vocab_size
         self.context = target.config.max_position_embeddings

@@ -106,11 +106,11 @@ class Service:
         (lm/kv_cache.budget_blocks; None: from the memory free now); kv_dtype: its keys' and values'."""
         self.target, self.method, self.k = target, method, k
         self.name = name or target.name
-        self.context = target.lm.context
-        cfg = target.lm.lm.config
+        self.context = target.admitted.context
+        cfg = target.admitted.model.config
         blocks, self.kv_budget = budget_blocks(kv_budget, block_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                                       cfg.head_dim, kv_dtype))
-        self.engine = Engine(target.lm, proposer, k, capacity, self.context, widths=widths, name=self.name,
+        self.engine = Engine(target.admitted, proposer, k, capacity, self.context, widths=widths, name=self.name,
                              kv_dtype=kv_dtype, kv_tokens=blocks * BLOCK)
         self.capacity, self.max_queue = capacity, max_queue
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
@@ -159,7 +159,7 @@ class Service:
         with self.encoding:
             job.prompt = prepare(self.target.tokenizer, self.context, p.options, p.prompt,
                                  None if p.messages is None else list(p.messages), budget="max_tokens",
-                                 vocab=self.target.lm.lm.config.vocab_size)
+                                 vocab=self.target.admitted.model.config.vocab_size)
         self.engine.check_memory(job.prompt.length, p.options.max_new_tokens, "max_tokens")
 
     def submit(self, job: Job) -> None:
@@ -245,7 +245,7 @@ class Service:
                                            request.accepted)))
 
         job.request = request(self.target.tokenizer, job.prompt, p.options,
-                              p.sampling.generator(self.target.lm.device), on_text)
+                              p.sampling.generator(self.target.admitted.device), on_text)
         job.request.cancelled = job.cancelled
         self.engine.submit(job.request)
 

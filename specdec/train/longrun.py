@@ -51,8 +51,8 @@ from ..lm.device import native_bf16, resolve
 from ..lm.interface import admit
 from ..lm.model import place
 from ..lm.tokenizer import Tokenizer
-from ..proposers.eagle_head import EagleHead, check_eagle_target, save_eagle, speculators_metadata
-from ..proposers.heads import read_head_state
+from ..heads.eagle import EagleHead, check_eagle_target, save_eagle, speculators_metadata
+from ..heads.folder import read_head_state
 from ..proposers.ngram import NgramProposer
 from .config import LongRun
 from .losses import eagle_backward, eagle_step_losses, eagle_targets

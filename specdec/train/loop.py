@@ -11,9 +11,9 @@ A run lives in one output folder:
   work/state/                              resume state: fp32 trainable weights, optimizer moments, history
   model/                                   the exported checkpoint (bf16, transformers layout), unless
                                            the trunk is frozen
-  heads/                                   the exported MTP heads (heads.py), for the model in model/
-                                           or for the frozen trunk; or the EAGLE head (eagle_head.py),
-                                           or the block head (block_head.py)
+  heads/                                   the exported MTP heads (heads/mtp.py), for the model in model/
+                                           or for the frozen trunk; or the EAGLE head (heads/eagle.py),
+                                           or the block head (heads/block.py)
   loss.png                                 training and validation loss curves (plots.py)
 Batches are a pure function of (seed, step), so an interrupted run resumes to the same result.
 Under torchrun each process takes its share of the global batch and the gradients are averaged

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from ..errors import SpecdecError
 from ..proposers.base import DraftVocabulary
-from ..proposers.block_head import BlockHead
-from ..proposers.eagle_head import EagleHead
-from ..proposers.heads import MTPHeads, teacher_forced
+from ..heads.block import BlockHead
+from ..heads.eagle import EagleHead
+from ..heads.mtp import MTPHeads, teacher_forced
 from .anchors import BlockLayout, block_acceptance, block_layout, random_anchors
 
 

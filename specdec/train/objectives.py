@@ -4,7 +4,7 @@ the networks it builds, its loss on a micro-batch, its validation figures and ho
 history, and its export.
 
     NextToken   "next-token": a model learns the corpus, from scratch or from --init-from
-    MTP         "mtp-parallel", "mtp-sequential": next-token + MTP heads (heads.py), pretrained jointly
+    MTP         "mtp-parallel", "mtp-sequential": next-token + MTP heads (heads/mtp.py), pretrained jointly
                 or, with frozen_trunk, the heads alone on an existing checkpoint whose weights
                 (embedding and lm_head included) stay frozen
     Distill     "distill": a draft model learns the frozen teacher's next-token distribution
@@ -32,11 +32,11 @@ from torch import nn
 from ..errors import SpecdecError
 from ..lm.checkpoint import PARALLEL_KIND, WEIGHTS, load_model, save_model, save_token_counts, sha256, shown_path
 from ..lm.model import LlamaForCausalLM
-from ..proposers.block_head import initial_head as initial_block_head
-from ..proposers.block_head import save_block
-from ..proposers.eagle_head import default_layer_ids, save_eagle, speculators_metadata
-from ..proposers.eagle_head import initial_head as initial_eagle_head
-from ..proposers.heads import build_heads, save_heads
+from ..heads.block import initial_head as initial_block_head
+from ..heads.block import save_block
+from ..heads.eagle import default_layer_ids, save_eagle, speculators_metadata
+from ..heads.eagle import initial_head as initial_eagle_head
+from ..heads.mtp import build_mtp, save_mtp
 from .anchors import BlockLayout, block_layout, random_anchors
 from .losses import (
     LossWeights,
@@ -187,7 +187,7 @@ class MTP(Objective):
         return LossWeights(self.depth, self.lam, self.lam_late, self.lam_switch, self.beta)
 
     def new_heads(self, cfg, model, train_tokens):
-        heads = build_heads(self.name, cfg.model, self.depth)
+        heads = build_mtp(self.name, cfg.model, self.depth)
         init_weights(heads)
         return heads
 
@@ -216,7 +216,7 @@ class MTP(Objective):
             target_sha256 = sha256(run.out / "model" / WEIGHTS)
         heads = nets.heads
         heads.token_counts = torch.from_numpy(np.bincount(run.tokens("train"), minlength=run.cfg.model.vocab_size))
-        save_heads(heads, run.out / "heads", target_sha256, meta={
+        save_mtp(heads, run.out / "heads", target_sha256, meta={
             **meta, "kind": heads.kind, "trunk": "frozen" if self.frozen else "trained jointly",
             "target": self.frozen or str(run.out / "model"),
             "final_valid_head_losses": history["valid_heads"][-1][1] if history.get("valid_heads") else None,
@@ -433,7 +433,7 @@ class Eagle(TargetHead):
     steps: int = 4                      # draft steps unrolled in training (the training-time test)
     decay: float = 0.8                  # step j's loss weight is decay^j
     draft_vocab: int = 4096             # the N most frequent training token ids the head drafts over
-    layout: str = "specdec"             # the head's weight layout (eagle_head.LAYOUTS; eagle3: exportable to vLLM)
+    layout: str = "specdec"             # the head's weight layout (heads.eagle.LAYOUTS; eagle3: exportable to vLLM)
     name: ClassVar[str] = "eagle"
 
     @property

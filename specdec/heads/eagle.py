@@ -32,7 +32,7 @@ Weight layout (`layout`, fixed when the head is built and recorded in its folder
   PyTorch's operators (no fused kernel call), so a draft step costs more on the CPU.
 The metadata uses the `speculators` EAGLE-3 vocabulary (`speculators_metadata`) in both.
 
-A head folder holds heads.safetensors and heads.json (kind "eagle3", the target's config and the
+Its head folder (folder.py) holds heads.safetensors and heads.json (kind "eagle3", the target's config and the
 sha256 of its model.safetensors, the layer ids, the draft vocabulary size, training settings). It
 has no config.json, so it can never be loaded as a model, and `load_eagle` refuses it for any other
 target.
@@ -53,7 +53,7 @@ from ..lm.checkpoint import hf_config
 from ..lm.device import placement
 from ..lm.model import (MLP, Attention, DecoderLayer, Linear, RMSNorm, StackedLayers, Window, apply_rotary,
                         kernel_layer, rotary)
-from .heads import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
+from .folder import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
 
 KIND = "eagle3"
 LAYOUTS = ("specdec", "eagle3")
@@ -273,13 +273,13 @@ EAGLE_FOLDER = HeadFolder(read_eagle_meta, "the EAGLE head in {path} belongs",
 
 
 def check_eagle_target(path: str | Path, target: str | Path) -> dict:
-    """An EAGLE head's metadata, checked against the target folder (heads.check_head_target)."""
+    """An EAGLE head's metadata, checked against the target folder (heads.folder.check_head_target)."""
     return check_head_target(EAGLE_FOLDER, path, target)
 
 
 def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> EagleHead:
-    """An EAGLE head loaded for the target folder (heads.load_head)."""
+    """An EAGLE head loaded for the target folder (heads.folder.load_head)."""
     return load_head(EAGLE_FOLDER, path, target, dtype, device)
 
 

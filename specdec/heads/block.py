@@ -2,7 +2,7 @@
 forward from the target's features. One definition, used by training (train/losses.py, block
 section) and by drafting (proposers/block.py), and its checkpoint folder.
 
-Context. As in the EAGLE head (eagle_head.py), f_t are the outputs of the target's decoder layers
+Context. As in the EAGLE head (eagle.py), f_t are the outputs of the target's decoder layers
 `layer_ids` at position t, concatenated, and x_0..x_T the sequence. Context position t enters the
 head's own KV cache as
 
@@ -28,7 +28,7 @@ Training (train/anchors.py) lays a window of context positions and a block of ma
 anchor into one forward with exactly the attention drafting uses (`training_outputs`), so what the
 head computes while drafting is what it was trained on.
 
-A head folder holds heads.safetensors and heads.json (kind "block", the target's config and the
+Its head folder (folder.py) holds heads.safetensors and heads.json (kind "block", the target's config and the
 sha256 of its model.safetensors, the layer ids, the block size it was trained for, its attention,
 the draft vocabulary size, training settings); `load_block` refuses it for any other target, and a
 target without the layers it reads.
@@ -46,9 +46,9 @@ from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.gguf import target_config
 from ..lm.model import DecoderLayer, Linear, RMSNorm, StackedLayers, Window
-from .eagle_head import check_head_fits as check_eagle_head_fits
-from .eagle_head import check_draft_ids, check_layer_ids
-from .heads import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
+from .eagle import check_head_fits as check_eagle_head_fits
+from .eagle import check_draft_ids, check_layer_ids
+from .folder import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
 
 KIND = "block"
 
@@ -182,13 +182,13 @@ BLOCK_FOLDER = HeadFolder(read_block_meta, "the block head in {path} belongs",
 
 
 def check_block_target(path: str | Path, target: str | Path) -> dict:
-    """A block head's metadata, checked against the target folder (heads.check_head_target)."""
+    """A block head's metadata, checked against the target folder (heads.folder.check_head_target)."""
     return check_head_target(BLOCK_FOLDER, path, target)
 
 
 def load_block(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu") -> BlockHead:
-    """A block head loaded for the target folder (heads.load_head)."""
+    """A block head loaded for the target folder (heads.folder.load_head)."""
     return load_head(BLOCK_FOLDER, path, target, dtype, device)
 
 
