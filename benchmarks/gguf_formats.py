@@ -257,7 +257,7 @@ def table(rows: list[dict]) -> str:
             continue
         theirs, a = r["llama_bench_tokens_per_s"], r["top1_agreement"]
         lines.append(
-            f"| {r['format']} | {r['file_bytes'] / MiB:.0f} | {r['specdec_tokens_per_s']['median']:.1f} | "
+            f"| {r['format']} | {r['file_bytes'] / MiB:.1f} | {r['specdec_tokens_per_s']['median']:.1f} | "
             + (f"{theirs['median']:.1f} | {r['specdec_over_llama_bench']:.2f}x" if isinstance(theirs, dict)
                else "not given | -")
             + f" | {r['peak_rss_bytes'] / MiB:.0f} ({r['peak_rss_over_file']:.2f}x) | "
@@ -275,13 +275,18 @@ def write(out: Path, result: dict) -> None:
     head = [f"# GGUF formats: specdec as stored against llama.cpp ({result['source']['note']})", "",
             f"- CPU: {c['hardware']['cpu']}, {c['threads']} threads; specdec kernels {c['kernels isa']}, "
             f"quantized {c['quant kernels isa']}",
-            f"- llama.cpp: {c['llama.cpp']}",
+            f"- llama.cpp: {', '.join(f'{k} {v}' for k, v in c['llama.cpp'].items())}",
             f"- decoding: {c['new tokens']} tokens after a {len(PROMPT)}-character prompt, median of "
             f"{c['repeats']} rounds; agreement: the first {c['text tokens']} tokens of {c['text']}",
             f"- resident memory of the runtime alone (python, torch, the kernels; part of every peak): "
             f"{runtime / MiB:.0f} MiB",
-            f"- load average before / now: {c['load average before']} / {c['load average now']}", ""]
+            f"- load average (1, 5, 15 min) before / now: {loads(c['load average before'])} / "
+            f"{loads(c['load average now'])}", "", ""]
     (out / "gguf-formats.md").write_text("\n".join(head) + table(result["rows"]) + "\n")
+
+
+def loads(averages: tuple[float, ...]) -> str:
+    return ", ".join(f"{a:.2f}" for a in averages)
 
 
 def main(argv: list[str] | None = None) -> None:
