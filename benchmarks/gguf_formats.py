@@ -375,4 +375,7 @@ def package_version(name: str) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SpecdecError as e:  # a setup error (no llama-quantize, no such model): one line, no traceback
+        sys.exit(f"error: {e}")
