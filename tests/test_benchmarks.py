@@ -325,3 +325,36 @@ def test_every_benchmark_script_has_a_smoke_test_here():
     source = Path(__file__).read_text()
     untested = [p.name for p in sorted(BENCHMARKS.glob("*.py")) if f'"{p.name}"' not in source]
     assert not untested, f"benchmarks without a smoke test in tests/test_benchmarks.py: {untested}"
+
+
+def test_the_gguf_formats_evidence_measures_each_file_as_stored_against_its_dequantized_model(tmp_path):
+    """Files measured as given (no llama.cpp build on CI): an F32 file agrees with its own dequantization
+    at every position, a file whose fused q/k/v mixes F16 and Q8_0 parts is reported as not run as stored."""
+    from .gguf_helpers import Q, byte_level_tokenizer, hf_model, write_gguf
+
+    tok, model = byte_level_tokenizer(), hf_model("qwen2")
+    f32 = write_gguf(tmp_path / "tiny-F32.gguf", model, tok, "qwen2", types=(Q.F32,))
+    mixed = write_gguf(tmp_path / "tiny-mixed.gguf", model, tok, "qwen2", types=(Q.Q8_0, Q.F16))
+    out = tmp_path / "formats"
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_LLAMA_CPP"} | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gguf_formats.py"), "--files", str(f32),
+                          str(mixed), "--out", str(out), "--repeats", "1", "--new-tokens", "8", "--text-tokens", "120",
+                          "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((out / "gguf-formats.json").read_text())
+    rows = {r["format"]: r for r in result["rows"]}
+    assert list(rows) == ["tiny-F32.gguf", "tiny-mixed.gguf"]
+    for r in rows.values():
+        assert r["llama_bench_tokens_per_s"] == "not given" and r["specdec_over_llama_bench"] is None
+        assert r["specdec_tokens_per_s"]["median"] > 0 and r["peak_rss_bytes"] >= r["runtime_rss_bytes"] > 0
+        assert r["peak_rss_over_file"] == r["peak_rss_bytes"] / (tmp_path / r["file"]).stat().st_size
+        assert r["top1_agreement"]["positions"] == 120
+    assert rows["tiny-F32.gguf"]["not_as_stored"] == [] and rows["tiny-F32.gguf"]["stored_formats"] == "f32"
+    assert rows["tiny-F32.gguf"]["top1_agreement"]["agreement"] == 1.0
+    warned = rows["tiny-mixed.gguf"]["not_as_stored"]
+    assert len(warned) == 1 and "F16+Q8_0" in warned[0]
+    conditions = result["conditions"]
+    assert conditions["threads"] == 1 and conditions["kernels isa"] and conditions["llama.cpp"]["build"] == "not given"
+    table = (out / "gguf-formats.md").read_text()
+    assert "| tiny-F32.gguf |" in table and "| tiny-mixed.gguf |" in table and "not given" in table
+    assert [line.split(":")[0] for line in run.stdout.splitlines()[:2]] == ["tiny-F32.gguf", "tiny-mixed.gguf"]

@@ -73,10 +73,15 @@ def run(program: Path, args: list[str]) -> subprocess.CompletedProcess:
 
 def decode_speed(bin_dir: Path, model: Path, threads: int, new_tokens: int) -> float:
     """llama-bench's decoding speed (tokens/s) of `new_tokens` tokens from an empty context, one run."""
+    return float(decode_bench(bin_dir, model, threads, new_tokens)["avg_ts"])
+
+
+def decode_bench(bin_dir: Path, model: Path, threads: int, new_tokens: int) -> dict:
+    """llama-bench's row of that run, as its JSON has it: avg_ts (tokens/s), and its build (build_commit,
+    build_number), CPU and backends."""
     done = run(bin_dir / "llama-bench", ["-m", str(model), "-p", "0", "-n", str(new_tokens), "-t", str(threads),
                                          "-r", "1", "-o", "json"])
-    rows = json.loads(done.stdout)  # the JSON alone: its log goes to stderr
-    return float(rows[0]["avg_ts"])
+    return json.loads(done.stdout)[0]  # the JSON alone: its log goes to stderr
 
 
 @dataclass
@@ -169,12 +174,13 @@ class Fallback:
             return call(self.FLAGS)
 
 
-def quantize(bin_dir: Path, source: Path, out: Path, kind: str = "Q8_0") -> Path:
-    """llama.cpp's quantization of a GGUF file, written once (atomically) and then reused."""
+def quantize(bin_dir: Path, source: Path, out: Path, kind: str = "Q8_0", flags: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's quantization of a GGUF file, written once (atomically) and then reused; `flags`: more
+    of llama-quantize's options (--allow-requantize, --imatrix FILE)."""
     if not out.exists():
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         try:
-            run(bin_dir / "llama-quantize", [str(source), str(tmp), kind])
+            run(bin_dir / "llama-quantize", [*flags, str(source), str(tmp), kind])
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
