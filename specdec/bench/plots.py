@@ -14,9 +14,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .runner import SPEC_METHODS  # noqa: E402
 
-COLORS = {"draft-model": "tab:blue", "ngram": "tab:orange", "mtp": "tab:green", "suffix": "tab:purple",
-          "eagle": "tab:red", "parallel": "tab:cyan", "block": "tab:brown", "self": "tab:olive",
-          "hybrid": "tab:pink", "eagle-hybrid": "tab:gray"}
+COLORS = {method: f"C{i % 10}" for i, method in enumerate(SPEC_METHODS)}  # a drafter's colour: its place in the registry
 
 
 def suptitle(result: dict) -> str:
