@@ -33,7 +33,7 @@ from ..lm.arch import Arch
 from ..lm.device import placement
 from ..lm.kv_cache import KVCache
 from ..lm.model import DecoderLayer, Linear, RMSNorm, Window
-from .folder import HeadFolder, check_head_target, load_head, read_head_meta, write_head_folder
+from .folder import HeadFolder, load_head, read_head_meta, write_head_folder
 
 
 class MTPHeads(nn.Module):
@@ -184,11 +184,6 @@ def build_from_meta(meta: dict, state: dict) -> MTPHeads:
 MTP_FOLDER = HeadFolder(read_mtp_meta, "the MTP heads in {path} belong",
                         "train heads for this target, or pass the target they were trained for", "retrain the heads",
                         build_from_meta)
-
-
-def check_mtp_target(path: str | Path, target: str | Path) -> dict:
-    """MTP heads' metadata, checked against the target folder (check_head_target)."""
-    return check_head_target(MTP_FOLDER, path, target)
 
 
 def load_mtp(path: str | Path, target: str | Path, dtype: torch.dtype | None = None,
