@@ -28,10 +28,12 @@ from specdec.lm.device import placement
 from specdec.lm.model import place
 from specdec.proposers import DraftModelProposer, EagleProposer, MTPProposer, NgramProposer, SuffixProposer
 
-from . import test_eagle, test_mtp
+from .proposers import test_eagle
+
+from .proposers import test_mtp
 from .spec_helpers import NEAR_TIE as FP32_NEAR_TIE
 from .spec_helpers import greedy_divergence, noisy_copy
-from .test_engine import PROMPTS, TARGET
+from .decoding.test_engine import PROMPTS, TARGET
 
 CUDA = torch.cuda.is_available()
 NO_GPU = "no CUDA GPU here (torch.cuda.is_available() is False): the CUDA cases run where one is"
@@ -109,13 +111,13 @@ def test_greedy_equals_plain_decoding_on_the_device(device, batch, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampled_output_keeps_the_exact_joint_distribution(device, monkeypatch):
-    """As tests/test_engine_sampling.py (its target, draft, prompt, N = 100,000 rows and its test), with
+    """As tests/decoding/test_engine_sampling.py (its target, draft, prompt, N = 100,000 rows and its test), with
     the models, the caches and the generator on the device; and a wrong residual is still caught."""
     if device == "cpu":
-        pytest.skip("the CPU case is tests/test_engine_sampling.py")
+        pytest.skip("the CPU case is tests/decoding/test_engine_sampling.py")
     from specdec.decoding import verify
 
-    from . import test_engine_sampling as s
+    from .decoding import test_engine_sampling as s
     target, draft = on(s.TARGET, device), on(s.DRAFT, device)
     sampling = s.SETTINGS["T=0.7,top-k=8,top-p=0.9"]
     exact = s.exact_joint(sampling)

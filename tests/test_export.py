@@ -173,7 +173,7 @@ def tiny_eagle3_head(tmp_path):
     from specdec.lm.checkpoint import save_model
     from specdec.heads.eagle import save_eagle
 
-    from .test_eagle import TARGET, distilled
+    from .proposers.test_eagle import TARGET, distilled
     target_dir = tmp_path / "target"
     save_model(TARGET, target_dir, dtype=torch.float32)
     head = distilled(layout="eagle3")

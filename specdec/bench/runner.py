@@ -483,7 +483,7 @@ def acceptance_and_prediction(cfg: Config, curve, batch_size: int, measured: flo
 def lossless(cfg: Config, reference: Config, temperature: float) -> dict:
     if temperature > 0:
         return {"checked": False, "reason": "sampling: lossless in distribution, not token by token (tested "
-                                            "statistically in tests/test_engine_sampling.py)"}
+                                            "statistically in tests/decoding/test_engine_sampling.py)"}
     mismatches = [{"prompt": i, "first_difference": first_difference(a, b)}
                   for i, (a, b) in enumerate(zip(cfg.outputs, reference.outputs)) if a != b]
     return {"checked": True, "reference": reference.label, "prompts": len(reference.outputs),
