@@ -396,9 +396,20 @@ class Attention(nn.Module):
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         mask = window.local_mask if self.local else window.mask
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+        q = q.transpose(1, 2)
+        # Inference in fp32 on the CPU: in fp64, rounded back. PyTorch's attention sums a query row in an
+        # order that depends on how many rows come with it, and a last-bit difference can move an
+        # activation across an int8 rounding of the quantized matrices (a few hundredths on the logits):
+        # in fp64 the rows agree to far below fp32's rounding, so a token's result does not depend on
+        # being verified alone or in a window (the kernels' row-invariance, which speculation relies on).
+        wide = window.cache is not None and q.dtype == torch.float32 and q.device.type == "cpu" \
+            and not torch.is_grad_enabled()
+        if wide:
+            q, k, v = q.double(), k.double(), v.double()
+            mask = mask.double() if mask is not None and mask.dtype != torch.bool else mask
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                            scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
