@@ -59,7 +59,8 @@ def hf_model(family: str, seed: int = 0, **changes) -> transformers.PreTrainedMo
     center = 0.0 if family == "gemma3" else 1.0
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_((torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.1) + (center if p.dim() == 1 else 0.0)).bfloat16())
+            spread, mean = (0.3, center) if p.dim() == 1 else (0.1, 0.0)
+            p.copy_((torch.randn_like(p) * spread + mean).bfloat16())
     return model
 
 

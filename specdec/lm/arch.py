@@ -276,7 +276,7 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
     if d.get("use_bidirectional_attention"):
         refuse(where, "use_bidirectional_attention", True, "specdec decodes causally")
     activation = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-    if family in ("gemma", "gemma3_text") and activation == "gelu":  # transformers reads Gemma's legacy "gelu" as the tanh form
+    if family in ("gemma", "gemma3_text") and activation == "gelu":  # Gemma's legacy "gelu": the tanh form
         activation = "gelu_pytorch_tanh"
     if activation not in ACTIVATIONS:
         refuse(where, "hidden_act", activation, f"specdec's activations are {', '.join(sorted(ACTIVATIONS))}")

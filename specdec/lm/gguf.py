@@ -360,7 +360,8 @@ def stored(reader, config: dict) -> Iterator[RawTensor]:
             data = unpermute(data, heads)
         if config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
             # llama.cpp stores Gemma's norms as 1 + w; specdec, as transformers, holds w (and computes 1 + w)
-            data, kind = np.asarray(dequantized(RawTensor(name, t.name, kind, shape, data)).numpy() - 1, np.float32), "F32"
+            values = dequantized(RawTensor(name, t.name, kind, shape, data)).numpy()
+            data, kind = np.asarray(values - 1, np.float32), "F32"
         yield RawTensor(name, t.name, kind, shape, data)
 
 
