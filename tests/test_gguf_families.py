@@ -213,3 +213,18 @@ def test_families_specdec_cannot_run_from_a_gguf_are_refused_by_name(tmp_path, t
     path = write_gguf(tmp_path / "gemma2.gguf", model, tok, "gemma2", types=(Q.F32,))
     with pytest.raises(SpecdecError, match="GGUF architecture 'gemma2' is not supported.*gemma3"):
         load(path)
+
+
+@torch.no_grad()
+def test_gemma3_tokens_compute_the_same_alone_and_in_a_window(tmp_path, gguf_cache, tok):
+    """Gemma 3's layers run on PyTorch operators, its matrices on int8-rounded activations: a token's
+    logits are bit-identical whether it is computed alone after the prompt or within a window of 4
+    (what speculation's verification relies on), across the window's edge (prompt 16 > window 8)."""
+    model = hf_model("gemma3", **{**SIZES, **FAMILIES["gemma3"][2]})
+    target = load(write_gguf(tmp_path / "gemma3.gguf", model, tok, "gemma3", types=TYPES["blocks"])).model
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    alone, window = target.new_cache(2), target.new_cache(2)
+    target(ids[:, :16], cache=alone)
+    target(ids[:, :16], cache=window)
+    one_by_one = torch.cat([target(ids[:, i:i + 1], cache=alone).logits for i in range(16, 20)], dim=1)
+    assert torch.equal(one_by_one, target(ids[:, 16:], cache=window).logits)
