@@ -401,10 +401,9 @@ class Attention(nn.Module):
         # order that depends on how many rows come with it, and a last-bit difference can move an
         # activation across an int8 rounding of the quantized matrices (a few hundredths on the logits):
         # in fp64 the rows agree to far below fp32's rounding, so a token's result does not depend on
-        # being verified alone or in a window (the kernels' row-invariance, which speculation relies on).
-        wide = window.cache is not None and q.dtype == torch.float32 and q.device.type == "cpu" \
-            and not torch.is_grad_enabled()
-        if wide:
+        # being verified alone, in a window or in a whole sequence without a cache (the kernels'
+        # row-invariance, which speculation relies on).
+        if q.dtype == torch.float32 and q.device.type == "cpu" and not torch.is_grad_enabled():
             q, k, v = q.double(), k.double(), v.double()
             mask = mask.double() if mask is not None and mask.dtype != torch.bool else mask
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
