@@ -2,7 +2,8 @@
 llama.cpp's convert_hf_to_gguf.py writes them: its tensor names, Llama's q/k row permutation, norms
 and biases in F32 and the matrices in the types given (F32, F16, BF16, Q8_0, Q4_0, Q4_1 by default,
 cycled so every type occurs; the K-quants, which gguf.quants cannot make, by `quantize_any`), a
-byte-level BPE tokenizer with its special tokens marked as control tokens. Nothing is downloaded."""
+byte-level BPE tokenizer with its special tokens marked as control tokens; Gemma 3 with its norms
+stored plus 1 and its window in the metadata, as convert_hf_to_gguf.py writes it. Nothing is downloaded."""
 from __future__ import annotations
 
 import json
@@ -40,16 +41,26 @@ def byte_level_tokenizer() -> Tokenizer:
     return tok
 
 
+CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
+
+
 def hf_model(family: str, seed: int = 0, **changes) -> transformers.PreTrainedModel:
-    """A random transformers model of the family (norms and biases random too), its values in bf16."""
-    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-              "phi3": transformers.Phi3Config}[family](**{**SIZES, **changes})
+    """A random transformers model of the family (norms and biases random too), its values in bf16
+    (Gemma's norms, which scale by 1 + w, around 0)."""
+    config_class, model_class = CLASSES[family]
+    config = config_class(**{**SIZES, **changes})
     torch.manual_seed(seed)
-    model = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-             "qwen3": transformers.Qwen3ForCausalLM, "phi3": transformers.Phi3ForCausalLM}[family](config).eval()
+    model = model_class(config).eval()
+    center = 0.0 if family == "gemma3" else 1.0
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_((torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0)).bfloat16())
+            spread, mean = (0.3, center) if p.dim() == 1 else (0.1, 0.0)
+            p.copy_((torch.randn_like(p) * spread + mean).bfloat16())
     return model
 
 
@@ -58,8 +69,8 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_names(state: dict) -> dict[str, str]:
-    """transformers name -> llama.cpp's."""
+def gguf_names(state: dict, arch: str = "llama") -> dict[str, str]:
+    """transformers name -> llama.cpp's (Gemma 3's four norms a layer by their own names)."""
     out = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -67,6 +78,9 @@ def gguf_names(state: dict) -> dict[str, str]:
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
              "mlp.gate_up_proj": "ffn_up"}
+    if arch == "gemma3":
+        parts.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"})
     for name in state:
         if name.startswith("model.layers."):
             _, _, layer, *rest = name.split(".")
@@ -76,14 +90,15 @@ def gguf_names(state: dict) -> dict[str, str]:
 
 
 def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bos: bool = False,
-               bos: str | None = "<|endoftext|>", eos: str = "<|im_end|>", extra=None) -> Path:
+               bos: str | None = "<|endoftext|>", eos: str = "<|im_end|>", extra=None,
+               model_name: str = "tiny test model") -> Path:
     """The model and tokenizer as a GGUF file of `arch`; `extra(writer)` may add metadata or tensors."""
     cfg = model.config
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     w = GGUFWriter(str(path), arch)
-    w.add_name("tiny test model")
+    w.add_name(model_name)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -91,12 +106,13 @@ def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bo
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3's global layers'
+    w.add_rope_freq_base(rope["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch == "llama":
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
@@ -104,14 +120,18 @@ def write_gguf(path: Path, model, tok: Tokenizer, arch: str, types=TYPES, add_bo
         w.add_rope_scaling_orig_ctx_len(cfg.max_position_embeddings)
         if cfg.sliding_window is not None:
             w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3" and cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
     add_tokenizer(w, tok, add_bos, bos, eos)
     if extra is not None:
         extra(w)
     matrices = 0
-    for name, gguf_name in gguf_names(state).items():
+    for name, gguf_name in gguf_names(state, arch).items():
         if name not in state:
             continue
         value = state[name]
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + 1  # llama.cpp stores Gemma's norms as 1 + w
         if arch == "llama" and name.endswith("q_proj.weight"):
             value = permute(value, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):

@@ -360,6 +360,12 @@ def cannot_stack(arch) -> str | None:
     if arch.head_dim % LANES:
         return (f"the CPU kernels' attention needs head_dim to be a multiple of {LANES}; this model's is "
                 f"{arch.head_dim}")
+    gemma3 = [what for what, has in (("norms around attention and MLP", arch.sandwich_norms),
+                                     ("sliding-window layers", bool(arch.local_layers)),
+                                     ("a query scale of its own", arch.query_pre_attn_scalar is not None),
+                                     ("soft-capped logits", arch.final_logit_softcapping is not None)) if has]
+    if gemma3:
+        return f"the CPU kernels' decoder layer has no {', '.join(gemma3)} (Gemma 3's)"
     return None
 
 

@@ -3,7 +3,9 @@
 One frozen `Arch` describes everything that changes a forward's arithmetic: sizes, rotary
 positions (theta, scaling, partial rotary), biases, per-head q/k norms, the norm's weight offset
 and the embedding scale (Gemma), the activation, tied embeddings, the checkpoint's weight layout
-(Phi-3's fused projections) and the usable context. `Arch.from_dict` resolves a transformers
+(Phi-3's fused projections), the usable context, and Gemma 3's layer: norms around both the
+attention and the MLP, local (sliding-window) layers with their own rotary base beside global ones,
+its query scale and its soft-capped logits. `Arch.from_dict` resolves a transformers
 config.json for the families in FAMILIES as transformers reads it: a key transformers' modelling code
 never reads is accepted (UNREAD), unless its value says the model computes otherwise (UNREAD_AS); a
 key it does not implement is refused by name with the reason (never dropped: a dropped key runs a
@@ -22,7 +24,7 @@ import torch
 
 from ..errors import SpecdecError
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -31,8 +33,8 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 REFUSED_FAMILIES = {
     "gemma2": "Gemma 2 soft-caps its attention scores and final logits with tanh and alternates sliding-window "
               "and global layers; specdec's attention computes neither",
-    "gemma3": "Gemma 3 alternates local and global layers with two rotary bases and soft-caps its logits; "
-              "specdec's attention computes neither",
+    "gemma3": "the multimodal Gemma 3 (a vision tower beside the text model); specdec runs its text model "
+              "(model_type gemma3_text), or a Gemma 3 GGUF file",
     "mixtral": "a mixture-of-experts model: specdec's decoder layers are dense",
     "qwen2_moe": "a mixture-of-experts model: specdec's decoder layers are dense",
     "qwen3_moe": "a mixture-of-experts model: specdec's decoder layers are dense",
@@ -59,6 +61,9 @@ READ = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "
         "rope_scaling", "rope_parameters", "partial_rotary_factor", "tie_word_embeddings", "hidden_act",
         "hidden_activation", "sliding_window", "attention_bias", "mlp_bias", "pretraining_tp",
         "use_bidirectional_attention"}
+# Keys only Gemma 3 reads (resolved in gemma3_settings)
+GEMMA3_READ = {"query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping", "rope_local_base_freq",
+               "sliding_window_pattern", "_sliding_window_pattern"}
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,20 @@ class Arch:
     scale_embeddings: bool = False       # embeddings times sqrt(hidden_size) (Gemma)
     activation: str = "silu"             # of the gate: silu or gelu_tanh
     fused_checkpoint: bool = False       # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
-    sliding_window: int | None = None    # the config's window; the context above is cut to it
+    sliding_window: int | None = None    # the config's window; the context is cut to it, unless local_layers
+    # Gemma 3: the layers `local_layers` attend to the last sliding_window positions only (the context is not
+    # cut), rotated with base local_rope_theta and no scaling; the others are global (rope_theta, rope_scaling)
+    local_layers: tuple[int, ...] = field(default=(), hash=False)
+    local_rope_theta: float | None = None
+    sandwich_norms: bool = False         # norms on the attention's and the MLP's outputs too (Gemma 2, 3)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power (None: head_dim's)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 3, where set)
     source: dict | None = field(default=None, compare=False, repr=False)  # the config.json it came from
 
     def __post_init__(self):
+        object.__setattr__(self, "local_layers", tuple(self.local_layers))  # a list after a JSON round trip
+        if self.local_layers and (self.sliding_window is None or self.local_rope_theta is None):
+            raise ValueError("local layers need a sliding_window and a local_rope_theta")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim or self.rotary_dim <= 0:
@@ -104,6 +119,19 @@ class Arch:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def local_inv_freq(self) -> torch.Tensor | None:
+        """(rotary_dim / 2,) fp32 the local layers' inverse frequencies (base local_rope_theta, unscaled);
+        None where no layer is local."""
+        if not self.local_layers:
+            return None
+        return Arch(head_dim=self.head_dim, partial_rotary_factor=self.partial_rotary_factor,
+                    rope_theta=self.local_rope_theta).inv_freq()
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -187,7 +215,8 @@ class Arch:
 
 
 FEATURES = ("family", "rope_scaling", "partial_rotary_factor", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
-            "norm_offset", "scale_embeddings", "activation", "fused_checkpoint", "sliding_window")
+            "norm_offset", "scale_embeddings", "activation", "fused_checkpoint", "sliding_window", "local_layers",
+            "local_rope_theta", "sandwich_norms", "query_pre_attn_scalar", "final_logit_softcapping")
 LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
               "bos_token_id", "eos_token_id")
@@ -228,7 +257,8 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
     for key, (plain, why) in UNREAD_AS.items():
         if key in d and d[key] != plain:
             refuse(where, key, d[key], why)
-    for key in sorted(set(d) - INERT - UNREAD - set(UNREAD_AS) - READ):
+    for key in sorted(set(d) - INERT - UNREAD - set(UNREAD_AS) - READ - (GEMMA3_READ if family == "gemma3_text"
+                                                                       else set())):
         refuse(where, key, d[key], f"specdec's {family} architecture does not implement it, and running without "
                                    "it would compute a different model")
     try:
@@ -246,29 +276,31 @@ def resolve(d: dict, where: str = "config.json") -> Arch:
     if d.get("use_bidirectional_attention"):
         refuse(where, "use_bidirectional_attention", True, "specdec decodes causally")
     activation = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-    if family == "gemma" and activation == "gelu":  # transformers reads Gemma's legacy "gelu" as the tanh form
+    if family in ("gemma", "gemma3_text") and activation == "gelu":  # Gemma's legacy "gelu": the tanh form
         activation = "gelu_pytorch_tanh"
     if activation not in ACTIVATIONS:
         refuse(where, "hidden_act", activation, f"specdec's activations are {', '.join(sorted(ACTIVATIONS))}")
-    theta, scaling, partial = rope_settings(d, where, family)
-    window = sliding_window(d, family, sizes["num_hidden_layers"])
-    context = max_position if window is None else min(max_position, window)
+    gemma3 = gemma3_settings(d, where, sizes["num_hidden_layers"]) if family == "gemma3_text" else {}
+    theta, scaling, partial = rope_settings(gemma3.pop("global_rope", d), where, family)
+    window = gemma3.pop("window") if gemma3 else sliding_window(d, family, sizes["num_hidden_layers"])
+    context = max_position if window is None or gemma3.get("local_layers") else min(max_position, window)
     if scaling.get("rope_type") == "longrope":
         scaling = longrope(scaling, max_position, int(sizes["head_dim"] * partial) // 2, where)
         context = min(context, scaling["original_max_position_embeddings"])
     attention_bias = bool(d.get("attention_bias", False))
+    gemma = family in ("gemma", "gemma3_text")
     eos = d.get("eos_token_id")
     arch = Arch(**sizes, max_position_embeddings=context, rope_theta=theta,
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma")),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
                 bos_token_id=d.get("bos_token_id"), eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else eos,
                 family=family, rope_scaling=scaling, partial_rotary_factor=partial,
-                qkv_bias=family == "qwen2" or (attention_bias and family in ("llama", "qwen3", "gemma")),
-                o_bias=attention_bias and family in ("llama", "qwen3", "gemma"),
+                qkv_bias=family == "qwen2" or (attention_bias and (family in ("llama", "qwen3") or gemma)),
+                o_bias=attention_bias and (family in ("llama", "qwen3") or gemma),
                 mlp_bias=bool(d.get("mlp_bias", False)) and family == "llama",
-                qk_norm=family == "qwen3", norm_offset=1.0 if family == "gemma" else 0.0,
-                scale_embeddings=family == "gemma", activation=ACTIVATIONS[activation],
-                fused_checkpoint=family == "phi3", sliding_window=window, source=dict(d))
-    if attention_bias and family not in ("llama", "qwen3", "gemma", "qwen2"):
+                qk_norm=family in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0,
+                scale_embeddings=gemma, activation=ACTIVATIONS[activation],
+                fused_checkpoint=family == "phi3", sliding_window=window, source=dict(d), **gemma3)
+    if attention_bias and family not in ("llama", "qwen3", "gemma", "gemma3_text", "qwen2"):
         refuse(where, "attention_bias", True, f"transformers' {family} has no attention biases")
     if d.get("mlp_bias") and family != "llama":
         refuse(where, "mlp_bias", True, f"transformers' {family} has no MLP biases")
@@ -338,3 +370,37 @@ def sliding_window(d: dict, family: str, layers: int) -> int | None:
             slides = "sliding_attention" in types
         return int(window) if slides else None
     return int(window)
+
+
+def gemma3_settings(d: dict, where: str, layers: int) -> dict:
+    """Gemma 3's layer as transformers' Gemma3TextConfig reads it: which layers are local (layer_types,
+    else every sliding_window_pattern-th layer global, 6 by default), the window, the local layers'
+    rotary base (rope_parameters' sliding_attention, else rope_local_base_freq, else 10000) and the
+    global layers' rotary settings (full_attention's, else rope_theta, 1e6 by default, and rope_scaling),
+    the query scale and the final logits' soft cap. Attention scores soft-capped are refused by name."""
+    if d.get("attn_logit_softcapping") is not None:
+        refuse(where, "attn_logit_softcapping", d["attn_logit_softcapping"],
+               "specdec's attention does not soft-cap its scores (no released Gemma 3 does)")
+    rope = d.get("rope_parameters") or {}
+    nested = "full_attention" in rope or "sliding_attention" in rope
+    full = dict(rope.get("full_attention") or {}) if nested else {**rope, **(d.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+    local = dict(rope.get("sliding_attention") or {}) if nested else {}
+    local_theta = float(local.pop("rope_theta", d.get("rope_local_base_freq", 10_000.0)))
+    if local.pop("rope_type", "default") != "default" or local:
+        refuse(where, "rope_parameters.sliding_attention", rope.get("sliding_attention"),
+               "specdec's local Gemma 3 layers rotate with a default rotary embedding")
+    types = d.get("layer_types")
+    if types is None:
+        pattern = d.get("sliding_window_pattern", d.get("_sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        refuse(where, "layer_types", types, f"one of sliding_attention or full_attention per layer ({layers})")
+    window = d.get("sliding_window")
+    local_layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention") if window else ()
+    scalar = d.get("query_pre_attn_scalar", 256)
+    cap = d.get("final_logit_softcapping")
+    return {"global_rope": {"rope_parameters": full}, "window": int(window) if window else None,
+            "local_layers": local_layers, "local_rope_theta": local_theta if local_layers else None,
+            "sandwich_norms": True, "query_pre_attn_scalar": float(scalar) if scalar is not None else None,
+            "final_logit_softcapping": float(cap) if cap is not None else None}

@@ -10,7 +10,10 @@ never copied. From its metadata, read as transformers' own GGUF loading reads it
   refused by name, as a config key is; Llama 3.1's rotary scaling, which llama.cpp stores as
   per-frequency factors (rope_freqs) and transformers' GGUF loading drops, is read back into its
   llama3 parameters; Phi-3's fused q/k/v and gate/up (attn_qkv, ffn_up) stay fused, as transformers'
-  Phi3 holds them;
+  Phi3 holds them; Gemma 3 (`gemma3_config`) as llama.cpp runs it: its local layers (the window, every
+  sliding_window_pattern-th layer global, their rotary base), its query scale and its final soft cap
+  read from the metadata where transformers' GGUF loading keeps its config's defaults, and its norms'
+  weights, which llama.cpp stores plus 1, stored back as transformers holds them;
 - the tokenizer (`tokenizer`): built in memory by transformers' GGUF tokenizer converter (the vocabulary,
   merges and special tokens; the chat template), with llama.cpp's prompt rules: its BOS first where the
   file says so, and generation ending at any id of llama.cpp's end-of-generation set (`end_ids`: the
@@ -69,7 +72,8 @@ KEEP = 3  # files whose conversions the cache keeps, the most recently used (a t
 INDEX, INDEX_SIZE = "index.json", 64  # in the cache: each file's conversion's weights' sha256, the 64 latest
 # general.architecture -> (model_type, transformers class); llama.cpp writes Mistral as "llama"
 FAMILIES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM")}
+            "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
+            "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 # ARCH.* metadata read into config.json
 CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
                "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
@@ -77,7 +81,11 @@ CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_length": 
                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta",
                "vocab_size": "vocab_size", "attention.key_length": "head_dim",
                "rope.scaling.original_context_length": "original_max_position_embeddings"}
-FAMILY_KEYS = {"phi3": {"attention.sliding_window": "sliding_window"}}  # read for that family only
+FAMILY_KEYS = {"phi3": {"attention.sliding_window": "sliding_window"},  # read for that family only
+               "gemma3_text": {"attention.sliding_window": "sliding_window",
+                               "final_logit_softcapping": "final_logit_softcapping"}}
+# Gemma 3's keys read by gemma3_config (llama.cpp's defaults where absent: 6, 10000)
+GEMMA3_KEYS = {"attention.sliding_window_pattern", "rope.freq_base_swa"}
 # ARCH.* metadata checked against what the keys above imply, or that never changes the arithmetic
 CHECKED_KEYS = {"rope.dimension_count", "attention.value_length", "rope.scaling.type", "rope.scaling.factor",
                 "rope.scaling.finetuned"}
@@ -97,6 +105,10 @@ TENSOR_NAMES = [
 ]
 FUSED = [(r"blk\.(\d+)\.attn_qkv\.weight", r"model.layers.\1.self_attn.qkv_proj.weight"),
          (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.gate_up_proj.weight")]
+# Gemma 3's norms around attention and MLP (its ffn_norm is the MLP's input norm, as Llama's)
+GEMMA3_NORMS = [(r"blk\.(\d+)\.post_attention_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+                (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.pre_feedforward_layernorm.weight"),
+                (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight")]
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rotary scaling as per-frequency factors: read into the config
 # the texts of the tokens llama.cpp ends a generation at, whatever the metadata names (llama-vocab.cpp's
 # end-of-generation set, kept by token text until converters write every end id into the metadata)
@@ -151,7 +163,8 @@ def config_of(reader, where: str) -> dict:
     model_type, cls = FAMILIES[arch]
     keys = {k.removeprefix(arch + "."): k for k in reader.fields if k.startswith(arch + ".")}
     read = CONFIG_KEYS | FAMILY_KEYS.get(model_type, {})
-    for short in sorted(set(keys) - set(read) - CHECKED_KEYS):
+    skipped = CHECKED_KEYS | (GEMMA3_KEYS if model_type == "gemma3_text" else set())
+    for short in sorted(set(keys) - set(read) - skipped):
         if short in ZERO_KEYS and field(reader, keys[short]) == 0:
             continue
         raise SpecdecError(f"{where}: GGUF key {keys[short]!r} = {field(reader, keys[short])!r} is refused: "
@@ -172,6 +185,8 @@ def config_of(reader, where: str) -> dict:
             raise SpecdecError(f"{where}: GGUF key {keys[key]!r} = {value} is refused: specdec's {model_type} "
                                f"runs heads whose keys, values and rotary dims all have head_dim = {head_dim}")
     rope = rope_of(reader, keys, float(cfg.pop("rope_theta")), head_dim, where)
+    if model_type == "gemma3_text":
+        rope = gemma3_config(reader, keys, cfg, rope)
     names = {t.name for t in reader.tensors}
     return {"architectures": [cls], "model_type": model_type, **cfg, "rope_parameters": rope,
             "tie_word_embeddings": "output.weight" not in names,
@@ -194,6 +209,27 @@ def rope_of(reader, keys: dict, theta: float, head_dim: int, where: str) -> dict
                            "instead)")
     return rope if factors is None else {**rope, **llama3_scaling(np.asarray(factors, np.float64), theta, head_dim,
                                                                   where)}
+
+
+def gemma3_config(reader, keys: dict, cfg: dict, rope: dict) -> dict:
+    """Gemma 3's settings as llama.cpp reads them (src/models/gemma3.cpp), added to cfg in transformers'
+    Gemma3TextConfig keys: local layers only where the file gives a window, every
+    attention.sliding_window_pattern-th layer global (6 by default; or the pattern as one flag per layer),
+    rotated with base rope.freq_base_swa (10000 by default) and no scaling; the query scaled by head_dim's
+    -1/2 power, or for the 62-layer model (27B) by hidden_size / heads'; the GELU of Gemma. Returns the
+    rope_parameters of both kinds of layer (the file's rotary settings are the global layers')."""
+    layers = int(cfg["num_hidden_layers"])
+    pattern = field(reader, keys.get("attention.sliding_window_pattern", ""), 6)
+    if isinstance(pattern, list):  # llama.cpp's per-layer flags: true where the layer slides
+        types = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    else:
+        types = ["sliding_attention" if int(pattern) == 0 or i % int(pattern) < int(pattern) - 1
+                 else "full_attention" for i in range(layers)]
+    cfg.update(layer_types=types, hidden_activation="gelu_pytorch_tanh",
+               query_pre_attn_scalar=cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62
+               else cfg["head_dim"])
+    local = float(field(reader, keys.get("rope.freq_base_swa", ""), 10_000.0))
+    return {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
 
 
 def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, where: str) -> dict:
@@ -242,7 +278,8 @@ def end_ids(reader) -> int | list[int] | None:
 def hf_name(gguf_name: str, family: str) -> str | None:
     """transformers' name of a GGUF tensor of the family (Phi-3 stores q/k/v and gate/up fused, as
     transformers' Phi3 does)."""
-    for pattern, replacement in (FUSED if family == "phi3" else []) + TENSOR_NAMES:
+    for pattern, replacement in (FUSED if family == "phi3" else GEMMA3_NORMS if family == "gemma3_text" else []) \
+            + TENSOR_NAMES:
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
     return None
@@ -317,11 +354,15 @@ def stored(reader, config: dict) -> Iterator[RawTensor]:
                    "transformers folder instead)" if t.name.startswith("rope_factors_") else
                    f"specdec's {config['model_type']} has no such weight")
             raise SpecdecError(f"GGUF tensor {t.name!r} is refused: {why}")
-        data = t.data
+        data, kind, shape = t.data, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape))
         if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             data = unpermute(data, heads)
-        yield RawTensor(name, t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), data)
+        if config["model_type"] == "gemma3_text" and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norms as 1 + w; specdec, as transformers, holds w (and computes 1 + w)
+            values = dequantized(RawTensor(name, t.name, kind, shape, data)).numpy()
+            data, kind = np.asarray(values - 1, np.float32), "F32"
+        yield RawTensor(name, t.name, kind, shape, data)
 
 
 def dequantizable(qtype) -> bool:

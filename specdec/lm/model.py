@@ -1,6 +1,7 @@
 """A Llama-style causal LM (RMSNorm, rotary positions, gated MLP, grouped-query attention) with the
 variations of the families in arch.py (biases, q/k norms, partial and scaled rotary, Gemma's norm
-offset, embedding scale and GELU), all described by one `Arch`.
+offset, embedding scale and GELU; Gemma 3's norms around attention and MLP, local sliding-window
+layers with their own rotary base, query scale and soft-capped logits), all described by one `Arch`.
 
 Parameter names and numerics follow transformers' `LlamaForCausalLM` (and the family's own model
 for the variations), so a checkpoint is interchangeable with it (see checkpoint.py). One forward
@@ -239,8 +240,9 @@ def place(module: nn.Module, device: torch.device | str) -> nn.Module:
     outside its state (inv_freq, which stays fp32 whatever dtype the module computes in)."""
     module.to(device)
     for m in module.modules():
-        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
-            m.inv_freq = m.inv_freq.to(device)
+        for name in ("inv_freq", "local_inv_freq"):
+            if isinstance(getattr(m, name, None), torch.Tensor):
+                setattr(m, name, getattr(m, name).to(device))
     return module
 
 
@@ -272,15 +274,19 @@ class Window:
     """The new tokens of one forward, shared by every layer: their positions (B, T), the KV cache
     they join (None: training, causal over the input) and which new tokens each one sees (tree
     (B, T, T) bool, itself included; None: causal). The kernels read just these; the PyTorch
-    path's rotary tables, cache slots and additive mask are computed on first use."""
+    path's rotary tables, cache slots and additive mask are computed on first use, and so are the
+    local layers' (Gemma 3: their own inverse frequencies, keys further than `sliding_window`
+    positions behind a query masked)."""
 
     def __init__(self, positions: torch.Tensor | None, inv_freq: torch.Tensor, dtype: torch.dtype,
                  cache: KVCache | None = None, tree: torch.Tensor | None = None, width: int | None = None,
-                 rotary_factor: float = 1.0):
+                 rotary_factor: float = 1.0, local_inv_freq: torch.Tensor | None = None,
+                 sliding_window: int | None = None):
         """positions None: each row's cache length (0 without a cache) + 0..width-1; rotary_factor:
-        on cos and sin (Arch.attention_factor)."""
+        on cos and sin (Arch.attention_factor); local_inv_freq and sliding_window: the local layers'."""
         self.given_positions, self.inv_freq, self.dtype, self.cache, self.tree = positions, inv_freq, dtype, cache, tree
         self.rotary_factor = rotary_factor
+        self.local_inv_freq, self.sliding_window = local_inv_freq, sliding_window
         self.width = positions.shape[1] if positions is not None else width
 
     @cached_property
@@ -304,6 +310,35 @@ class Window:
     @cached_property
     def rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary(self.positions, self.inv_freq, self.dtype, self.rotary_factor)
+
+    @cached_property
+    def local_rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(self.positions, self.local_inv_freq, self.dtype)
+
+    @cached_property
+    def local_mask(self) -> torch.Tensor | None:
+        """The mask of a local layer: `mask`, with every key sliding_window or more positions behind
+        its query hidden (additive (B, 1, T, S) with a cache; boolean (B or 1, 1, T, T) without)."""
+        W, T = self.sliding_window, self.width
+        if self.cache is None:
+            if T <= W:
+                return self.mask
+            pos = self.positions                                          # (B, T)
+            seen = (torch.ones(T, T, dtype=torch.bool, device=pos.device).tril()[None] if self.tree is None
+                    else self.tree)                                       # (B or 1, T, T)
+            near = (pos[:, :, None] - pos[:, None, :]) < W                # (B, T, T)
+            return (seen & near)[:, None]
+        if self.span <= W:  # no key lies a window behind any query
+            return self.mask
+        lengths = self.cache.lengths[:, None]                                      # (B, 1)
+        key = torch.arange(self.span, device=lengths.device)[None]                 # (1, S)
+        rel = key - lengths                                                         # (B, S) index among new tokens
+        new = (rel >= 0) & (rel < T)
+        key_pos = torch.where(new, self.positions.gather(1, rel.clamp(0, T - 1)), key)  # (B, S)
+        far = (self.positions[:, :, None] - key_pos[:, None, :]) >= W                  # (B, T, S)
+        mask = self.mask if self.mask is not None else torch.zeros(
+            far.shape[0], 1, T, self.span, dtype=self.dtype, device=far.device)
+        return mask.masked_fill(far[:, None], float("-inf"))
 
     @cached_property
     def slots(self):
@@ -332,10 +367,13 @@ _NO_ROWS = torch.empty(0)  # a Stack's forward without an EAGLE-3 layer's 2C-wid
 class Attention(nn.Module):
     """q, k and v come from one fused projection (one matmul instead of three per token); the
     checkpoint stores them as transformers' separate q_proj / k_proj / v_proj (see hf_state_dict),
-    or fused (Phi-3). Qwen3 normalises each head's q and k (q_norm, k_norm) before rotation."""
+    or fused (Phi-3). Qwen3 and Gemma 3 normalise each head's q and k (q_norm, k_norm) before rotation.
+    A local layer (Gemma 3) rotates with its own frequencies and sees the last sliding_window positions."""
 
-    def __init__(self, cfg: Arch):
+    def __init__(self, cfg: Arch, local: bool = False):
         super().__init__()
+        self.local = local
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.attention_scale  # None: SDPA's 1/sqrt(D)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
@@ -350,17 +388,27 @@ class Attention(nn.Module):
         qk = qkv[:, :, :self.n_heads + self.n_kv]
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :, :self.n_heads]), self.k_norm(qk[:, :, self.n_heads:])), dim=2)
-        qk = apply_rotary(qk, *window.rotary)  # q and k rotated together
+        qk = apply_rotary(qk, *(window.local_rotary if self.local else window.rotary))  # q and k rotated together
         q, k, v = qk[:, :, :self.n_heads], qk[:, :, self.n_heads:], qkv[:, :, self.n_heads + self.n_kv:]
         if window.cache is not None:  # the cached keys and values with the new ones: (B, Hkv, S, D)
             k, v = window.cache.write(layer, window.slots, k, v, window.span)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache kept at a lower precision (new_cache's dtype)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,
-                                           attn_mask=window.mask, is_causal=window.mask is None and T > 1,
-                                           enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        mask = window.local_mask if self.local else window.mask
+        q = q.transpose(1, 2)
+        # Inference in fp32 on the CPU: in fp64, rounded back. PyTorch's attention sums a query row in an
+        # order that depends on how many rows come with it, and a last-bit difference can move an
+        # activation across an int8 rounding of the quantized matrices (a few hundredths on the logits):
+        # in fp64 the rows agree to far below fp32's rounding, so a token's result does not depend on
+        # being verified alone, in a window or in a whole sequence without a cache (the kernels'
+        # row-invariance, which speculation relies on).
+        if q.dtype == torch.float32 and q.device.type == "cpu" and not torch.is_grad_enabled():
+            q, k, v = q.double(), k.double(), v.double()
+            mask = mask.double() if mask is not None and mask.dtype != torch.bool else mask
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.to(x.dtype).transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -379,15 +427,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(StackedLayers, nn.Module):
-    """One layer; its `stack` (StackedLayers) runs it alone as one kernel call, used with a cache."""
+    """One layer; its `stack` (StackedLayers) runs it alone as one kernel call, used with a cache.
+    With sandwich norms (Gemma 3), as transformers names them: post_attention_layernorm normalises the
+    attention's output, pre_ and post_feedforward_layernorm the MLP's input and output; otherwise
+    post_attention_layernorm is the MLP's input norm (Llama's name). local: a sliding-window layer."""
 
-    def __init__(self, cfg: Arch):
+    def __init__(self, cfg: Arch, local: bool = False):
         super().__init__()
         self.config = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, local)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
     def stacked(self) -> list[DecoderLayer]:
         return [self]
@@ -401,6 +456,9 @@ class DecoderLayer(StackedLayers, nn.Module):
         stacked = self.stacked_forward(x, window, layer)
         if stacked is not None:
             return stacked[0]
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), layer, window))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), layer, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -420,7 +478,7 @@ class Trunk(nn.Module):
     def __init__(self, cfg: Arch):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i in cfg.local_layers) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.embedding_scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
 
@@ -466,6 +524,7 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # derived from the config, not a weight: kept out of the state dict and in fp32
         self.inv_freq = cfg.inv_freq()
+        self.local_inv_freq = cfg.local_inv_freq()  # the local layers' (Gemma 3), None where none is
 
     @property
     def abilities(self) -> Abilities:
@@ -539,7 +598,8 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
             raise ValueError(f"position {last} is beyond the model's context of "
                              f"{self.config.max_position_embeddings} tokens")
         x = self.model.embed(tokens)  # (B, T, C)
-        window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T, self.config.attention_factor)
+        window = Window(positions, self.inv_freq, x.dtype, cache, attention_mask, T, self.config.attention_factor,
+                        self.local_inv_freq, self.config.sliding_window)
         if cache is not None:
             cache.reserve(T)
         keep = sorted(i for i in set(output_layers) if 0 <= i < len(self.model.layers))
@@ -559,7 +619,10 @@ class LlamaForCausalLM(StackedLayers, nn.Module):
         picked = hidden if logits_index is None else hidden.gather(
             1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
         head = self.lm_head if unembedding is None else unembedding
-        return ModelOutput(head(picked), hidden, layers)
+        logits = head(picked)
+        if (cap := self.config.final_logit_softcapping) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return ModelOutput(logits, hidden, layers)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under transformers' names for the architecture: q/k/v and gate/up split
