@@ -36,7 +36,7 @@ from specdec.kernels import blocks
 from specdec.lm import gguf
 from specdec.lm.gguf_blocks import FORMATS
 
-from .gguf_helpers import Q, byte_level_tokenizer, gguf_names, hf_model, quantize_any, write_gguf
+from ..gguf_helpers import Q, byte_level_tokenizer, gguf_names, hf_model, quantize_any, write_gguf
 from .test_quant import RUNS, assert_speculation_equals_plain_on_each_isa
 
 LOGITS_TOL = 1e-4
