@@ -45,7 +45,8 @@ from torch import nn
 from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.gguf import target_config
-from ..lm.model import DecoderLayer, Linear, RMSNorm, StackedLayers, Window
+from ..lm.model import DecoderLayer, Linear, RMSNorm, StackedLayers
+from ..lm.window import Window
 from .eagle import check_head_fits as check_eagle_head_fits
 from .eagle import check_draft_ids, check_layer_ids
 from .folder import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder

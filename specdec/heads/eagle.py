@@ -51,8 +51,8 @@ from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.checkpoint import hf_config
 from ..lm.device import placement
-from ..lm.model import (MLP, Attention, DecoderLayer, Linear, RMSNorm, StackedLayers, Window, apply_rotary,
-                        kernel_layer, rotary)
+from ..lm.model import MLP, Attention, DecoderLayer, Linear, RMSNorm, StackedLayers, kernel_layer
+from ..lm.window import Window, apply_rotary, rotary
 from .folder import HeadFolder, check_head_target, load_head, read_single_head_meta, started_from, write_head_folder
 
 KIND = "eagle3"

@@ -32,7 +32,8 @@ from ..errors import SpecdecError
 from ..lm.arch import Arch
 from ..lm.device import placement
 from ..lm.kv_cache import KVCache
-from ..lm.model import DecoderLayer, Linear, RMSNorm, Window
+from ..lm.model import DecoderLayer, Linear, RMSNorm
+from ..lm.window import Window
 from .folder import HeadFolder, load_head, read_head_meta, write_head_folder
 
 

@@ -20,7 +20,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import save_model, sha256
-from specdec.lm.model import apply_rotary, inverse_frequencies, rotary
+from specdec.lm.window import apply_rotary, inverse_frequencies, rotary
 
 from ..conftest import TINY, tiny_model
 
