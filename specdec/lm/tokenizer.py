@@ -129,13 +129,26 @@ class Tokenizer:
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         """The ids of `text`; special_tokens=False encodes special-token text in it ("<|im_start|>")
         as the characters it is, not as the control token."""
-        tok = self.tok if special_tokens else self.text_only
+        tok = self.tok if special_tokens or not self.holds_special_text(text) else self.text_only
         return tok.encode(text, add_special_tokens=False).ids
+
+    def holds_special_text(self, text: str) -> bool:
+        """Whether `text` holds a special token's text, so that encoding it as text differs from encoding
+        it with control tokens (else the two agree, and no copy of the tokenizer is needed)."""
+        return self.special_texts is None or any(special in text for special in self.special_texts)
+
+    @cached_property
+    def special_texts(self) -> tuple[str, ...] | None:
+        """The special tokens' texts as the tokenizer finds them in raw text; None where one is found
+        in the normalized text instead (any text may then hold it)."""
+        added = [t for t in self.tok.get_added_tokens_decoder().values() if t.special]
+        return None if any(t.normalized for t in added) else tuple(t.content for t in added)
 
     @cached_property
     def text_only(self) -> _HFTokenizer:
         """A copy of the tokenizer that encodes special-token text as text (a copy: the setting is
-        the tokenizer's, and threads encode with both at once)."""
+        the tokenizer's, and threads encode with both at once), made for the first text that holds some
+        (a vocabulary's copy is tens of MB)."""
         tok = _HFTokenizer.from_str(self.tok.to_str())
         tok.encode_special_tokens = True
         return tok
