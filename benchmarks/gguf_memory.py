@@ -1,5 +1,5 @@
 """Resident memory of a GGUF file run as stored, stage by stage: the runtime alone (Python, torch,
-specdec, the CPU kernels loaded), the model (gguf_blocks.load_as_stored), the tokenizer (gguf.tokenizer),
+specdec, the CPU kernels loaded, transformers' tokenizer classes imported: code, the same for every file), the model (gguf_blocks.load_as_stored), the tokenizer (gguf.tokenizer),
 then a plain greedy decode. Per stage: the peak while it ran (VmHWM, reset before it through
 /proc/self/clear_refs) and what stays resident after it (VmRSS, split into anonymous memory, RssAnon, and
 the file's mapped pages, RssFile), each in MB and as a multiple of the file's size. The model and the
@@ -57,6 +57,9 @@ def main() -> None:
     from specdec.lm.gguf_blocks import load_as_stored, release_freed_memory
 
     kernels.compiled()
+    # the code a GGUF's load runs, imported before anything of the file is read: the runtime's own memory
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
+    from transformers.integrations.gguf import gguf_tokenizer_mapping  # noqa: F401
     size = args.file.stat().st_size
     if args.profile:
         profile = cProfile.Profile()
@@ -94,7 +97,7 @@ def main() -> None:
     stage("decode")
     base = stages["runtime"]["VmRSS"]
     print(f"{args.file.name}: {size / 1e6:.0f} MB; runtime baseline {base / 1e6:.0f} MB "
-          f"(Python, torch, specdec, the kernels); {len(result.tokens[0])} tokens decoded")
+          f"(Python, torch, specdec, the kernels, transformers' tokenizers); {len(result.tokens[0])} tokens decoded")
     print(f"{'stage':<10} {'peak MB':>8} {'RSS MB':>8} {'anon MB':>8} {'file MB':>8} {'peak/file':>9} "
           f"{'RSS/file':>8} {'(RSS-base)/file':>15}")
     for name, s in stages.items():

@@ -32,6 +32,7 @@ This module knows nothing about models, sampling or serving.
 """
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from functools import cached_property, lru_cache
@@ -60,8 +61,8 @@ class Tokenizer:
     def __init__(self, tok: _HFTokenizer, prefix: tuple[int, ...] = (EOS_ID,), eos_ids: tuple[int, ...] = (EOS_ID,),
                  folder: Path | None = None, chat=None):
         """prefix: the ids every prompt starts with; eos_ids: the ids that end a generation; folder:
-        the checkpoint folder it was loaded from (its chat template is there), if any; chat: a
-        transformers tokenizer held in memory that renders the chat template instead (a GGUF file's)."""
+        the checkpoint folder it was loaded from (its chat template is there), if any; chat: the
+        HeldChat that renders the chat template instead (a GGUF file's)."""
         self.tok = tok
         self.prefix, self.eos_ids = list(prefix), tuple(eos_ids)
         self.eos_id = eos_ids[0] if eos_ids else None
@@ -98,10 +99,11 @@ class Tokenizer:
     @classmethod
     def held(cls, tok: _HFTokenizer, chat, settings: dict, config: dict, where: str) -> "Tokenizer":
         """A foreign checkpoint's tokenizer held in memory (a GGUF file's, lm/gguf.py): `tok` its
-        tokenizer, `chat` the transformers tokenizer that renders its chat template, `settings` what a
-        tokenizer_config.json would say (bos_token, eos_token, add_bos_token), `config` its config.json's
-        keys; the prompt rules are a folder's (`rules`). `where` names it in errors."""
-        return cls(tok, *rules(tok, settings, config, {}, where), chat=chat)
+        tokenizer, `chat` the transformers tokenizer whose copy renders its chat template (`HeldChat`: `tok`
+        may be its backend), `settings` what a tokenizer_config.json would say (bos_token, eos_token,
+        add_bos_token), `config` its config.json's keys; the prompt rules are a folder's (`rules`).
+        `where` names it in errors."""
+        return cls(tok, *rules(tok, settings, config, {}, where), chat=HeldChat(chat))
 
     @property
     def has_chat_template(self) -> bool:
@@ -113,7 +115,7 @@ class Tokenizer:
     def chat_template(self) -> "ChatTemplate":
         """The checkpoint's chat template (ChatTemplate), or SpecdecError where it has none."""
         if self.chat is not None:
-            return held_template(self.chat)
+            return held_template(self.chat.tokenizer())
         if self.folder is None:
             raise SpecdecError("a chat needs the checkpoint's chat template: load the tokenizer from its folder "
                                "or its GGUF file")
@@ -296,6 +298,22 @@ class ChatTemplate:
         """The rendered prompt's token ids (message text encoded as text, control tokens as tokens)."""
         return list(self.tokenizer.apply_chat_template(check_messages(messages), tokenize=True, return_dict=False,
                                                        add_generation_prompt=True, sanitize_control_tokens=True))
+
+
+class HeldChat:
+    """A transformers tokenizer held in memory for its chat template, used through a copy made when a
+    chat first needs it: transformers sets its own options on the backend a tokenizer holds, and the
+    source's backend may be the one specdec encodes prompts with (a second copy of a 151k vocabulary,
+    tens of MB, that a plain decode never needs)."""
+
+    def __init__(self, source):
+        self.source, self.chat_template, self.copy = source, source.chat_template, None
+
+    def tokenizer(self):
+        with LOADING:
+            if self.copy is None:
+                self.copy = copy.deepcopy(self.source)
+        return self.copy
 
 
 # transformers imports its classes lazily, and not thread-safely: the server encodes requests on
