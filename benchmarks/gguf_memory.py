@@ -1,9 +1,10 @@
 """Resident memory of a GGUF file run as stored, stage by stage: the runtime alone (Python, torch,
-specdec, the CPU kernels loaded, transformers' tokenizer classes imported: code, the same for every file), the model (gguf_blocks.load_as_stored), the tokenizer (gguf.tokenizer),
-then a plain greedy decode. Per stage: the peak while it ran (VmHWM, reset before it through
-/proc/self/clear_refs) and what stays resident after it (VmRSS, split into anonymous memory, RssAnon, and
-the file's mapped pages, RssFile), each in MB and as a multiple of the file's size. The model and the
-tokenizer stages hold the open file as api.load does while it loads; "loaded" is what api.load returns.
+specdec, the CPU kernels loaded, transformers' tokenizer classes imported: code, the same for every
+file), the model (gguf_blocks.load_as_stored), the tokenizer (gguf.tokenizer), then a plain greedy
+decode. Per stage: the peak while it ran (VmHWM, reset before it through /proc/self/clear_refs) and
+what stays resident after it (VmRSS, split into anonymous memory, RssAnon, and the file's mapped
+pages, RssFile), each in MB and as a multiple of the file's size. The model and the tokenizer stages
+hold the open file as api.load does while it loads; "loaded" is what api.load returns.
 
     python benchmarks/gguf_memory.py FILE.gguf [--tokens 32] [--profile N]
 

@@ -21,8 +21,8 @@ The model holds what it runs and nothing beside it (`load_as_stored`): built on 
 filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
 holds about the file's size (the kernels' layout holds each format in the file's bytes); the file's
 pages of each tensor are let go once it is packed (gguf_file.GGUFFile.release), so that the load never
-holds the file beside its copy, and what the load freed goes back to the system. The architecture comes from the file's metadata (gguf.config_of);
-nothing is written to disk.
+holds the file beside its copy, and what the load freed goes back to the system. The architecture
+comes from the file's metadata (gguf.config_of); nothing is written to disk.
 This module knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or
 about decoding.
 """
