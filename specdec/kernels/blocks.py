@@ -352,8 +352,11 @@ def _codes(u: torch.Tensor, nibbles: bool) -> torch.Tensor:
     P, _, nb, _ = u.shape
     if not nibbles:
         return u.reshape(P, LANES, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(P, nb, 512)
-    u = u.reshape(P, LANES, nb, 2, 4, 4)
-    return (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(P, nb, 256)
+    u = u.reshape(P, LANES, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # (P, nb, low/high, i, 16, 4)
+    out = torch.empty(P, nb, 4, LANES, 4, dtype=torch.uint8)  # written in place: two passes, no transposed copy
+    torch.bitwise_left_shift(u[:, :, 1], 4, out=out)
+    out |= u[:, :, 0]
+    return out.reshape(P, nb, 256)
 
 
 def _uncodes(codes: torch.Tensor, nibbles: bool) -> torch.Tensor:
