@@ -1,12 +1,12 @@
 """Resident memory of a GGUF file run as stored, stage by stage: the runtime alone (Python, torch,
 specdec, the CPU kernels loaded, transformers' tokenizer classes imported: code, the same for every
-file), the model (gguf_blocks.load_as_stored), the tokenizer (gguf.tokenizer), then a plain greedy
-decode. Per stage: the peak while it ran (VmHWM, reset before it through /proc/self/clear_refs) and
-what stays resident after it (VmRSS, split into anonymous memory, RssAnon, and the file's mapped
-pages, RssFile), each in MB and as a multiple of the file's size. The model and the tokenizer stages
-hold the open file as api.load does while it loads; "loaded" is what api.load returns.
+file), the load (api.load; with --split its two steps, the model by gguf_blocks.load_as_stored and
+the tokenizer by gguf.tokenizer, holding the open file between them as api.load does), then a plain
+greedy decode. Per stage: the peak while it ran (VmHWM, reset before it through /proc/self/clear_refs)
+and what stays resident after it (VmRSS, split into anonymous memory, RssAnon, and the file's mapped
+pages, RssFile), each in MB and as a multiple of the file's size.
 
-    python benchmarks/gguf_memory.py FILE.gguf [--tokens 32] [--profile N]
+    python benchmarks/gguf_memory.py FILE.gguf [--tokens 32] [--split] [--profile N]
 
 --profile N: the load's cProfile instead, its N largest cumulative shares (timings on a busy machine
 are not worth more than their shares). Linux only (/proc). Prints a table, then one JSON line.
@@ -48,14 +48,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("file", type=Path)
     parser.add_argument("--tokens", type=int, default=32, help="tokens of the plain greedy decode")
+    parser.add_argument("--split", action="store_true", help="the model and the tokenizer as two stages (api.load's "
+                        "steps, each measured), not api.load as one")
     parser.add_argument("--profile", type=int, default=0, help="profile the load instead: its N largest shares")
     args = parser.parse_args()
 
-    import torch
-
-    from specdec import api, kernels
+    from specdec import api, kernels  # first, as the command line imports it (before torch: specdec/openmp.py)
     from specdec.lm import gguf
     from specdec.lm.gguf_blocks import load_as_stored, release_freed_memory
+    import torch
 
     kernels.compiled()
     # the code a GGUF's load runs, imported before anything of the file is read: the runtime's own memory
@@ -86,14 +87,17 @@ def main() -> None:
         reset_peak()
 
     stage("runtime")
-    reader = gguf.open_file(args.file)
-    model = load_as_stored(args.file, reader=reader)
-    stage("model")
-    tokenizer = gguf.tokenizer(args.file, reader)
-    stage("tokenizer")
-    del reader  # as api.load returns: the file's mapping goes with the reader
+    if args.split:
+        reader = gguf.open_file(args.file)
+        model = load_as_stored(args.file, reader=reader)
+        stage("model")
+        tokenizer = gguf.tokenizer(args.file, reader)
+        stage("tokenizer")
+        del reader  # as api.load returns: the file's mapping goes with the reader
+        loaded = api.Loaded(model, tokenizer, args.file)
+    else:
+        loaded = api.load(args.file)
     stage("loaded")
-    loaded = api.Loaded(model, tokenizer, args.file)
     result = api.generate(loaded, ["def fibonacci(n):"], max_new_tokens=args.tokens)
     stage("decode")
     base = stages["runtime"]["VmRSS"]
