@@ -111,6 +111,7 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     if gguf.is_gguf(file):
         reader = gguf.open_file(file)  # mapped once: its metadata and tensors serve the model and the tokenizer
         model, tokenizer, counts = load_gguf(file, reader, dtype, device, quantize), gguf.tokenizer(file, reader), None
+        del reader  # its metadata (a vocabulary's strings) freed before the trim below, its mapping closed
     else:
         if quantize in (AS_STORED, CONVERTED):
             raise SpecdecError(f"--quantize {quantize} is for a .gguf file (as stored; its bf16 conversion), and "

@@ -206,20 +206,32 @@ class Matrix:
         return cls(stored.format, stored.shape, blocks.pack(stored), fine=fine, damage=blocks.stored_error(stored))
 
     @classmethod
-    def from_gguf(cls, raw, format: str, shape: tuple[int, int]) -> Matrix:
+    def from_gguf(cls, raw, format: str, shape: tuple[int, int], release=None) -> Matrix:
         """A GGUF tensor's raw blocks (N rows of bytes, blocks.from_gguf) or values (a float format: its
-        values, or their bytes) packed exactly, SLICE rows at a time: what is unpacked at once (a byte per
-        code, and its copies) stays small beside a table of V rows."""
+        values, or their bytes) packed exactly, SLICE rows at a time into the matrix's panels: what is
+        unpacked at once (a byte per code, and its copies) stays small beside a table of V rows, and
+        nothing the size of the matrix is made beside its panels. `raw` may be a list of such arrays,
+        their rows stacked (the parts of a fused matrix, of one type). release: called with each part's
+        rows once they are packed (the file's pages can go: gguf_file.GGUFFile.release)."""
         N, K = shape
-        if format in FLOAT_FORMATS:
-            return cls(format, shape, torch.cat([pack(float_values(raw[i:i + SLICE], format, (min(SLICE, N - i), K)))
-                                                 for i in range(0, N, SLICE)]))
-        packed, damage = [], None
+        parts = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        data, damage = None, None
         for i in range(0, N, SLICE):
-            part = blocks.from_gguf(raw[i:i + SLICE], format, (min(SLICE, N - i), K))
-            damage = damage or blocks.stored_error(part)
-            packed.append(blocks.pack(part))
-        return cls(format, shape, torch.cat(packed), damage=damage)
+            n = min(SLICE, N - i)
+            pieces = stacked_rows(parts, i, i + n)
+            rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+            if format in FLOAT_FORMATS:
+                panels = pack(float_values(rows, format, (n, K)))
+            else:
+                part = blocks.from_gguf(rows, format, (n, K))
+                damage = damage or blocks.stored_error(part)
+                panels = blocks.pack(part)
+            if data is None:
+                data = torch.empty((-(-N // LANES),) + tuple(panels.shape[1:]), dtype=panels.dtype)
+            data[i // LANES:i // LANES + len(panels)] = panels
+            for piece in pieces if release is not None else ():
+                release(piece)
+        return cls(format, shape, data, damage=damage)
 
     @classmethod
     def from_runs(cls, parts: list[blocks.Blocks]) -> Matrix:
@@ -310,6 +322,17 @@ class Matrix:
             return Matrix.store(self.dense()[ids], self.format)
         rows = self.row_blocks(ids)
         return Matrix(rows.format, rows.shape, blocks.pack(rows), fine=self.fine)
+
+
+def stacked_rows(parts: list[np.ndarray], start: int, stop: int) -> list[np.ndarray]:
+    """Rows start..stop of arrays stacked along their first axis, as views of the parts they lie in."""
+    pieces, at = [], 0
+    for part in parts:
+        lo, hi = max(start - at, 0), min(stop - at, len(part))
+        if lo < hi:
+            pieces.append(part[lo:hi])
+        at += len(part)
+    return pieces
 
 
 def float_values(raw, format: str, shape: tuple[int, int]) -> torch.Tensor:

@@ -137,6 +137,8 @@ def stored_error(blocks: Blocks) -> str | None:
 
 
 def _nonfinite_error(t: torch.Tensor, what: str) -> str | None:
+    if t.dtype == torch.float16 and not ((t.view(torch.int16) & 0x7C00) == 0x7C00).any():
+        return None  # no fp16 with every exponent bit set (inf, NaN): the common case, read as integers
     bad = ~torch.isfinite(t)
     if not bad.any():
         return None
@@ -328,8 +330,13 @@ PANEL_BLOCK_BYTES = {f: LANES * b.bytes * BLOCK // b.size for f, b in BLOCK_FORM
 def _per_panel(t: torch.Tensor, P: int) -> torch.Tensor:
     """(N, n[, e]) of any dtype -> (P, n, 16 x bytes): the 16 outputs of each panel side by side (zero past N)."""
     N, n = t.shape[:2]
-    t = torch.nn.functional.pad(t.contiguous().view(torch.uint8).reshape(N, n, -1), (0, 0, 0, 0, 0, P * LANES - N))
+    t = _rows_to(t.contiguous().view(torch.uint8).reshape(N, n, -1), P * LANES)
     return t.reshape(P, LANES, n, -1).transpose(1, 2).reshape(P, n, -1).contiguous()
+
+
+def _rows_to(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with zero rows after its own up to `rows` (t itself, not a copy, where it has them all)."""
+    return t if len(t) == rows else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - len(t)))
 
 
 def _from_panel(t: torch.Tensor, N: int, dtype: torch.dtype) -> torch.Tensor:
@@ -345,8 +352,11 @@ def _codes(u: torch.Tensor, nibbles: bool) -> torch.Tensor:
     P, _, nb, _ = u.shape
     if not nibbles:
         return u.reshape(P, LANES, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(P, nb, 512)
-    u = u.reshape(P, LANES, nb, 2, 4, 4)
-    return (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(P, nb, 256)
+    u = u.reshape(P, LANES, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # (P, nb, low/high, i, 16, 4)
+    out = torch.empty(P, nb, 4, LANES, 4, dtype=torch.uint8)  # written in place: two passes, no transposed copy
+    torch.bitwise_left_shift(u[:, :, 1], 4, out=out)
+    out |= u[:, :, 0]
+    return out.reshape(P, nb, 256)
 
 
 def _uncodes(codes: torch.Tensor, nibbles: bool) -> torch.Tensor:
@@ -391,10 +401,13 @@ def _unfifth_bits(packed: torch.Tensor) -> torch.Tensor:
 def _six_bits(c: torch.Tensor) -> torch.Tensor:
     """Q4_K's sub-block scales (..., 4 loads C_t, 4 bytes: [sc, m] of sub-blocks 2t, 2t+1; 6 bits each)
     -> (..., 3, 4) in their 6 bits (kquant.h): the low nibbles of C_{2u} and C_{2u+1} in load u, low and
-    high, then the high bit pairs of C_t as bits 2t, 2t+1 of load 2."""
-    low = c & 15
-    high = sum(((c[..., t, :] >> 4) & 3) << (2 * t) for t in range(4))
-    return torch.stack((low[..., 0, :] | low[..., 1, :] << 4, low[..., 2, :] | low[..., 3, :] << 4, high), dim=-2)
+    high, then the high bit pairs of C_t as bits 2t, 2t+1 of load 2. Computed on a load's 4 bytes as one
+    int32 (every mask and shift stays within a byte)."""
+    v = c.contiguous().view(torch.int32)[..., 0]  # (..., 4): load t's 4 bytes
+    low, high = v & 0x0F0F0F0F, (v >> 4) & 0x03030303
+    loads = (low[..., 0] | low[..., 1] << 4, low[..., 2] | low[..., 3] << 4,
+             high[..., 0] | high[..., 1] << 2 | high[..., 2] << 4 | high[..., 3] << 6)
+    return torch.stack(loads, dim=-1).view(torch.uint8).reshape(*c.shape[:-2], 3, 4)
 
 
 def _unsix_bits(p: torch.Tensor) -> torch.Tensor:
@@ -413,7 +426,7 @@ def pack(blocks: Blocks) -> torch.Tensor:
     low 4 as nibbles, then its high 2, _bit_pairs)."""
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
-    u = torch.nn.functional.pad(blocks.codes, (0, 0, 0, P * LANES - N)).reshape(P, LANES, nb, BLOCK)
+    u = _rows_to(blocks.codes, P * LANES).reshape(P, LANES, nb, BLOCK)
 
     def fifth() -> list[torch.Tensor]:  # 5-bit codes, as the file holds them (made only for the formats that have them)
         return [_codes(u & 15, nibbles=True), _fifth_bits(u >> 4)]

@@ -413,15 +413,13 @@ def tokenizer(path: str | Path, reader=None) -> Tokenizer:
     prompt rules: its BOS first where the file says so (`adds_bos`), its end-of-generation set
     (`end_ids`) ending a generation; its chat template rendered by transformers. reader: the file
     already open (`open_file`)."""
-    from tokenizers import Tokenizer as Backend
-
     path = Path(path)
     reader = open_file(path) if reader is None else reader
     config = config_of(reader, path.name)
     hf = hf_tokenizer(path)
     settings = {"bos_token": hf.bos_token, "eos_token": hf.eos_token, "add_bos_token": adds_bos(reader)}
-    # a copy of its backend: the chat's transformers tokenizer sets its own options on the one it holds
-    return Tokenizer.held(Backend.from_str(hf.backend_tokenizer.to_str()), hf, settings, config, path.name)
+    # its backend, once: the chat renders with a copy of hf, made when first needed (Tokenizer.held)
+    return Tokenizer.held(hf.backend_tokenizer, hf, settings, config, path.name)
 
 
 def hf_tokenizer(path: Path):

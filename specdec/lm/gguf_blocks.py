@@ -19,9 +19,10 @@ file's values exactly; of another type (a float one included), those values in f
 
 The model holds what it runs and nothing beside it (`load_as_stored`): built on the meta device and
 filled tensor by tensor from the memory-mapped file, no float copy of a matrix is ever made, so it
-holds about the file's size (the kernels' layout holds each format in the file's bytes), and what
-the load freed goes back to the system. The architecture comes from the file's metadata (gguf.config_of);
-nothing is written to disk.
+holds about the file's size (the kernels' layout holds each format in the file's bytes); the file's
+pages of each tensor are let go once it is packed (gguf_file.GGUFFile.release), so that the load never
+holds the file beside its copy, and what the load freed goes back to the system. The architecture
+comes from the file's metadata (gguf.config_of); nothing is written to disk.
 This module knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or
 about decoding.
 """
@@ -33,7 +34,6 @@ import re
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .. import kernels
@@ -55,11 +55,12 @@ PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("se
          "mlp.down_proj": ("mlp.down_proj", 0)}
 
 
-def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[str, str]]:
+def gguf_matrices(raws: dict[str, RawTensor], release=None) -> tuple[dict[str, Matrix], dict[str, str]]:
     """The matrices of a GGUF file's tensors ({name: gguf.RawTensor}) as specdec's model holds them:
     {Linear name: Matrix} for those stored in a format the kernels run (every part of a fused one
     so), and {Linear name: GGUF type(s)} for the others. A file without output.weight ties the
-    unembedding to token_embd."""
+    unembedding to token_embd. release: called with each tensor's data once it is packed (the file's
+    pages can go: gguf_file.GGUFFile.release)."""
     parts: dict[str, list] = {}
     for name, raw in raws.items():
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and "lm_head.weight" not in raws):
@@ -75,23 +76,25 @@ def gguf_matrices(raws: dict[str, RawTensor]) -> tuple[dict[str, Matrix], dict[s
             continue
         in_order = [raw for _, raw in sorted(pieces, key=lambda p: p[0])]
         floats = [FORMATS[kind] in kernels.FLOAT_FORMATS for kind in kinds]
-        if len(pieces) == 1 or (kinds[1:] == [] and floats[0]):  # one tensor (an unembedding of V rows, say), or
-            # the parts of one float type stacked: packed a slice of rows at a time
+        if kinds[1:] == []:  # one tensor (an unembedding of V rows, say), or parts of one type stacked (blocks
+            # run along a row): packed a slice of rows at a time, straight from the file's bytes
             rows = sum(raw.shape[0] for raw in in_order), in_order[0].shape[1]
-            given[name] = Matrix.from_gguf(np.concatenate([raw.data for raw in in_order]), FORMATS[kinds[0]], rows)
+            given[name] = Matrix.from_gguf([raw.data for raw in in_order], FORMATS[kinds[0]], rows, release)
             continue
         if all(floats):  # parts in several float types: their values in f32, each exactly
             given[name] = Matrix.store(torch.cat([kernels.float_values(raw.data, FORMATS[raw.type], raw.shape).float()
                                                   for raw in in_order]), "f32")
-            continue
-        if any(floats):  # a float part beside quantized ones: runs hold quantized formats only
+        elif any(floats):  # a float part beside quantized ones: runs hold quantized formats only
             others[name] = "+".join(kinds)
             continue
-        stored = [from_gguf(raw.data, FORMATS[raw.type], raw.shape) for _, raw in sorted(pieces, key=lambda p: p[0])]
-        try:
-            given[name] = Matrix.from_runs(stored)  # parts of different types: runs, each as stored
-        except ValueError:  # runs the kernels cannot cut into panels
-            others[name] = "+".join(kinds)
+        else:
+            try:  # parts of different types: runs, each as stored
+                given[name] = Matrix.from_runs([from_gguf(raw.data, FORMATS[raw.type], raw.shape) for raw in in_order])
+            except ValueError:  # runs the kernels cannot cut into panels
+                others[name] = "+".join(kinds)
+                continue
+        for raw in in_order if release is not None else ():
+            release(raw.data)
     return given, others
 
 
@@ -115,7 +118,7 @@ def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32, device:
     check_types(reader, path.name)
     raws = {raw.name: raw for raw in raw_tensors(path, requantize, reader)}
     check_weights({name: raw.shape for name, raw in raws.items()}, cfg, path.name)
-    given, others = gguf_matrices(raws)
+    given, others = gguf_matrices(raws, reader.release)
     if others:
         kinds = sorted(set(others.values()))
         warnings.warn(f"specdec: {path.name}: {len(others)} matrices run from the converted checkpoint's bf16 "
@@ -124,7 +127,7 @@ def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32, device:
                       "16 outputs)", stacklevel=2)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    embedding = embedding_blocks(raws)
+    embedding = embedding_blocks(raws, reader.release)
     tied = "lm_head.weight" not in raws and "lm_head" in given
     tied_to_blocks = tied and given["lm_head"].quantized  # else a float table: the embedding holds its values
     held = set(given) | ({"model.embed_tokens"} if embedding is not None or tied_to_blocks else set())
@@ -146,6 +149,7 @@ def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32, device:
         else:
             linear.weight = torch.nn.Parameter(linear.weight.float(), requires_grad=False)
     model = store_matrices(place(model, "cpu").eval(), None, given)
+    reader.release()  # the model holds copies of everything it read (its blocks packed, the rest in fp32 or bf16)
     release_freed_memory()
     return model
 
@@ -168,10 +172,10 @@ def holder(name: str) -> str:
     return stem
 
 
-def embedding_blocks(raws: dict[str, RawTensor]) -> Matrix | None:
+def embedding_blocks(raws: dict[str, RawTensor], release=None) -> Matrix | None:
     """The file's own embedding table as its blocks, where they are in a kernel format (None for a tied
-    one: the unembedding's blocks serve both)."""
+    one: the unembedding's blocks serve both); release as gguf_matrices'."""
     raw = raws["model.embed_tokens.weight"]
     if "lm_head.weight" not in raws or FORMATS.get(raw.type) not in BLOCK_FORMATS:
         return None
-    return Matrix.from_gguf(raw.data, FORMATS[raw.type], raw.shape)
+    return Matrix.from_gguf(raw.data, FORMATS[raw.type], raw.shape, release)

@@ -3,8 +3,9 @@
 The layout (llama.cpp's gguf.h, versions 2 and 3, little-endian): the magic "GGUF", the version, the
 tensor and key counts, the keys with their typed values, each tensor's name, dims, type and offset,
 then the tensors' data from an aligned start (`general.alignment`, default 32). Reading it costs the
-header only: a tensor's `data` is a read-only numpy view of the file's pages (np.memmap), so nothing is
-copied until someone copies it, and processes mapping the same file share the page cache. A string
+header only: a tensor's `data` is a read-only numpy view of the file's mapped pages, so nothing is
+copied until someone copies it, and processes mapping the same file share the page cache; `release`
+lets this process's pages of a tensor go once it holds a copy in its own layout. A string
 array (a vocabulary, its merges) is walked once, in Python, without numpy per element: the `gguf`
 package's GGUFReader makes one array per element, seconds for a 150k-token vocabulary.
 
@@ -75,7 +76,7 @@ class GGUFFile:
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-self.pos // alignment) * alignment
         size = len(self.map)
-        values = np.memmap(self.path, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        values = np.frombuffer(self.map, np.uint8)  # read-only views of the one mapping (`release`)
         self.tensors: list[Tensor] = []
         for name, dims, type_id, offset in infos:
             qtype = GGMLQuantizationType(type_id)
@@ -96,6 +97,25 @@ class GGUFFile:
             self.tensors.append(Tensor(name, qtype, dims, n_bytes, data))
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("two tensors share a name")
+
+    def release(self, data: np.ndarray | None = None) -> None:
+        """Let go of this process's resident pages of `data` (a tensor's view of the map), or of the whole
+        file: a tensor copied into another layout (a model's packed blocks) need not keep the file's pages
+        beside the copy. Nothing changes for a reader: a page read again comes back from the page cache.
+        Memory that is not the map's (a tensor's copy, its rows reordered) is left alone."""
+        if not len(self.map) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, end = 0, len(self.map)
+        if data is not None:
+            if not data.flags.c_contiguous:
+                return
+            start = data.ctypes.data - np.frombuffer(self.map, np.uint8).ctypes.data
+            end = start + data.nbytes
+            if not 0 <= start <= end <= len(self.map):
+                return
+        start -= start % mmap.PAGESIZE  # whole pages: a neighbour's page dropped too comes back when read
+        if end > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def read(self, n: int) -> bytes:
         if self.pos + n > len(self.map):

@@ -32,6 +32,7 @@ This module knows nothing about models, sampling or serving.
 """
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from functools import cached_property, lru_cache
@@ -60,8 +61,8 @@ class Tokenizer:
     def __init__(self, tok: _HFTokenizer, prefix: tuple[int, ...] = (EOS_ID,), eos_ids: tuple[int, ...] = (EOS_ID,),
                  folder: Path | None = None, chat=None):
         """prefix: the ids every prompt starts with; eos_ids: the ids that end a generation; folder:
-        the checkpoint folder it was loaded from (its chat template is there), if any; chat: a
-        transformers tokenizer held in memory that renders the chat template instead (a GGUF file's)."""
+        the checkpoint folder it was loaded from (its chat template is there), if any; chat: the
+        HeldChat that renders the chat template instead (a GGUF file's)."""
         self.tok = tok
         self.prefix, self.eos_ids = list(prefix), tuple(eos_ids)
         self.eos_id = eos_ids[0] if eos_ids else None
@@ -98,10 +99,11 @@ class Tokenizer:
     @classmethod
     def held(cls, tok: _HFTokenizer, chat, settings: dict, config: dict, where: str) -> "Tokenizer":
         """A foreign checkpoint's tokenizer held in memory (a GGUF file's, lm/gguf.py): `tok` its
-        tokenizer, `chat` the transformers tokenizer that renders its chat template, `settings` what a
-        tokenizer_config.json would say (bos_token, eos_token, add_bos_token), `config` its config.json's
-        keys; the prompt rules are a folder's (`rules`). `where` names it in errors."""
-        return cls(tok, *rules(tok, settings, config, {}, where), chat=chat)
+        tokenizer, `chat` the transformers tokenizer whose copy renders its chat template (`HeldChat`: `tok`
+        may be its backend), `settings` what a tokenizer_config.json would say (bos_token, eos_token,
+        add_bos_token), `config` its config.json's keys; the prompt rules are a folder's (`rules`).
+        `where` names it in errors."""
+        return cls(tok, *rules(tok, settings, config, {}, where), chat=HeldChat(chat))
 
     @property
     def has_chat_template(self) -> bool:
@@ -113,7 +115,7 @@ class Tokenizer:
     def chat_template(self) -> "ChatTemplate":
         """The checkpoint's chat template (ChatTemplate), or SpecdecError where it has none."""
         if self.chat is not None:
-            return held_template(self.chat)
+            return held_template(self.chat.tokenizer())
         if self.folder is None:
             raise SpecdecError("a chat needs the checkpoint's chat template: load the tokenizer from its folder "
                                "or its GGUF file")
@@ -129,13 +131,26 @@ class Tokenizer:
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         """The ids of `text`; special_tokens=False encodes special-token text in it ("<|im_start|>")
         as the characters it is, not as the control token."""
-        tok = self.tok if special_tokens else self.text_only
+        tok = self.tok if special_tokens or not self.holds_special_text(text) else self.text_only
         return tok.encode(text, add_special_tokens=False).ids
+
+    def holds_special_text(self, text: str) -> bool:
+        """Whether `text` holds a special token's text, so that encoding it as text differs from encoding
+        it with control tokens (else the two agree, and no copy of the tokenizer is needed)."""
+        return self.special_texts is None or any(special in text for special in self.special_texts)
+
+    @cached_property
+    def special_texts(self) -> tuple[str, ...] | None:
+        """The special tokens' texts as the tokenizer finds them in raw text; None where one is found
+        in the normalized text instead (any text may then hold it)."""
+        added = [t for t in self.tok.get_added_tokens_decoder().values() if t.special]
+        return None if any(t.normalized for t in added) else tuple(t.content for t in added)
 
     @cached_property
     def text_only(self) -> _HFTokenizer:
         """A copy of the tokenizer that encodes special-token text as text (a copy: the setting is
-        the tokenizer's, and threads encode with both at once)."""
+        the tokenizer's, and threads encode with both at once), made for the first text that holds some
+        (a vocabulary's copy is tens of MB)."""
         tok = _HFTokenizer.from_str(self.tok.to_str())
         tok.encode_special_tokens = True
         return tok
@@ -283,6 +298,22 @@ class ChatTemplate:
         """The rendered prompt's token ids (message text encoded as text, control tokens as tokens)."""
         return list(self.tokenizer.apply_chat_template(check_messages(messages), tokenize=True, return_dict=False,
                                                        add_generation_prompt=True, sanitize_control_tokens=True))
+
+
+class HeldChat:
+    """A transformers tokenizer held in memory for its chat template, used through a copy made when a
+    chat first needs it: transformers sets its own options on the backend a tokenizer holds, and the
+    source's backend may be the one specdec encodes prompts with (a second copy of a 151k vocabulary,
+    tens of MB, that a plain decode never needs)."""
+
+    def __init__(self, source):
+        self.source, self.chat_template, self.copy = source, source.chat_template, None
+
+    def tokenizer(self):
+        with LOADING:
+            if self.copy is None:
+                self.copy = copy.deepcopy(self.source)
+        return self.copy
 
 
 # transformers imports its classes lazily, and not thread-safely: the server encodes requests on

@@ -150,8 +150,12 @@ def test_tokenizer_bos_eos_and_chat_template_come_from_the_metadata(written, tok
     # the file names <|im_end|> its EOS; llama.cpp also ends at the vocabulary's <|endoftext|>
     assert ours.prefix == [] and ours.eos_ids == (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
     messages = [{"role": "user", "content": "hi <|im_end|>"}]
+    if held == "in memory":  # one vocabulary held until a chat asks for the template's own copy
+        assert ours.has_chat_template and ours.chat.copy is None and ours.chat.source.backend_tokenizer is ours.tok
     chat = ours.chat_template()
     assert chat.tokenizer.chat_template == CHATML and ours.has_chat_template
+    if held == "in memory":
+        assert chat.tokenizer.backend_tokenizer is not ours.tok
     ids = chat.ids(messages)
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids.count(tok.token_to_id("<|im_end|>")) == 1
     assert ids == template(folder).ids(messages) and chat.stops == template(folder).stops

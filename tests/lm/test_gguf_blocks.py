@@ -4,10 +4,12 @@ each Linear holding the file's blocks, and compute the logits of transformers' m
 reference of those blocks (kernels/blocks.py) on weights quantized here in transformers' own row
 order; Phi-3 (fused projections) and Qwen3 files run every matrix as stored; speculative greedy
 equals plain greedy; a matrix of another type is named and runs; a model run as stored holds its blocks
-and nothing beside them (within 1.3x of the file's tensor bytes)."""
+and nothing beside them (within 1.3x of the file's tensor bytes), and none of the file's pages once loaded."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.kernels import blocks
 from specdec.lm import gguf
-from specdec.lm.gguf_blocks import FORMATS, gguf_matrices
+from specdec.lm.gguf_blocks import FORMATS, gguf_matrices, load_as_stored
 from specdec.lm.model import Linear
 from specdec.proposers import NgramProposer, SelfDraftProposer
 
@@ -193,6 +195,43 @@ def test_a_model_run_as_stored_holds_about_its_files_bytes(tied, tmp_path, gguf_
     prompts, rule, greedy = [[5, 9, 2, 5, 9]], StopRule(max_new_tokens=12), SamplingConfig()
     rows, metrics = speculative_generate(target, draft, prompts, rule, greedy, 3)
     assert rows[0].tokens == plain_generate(target, prompts, rule, greedy)[0][0].tokens and metrics.proposed > 0
+
+
+def resident_bytes_of(path) -> int:
+    """This process's resident bytes of its mappings of the file at `path` (Linux: /proc/self/smaps)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                ours = line.rstrip("\n").endswith(str(path))
+            elif ours and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_loaded_model_holds_none_of_the_files_pages_and_no_view_of_them(tmp_path, gguf_cache):
+    """The model holds copies in its own layout, so the file's pages need not stay beside them (RssFile):
+    after the load this process holds none of them, although the file is still open, and no tensor of
+    the model lies in the mapping. Releasing pages never touches memory that is not the map's."""
+    model = hf_model("qwen2", tie_word_embeddings=False, hidden_size=256, intermediate_size=512)
+    path = write_gguf(tmp_path / "medium.gguf", model, byte_level_tokenizer(), "qwen2", types=MEDIUM).resolve()
+    reader = gguf.open_file(path)
+    tensor_bytes = sum(t.n_bytes for t in reader.tensors)
+    assert sum(int(np.asarray(t.data).view(np.uint8).sum() >= 0) for t in reader.tensors)  # every page read once
+    assert resident_bytes_of(path) >= tensor_bytes  # what the measure sees
+    copy = np.array(reader.tensors[-1].data)
+    reader.release(copy)  # a copy is left alone (MADV_DONTNEED would zero anonymous pages)
+    assert np.array_equal(copy, reader.tensors[-1].data)
+    target = load_as_stored(path, reader=reader)
+    assert resident_bytes_of(path) == 0
+    start = np.frombuffer(reader.map, np.uint8).ctypes.data
+    held = [*target.parameters(), *target.buffers()] + [
+        t for m in target.modules() if getattr(m, "stored", None) is not None
+        for t in [m.stored.data, *(run.data for run in m.stored.runs or [])]]
+    assert held and not [t for t in held if start <= t.data_ptr() < start + len(reader.map)]
+    ids = torch.tensor([[5, 9, 2]])
+    assert torch.equal(target(ids).logits, load(path, quantize="gguf").model(ids).logits)  # pages read again as before
 
 
 # ---- a GGUF draft model: its draft vocabulary counted from local text ----

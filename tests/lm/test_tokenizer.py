@@ -86,3 +86,15 @@ def test_add_bos_token_in_tokenizer_config_decides_and_eos_falls_back_to_config(
 def test_specdecs_own_models_keep_the_document_separator_first(tiny_checkpoint):
     tok = Tokenizer.load(tiny_checkpoint)
     assert tok.prefix == [EOS_ID] and tok.eos_ids == (EOS_ID,)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.sampled_from(["a", " ", "<", "|", ">", "end", "of", "text", "\n", "<|endoftext|>"]),
+                       max_size=12))
+def test_special_token_text_is_encoded_as_text_with_a_copy_made_only_for_text_that_holds_some(tokenizer_file, pieces):
+    text = "".join(pieces)
+    tokenizer = Tokenizer.load(tokenizer_file)
+    copy = type(tokenizer.tok).from_str(tokenizer.tok.to_str())
+    copy.encode_special_tokens = True
+    assert tokenizer.encode(text, special_tokens=False) == copy.encode(text, add_special_tokens=False).ids
+    assert ("text_only" in vars(tokenizer)) == ("<|endoftext|>" in text)  # the copy: tens of MB for a real vocabulary
