@@ -358,3 +358,31 @@ def test_the_gguf_formats_evidence_measures_each_file_as_stored_against_its_dequ
     table = (out / "gguf-formats.md").read_text()
     assert "| tiny-F32.gguf |" in table and "| tiny-mixed.gguf |" in table and "not given" in table
     assert [line.split(":")[0] for line in run.stdout.splitlines()[:2]] == ["tiny-F32.gguf", "tiny-mixed.gguf"]
+
+
+def test_the_gguf_memory_benchmark_measures_each_stage_against_the_file(tmp_path):
+    """A tiny file through api.load and a short decode: every stage's peak and resident memory, the
+    runtime's baseline first, the file's size as written."""
+    from .gguf_helpers import Q, byte_level_tokenizer, hf_model, write_gguf
+
+    file = write_gguf(tmp_path / "tiny.gguf", hf_model("qwen2"), byte_level_tokenizer(), "qwen2", types=(Q.Q8_0,))
+    result = last_json(script("gguf_memory.py", file, "--tokens", 4, cwd=tmp_path))
+    assert result["file_bytes"] == file.stat().st_size
+    assert list(result["stages"])[0] == "runtime" and {"loaded", "decode"} <= set(result["stages"])
+    for stage in result["stages"].values():
+        assert stage["VmHWM"] >= stage["VmRSS"] > 0 and stage["RssAnon"] > 0
+
+
+def test_the_gguf_family_check_compares_a_file_with_transformers_reading_of_it(tmp_path):
+    """A tiny float file: specdec's tokenizer, its fp32 run and its run as stored all agree with
+    transformers' own GGUF reading of the file, and speculation equals plain decoding."""
+    from .gguf_helpers import Q, byte_level_tokenizer, hf_model, write_gguf
+
+    file = write_gguf(tmp_path / "tiny-F32.gguf", hf_model("qwen2"), byte_level_tokenizer(), "qwen2", types=(Q.F32,))
+    result = last_json(script("gguf_family_check.py", "--model", file, "--tokens", 6, "--prompt", "def add(a, b):",
+                              cwd=tmp_path))
+    assert result["agree"]
+    assert all(theirs is None for _, theirs in result["config_differences"].values())  # keys transformers leaves unset
+    row = result["prompts"][-1]
+    assert row["ids_equal"] and row["speculation_equals_plain"]
+    assert row["fp32 values"]["equal_prefix"] == row["as stored"]["equal_prefix"] == 6
