@@ -11,9 +11,8 @@ w = (d sc) u - (dmin m), u 4- or 5-bit; Q6_K holds 16 sub-blocks of 16 with an i
 w = (d sc) (u - 32), u 6-bit; Q3_K likewise with a 6-bit sc - 32, w = (d sc) (u - 4), u 3-bit; Q2_K
 holds 16 sub-blocks of 16 with 4-bit sc and m and an fp16 dmin, w = (d sc) u - (dmin m), u 2-bit.
 IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d and a 6-bit ls - 32 per
-sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u].
-(`from_gguf` turns a GGUF tensor's raw bytes into Blocks.)
-An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
+sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u]. (`from_gguf`: a GGUF
+tensor's raw bytes as Blocks.) An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
 format; each output is the sum over blocks of 32, in order, of an exact integer dot product times
 fp32 scales (quant.h, kquant.h). The K-quants thus use a finer activation scale than llama.cpp's
 Q8_K (one per 256): one quantized row serves every format, and the block terms stay exact.

@@ -1,47 +1,11 @@
-"""GGUF files (llama.cpp's one-file checkpoints): their metadata read into specdec's terms, in memory,
-and a conversion into a checkpoint folder where something asks for one.
-
-A file is mapped (gguf_file.GGUFFile: the header read once, the tensors views of the mapped bytes),
-never copied. From its metadata, read as transformers' own GGUF loading reads it
-(modeling_gguf_pytorch_utils, integrations/gguf):
-
-- the architecture (`config_of`): `general.architecture` and its `ARCH.*` keys into a transformers
-  config.json's keys, then through arch.py's strict reading; a metadata key specdec does not read is
-  refused by name, as a config key is; Llama 3.1's rotary scaling, which llama.cpp stores as
-  per-frequency factors (rope_freqs) and transformers' GGUF loading drops, is read back into its
-  llama3 parameters; Phi-3's fused q/k/v and gate/up (attn_qkv, ffn_up) stay fused, as transformers'
-  Phi3 holds them; Gemma 3 (`gemma3_config`) as llama.cpp runs it: its local layers (the window, every
-  sliding_window_pattern-th layer global, their rotary base), its query scale and its final soft cap
-  read from the metadata where transformers' GGUF loading keeps its config's defaults, and its norms'
-  weights, which llama.cpp stores plus 1, stored back as transformers holds them;
-- the tokenizer (`tokenizer`): built in memory by transformers' GGUF tokenizer converter (the vocabulary,
-  merges and special tokens; the chat template), with llama.cpp's prompt rules: its BOS first where the
-  file says so, and generation ending at any id of llama.cpp's end-of-generation set (`end_ids`: the
-  metadata's eos, eot and eom, and the tokens it ends at by their text, such as <|endoftext|>,
-  <|im_end|>, <|fim_pad|>);
-- the weights (`raw_tensors`): each as stored (quantized blocks, their type and shape) under its
-  transformers name, llama.cpp's row permutation of Llama's q and k projections (its rotary layout)
-  undone; what lm/gguf_blocks.py runs, the default. Or, asked to (`requantize`), a matrix of some types
-  rounded again into another, from the file's own values (`requantized`): a draft model, which only
-  proposes, runs in fewer bytes so (Q4_1 holds 5 bits a weight where Q5_0 holds 5.5 and Q6_K 6.56, in the
-  kernels' layout as in the file), while the target, which decides, stays as stored.
-
-Its conversion (`converted`: in memory, for a model computing in another dtype or re-quantized at load)
-dequantizes every tensor with the `gguf` package (every type it dequantizes; any other is refused by
-name), matrices in bfloat16, norms and biases in float32. Where a checkpoint folder is needed
-(transformers itself, llama.cpp's converter, training, a head trained for the conversion: `checkpoint`),
-the conversion is written once into the user cache ($XDG_CACHE_HOME or ~/.cache, then
-specdec/from-gguf/SHA256-vFORMAT/NAME), keyed by the file's sha256 (a new FORMAT of the conversion
-converts again), with config.json, tokenizer.json, tokenizer_config.json and the chat template; the
-cache keeps the KEEP most recently used files' entries (`specdec cache` lists and clears it). The folder
-is written through atomic.atomic_dir: a killed conversion leaves nothing half-written. Processes using
-a file's folder for the first time at once: the first converts while holding the folder's lock
-(atomic.exclusive), the others wait for it and then read the folder it wrote.
-
-A truncated or corrupt file, an architecture specdec does not run, a tensor type the `gguf` package
-cannot dequantize: one SpecdecError line, before anything is built or written.
-
-This module knows nothing about decoding or serving.
+"""GGUF files (llama.cpp's one-file checkpoints), mapped and never copied (gguf_file.py): their metadata
+read into specdec's terms as llama.cpp reads it (`config_of`: the architecture, Llama 3.1's rope_freqs,
+Phi-3's fused matrices, Gemma 3's local layers; `tokenizer`: built in memory by transformers' GGUF
+converter, with llama.cpp's BOS rule and end-of-generation set, `end_ids`), the weights under their
+transformers names as stored (`raw_tensors`, which lm/gguf_blocks.py runs) or rounded again on request
+(`requantized`), and a conversion where something asks for one (`converted` in memory; `checkpoint`: a
+folder in a bounded cache keyed by the file's sha256, written atomically under a lock; docs/checkpoints.md).
+A broken file or what specdec cannot run: one SpecdecError line. It knows nothing of decoding or serving.
 """
 from __future__ import annotations
 
