@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.decoding import engine as engine_module
+from specdec.decoding import verify as verify_module
 from specdec.decoding.engine import Engine, Request
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig, probabilities
@@ -145,7 +145,7 @@ def test_mixed_settings_in_one_batch_keep_every_row_lossless():
 
 
 def test_the_mixed_batch_test_fails_when_rows_get_another_rows_settings(monkeypatch):
-    monkeypatch.setattr(engine_module, "row_probabilities", lambda logits, configs: probabilities(logits, configs[-1]))
+    monkeypatch.setattr(verify_module, "row_probabilities", lambda logits, configs: probabilities(logits, configs[-1]))
     counts, _ = mixed_counts()
     results = [sampling_test.distribution_test(c, sampling_test.exact_joint(s)) for s, c in zip(MIXED, counts)]
     print(f"\nwrong: every row under the last row's settings: {results}")
