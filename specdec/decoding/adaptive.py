@@ -280,7 +280,7 @@ class Adaptive:
             estimates[1:] = estimates[0]
         return estimates
 
-    def choose(self, horizon: float = math.inf) -> tuple[int, tuple[int, ...], int | float]:
+    def choose(self, horizon: float = math.inf, budget: float = math.inf) -> tuple[int, tuple[int, ...], int | float]:
         """The depth to draft next, the widths per depth to draft it with, and for how many steps
         (1 when drafting; plain decoding: up to the next probe). A drafting choice that pays on
         measured costs even at the plausible lower bounds of q holds for HOLD steps before the
@@ -293,7 +293,9 @@ class Adaptive:
         accepted: then its costs alone decide, and a probe cannot change the verdict.
         horizon: the most steps the batch may still run (a closed batch: its rows' largest budget;
         math.inf where rows may still come, as in a server): a probe informs only the steps after
-        it, so one the steps left cannot repay is not made."""
+        it, so one the steps left cannot repay is not made. budget: the most steps the rows in hand
+        may still run (their largest budget): a catch-up on their tokens serves them alone (`repays`),
+        rows that join later bring their own prompts to read."""
         if self.confirm is not None:  # a draft priced only with its catch-up: drafted again, priced alone
             self.chosen, self.confirm = self.confirm, None
             return self.chosen[1], self.shapes[self.chosen[0]][:self.chosen[1]], 1
@@ -305,7 +307,7 @@ class Adaptive:
         self.predicted_sum += rates / plain
         self.evaluations += 1
         s, d = np.unravel_index(np.argmax(rates), rates.shape)
-        if d and not self.repays(rates[s, d], plain, rows, horizon):
+        if d and not self.repays(rates[s, d], plain, rows, min(horizon, budget)):
             s, d = 0, 0
         if d == 0 and self.episode is not None:  # plain decoding again: what the drafting since the probe lost
             running_mean(self.probe_cost, self.episode)

@@ -251,8 +251,9 @@ class Engine:
         if self.plain_left:
             return 0, ()
         if self.adaptive:  # a closed batch with nobody waiting ends within its rows' largest budget
-            horizon = max(r.row.budget for r in self.requests) if self.closed and not self.waiting else math.inf
-            depth, shape, stretch = self.adaptive.choose(horizon)
+            budget = max(r.row.budget for r in self.requests)  # the rows in hand end within it
+            depth, shape, stretch = self.adaptive.choose(budget if self.closed and not self.waiting else math.inf,
+                                                         budget)
         else:
             depth, shape, stretch = self.k, self.widths, None
         if depth == 0:

@@ -755,3 +755,19 @@ def test_one_slow_forward_does_not_price_drafting_out():
         calm, _ = decode_stream(0.4, seed, steps=400)
         spiked, _ = decode_stream(0.4, seed, steps=400, spike_at=40)
         assert spiked < calm + 0.05
+
+
+def test_an_open_batch_pays_a_catch_up_only_where_the_rows_in_hand_repay_it():
+    """A server's batch has no end (horizon math.inf), but its rows do: the drafter's catch-up on their
+    prompts serves them alone, so drafting starts only where their remaining budgets repay it (at 16
+    clients a draft model's read of every prompt, paid on an unbounded horizon, lost to plain decoding:
+    docs/serving.md)."""
+    def first_depth(budget: float) -> int:
+        controller = Adaptive(FLAT, 0, {"chain": (1,) * 4})
+        controller.join(joining(8, prompt=500))
+        controller.catch_up[:] = (1e-4, 1)  # 0.1 ms a token: 0.4 s for the prompts
+        return controller.choose(math.inf, budget)[0]
+
+    assert first_depth(math.inf) > 0  # unbounded rows would repay anything
+    assert first_depth(4) == 0        # four steps left cannot repay 0.4 s
+    assert first_depth(100_000) > 0
