@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from ..errors import SpecdecError
-from .constraint import Compiled, Matcher, flags, masked
+from .constraint import Matcher, flags, masked
 from .protocol import Joining, Outcome, Proposal
 from .tree import chain_parents
 

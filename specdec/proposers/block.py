@@ -96,7 +96,7 @@ class BlockProposer(EagleProposer):
         limit = limits.tolist()
         if not self.drafts(state, limit):
             return Proposal.empty(len(limit), limits.device)
-        B, m, device = len(limit), max(limit), limits.device
+        m, device = max(limit), limits.device
         logits = self.block_logits(state, m)                                             # (B, m, N)
         probs, tokens, scores = zip(*(draw(logits[:, j], state.samplings, draws, j, self.vocab, self.vocab_size)
                                       for j in range(m)))
