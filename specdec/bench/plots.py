@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .runner import SPEC_METHODS  # noqa: E402
 
-COLORS = {method: f"C{i % 10}" for i, method in enumerate(SPEC_METHODS)}  # a drafter's colour: its place in the registry
+COLORS = {method: f"C{i % 10}" for i, method in enumerate(SPEC_METHODS)}  # a drafter's colour: its registry place
 
 
 def suptitle(result: dict) -> str:

@@ -235,14 +235,14 @@ class Engine:
 
     def propose(self, limits: torch.Tensor, limit: list[int], shape: tuple[int, ...], guide: Guide | None
                 ) -> Proposal:
-        """The proposer's drafts, at most limits[b] (B,; on the host: limit) levels per row in `shape`; with constrained rows,
-        drafted under their grammars, forced runs in place of drafts and chains cut where they leave the
-        grammar (guided.py). A seeded row's first draft: position cached + 1."""
+        """The proposer's drafts, at most limits[b] (B,; on the host: limit) levels per row in `shape`;
+        with constrained rows, drafted under their grammars, forced runs in place of drafts and chains
+        cut where they leave the grammar (guided.py). A seeded row's first draft: position cached + 1."""
         draws = Draws(self.generator(), [c + 1 for c in self.cached], guide and guide.drafting())
         proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()
         if guide:
-            proposal = guide.propose(proposal, limit, [proposal.draft_probs is None or r.sampling.greedy
-                                                                 or r.sampling.seeded for r in self.requests]).trimmed()
+            cut = [proposal.draft_probs is None or r.sampling.greedy or r.sampling.seeded for r in self.requests]
+            proposal = guide.propose(proposal, limit, cut).trimmed()
         return proposal
 
     def choose(self) -> tuple[int, tuple[int, ...]]:
