@@ -82,12 +82,15 @@ def curve_batches(capacity: int) -> list[int]:
 
 class Adaptive:
     def __init__(self, curves: VerifyCurve | dict[int, VerifyCurve], rows: int,
-                 shapes: dict[str, tuple[int, ...]], note: str | None = None):
+                 shapes: dict[str, tuple[int, ...]], note: str | None = None, reading: float = 0.0):
         """curves: the target's verify curves by batch size (`curve_batches` of the capacity, the
         largest one), or one curve for every batch size; rows: the rows of the batch to begin with
-        (more `join` later)."""
+        (more `join` later). reading: what the proposer's network costs a token it reads, as a share
+        of the target's (protocol.Proposer.reading_size): until they are measured, its catch-up and
+        drafts are priced by it (`reading_prior`)."""
         self.curves: Callable[[int], VerifyCurve] = (
             (lambda rows: curves[curve_batch(rows, max(curves))]) if isinstance(curves, dict) else (lambda rows: curves))
+        self.reading = reading
         self.names = list(shapes)
         self.shapes = [shapes[name] for name in self.names]
         self.depth = K = len(self.shapes[0])
@@ -106,6 +109,7 @@ class Adaptive:
         self.episode: float | None = None                     # seconds lost to plain decoding since the last probe
         self.probe_cost = np.zeros(2)                         # (running mean of a probe's loss in seconds, probes)
         self.catch_up = np.zeros(2)                           # (running mean of seconds per unread token, switches)
+        self.catch_up_prior = reading * token_seconds(self.curves(1 << 30))  # before a switch measured it
         self.unread = np.zeros(rows)                          # per row: tokens the proposer has not read yet
         self.plain_run = 0                                    # plain steps since the last drafting step
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
@@ -127,13 +131,14 @@ class Adaptive:
         self.memory, self.memory_key = None, None
 
     @classmethod
-    def for_run(cls, curves: dict[int, VerifyCurve], proposer, widths: tuple[int, ...] | None) -> "Adaptive":
+    def for_run(cls, curves: dict[int, VerifyCurve], proposer, widths: tuple[int, ...] | None,
+                reading: float = 0.0) -> "Adaptive":
         """Options for this proposer (`options`, the tree cut at each depth), priced by the target's
         verify curves at the batch sizes `curve_batches` of the capacity (the engine reads or
-        measures them: calibration.verify_curves); what earlier runs of this proposer (a drafter is
-        made for one target) at the same capacity learned is recalled."""
+        measures them: calibration.verify_curves) and, until measured, by `reading`; what earlier
+        runs of this proposer (a drafter is made for one target) at the same capacity learned is recalled."""
         shapes, note = options(proposer, widths)
-        adaptive = cls(curves, 0, shapes, note)
+        adaptive = cls(curves, 0, shapes, note, reading)
         try:
             memory = _MEMORY.setdefault(proposer, {})
         except TypeError:  # a proposer that cannot be weakly referenced starts afresh every run
@@ -232,7 +237,7 @@ class Adaptive:
         q = self.acceptance(bound)                                                           # (S, B, K)
         E = 1 + np.concatenate([np.zeros(q.shape[:2] + (1,)), np.cumprod(q, 2).cumsum(2)], 2)  # (S, B, K+1)
         if draft is None:
-            draft = self.draft_estimates(least=bound in ("upper", "certain"))
+            draft = self.draft_estimates(q.shape[1], least=bound in ("upper", "certain"))
         return E.sum(1) / (self.forward_estimates(q.shape[1]) + draft + self.overhead_estimates())
 
     def forward_estimates(self, rows: int) -> np.ndarray:
@@ -252,13 +257,15 @@ class Adaptive:
         points = sorted(curve.seconds)
         return np.interp(width, points, [curve.seconds[n] for n in points])
 
-    def draft_estimates(self, least: bool = False) -> np.ndarray:
-        """(K+1,) draft seconds per step by depth: measured, else scaled from the nearest measured depth.
-        least: the fewest seconds of a depth's latest samples, what its draft plausibly costs (a busy
-        machine only ever adds seconds: a stolen time slice, an eviction), for the plausible bounds."""
+    def draft_estimates(self, rows: int, least: bool = False) -> np.ndarray:
+        """(K+1,) draft seconds per step over `rows` rows by depth: measured, else scaled from the nearest
+        measured depth; before any is measured, a level a plain step's forward times `reading` (a draft
+        model a third of the target's size drafts a level in about a third of its step). least: the fewest
+        seconds of a depth's latest samples, what its draft plausibly costs (a busy machine only ever
+        adds seconds: a stolen time slice, an eviction), for the plausible bounds."""
         measured = np.flatnonzero(self.draft_measured)
         if measured.size == 0:
-            return np.zeros(self.depth + 1)
+            return self.reading * np.arange(self.depth + 1) * self.forward_estimates(rows)[0, 0]
         seconds = self.draft_seconds
         if least:
             seconds = np.array([min(samples, default=x) for samples, x in zip(self.draft_samples, seconds)])
@@ -341,7 +348,10 @@ class Adaptive:
             steps = horizon
         elif probing:
             s, d = self.probe(rates, probed, stretch)
-            self.probes += 1
+            if self.repays(probed[s, 1:].max(), plain, rows, min(horizon, budget)):
+                self.probes += 1
+            else:  # not even a plausible acceptance repays the probe's catch-up within the rows in hand's
+                s, d, steps = 0, 0, self.stretch  # budgets (a draft model reading every prompt of a large batch)
             if self.plain_run:
                 self.stretch = min(2 * self.stretch, cap)
         elif self.draft_measured[d] and lower[s, d] >= plain:
@@ -357,11 +367,16 @@ class Adaptive:
         the steps of a plain stretch) at `catch_up` seconds a token: drafting must save more than that
         over the `horizon` steps the batch may still run (not so for the last few steps of a batch
         whose rows thin out near its end)."""
-        cost = self.catch_up[0] * self.unread.sum()
+        cost = self.catch_up_seconds() * self.unread.sum()
         if cost <= CHEAP * self.plain_seconds(rows):  # lookup's, or none pending while drafting goes on
             return True
         gain = 1 / plain - 1 / rate  # seconds saved per token
         return horizon * rows * gain >= cost
+
+    def catch_up_seconds(self) -> float:
+        """Seconds the proposer takes to read a token it has not read: measured (`catch_up`), else
+        `reading` times the target's seconds a token where its forward is bound by compute (`token_seconds`)."""
+        return float(self.catch_up[0] if self.catch_up[1] else self.catch_up_prior)
 
     def priced(self) -> bool:
         """Whether every measured depth that could pay (`could_pay`) has its price from at least two
@@ -514,6 +529,15 @@ class Adaptive:
         return {"shapes": dict(zip(self.names, self.shapes)), "choices": dict(self.choices),
                 "predicted_speedup": predicted, "probe_every": PROBE_EVERY,
                 "stopped_probing": bool(self.stopped), "note": self.note}
+
+
+def token_seconds(curve: VerifyCurve) -> float:
+    """The target's seconds a token where its forward is bound by compute (a prompt's, a wide window's):
+    the curve's slope per row between its narrowest and its widest window; 0 from a one-point curve."""
+    widest = max(curve.seconds)
+    if widest == 1:
+        return 0.0
+    return max(curve.seconds[widest] - curve.seconds[1], 0.0) / (curve.batch_size * (widest - 1))
 
 
 def typical(samples) -> float:

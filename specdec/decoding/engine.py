@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from ..errors import SpecdecError
-from ..lm.interface import Admitted, admit, declared_features, layer_request, prefill_joining
+from ..lm.interface import Admitted, admit, body_size, declared_features, layer_request, prefill_joining
 from ..lm.kv_cache import BLOCK, blocks_for
 from .adaptive import Adaptive, curve_batches, options, window
 from .calibration import verify_curves
@@ -107,7 +107,8 @@ class Engine:
             check_setup(self.model, proposer, 0, None)
             curves, self.verify_curve_seconds = verify_curves(admitted, curve_batches(capacity),
                                                               window(options(proposer, widths)[0]), name)
-            self.adaptive = Adaptive.for_run(curves, proposer, widths)
+            reading = getattr(proposer, "reading_size", 0) / max(body_size(self.model), 1)
+            self.adaptive = Adaptive.for_run(curves, proposer, widths, reading)
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.model, proposer, k, widths)
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len

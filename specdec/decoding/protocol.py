@@ -134,6 +134,8 @@ class Proposer(Protocol):
                                # as prompt_hidden and Outcome.hidden; () or absent: the final hidden states
     prompt_features: bool   # whether `join` reads prompt_hidden (absent: it does); one that does not lets
                             # rows map the cached blocks of a prompt's leading tokens without prefilling them
+    reading_size: int       # multiply-adds its network spends on a committed token it reads (a draft
+                            # model's body, lm/interface.body_size); absent or 0: reading costs next to nothing
 
     def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> Any:
         """New per-generation state without rows (they `join`). max_len: the longest sequence

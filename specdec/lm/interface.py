@@ -89,6 +89,14 @@ def no_features(model, rows: int, features: tuple[int, ...]) -> torch.Tensor:
                        device=placement(model).device)
 
 
+def body_size(model) -> int:
+    """Multiply-adds a token costs in a model's matrices but its unembedding (whose rows only the
+    positions read out need): what reading a token through it costs, as against another model."""
+    vocab = model.config.vocab_size
+    return sum(m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m.out_features != vocab)
+
+
 def context_length(model) -> int:
     length = getattr(model.config, "max_position_embeddings", None)
     if length is None:

@@ -22,7 +22,7 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain, window_layout
 from ..errors import SpecdecError
 from ..lm.device import placement
-from ..lm.interface import causal_lm, context_length, next_positions
+from ..lm.interface import body_size, causal_lm, context_length, next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import Linear
 from .base import FEED, DraftVocabulary, catch_up, draft_chain, fed, grow_tree, with_alternatives
@@ -99,6 +99,7 @@ class DraftModelProposer:
         self.tree, self.stop_below = tree, stop_below
         self.model = causal_lm(model, role="draft model")
         self.vocab_size = self.model.config.vocab_size
+        self.reading_size = body_size(self.model)
         self.context = context_length(self.model)
         ids = DraftVocabulary.ids_for(
             draft_vocab, self.vocab_size, token_counts,

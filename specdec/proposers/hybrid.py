@@ -54,6 +54,7 @@ class HybridProposer:
         self.trees = lookup.trees
         self.features = getattr(model, "features", ())  # lookup reads tokens only
         self.prompt_features = getattr(model, "prompt_features", True)
+        self.reading_size = getattr(model, "reading_size", 0)  # lookup reads for free
 
     def forget(self) -> None:
         """Lookup's shared memory of earlier generations dropped (SuffixProposer.forget)."""

@@ -181,12 +181,12 @@ def test_a_probes_catch_up_does_not_count_as_drafting_cost():
     """A step after a plain stretch also feeds the proposer the stretch (its catch-up): once a depth
     has a cost measured away from such steps, a probe's seconds do not raise it."""
     controller = run_controller(FLAT, accept=True, steps=10, level=1e-4, shapes={"chain": (1,)})
-    cost = controller.draft_estimates()[1]
+    cost = controller.draft_estimates(2)[1]
     for _ in range(5):
         controller.observe_plain(64, 64 * 1.05e-3, 64 * 1e-3)
         controller.chosen = (0, 1)
         controller.observe([1, 1], [1, 1], 2, 50 * cost, 1.1e-3 + 50 * cost, 1.02e-3)
-    assert controller.draft_estimates()[1] == cost
+    assert controller.draft_estimates(2)[1] == cost
 
 
 def test_the_runs_first_drafting_step_does_not_price_its_drafts_alone():
@@ -195,7 +195,7 @@ def test_the_runs_first_drafting_step_does_not_price_its_drafts_alone():
     steps that follow (priced at the first, drafts always accepted did not pay, and auto decoded
     plainly from then on: its probes after plain stretches do not re-price a measured depth)."""
     controller = run_controller(FLAT, accept=True, steps=60, level=1e-4, shapes={"chain": (1,)}, spikes=1, spike=100)
-    assert controller.draft_estimates()[1] == pytest.approx(1e-4)
+    assert controller.draft_estimates(2)[1] == pytest.approx(1e-4)
     assert drafting_steps(controller) > 30
 
 
@@ -336,7 +336,9 @@ def test_auto_sampling_matches_the_target_distribution(monkeypatch):
     monkeypatch.setattr(engine, "verify_curves", lambda model, batches, tokens, name: (
         {b: VerifyCurve({n: 1e-3 * (1 + 0.2 * n) for n in range(1, tokens + 1)}, b) for b in batches}, 0.0))
     rule = StopRule(max_new_tokens=3)
-    rows, metrics = speculative_generate(TARGET, DraftModelProposer(model=DRAFT), [PROMPT] * N, rule,
+    proposer = DraftModelProposer(model=DRAFT)
+    proposer.reading_size = 0  # the draft is the target's size, which could never pay: priced free, so it drafts
+    rows, metrics = speculative_generate(TARGET, proposer, [PROMPT] * N, rule,
                                          SETTINGS["T=1"], "auto", torch.Generator().manual_seed(5))
     first3 = torch.tensor([row.tokens[:3] for row in rows])
     V = TARGET.config.vocab_size
