@@ -11,7 +11,9 @@ server heals a token) and chat (/v1/chat/completions, specdec's own everyday que
 0.8 with a seed per request). Per cell: aggregate completion tokens/s over the wave (tokens as each
 server counts them in `usage`), p50/p95 request latency and time to first token, failed requests,
 the servers' resident memory idle and at peak. Conditions: the files, each server's command line,
-any server that failed to start and why, the CPU.
+any server that failed to start and why, the CPU. Every wave repeats the same prompts: by default no
+server keeps a prompt's cache for a later request (--prompt-cache keeps them, and then a repeated
+prompt is not prefilled again, and the figures then say more about the caches than about decoding).
 
     python benchmarks/serve_head_to_head.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
         --llama-server LLAMA_BUILD/bin/llama-server --out docs/evidence/serve-head-to-head
@@ -40,6 +42,9 @@ from specdec.bench.workloads import chat_prompts, humaneval_prompts
 from specdec.lm.packaged import resolve
 
 WORKLOADS = {"humaneval": "HumanEval completions, greedy", "chat": "everyday chat, temperature 0.8, seeded"}
+PROMPT_CACHE = {False: "off: specdec serve --prefix-cache 0, llama-server requests with cache_prompt false (every "
+                       "prompt prefilled; requests running together may still share specdec's prompt blocks)",
+                True: "on: each server's own (the waves repeat the same prompts: a cached prompt is not prefilled)"}
 
 
 def free_port() -> int:
@@ -105,11 +110,13 @@ def model_and_rest(server_args: list[str]) -> tuple[str, list[str]]:
     return server_args[at + 1], server_args[:at] + server_args[at + 2:]
 
 
-def specdec_server(name: str, model: str, extra: list[str], concurrency: int, budget: str | None) -> Server:
+def specdec_server(name: str, model: str, extra: list[str], concurrency: int, budget: str | None,
+                   prompt_cache: bool) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--port", str(port),
             "--max-batch", str(concurrency), "--max-queue", str(4 * concurrency), *extra]
     argv += ["--kv-budget", budget] if budget else []
+    argv += [] if prompt_cache else ["--prefix-cache", "0"]
     return Server(name, argv, port, "/health")
 
 
@@ -123,15 +130,21 @@ def llama_server(name: str, binary: str, model: str, extra: list[str], concurren
     return Server(name, argv, port, "/health")
 
 
-def request_body(workload: str, prompt: str, index: int, max_tokens: int) -> tuple[str, dict]:
+def request_body(workload: str, prompt: str, index: int, max_tokens: int, peer: bool,
+                 prompt_cache: bool) -> tuple[str, dict]:
+    """The request for prompt `index` of a wave; to llama-server (`peer`) without its prompt cache where
+    `prompt_cache` is off (specdec's server is started without one then)."""
     common = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    if peer and not prompt_cache:
+        common["cache_prompt"] = False
     if workload == "humaneval":
         return "/v1/completions", {"prompt": prompt, "temperature": 0, **common}
     return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "temperature": 0.8,
                                     "seed": 1000 + index, **common}
 
 
-async def wave(server: Server, workload: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+async def wave(server: Server, workload: str, prompts: list[str], max_tokens: int, concurrency: int,
+               prompt_cache: bool) -> dict:
     """Every prompt once, `concurrency` clients at a time; the wave's figures."""
     todo = list(enumerate(prompts))
     latency, ttft, failures = [], [], []
@@ -139,7 +152,8 @@ async def wave(server: Server, workload: str, prompts: list[str], max_tokens: in
 
     async def one(client: httpx.AsyncClient, index: int, prompt: str) -> None:
         nonlocal tokens
-        path, body = request_body(workload, prompt, index, max_tokens)
+        path, body = request_body(workload, prompt, index, max_tokens, not server.name.startswith("specdec"),
+                                  prompt_cache)
         sent, first, usage, chunks = time.perf_counter(), None, None, 0
         try:
             async with client.stream("POST", server.url + path, json=body) as r:
@@ -218,7 +232,8 @@ def run(args) -> dict:
     specdec = {"specdec plain": ["--quantize", "gguf"] if model.endswith(".gguf") else []}
     if draft:
         specdec[f"specdec {args.draft}"] = specdec["specdec plain"] + ["--draft", args.draft, "--draft-model", draft]
-    servers = [specdec_server(name, model, extra, top, args.kv_budget) for name, extra in specdec.items()]
+    servers = [specdec_server(name, model, extra, top, args.kv_budget, args.prompt_cache)
+               for name, extra in specdec.items()]
     if args.llama_server:
         peers = {"plain": [], "ngram-mod": ["--spec-type", "ngram-mod"],
                  "draft": ["-md", draft, "--spec-type", "draft-simple"] if draft else None}
@@ -237,13 +252,14 @@ def run(args) -> dict:
     watch = PeakWatch(up)
     try:
         for s in up:  # warm-up: first-use costs (kernels, the allocator, verify curves) are not timed
-            asyncio.run(wave(s, "humaneval", prompts["humaneval"][:2], 8, 2))
+            asyncio.run(wave(s, "humaneval", prompts["humaneval"][:2], 8, 2, args.prompt_cache))
         for workload in args.workloads:
             for c in args.concurrency:
                 runs = {s.name: [] for s in up}
                 for _ in range(args.repeats):
                     for s in up:
-                        runs[s.name].append(asyncio.run(wave(s, workload, prompts[workload], args.max_tokens, c)))
+                        runs[s.name].append(asyncio.run(wave(s, workload, prompts[workload], args.max_tokens, c,
+                                                             args.prompt_cache)))
                 for s in up:
                     median = sorted(runs[s.name], key=lambda r: r["tokens_per_s"])[len(runs[s.name]) // 2]
                     cells.append({"server": s.name, "workload": workload, "concurrency": c, **median,
@@ -263,6 +279,7 @@ def run(args) -> dict:
                     for s in servers},
         "failed_to_start": failed, "workloads": {w: WORKLOADS[w] for w in args.workloads},
         "prompts_per_wave": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "prompt_cache": PROMPT_CACHE[args.prompt_cache],
         "resident_bytes": {name: {"idle": idle[name], "peak": peak[name]} for name in idle},
         "client": "httpx streaming clients in this process, same machine; one server driven at a time",
         "hardware": hardware(), "software": software()}}
@@ -332,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024, help="llama-server's positions per slot (its -c / -np)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
     p.add_argument("--kv-budget", help="specdec serve's --kv-budget (default its own)")
+    p.add_argument("--prompt-cache", action="store_true",
+                   help="keep the servers' prompt caches across requests (every wave repeats the same prompts, so "
+                        "a cached prompt is not prefilled again); default off: each request's prompt is prefilled")
     p.add_argument("--out", help="a folder for head-to-head.json, .txt (the tables) and .png")
     args = p.parse_args(argv)
     result = run(args)

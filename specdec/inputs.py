@@ -199,9 +199,10 @@ def simulate(alpha, alpha_per_position, ks, draft_cost, batch_size, verify_ms, v
 
 
 def serve(max_batch, max_queue, port, max_body_bytes, max_connections, shutdown_timeout, header_timeout,
-          body_timeout, idle_timeout) -> None:
-    """`specdec serve`'s limits (a shutdown timeout may be 0: no drain; the others must be positive)."""
+          body_timeout, idle_timeout, prefix_cache=None) -> None:
+    """`specdec serve`'s limits (a shutdown timeout and the prefix cache may be 0; the others must be positive)."""
     integer("--max-batch", max_batch, low=1)
+    integer("--prefix-cache", prefix_cache, low=0, optional=True)
     integer("--max-queue", max_queue, low=0)
     integer("--port", port, low=1, high=65535)
     integer("--max-body-bytes", max_body_bytes, low=1024)

@@ -19,7 +19,7 @@ def cmd_serve(args) -> None:
 
     check_draft_flags(args)
     inputs.serve(args.max_batch, args.max_queue, args.port, args.max_body_bytes, args.max_connections,
-                 args.shutdown_timeout, args.header_timeout, args.body_timeout, args.idle_timeout)
+                 args.shutdown_timeout, args.header_timeout, args.body_timeout, args.idle_timeout, args.prefix_cache)
     api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     set_threads(args.threads)
     sock = listening_socket(args.host, args.port)  # a port in use fails now, before loading anything
@@ -29,7 +29,7 @@ def cmd_serve(args) -> None:
     name = args.served_model_name or target.name
     # k="auto": the engine reads or measures the verify curves as it is made, before the server listens
     service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree,
-                      kv_budget=args.kv_budget, kv_dtype=torch_dtype(args.kv_dtype))
+                      kv_budget=args.kv_budget, kv_dtype=torch_dtype(args.kv_dtype), prefix_cache=args.prefix_cache)
     if service.engine.cache.pool is not None:
         print(f"specdec serve: {describe(service.engine.cache.pool)} ({service.kv_budget})", file=sys.stderr,
               flush=True)
@@ -67,6 +67,10 @@ def add_serve_parser(sub) -> None:
                         "can never fit gets 400 (default: half the memory free at start, less 1 GiB)")
     v.add_argument("--kv-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="the KV cache's keys and values (default bfloat16: half the memory and bytes read)")
+    v.add_argument("--prefix-cache", type=int, metavar="POSITIONS",
+                   help="positions of prompt blocks kept after their requests end, so that a later request "
+                        "beginning alike is not prefilled again (default 4096, at most a quarter of the KV "
+                        "budget; 0: prompts are shared only among requests running together)")
     add_threads_argument(v, "; the HTTP side needs some CPU too")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C: seconds running and queued requests may go on (new ones get 503 "

@@ -101,9 +101,11 @@ class Job:
 class Service:
     def __init__(self, target: Loaded, proposer, k: int | str, method: str, capacity: int = 16, max_queue: int = 64,
                  name: str | None = None, widths: tuple[int, ...] | None = None, kv_budget: str | None = None,
-                 kv_dtype: torch.dtype | None = torch.bfloat16):
+                 kv_dtype: torch.dtype | None = torch.bfloat16, prefix_cache: int | None = None):
         """proposer None (k = 0): plain decoding. kv_budget: the target's KV cache in tokens or a size
-        (lm/kv_cache.budget_blocks; None: from the memory free now); kv_dtype: its keys' and values'."""
+        (lm/kv_cache.budget_blocks; None: from the memory free now); kv_dtype: its keys' and values';
+        prefix_cache: positions of prompt blocks kept after their rows leave, for later requests that
+        begin alike (None: the pool's default, KEEP_IDLE; 0: prompts are shared among running rows only)."""
         self.target, self.method, self.k = target, method, k
         self.name = name or target.name
         self.context = target.admitted.context
@@ -112,6 +114,9 @@ class Service:
                                                                       cfg.head_dim, kv_dtype))
         self.engine = Engine(target.admitted, proposer, k, capacity, self.context, widths=widths, name=self.name,
                              kv_dtype=kv_dtype, kv_tokens=blocks * BLOCK)
+        pool = self.engine.cache.pool
+        if pool is not None and prefix_cache is not None:
+            pool.keep_idle = prefix_cache // BLOCK
         self.capacity, self.max_queue = capacity, max_queue
         self.jobs: set[Job] = set()  # admitted and not yet finished by their handler (batch + queue at most)
         longest = max(len(b) for b in target.tokenizer.token_bytes if b is not None)

@@ -4,6 +4,8 @@ so a request waits for its blocks, a full queue answers 429, a request that can 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -104,3 +106,19 @@ def test_a_repeated_prefix_is_mapped_not_prefilled_and_the_metrics_say_so(tmp_pa
         assert server.metric('specdec_kv_blocks{state="promised"}') == 0
     finally:
         assert server.stop(), server.log.read_text()
+
+
+def test_without_a_prefix_cache_a_later_request_is_prefilled_again(tmp_path):
+    """--prefix-cache 0: the blocks of a prompt go back with its row, so the same prompt later shares
+    nothing (what a benchmark of fresh prompts measures); a negative size is refused before loading."""
+    server = Server("--model", MODEL, "--prefix-cache", "0", log=tmp_path / "log")
+    try:
+        body = {"prompt": humaneval_prompts(3)[2] * 3, "max_tokens": 4, "temperature": 0}
+        for _ in range(2):
+            assert asyncio.run(completions(server.url, [body]))[0][0] == 200
+        assert server.metric("specdec_kv_shared_blocks_total") == 0
+    finally:
+        assert server.stop(), server.log.read_text()
+    refused = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--model", MODEL, "--prefix-cache", "-1"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--prefix-cache" in refused.stderr, refused.stderr
