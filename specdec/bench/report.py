@@ -10,6 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
+from ..proposers import DRAFTERS
 from .plots import PLOTS, write_plots
 
 JSON_NAME, REPORT_NAME = "bench.json", "report.md"
@@ -140,21 +141,9 @@ def host_sync_lines(result: dict) -> list[str]:
 def conditions_text(result: dict) -> str:
     c = result["conditions"]
     t, h, s = c["target"], c["hardware"], c["software"]
-    draft = c["draft"]
-    heads = c["mtp_heads"]
     parts = [f"target `{t['path']}` ({t['parameters'] / 1e6:.1f}M parameters, {t['dtype']}, sha256 "
              f"{t['checkpoint_sha256'][:12]}) on {t['backend']}"]
-    if isinstance(draft, dict):
-        parts.append(f"draft model `{draft['path']}` ({draft['parameters'] / 1e6:.1f}M, {draft['dtype']})")
-    if isinstance(heads, dict):
-        parts.append(f"MTP heads `{heads['path']}` ({heads['head_kind']}, {heads['depth']} modules, "
-                     f"{heads['parameters'] / 1e6:.1f}M)")
-    eagle = c.get("eagle_head")
-    if isinstance(eagle, dict):
-        parts.append(f"EAGLE head `{eagle['path']}` ({eagle['head_kind']}, target layers "
-                     f"{' '.join(map(str, eagle['layer_ids']))}, {eagle['draft_vocab']}-token draft vocabulary, "
-                     f"{eagle['parameters'] / 1e6:.1f}M" + (f", {eagle['matrices']} matrices" if "matrices" in eagle else "")
-                     + ")")
+    parts += dict.fromkeys(filter(None, (DRAFTERS[name].condition(info) for name, info in c["drafters"].items())))
     features = " ".join(h["cpu_features"]) if isinstance(h["cpu_features"], list) else h["cpu_features"]
     parts += ["n-gram 3..1", f"{h['cpu']} ({h['cores']} cores, {h['threads']} threads, features {features}, torch "
               f"CPU capability {h['torch_cpu_capability']}; accelerator {h['accelerator']}, used: {h['device_used']})", f"python {s['python']}, torch {s['torch']}, transformers {s['transformers']}, "
@@ -163,7 +152,7 @@ def conditions_text(result: dict) -> str:
     return "conditions: " + "; ".join(parts)
 
 
-LEARNED_DRAFTERS = ("draft-model", "parallel", "mtp", "eagle", "block")
+LEARNED_DRAFTERS = tuple(name for name, d in DRAFTERS.items() if d.learned)
 
 
 def drafter_comparison_lines(result: dict) -> list[str]:

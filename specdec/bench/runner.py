@@ -265,10 +265,8 @@ def run_bench(plan: Plan, target_path=None, paths: dict | None = None, dtype: to
         total = sum(len(cfgs) * plan.repeats * -(-cell.prompts // cell.batch_size) for cell, cfgs in cells)
         run_conditions = {
             "target": model_info(bench.target.model, bench.target.path),
-            "draft": model_info(bench.draft.model, bench.draft.path) if bench.draft else "not used",
-            "mtp_heads": bench.method_info.get("mtp", "not used"),
-            "eagle_head": bench.method_info.get("eagle", "not used"),
-            "block_head": bench.method_info.get("block", "not used"),
+            # the networks the drafters read, by drafter (DRAFTERS[name].condition says them)
+            "drafters": {name: info for name, info in bench.method_info.items() if name in DRAFTERS},
             "hardware": hardware(bench.device), "backend": bench.target.admitted.abilities.backend,
             # the CPU's roofs (its kernels' FMA peak, its memory bandwidth) where the models run on it
             "roofline": roofline(measured_read_bandwidth() / 1e9) if bench.device.type == "cpu" else "not measured: "

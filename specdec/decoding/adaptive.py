@@ -42,7 +42,7 @@ REMEMBERED_STRETCH = 2 * PROBE_EVERY  # the longest stretch a new run starts wit
 CHEAP = 0.03                          # a probe predicted to cost less than this share of throughput is free
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
-LEARNED = ("draft_seconds", "draft_measured", "draft_clean", "overhead_seconds", "overhead_measured", "forward_scale",
+LEARNED = ("draft_share", "draft_measured", "draft_clean", "overhead_seconds", "overhead_measured", "forward_scale",
            "window", "probe_cost", "catch_up")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
@@ -101,9 +101,9 @@ class Adaptive:
         self.taught = np.zeros((2, S, K))  # (accepted, offered) counts of earlier runs
         self.seen = np.zeros((2, S, K))    # (accepted, offered) counts of this run's steps, every row, undecayed
         self.window = np.array([[1.0 + sum(w[:d]) for d in range(K + 1)] for w in self.shapes])  # (S, K+1)
-        self.draft_seconds = np.zeros(K + 1)                  # per depth, running means
+        self.draft_share = np.zeros(K + 1)  # per depth, a step's draft seconds over a plain step's forward at its batch
         self.draft_measured = np.zeros(K + 1, dtype=bool)     # depth 0: never (it drafts nothing)
-        self.draft_samples = [deque(maxlen=5) for _ in range(K + 1)]  # the latest seconds per depth
+        self.draft_samples = [deque(maxlen=5) for _ in range(K + 1)]  # the latest shares per depth
         self.draft_clean = np.zeros(K + 1, dtype=bool)        # measured on a step without a catch-up
         self.confirm: tuple[int, int] | None = None           # a probe's option, drafted again at once
         self.episode: float | None = None                     # seconds lost to plain decoding since the last probe
@@ -112,6 +112,7 @@ class Adaptive:
         self.catch_up_prior = reading * token_seconds(self.curves(1 << 30))  # before a switch measured it
         self.unread = np.zeros(rows)                          # per row: tokens the proposer has not read yet
         self.plain_run = 0                                    # plain steps since the last drafting step
+        self.joined = False                                   # rows joined since the last drafting step
         self.stretch = PROBE_EVERY                            # plain steps before the next probe
         self.probes = 0
         self.held = 0                                         # steps the current choice still holds
@@ -153,7 +154,7 @@ class Adaptive:
         for name in LEARNED:
             setattr(self, name, learned[name].copy())
         self.draft_samples = [deque([s], maxlen=5) if seen else deque(maxlen=5)
-                              for s, seen in zip(self.draft_seconds, self.draft_measured)]
+                              for s, seen in zip(self.draft_share, self.draft_measured)]
         self.forward_samples = (deque([self.forward_scale[0]], maxlen=5),
                                 deque([self.forward_scale[1]] if self.draft_measured.any() else [], maxlen=5))
         # a run that ended knowing no draft could plausibly pay does not make the next one probe early: a
@@ -177,10 +178,19 @@ class Adaptive:
         """Rows appended to the batch: they start from what every step so far taught (`prior`); their
         prompts are tokens the proposer reads with its first draft for them (`repays`)."""
         rows = len(joining.prompts)
+        self.held = 0  # a choice held for the batch before is weighed again for this one
+        self.joined = True  # the next drafting step reads their prompts: a catch-up, not a draft's price
         self.unread = np.concatenate([self.unread, np.asarray([len(p) for p in joining.prompts], dtype=float)])
         accepted, offered = self.prior()
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)
         self.offered = np.concatenate([self.offered, np.repeat(offered[:, None], rows, 1)], 1)
+
+    def read(self, unread: list[int] | None) -> None:
+        """What the proposer says each row has not read (Proposer.unread), in place of the count kept
+        here (prompts joined, plain steps since a drafting step): a hybrid's draft model has not read
+        the rows that lookup drafted, and catches up on them when it drafts for them again."""
+        if unread is not None:
+            self.unread = np.asarray(unread, dtype=float)
 
     def prior(self) -> tuple[np.ndarray, np.ndarray]:
         """(S, K) counts (accepted, offered) a row starts from: what every drafting step taught
@@ -201,6 +211,7 @@ class Adaptive:
         """Only rows `keep` stay, in that order (what the others taught is in `seen`)."""
         self.accepted, self.offered = self.accepted[:, keep], self.offered[:, keep]
         self.unread = self.unread[keep]
+        self.held = 0
 
     @property
     def widest(self) -> tuple[int, ...]:
@@ -258,20 +269,23 @@ class Adaptive:
         return np.interp(width, points, [curve.seconds[n] for n in points])
 
     def draft_estimates(self, rows: int, least: bool = False) -> np.ndarray:
-        """(K+1,) draft seconds per step over `rows` rows by depth: measured, else scaled from the nearest
-        measured depth; before any is measured, a level a plain step's forward times `reading` (a draft
-        model a third of the target's size drafts a level in about a third of its step). least: the fewest
-        seconds of a depth's latest samples, what its draft plausibly costs (a busy machine only ever
-        adds seconds: a stolen time slice, an eviction), for the plausible bounds."""
+        """(K+1,) draft seconds per step over `rows` rows by depth: a plain step's forward at that batch
+        times the depth's share of one (`draft_share`: a draft model's forward grows with the batch as the
+        target's does, so drafting priced at one client is priced anew at four), measured, else scaled
+        from the nearest measured depth; before any is measured, `reading` a level (a draft model a third
+        of the target's size drafts a level in about a third of its step). least: the fewest of a
+        depth's latest samples, what its draft plausibly costs (a busy machine only ever adds seconds:
+        a stolen time slice, an eviction), for the plausible bounds."""
+        plain = self.forward_estimates(rows)[0, 0]
         measured = np.flatnonzero(self.draft_measured)
         if measured.size == 0:
-            return self.reading * np.arange(self.depth + 1) * self.forward_estimates(rows)[0, 0]
-        seconds = self.draft_seconds
+            return self.reading * np.arange(self.depth + 1) * plain
+        shares = self.draft_share
         if least:
-            seconds = np.array([min(samples, default=x) for samples, x in zip(self.draft_samples, seconds)])
+            shares = np.array([min(samples, default=x) for samples, x in zip(self.draft_samples, shares)])
         depths = np.arange(self.depth + 1)
         nearest = measured[np.abs(depths[:, None] - measured[None]).argmin(1)]
-        return np.where(self.draft_measured, seconds, seconds[nearest] * depths / nearest)
+        return plain * np.where(self.draft_measured, shares, shares[nearest] * depths / nearest)
 
     def overhead_estimates(self) -> np.ndarray:
         """(K+1,) the engine's own seconds per step by depth (a sampled row's verification costs more
@@ -445,17 +459,21 @@ class Adaptive:
         # without one priced it (`confirm`, `priced`); the first step's seconds leave the depth
         # unmeasured. Priced at a catch-up, a draft always accepted did not pay, and auto decoded
         # plainly from then on, never drafting to learn otherwise (docs/methods/auto.md)
-        clean = not (self.plain_run or first)
+        clean = not (self.plain_run or self.joined or first)
+        self.joined = False
         unread = self.unread.sum()
+        plain = self.forward_estimates(rows)[0, 0]  # a plain step's forward at this batch: the draft's unit
         if not clean and self.draft_clean[d] and unread:  # catching up beyond the depth's price, per token
-            running_mean(self.catch_up, (draft_seconds - self.draft_seconds[d]) / unread)
+            running_mean(self.catch_up, (draft_seconds - self.draft_share[d] * plain) / unread)
         self.unread[:] = 0
         samples = self.draft_samples[d]
         if clean and not self.draft_clean[d]:
             samples.clear()
         if clean or not self.draft_measured[d]:
-            samples.append(draft_seconds)
-            self.draft_seconds[d] = typical(samples)
+            samples.append(draft_seconds / plain)
+            # the mean, not a typical step: a hybrid's steps cost next to nothing where lookup drafts every row
+            # and seconds where its model catches up on rows lookup drafted before; what drafting costs is their mean
+            self.draft_share[d] = statistics.fmean(samples)
             self.draft_measured[d] |= not first
             self.draft_clean[d] |= clean
         if not (self.draft_clean[d] and len(samples) >= 2) and self.could_pay()[s, d]:

@@ -122,13 +122,13 @@ class Engine:
         self.share = (share_prefixes and self.cache.pool is not None
                       and not getattr(proposer, "prompt_features", True))
         if getattr(proposer, "reads_target_cache", False):  # a draft of the target's own shapes (protocol.py)
-            self.state = proposer.start(max_len, k, capacity, nodes, target_cache=self.cache)
+            self.drafting = Drafting(proposer, proposer.start(max_len, k, capacity, nodes, target_cache=self.cache))
         else:
-            self.state = proposer.start(max_len, k, capacity, nodes)
+            self.drafting = Drafting(proposer, proposer.start(max_len, k, capacity, nodes))
         self.guide = Guide(self.model.config.vocab_size, forced_drafts)  # constrained rows (guided.py)
         # what keeps state per row beside the lists below, joining in this order (protocol.RowState)
         self.holders: list[RowState] = [TargetRows(self.model, self.cache, self.features, self.share),
-                                         Drafting(proposer, self.state), self.guide, *filter(None, [self.adaptive])]
+                                         self.drafting, self.guide, *filter(None, [self.adaptive])]
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
         self.cached: list[int] = []        # (B,) the target cache's lengths
@@ -240,7 +240,7 @@ class Engine:
         with constrained rows, drafted under their grammars, forced runs in place of drafts and chains
         cut where they leave the grammar (guided.py). A seeded row's first draft: position cached + 1."""
         draws = Draws(self.generator(), [c + 1 for c in self.cached], guide and guide.drafting())
-        proposal = self.proposer.propose(self.state, limits, shape, draws).trimmed()
+        proposal = self.drafting.propose(limits, shape, draws).trimmed()
         if guide:
             cut = [proposal.draft_probs is None or r.sampling.greedy or r.sampling.seeded for r in self.requests]
             proposal = guide.propose(proposal, limit, cut).trimmed()
@@ -253,6 +253,7 @@ class Engine:
             return 0, ()
         if self.adaptive:  # a closed batch with nobody waiting ends within its rows' largest budget
             budget = max(r.row.budget for r in self.requests)  # the rows in hand end within it
+            self.adaptive.read(self.drafting.unread())
             depth, shape, stretch = self.adaptive.choose(budget if self.closed and not self.waiting else math.inf,
                                                          budget)
         else:
@@ -326,7 +327,7 @@ class Engine:
 
     def observe(self, outcome: Outcome, guide: Guide | None) -> None:
         """The proposer learns what was committed (of a forced run, that none of its drafts was accepted)."""
-        self.proposer.observe(self.state, guide.outcome(outcome) if guide else outcome)
+        self.drafting.observe(guide.outcome(outcome) if guide else outcome)
 
     def features_along(self, out, verdict: Verdict) -> torch.Tensor:
         """The declared features (B, 1+m, ...) of the verify forward, along a tree's accepted path."""
@@ -390,8 +391,8 @@ class Engine:
             return
         t_start = time.perf_counter()
         width = max(map(len, plain.tokens))
-        self.proposer.observe(self.state, Outcome([0] * B, [t + [0] * (width - len(t)) for t in plain.tokens],
-                                                  list(map(len, plain.tokens)), torch.cat(plain.hidden, 1)))
+        self.drafting.observe(Outcome([0] * B, [t + [0] * (width - len(t)) for t in plain.tokens],
+                                      list(map(len, plain.tokens)), torch.cat(plain.hidden, 1)))
         observe = time.perf_counter() - t_start
         self.metrics.observe_seconds += observe
         self.adaptive.observe_plain(plain.steps, plain.seconds + observe, plain.forward_seconds)

@@ -210,14 +210,14 @@ def request(tokenizer: Tokenizer, prompt: Prompt, options: Options, generator: t
     skip = len(prompt.healed)
     stop = options.stop + prompt.stop
     rule = stop_rule(tokenizer, options.max_new_tokens, stop, skip, options.skip_special_tokens)
-    on_tokens = None
-    if on_text is not None:
-        text = TextStream(partial(tokenizer.decode, skip_special_tokens=options.skip_special_tokens),
-                          rule.stop_strings, skip)
+    if on_text is None:
+        return Request(prompt.ids, rule, options.sampling, generator, None, prompt.constraint)
+    text = TextStream(partial(tokenizer.decode, skip_special_tokens=options.skip_special_tokens),
+                      rule.stop_strings, skip)
 
-        def on_tokens(request: Request, tokens: list[int], drafted: int) -> None:
-            final = request.row.text() if request.row.done else None
-            on_text(request, text.add(tokens, drafted, final), tokens)
+    def on_tokens(request: Request, tokens: list[int], drafted: int) -> None:
+        final = request.row.text() if request.row.done else None
+        on_text(request, text.add(tokens, drafted, final), tokens)
     return Request(prompt.ids, rule, options.sampling, generator, on_tokens, prompt.constraint)
 
 

@@ -136,6 +136,8 @@ class Proposer(Protocol):
                             # rows map the cached blocks of a prompt's leading tokens without prefilling them
     reading_size: int       # multiply-adds its network spends on a committed token it reads (a draft
                             # model's body, lm/interface.body_size); absent or 0: reading costs next to nothing
+    # unread(state) -> list[int] | None, optional: per row, the committed tokens its next proposal reads
+    # before drafting (a draft model's pending tokens); absent or None: the engine counts them (adaptive.py)
 
     def start(self, max_len: int, k: int, capacity: int, nodes: int | None = None) -> Any:
         """New per-generation state without rows (they `join`). max_len: the longest sequence
@@ -210,7 +212,7 @@ class RowState(Protocol):
 
 @dataclass
 class Drafting:
-    """A proposer and its generation's state, as a holder of rows."""
+    """A proposer and its generation's state: a holder of rows that drafts for them and hears what was committed."""
     proposer: Proposer
     state: Any
 
@@ -219,3 +221,14 @@ class Drafting:
 
     def leave(self, keep: list[int]) -> None:
         self.proposer.leave(self.state, keep)
+
+    def propose(self, limits: torch.Tensor, widths: tuple[int, ...], draws: Draws) -> Proposal:
+        return self.proposer.propose(self.state, limits, widths, draws)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.proposer.observe(self.state, outcome)
+
+    def unread(self) -> list[int] | None:
+        """Per row, what the proposer has not read yet, where it tells (Proposer.unread)."""
+        reader = getattr(self.proposer, "unread", None)
+        return None if reader is None else reader(self.state)

@@ -10,11 +10,6 @@ import torch
 from .kv_cache import KVCache
 
 
-def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    # explicit device: also correct when the model is built under a meta-device context
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
-
-
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0):
     """cos, sin of shape (B, T, 1, R) for integer positions (B, T), R = 2 len(inv_freq), times
     `factor` (yarn's attention factor; 1 elsewhere)."""

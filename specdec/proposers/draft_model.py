@@ -169,6 +169,10 @@ class DraftModelProposer:
                          logits_index=logits_index, **extra)
         return out.logits[:, -1]
 
+    def unread(self, state: DraftState) -> list[int]:
+        """Per row, the committed tokens its next proposal for the row reads before its own (protocol.py)."""
+        return [max(len(p) - 1, 0) for p in state.pending]
+
     def pending_window(self, state: DraftState, limit: list[int]) -> list[int] | None:
         """A proposal's start: None where no row drafts; else the pending tokens each drafting row feeds
         with this proposal's window (the older ones fed first, when more than FEED: catch_up; rows that

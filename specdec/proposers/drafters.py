@@ -156,6 +156,17 @@ class Drafter:
         """What a report says about the drafter: its settings and its network's size and shape."""
         return {}
 
+    @property
+    def learned(self) -> bool:
+        """Whether it drafts alone with a network trained for its target (bench reports set such
+        drafters side by side with what each cost to train)."""
+        return bool(self.shipped) and self.cls is not HybridProposer
+
+    def condition(self, info: dict) -> str | None:
+        """How a report's conditions name the network a run read (`describe`'s figures with its `path`,
+        bench/runner.py); None where it reads none."""
+        return f"{self.what} `{info['path']}`" if "path" in info else None
+
     def load(self, target, path=None, options=None) -> Proposer:
         return self.proposer(self.network(target, self.folder(path, target)), target, self.checked(options))
 
@@ -226,6 +237,10 @@ class DraftModel(Drafter):
 
     def describe(self, draft, proposer, options) -> dict:
         return {"draft_vocab": "full" if proposer.draft_ids is None else len(proposer.draft_ids)}
+
+    def condition(self, info: dict) -> str | None:
+        draft = info.get("draft")
+        return draft and f"{self.what} `{draft['path']}` ({draft['parameters'] / 1e6:.1f}M, {draft['dtype']})"
 
 
 class ParallelDraft(DraftModel):
@@ -332,6 +347,13 @@ class Head(Drafter):
         return {"head_kind": head.kind, "draft_vocab": draft_vocab(options, head.token_counts) or "full",
                 "parameters": sum(p.numel() for p in head.parameters()) + blocks, "matrices": stored_formats(head)}
 
+    def condition(self, info: dict) -> str | None:
+        return f"{self.what} `{info['path']}` ({info['head_kind']}, {self.shape(info)}{info['parameters'] / 1e6:.1f}M)"
+
+    def shape(self, info: dict) -> str:
+        """Its shape as the conditions say it, before its size ("": nothing to say)."""
+        return ""
+
 
 class MTP(Head):
     name, cls, shipped, what = "mtp", MTPProposer, ("target-mtp",), "MTP heads"
@@ -339,6 +361,9 @@ class MTP(Head):
 
     def describe(self, heads, proposer, options) -> dict:
         return {**super().describe(heads, proposer, options), "depth": heads.depth}
+
+    def shape(self, info: dict) -> str:
+        return f"{info['depth']} modules, "
 
 
 class Eagle(Head):
@@ -363,6 +388,10 @@ class Eagle(Head):
                 "draft_vocab": min(draft_vocab(options, head.token_counts) or head.draft_vocab_size,
                                    head.draft_vocab_size)}
 
+    def shape(self, info: dict) -> str:
+        return (f"target layers {' '.join(map(str, info['layer_ids']))}, {info['draft_vocab']}-token draft vocabulary, "
+                f"{info['matrices']} matrices, ")
+
 
 class Block(Head):
     name, cls, shipped, what = "block", BlockProposer, ("block-head",), "block head"
@@ -373,6 +402,9 @@ class Block(Head):
         """It drafts over its own draft vocabulary."""
         return {**super().describe(head, proposer, options), "layer_ids": list(head.layer_ids), "block": head.block,
                 "attention": head.attention, "draft_vocab": head.draft_vocab_size}
+
+    def shape(self, info: dict) -> str:
+        return f"target layers {' '.join(map(str, info['layer_ids']))}, blocks of {info['block']}, "
 
 
 class BehindLookup(Drafter):
@@ -391,6 +423,9 @@ class BehindLookup(Drafter):
 
     def network(self, target, folder):
         return self.model.network(target, folder)
+
+    def condition(self, info: dict) -> str | None:
+        return self.model.condition(info)
 
     def proposer(self, network, target, options) -> Proposer:
         return HybridProposer(SuffixProposer(min_match=self.sure_match), self.model.proposer(network, target, options),

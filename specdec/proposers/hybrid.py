@@ -71,6 +71,11 @@ class HybridProposer:
         self.lookup.leave(state.lookup, keep)
         self.model.leave(state.model, keep)
 
+    def unread(self, state: HybridState) -> list[int] | None:
+        """The model's (lookup reads every token as it comes); None where the model does not tell."""
+        reader = getattr(self.model, "unread", None)
+        return None if reader is None else reader(state.model)
+
     def propose(self, state: HybridState, limits, widths, draws) -> Proposal:
         found = self.lookup.propose(state.lookup, limits, widths, draws)
         depth = limits if self.model_depth is None else limits.clamp(max=self.model_depth)

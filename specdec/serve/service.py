@@ -39,7 +39,7 @@ import torch
 
 from ..api import Loaded
 from ..decoding.engine import Engine, Request
-from ..decoding.pipeline import Prompt, prepare, request
+from ..decoding import pipeline
 from ..errors import SpecdecError
 from ..lm.kv_cache import BLOCK, block_bytes, budget_blocks
 from .prometheus import Metrics
@@ -78,7 +78,7 @@ def merged(events: list[Event]) -> Event:
 @dataclass(eq=False)
 class Job:
     params: Params
-    prompt: Prompt | None = None   # the encoded prompt (its last token backed off when healing; its constraint)
+    prompt: pipeline.Prompt | None = None   # the encoded prompt (its last token backed off when healing; its constraint)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
     cancelled: bool = False
@@ -162,9 +162,9 @@ class Service:
             raise SpecdecError(f"the prompt has {len(p.prompt)} characters, more than the model's context of "
                                f"{self.context} tokens can hold. Shorten the prompt")
         with self.encoding:
-            job.prompt = prepare(self.target.tokenizer, self.context, p.options, p.prompt,
-                                 None if p.messages is None else list(p.messages), budget="max_tokens",
-                                 vocab=self.target.admitted.model.config.vocab_size)
+            job.prompt = pipeline.prepare(self.target.tokenizer, self.context, p.options, p.prompt,
+                                          None if p.messages is None else list(p.messages), budget="max_tokens",
+                                          vocab=self.target.admitted.model.config.vocab_size)
         self.engine.check_memory(job.prompt.length, p.options.max_new_tokens, "max_tokens")
 
     def submit(self, job: Job) -> None:
@@ -249,8 +249,8 @@ class Service:
             self.outbox.append((job, Event(pieces, tokens, reason, request.steps, request.proposed,
                                            request.accepted)))
 
-        job.request = request(self.target.tokenizer, job.prompt, p.options,
-                              p.sampling.generator(self.target.admitted.device), on_text)
+        job.request = pipeline.request(self.target.tokenizer, job.prompt, p.options,
+                                       p.sampling.generator(self.target.admitted.device), on_text)
         job.request.cancelled = job.cancelled
         self.engine.submit(job.request)
 

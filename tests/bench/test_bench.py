@@ -19,6 +19,7 @@ from specdec.bench.runner import (SCHEMA, Cell, Config, Plan, acceptance_agreeme
 from specdec.bench.verify_cost import MoESpec
 from specdec.cli import main
 from specdec.errors import SpecdecError
+from specdec.proposers import DRAFTERS
 from specdec.lm.checkpoint import PARALLEL_KIND, WEIGHTS, save_model, sha256
 from specdec.heads.block import initial_head as initial_block_head
 from specdec.heads.block import save_block
@@ -164,6 +165,8 @@ def test_report_files_and_printed_table(result, tmp_path):
     text = console_report(result, out)
     for doc in (report, text):
         assert "conditions: target" in doc and "threads" in doc and "torch" in doc
+        for network in ("draft model `", "parallel draft `", "MTP heads `", "EAGLE head `", "block head `"):
+            assert doc.count(network) == 1, network  # each network read named once (the hybrids' too)
         assert "temperature 0 (seed 0), batch 2" in doc and "hf-prompt-lookup k=2" in doc
         assert "3/3 vs plain" not in doc and "2/2 vs plain" in doc and "n/a (sampling)" in doc
     assert str(out / REPORT_NAME) in text
@@ -319,7 +322,7 @@ def test_the_quick_plan_on_your_own_model_runs_what_fits_and_names_what_it_skips
     root = str(Path(__file__).resolve().parents[2])  # the shipped drafters' folders, as a report shows them
     assert all(root not in reason for reason in result["skipped"].values()) and "models/draft" in result["skipped"][
         "draft-model"]
-    assert result["conditions"]["draft"] == "not used"
+    assert "draft-model" not in result["conditions"]["drafters"]
     first = result["cells"][0]  # the lookup methods, the self-draft and transformers' peers that need no draft model
     assert {r["method"] for r in first["results"]} == {"plain", "ngram", "suffix", "self", "hf-generate",
                                                       "hf-prompt-lookup"}
@@ -353,7 +356,8 @@ def test_methods_named_run_without_the_shipped_draft_and_a_misfit_named_is_refus
     err = capsys.readouterr().err
     assert code == 0, err
     result = json.loads((tmp_path / "out" / JSON_NAME).read_text())
-    assert result["conditions"]["draft"] == "not used" and result["skipped"] == {}
+    assert not any(d.condition(result["conditions"]["drafters"][name]) for name, d in DRAFTERS.items()
+                   if name in result["conditions"]["drafters"]) and result["skipped"] == {}
     assert [r["label"] for r in result["cells"][0]["results"]] == ["plain", "ngram k=2", "suffix k=2", "hf-generate",
                                                                   "hf-prompt-lookup k=2"]
     code = main([*base, "--methods", "eagle", "--out", str(tmp_path / "refused")])

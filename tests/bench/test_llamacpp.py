@@ -20,7 +20,7 @@ from specdec.decoding.sampling import SamplingConfig
 from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import save_model, sha256
-from specdec.lm.window import apply_rotary, inverse_frequencies, rotary
+from specdec.lm.window import apply_rotary, rotary
 
 from ..conftest import TINY, tiny_model
 
@@ -63,7 +63,7 @@ def test_permuted_projections_give_the_same_attention_scores_under_pairwise_rota
     torch.manual_seed(0)
     heads, d, c, T = 3, 8, 16, 5
     wq, wk, x = torch.randn(heads * d, c), torch.randn(heads * d, c), torch.randn(T, c)
-    positions, inv_freq = torch.arange(T), inverse_frequencies(d, 10000.0)
+    positions, inv_freq = torch.arange(T), 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
     cos, sin = rotary(positions[None], inv_freq, torch.float32)  # (1, T, 1, D)
     q = apply_rotary((x @ wq.T).view(1, T, heads, d), cos, sin)[0]
     k = apply_rotary((x @ wk.T).view(1, T, heads, d), cos, sin)[0]

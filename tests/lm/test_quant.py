@@ -327,7 +327,7 @@ def test_the_self_draft_reads_the_targets_cache_and_feeds_only_its_newest_token_
     forward = proposer.model.forward
     proposer.model.forward = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw)
     engine = Engine(admit(target), proposer, 3, capacity=2, max_len=64)
-    assert engine.state.cache is engine.cache
+    assert engine.drafting.state.cache is engine.cache
     requests = [Request(list(range(20, 32)), rule), Request([5, 9, 2], rule)]
     for request in requests:
         engine.submit(request)
