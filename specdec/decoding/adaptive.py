@@ -388,9 +388,11 @@ class Adaptive:
         return horizon * rows * gain >= cost
 
     def catch_up_seconds(self) -> float:
-        """Seconds the proposer takes to read a token it has not read: measured (`catch_up`), else
-        `reading` times the target's seconds a token where its forward is bound by compute (`token_seconds`)."""
-        return float(self.catch_up[0] if self.catch_up[1] else self.catch_up_prior)
+        """Seconds the proposer takes to read a token it has not read: measured (`catch_up`), but at least
+        `reading` times the target's seconds a token where its forward is bound by compute (`token_seconds`):
+        a few tokens read at one row cost about what one does (the weights are read once), hundreds over
+        eight rows cost each its arithmetic, which a price measured on the few does not show."""
+        return float(max(self.catch_up[0] if self.catch_up[1] else 0.0, self.catch_up_prior))
 
     def priced(self) -> bool:
         """Whether every measured depth that could pay (`could_pay`) has its price from at least two
