@@ -111,7 +111,7 @@ def model_and_rest(server_args: list[str]) -> tuple[str, list[str]]:
 
 
 def specdec_server(name: str, model: str, extra: list[str], concurrency: int, budget: str | None,
-                   prompt_cache: bool) -> Server:
+                   prompt_cache: bool = True) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--port", str(port),
             "--max-batch", str(concurrency), "--max-queue", str(4 * concurrency), *extra]
@@ -130,8 +130,8 @@ def llama_server(name: str, binary: str, model: str, extra: list[str], concurren
     return Server(name, argv, port, "/health")
 
 
-def request_body(workload: str, prompt: str, index: int, max_tokens: int, peer: bool,
-                 prompt_cache: bool) -> tuple[str, dict]:
+def request_body(workload: str, prompt: str, index: int, max_tokens: int, peer: bool = False,
+                 prompt_cache: bool = True) -> tuple[str, dict]:
     """The request for prompt `index` of a wave; to llama-server (`peer`) without its prompt cache where
     `prompt_cache` is off (specdec's server is started without one then)."""
     common = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}

@@ -107,7 +107,8 @@ class Engine:
             check_setup(self.model, proposer, 0, None)
             curves, self.verify_curve_seconds = verify_curves(admitted, curve_batches(capacity),
                                                               window(options(proposer, widths)[0]), name)
-            reading = getattr(proposer, "reading_size", 0) / max(body_size(self.model), 1)
+            size = body_size(self.model)  # a proposer's reading is priced as a share of the target's (0: unknown)
+            reading = getattr(proposer, "reading_size", 0) / size if size else 0.0
             self.adaptive = Adaptive.for_run(curves, proposer, widths, reading)
             k, widths = self.adaptive.depth, self.adaptive.widest
         self.widths = check_setup(self.model, proposer, k, widths)

@@ -91,9 +91,11 @@ def no_features(model, rows: int, features: tuple[int, ...]) -> torch.Tensor:
 
 def body_size(model) -> int:
     """Multiply-adds a token costs in a model's matrices but its unembedding (whose rows only the
-    positions read out need): what reading a token through it costs, as against another model."""
+    positions read out need): what reading a token through it costs, as against another model; 0
+    where its matrices are not nn.Linear (GPT-2's Conv1D)."""
     vocab = model.config.vocab_size
-    return sum(m.in_features * m.out_features for m in model.modules()
+    module = model if isinstance(model, torch.nn.Module) else model.model  # hf_adapter.HFCausalLM wraps one
+    return sum(m.in_features * m.out_features for m in module.modules()
                if isinstance(m, torch.nn.Linear) and m.out_features != vocab)
 
 
