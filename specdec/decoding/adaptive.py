@@ -86,8 +86,8 @@ class Adaptive:
         """curves: the target's verify curves by batch size (`curve_batches` of the capacity, the
         largest one), or one curve for every batch size; rows: the rows of the batch to begin with
         (more `join` later). reading: what the proposer's network costs a token it reads, as a share
-        of the target's (protocol.Proposer.reading_size): until they are measured, its catch-up and
-        drafts are priced by it (`reading_prior`)."""
+        of the target's (protocol.Proposer.reading_size): until they are measured, its drafts are priced
+        by it (`draft_estimates`), and its catch-up never below it (`catch_up_seconds`)."""
         self.curves: Callable[[int], VerifyCurve] = (
             (lambda rows: curves[curve_batch(rows, max(curves))]) if isinstance(curves, dict) else (lambda rows: curves))
         self.reading = reading

@@ -78,7 +78,7 @@ def merged(events: list[Event]) -> Event:
 @dataclass(eq=False)
 class Job:
     params: Params
-    prompt: pipeline.Prompt | None = None   # the encoded prompt (its last token backed off when healing; its constraint)
+    prompt: pipeline.Prompt | None = None  # the encoded prompt (its last token backed off when healing; its constraint)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Request | None = None
     cancelled: bool = False
