@@ -38,13 +38,34 @@ from pathlib import Path
 import httpx
 
 from specdec.bench.conditions import hardware, software
-from specdec.bench.workloads import chat_prompts, humaneval_prompts
+from specdec.bench.workloads import CHAT_PROMPTS, chat_prompts, humaneval_prompts
 from specdec.lm.packaged import resolve
 
 WORKLOADS = {"humaneval": "HumanEval completions, greedy", "chat": "everyday chat, temperature 0.8, seeded"}
 PROMPT_CACHE = {False: "off: specdec serve --prefix-cache 0, llama-server requests with cache_prompt false (every "
                        "prompt prefilled; requests running together may still share specdec's prompt blocks)",
                 True: "on: each server's own (the waves repeat the same prompts: a cached prompt is not prefilled)"}
+
+
+class Waves:
+    """The prompts of each wave: the first `n` of the workload's pool every time, or with `fresh` the next
+    `n` (round the pool again when it runs out, counted in `repeated`)."""
+
+    def __init__(self, pools: dict[str, list[str]], n: int, fresh: bool):
+        self.pools, self.n, self.fresh = pools, n, fresh
+        self.at = {workload: 0 for workload in pools}
+        self.repeated = 0
+
+    def next(self, workload: str) -> list[str]:
+        pool = self.pools[workload]
+        if len(pool) < self.n:
+            raise SystemExit(f"the {workload} workload has {len(pool)} prompts, not {self.n}")
+        if not self.fresh:
+            return pool[:self.n]
+        start = self.at[workload]
+        self.at[workload] += self.n
+        self.repeated += sum(i >= len(pool) for i in range(start, start + self.n))
+        return [pool[i % len(pool)] for i in range(start, start + self.n)]
 
 
 def free_port() -> int:
@@ -247,18 +268,20 @@ def run(args) -> dict:
             failed[s.name] = s.error
             s.stop()
     idle = {s.name: s.memory("VmRSS") for s in up}
-    prompts = {"humaneval": [p.rstrip() for p in humaneval_prompts(args.prompts)], "chat": chat_prompts(args.prompts)}
+    pools = {"humaneval": [p.rstrip() for p in humaneval_prompts()], "chat": chat_prompts(len(CHAT_PROMPTS))}
+    waves = Waves(pools, args.prompts, args.fresh_prompts)
     cells = []
     watch = PeakWatch(up)
     try:
         for s in up:  # warm-up: first-use costs (kernels, the allocator, verify curves) are not timed
-            asyncio.run(wave(s, "humaneval", prompts["humaneval"][:2], 8, 2, args.prompt_cache))
+            asyncio.run(wave(s, "humaneval", pools["humaneval"][-2:], 8, 2, args.prompt_cache))
         for workload in args.workloads:
             for c in args.concurrency:
                 runs = {s.name: [] for s in up}
                 for _ in range(args.repeats):
+                    prompts = waves.next(workload)  # every server answers the same wave
                     for s in up:
-                        runs[s.name].append(asyncio.run(wave(s, workload, prompts[workload], args.max_tokens, c,
+                        runs[s.name].append(asyncio.run(wave(s, workload, prompts, args.max_tokens, c,
                                                              args.prompt_cache)))
                 for s in up:
                     median = sorted(runs[s.name], key=lambda r: r["tokens_per_s"])[len(runs[s.name]) // 2]
@@ -280,6 +303,10 @@ def run(args) -> dict:
         "failed_to_start": failed, "workloads": {w: WORKLOADS[w] for w in args.workloads},
         "prompts_per_wave": args.prompts, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "prompt_cache": PROMPT_CACHE[args.prompt_cache],
+        "prompts": ("fresh: each wave the next prompts of its workload, every server the same wave; prompts a server "
+                    f"had answered before: {waves.repeated}" if args.fresh_prompts else
+                    "the same prompts every wave (a drafter's memory of earlier answers, such as suffix lookup's, "
+                    "can copy them from the second wave on)"),
         "resident_bytes": {name: {"idle": idle[name], "peak": peak[name]} for name in idle},
         "client": "httpx streaming clients in this process, same machine; one server driven at a time",
         "hardware": hardware(), "software": software()}}
@@ -349,6 +376,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024, help="llama-server's positions per slot (its -c / -np)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
     p.add_argument("--kv-budget", help="specdec serve's --kv-budget (default its own)")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="each wave the next --prompts prompts of its workload (every server the same wave), so that "
+                        "no server has answered a wave's prompts before (default: the first --prompts every wave)")
     p.add_argument("--prompt-cache", action="store_true",
                    help="keep the servers' prompt caches across requests (every wave repeats the same prompts, so "
                         "a cached prompt is not prefilled again); default off: each request's prompt is prefilled")

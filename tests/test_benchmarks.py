@@ -43,13 +43,15 @@ def test_the_serve_head_to_head_drives_specdecs_server_and_writes_its_figures(tm
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_head_to_head.py"), "--model",
                           str(ROOT / "models" / "target"), "--concurrency", "1", "3", "--prompts", "3",
                           "--max-tokens", "8", "--repeats", "1", "--workloads", "humaneval", "--kv-budget", "4096",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                          "--fresh-prompts", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((out / "head-to-head.json").read_text())
     cells = result["cells"]
     assert [(c["server"], c["concurrency"]) for c in cells] == [("specdec plain", 1), ("specdec plain", 3)]
     assert all(c["tokens"] == 3 * 8 and c["failed_requests"] == 0 and c["ttft_p50_s"] > 0 for c in cells)
     assert result["conditions"]["resident_bytes"]["specdec plain"]["peak"] > 0
+    assert result["conditions"]["prompts"].startswith("fresh") and result["conditions"]["prompts"].endswith(": 0")
     assert (out / "head-to-head.png").stat().st_size > 0 and "| specdec plain |" in (out / "head-to-head.txt").read_text()
 
 
