@@ -373,11 +373,12 @@ def test_auto_asks_the_proposer_only_on_drafting_steps():
 
 
 def test_auto_stops_probing_a_draft_that_costs_more_than_the_target():
-    """A draft that costs 50 ms per level beside a target forward of a fraction of that cannot pay
+    """A draft that costs 200 ms per level beside a target forward of a fraction of that cannot pay
     with every draft accepted: after the first weighing, auto decodes plainly without probing
-    (the old schedule probed after 16, 48, 112 and 240 plain steps)."""
+    (the old schedule probed after 16, 48, 112 and 240 plain steps). 200 ms, not 50: beside the
+    suite's other worker a forward's seconds spike, and a 50 ms draft once looked as if it could pay."""
     target = tiny_llama(0, context=512)
-    proposer = Counted(DraftModelProposer(model=noisy_copy(target, 0.05, seed=1)), delay=0.05)
+    proposer = Counted(DraftModelProposer(model=noisy_copy(target, 0.05, seed=1)), delay=0.2)
     _, metrics = speculative_generate(target, proposer, [[3, 9, 4, 3, 9]], StopRule(max_new_tokens=300),
                                       SamplingConfig(), "auto")
     assert metrics.adaptive["stopped_probing"] and proposer.proposals <= 5
