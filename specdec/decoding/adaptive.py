@@ -276,7 +276,7 @@ class Adaptive:
         of the target's size drafts a level in about a third of its step). least: the fewest of a
         depth's latest samples, what its draft plausibly costs (a busy machine only ever adds seconds:
         a stolen time slice, an eviction), for the plausible bounds."""
-        plain = self.forward_estimates(rows)[0, 0]
+        plain = self.plain_forward(rows)
         measured = np.flatnonzero(self.draft_measured)
         if measured.size == 0:
             return self.reading * np.arange(self.depth + 1) * plain
@@ -403,7 +403,12 @@ class Adaptive:
 
     def plain_seconds(self, rows: int) -> float:
         """A plain step's predicted seconds over `rows` rows: its forward and the engine's overhead."""
-        return float(self.forward_estimates(rows)[0, 0] + self.overhead_estimates()[0])
+        return self.plain_forward(rows) + float(self.overhead_estimates()[0])
+
+    def plain_forward(self, rows: int) -> float:
+        """A plain step's forward over `rows` rows (`forward_estimates`' first column, alone): the unit
+        a draft's cost is kept in."""
+        return float(self.curve_at(rows, 1)) * float(self.forward_scale[0])
 
     def least_stretch(self, rows: int) -> int:
         """The fewest plain steps before a probe: enough for what a probe loses against plain decoding
@@ -464,7 +469,7 @@ class Adaptive:
         clean = not (self.plain_run or self.joined or first)
         self.joined = False
         unread = self.unread.sum()
-        plain = self.forward_estimates(rows)[0, 0]  # a plain step's forward at this batch: the draft's unit
+        plain = self.plain_forward(rows)  # a plain step's forward at this batch: the draft's unit
         if not clean and self.draft_clean[d] and unread:  # catching up beyond the depth's price, per token
             running_mean(self.catch_up, (draft_seconds - self.draft_share[d] * plain) / unread)
         self.unread[:] = 0
