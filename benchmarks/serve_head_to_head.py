@@ -11,9 +11,10 @@ server heals a token) and chat (/v1/chat/completions, specdec's own everyday que
 0.8 with a seed per request). Per cell: aggregate completion tokens/s over the wave (tokens as each
 server counts them in `usage`), p50/p95 request latency and time to first token, failed requests,
 the servers' resident memory idle and at peak. Conditions: the files, each server's command line,
-any server that failed to start and why, the CPU. Every wave repeats the same prompts: by default no
-server keeps a prompt's cache for a later request (--prompt-cache keeps them, and then a repeated
-prompt is not prefilled again, and the figures then say more about the caches than about decoding).
+any server that failed to start and why, the CPU. By default every wave repeats the same prompts and no
+server keeps a prompt's cache for a later request (--prompt-cache keeps them: a repeated prompt is then not
+prefilled again, and the figures say more about the caches than about decoding); --fresh-prompts gives each
+wave prompts no server has answered (a drafter's memory of earlier answers cannot copy them).
 
     python benchmarks/serve_head_to_head.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
         --llama-server LLAMA_BUILD/bin/llama-server --out docs/evidence/serve-head-to-head
@@ -38,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from specdec.bench.conditions import hardware, software
-from specdec.bench.workloads import CHAT_PROMPTS, chat_prompts, humaneval_prompts
+from specdec.bench.workloads import CHAT_PROMPTS, humaneval_prompts
 from specdec.lm.packaged import resolve
 
 WORKLOADS = {"humaneval": "HumanEval completions, greedy", "chat": "everyday chat, temperature 0.8, seeded"}
@@ -268,7 +269,7 @@ def run(args) -> dict:
             failed[s.name] = s.error
             s.stop()
     idle = {s.name: s.memory("VmRSS") for s in up}
-    pools = {"humaneval": [p.rstrip() for p in humaneval_prompts()], "chat": chat_prompts(len(CHAT_PROMPTS))}
+    pools = {"humaneval": [p.rstrip() for p in humaneval_prompts()], "chat": list(CHAT_PROMPTS)}
     waves = Waves(pools, args.prompts, args.fresh_prompts)
     cells = []
     watch = PeakWatch(up)
