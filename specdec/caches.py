@@ -7,9 +7,9 @@ This module knows nothing about what the caches' files hold: each cache's owner 
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,53 +19,27 @@ from .errors import SpecdecError
 @dataclass(frozen=True)
 class Cache:
     name: str
-    root: Callable[[], Path]  # its folder (the owner's function: it follows $XDG_CACHE_HOME when called)
-    holds: str                # what it holds, and what clearing it costs
+    owner: str  # the module (within specdec) whose cache_root() names its folder, following $XDG_CACHE_HOME
+    holds: str  # what it holds, and what clearing it costs
 
-
-def _from_gguf() -> Path:
-    from .lm import gguf
-    return gguf.cache_root()
-
-
-def _packaged() -> Path:
-    from .lm import packaged
-    return packaged.cache_root()
-
-
-def _kernels() -> Path:
-    from . import kernels
-    return kernels.cache_root()
-
-
-def _verify_curves() -> Path:
-    from .decoding import calibration
-    return calibration._cache_dir()
-
-
-def _llamacpp() -> Path:
-    from .bench import llamacpp
-    return llamacpp.cache_root()
-
-
-def _sizes() -> Path:
-    from .bench import sizes
-    return sizes.cache_root()
+    def root(self) -> Path:
+        return importlib.import_module(self.owner, __package__).cache_root()
 
 
 CACHES = {c.name: c for c in (
-    Cache("from-gguf", _from_gguf, "checkpoint folders converted from .gguf files where something needs one "
+    Cache("from-gguf", ".lm.gguf", "checkpoint folders converted from .gguf files where something needs one "
           "(training, transformers' and llama.cpp's comparisons, a head trained for a .gguf target) and a GGUF "
           "draft's token counts; keyed by the file's sha256, the most recently used kept (gguf.KEEP); made "
           "again when next needed"),
-    Cache("packaged", _packaged, "the packaged models' files (`specdec pair`), assembled from their installed pip "
-          "parts: assembled again on next use"),
-    Cache("kernels", _kernels, "the CPU kernels built for this machine, Python and torch: built again on next use"),
-    Cache("verify-curves", _verify_curves, "each target's verify cost measured for -k auto: measured again on next "
-          "use"),
-    Cache("llama.cpp", _llamacpp, "checkpoints written as GGUF files for llama.cpp's side of `specdec bench`: "
+    Cache("packaged", ".lm.packaged", "the packaged models' files (`specdec pair`), assembled from their "
+          "installed pip parts: assembled again on next use"),
+    Cache("kernels", ".kernels", "the CPU kernels built for this machine, Python and torch: built again on next use"),
+    Cache("verify-curves", ".decoding.calibration", "each target's verify cost measured for -k auto: measured "
+          "again on next use"),
+    Cache("llama.cpp", ".bench.llamacpp", "checkpoints written as GGUF files for llama.cpp's side of `specdec bench`: "
           "written again when next compared"),
-    Cache("sizes", _sizes, "the random-weight models of `specdec bench plain --size`: built again when next asked"),
+    Cache("sizes", ".bench.sizes", "the random-weight models of `specdec bench plain --size`: built again when "
+          "next asked"),
 )}
 
 

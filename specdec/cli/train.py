@@ -87,52 +87,23 @@ def add_train_parser(sub) -> None:
 
 def add_objective_arguments(t: argparse.ArgumentParser) -> None:
     """`specdec train`'s objective and each objective's settings (train/presets.OBJECTIVE_OPTIONS)."""
-    t.add_argument("--objective",
-                   choices=["next-token", "mtp-parallel", "mtp-sequential", "distill", "eagle", "block", "parallel"],
+    from ..train.objectives import OBJECTIVES
+    from ..train.presets import OBJECTIVE_OPTIONS
+
+    t.add_argument("--objective", choices=list(OBJECTIVES),
                    help="next-token only, or with MTP heads: parallel (Gloeckle et al.) or sequential "
                         "modules (DeepSeek-V3), or distill: KL(teacher || model) to a frozen --teacher, "
                         "or eagle: an EAGLE-3 draft head for the frozen --target, or block: a block head "
                         "drafting k tokens per forward for the frozen --target, or parallel: a draft model "
                         "with a mask token that drafts a block of k tokens in one forward (PARD), distilled "
                         "from --teacher at every block slot")
-    t.add_argument("--target", metavar="MODEL", help="eagle, block: the frozen target (checkpoint folder or .gguf "
-                                                     "file) the head drafts for (its tokenizer is used)")
-    t.add_argument("--block-size", type=int, metavar="K",
-                   help="block: the most drafts per forward the head is trained for (default 8)")
-    t.add_argument("--block-anchors", type=int, metavar="N",
-                   help="block: random anchors (blocks of mask slots) per training window (default 32)")
-    t.add_argument("--block-attention", choices=["bidirectional", "causal"],
-                   help="block: attention among a block's mask queries (default causal)")
-    t.add_argument("--block-layers", type=int, metavar="N", help="block: decoder layers of the head (default 1)")
-    t.add_argument("--eagle-layout", choices=["specdec", "eagle3"],
-                   help="eagle: the head's layout: specdec (its layer is one CPU-kernel call; default) or eagle3 "
-                        "(EAGLE-3's reference layer, exportable to vLLM with `specdec export --format speculators`)")
-    t.add_argument("--eagle-layers", nargs="+", type=int, metavar="ID",
-                   help="eagle, block: the target decoder layers (0-based) whose outputs the head reads "
-                        "(default: low, middle, high)")
-    t.add_argument("--eagle-steps", type=int, help="eagle: draft steps unrolled in training (default 4)")
-    t.add_argument("--eagle-decay", type=float, help="eagle: step j's loss weight is decay^j (default 0.8)")
-    t.add_argument("--draft-vocab", type=int, metavar="N",
-                   help="eagle, block: the head drafts over the N most frequent training token ids (default 4096)")
-    t.add_argument("--teacher", metavar="MODEL", help="distill: the frozen target (folder or .gguf file) to learn "
-                                                      "from (its tokenizer is used)")
     t.add_argument("--init-from", metavar="MODEL", help="start from this checkpoint's weights and config "
                                                         "(default: fresh weights)")
-    t.add_argument("--parallel-block", type=int, metavar="K",
-                   help="parallel: drafts per draft forward, the block slots trained (default 8)")
-    t.add_argument("--parallel-anchors", type=int, metavar="N",
-                   help="parallel: random anchors (blocks of K-1 mask slots) per training window (default 32)")
-    t.add_argument("--distill-temperature", type=float, help="distill: KL at this temperature (default 1)")
-    t.add_argument("--distill-top-k", type=int, help="distill: the teacher's top-k tokens only, renormalised "
-                                                     "(default: the whole vocabulary)")
-    t.add_argument("--mtp-depth", type=int, help="MTP heads: tokens predicted beyond the next one")
-    t.add_argument("--mtp-lambda", type=float, help="MTP head j's loss weight is lambda * beta^(j-1)")
-    t.add_argument("--mtp-lambda-late", type=float, help="lambda from 70%% of the steps on (schedule)")
-    t.add_argument("--mtp-beta", type=float, help="per-position decay of the MTP loss weights")
-    t.add_argument("--frozen-trunk", metavar="MODEL",
-                   help="train only MTP heads on this checkpoint, its weights frozen (its tokenizer is used)")
-    t.add_argument("--naive-mtp-order", action="store_true",
-                   help="one backward over all heads (more memory) instead of head by head")
+    for option, o in OBJECTIVE_OPTIONS.items():
+        shape = {"action": "store_true"} if o.flag else {
+            key: value for key, value in (("type", o.type), ("metavar", o.metavar), ("choices", o.choices),
+                                          ("nargs", o.nargs)) if value is not None}
+        t.add_argument("--" + option.replace("_", "-"), help=o.help, **shape)
 
 
 def cmd_longrun(args) -> None:

@@ -106,7 +106,7 @@ def cached_verify_curve(admitted: Admitted, batch_size: int, max_tokens: int, re
 
 def _stored(admitted: Admitted, batch_size: int, max_tokens: int) -> VerifyCurve | None:
     """The curve measured for this model, batch size and machine before, if it reaches max_tokens."""
-    path = _cache_dir() / f"{_key(admitted, batch_size)}.json"
+    path = cache_root() / f"{_key(admitted, batch_size)}.json"
     if path not in _LOADED and path.exists():
         stored = json.loads(path.read_text())
         _LOADED[path] = VerifyCurve({int(n): s for n, s in stored["seconds"].items()}, stored["batch_size"])
@@ -120,7 +120,7 @@ def _measure_and_store(admitted: Admitted, batch_size: int, points: list[int], r
     fastest = measure_verify_curve(admitted, points, batch_size, repeats, CONTEXT_TOKENS, min, progress)
     points = sorted(fastest.seconds)
     curve = VerifyCurve({n: min(fastest.seconds[m] for m in points if m >= n) for n in points}, batch_size)
-    path = _cache_dir() / f"{_key(admitted, batch_size)}.json"
+    path = cache_root() / f"{_key(admitted, batch_size)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")  # written whole, then renamed: never half a file
     tmp.write_text(json.dumps({"seconds": curve.seconds, "batch_size": batch_size, "machine": machine()}, indent=1))
@@ -183,7 +183,7 @@ def _model_identity(admitted: Admitted) -> list:
     return _IDENTITIES[inner]
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "verify-curves"
 
 

@@ -288,7 +288,7 @@ def check_requantize(requantize: dict[str, str]) -> None:
         if name not in GGMLQuantizationType.__members__:
             raise SpecdecError(f"{name!r} is not a GGML tensor type (e.g. Q4_1, Q5_0, Q8_0)")
     for name in set(requantize.values()):
-        if not quantizable(GGMLQuantizationType[name]):
+        if not handled(GGMLQuantizationType[name], "quantize"):
             raise SpecdecError(f"the gguf package cannot quantize into {name}: requantize into one it "
                                "quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)")
 
@@ -329,25 +329,15 @@ def stored(reader, config: dict) -> Iterator[RawTensor]:
         yield RawTensor(name, t.name, kind, shape, data)
 
 
-def dequantizable(qtype) -> bool:
-    """Whether the `gguf` package dequantizes this GGML type (tried on one zero block)."""
-    from gguf import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
+def handled(qtype, step: str) -> bool:
+    """Whether the `gguf` package can `step` ("quantize" or "dequantize") this GGML type (tried on one
+    zero block: of floats to quantize, of bytes to dequantize)."""
+    from gguf import GGML_QUANT_SIZES, quants
 
+    block, size = GGML_QUANT_SIZES[qtype]
+    zeros = np.zeros((1, block), np.float32) if step == "quantize" else np.zeros((1, size), np.uint8)
     try:
-        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
-
-
-def quantizable(qtype) -> bool:
-    """Whether the `gguf` package quantizes into this GGML type (tried on one zero block)."""
-    from gguf import GGML_QUANT_SIZES
-    from gguf.quants import quantize
-
-    try:
-        quantize(np.zeros((1, GGML_QUANT_SIZES[qtype][0]), np.float32), qtype)
+        getattr(quants, step)(zeros, qtype)
     except NotImplementedError:
         return False
     return True
@@ -355,7 +345,7 @@ def quantizable(qtype) -> bool:
 
 def check_types(reader, where: str) -> None:
     types = {t.tensor_type: t.name for t in reader.tensors}
-    refused = sorted(f"{qtype.name} (e.g. {name})" for qtype, name in types.items() if not dequantizable(qtype))
+    refused = sorted(f"{qtype.name} (e.g. {name})" for qtype, name in types.items() if not handled(qtype, "dequantize"))
     if refused:
         raise SpecdecError(f"{where}: the tensor type(s) {', '.join(refused)} cannot be read: the gguf package "
                            "does not dequantize them; convert the file with another quantization")

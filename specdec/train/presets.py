@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import SpecdecError
 from ..lm.arch import Arch
@@ -111,18 +112,56 @@ def described(recipe: dict) -> str:
 
 
 MTP_OBJECTIVES = ("mtp-parallel", "mtp-sequential")
-OBJECTIVE_OPTIONS = {  # option of `specdec train` -> the objectives it is a setting of, and that setting's name
-    "mtp_depth": (MTP_OBJECTIVES, "depth"), "mtp_lambda": (MTP_OBJECTIVES, "lam"),
-    "mtp_lambda_late": (MTP_OBJECTIVES, "lam_late"), "mtp_beta": (MTP_OBJECTIVES, "beta"),
-    "frozen_trunk": (MTP_OBJECTIVES, "frozen_trunk"), "teacher": (("distill", "parallel"), "teacher"),
-    "distill_temperature": (("distill",), "temperature"), "distill_top_k": (("distill",), "top_k"),
-    "target": (("eagle", "block"), "target"), "eagle_layers": (("eagle", "block"), "layers"),
-    "draft_vocab": (("eagle", "block"), "draft_vocab"), "eagle_steps": (("eagle",), "steps"),
-    "eagle_decay": (("eagle",), "decay"), "eagle_layout": (("eagle",), "layout"),
-    "parallel_block": (("parallel",), "block"), "parallel_anchors": (("parallel",), "anchors"),
-    "block_size": (("block",), "size"), "block_anchors": (("block",), "anchors"),
-    "block_attention": (("block",), "attention"), "block_layers": (("block",), "num_layers"),
-    "naive_mtp_order": (MTP_OBJECTIVES, "memory_saving"),
+class Setting(NamedTuple):
+    """An option of `specdec train` that sets `setting` of the objectives `objectives`, and how the
+    command line takes it (argparse's type, metavar, choices, nargs; flag: present or not)."""
+    objectives: tuple[str, ...]
+    setting: str
+    help: str
+    type: type | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    nargs: str | None = None
+    flag: bool = False
+
+
+EAGLE_BLOCK = ("eagle", "block")
+OBJECTIVE_OPTIONS = {  # option of `specdec train` (--mtp-depth: mtp_depth) -> what it sets
+    "target": Setting(EAGLE_BLOCK, "target", "eagle, block: the frozen target (checkpoint folder or .gguf file) the "
+                      "head drafts for (its tokenizer is used)", metavar="MODEL"),
+    "block_size": Setting(("block",), "size", "block: the most drafts per forward the head is trained for "
+                          "(default 8)", int, "K"),
+    "block_anchors": Setting(("block",), "anchors", "block: random anchors (blocks of mask slots) per training "
+                             "window (default 32)", int, "N"),
+    "block_attention": Setting(("block",), "attention", "block: attention among a block's mask queries (default "
+                               "causal)", choices=("bidirectional", "causal")),
+    "block_layers": Setting(("block",), "num_layers", "block: decoder layers of the head (default 1)", int, "N"),
+    "eagle_layout": Setting(("eagle",), "layout", "eagle: the head's layout: specdec (its layer is one CPU-kernel "
+                            "call; default) or eagle3 (EAGLE-3's reference layout, exportable to vLLM with `specdec "
+                            "export --format speculators`)", choices=("specdec", "eagle3")),
+    "eagle_layers": Setting(EAGLE_BLOCK, "layers", "eagle, block: the target decoder layers (0-based) whose outputs "
+                            "the head reads (default: low, middle, high)", int, "ID", nargs="+"),
+    "eagle_steps": Setting(("eagle",), "steps", "eagle: draft steps unrolled in training (default 4)", int),
+    "eagle_decay": Setting(("eagle",), "decay", "eagle: step j's loss weight is decay^j (default 0.8)", float),
+    "draft_vocab": Setting(EAGLE_BLOCK, "draft_vocab", "eagle, block: the head drafts over the N most frequent "
+                           "training token ids (default 4096)", int, "N"),
+    "teacher": Setting(("distill", "parallel"), "teacher", "distill: the frozen target (folder or .gguf file) to "
+                       "learn from (its tokenizer is used)", metavar="MODEL"),
+    "parallel_block": Setting(("parallel",), "block", "parallel: drafts per draft forward, the block slots trained "
+                              "(default 8)", int, "K"),
+    "parallel_anchors": Setting(("parallel",), "anchors", "parallel: random anchors (blocks of K-1 mask slots) per "
+                                "training window (default 32)", int, "N"),
+    "distill_temperature": Setting(("distill",), "temperature", "distill: KL at this temperature (default 1)", float),
+    "distill_top_k": Setting(("distill",), "top_k", "distill: the teacher's top-k tokens only, renormalised "
+                             "(default: the whole vocabulary)", int),
+    "mtp_depth": Setting(MTP_OBJECTIVES, "depth", "MTP heads: tokens predicted beyond the next one", int),
+    "mtp_lambda": Setting(MTP_OBJECTIVES, "lam", "MTP head j's loss weight is lambda * beta^(j-1)", float),
+    "mtp_lambda_late": Setting(MTP_OBJECTIVES, "lam_late", "lambda from 70%% of the steps on (schedule)", float),
+    "mtp_beta": Setting(MTP_OBJECTIVES, "beta", "per-position decay of the MTP loss weights", float),
+    "frozen_trunk": Setting(MTP_OBJECTIVES, "frozen_trunk", "train only MTP heads on this checkpoint, its weights "
+                            "frozen (its tokenizer is used)", metavar="MODEL"),
+    "naive_mtp_order": Setting(MTP_OBJECTIVES, "memory_saving", "one backward over all heads (more memory) instead "
+                               "of head by head", flag=True),
 }
 
 
@@ -134,7 +173,7 @@ def chosen_objective(name: str | None, options: dict, preset: Objective | None) 
     given = {**options, "eagle_layers": options["eagle_layers"] and tuple(options["eagle_layers"]),
              "naive_mtp_order": False if options["naive_mtp_order"] else None}
     settings = {}
-    for option, (names, setting) in OBJECTIVE_OPTIONS.items():
+    for option, (names, setting, *_) in OBJECTIVE_OPTIONS.items():
         if given[option] is None:
             continue
         settings[setting] = given[option]

@@ -37,7 +37,7 @@ FLAT = VerifyCurve({n: 1e-3 * (1 + 0.01 * n) for n in range(1, 20)})
 
 @pytest.fixture(autouse=True)
 def private_curve_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibration, "_cache_dir", lambda: tmp_path / "curves")
+    monkeypatch.setattr(calibration, "cache_root", lambda: tmp_path / "curves")
 
 
 def run_controller(curve: VerifyCurve, accept: bool, steps: int = 40, shapes=None, level: float = 3e-4,
