@@ -1,5 +1,5 @@
 """What proposers share beyond the protocol (decoding/protocol.py): drafting over a draft
-vocabulary (`DraftVocabulary`) and drawing tokens with `draw`, so that every proposer that drafts
+vocabulary (heads/vocabulary.py) and drawing tokens with `draw`, so that every proposer that drafts
 from logits shares one definition of both; chains and trees grown from logits; per-row settings;
 the rows of target features and tokens a head has yet to read (MTP heads, EAGLE), kept ragged.
 
@@ -14,9 +14,8 @@ import torch
 from ..decoding.protocol import Proposal
 from ..decoding.sampling import Draws, SamplingConfig, argmax, of_rows, row_probabilities, sample
 from ..decoding.tree import caterpillar_layout
-from ..errors import SpecdecError
 from ..lm.interface import next_positions, pad_right
-from ..lm.model import Linear, frozen_linear
+from ..heads.vocabulary import DraftVocabulary
 
 # The most pending tokens of a row a drafter with its own KV cache feeds in one forward when it
 # catches up (its whole history since it last drafted: a prompt, a stretch of plain steps), so that
@@ -27,48 +26,6 @@ FEED = 64
 def per_row(sampling: SamplingConfig | list[SamplingConfig], rows: int) -> list[SamplingConfig]:
     """`start`'s sampling argument as one setting per row."""
     return list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * rows
-
-
-def linear_rows(linear: Linear, rows: torch.Tensor) -> Linear:
-    """A frozen Linear over the output rows `rows` (N,) of `linear`, in its format (a quantized one's
-    rows as stored: each output the very number the whole matrix gives it)."""
-    if linear.stored is not None and linear.stored.quantized:
-        part = Linear(linear.in_features, len(rows), bias=False, device="meta")
-        part.store(matrix=linear.stored.rows(rows))
-        return part
-    return frozen_linear(linear.dense_rows(rows))
-
-
-class DraftVocabulary:
-    """A drafter's unembedding over the N token ids most frequent in its training tokens, and the
-    map back to target ids. Lossless: the draft's probability is 0 outside the N ids, which the
-    acceptance rules account for; it only makes the unembedding cheaper (N rows instead of V). A
-    quantized lm_head's rows keep its format (each row's logit the very number the full
-    unembedding gives it: the kernels compute each output row alone)."""
-
-    def __init__(self, ids: torch.Tensor, lm_head: Linear):
-        self.ids = ids  # (N,) sorted target ids
-        self.unembedding = linear_rows(lm_head, ids)
-
-    @classmethod
-    def trained(cls, ids: torch.Tensor, unembedding: torch.nn.Module) -> "DraftVocabulary":
-        """A drafter's own unembedding over ids (N,), trained with it (an EAGLE head's lm_head)."""
-        vocab = cls.__new__(cls)
-        vocab.ids, vocab.unembedding = ids, unembedding
-        return vocab
-
-    @staticmethod
-    def ids_for(size: int | None, vocab_size: int, token_counts: torch.Tensor | None, no_counts: str,
-                device: torch.device) -> torch.Tensor | None:
-        """The `size` most frequent ids (sorted) on `device` (the drafter's), or None for the full
-        vocabulary (size None or >= vocab_size); `no_counts` is the error when the counts were not saved."""
-        if size is None or size >= vocab_size:
-            return None
-        if size < 1:
-            raise SpecdecError(f"draft_vocab must be >= 1 token, got {size}")
-        if token_counts is None:
-            raise SpecdecError(no_counts)
-        return token_counts.cpu().topk(size).indices.sort().values.to(device)  # counts are kept on the host
 
 
 def catch_up(model, context: int, state, limit: list[int], keep: int) -> None:

@@ -21,11 +21,12 @@ from ..decoding.protocol import Outcome, Proposal
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain, window_layout
 from ..errors import SpecdecError
+from ..heads.vocabulary import DraftVocabulary
 from ..lm.device import placement
 from ..lm.interface import body_size, causal_lm, context_length, next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import Linear
-from .base import FEED, DraftVocabulary, catch_up, draft_chain, fed, grow_tree, with_alternatives
+from .base import FEED, catch_up, draft_chain, fed, grow_tree, with_alternatives
 
 
 # The acceptance `chosen_vocab` assumes of a draft over the full vocabulary (adaptive.PRIOR's optimism

@@ -35,7 +35,8 @@ from ..lm.device import placement
 from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache, cache_for
 from ..lm.model import LlamaForCausalLM
-from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, linear_rows, with_alternatives
+from ..heads.vocabulary import DraftVocabulary, linear_rows
+from .base import appended_pending, draft_chain, joined_pending, with_alternatives
 
 
 @dataclass

@@ -40,11 +40,12 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.tree import caterpillar_layout, on_chain
 from ..errors import SpecdecError
 from ..heads.mtp import MTPHeads, check_mtp_fits
+from ..heads.vocabulary import DraftVocabulary
 from ..lm.device import placement
 from ..lm.interface import abilities, next_positions
 from ..lm.kv_cache import KVCache, cache_for
 from ..lm.model import LlamaForCausalLM, frozen_linear
-from .base import DraftVocabulary, appended_pending, draft_chain, joined_pending, with_alternatives
+from .base import appended_pending, draft_chain, joined_pending, with_alternatives
 
 
 @dataclass

@@ -25,11 +25,12 @@ import torch
 
 from ..decoding.protocol import Outcome, Proposal
 from ..errors import SpecdecError
+from ..heads.vocabulary import DraftVocabulary
 from ..lm.device import placement
 from ..lm.interface import next_positions
 from ..lm.kv_cache import KVCache
 from ..lm.model import LlamaForCausalLM
-from .base import FEED, DraftVocabulary, draw_block, fed, with_alternatives
+from .base import FEED, draw_block, fed, with_alternatives
 from .draft_model import DraftModelProposer, DraftState
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecdecError
-from ..proposers.base import DraftVocabulary
+from ..heads.vocabulary import DraftVocabulary
 from ..heads.block import BlockHead
 from ..heads.eagle import EagleHead
 from ..heads.mtp import MTPHeads, teacher_forced
