@@ -44,11 +44,10 @@ from .decoding.pipeline import Options, fixed_prompts
 from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
 from .lm import gguf, packaged
-from .lm.arch import resolve as resolve_arch
-from .lm.checkpoint import build_model, load_model, load_token_counts
+from .lm.checkpoint import load_model, load_token_counts
 from .lm.device import default_dtype
 from .lm.device import resolve as resolve_device
-from .lm.gguf_blocks import AS_STORED, CONVERTED, load_as_stored, release_freed_memory
+from .lm.gguf_blocks import AS_STORED, CONVERTED, gguf_model, release_freed_memory
 from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer
@@ -107,17 +106,18 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
     as stored (the default, said explicitly)."""
     t0 = time.perf_counter()
     device = resolve_device(device)
+    dtype = dtype or default_dtype(device)  # float32 on the CPU: where a .gguf runs as stored
     file = default_target() if path is None else Path(packaged.resolve(path))
     if gguf.is_gguf(file):
         reader = gguf.open_file(file)  # mapped once: its metadata and tensors serve the model and the tokenizer
-        model, tokenizer, counts = load_gguf(file, reader, dtype, device, quantize), gguf.tokenizer(file, reader), None
+        model, tokenizer, counts = gguf_model(file, reader, dtype, device, quantize), gguf.tokenizer(file, reader), None
         del reader  # its metadata (a vocabulary's strings) freed before the trim below, its mapping closed
     else:
         if quantize in (AS_STORED, CONVERTED):
             raise SpecdecError(f"--quantize {quantize} is for a .gguf file (as stored; its bf16 conversion), and "
                                f"{file} is a checkpoint folder, which runs as it stores its weights: pass a .gguf "
                                "file, or quantize the folder at load (--quantize q8_0|q4_0|q4_1)")
-        model = load_model(file, dtype or default_dtype(device), device, quantize)
+        model = load_model(file, dtype, device, quantize)
         tokenizer, counts = Tokenizer.load(file), load_token_counts(file)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise SpecdecError(f"{file}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -126,22 +126,6 @@ def load(path: str | Path | None = None, dtype: torch.dtype | None = None, devic
         kernels.compiled()  # build or load the CPU kernels now, not inside the first timed forward
     release_freed_memory()  # the tokenizer's and the kernels' loading freed heap pages too
     return Loaded(model, tokenizer, file, time.perf_counter() - t0, counts)
-
-
-def load_gguf(file: Path, reader, dtype: torch.dtype | None, device: torch.device,
-              quantize: str | None) -> LlamaForCausalLM:
-    """The model of a .gguf file (see `load`; `reader` the file open, gguf.open_file): as stored on
-    the CPU in float32, else its conversion in memory (gguf.converted: the file's values, matrices in
-    bf16) in `dtype`, quantized where asked."""
-    as_stored = quantize in (None, AS_STORED) and device.type == "cpu" and dtype in (None, torch.float32)
-    if quantize == AS_STORED and not as_stored:
-        raise SpecdecError(f"--quantize {AS_STORED} runs the file's blocks as stored, on the CPU in float32: drop "
-                           "--dtype/--device, or ask for a conversion (--quantize bf16|q8_0|q4_0|q4_1)")
-    if as_stored:
-        return load_as_stored(file, reader=reader)
-    config, state = gguf.converted(file, reader)
-    return build_model(resolve_arch(config, where=file.name), state, dtype or default_dtype(device), device,
-                       None if quantize == CONVERTED else quantize, file)
 
 
 def default_target() -> Path:
@@ -189,6 +173,23 @@ def default_k(proposer: Proposer | None) -> int | str:
     if proposer is None:
         return 0
     return "auto"
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A drafter chosen before its target loads: its registry name (None: plain decoding), the folder
+    it reads (None: the shipped one), its options (None: its defaults), k (None: default_k) and a
+    draft tree's widths."""
+    name: str | None = None
+    path: str | None = None
+    options: object = None
+    k: int | str | None = None
+    widths: tuple[int, ...] | None = None
+
+    def build(self, target: Loaded) -> tuple[Proposer | None, int | str]:
+        """The proposer for `target` (load_drafter; None: plain decoding) and k."""
+        proposer = None if self.name is None else load_drafter(target, self.name, self.path, self.options)
+        return proposer, default_k(proposer) if self.k is None else self.k
 
 
 def encode_prompts(target: Loaded, prompts: list[str], max_new_tokens: int, chat: bool = False) -> list[list[int]]:

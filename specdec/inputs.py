@@ -118,8 +118,9 @@ def generation(max_new_tokens, stop) -> tuple[str, ...]:
 
 
 def draft_length(k, proposer, widths=None) -> None:
-    """k counts the draft tokens per step, or is "auto": it needs a proposer to draft them.
-    widths: a draft tree's most nodes per depth (one per level: len k)."""
+    """k counts the draft tokens per step, or is "auto": it needs a proposer to draft them (`proposer`:
+    one, or the drafter's name before it is built; None: plain decoding). widths: a draft tree's most
+    nodes per depth (one per level: len k)."""
     if widths is not None:
         if proposer is None:
             raise SpecdecError("a draft tree needs a proposer: pass a proposer (api.load_drafter) "
@@ -199,8 +200,9 @@ def simulate(alpha, alpha_per_position, ks, draft_cost, batch_size, verify_ms, v
 
 
 def serve(max_batch, max_queue, port, max_body_bytes, max_connections, shutdown_timeout, header_timeout,
-          body_timeout, idle_timeout, prefix_cache=None) -> None:
+          body_timeout, idle_timeout, prefix_cache=None, threads=None) -> None:
     """`specdec serve`'s limits (a shutdown timeout and the prefix cache may be 0; the others must be positive)."""
+    integer("--threads", threads, low=1, optional=True)
     integer("--max-batch", max_batch, low=1)
     integer("--prefix-cache", prefix_cache, low=0, optional=True)
     integer("--max-queue", max_queue, low=0)

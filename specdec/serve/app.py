@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -28,7 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ..decoding.pipeline import BadConstraint
 from ..errors import SpecdecError
 from . import requests
-from .guard import Guard, Limits
+from .guard import Guard, Limits, protocol
 from .prometheus import CONTENT_TYPE
 from .requests import APIError, Parsed
 from .service import Closing, Event, Job, NoChat, QueueFull, Service
@@ -49,6 +50,12 @@ def ended_early(service: Service, reason: str) -> APIError:
                         code="shutdown", kind="server_error", headers={"Retry-After": RETRY_AFTER})
     return APIError(500, f"the engine failed: {service.failure}; see the server's log", code="engine_failed",
                     kind="server_error")
+
+
+def http_config(service: Service, limits: Limits) -> uvicorn.Config:
+    """uvicorn's settings for the app of `service` behind `limits` (guard.protocol: the head and idle timeouts)."""
+    return uvicorn.Config(create_app(service, limits), log_level="warning", lifespan="off", http=protocol(limits),
+                          timeout_keep_alive=limits.idle_timeout, timeout_graceful_shutdown=5)
 
 
 def create_app(service: Service, limits: Limits = Limits()):

@@ -1,6 +1,7 @@
-"""The server as a process: its listening socket, taken before the model loads (so a port in use
-fails at once); uvicorn on a thread of its own while the engine keeps the main one (service.py says
-why); and SIGTERM or Ctrl-C: the first stops admission and drains, a second exits at once."""
+"""The server as a process (`serve`): its listening socket, taken before the model loads (so a port in
+use fails at once); the target and its drafter loaded, the service made; uvicorn on a thread of its
+own while the engine keeps the main one (service.py says why); and SIGTERM or Ctrl-C: the first stops
+admission and drains, a second exits at once."""
 from __future__ import annotations
 
 import os
@@ -9,13 +10,41 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 import uvicorn
 
-from ..errors import SpecdecError
-from .app import create_app
-from .guard import Limits, protocol
+from .. import kernels
+from ..api import DraftPlan, load
+from ..errors import SpecdecError, counted
+from ..lm.kv_cache import BLOCK, block_bytes, budget_blocks, describe
+from .app import http_config
+from .guard import Limits
+from .service import Service
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a server is asked to be (`specdec serve`'s flags, checked): the target (a path or packaged
+    name, None: the default) and how it loads, its drafter, the service's name and sizes (Service), the
+    address it listens on, the kernels' threads (None: auto) and the seconds a shutdown drains."""
+    model: str | None
+    draft: DraftPlan
+    dtype: torch.dtype | None = None
+    device: str | None = None
+    quantize: str | None = None
+    name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 16
+    max_queue: int = 64
+    kv_budget: str | None = None
+    kv_dtype: torch.dtype = torch.bfloat16
+    prefix_cache: int | None = None
+    threads: int | None = None
+    shutdown_timeout: float = 30.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -39,23 +68,45 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(service, limits: Limits, sock: socket.socket, shutdown_timeout: float, on_ready: Callable[[], None]) -> None:
-    """Serve `service` (serve/service.Service) on `sock` until a signal has drained it: uvicorn
-    answers on its own thread, the engine steps on this one; `on_ready` runs once the server listens."""
-    server = uvicorn.Server(uvicorn.Config(create_app(service, limits), log_level="warning", lifespan="off",
-                                           http=protocol(limits), timeout_keep_alive=limits.idle_timeout,
-                                           timeout_graceful_shutdown=5))
+def serve(launch: Launch, limits: Limits) -> None:
+    """Listen, load, and serve until a signal has drained the server (`run`). The target's KV cache is
+    sized by the launch's budget (lm/kv_cache.budget_blocks: by default from the memory free now); with
+    -k auto the verify curves are read or measured as the service is made, before the server listens."""
+    sock = listening_socket(launch.host, launch.port)  # a port in use fails now, before loading anything
+    target = load(launch.model, dtype=launch.dtype, device=launch.device, quantize=launch.quantize)
+    proposer, k = launch.draft.build(target)
+    cfg = target.admitted.model.config
+    blocks, budget = budget_blocks(launch.kv_budget, block_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                                 cfg.head_dim, launch.kv_dtype))
+    kernels.set_threads(launch.threads)
+    method = proposer.name if proposer is not None and k != 0 else "plain"
+    service = Service(target, proposer, k, method, launch.max_batch, launch.max_queue, name=launch.name,
+                      widths=launch.draft.widths, kv_tokens=blocks * BLOCK, kv_dtype=launch.kv_dtype,
+                      prefix_cache=launch.prefix_cache, shutdown_timeout=launch.shutdown_timeout)
+    if service.engine.cache.pool is not None:
+        say(f"{describe(service.engine.cache.pool)} ({budget})")
+    ready = (f"{service.name}" + ("" if service.name == target.name else f" ({target.path})") + f", {method}"
+             + (f" k={k}" if k else "") + f", up to {counted(launch.max_batch, 'request')} per batch and "
+             f"{launch.max_queue} queued" + (", API key required" if limits.api_key else "")
+             + f"; http://{launch.host}:{launch.port}/")
+    run(service, uvicorn.Server(http_config(service, limits)), sock, lambda: say(ready))
+
+
+def run(service, server: uvicorn.Server, sock: socket.socket, on_ready: Callable[[], None]) -> None:
+    """Serve `service` (serve/service.Service) with uvicorn's `server` (its config app.http_config's) on
+    `sock` until a signal has drained it: uvicorn answers on its own thread, the engine steps on this
+    one; `on_ready` runs once the server listens."""
     signals = []
 
     def stop(signum, frame) -> None:
         """First SIGTERM/SIGINT: stop admission and drain (the engine loop then returns); second: exit now."""
         signals.append(signum)
         if len(signals) == 1:
-            print(f"specdec serve: shutting down: no new requests; running ones get up to {shutdown_timeout:g} s "
-                  "(Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
-            service.begin_close(shutdown_timeout)
+            say(f"shutting down: no new requests; running ones get up to {service.shutdown_timeout:g} s (Ctrl-C "
+                "again to exit at once)")
+            service.begin_close()
         else:
-            print("specdec serve: exiting at once", file=sys.stderr, flush=True)
+            say("exiting at once")
             os._exit(130 if signum == signal.SIGINT else 143)
 
     signal.signal(signal.SIGTERM, stop)
@@ -73,3 +124,7 @@ def run(service, limits: Limits, sock: socket.socket, shutdown_timeout: float, o
     finally:
         server.should_exit = True
         thread.join()
+
+
+def say(line: str) -> None:
+    print(f"specdec serve: {line}", file=sys.stderr, flush=True)

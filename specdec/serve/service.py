@@ -41,7 +41,7 @@ from ..api import Loaded
 from ..decoding.engine import Engine, Request
 from ..decoding import pipeline
 from ..errors import SpecdecError
-from ..lm.kv_cache import BLOCK, block_bytes, budget_blocks
+from ..lm.kv_cache import BLOCK
 from .prometheus import Metrics
 from .requests import Params
 
@@ -100,20 +100,19 @@ class Job:
 
 class Service:
     def __init__(self, target: Loaded, proposer, k: int | str, method: str, capacity: int = 16, max_queue: int = 64,
-                 name: str | None = None, widths: tuple[int, ...] | None = None, kv_budget: str | None = None,
-                 kv_dtype: torch.dtype | None = torch.bfloat16, prefix_cache: int | None = None):
-        """proposer None (k = 0): plain decoding. kv_budget: the target's KV cache in tokens or a size
-        (lm/kv_cache.budget_blocks; None: from the memory free now); kv_dtype: its keys' and values';
-        prefix_cache: positions of prompt blocks kept after their rows leave, for later requests that
-        begin alike (None: the pool's default, KEEP_IDLE; 0: prompts are shared among running rows only)."""
-        self.target, self.method, self.k = target, method, k
+                 name: str | None = None, widths: tuple[int, ...] | None = None, kv_tokens: int | None = None,
+                 kv_dtype: torch.dtype | None = torch.bfloat16, prefix_cache: int | None = None,
+                 shutdown_timeout: float = 30.0):
+        """proposer None (k = 0): plain decoding. kv_tokens: the positions the target's KV cache holds
+        (None: every row's whole context; lifecycle.serve gives the server's budget); kv_dtype: its keys'
+        and values'; prefix_cache: positions of prompt blocks kept after their rows leave, for later
+        requests that begin alike (None: the pool's default, KEEP_IDLE; 0: prompts are shared among
+        running rows only). shutdown_timeout: the seconds open jobs may go on once closing begins."""
+        self.target, self.method, self.k, self.shutdown_timeout = target, method, k, shutdown_timeout
         self.name = name or target.name
         self.context = target.admitted.context
-        cfg = target.admitted.model.config
-        blocks, self.kv_budget = budget_blocks(kv_budget, block_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                                      cfg.head_dim, kv_dtype))
         self.engine = Engine(target.admitted, proposer, k, capacity, self.context, widths=widths, name=self.name,
-                             kv_dtype=kv_dtype, kv_tokens=blocks * BLOCK)
+                             kv_dtype=kv_dtype, kv_tokens=kv_tokens)
         pool = self.engine.cache.pool
         if pool is not None and prefix_cache is not None:
             pool.keep_idle = prefix_cache // BLOCK
@@ -254,11 +253,12 @@ class Service:
         job.request.cancelled = job.cancelled
         self.engine.submit(job.request)
 
-    def begin_close(self, timeout: float) -> None:
-        """Stop admission (any thread); open jobs go on for `timeout` seconds, then end."""
+    def begin_close(self, timeout: float | None = None) -> None:
+        """Stop admission (any thread); open jobs go on for `timeout` seconds (None: the service's
+        shutdown_timeout), then end."""
         with self.wake:
             self.closing = True
-            self.deadline = time.monotonic() + timeout
+            self.deadline = time.monotonic() + (self.shutdown_timeout if timeout is None else timeout)
             self.wake.notify()
 
     @property

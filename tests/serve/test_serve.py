@@ -443,6 +443,6 @@ def test_a_served_model_name_oversubscribed_threads_and_auto_k_said_at_startup(t
     finally:
         assert server.stop(), server.log.read_text()
     log = server.log.read_text()
-    assert log.count(f"warning: --threads {cores + 1} is more than the {cores} cores") == 1
+    assert log.count(f"warning: {cores + 1} threads are more than the {cores} cores") == 1
     assert log.count("measuring this machine's verify cost for my-model, once") == 1
     assert log.index("measuring this machine's verify cost") < log.index("specdec serve: my-model (")
