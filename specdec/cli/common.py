@@ -111,6 +111,11 @@ DRAFT_OPTIONS = {  # each option a drafter takes (the registry's names: the fold
                              "the full vocabulary, an EAGLE head's own draft vocabulary); draft-model also auto: the "
                              "size the cost model picks (a GGUF draft counts the tokens of text on this machine "
                              "once; a draft saved without counts keeps its full vocabulary)"),
+    "draft_quantize": dict(choices=("q4_0", "q4_1", "q8_0", "auto", "none"),
+                           help="--draft draft-model or hybrid: store the draft model's matrices that read more "
+                                "bytes a weight than this format in it at load: fewer bytes read a draft token; "
+                                "lossless, the target verifies (default auto: q4_0 for a .gguf draft, whose 5- to "
+                                "8-bit matrices become 4-bit, a checkpoint folder's as they are; none: as stored)"),
     "stop_below": dict(type=float, metavar="P",
                        help="--draft draft-model: end a chain of drafts after one whose top probability is below P "
                             "(the draft unsure; lossless)"),
@@ -167,7 +172,8 @@ def draft_plan(args):
     kind = DRAFTERS[name]
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kind.options) if f.name in DRAFT_OPTIONS}
     return DraftPlan(name, {"draft_model": args.draft_model, "heads": args.heads}.get(kind.reads),
-                     kind.options(**{option: value for option, value in given.items() if value is not None}),
+                     kind.options(**{option: None if value == "none" else value  # "none": as stored
+                                     for option, value in given.items() if value is not None}),
                      args.k, args.tree)
 
 

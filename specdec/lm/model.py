@@ -182,9 +182,35 @@ def store_matrices(module: nn.Module, format: str | None = "bf16",
                     f"quantize {shape} to {format}"
                 raise SpecdecError(f"cannot {what}: {why}")
             m.store(format, given.get(name))
-    if isinstance(module, LlamaForCausalLM) and module.config.tie_word_embeddings and module.lm_head.stored is not None \
-            and module.lm_head.stored.quantized:
-        module.model.embed_tokens.store(module.lm_head.stored)
+    return restack(module)
+
+
+def requantize(module: nn.Module, format: str) -> int:
+    """Each Linear of a model or head whose stored matrix reads more bytes a weight than `format` (a
+    quantized one of kernels.FORMATS) would, stored anew in `format` from its exact values (llama.cpp's
+    rounding): a GGUF file's Q5_0, Q8_0 and Q6_K matrices as Q4_0, say (a tied embedding looks its
+    rows up in the new blocks). Its decoder layers are stacked anew. Returns how many were
+    requantized; on the CPU in float32 only."""
+    if placement(module).dtype != torch.float32 or placement(module).device.type != "cpu":
+        raise SpecdecError(f"quantized weights ({format}) run on the CPU in float32: this model computes in "
+                           f"{placement(module).dtype} on {placement(module).device}")
+    form = kernels.blocks.BLOCK_FORMATS[format]
+    done = 0
+    for name, m in module.named_modules():
+        if (isinstance(m, Linear) and m.stored is not None and m.in_features % form.size == 0
+                and m.stored.nbytes > m.out_features * m.in_features * form.bytes / form.size):
+            m.stored, m.weight = kernels.Matrix.store(m.dense().float(), format), None
+            done += 1
+    restack(module)
+    return done
+
+
+def restack(module: nn.Module) -> nn.Module:
+    """A tied embedding looking its rows up in the unembedding's blocks (where they are quantized) and,
+    where the kernels run, every run of decoder layers whose matrices are all stored as one kernel call."""
+    head = module.lm_head.stored if isinstance(module, LlamaForCausalLM) else None
+    if head is not None and head.quantized and module.config.tie_word_embeddings:
+        module.model.embed_tokens.store(head)
     if kernels.can_store_bf16() and placement(module).dtype == torch.float32:
         for m in module.modules():
             if isinstance(m, StackedLayers):
@@ -232,7 +258,7 @@ class StackedLayers:
             self.stack = kernels.stack([layer.kernel_weights() for layer in self.stacked()], self.config)
         elif not unstored:
             warnings.warn(f"specdec: {self.unstacked}; its decoder layers run on PyTorch operators (the same "
-                          "arithmetic, slower)", stacklevel=3)
+                          "arithmetic, slower)", stacklevel=4)
 
 
 def place(module: nn.Module, device: torch.device | str) -> nn.Module:

@@ -30,13 +30,13 @@ from ..heads.eagle import EAGLE_FOLDER
 from ..heads.folder import check_head_target, load_head
 from ..heads.mtp import MTP_FOLDER
 from ..kernels import storing_error
-from ..kernels.blocks import blocking_error
+from ..kernels.blocks import QUANTIZED, blocking_error
 from ..lm import gguf, local_counts, packaged
 from ..lm.arch import resolve
 from ..lm.checkpoint import (META, PARALLEL_KIND, build_model, load_model, load_token_counts, read_config,
                              read_meta)
 from ..lm.gguf_blocks import load_as_stored
-from ..lm.model import Linear, LlamaForCausalLM, store_matrices, stored_formats
+from ..lm.model import Linear, LlamaForCausalLM, requantize, store_matrices, stored_formats
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
 from .draft_model import DraftModelProposer, chosen_vocab
@@ -82,9 +82,20 @@ class TreeOptions(VocabOptions):
 @dataclass(frozen=True)
 class DraftModelOptions(TreeOptions):
     """A draft model of its own. Its draft_vocab may also be "auto": the size the cost model
-    favours (draft_model.chosen_vocab)."""
+    favours (draft_model.chosen_vocab). draft_quantize: its matrices that read more bytes a weight
+    than this quantized format would stored in it at load (lm/model.requantize): a draft's forward at
+    batch 1 costs the bytes it reads, and what the draft proposes the target verifies. "auto": Q4_0
+    for a GGUF draft run as stored (already quantized by its maker: its 5- to 8-bit matrices, a Q4_K_M
+    file's Q5_0, Q8_0 and Q6_K, to 4 bits), a checkpoint folder's weights as they are."""
     draft_vocab: int | str | None = None
     stop_below: float | None = None  # end a chain after a draft whose top probability is below this
+    draft_quantize: str | None = "auto"  # "q4_0", "q4_1", "q8_0", "auto" or None (as stored)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.draft_quantize not in (None, "auto", *QUANTIZED):
+            raise SpecdecError(f"draft_quantize is one of {', '.join(QUANTIZED)}, auto or None (as stored), got "
+                               f"{self.draft_quantize!r}")
 
 
 @dataclass(frozen=True)
@@ -185,6 +196,9 @@ def draft_vocab(options: VocabOptions, token_counts) -> int | None:
     return None if options.counted_only and token_counts is None else options.draft_vocab
 
 
+AUTO_DRAFT_FORMAT = "q4_0"  # the Qwen2.5-Coder pair's 0.5B so: 1.23x -> 1.32x plain at one request (docs/quantized.md)
+
+
 class DraftModel(Drafter):
     name, cls, shipped, what = "draft-model", DraftModelProposer, ("draft",), "draft model"
     reads, options = "draft_model", DraftModelOptions
@@ -229,6 +243,12 @@ class DraftModel(Drafter):
         if draft.gguf and options.draft_vocab is not None:  # a GGUF holds no counts: made here (once, cached)
             draft.token_counts = local_counts.counted_once(gguf.entry(draft.path), target.tokenizer.tok,
                                                            draft.model.config.vocab_size)
+        quantize = options.draft_quantize
+        if quantize == "auto":  # a GGUF draft's blocks as stored (the kernels' CPU float32), in Q4_0
+            quantize = AUTO_DRAFT_FORMAT if draft.gguf and not any(
+                isinstance(m, Linear) and m.weight is not None for m in draft.model.modules()) else None
+        if quantize is not None:
+            requantize(draft.model, quantize)
         size = draft_vocab(options, draft.token_counts)
         if size == "auto":  # without counts the one size to choose is the whole vocabulary
             size = None if draft.token_counts is None else chosen_vocab(draft.model, target.model, draft.token_counts)
@@ -236,7 +256,8 @@ class DraftModel(Drafter):
                                   tree="dynamic" if options.dynamic_tree else "static", stop_below=options.stop_below)
 
     def describe(self, draft, proposer, options) -> dict:
-        return {"draft_vocab": "full" if proposer.draft_ids is None else len(proposer.draft_ids)}
+        return {"draft_vocab": "full" if proposer.draft_ids is None else len(proposer.draft_ids),
+                "weights": stored_formats(draft.model)}
 
     def condition(self, info: dict) -> str | None:
         draft = info.get("draft")

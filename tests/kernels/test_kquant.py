@@ -25,6 +25,8 @@ from specdec.kernels import LANES, blocks
 from specdec.lm import gguf
 from specdec.lm.gguf_blocks import FORMATS
 from specdec.lm.model import Linear
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.drafters import DraftModelOptions
 
 from ..gguf_helpers import Q, byte_level_tokenizer, hf_model, quantize_any, write_gguf
 from ..lm.test_quant import RUNS, assert_speculation_equals_plain_on_each_isa, needs_kernels, on_each_isa
@@ -283,15 +285,26 @@ def test_speculative_greedy_equals_plain_greedy_in_k_quants(k_quant_file):
 @needs_kernels
 def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
     """The file as its own draft: as stored (the target's very arithmetic, so every draft is accepted);
+    by default (draft_quantize auto) its matrices wider than Q4_0 requantized to it, still lossless;
     beside a target run as its bf16 conversion (asked for), the draft is that conversion too."""
     path, held = k_quant_file
     target = load(path)  # the default: as stored
-    proposer = load_drafter(target, "draft-model", path)
+    proposer = load_drafter(target, "draft-model", path, DraftModelOptions(draft_quantize=None))
     assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == held
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=16), SamplingConfig()
     plain, _ = plain_generate(target.model, prompts, rule, greedy)
     rows, metrics = speculative_generate(target.model, proposer, prompts, rule, greedy, 3)
     assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.accepted == metrics.proposed > 0
+    fours = load_drafter(target, "draft-model", path).model
+    q4_0 = blocks.BLOCK_FORMATS["q4_0"]
+    stored = {name: m.stored for name, m in proposer.model.named_modules() if isinstance(m, Linear)}
+    for name, m in fours.named_modules():
+        if isinstance(m, Linear):  # as stored where that reads no more than Q4_0 would, else Q4_0
+            small = stored[name].nbytes <= m.out_features * m.in_features * q4_0.bytes / q4_0.size
+            assert m.stored.format == (stored[name].format if small else "q4_0"), name
+    assert any(m.stored.format == "q4_0" for m in fours.modules() if isinstance(m, Linear))
+    rows, metrics = speculative_generate(target.model, DraftModelProposer(fours), prompts, rule, greedy, 3)
+    assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0
     unquantized = load(path, quantize="bf16")
     draft = load_drafter(unquantized, "draft-model", path).model
     assert {m.stored.format for m in draft.modules() if isinstance(m, Linear) and m.stored} <= {"bf16"}

@@ -260,7 +260,8 @@ def test_a_gguf_draft_drafts_over_a_vocabulary_counted_here_exactly(written, dra
 
     monkeypatch.setattr(local_counts, "corpus", lambda: COUNTED)
     target = load(written[1], quantize="gguf")
-    proposer = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab=40))
+    as_stored = dict(draft_quantize=None)  # the file's own formats (else Q4_0 where they read more)
+    proposer = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab=40, **as_stored))
     saved = gguf.entry(draft_file) / f"local_token_counts-v{local_counts.VERSION}.safetensors"
     assert saved.is_file() and [p.name for p in saved.parent.iterdir()] == [saved.name]
     ids = proposer.draft_ids
@@ -274,7 +275,8 @@ def test_a_gguf_draft_drafts_over_a_vocabulary_counted_here_exactly(written, dra
     def failing():
         raise AssertionError("the saved counts are read, not counted again")
     monkeypatch.setattr(local_counts, "corpus", failing)
-    unsure = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab=40, stop_below=0.9))
+    unsure = build_drafter("draft-model", target, str(draft_file),
+                           DraftModelOptions(draft_vocab=40, stop_below=0.9, **as_stored))
     assert torch.equal(unsure.draft_ids, ids)
     prompts, rule = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24)
     for sampling in (SamplingConfig(), SamplingConfig(1.0, seed=3)):

@@ -24,7 +24,7 @@ from specdec.errors import SpecdecError
 from specdec.kernels import blocks
 from specdec.lm.checkpoint import quantize_model
 from specdec.lm.interface import admit
-from specdec.lm.model import Embedding, Linear, store_matrices
+from specdec.lm.model import Embedding, Linear, requantize, store_matrices
 from specdec.api import Loaded
 from specdec.proposers import DRAFTERS, NgramProposer, SelfDraftProposer, build_drafter
 
@@ -244,6 +244,32 @@ def test_weights_that_are_not_finite_are_refused_naming_the_matrix():
     with pytest.raises(SpecdecError, match=r"run model\.layers\.0\.mlp\.down_proj .* as stored \(q4_1\): "
                                            r".*block scales"):
         store_matrices(tiny_model(0), None, {"model.layers.0.mlp.down_proj": kernels.Matrix.from_blocks(b)})
+
+
+@needs_kernels
+def test_requantize_stores_each_wider_matrix_anew_from_its_values_and_never_widens_one():
+    """A model in Q8_0 requantized to Q4_0: each matrix is blocks.quantize of its exact values (the
+    very blocks quantizing the dense values gives), its layers stacked anew, a tied embedding reading
+    the new blocks; asked for Q8_0 again nothing changes (no matrix reads more than Q8_0 would). A
+    model computing in bf16 is refused."""
+    model = quantize_model(tiny_model(3, dataclasses.replace(TINY, tie_word_embeddings=True)), "q8_0")
+    values = {name: m.dense() for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert requantize(model, "q8_0") == 0
+    assert requantize(model, "q4_0") == len(values) and model.stack is not None
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            assert m.stored.format == "q4_0" and m.weight is None
+            assert torch.equal(m.dense(), blocks.quantize(values[name], "q4_0").dense()), name
+    assert model.model.embed_tokens.stored is model.lm_head.stored
+    fresh = tiny_model(3, dataclasses.replace(TINY, tie_word_embeddings=True))
+    with torch.no_grad():
+        for name, m in fresh.named_modules():
+            if isinstance(m, Linear):
+                m.weight.copy_(values[name])
+    tokens = torch.tensor([[5, 9, 2, 7, 1]])  # the layers' one kernel call reads the new blocks, not the old
+    assert torch.equal(model(tokens).logits, quantize_model(fresh, "q4_0")(tokens).logits)
+    with pytest.raises(SpecdecError, match="run on the CPU in float32"):
+        requantize(tiny_model(3).to(torch.bfloat16), "q4_0")
 
 
 PROMPTS = [[5, 9, 2], [7, 1, 2, 3, 1, 2, 3, 1, 2], list(range(20, 37))]
