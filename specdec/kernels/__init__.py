@@ -308,6 +308,16 @@ class Matrix:
         held = blocks.unpack(panels, self.format, (len(ids) * LANES, K))
         return held.rows(torch.arange(len(ids)) * LANES + ids % LANES)
 
+    def requantized(self, format: str) -> Matrix:
+        """Its exact values quantized into `format` (llama.cpp's rounding, blocks.quantize), SLICE rows
+        at a time: no float copy of a whole table is made (a tied unembedding's is 0.5 GB in fp32)."""
+        N, K = self.shape
+        if self.runs is not None or not self.quantized:
+            return Matrix.store(self.dense().float(), format)
+        slices = (torch.arange(i, min(i + SLICE, N)) for i in range(0, N, SLICE))
+        return Matrix(format, self.shape, torch.cat([blocks.pack(blocks.quantize(self.row_blocks(ids).dense(), format))
+                                                     for ids in slices]))
+
     def dense(self) -> torch.Tensor:
         """(N, K) the weights it holds, exactly: fp32 for a quantized format, else in its float format's dtype."""
         if not self.quantized:

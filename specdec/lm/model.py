@@ -199,7 +199,7 @@ def requantize(module: nn.Module, format: str) -> int:
     for name, m in module.named_modules():
         if (isinstance(m, Linear) and m.stored is not None and m.in_features % form.size == 0
                 and m.stored.nbytes > m.out_features * m.in_features * form.bytes / form.size):
-            m.stored, m.weight = kernels.Matrix.store(m.dense().float(), format), None
+            m.stored, m.weight = m.stored.requantized(format), None
             done += 1
     restack(module)
     return done

@@ -35,7 +35,7 @@ from ..lm import gguf, local_counts, packaged
 from ..lm.arch import resolve
 from ..lm.checkpoint import (META, PARALLEL_KIND, build_model, load_model, load_token_counts, read_config,
                              read_meta)
-from ..lm.gguf_blocks import load_as_stored
+from ..lm.gguf_blocks import load_as_stored, release_freed_memory
 from ..lm.model import Linear, LlamaForCausalLM, requantize, store_matrices, stored_formats
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
@@ -196,7 +196,7 @@ def draft_vocab(options: VocabOptions, token_counts) -> int | None:
     return None if options.counted_only and token_counts is None else options.draft_vocab
 
 
-AUTO_DRAFT_FORMAT = "q4_0"  # the Qwen2.5-Coder pair's 0.5B so: 1.23x -> 1.32x plain at one request (docs/quantized.md)
+AUTO_DRAFT_FORMAT = "q4_0"  # a GGUF draft's format by default (docs/quantized.md, "A draft in four bits")
 
 
 class DraftModel(Drafter):
@@ -249,6 +249,7 @@ class DraftModel(Drafter):
                 isinstance(m, Linear) and m.weight is not None for m in draft.model.modules()) else None
         if quantize is not None:
             requantize(draft.model, quantize)
+            release_freed_memory()  # the matrices it replaced
         size = draft_vocab(options, draft.token_counts)
         if size == "auto":  # without counts the one size to choose is the whole vocabulary
             size = None if draft.token_counts is None else chosen_vocab(draft.model, target.model, draft.token_counts)
