@@ -175,14 +175,15 @@ class DraftModelProposer:
         return [max(len(p) - 1, 0) for p in state.pending]
 
     def pending_window(self, state: DraftState, limit: list[int]) -> list[int] | None:
-        """A proposal's start: None where no row drafts; else the pending tokens each drafting row feeds
-        with this proposal's window (the older ones fed first, when more than FEED: catch_up; rows that
-        draft nothing keep theirs pending)."""
+        """A proposal's start: None where no row drafts; else the pending tokens each row feeds with
+        this proposal's window (the older ones fed first, when more than FEED: catch_up): a drafting
+        row's, none of a row that drafts nothing (it keeps them pending, and the window is as wide as
+        the drafting rows need: a row a hybrid's lookup drafts for may hold a long stretch unread)."""
         state.fed_drafts, state.chain = 0, None
         if max(limit) == 0:
             return None
         catch_up(self.model, self.context, state, limit, FEED)
-        return [len(p) for p in state.pending]
+        return [len(p) if n else 0 for p, n in zip(state.pending, limit)]
 
     def propose(self, state: DraftState, limits, widths, draws) -> Proposal:
         if not state.shared:
@@ -203,7 +204,7 @@ class DraftModelProposer:
             return Proposal.empty(B, limits.device)
         width = max(lengths)
         # the window (B, W) and, where it is wider than 1, each row's last position (B, 1): one copy
-        both = torch.tensor([p + [0] * (width - len(p)) + [max(n - 1, 0)] for p, n in zip(state.pending, lengths)],
+        both = torch.tensor([p[:n] + [0] * (width - n) + [max(n - 1, 0)] for p, n in zip(state.pending, lengths)],
                             device=limits.device)
         window, last = both[:, :width], (both[:, width:] if width > 1 else None)
         logits = self.forward(window, state.cache, last)

@@ -80,8 +80,9 @@ class ParallelDraftProposer(DraftModelProposer):
             return Proposal.empty(B, limits.device)
         width = max(lengths) + m - 1
         # per row: [pending, mask x (m-1), padding] and the m columns whose outputs are the block: one copy
-        both = torch.tensor([p + [self.mask] * (m - 1) + [0] * (width - n - m + 1) + list(range(n - 1, n + m - 1))
-                             for p, n in zip(state.pending, lengths)], device=limits.device)
+        both = torch.tensor([p[:n] + [self.mask] * (m - 1) + [0] * (width - n - m + 1)
+                             + list(range(max(n, 1) - 1, max(n, 1) + m - 1)) for p, n in zip(state.pending, lengths)],
+                            device=limits.device)
         window, columns = both[:, :width], both[:, width:]                  # (B, W), (B, m)
         positions = next_positions(state.cache, width, self.context)
         greedy = all(cfg.greedy for cfg in state.samplings)

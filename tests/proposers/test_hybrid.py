@@ -76,6 +76,24 @@ def test_the_draft_model_reads_the_tokens_of_the_steps_lookup_drafted():
     assert after == greedy_drafts(proposer.model, REPEATING + [8, 9, 40], 3) != []
 
 
+def test_a_row_the_draft_model_does_not_draft_for_leaves_the_window_as_narrow_as_the_drafting_rows_need():
+    """A row lookup drafts for (the model's limit 0) may hold a long stretch the model has not read:
+    the model's window holds the drafting rows' pending tokens alone (the row's stay pending, none
+    computed), and when the model drafts for that row later its drafts are a fresh row's."""
+    model = DraftModelProposer(noisy_copy(tiny_llama(0), 0.05, seed=1))
+    long = [(7 * i) % 30 + 1 for i in range(40)]
+    state = model.start(64, 3, 2)
+    model.join(state, [NOVEL, long], torch.zeros(2, 0, 1), [SamplingConfig()] * 2)
+    assert model.pending_window(state, [3, 0]) == [len(NOVEL), 0] and state.pending[1] == long
+    state = model.start(64, 3, 2)
+    model.join(state, [NOVEL, long], torch.zeros(2, 0, 1), [SamplingConfig()] * 2)
+    first = model.propose(state, torch.tensor([3, 0]), (1, 1, 1), Draws())
+    assert first.tokens[0, :3].tolist() == greedy_drafts(model, NOVEL, 3) and state.pending[1] == long
+    model.observe(state, Outcome([0, 0], [[3, 0, 0, 0], [4, 0, 0, 0]], [1, 1], torch.zeros(2, 4, 1)))
+    later = model.propose(state, torch.tensor([0, 3]), (1, 1, 1), Draws())
+    assert later.tokens[1, :3].tolist() == greedy_drafts(model, long + [4], 3)
+
+
 @pytest.mark.parametrize("model, k", [("draft-model", 2), ("draft-model", 4), ("draft-model", "auto"),
                                       ("eagle", 1), ("eagle", 4), ("eagle", "auto")])
 def test_greedy_output_is_plain_decodings_at_batch_one_and_three(model, k):
