@@ -53,7 +53,7 @@ async def oversized(port: int, stop: asyncio.Event, announced: bool, refusals: l
     while not stop.is_set():
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     + (f"Content-Length: {TEN_MB + 12}\r\n" if announced else "Transfer-Encoding: chunked\r\n")
                     + "\r\n").encode()
             t0 = time.perf_counter()

@@ -22,7 +22,6 @@ from specdec.decoding.stopping import StopRule
 from specdec.errors import SpecdecError
 from specdec.lm.checkpoint import save_model, sha256
 from specdec.proposers import BlockProposer
-from specdec.proposers.block import BlockProposer
 from specdec.heads.block import BlockHead, initial_head, load_block, save_block
 from specdec.train.anchors import block_layout
 from specdec.train.losses import block_backward, block_metrics, eagle_targets
