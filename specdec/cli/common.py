@@ -164,24 +164,29 @@ def draft_plan(args):
     from ..api import DraftPlan
     from ..proposers import DRAFTERS
 
-    inputs.draft_options(args.draft, draft_options_given(args))
     name = None if args.draft == "none" else args.draft
+    path = None if name is None else folder(name, args.draft_model, args.heads)
+    inputs.draft_options(args.draft, draft_options_given(args))
     inputs.draft_length(args.k, name, args.tree)
     if name is None:
         return DraftPlan(k=args.k, widths=args.tree)
-    kind = DRAFTERS[name]
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(kind.options) if f.name in DRAFT_OPTIONS}
-    return DraftPlan(name, {"draft_model": args.draft_model, "heads": args.heads}.get(kind.reads),
-                     kind.options(**{option: None if value == "none" else value  # "none": as stored
-                                     for option, value in given.items() if value is not None}),
+    options = DRAFTERS[name].options
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(options) if f.name in DRAFT_OPTIONS}
+    return DraftPlan(name, path, options(**{option: None if value == "none" else value  # "none": as stored
+                                for option, value in given.items() if value is not None}),
                      args.k, args.tree)
 
 
-def drafter(target, name: str, draft_model: str | None, heads: str | None, options=None):
-    """The proposer `name` for `target` through the drafter registry, its network from the folder
-    it reads (--draft-model or --heads; default: the shipped one); options: the drafter's own (None:
-    its defaults)."""
-    from ..proposers import DRAFTERS, build_drafter
+def folder(name: str, draft_model: str | None, heads: str | None) -> str | None:
+    """The folder the drafter `name` reads, as given (--draft-model or --heads; None: the shipped one)."""
+    from ..proposers import DRAFTERS
 
-    path = {"draft_model": draft_model, "heads": heads}.get(DRAFTERS[name].reads)
-    return build_drafter(name, target, path, options)
+    return {"draft_model": draft_model, "heads": heads}.get(DRAFTERS[name].reads)
+
+
+def drafter(target, name: str, draft_model: str | None, heads: str | None):
+    """The proposer `name` for `target` through the drafter registry with its default options, its
+    network from the folder it reads (`folder`)."""
+    from ..api import DraftPlan
+
+    return DraftPlan(name, folder(name, draft_model, heads)).build(target)[0]

@@ -91,7 +91,8 @@ class Engine:
         show a wrong rule is detected). forced_drafts: constrained rows propose the tokens their grammar
         forces in place of the drafter's (guided.py; needs k >= 1). kv_dtype: the target's KV cache dtype
         (default its compute dtype); kv_tokens: the positions its pool holds (default every row's
-        worst case, `blocks_needed` of max_len + 1 positions): a request joins when its worst case fits beside the rows' (`promise`), else it waits.
+        worst case, `blocks_needed` of max_len + 1 positions): a request joins when its worst case fits
+        beside the rows' (`promise`), else it waits.
         share_prefixes: joining prompts map the blocks of leading tokens already in the cache
         (lm/kv_cache.py) where the proposer does not read prompt features."""
         self.started = time.perf_counter()  # first_token_seconds and other_seconds count from here
@@ -117,8 +118,9 @@ class Engine:
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
         nodes = sum(self.widths)
         self.window_room = nodes  # beyond prompt + max_new_tokens: a verification window past the committed entries
-        rows = capacity * blocks_for(max_len + 1 + nodes) * BLOCK  # every row's worst case (blocks_needed)
-        self.cache = self.model.new_cache(capacity, max_len + nodes, kv_dtype, tokens=kv_tokens or rows)
+        if kv_tokens is None:  # every row's worst case (blocks_needed)
+            kv_tokens = capacity * blocks_for(max_len + 1 + nodes) * BLOCK
+        self.cache = self.model.new_cache(capacity, max_len + nodes, kv_dtype, tokens=kv_tokens)
         self.cache.regroup([])
         self.share = (share_prefixes and self.cache.pool is not None
                       and not getattr(proposer, "prompt_features", True))

@@ -191,9 +191,10 @@ def requantize(module: nn.Module, format: str) -> int:
     rounding): a GGUF file's Q5_0, Q8_0 and Q6_K matrices as Q4_0, say (a tied embedding looks its
     rows up in the new blocks). Its decoder layers are stacked anew. Returns how many were
     requantized; on the CPU in float32 only."""
-    if placement(module).dtype != torch.float32 or placement(module).device.type != "cpu":
+    where = placement(module)
+    if where.dtype != torch.float32 or where.device.type != "cpu":
         raise SpecdecError(f"quantized weights ({format}) run on the CPU in float32: this model computes in "
-                           f"{placement(module).dtype} on {placement(module).device}")
+                           f"{where.dtype} on {where.device}")
     form = kernels.blocks.BLOCK_FORMATS[format]
     done = 0
     for name, m in module.named_modules():
