@@ -286,9 +286,8 @@ def load_eagle(path: str | Path, target: str | Path, dtype: torch.dtype | None =
 def check_head_fits(head, target, what: str = "EAGLE head", loader: str = "load_eagle") -> None:
     """A head (EAGLE's, or one like it: `what`, loaded by `loader`) fits a target only with the config
     it was built for; the checkpoint hash is checked by its loader."""
-    if head.config != target.config:
-        diff = {k: (v, getattr(target.config, k)) for k, v in head.config.to_dict().items()
-                if getattr(target.config, k) != v}
+    diff = head.config.network_differences(target.config)
+    if diff:
         raise SpecdecError(f"this {what} was built for another target (config differs: {diff})")
     if placement(head).dtype != placement(target).dtype:
         raise SpecdecError(f"the {what} computes in {placement(head).dtype} but the target in "

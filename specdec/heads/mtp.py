@@ -196,9 +196,8 @@ def load_mtp(path: str | Path, target: str | Path, dtype: torch.dtype | None = N
 def check_mtp_fits(heads: MTPHeads, trunk) -> None:
     """Heads fit a trunk only with the config they were built for (the same width, vocabulary,
     attention shape); the checkpoint hash is checked by load_mtp."""
-    if heads.config != trunk.config:
-        diff = {k: (v, getattr(trunk.config, k)) for k, v in heads.config.to_dict().items()
-                if getattr(trunk.config, k) != v}
+    diff = heads.config.network_differences(trunk.config)
+    if diff:
         raise SpecdecError(f"these MTP heads were built for another model (config differs: {diff})")
     dtype = placement(trunk).dtype
     if placement(heads).dtype != dtype:

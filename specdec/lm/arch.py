@@ -187,6 +187,13 @@ class Arch:
         d.pop("source")
         return d
 
+    def network_differences(self, other: "Arch") -> dict:
+        """{field: (this one's, other's)} of the fields in which two configs build different networks:
+        every field but the end-of-generation ids (a checkpoint's stop set, read from its generation
+        config or GGUF metadata, says when to stop, not what the network computes)."""
+        theirs = other.to_dict()
+        return {k: (v, theirs.get(k)) for k, v in self.to_dict().items() if k != "eos_token_id" and theirs.get(k) != v}
+
     @classmethod
     def from_dict(cls, d: dict) -> "Arch":
         """A transformers config.json (with `model_type`), resolved strictly; or specdec's own

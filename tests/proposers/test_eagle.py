@@ -7,6 +7,7 @@ features come from the verify forward; clear errors for bad input."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 
@@ -290,6 +291,18 @@ def test_save_load_round_trip_and_refusals(tmp_path, layout):
         load_mtp(folder, target_dir)
     with pytest.raises(SpecdecError, match="is a model checkpoint .* not an EAGLE head"):
         load_eagle(target_dir, target_dir)
+
+
+def test_a_target_that_differs_only_in_its_stop_set_keeps_its_head():
+    """The end-of-generation ids say when to stop, not what the network computes: a target whose
+    config names more of them (a GGUF's eos, eot and end-of-text tokens) keeps the head trained for
+    it, and greedy speculation still gives plain decoding's tokens."""
+    target = copy.deepcopy(TARGET)
+    target.config = dataclasses.replace(TARGET.config, eos_token_id=[*TARGET.config.eos_ids, 0])
+    proposer = EagleProposer(head=distilled(), target=target)
+    rows, metrics = speculative_generate(target, proposer, PROMPTS, RULE, GREEDY, 3)
+    assert [r.tokens for r in rows] == [r.tokens for r in plain_generate(target, PROMPTS, RULE, GREEDY)[0]]
+    assert metrics.proposed > 0
 
 
 def test_bad_input_is_refused_with_the_fix():
