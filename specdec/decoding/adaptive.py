@@ -70,11 +70,6 @@ def widest(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(max(w) for w in zip(*shapes.values()))
 
 
-def window(shapes: dict[str, tuple[int, ...]]) -> int:
-    """Tokens per row of the widest verify window any of the shapes makes."""
-    return 1 + sum(widest(shapes))
-
-
 def curve_batch(rows: int, capacity: int) -> int:
     """The batch size whose verify curve prices a step over `rows` rows: the next power of two, at most capacity."""
     return min(capacity, 1 << max(rows - 1, 0).bit_length())
@@ -138,12 +133,14 @@ class Adaptive:
 
     @classmethod
     def for_run(cls, curves: dict[int, VerifyCurve], proposer, widths: tuple[int, ...] | None,
-                reading: float = 0.0) -> "Adaptive":
+                target_size: int = 0) -> "Adaptive":
         """Options for this proposer (`options`, the tree cut at each depth), priced by the target's
         verify curves at the batch sizes `curve_batches` of the capacity (the engine reads or
-        measures them: calibration.verify_curves) and, until measured, by `reading`; what earlier
+        measures them: calibration.verify_curves) and, until measured, by the proposer's reading as a
+        share of the target's (`reading_size` over the target's `target_size`; 0: unknown); what earlier
         runs of this proposer (a drafter is made for one target) at the same capacity learned is recalled."""
         shapes, note = options(proposer, widths)
+        reading = getattr(proposer, "reading_size", 0) / target_size if target_size else 0.0
         adaptive = cls(curves, 0, shapes, note, reading)
         try:
             memory = _MEMORY.setdefault(proposer, {})
@@ -178,6 +175,11 @@ class Adaptive:
         self.memory[self.memory_key] = {"taught": self.taught + self.seen, "stretch": self.stretch,
                                         "hopeless": self.verdict[1],
                                         **{name: getattr(self, name).copy() for name in LEARNED}}
+
+    def finish(self) -> dict:
+        """The run ended: what it learned kept (`remember`), what it chose returned (`summary`)."""
+        self.remember()
+        return self.summary()
 
     def join(self, joining: Joining) -> None:
         """Rows appended to the batch: they start from what every step so far taught (`prior`); their

@@ -6,10 +6,11 @@ The target's cache lags one token behind each sequence: the newest token ("last"
 window [last, drafts], scored by ONE target forward for all rows (a tree's nodes with positions by
 depth and a tree mask: tree.py). Tokens are emitted one at a time (`stopping.emit_runs`), so a stop
 cuts exactly inside an accepted run; the cache rolls back to what was kept and the proposer hears
-what was committed. Depth 0 is plain decoding in lean one-token steps (`plain_step`); k = "auto"
-chooses each step's depth and shape (adaptive.py). Between steps rows leave and join through one
-seam (protocol.RowState: the cache, the proposer, the constraint guide, the controller). The host
-reads the device once per step where it can (syncs.py counts these points).
+what was committed. Depth 0 is plain decoding in lean one-token steps (`plain_step`), as is a step
+whose proposer found nothing. Each step's depth and shape come from a schedule (protocol.Schedule):
+a fixed k's, or k = "auto"'s choice of what pays (adaptive.py). Between steps rows leave and join
+through one seam (protocol.RowState: the cache, the proposer, the constraint guide, the schedule).
+The host reads the device once per step where it can (syncs.py counts these points).
 
 This module knows nothing about particular proposers (proposers/), acceptance rules (verify.py),
 model internals (lm/) or serving (serve/).
@@ -28,12 +29,12 @@ import torch
 from ..errors import SpecdecError
 from ..lm.interface import Admitted, admit, body_size, declared_features, layer_request, prefill_joining
 from ..lm.kv_cache import BLOCK, blocks_for
-from .adaptive import Adaptive, curve_batches, options, widest, window
+from .adaptive import Adaptive, curve_batches, options, widest
 from .calibration import verify_curves
 from .constraint import Compiled, FirstToken, masked
 from .guided import Guide
 from .metrics import SpecMetrics
-from .protocol import Drafting, Joining, NoDraft, Outcome, Proposal, Proposer, RowState
+from .protocol import Drafting, Fixed, Joining, NoDraft, Outcome, Proposal, Proposer, RowState
 from .sampling import Draws, RowGenerators, SamplingConfig, pick_rows
 from .stopping import Row, StopRule, check_inputs, check_prompt, emit, emit_runs
 from .tree import chain_positions, chain_runs, levels_reached, path_columns, window_layout
@@ -103,16 +104,13 @@ class Engine:
                 raise SpecdecError(f"plain decoding (no proposer) drafts nothing: k must be 0, got {k!r}; "
                                    "give a proposer to draft")
             proposer = NoDraft()
-        self.adaptive, self.verify_curve_seconds = None, 0.0
         self.widths = check_setup(self.model, proposer, k, widths)  # auto's: checked before the curves are measured
-        if k == "auto":
-            shapes = options(proposer, widths)[0]
-            curves, self.verify_curve_seconds = verify_curves(admitted, curve_batches(capacity), window(shapes), name)
-            size = body_size(self.model)  # a proposer's reading is priced as a share of the target's (0: unknown)
-            reading = getattr(proposer, "reading_size", 0) / size if size else 0.0
-            self.adaptive = Adaptive.for_run(curves, proposer, widths, reading)
-            k = self.adaptive.depth
-        self.proposer, self.k, self.capacity, self.max_len = proposer, k, capacity, max_len
+        self.schedule, self.verify_curve_seconds = Fixed(self.widths), 0.0
+        if k == "auto":  # verify windows up to the widest shape's, at every batch size up to capacity
+            batches = curve_batches(capacity)
+            curves, self.verify_curve_seconds = verify_curves(admitted, batches, 1 + sum(self.widths), name)
+            self.schedule = Adaptive.for_run(curves, proposer, widths, body_size(self.model))
+        self.proposer, self.k, self.capacity, self.max_len = proposer, self.schedule.depth, capacity, max_len
         self.device = self.admitted.device
         self.sampled_verify, self.tree_verify = sampled_verify, tree_verify
         self.features = getattr(proposer, "features", ())  # target layers it reads: () = final hidden states
@@ -124,23 +122,22 @@ class Engine:
         self.cache.regroup([])
         self.share = (share_prefixes and self.cache.pool is not None
                       and not getattr(proposer, "prompt_features", True))
-        if getattr(proposer, "reads_target_cache", False):  # a draft of the target's own shapes (protocol.py)
-            self.drafting = Drafting(proposer, proposer.start(max_len, k, capacity, nodes, target_cache=self.cache))
-        else:
-            self.drafting = Drafting(proposer, proposer.start(max_len, k, capacity, nodes))
+        # a draft of the target's own shapes reads the target's cache (protocol.py)
+        shared = {"target_cache": self.cache} if getattr(proposer, "reads_target_cache", False) else {}
+        self.drafting = Drafting(proposer, proposer.start(max_len, self.k, capacity, nodes, **shared))
         self.guide = Guide(self.model.config.vocab_size, forced_drafts)  # constrained rows (guided.py)
         # what keeps state per row beside the lists below, joining in this order (protocol.RowState)
         self.holders: list[RowState] = [TargetRows(self.model, self.cache, self.features, self.share),
-                                         self.drafting, self.guide, *filter(None, [self.adaptive])]
+                                         self.drafting, self.guide, self.schedule]
         self.requests: list[Request] = []  # (B,) the rows, in cache order
         self.last: list[int] = []          # (B,) newest token of each row, not in the cache
         self.cached: list[int] = []        # (B,) the target cache's lengths
         self.next_window: torch.Tensor | None = None  # (B, 1) `last` on the device, where a plain step left it
         self.waiting: deque[Request] = deque()
-        self.plain_left = 0  # steps left in the current stretch of plain decoding (inf: k = 0)
+        self.plain_left = 0  # steps left in the current stretch of plain decoding (inf: until the batch changes)
         self.plain = PlainStretch([])
         self.closed = False  # a closed batch (`run`): no request comes after those given, so auto knows the steps left
-        self.metrics = SpecMetrics(k=k, batch_size=capacity)
+        self.metrics = SpecMetrics(k=self.k, batch_size=capacity)
 
     def submit(self, request: Request) -> None:
         """Queue a request (any thread); it joins the batch at the next step with room."""
@@ -187,9 +184,7 @@ class Engine:
         metrics = self.metrics
         metrics.batch_size = len(requests)
         metrics.other_seconds = time.perf_counter() - self.started - metrics.total_seconds
-        if self.adaptive:
-            self.adaptive.remember()
-            metrics.adaptive = self.adaptive.summary()
+        metrics.adaptive = self.schedule.finish()
         return metrics
 
     @torch.inference_mode()
@@ -210,7 +205,7 @@ class Engine:
         self.next_window = None
         proposal = self.propose(limits, limit, shape, guide)                                  # propose
         clock.mark("proposed")
-        if self.adaptive and not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
+        if not proposal.tokens.shape[1]:  # nothing found (n-gram lookup): a plain step
             self.plain_left = 1
             self.plain_step()
             return
@@ -233,9 +228,8 @@ class Engine:
         self.metrics.record_phases(clock)
         self.metrics.first_token_seconds = self.metrics.first_token_seconds or clock["committed"] - self.started
         stream(self.requests, outcome.tokens, outcome.counts, lengths, accepted)
-        if self.adaptive:
-            chain = None if verdict.paths is None else chain_runs(proposal.parents, verdict.paths)
-            self.adaptive.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward, chain)
+        chain = None if verdict.paths is None else chain_runs(proposal.parents, verdict.paths)
+        self.schedule.observe(limit, accepted, window.shape[1], clock.drafting, clock.total, clock.forward, chain)
 
     def propose(self, limits: torch.Tensor, limit: list[int], shape: tuple[int, ...], guide: Guide | None
                 ) -> Proposal:
@@ -250,19 +244,14 @@ class Engine:
         return proposal
 
     def choose(self) -> tuple[int, tuple[int, ...]]:
-        """This step's depth and shape (k="auto": the controller's choice; a depth of 0 starts a
-        stretch of plain steps)."""
+        """This step's depth and shape, the schedule's choice (a depth of 0 starts a stretch of plain steps)."""
         if self.plain_left:
             return 0, ()
-        if self.adaptive:  # a closed batch with nobody waiting ends within its rows' largest budget
-            budget = max(r.row.budget for r in self.requests)  # the rows in hand end within it
-            self.adaptive.read(self.drafting.unread())
-            depth, shape, stretch = self.adaptive.choose(budget if self.closed and not self.waiting else math.inf,
-                                                         budget)
-        else:
-            depth, shape, stretch = self.k, self.widths, None
+        budget = max(r.row.budget for r in self.requests)  # the rows in hand end within it, and so does
+        self.schedule.read(self.drafting.unread())         # a closed batch with nobody waiting
+        depth, shape, stretch = self.schedule.choose(budget if self.closed and not self.waiting else math.inf, budget)
         if depth == 0:
-            self.plain_left = stretch or math.inf
+            self.plain_left = stretch
         return depth, shape
 
     def plain_stretch(self) -> None:
@@ -342,9 +331,8 @@ class Engine:
 
     def plain_step(self) -> None:
         """One step of plain decoding, one token per row, as lean as decoding without a proposer.
-        With k="auto" the tokens and hidden states are kept for the proposer, which hears of the
-        whole stretch of plain steps at once when it ends (`end_plain`); with k = 0 it never drafts
-        and hears nothing."""
+        The tokens and hidden states are kept for the proposer, which hears of the whole stretch of
+        plain steps at once when it ends (`end_plain`); with k = 0 it never drafts and hears nothing."""
         B, clock, metrics = len(self.requests), time.perf_counter, self.metrics
         t_start = clock()
         window = self.next_window
@@ -365,7 +353,7 @@ class Engine:
         self.cached = [c + n for c, n in zip(self.cached, counts)]
         if not all(counts):
             self.cache.rollback(self.cached)  # rows already done keep their length
-        if self.adaptive:
+        if self.k:  # the proposer drafts again after the stretch: it will read these tokens
             plain = self.plain
             if not plain.steps:
                 plain.tokens = [[] for _ in range(B)]
@@ -379,11 +367,10 @@ class Engine:
         self.plain_left -= 1
         metrics.forward_seconds += t_forward - t_start
         metrics.commit_seconds += clock() - t_forward
-        if self.adaptive:
-            self.plain.forward_seconds += t_forward - t_start
-            self.plain.seconds += clock() - t_start
-            if not self.plain_left:
-                self.end_plain()
+        self.plain.forward_seconds += t_forward - t_start
+        self.plain.seconds += clock() - t_start
+        if not self.plain_left:
+            self.end_plain()
 
     def end_plain(self) -> None:
         """The proposer observes the plain steps since the last (no drafts: every token the
@@ -398,7 +385,7 @@ class Engine:
                                       list(map(len, plain.tokens)), torch.cat(plain.hidden, 1)))
         observe = time.perf_counter() - t_start
         self.metrics.observe_seconds += observe
-        self.adaptive.observe_plain(plain.steps, plain.seconds + observe, plain.forward_seconds)
+        self.schedule.observe_plain(plain.steps, plain.seconds + observe, plain.forward_seconds)
 
     def regroup(self) -> None:
         """Finished and cancelled rows leave (the others keep their places where they can, so that
@@ -515,7 +502,7 @@ class Clock:
 
 @dataclass
 class PlainStretch:
-    """What the plain steps since the proposer last heard have emitted and cost (k="auto")."""
+    """What the plain steps since the proposer last heard have emitted and cost."""
     tokens: list[list[int]]                                  # per row, the tokens emitted
     hidden: list[torch.Tensor] = field(default_factory=list)  # per step (B, 1, C)
     steps: int = 0

@@ -37,7 +37,7 @@ depth d + 1 (all ones: a chain); a proposer that can branch says so with `trees 
 its main chain first (nodes 0, 1, ..), the alternatives after it; one that cannot ignores widths.
 
 The engine's row seam (`RowState`): everything that keeps state per row beside the engine's own lists
-(the target's cache, the proposer through `Drafting`, the constraint guide, the `-k auto` controller)
+(the target's cache, the proposer through `Drafting`, the constraint guide, the `Schedule` of depths)
 hears of rows joining (`Joining`, in that order: the cache's prefill fills in the prompts' features
 the others read) and leaving through the same two calls.
 
@@ -45,6 +45,7 @@ This module knows nothing about particular proposers, verification or stopping.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -208,6 +209,50 @@ class RowState(Protocol):
 
     def leave(self, keep: list[int]) -> None:
         """Keep only rows `keep`, in that order."""
+
+
+class Schedule(RowState, Protocol):
+    """How deep each step drafts and in what shape (widths per depth), a holder of rows: `Fixed`, or
+    chosen from what pays on this machine (adaptive.Adaptive, k="auto"). A depth of 0 is a stretch of
+    plain steps, for as many steps as `choose` says (math.inf: until the batch changes)."""
+    depth: int  # the deepest it drafts
+
+    def read(self, unread: list[int] | None) -> None:
+        """Per row, what the proposer has not read yet (Drafting.unread), before `choose`."""
+
+    def choose(self, horizon: float, budget: float) -> tuple[int, tuple[int, ...], int | float]:
+        """(depth, widths per depth, steps); horizon: the most steps the batch may still run (math.inf
+        while rows may come); budget: the most steps the rows in hand may still run."""
+
+    def observe(self, limits: list[int], accepted: list[int], width: int, draft_seconds: float,
+                step_seconds: float, forward_seconds: float, chain: list[int] | None = None) -> None:
+        """What a drafting step did and cost (adaptive.Adaptive.observe)."""
+
+    def observe_plain(self, steps: int, seconds: float, forward_seconds: float) -> None:
+        """What a stretch of plain steps cost."""
+
+    def finish(self) -> dict | None:
+        """The run ended: what it chose and why (metrics.SpecMetrics.adaptive), or None."""
+
+
+@dataclass
+class Fixed:
+    """The schedule of a fixed k: `widths` (one per depth) every step; none (k = 0): plain decoding throughout."""
+    widths: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    def choose(self, horizon: float, budget: float) -> tuple[int, tuple[int, ...], int | float]:
+        return self.depth, self.widths, 1 if self.depth else math.inf
+
+    def join(self, joining: Joining) -> None: ...
+    def leave(self, keep: list[int]) -> None: ...
+    def read(self, unread: list[int] | None) -> None: ...
+    def observe(self, *step) -> None: ...
+    def observe_plain(self, steps: int, seconds: float, forward_seconds: float) -> None: ...
+    def finish(self) -> None: ...
 
 
 @dataclass
