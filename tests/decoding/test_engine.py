@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specdec.decoding.engine import speculative_generate
+from specdec.decoding.protocol import NoDraft
 from specdec.decoding.metrics import SpecMetrics
 from specdec.decoding.reference import reference_generate
 from specdec.decoding.sampling import SamplingConfig
@@ -146,6 +147,45 @@ def test_empty_proposals():
     for prompt, row in zip(prompts, rows):
         assert_matches_reference(prompt, row.tokens)
     assert metrics.proposed < metrics.row_steps * 4
+
+
+class Listener(NoDraft):
+    """A proposer that never drafts and keeps what it hears of each row that joined, in `heard` (in
+    the order they joined; its state: the lists of the rows in the batch)."""
+
+    def __init__(self):
+        self.heard = []
+
+    def start(self, max_len, k, capacity, nodes=None):
+        return []
+
+    def join(self, state, prompts, prompt_hidden, samplings):
+        self.heard += [[] for _ in prompts]
+        state += self.heard[-len(prompts):]
+
+    def leave(self, state, keep):
+        state[:] = [state[b] for b in keep]
+
+    def observe(self, state, outcome):
+        for row, run, n in zip(state, outcome.tokens, outcome.counts):
+            row += run[:n]
+
+
+def test_a_proposer_that_finds_nothing_hears_every_token_at_a_fixed_k():
+    """An empty proposal is a plain step (engine.plain_step) at a fixed k too: no verify window, and the
+    proposer still hears each token before its row leaves (a lookup must read what it did not draft).
+    Shown failing with the plain stretch's tokens kept only under k="auto": every row heard nothing."""
+    listener, widths = Listener(), []
+    forward = TARGET.forward
+    TARGET.forward = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+    try:
+        rows, metrics = speculative_generate(TARGET, listener, PROMPTS[:2], RULE, GREEDY, 3)
+    finally:
+        del TARGET.forward
+    assert listener.heard == [r.tokens for r in rows] and all(len(r.tokens) == 24 for r in rows)
+    assert set(widths[1:]) == {1} and metrics.proposed == 0  # after the prefill: one token a row per step
+    for prompt, row in zip(PROMPTS[:2], rows):
+        assert_matches_reference(prompt, row.tokens)
 
 
 def test_the_target_verifies_only_what_was_proposed(monkeypatch):
