@@ -171,17 +171,15 @@ class Listener(NoDraft):
             row += run[:n]
 
 
-def test_a_proposer_that_finds_nothing_hears_every_token_at_a_fixed_k():
+def test_a_proposer_that_finds_nothing_hears_every_token_at_a_fixed_k(monkeypatch):
     """An empty proposal is a plain step (engine.plain_step) at a fixed k too: no verify window, and the
     proposer still hears each token before its row leaves (a lookup must read what it did not draft).
     Shown failing with the plain stretch's tokens kept only under k="auto": every row heard nothing."""
     listener, widths = Listener(), []
     forward = TARGET.forward
-    TARGET.forward = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw)
-    try:
-        rows, metrics = speculative_generate(TARGET, listener, PROMPTS[:2], RULE, GREEDY, 3)
-    finally:
-        del TARGET.forward
+    monkeypatch.setattr(TARGET, "forward", lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or
+                        forward(tokens, *a, **kw))
+    rows, metrics = speculative_generate(TARGET, listener, PROMPTS[:2], RULE, GREEDY, 3)
     assert listener.heard == [r.tokens for r in rows] and all(len(r.tokens) == 24 for r in rows)
     assert set(widths[1:]) == {1} and metrics.proposed == 0  # after the prefill: one token a row per step
     for prompt, row in zip(PROMPTS[:2], rows):
