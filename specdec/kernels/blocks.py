@@ -12,10 +12,11 @@ w = (d sc) (u - 32), u 6-bit; Q3_K likewise with a 6-bit sc - 32, w = (d sc) (u 
 holds 16 sub-blocks of 16 with 4-bit sc and m and an fp16 dmin, w = (d sc) u - (dmin m), u 2-bit.
 IQ4_NL (blocks of 32, an fp16 d) and IQ4_XS (super-blocks of 256, an fp16 d and a 6-bit ls - 32 per
 sub-block of 32) map a 4-bit code u to a level: w = d L[u], w = (d ls) L[u]. (`from_gguf`: a GGUF
-tensor's raw bytes as Blocks.) An activation row is quantized per block of 32 to int8 (`quantize_rows`), the same for every
-format; each output is the sum over blocks of 32, in order, of an exact integer dot product times
-fp32 scales (quant.h, kquant.h). The K-quants thus use a finer activation scale than llama.cpp's
-Q8_K (one per 256): one quantized row serves every format, and the block terms stay exact.
+tensor's raw bytes as Blocks.) An activation row is quantized to int8 (`quantize_rows`) per block of 32
+for the formats of 32 and, as llama.cpp's Q8_K, per super-block of 256 for the K-quants (`width`); each
+output is the sum, in order, of one term per block (per super-block) of the row's scale, the weights'
+fp16 scale and an exact integer: the sub-block scales times their integer dot products are summed in
+integers, so a K-quant pays its float arithmetic once per 256 weights (quant.h, kquant.h).
 
 This module knows nothing about models or files.
 """
@@ -509,14 +510,19 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
 
 # ------------------------------------------------------------------- the kernels' arithmetic
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) fp32 per block of 32 as quant.h's quantize_row: dx = max|x| / 127, q = round half to
-    even of x (1 / dx) (0 where dx is 0). A block whose largest magnitude is below 2^-64 is scaled by
-    2^64 first (exact; where dx is a normal float this changes no bit), so that 1 / dx never
-    overflows; a block holding inf or NaN gets q = 0 and dx = NaN (its row's outputs are NaN).
-    Returns q (M, K) int8, dx (M, K/32) fp32, sum of q (M, K/32) int32."""
+def activation_block(format: str) -> int:
+    """The activations' block for a matrix in `format`: 256 for the K-quants (kquant.h), else 32."""
+    return BLOCK_FORMATS[format].size
+
+
+def quantize_rows(x: torch.Tensor, width: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) fp32 per block of `width` (32, or a K-quant's 256) as quant.h's quantize_row: dx =
+    max|x| / 127, q = round half to even of x (1 / dx) (0 where dx is 0). A block whose largest magnitude is
+    below 2^-64 is scaled by 2^64 first (exact; where dx is a normal float this changes no bit), so that 1 / dx
+    never overflows; a block holding inf or NaN gets q = 0 and dx = NaN (its row's outputs are NaN).
+    Returns q (M, K) int8, dx (M, K/width) fp32, sum of q per block (M, K/width) int32."""
     M, K = x.shape
-    xb = x.reshape(M, K // BLOCK, BLOCK)
+    xb = x.reshape(M, K // width, width)
     amax = xb.abs().amax(-1)  # NaN where the block holds one
     finite = torch.isfinite(amax)
     d = torch.div(amax, torch.full_like(amax, 127.0))  # IEEE divisions, as the C++ does
@@ -531,11 +537,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) fp32 times the quantized matrix, transposed [+ bias]: the quantized kernels' numbers
-    exactly (quant.h, kquant.h): per block of 32 an exact integer dot product, then fp32 terms in
+    exactly (quant.h, kquant.h): per block (per super-block) an exact integer, then fp32 terms in
     block order (`block_terms`), one add at a time from 0, then the bias."""
     N, K = blocks.shape
     rows = x.detach().float().reshape(-1, K)
-    terms = block_terms(rows, blocks)  # (K/32, M, N)
+    terms = block_terms(rows, blocks)  # (K/32 or K/256, M, N)
     acc = torch.zeros(rows.shape[0], N)
     for term in terms:
         acc = acc + term
@@ -546,12 +552,12 @@ def linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) ->
 
 def fine_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) fp32 times the quantized matrix with fine activations (kernels.Matrix.fine): x's
-    product plus that of its rounding residual r = x - q dx (quantize_rows' q and dx, each an fp32
-    product and difference), added, then the bias: cpu.cpp's fine_matmul exactly."""
-    K = blocks.shape[1]
+    product plus that of its rounding residual r = x - q dx (quantize_rows' q and dx for the format, each an
+    fp32 product and difference), added, then the bias: cpu.cpp's fine_matmul exactly."""
+    K, w = blocks.shape[1], activation_block(blocks.format)
     rows = x.detach().float().reshape(-1, K)
-    q, dx, _ = quantize_rows(rows)
-    residual = rows - (q.float().reshape(len(rows), -1, BLOCK) * dx[..., None]).reshape(rows.shape)
+    q, dx, _ = quantize_rows(rows, w)
+    residual = rows - (q.float().reshape(len(rows), -1, w) * dx[..., None]).reshape(rows.shape)
     y = linear(rows, blocks) + linear(residual, blocks)
     if bias is not None:
         y = y + bias.detach().float()
@@ -559,42 +565,36 @@ def fine_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = Non
 
 
 def block_terms(rows: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """(K/32, M, N) fp32: block b's term of output n of row m, rows (M, K) quantized by quantize_rows
-    (q, dx, qsum per block), s the exact integer sum over the block of the weight's u - OFFSET times q:
-      Q8_0, Q4_0, Q5_0:  (d dx) s
-      Q4_1, Q5_1:        (d dx) s + (m dx) qsum
-      Q4_K, Q5_K:        ((d sc) dx) s - ((dmin m) dx) qsum            (d sc, dmin m exact in fp32)
-      Q6_K:              (d dx) (sc_a s_a + sc_c s_c)                  (sub-blocks a, c of 16: an exact integer)
-      Q3_K:              as Q6_K (s over u - 4)
-      Q2_K:              (d dx) (sc_a s_a + sc_c s_c) - (dmin dx) (m_a qsum_a + m_c qsum_c)   (exact integers)
-      IQ4_NL:            (d dx) s;  IQ4_XS: ((d ls) dx) s              (s over the codes' levels; d ls exact)
-    each product rounded to fp32 in the order written."""
+    """(K/32, M, N) fp32, or (K/256, M, N) for the K-quants: block b's term of output n of row m, rows
+    (M, K) quantized by quantize_rows per block of the format's width (q, dx, and S the exact integer
+    sum over the block of the weight's u - OFFSET (or level) times q):
+      Q8_0, Q4_0, Q5_0, IQ4_NL:  (d dx) S
+      Q4_1, Q5_1:                (d dx) S + (m dx) qsum
+    and per super-block, with sc, m the sub-blocks' integer scales and mins (Q3_K: sc - 32; IQ4_XS: ls)
+    and S_i, qsum_i each sub-block's integer sum and sum of q:
+      Q6_K, Q3_K, IQ4_XS:        (d dx) float(sum_i sc_i S_i)
+      Q4_K, Q5_K, Q2_K:          (d dx) float(sum_i sc_i S_i) - (dmin dx) float(sum_i m_i qsum_i)
+    each product rounded to fp32 in the order written (the sums of products are exact integers)."""
     N, K = blocks.shape
-    q, dx, qsum = quantize_rows(rows)
-    M, nb, f = rows.shape[0], K // BLOCK, blocks.format
-    # exact integer sums: every partial sum is an integer below 2^24, exact in float64
-    width = 16 if f in SIXTEENS else BLOCK
-    s = torch.einsum("mbk,nbk->bmn", q.double().reshape(M, K // width, width),
-                     blocks.levels().double().reshape(N, K // width, width))  # (K/width, M, N)
-    dxb = dx.T[:, :, None]  # (nb, M, 1)
-    if f == "iq4_xs":
-        return (blocks.sub_scales()[0].T[:, None, :] * dxb) * s.float()
-    if f in SIX_BIT:
-        scale, low = (t.T[:, None, :] for t in blocks.sub_scales())  # (nb, 1, N)
-        return (scale * dxb) * s.float() - (low * dxb) * qsum.T[:, :, None].float()
-    if f in ("q6_k", "q3_k"):
-        exact = (s * blocks.sub.double().T[:, None, :]).reshape(nb, 2, M, N).sum(1)  # (nb, M, N)
-        d = blocks.scales.float().repeat_interleave(SUPER // BLOCK, 1).T[:, None, :]
-        return (d * dxb) * exact.float()
-    if f == "q2_k":
-        sc, m = (blocks.sub[..., i].double().T[:, None, :] for i in (0, 1))  # (K/16, 1, N)
-        exact = (s * sc).reshape(nb, 2, M, N).sum(1)
-        sums = q.reshape(M, K // 16, 16).double().sum(-1).T[:, :, None]  # (K/16, M, 1)
-        low = (sums * m).reshape(nb, 2, M, N).sum(1)
-        d, dmin = (t.float().repeat_interleave(SUPER // BLOCK, 1).T[:, None, :] for t in (blocks.scales, blocks.mins))
-        return (d * dxb) * exact.float() - (dmin * dxb) * low.float()
-    d = blocks.scales.float().T[:, None, :]  # (nb, 1, N)
-    terms = (d * dxb) * s.float()
-    if blocks.mins is not None:
-        terms = terms + (blocks.mins.float().T[:, None, :] * dxb) * qsum.T[:, :, None].float()
-    return terms
+    f = blocks.format
+    q, dx, qsum = quantize_rows(rows, activation_block(f))
+    M = rows.shape[0]
+    dxb = dx.T[:, :, None]  # (blocks, M, 1)
+    sub = 16 if f in SIXTEENS else BLOCK  # K-quants: weights per sub-block
+    # exact integer sums: every partial sum is an integer below 2^31, exact in float64
+    s = torch.einsum("mbk,nbk->bmn", q.double().reshape(M, K // sub, sub),
+                     blocks.levels().double().reshape(N, K // sub, sub))  # (K/sub, M, N)
+    if blocks.sub is None:
+        terms = (blocks.scales.float().T[:, None, :] * dxb) * s.float()
+        if blocks.mins is not None:
+            terms = terms + (blocks.mins.float().T[:, None, :] * dxb) * qsum.T[:, :, None].float()
+        return terms
+    per = SUPER // sub
+    sc = blocks.sub[..., 0] if blocks.sub.dim() == 3 else blocks.sub  # (N, K/sub)
+    exact = (s * sc.double().T[:, None, :]).reshape(K // SUPER, per, M, N).sum(1)  # (K/256, M, N)
+    terms = (blocks.scales.float().T[:, None, :] * dxb) * exact.float()
+    if blocks.mins is None:
+        return terms
+    sums = q.double().reshape(M, K // sub, sub).sum(-1).T[:, :, None]  # (K/sub, M, 1)
+    low = (sums * blocks.sub[..., 1].double().T[:, None, :]).reshape(K // SUPER, per, M, N).sum(1)
+    return terms - (blocks.mins.float().T[:, None, :] * dxb) * low.float()

@@ -116,35 +116,30 @@ int threads(int64_t bytes, int64_t rows) {
   return bytes * rows < (int64_t{1} << 20) ? 1 : thread_policy::threads(std::max(1, at::get_num_threads()));
 }
 
-// Storage for M activation rows of up to K values quantized for a quantized matrix (QuantRows).
-struct QuantBuffer {
-  torch::Tensor q, d, sums;
-  QuantRows rows{};
-  QuantBuffer(int64_t M, int64_t K)
-      : q(torch::empty({M, K}, torch::kInt8)), d(torch::empty({M, K / kBlock}, torch::kFloat32)),
-        sums(torch::empty({M, K / kBlock}, torch::kInt32)) {
-    rows = {q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), K, K / kBlock};
-  }
-};
-
 void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* add, const float* bias);
 
 // run_matmul for a quantized W with fine activations (kernels.Matrix.fine): each row x of X and its
-// rounding residual r = x - q dx (q, dx: x quantized, quantize_row; fp32 products and differences)
+// rounding residual r = x - q dx (q, dx: x quantized as W's format reads it, quantize_row; fp32 products and
+// differences)
 // are multiplied as two rows of one call, whose weights are read once for both; row m of Y is then
 // (x W^T + r W^T) [+ bias] [+ add], added in that order. r's own rounding is ~1/254 of r's largest
 // value per block, itself ~1/254 of x's: the product is within ~1e-5 of x's largest magnitude per block
 // where one pass is within ~4e-3.
 void fine_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* add, const float* bias) {
+  TORCH_CHECK(W.format != kMixed, "fine activations are for a matrix of one format");
   const int64_t K = W.K, N = W.N;
+  const int kind = quant_kind(W.format);
   std::vector<float> rows(2 * M * K), y(2 * M * N);
   QuantBuffer xq(1, K);
+  const int8_t* q = kind == kPer256 ? xq.rows.kq : xq.rows.q;
+  const float* d = kind == kPer256 ? xq.rows.kd : xq.rows.d;
+  const int64_t width = kind == kPer256 ? kSuper : kBlock;
   for (int64_t m = 0; m < M; ++m) {
     const float* x = X + m * K;
     float* r = rows.data() + (2 * m + 1) * K;
-    g_quant->quantize_row(x, K, xq.rows, 0);
+    g_quant->quantize_row(x, K, xq.rows, 0, kind);
     std::memcpy(rows.data() + 2 * m * K, x, K * sizeof(float));
-    for (int64_t k = 0; k < K; ++k) r[k] = x[k] - static_cast<float>(xq.rows.q[k]) * xq.rows.d[k / kBlock];
+    for (int64_t k = 0; k < K; ++k) r[k] = x[k] - static_cast<float>(q[k]) * d[k / width];
   }
   Mat coarse = W;
   coarse.fine = false;
@@ -165,7 +160,7 @@ void run_matmul(const Mat& W, const float* X, int64_t M, float* Y, const float* 
   if (W.fine) return fine_matmul(W, X, M, Y, add, bias);
   const bool quantized = !is_float(W.format);
   QuantBuffer xq(quantized ? M : 0, quantized ? W.K : 0);
-  for (int64_t m = 0; quantized && m < M; ++m) g_quant->quantize_row(X + m * W.K, W.K, xq.rows, m);
+  for (int64_t m = 0; quantized && m < M; ++m) g_quant->quantize_row(X + m * W.K, W.K, xq.rows, m, quant_kinds(W));
   const int nt = static_cast<int>(std::min<int64_t>(threads(matrix_bytes(W), M), P));
 #pragma omp parallel num_threads(nt)
   {
@@ -220,15 +215,19 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t for
   return y.view(shape);
 }
 
-// The rows of x (M, K) quantized as the quantized kernels quantize them: (q int8 (M, K), d (M, K/32),
-// sums (M, K/32) int32) — for the tests of kernels.quantize_rows.
-std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) % kBlock == 0,
-              "quantize_rows: x must be (M, K) float32 with K a multiple of 32");
+// The rows of x (M, K) quantized as the quantized kernels quantize them per block of `width` (32, or 256 for
+// the K-quants): (q int8 (M, K), d (M, K/width), sums of q (M, K/32) int32 or per sub-block of 16 (M, K/16)
+// int16) — for the tests of blocks.quantize_rows.
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t width) {
+  TORCH_CHECK(width == kBlock || width == kSuper, "quantize_rows: width must be 32 or 256");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) % width == 0,
+              "quantize_rows: x must be (M, K) float32 with K a multiple of ", width);
   const auto xs = x.contiguous();
   QuantBuffer out(xs.size(0), xs.size(1));
+  const int kind = width == kSuper ? kPer256 : kPer32;
   for (int64_t m = 0; m < xs.size(0); ++m)
-    g_quant->quantize_row(xs.data_ptr<float>() + m * xs.size(1), xs.size(1), out.rows, m);
+    g_quant->quantize_row(xs.data_ptr<float>() + m * xs.size(1), xs.size(1), out.rows, m, kind);
+  if (kind == kPer256) return {out.kq, out.kd, out.k16};
   return {out.q, out.d, out.sums};
 }
 
@@ -563,7 +562,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     for (int f = 0; f < kFormats; ++f) table.emplace_back(kPanelBlockBytes[f], kFileBlock[f]);
     return table;
   }, "per Format (types.h): a quantized format's bytes per 16 outputs x 32 k (0: not one), its file's block along K");
-  m.def("quantize_rows", &quantize_rows, "x (M, K) quantized per block of 32 as the quantized kernels do: q, d, sums");
+  m.def("quantize_rows", &quantize_rows, "x (M, K) quantized per block of width (32 or 256) as the quantized kernels "
+        "do: q, d, sums", py::arg("x"), py::arg("width") = kBlock);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, fp32");
   m.def("noise_hashes", &noise_hashes, "(R, length) int32: seeded sampling's 32-bit hashes of token ids 0.. per key");
   m.def("fma_peak", &fma_peak, "measured fp32 FMA GFLOP/s with N threads (the compute roof)");

@@ -373,7 +373,7 @@ inline void attend(const Shape& s, const Window& w, const Cache& cache, const fl
 
 // Row m of a matrix's input, quantized for W where W is quantized (Scratch.xq).
 inline void quantize_input(const Mat& W, const float* row, const QuantRows& xq, int64_t m) {
-  if (!is_float(W.format)) g_quant->quantize_row(row, W.K, xq, m);
+  if (!is_float(W.format)) g_quant->quantize_row(row, W.K, xq, m, quant_kinds(W));
 }
 
 // f(m) for the rows m = 0..M-1 of a step between two matrices (a norm, an activation, a row's
@@ -400,6 +400,10 @@ inline Rows rows_of(const Scratch& sc, const Shape& s, bool alone, int tid) {
   xq.q += tid * xq.ld;
   xq.d += tid * xq.blocks;
   xq.sums += tid * xq.blocks;
+  xq.kq += tid * xq.ld;
+  xq.kd += tid * xq.supers;
+  xq.k16 += 2 * tid * xq.blocks;
+  xq.k32 += tid * xq.blocks;
   return {sc.h + tid * s.C, sc.act + tid * s.F, xq};
 }
 

@@ -1,25 +1,24 @@
 // Matrices in llama.cpp's K-quants as GGUF files store them (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and IQ4_XS:
-// super-blocks of 256 weights),
-// times activation rows quantized per block of 32 to int8 as for the other quantized formats
-// (quantize_row in quant.h): written once over the 16-lane int32 vector `VI` and included by
-// cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
-// format: the K-quants here, the others (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) by quant.h, and a
+// super-blocks of 256 weights), times activation rows quantized per super-block of 256 to int8 (as
+// llama.cpp's Q8_K: quantize_row's kPer256 in quant.h): written once over the 16-lane int32 vector `VI` and
+// included by cpu.cpp after quant.h, for AVX-512 VNNI and for AVX2. `kquant_matmul` runs every quantized
+// format: the K-quants here, the others (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) by quant.h, and a
 // matrix whose outputs come in runs of different formats (kMixed: a fused q/k/v whose v is stored in
 // another type than q and k, as Q4_K_M files do) run by run.
 //
 // The arithmetic (kernels/blocks.py's block_terms is the same in PyTorch): output n of row m is the
-// fp32 sum over blocks b of 32 k, in order from 0, one mul and one add at a time (no FMA), of
-//   Q4_K, Q5_K:  ((d sc) dx) float(s) - ((dmin mn) dx) float(qsum)   s = sum_k u q (u the 4- or 5-bit code)
-//   Q6_K:  (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c))  s_a = sum over the block's first
-//          16 k of (u - 32) q (u the 6-bit code), s_c over its last 16
-//   Q3_K:  as Q6_K, of (u - 4) q (u the 3-bit code), sc_a, sc_c the 6-bit scales - 32
-//   Q2_K:  (d dx) float(sc_a s_a + sc_c s_c) - (dmin dx) float(mn_a qsum_a + mn_c qsum_c)   s_a = sum over
-//          the first 16 k of u q (u the 2-bit code), qsum_a that of q; sc, mn 4-bit
-//   IQ4_XS:  ((d ls) dx) float(s)   s = sum_k w q, w the level (quant.h's kIq4Levels - 128) of the 4-bit code
-// with d, dmin the super-block's fp16 scales, sc, mn (6-bit), ls (6-bit, -32..31) or sc_a, sc_c (int8)
-// the sub-blocks' scales, dx, qsum the activation block's scale and sum of q. d sc, dmin mn and d ls are
-// exact in fp32 (11-bit times 6-bit significands); each |sc s| and their sum are integers below 2^24 (exact in
-// fp32): so only the fp32 steps written shape a result, the same on both instruction sets.
+// fp32 sum over super-blocks of 256 k, in order from 0, one mul and one add at a time (no FMA), of
+//   Q6_K, Q3_K, IQ4_XS:  (d dx) float(S)
+//   Q4_K, Q5_K, Q2_K:    (d dx) float(S) - (dmin dx) float(L)
+// with d, dmin the super-block's fp16 scales, dx the activations' scale, and S, L exact integers (int32):
+// S = sum_i sc_i s_i over its sub-blocks i (of 32: Q4_K, Q5_K, IQ4_XS; of 16: Q6_K, Q3_K, Q2_K), sc_i the
+// sub-block's scale (6-bit; Q6_K int8; Q3_K the 6-bit scale - 32; IQ4_XS ls, 6-bit - 32; Q2_K 4-bit) and
+// s_i = sum_k w q over it (w = u - 32 for Q6_K's 6-bit codes u, u - 4 for Q3_K's 3-bit ones, u for Q4_K's,
+// Q5_K's and Q2_K's, IQ4_XS's level kIq4Levels[u] - 128); L = sum_i mn_i qsum_i, mn_i the sub-block's min
+// (6-bit, Q2_K 4-bit) and qsum_i its sum of q. |S|, |L| < 2^31, whatever order computes them: so only
+// the fp32 steps written shape a result, the same on both instruction sets. The integers pay a mul and an
+// add a block (VI::mul) and L a madd per two sub-blocks (VI::madd) where the fp32 terms per block of 32
+// cost four times as much.
 //
 // Packed layout of a matrix (N, K), K a multiple of 256: panels of 16 outputs (zero past N); panel
 // p is K/256 super-blocks of kSuperBytes[format] bytes: 16 fp16 d, [Q4_K, Q5_K: 16 fp16 dmin,] the
@@ -33,7 +32,7 @@
 // the file holds: the low 4 bits of its codes as Q4_x's nibbles, then 2 loads of their high bit
 // pairs, lane n byte t of load h holding in bits 2i, 2i+1 those of k = 16h + 4i + t (joined to
 // nibble load i: VI::bit_pair).
-// A lane's scale byte reaches an int32 lane as VI::dot against x4 = 1 in that byte's place.
+// A lane's scale byte reaches an int32 lane as VI::byte; Q4_K's and Q5_K's mins as int16 pairs, VI::pairs.
 // IQ4_XS: 16 fp16 d, each output's 6-bit ls of its 8 sub-blocks of 32 as the file holds them (a load of
 // lane n = output n's 4 bytes of low nibbles, sub-block c's in bits 4c..4c+3, then 16 x 2 bytes, its high
 // bit pairs, c's in bits 2c, 2c+1; read once a super-block, `iq4_xs_scales`), then 8 blocks of codes as
@@ -44,7 +43,6 @@
 // third bits as one load laid out as quant.h's Q5_0 fifth bits] -- the file's 3.44 or 2.63 bits a weight.
 // Expects, defined before inclusion: what quant.h expects, and quant.h.
 
-constexpr int64_t kSuper = 256;                       // weights per super-block, along K
 // Indexed by I (ktile's): 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS, 4 Q3_K, 5 Q2_K
 constexpr int64_t kSuperBytes[6] = {2304, 3360, 2816, 2176, 1760, 1344};  // 16 outputs x 256 k
 constexpr int kScalesAt[6] = {64, 32, 64, 32, 32, 64};                    // bytes before the sub-block scales
@@ -52,26 +50,17 @@ constexpr int kScaleBytes[6] = {192, 256, 192, 96, 192, 256};             // byt
 constexpr int64_t kSuperCodes[6] = {256, 384, 320, 256, 192, 128};        // bytes of codes per block of 32 k
 constexpr bool sixteens(int I) { return I == 1 || I == 4 || I == 5; }     // sub-blocks of 16 k (Q6_K, Q3_K, Q2_K)
 
-// The sum of q over the first 16 k of each block of 32, rows [0, M) of x (Q6_K's first sub-block;
-// the second is the block's sum minus it), into `out` (M x x.blocks).
-inline void first_half_sums(const QuantRows& x, int64_t M, std::vector<int32_t>& out) {
-  out.resize(M * x.blocks);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < x.blocks; ++b) {
-      const int8_t* q = x.q + m * x.ld + b * kBlock;
-      int32_t sum = 0;
-      for (int k = 0; k < 16; ++k) sum += q[k];
-      out[m * x.blocks + b] = sum;
-    }
-}
-
-// Byte `at` (0-3) of each lane of a scales load, as fp32 lanes (minus `offset`).
-inline V scale_bytes(typename VI::Raw raw, int at, int32_t offset) {
-  return VI::to_float(VI::sub(VI::dot(VI::zero(), raw, int32_t{1} << (8 * at)), offset));
+// A super-block's sum of a row's q over sub-blocks i and i + 1 (of 16 or of 32: `sums`, QuantRows' k16 or
+// k32 at i) as two int16 in one int32, low half i's: the pair VI::madd takes.
+inline int32_t sum_pair(const int16_t* sums) {
+  int32_t pair;
+  std::memcpy(&pair, sums, sizeof pair);
+  return pair;
 }
 
 // Where block b (the c-th of its super-block) of rows r0.. meets panels j of a K-quant matrix: the
-// rows' int8 values, each panel's super-block (`base`: its d, [dmin,] scales) and codes of block c.
+// rows' int8 values (per super-block, QuantRows' kq), each panel's super-block (`base`: its d, [dmin,]
+// scales) and codes of block c.
 template <int R, int NB>
 struct KBlock {
   const int8_t* xq[R];
@@ -92,71 +81,58 @@ inline void q4_k_scales(const uint8_t* base, typename VI::Raw (&c)[4]) {
   }
 }
 
-// Q4_K (F = kQ4_1: nibbles) or Q5_K (F = kQ5_1: nibbles and fifth bits): acc[r][j] += ((d sc) dx) float(s) -
-// ((dmin mn) dx) float(qsum) for block k.b (scales: the super-block's C_t of each panel).
+// Q4_K (F = kQ4_1: nibbles) or Q5_K (F = kQ5_1: nibbles and fifth bits): S[r][j] += sc s for block k.c of the
+// super-block (sc its 6-bit scale, from each panel's C_t; s = sum_k u q).
 template <int F, int R, int NB>
-inline void q4_k_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const V (&dmin)[NB],
-                       const typename VI::Raw (&scales)[NB][4], V (&acc)[R][NB]) {
+inline void q4_k_block(const KBlock<R, NB>& k, const typename VI::Raw (&scales)[NB][4], VI (&S)[R][NB]) {
   VI s[R][NB];
   qsums<F, R, NB>(k.codes, k.xq, s);  // quant.h: Q4_K's codes are laid out as Q4_1's, Q5_K's as Q5_1's
   for (int j = 0; j < NB; ++j) {
-    const auto raw = scales[j][k.c / 2];
-    const V scale = V::mul(d[j], scale_bytes(raw, 2 * (k.c % 2), 0));
-    const V low = V::mul(dmin[j], scale_bytes(raw, 2 * (k.c % 2) + 1, 0));
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (k.r0 + r) * x.blocks + k.b;
-      const V dx = V::bcast(x.d[at]);
-      const V part = V::sub(V::mul(V::mul(scale, dx), VI::to_float(s[r][j])),
-                            V::mul(V::mul(low, dx), V::bcast(static_cast<float>(x.sums[at]))));
-      acc[r][j] = V::add(acc[r][j], part);
-    }
+    const VI sc = VI::byte(scales[j][k.c / 2], 2 * (k.c % 2));
+    for (int r = 0; r < R; ++r) S[r][j] = VI::add(S[r][j], VI::mul(s[r][j], sc));
   }
 }
 
-// IQ4_XS's sub-block scales of a super-block (`base`: its d, scales) as floats: out[c][n] = ls of output n's
-// sub-block c, exact.
-inline void iq4_xs_scales(const uint8_t* base, float (&out)[8][kLanes]) {
+// IQ4_XS's sub-block scales of a super-block (`base`: its d, scales): out[c][n] = ls of output n's sub-block c.
+inline void iq4_xs_scales(const uint8_t* base, int32_t (&out)[16][kLanes]) {
   for (int n = 0; n < kLanes; ++n) {
     uint32_t low;
     uint16_t high;
     std::memcpy(&low, base + kScalesAt[3] + 4 * n, 4);
     std::memcpy(&high, base + kScalesAt[3] + 64 + 2 * n, 2);
-    for (int c = 0; c < 8; ++c)
-      out[c][n] = static_cast<float>(static_cast<int>(((low >> (4 * c)) & 15) | (((high >> (2 * c)) & 3) << 4)) - 32);
+    for (int c = 0; c < 8; ++c) out[c][n] = static_cast<int32_t>(((low >> (4 * c)) & 15) | (((high >> (2 * c)) & 3) << 4)) - 32;
   }
 }
 
-// IQ4_XS: acc[r][j] += ((d ls) dx) float(s) for block k.b (ls: the super-block's, iq4_xs_scales).
+// IQ4_XS: S[r][j] += ls s for block k.b (ls: the super-block's, iq4_xs_scales; s = sum_k w q over the levels w).
 template <int R, int NB>
-inline void iq4_xs_block(const KBlock<R, NB>& k, const QuantRows& x, const V (&d)[NB], const float (&ls)[NB][8][kLanes],
-                         V (&acc)[R][NB]) {
+inline void iq4_xs_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t (&ls)[NB][16][kLanes],
+                         VI (&S)[R][NB]) {
   VI s[R][NB];
   qsums<kIQ4_NL, R, NB>(k.codes, k.xq, s);  // quant.h: IQ4_XS's codes are laid out as IQ4_NL's
   for (int j = 0; j < NB; ++j) {
-    const V scale = V::mul(d[j], V::load(ls[j][k.c]));
+    const VI scale = VI::lanes(ls[j][k.c]);
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (k.r0 + r) * x.blocks + k.b;
-      const VI exact = VI::sub(s[r][j], VI::kWideOffset * x.sums[at]);
-      acc[r][j] = V::add(acc[r][j], V::mul(V::mul(scale, V::bcast(x.d[at])), VI::to_float(exact)));
+      const VI exact = VI::sub(s[r][j], VI::kWideOffset * x.k32[(k.r0 + r) * x.blocks + k.b]);
+      S[r][j] = VI::add(S[r][j], VI::mul(exact, scale));
     }
   }
 }
 
-// Q3_K's (low: the 6-bit scales - 32) or Q2_K's (low: sc, high: mn) sub-block scales of a super-block
-// (`base`: its d, [dmin,] scales) as floats: low[i][n] (and high[i][n]) of output n's sub-block i of 16, exact.
+// Q3_K's (sc: the 6-bit scales - 32) or Q2_K's (sc, and mn as int16 pairs of sub-blocks 2u, 2u + 1) sub-block
+// scales of a super-block (`base`: its d, [dmin,] scales): sc[i][n] of output n's sub-block i of 16.
 template <int I>
-inline void low_bit_scales(const uint8_t* base, float (&low)[16][kLanes], float (&high)[16][kLanes]) {
+inline void low_bit_scales(const uint8_t* base, int32_t (&sc)[16][kLanes], int32_t (&mn)[8][kLanes]) {
   for (int n = 0; n < kLanes; ++n) {
     const uint8_t* s = base + kScalesAt[I] + (I == 4 ? 12 : 16) * n;
     for (int i = 0; i < 16; ++i) {
-      if constexpr (I == 4) {
-        const int six = ((i < 8 ? s[i] : s[i - 8] >> 4) & 15) | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
-        low[i][n] = static_cast<float>(six - 32);
-      } else {
-        low[i][n] = static_cast<float>(s[i] & 15);
-        high[i][n] = static_cast<float>(s[i] >> 4);
-      }
+      if constexpr (I == 4)
+        sc[i][n] = (((i < 8 ? s[i] : s[i - 8] >> 4) & 15) | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+      else
+        sc[i][n] = s[i] & 15;
     }
+    if constexpr (I == 5)
+      for (int u = 0; u < 8; ++u) mn[u][n] = (s[2 * u] >> 4) | ((s[2 * u + 1] >> 4) << 16);
   }
 }
 
@@ -194,51 +170,36 @@ inline void low_bit_sums(const KBlock<R, NB>& k, VI (&sa)[R][NB], VI (&sc)[R][NB
   }
 }
 
-// Q3_K: acc[r][j] += (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c)) for block k.b, s over (u - 4) q
-// (sc: the super-block's, low_bit_scales).
+// S[r][j] += sc_a (s_a - o qsum_a) + sc_c (s_c - o qsum_c) for block k.b: its sub-blocks a, c of 16 (s: the sums
+// u q, sa and sc; o: the codes' offset; qsum: the row's sums of q, QuantRows' k16).
 template <int R, int NB>
-inline void q3_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t* halves, const V (&d)[NB],
-                       const float (&sc)[NB][16][kLanes], V (&acc)[R][NB]) {
-  VI sa[R][NB], sb[R][NB];
-  low_bit_sums<true, R, NB>(k, sa, sb);
-  for (int j = 0; j < NB; ++j) {
-    const V fa = V::load(sc[j][2 * k.c]), fc = V::load(sc[j][2 * k.c + 1]);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (k.r0 + r) * x.blocks + k.b;
-      const int32_t qa = halves[at], qc = x.sums[at] - qa;
-      const V exact = V::add(V::mul(fa, VI::to_float(VI::sub(sa[r][j], 4 * qa))),
-                             V::mul(fc, VI::to_float(VI::sub(sb[r][j], 4 * qc))));
-      acc[r][j] = V::add(acc[r][j], V::mul(V::mul(d[j], V::bcast(x.d[at])), exact));
-    }
+inline void add_sixteens(const KBlock<R, NB>& k, const QuantRows& x, int32_t o, const VI (&sa)[R][NB],
+                         const VI (&sc)[R][NB], const VI (&fa)[NB], const VI (&fc)[NB], VI (&S)[R][NB]) {
+  for (int r = 0; r < R; ++r) {
+    const int16_t* q = x.k16 + 2 * ((k.r0 + r) * x.blocks + k.b);
+    for (int j = 0; j < NB; ++j)
+      S[r][j] = VI::add(S[r][j], VI::add(VI::mul(fa[j], VI::sub(sa[r][j], o * q[0])),
+                                         VI::mul(fc[j], VI::sub(sc[r][j], o * q[1]))));
   }
 }
 
-// Q2_K: acc[r][j] += (d dx) float(sc_a s_a + sc_c s_c) - (dmin dx) float(mn_a qsum_a + mn_c qsum_c) for
-// block k.b (sc, mn: the super-block's, low_bit_scales).
-template <int R, int NB>
-inline void q2_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t* halves, const V (&d)[NB],
-                       const V (&dmin)[NB], const float (&sc)[NB][16][kLanes], const float (&mn)[NB][16][kLanes],
-                       V (&acc)[R][NB]) {
-  VI sa[R][NB], sb[R][NB];
-  low_bit_sums<false, R, NB>(k, sa, sb);
+// Q3_K (H) or Q2_K: S[r][j] += sc_a s_a + sc_c s_c for block k.b, s over (u - 4) q or u q (sc: the super-block's,
+// low_bit_scales).
+template <bool H, int R, int NB>
+inline void low_bit_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t (&sc)[NB][16][kLanes],
+                          VI (&S)[R][NB]) {
+  VI sa[R][NB], sb[R][NB], fa[NB], fc[NB];
+  low_bit_sums<H, R, NB>(k, sa, sb);
   for (int j = 0; j < NB; ++j) {
-    const V fa = V::load(sc[j][2 * k.c]), fc = V::load(sc[j][2 * k.c + 1]);
-    const V ma = V::load(mn[j][2 * k.c]), mc = V::load(mn[j][2 * k.c + 1]);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (k.r0 + r) * x.blocks + k.b;
-      const int32_t qa = halves[at], qc = x.sums[at] - qa;
-      const V dx = V::bcast(x.d[at]);
-      const V exact = V::add(V::mul(fa, VI::to_float(sa[r][j])), V::mul(fc, VI::to_float(sb[r][j])));
-      const V low = V::add(V::mul(ma, V::bcast(static_cast<float>(qa))), V::mul(mc, V::bcast(static_cast<float>(qc))));
-      acc[r][j] = V::add(acc[r][j], V::sub(V::mul(V::mul(d[j], dx), exact), V::mul(V::mul(dmin[j], dx), low)));
-    }
+    fa[j] = VI::lanes(sc[j][2 * k.c]);
+    fc[j] = VI::lanes(sc[j][2 * k.c + 1]);
   }
+  add_sixteens<R, NB>(k, x, H ? 4 : 0, sa, sb, fa, fc, S);
 }
 
-// Q6_K: acc[r][j] += (d dx) (float(sc_a) float(s_a) + float(sc_c) float(s_c)) for block k.b.
+// Q6_K: S[r][j] += sc_a s_a + sc_c s_c for block k.b, s over (u - 32) q.
 template <int R, int NB>
-inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t* halves, const V (&d)[NB],
-                       V (&acc)[R][NB]) {
+inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, VI (&S)[R][NB]) {
   VI sa[R][NB], sc[R][NB];  // sum u q over the block's first 16 k, its last 16
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) sa[r][j] = sc[r][j] = VI::zero();
@@ -265,26 +226,24 @@ inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t
       }
     }
   }
+  VI fa[NB], fc[NB];  // the sub-blocks' int8 scales, stored + 128
   for (int j = 0; j < NB; ++j) {
     const auto raw = VI::load(k.base[j] + kScalesAt[1] + (k.c / 2) * 64);
-    const V fa = scale_bytes(raw, 2 * (k.c % 2), 128), fc = scale_bytes(raw, 2 * (k.c % 2) + 1, 128);
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (k.r0 + r) * x.blocks + k.b;
-      const int32_t qa = halves[at], qc = x.sums[at] - qa;
-      const V exact = V::add(V::mul(fa, VI::to_float(VI::sub(sa[r][j], 32 * qa))),
-                             V::mul(fc, VI::to_float(VI::sub(sc[r][j], 32 * qc))));
-      acc[r][j] = V::add(acc[r][j], V::mul(V::mul(d[j], V::bcast(x.d[at])), exact));
-    }
+    fa[j] = VI::sub(VI::byte(raw, 2 * (k.c % 2)), 128);
+    fc[j] = VI::sub(VI::byte(raw, 2 * (k.c % 2) + 1), 128);
   }
+  add_sixteens<R, NB>(k, x, 32, sa, sc, fa, fc, S);
 }
 
-// Rows r0..r0+R-1 (quantized; halves: their first-16 sums, Q6_K) against panels p0..p0+NB-1 of a
-// K-quant matrix (I: 0 Q4_K, 1 Q6_K, 2 Q5_K, 3 IQ4_XS, 4 Q3_K, 5 Q2_K).
+// Rows r0..r0+R-1 (quantized per super-block) against panels p0..p0+NB-1 of a K-quant matrix (I: 0 Q4_K,
+// 1 Q6_K, 2 Q5_K, 3 IQ4_XS, 4 Q3_K, 5 Q2_K): per super-block, the integers S (and the mins' sum) over its
+// 8 blocks, then one fp32 term per row and output.
 template <int I, int R, int NB>
-inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, int64_t nsuper, int64_t p0, int64_t r0,
-                  float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
+inline void ktile(const QuantRows& x, const uint8_t* W, int64_t nsuper, int64_t p0, int64_t r0, float* Y, int64_t ldy,
+                  int64_t N, const float* add, const float* bias) {
   const int64_t stride = nsuper * kSuperBytes[I];  // bytes of one panel
   constexpr int64_t codes_at = kScalesAt[I] + kScaleBytes[I];
+  constexpr bool six = I == 0 || I == 2, mins = six || I == 5;  // Q4_K's and Q5_K's 6-bit (sc, m); Q2_K's mins
   V acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
@@ -292,80 +251,82 @@ inline void ktile(const QuantRows& x, const int32_t* halves, const uint8_t* W, i
   k.r0 = r0;
   for (int64_t sb = 0; sb < nsuper; ++sb) {
     V d[NB], dmin[NB];
-    constexpr bool six = I == 0 || I == 2;  // Q4_K's and Q5_K's 6-bit (sc, m)
     typename VI::Raw scales[six ? NB : 1][4];
-    alignas(64) float ls[I == 3 ? NB : 1][8][kLanes];
-    alignas(64) float low[I >= 4 ? NB : 1][16][kLanes], high[I == 5 ? NB : 1][16][kLanes];
+    alignas(64) int32_t sc[I >= 3 ? NB : 1][16][kLanes], mn[I == 5 ? NB : 1][8][kLanes];
     for (int j = 0; j < NB; ++j) {
       k.base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
       d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j]));
-      if constexpr (six || I == 5) dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
+      if constexpr (mins) dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
       if constexpr (six) q4_k_scales(k.base[j], scales[j]);
-      if constexpr (I == 3) iq4_xs_scales(k.base[j], ls[j]);
-      if constexpr (I >= 4) low_bit_scales<I>(k.base[j], low[j], high[I == 5 ? j : 0]);
+      if constexpr (I == 3) iq4_xs_scales(k.base[j], sc[j]);
+      if constexpr (I >= 4) low_bit_scales<I>(k.base[j], sc[j], mn[I == 5 ? j : 0]);
     }
+    VI S[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) S[r][j] = VI::zero();
     for (k.c = 0; k.c < 8; ++k.c) {
       k.b = sb * 8 + k.c;
-      for (int r = 0; r < R; ++r) k.xq[r] = x.q + (r0 + r) * x.ld + k.b * kBlock;
+      for (int r = 0; r < R; ++r) k.xq[r] = x.kq + (r0 + r) * x.ld + k.b * kBlock;
       for (int j = 0; j < NB; ++j) k.codes[j] = k.base[j] + codes_at + k.c * kSuperCodes[I];
       if constexpr (I == 0)
-        q4_k_block<kQ4_1, R, NB>(k, x, d, dmin, scales, acc);
+        q4_k_block<kQ4_1, R, NB>(k, scales, S);
       else if constexpr (I == 2)
-        q4_k_block<kQ5_1, R, NB>(k, x, d, dmin, scales, acc);
+        q4_k_block<kQ5_1, R, NB>(k, scales, S);
       else if constexpr (I == 3)
-        iq4_xs_block<R, NB>(k, x, d, ls, acc);
-      else if constexpr (I == 4)
-        q3_k_block<R, NB>(k, x, halves, d, low, acc);
-      else if constexpr (I == 5)
-        q2_k_block<R, NB>(k, x, halves, d, dmin, low, high, acc);
+        iq4_xs_block<R, NB>(k, x, sc, S);
+      else if constexpr (I == 4 || I == 5)
+        low_bit_block<I == 4, R, NB>(k, x, sc, S);
       else
-        q6_k_block<R, NB>(k, x, halves, d, acc);
+        q6_k_block<R, NB>(k, x, S);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const V dx = V::bcast(x.kd[row * x.supers + sb]);
+      for (int j = 0; j < NB; ++j) {
+        V term = V::mul(V::mul(d[j], dx), VI::to_float(S[r][j]));
+        if constexpr (mins) {  // sum mn qsum over the sub-blocks: of 32 (Q4_K, Q5_K) or of 16 (Q2_K)
+          VI low = VI::zero();
+          if constexpr (six)
+            for (int t = 0; t < 4; ++t)
+              low = VI::madd(low, VI::pairs(scales[j][t], 1), sum_pair(x.k32 + row * x.blocks + 8 * sb + 2 * t));
+          else
+            for (int u = 0; u < 8; ++u)
+              low = VI::madd(low, VI::load(reinterpret_cast<const uint8_t*>(mn[j][u])),
+                             sum_pair(x.k16 + 2 * row * x.blocks + 16 * sb + 2 * u));
+          term = V::sub(term, V::mul(V::mul(dmin[j], dx), VI::to_float(low)));
+        }
+        acc[r][j] = V::add(acc[r][j], term);
+      }
     }
   }
   store_tile<R, NB>(acc, p0, r0, Y, ldy, N, add, bias);
 }
 
-template <int I, int R, int NB>
-inline void ktile_nb(int nb, const QuantRows& x, const int32_t* halves, const uint8_t* W, int64_t nsuper, int64_t p0,
-                     int64_t r0, float* Y, int64_t ldy, int64_t N, const float* add, const float* bias) {
-  if constexpr (NB >= 1) {
-    if (nb == NB) return ktile<I, R, NB>(x, halves, W, nsuper, p0, r0, Y, ldy, N, add, bias);
-    return ktile_nb<I, R, NB - 1>(nb, x, halves, W, nsuper, p0, r0, Y, ldy, N, add, bias);
-  }
-}
-
-// The K-quant tiles' shape: panels per tile for R rows (a float and an int accumulator per (row,
-// panel), one code vector (two for the nibbles) per panel), and the most rows per tile. A call of one
-// row (plain decoding) takes one panel per tile, so the matrix streams as one run of bytes: it streamed
-// faster than tiles of 4 panels (benchmarks/kernel_efficiency.py streaming; docs/evidence/behind-the-code.md).
-constexpr int kpanels_for(int R) {
-  const int n = (kRegs - 4) / ((2 * R + 2) * kRegsPerV);
-  return n < 1 ? 1 : n > 4 ? 4 : n;
-}
-constexpr int kMaxKRows = kRegs >= 32 ? 4 : 2;
+// The most rows per tile: an int accumulator per row for the block's sums and one for the super-block's, a float
+// one for the output, each row's (a tile is one panel: a call of any number of rows streams the matrix as one
+// run of bytes per thread, which ran faster than tiles of 2 to 4 panels at every row count).
+constexpr int kMaxKRows = kRegs >= 32 ? 8 : 2;
 
 // Y (M, N) = the product of x's M rows and the panels [q0, q1) of a K-quant W [+ bias] [+ add].
 template <int I>
 inline void kmatmul_format(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
                            const float* bias, int64_t q0, int64_t q1) {
-  thread_local std::vector<int32_t> halves;
-  if constexpr (sixteens(I)) first_half_sums(x, M, halves);
   const int64_t blocks = (M + kMaxKRows - 1) / kMaxKRows, rows = (M + blocks - 1) / blocks;
-  const int G = M == 1 ? 1 : kpanels_for(static_cast<int>(rows));
   const uint8_t* data = static_cast<const uint8_t*>(W.data);
   const int64_t nsuper = W.K / kSuper;
-  const int32_t* h = halves.data();
-  for (int64_t p = q0; p < q1; p += G) {
-    const int nb = static_cast<int>(std::min<int64_t>(G, q1 - p));
+  for (int64_t p = q0; p < q1; ++p)
     for (int64_t r0 = 0; r0 < M; r0 += rows) {
       switch (static_cast<int>(std::min<int64_t>(rows, M - r0))) {
-        case 1: ktile_nb<I, 1, kpanels_for(1)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
-        case 2: ktile_nb<I, 2, kpanels_for(2)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
-        case 3: ktile_nb<I, 3, kpanels_for(3)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
-        default: ktile_nb<I, kMaxKRows, kpanels_for(kMaxKRows)>(nb, x, h, data, nsuper, p, r0, Y, ldy, W.N, add, bias);
+        case 1: ktile<I, 1, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 2: ktile<I, 2, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 3: ktile<I, 3, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 4: ktile<I, 4, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 5: ktile<I, 5, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 6: ktile<I, 6, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        case 7: ktile<I, 7, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias); break;
+        default: ktile<I, kMaxKRows, 1>(x, data, nsuper, p, r0, Y, ldy, W.N, add, bias);
       }
     }
-  }
 }
 
 inline void kquant_matmul(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,

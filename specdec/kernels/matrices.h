@@ -1,4 +1,5 @@
-// The packed matrices a call is given (kernels.Matrix), checked: their format, shape and bytes.
+// The packed matrices a call is given (kernels.Matrix), checked: their format, shape and bytes; and the
+// storage of the rows a quantized one multiplies (QuantBuffer).
 // Included by cpu.cpp alone (an unnamed namespace: its names stay in that file).
 #pragma once
 
@@ -74,5 +75,20 @@ Mat matrix(const torch::Tensor& w, int64_t format, int64_t N, int64_t K, const c
               ": expected its packed blocks as ", matrix_bytes(format, N, K), " contiguous uint8 (kernels.Matrix)");
   return {static_cast<int>(format), w.data_ptr<uint8_t>(), N, K};
 }
+
+// Storage for M activation rows of up to K values quantized for a quantized matrix (QuantRows), per block
+// of 32 and per super-block of 256.
+struct QuantBuffer {
+  torch::Tensor q, d, sums, kq, kd, k16, k32;
+  QuantRows rows{};
+  QuantBuffer(int64_t M, int64_t K)
+      : q(torch::empty({M, K}, torch::kInt8)), d(torch::empty({M, K / kBlock}, torch::kFloat32)),
+        sums(torch::empty({M, K / kBlock}, torch::kInt32)), kq(torch::empty({M, K}, torch::kInt8)),
+        kd(torch::empty({M, (K + kSuper - 1) / kSuper}, torch::kFloat32)),
+        k16(torch::empty({M, 2 * (K / kBlock)}, torch::kInt16)), k32(torch::empty({M, K / kBlock}, torch::kInt16)) {
+    rows = {q.data_ptr<int8_t>(), d.data_ptr<float>(), sums.data_ptr<int32_t>(), K, K / kBlock, kq.data_ptr<int8_t>(),
+            kd.data_ptr<float>(), k16.data_ptr<int16_t>(), k32.data_ptr<int16_t>(), (K + kSuper - 1) / kSuper};
+  }
+};
 
 }  // namespace

@@ -41,34 +41,44 @@ constexpr bool has_mins(int F) { return F == kQ4_1 || F == kQ5_1; }   // Q4_1's 
 constexpr bool has_fifth(int F) { return F == kQ5_0 || F == kQ5_1; }  // codes of 5 bits
 constexpr int panel_header(int F) { return has_mins(F) ? 64 : 32; }  // bytes of scales (and mins) per panel block
 
-// Row m of `rows` from x (K values, K a multiple of 32), per block of 32: dx = max|x| / 127 and
-// q = round_half_even(x (1 / dx)) (0 where dx is 0), as kernels/blocks.py's quantize_rows. A block
-// whose largest magnitude is below 2^-64 is first scaled by 2^64 (exact), so that 1 / dx neither
-// overflows nor comes from a denormal: its q are round_half_even((2^64 x) (1 / ((2^64 max|x|) / 127)))
-// and its dx stays max|x| / 127. Where dx is a normal float the scaling cancels exactly: the q are
-// those of the unscaled formula. Every 1 / dx is thus that of a normal float, |x (1 / dx)| <= 127
-// (1 + 2^-22) rounds to at most 127, and q needs no clamp. A block holding inf or NaN gets q = 0
-// and dx = NaN, so its row's outputs are NaN, as fp32 arithmetic would make them.
-inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64_t m) {
-  int8_t* q = rows.q + m * rows.ld;
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const V lo = V::load(x + b * kBlock), hi = V::load(x + b * kBlock + kLanes);
-    const int32_t top = VI::max_abs_bits(lo, hi);
-    const bool finite = top < 0x7F800000;
-    float amax;
-    std::memcpy(&amax, &top, sizeof amax);
-    const float d = finite ? amax / 127.f : NAN;
-    int32_t sum = 0;
-    if (finite && d != 0.f) {
-      const float scale = amax < 0x1p-64f ? 0x1p64f : 1.f;
-      const V s = V::bcast(scale), inv = V::bcast(1.f / (amax * scale / 127.f));
-      sum = VI::to_int8(V::mul(V::mul(lo, s), inv), q + b * kBlock) +
-            VI::to_int8(V::mul(V::mul(hi, s), inv), q + b * kBlock + kLanes);
-    } else {
-      std::memset(q + b * kBlock, 0, kBlock);
-    }
-    rows.d[m * rows.blocks + b] = d;
-    rows.sums[m * rows.blocks + b] = sum;
+// n values x (a block of 32, or a super-block of 256) quantized with one scale dx = max|x| / 127 to
+// q = round_half_even(x (1 / dx)) (0 where dx is 0), as kernels/blocks.py's quantize_rows; returns dx and
+// puts the sum of q of each 16 values in sums16. A block whose largest magnitude is below 2^-64 is first
+// scaled by 2^64 (exact), so that 1 / dx neither overflows nor comes from a denormal: its q are
+// round_half_even((2^64 x) (1 / ((2^64 max|x|) / 127))) and its dx stays max|x| / 127. Where dx is a normal
+// float the scaling cancels exactly: the q are those of the unscaled formula. Every 1 / dx is thus that of a
+// normal float, |x (1 / dx)| <= 127 (1 + 2^-22) rounds to at most 127, and q needs no clamp. A block holding
+// inf or NaN gets q = 0 and dx = NaN, so its row's outputs are NaN, as fp32 arithmetic would make them.
+inline float quantize_block(const float* x, int64_t n, int8_t* q, int32_t* sums16) {
+  int32_t top = 0;
+  for (int64_t i = 0; i < n; i += kBlock) top = std::max(top, VI::max_abs_bits(V::load(x + i), V::load(x + i + kLanes)));
+  const bool finite = top < 0x7F800000;
+  float amax;
+  std::memcpy(&amax, &top, sizeof amax);
+  const float d = finite ? amax / 127.f : NAN;
+  if (finite && d != 0.f) {
+    const float scale = amax < 0x1p-64f ? 0x1p64f : 1.f;
+    const V s = V::bcast(scale), inv = V::bcast(1.f / (amax * scale / 127.f));
+    for (int64_t i = 0; i < n; i += kLanes) sums16[i / kLanes] = VI::to_int8(V::mul(V::mul(V::load(x + i), s), inv), q + i);
+  } else {
+    std::memset(q, 0, n);
+    std::fill(sums16, sums16 + n / kLanes, 0);
+  }
+  return d;
+}
+
+// Row m of `rows` from x (K values) in `kinds` (types.h): per block of 32 (kPer32; K a multiple of 32) and
+// per super-block of 256 (kPer256; K a multiple of 256), each block as quantize_block.
+inline void quantize_row(const float* x, int64_t K, const QuantRows& rows, int64_t m, int kinds) {
+  int32_t sums[kSuper / kLanes];
+  for (int64_t b = 0; (kinds & kPer32) && b < K / kBlock; ++b) {
+    rows.d[m * rows.blocks + b] = quantize_block(x + b * kBlock, kBlock, rows.q + m * rows.ld + b * kBlock, sums);
+    rows.sums[m * rows.blocks + b] = sums[0] + sums[1];
+  }
+  for (int64_t u = 0; (kinds & kPer256) && u < K / kSuper; ++u) {
+    rows.kd[m * rows.supers + u] = quantize_block(x + u * kSuper, kSuper, rows.kq + m * rows.ld + u * kSuper, sums);
+    for (int i = 0; i < 16; ++i) rows.k16[2 * m * rows.blocks + 16 * u + i] = static_cast<int16_t>(sums[i]);
+    for (int c = 0; c < 8; ++c) rows.k32[m * rows.blocks + 8 * u + c] = static_cast<int16_t>(sums[2 * c] + sums[2 * c + 1]);
   }
 }
 

@@ -27,6 +27,12 @@ inline bool is_quantized(int64_t format) { return format >= 0 && format < kForma
 inline bool is_float(int64_t format) { return format == kBf16 || format == kF16 || format == kF32; }
 constexpr int64_t kMixedHeader = 64;  // kMixed: int32 runs, then (format, N) per run; the runs' data follow
 constexpr int kFine = 32;  // a format's flag: a quantized matrix times its rows' rounding residuals too (Mat::fine)
+constexpr int64_t kSuper = 256;  // weights per K-quant super-block, along K
+
+// The activation quantizations a quantized format reads (QuantRows): per block of 32 (kPer32), or for a
+// K-quant per super-block of 256 (kPer256, as llama.cpp's Q8_K).
+constexpr int kPer32 = 1, kPer256 = 2;
+inline int quant_kind(int64_t format) { return kFileBlock[format] == kSuper ? kPer256 : kPer32; }
 
 struct Mat {  // a packed matrix of N outputs from K inputs
   int format;
@@ -35,13 +41,28 @@ struct Mat {  // a packed matrix of N outputs from K inputs
   bool fine = false;  // times each input row and its rounding residual, quantized (cpu.cpp: fine_matmul)
 };
 
-// Activation rows quantized per block of 32 for a quantized matrix: row m's values q + m ld (int8),
-// its blocks' scales d + m blocks and sums of q sums + m blocks.
+// The activation quantizations a quantized W reads: its format's kind, or its runs' (kMixed).
+inline int quant_kinds(const Mat& W) {
+  if (W.format != kMixed) return quant_kind(W.format);
+  const int32_t* head = static_cast<const int32_t*>(W.data);
+  int kinds = 0;
+  for (int32_t i = 0; i < head[0]; ++i) kinds |= quant_kind(head[1 + 2 * i]);
+  return kinds;
+}
+
+// Activation rows quantized for a quantized matrix (quantize_row), in the kinds its formats read. Per block of
+// 32 (kPer32): row m's values q + m ld (int8), its blocks' scales d + m blocks and sums of q sums + m blocks.
+// Per super-block of 256 (kPer256): its values kq + m ld, its super-blocks' scales kd + m supers, and the sums
+// of q of its sub-blocks of 16, k16 + 2 m blocks, and of 32, k32 + m blocks (int16: |sum| <= 32 x 127).
 struct QuantRows {
   int8_t* q;
   float* d;
   int32_t* sums;
   int64_t ld, blocks;
+  int8_t* kq;
+  float* kd;
+  int16_t *k16, *k32;
+  int64_t supers;
 };
 
 // The quantized kernels of one instruction set (quant.h), chosen for this CPU (cpu.cpp's dispatch).
@@ -50,8 +71,8 @@ struct QuantOps {
   // Y (M, N) = the rows x (quantized) times the panels [q0, q1) of W [+ bias (N,)] [+ add (M, N)]
   void (*matmul)(const QuantRows& x, int64_t M, const Mat& W, float* Y, int64_t ldy, const float* add,
                  const float* bias, int64_t q0, int64_t q1);
-  // row m of `rows` from the first K values (K a multiple of 32) at x
-  void (*quantize_row)(const float* x, int64_t K, const QuantRows& rows, int64_t m);
+  // row m of `rows` from the first K values (K a multiple of 32; of 256 for kPer256) at x, in `kinds`
+  void (*quantize_row)(const float* x, int64_t K, const QuantRows& rows, int64_t m, int kinds);
 };
 extern const QuantOps* g_quant;
 

@@ -136,6 +136,13 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
   static VI sub(VI a, int32_t c) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(c))}; }
   static VI add(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
   static V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+  static VI mul(VI a, VI b) { return {_mm512_mullo_epi32(a.v, b.v)}; }  // int32 products (kquant.h: exact)
+  static VI lanes(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
+  static VI byte(Raw a, int at) { return {_mm512_and_si512(_mm512_srli_epi32(a, 8 * at), _mm512_set1_epi32(0xFF))}; }
+  // int16 lanes: bytes `at` and `at` + 2 of each int32 lane
+  static Raw pairs(Raw a, int at) { return _mm512_and_si512(_mm512_srli_epi32(a, 8 * at), _mm512_set1_epi32(0x00FF00FF)); }
+  // acc + the int16 pairs of a times those of `pair` (low by low, high by high), summed per int32 lane
+  static VI madd(VI acc, Raw a, int32_t pair) { return {_mm512_dpwssd_epi32(acc.v, a, _mm512_set1_epi32(pair))}; }
   // The largest |x| of the 32 floats a, b as its bit pattern: integers order non-negative floats as
   // floats do, and put inf, then NaN, above every finite value.
   static int32_t max_abs_bits(V a, V b) {
@@ -299,6 +306,20 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
   }
   static VI add(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
   static V to_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+  static VI mul(VI a, VI b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }  // as AVX-512's
+  static VI lanes(const int32_t* p) { return {load(reinterpret_cast<const uint8_t*>(p)).lo, load(reinterpret_cast<const uint8_t*>(p)).hi}; }
+  static VI byte(Raw a, int at) {  // as AVX-512's
+    const __m256i m = _mm256_set1_epi32(0xFF);
+    return {_mm256_and_si256(_mm256_srli_epi32(a.lo, 8 * at), m), _mm256_and_si256(_mm256_srli_epi32(a.hi, 8 * at), m)};
+  }
+  static Raw pairs(Raw a, int at) {  // as AVX-512's
+    const __m256i m = _mm256_set1_epi32(0x00FF00FF);
+    return {_mm256_and_si256(_mm256_srli_epi32(a.lo, 8 * at), m), _mm256_and_si256(_mm256_srli_epi32(a.hi, 8 * at), m)};
+  }
+  static VI madd(VI acc, Raw a, int32_t pair) {  // as AVX-512's
+    const __m256i p = _mm256_set1_epi32(pair);
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, p)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, p))};
+  }
   static int32_t imax8(__m256i a) {
     __m128i b = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     b = _mm_max_epi32(b, _mm_shuffle_epi32(b, 0x4E));

@@ -158,8 +158,9 @@ def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(f
     gguf.quants dequantizes the file's blocks."""
     held, raw = random_blocks(format, 20, 512, 3)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
-    q, d, _ = blocks.quantize_rows(x)
-    xq = (q.double().reshape(3, 16, 32) * d.double()[..., None]).reshape(3, 512)
+    width = blocks.activation_block(format)  # the K-quants' activations per super-block of 256, the others' per 32
+    q, d, _ = blocks.quantize_rows(x, width)
+    xq = (q.double().reshape(3, 512 // width, width) * d.double()[..., None]).reshape(3, 512)
     exact = xq @ torch.from_numpy(dequantize(raw, TYPES[format])).double().reshape(20, 512).T
     torch.testing.assert_close(blocks.linear(x, held).double(), exact, rtol=1e-5, atol=1e-4)
     wrong = blocks.Blocks(format, held.codes.roll(1, dims=1), *held[2:])  # codes one k off: another product
@@ -167,25 +168,47 @@ def test_the_reference_is_the_product_of_the_quantized_activations_and_weights(f
 
 
 @needs_kernels
+def test_rows_are_quantized_per_super_block_for_the_k_quants_as_the_reference_does():
+    """The K-quants' activations (llama.cpp's Q8_K: one scale per 256): q, dx and the sums of q per 16 on
+    both instruction sets, bit for bit those of blocks.quantize_rows(x, 256), with a super-block of tiny
+    values, one of zeros and one holding inf (q 0, dx NaN); one scale for the 256, not eight."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 768, generator=g) * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(256)
+    x[0, 5] = 0.5 * x[0].abs()[:256].max()  # a .5 tie
+    x[1, 256:512] *= 2.0 ** -140  # largest magnitude below 2^-64
+    x[2, :256] = 0
+    x[3, 600] = float("inf")
+    q, d, sums = blocks.quantize_rows(x, 256)
+    assert d.shape == (5, 3) and (q[4].reshape(3, 256).abs().amax(-1) == 127).all()
+    assert torch.isnan(d[3, 2]) and (q[3, 512:] == 0).all() and d[2, 0] == 0
+    for isa in on_each_isa():
+        got_q, got_d, got_sums = kernels.compiled().quantize_rows(x, 256)
+        assert torch.equal(got_q, q) and torch.equal(got_d.isnan(), d.isnan()), isa
+        assert torch.equal(got_d.nan_to_num(), d.nan_to_num()), isa
+        assert torch.equal(got_sums.int(), q.int().reshape(5, 48, 16).sum(-1)), isa
+
+
+@needs_kernels
 @pytest.mark.parametrize("format", TYPES)
 def test_each_row_of_the_kernel_equals_the_reference_exactly(format):
     """N not a multiple of 16, one to three super-blocks, rows 1..16 in every split, bias and residual,
-    blocks of every code, and the extremes (the first 64 k of an output all the largest code, or all 0,
-    against activations all +-127: the largest integer sums AVX2's int16 lanes hold), both instruction
-    sets: the same bits as blocks.linear."""
+    blocks of every code, and the extremes (the first 256 k of an output all the largest code, or all 0,
+    against activations all +-127: the largest integer sums AVX2's int16 lanes and the super-blocks' int32
+    sums hold), both instruction sets: the same bits as blocks.linear."""
     g = torch.Generator().manual_seed(4)
     for seed, (N, K) in enumerate([(1, 256), (37, 512), (53, 768)]):
         for make in (stored, random_blocks):
             held, _ = make(format, N, K, seed)
             codes = held.codes.clone()
-            codes[0, :64] = held.codes.max()
+            codes[0, :256] = held.codes.max()
             if N > 1:
-                codes[1, :64] = 0
+                codes[1, :256] = 0
             held = blocks.Blocks(format, codes, *held[2:])
             matrix = kernels.Matrix.from_blocks(held)
             x = torch.randn(16, K, generator=g) * 4
-            x[0, :64], x[1, :64] = 1.0, -1.0  # q = 127, -127 in the first two blocks
-            x[3, :32] = 0  # a block of zeros: scale 0
+            x[0, :256], x[1, :256] = 1.0, -1.0  # q = 127, -127 in the first super-block
+            x[3, :32] = 0  # a block of zeros: scale 0 (per block of 32)
+            x[4, :256] = 0  # a super-block of zeros
             bias, add = torch.randn(N, generator=g), torch.randn(16, N, generator=g)
             reference = blocks.linear(x, held, bias)
             for isa in on_each_isa():
