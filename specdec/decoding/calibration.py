@@ -4,8 +4,8 @@ row after a cached context, at a given batch size, measured once and kept on dis
 Adaptive speculation (adaptive.py) needs t(n) at the batch size it runs at before its first step;
 the bench (bench/) measures the same curve for its reports. A stored curve is keyed by what
 changes it: the model (config, compute dtype and a fingerprint of its weights), the batch size
-and the points, and the machine (CPU model, kernel instruction set, threads, torch version), so
-another machine or model never reuses it. `specdec calibrate` re-measures, and can write the
+and the points, and the machine (CPU model, the kernels' instruction set and build, threads, torch
+version), so another machine, model or version of the kernels never reuses it. `specdec calibrate` re-measures, and can write the
 curves to a file of their own (`write_curve_file`) that `specdec simulate` reads.
 
 This module knows nothing about drafting or verification.
@@ -154,7 +154,7 @@ _LOADED: dict[Path, VerifyCurve] = {}  # curves read from disk in this process
 
 def machine() -> dict:
     """What a stored curve's times depend on besides the model."""
-    return {"cpu": cpu_model(), "isa": kernels.isa() or "pytorch",
+    return {"cpu": cpu_model(), "isa": kernels.isa() or "pytorch", "kernels": kernels.build(),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 

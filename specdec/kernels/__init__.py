@@ -91,6 +91,13 @@ def cache_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+@functools.cache
+def build() -> str | None:
+    """The running kernels' build (`cache_key`: their sources, flags, compiler, torch, Python), or None
+    where they do not run: what a timing made with them depends on (calibration's stored curves)."""
+    return cache_key() if compiled() else None
+
+
 def cache_root() -> Path:
     """Where the kernels built for each key lie."""
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec" / "kernels"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from specdec import kernels
 from specdec.decoding import adaptive, calibration, engine
 from specdec.decoding.adaptive import CHEAP, MAX_STRETCH, PROBE_EVERY, Adaptive
 from specdec.decoding.costmodel import VerifyCurve
@@ -277,6 +278,15 @@ def test_a_target_with_quantized_matrices_has_a_curve_of_its_own():
     quantized.model.layers[0].mlp.gate_up_proj.store("q8_0")
     keys = [calibration._key(admit(m, role="target"), 1) for m in (plain, quantized)]
     assert keys[0] != keys[1]
+
+
+def test_another_build_of_the_kernels_has_a_curve_of_its_own(monkeypatch):
+    """A stored curve is keyed by the kernels' build (their sources, compiler, torch): a change to the
+    kernels that makes a forward cheaper is measured anew, never priced by the old build's curve."""
+    admitted = admit(tiny_llama(0), role="target")
+    key = calibration._key(admitted, 1)
+    monkeypatch.setattr(kernels, "build", lambda: "another build")
+    assert calibration._key(admitted, 1) != key
 
 
 def proposers(target):
