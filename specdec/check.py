@@ -46,8 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from .decoding.engine import plain_generate, speculative_generate
-from .decoding.stopping import check_fits
+from .decoding.engine import check_fits, plain_generate, speculative_generate
 from .decoding.sampling import SamplingConfig, probabilities
 from .decoding.stopping import StopRule
 from .decoding.verify import Verdict, rejection_sample

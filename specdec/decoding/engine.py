@@ -33,10 +33,10 @@ from .adaptive import Adaptive, curve_batches, options, widest
 from .calibration import verify_curves
 from .constraint import Compiled, FirstToken, masked
 from .guided import Guide
-from .metrics import SpecMetrics
+from .metrics import Clock, SpecMetrics
 from .protocol import Drafting, Fixed, Joining, NoDraft, Outcome, Proposal, Proposer, RowState
 from .sampling import Draws, RowGenerators, SamplingConfig, pick_rows
-from .stopping import Row, StopRule, check_inputs, check_prompt, emit, emit_runs
+from .stopping import Row, StopRule, emit, emit_runs
 from .tree import chain_positions, chain_runs, levels_reached, path_columns, window_layout
 from .verify import Verdict, by_kind, rejection_sample, tree_rejection_sample
 
@@ -262,7 +262,7 @@ class Engine:
                 r.on_tokens is not None or r.finished for r in self.requests):
             self.plain_step()
 
-    def verify_forward(self, window: torch.Tensor, proposal: Proposal, clock: "Clock",
+    def verify_forward(self, window: torch.Tensor, proposal: Proposal, clock: Clock,
                        logits_index: torch.Tensor | None = None):
         """The target's forward over [last, drafts] (B, 1+m): a chain at the default positions, a tree
         with positions by depth and its attention mask; the declared layers come back with it.
@@ -472,34 +472,6 @@ class TargetRows:
         self.cache.regroup(keep)
 
 
-class Clock:
-    """The clock readings of one step, by the name of the phase just ended ("chosen", "proposed",
-    "window", "forward", "accepted", "committed", "observed"); the step's start is "start"."""
-
-    def __init__(self):
-        self.readings = {"start": time.perf_counter()}
-
-    def mark(self, phase: str) -> None:
-        self.readings[phase] = time.perf_counter()
-
-    def __getitem__(self, phase: str) -> float:
-        return self.readings[phase]
-
-    @property
-    def total(self) -> float:
-        return time.perf_counter() - self.readings["start"]
-
-    @property
-    def forward(self) -> float:
-        return self.readings["forward"] - self.readings["window"]
-
-    @property
-    def drafting(self) -> float:
-        """The proposer's seconds: proposing and observing."""
-        r = self.readings
-        return r["proposed"] - r["chosen"] + r["observed"] - r["committed"]
-
-
 @dataclass
 class PlainStretch:
     """What the plain steps since the proposer last heard have emitted and cost."""
@@ -560,6 +532,31 @@ def draft_limits(budgets: list[int], k: int) -> list[int]:
     The context needs no separate clip: check_prompt ensured that prompt + max_new_tokens fits,
     and the budget bounds every row's sequence."""
     return [min(max(budget - 1, 0), k) for budget in budgets]
+
+
+def check_prompt(prompt: list[int], rule: StopRule, vocab: int, context: int, name: str) -> None:
+    if not prompt:
+        raise SpecdecError(f"{name} needs at least one token")
+    if max(prompt) >= vocab or min(prompt) < 0:
+        raise SpecdecError(f"{name} holds token ids outside the target's vocabulary (0..{vocab - 1})")
+    check_fits(len(prompt), rule.max_new_tokens, context, name)
+
+
+def check_fits(length: int, max_new_tokens: int, context: int, name: str, budget: str = "max_new_tokens") -> None:
+    """The one context rule: a row of `length` prompt tokens needs length + max_new_tokens - 1
+    positions in the cache (every generated token but the last is fed back), at most `context`.
+    budget: what the caller names max_new_tokens (a server request's max_tokens)."""
+    needed = length + max_new_tokens - 1
+    if needed > context:
+        raise SpecdecError(f"{name} has {length} tokens; with {budget}={max_new_tokens} it needs {needed} positions "
+                           f"but the model's context is {context}: shorten the prompt or lower {budget}")
+
+
+def check_inputs(target, prompts: list[list[int]], rule: StopRule, context: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise SpecdecError("every prompt needs at least one token (and at least one prompt is needed)")
+    for b, p in enumerate(prompts):
+        check_prompt(p, rule, target.config.vocab_size, context, f"prompt {b}")
 
 
 def check_setup(target, proposer: Proposer, k: int | str, widths: tuple[int, ...] | None) -> tuple[int, ...]:

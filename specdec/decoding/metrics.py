@@ -107,7 +107,7 @@ class SpecMetrics:
                 self.accepted_per_position[i] += i < n
 
     def record_phases(self, clock) -> None:
-        """The phases of one step from its clock readings (engine.Clock; "window": the verify window
+        """The phases of one step from its clock readings (`Clock`; "window": the verify window
         assembled, just before the target's forward, a gap left to other_seconds); the metrics' own
         time runs from "observed" to now."""
         r = clock.readings
@@ -206,3 +206,31 @@ class SpecMetrics:
             "tokens_per_second": self.tokens_per_second, "seconds_per_token": self.seconds_per_token,
             "adaptive": self.adaptive,
         }
+
+
+class Clock:
+    """The clock readings of one step, by the name of the phase just ended ("chosen", "proposed",
+    "window", "forward", "accepted", "committed", "observed"); the step's start is "start"."""
+
+    def __init__(self):
+        self.readings = {"start": time.perf_counter()}
+
+    def mark(self, phase: str) -> None:
+        self.readings[phase] = time.perf_counter()
+
+    def __getitem__(self, phase: str) -> float:
+        return self.readings[phase]
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.readings["start"]
+
+    @property
+    def forward(self) -> float:
+        return self.readings["forward"] - self.readings["window"]
+
+    @property
+    def drafting(self) -> float:
+        """The proposer's seconds: proposing and observing."""
+        r = self.readings
+        return r["proposed"] - r["chosen"] + r["observed"] - r["committed"]

@@ -2,7 +2,7 @@
 `check` and `bench`):
 
     encode   `prepare`: the prompt's ids and stop strings by the checkpoint's own rules, one step on
-             the tokenizer's side (below); the one context rule (stopping.check_fits) refuses what
+             the tokenizer's side (below); the one context rule (engine.check_fits) refuses what
              cannot fit; a constraint (structured output) compiled against the tokenizer
     heal     a prompt that ended in whitespace gets a rule for its first token (`healing`, token
              healing below), which the engine applies at that token as a grammar's mask (guided.py)
@@ -82,8 +82,7 @@ import numpy as np
 from ..lm.interface import Admitted
 from ..lm.tokenizer import Tokenizer
 from .constraint import Compiled, Constraint, FirstToken, compile_constraint
-from .engine import Engine, Request
-from .stopping import check_fits
+from .engine import Engine, Request, check_fits
 from .guided import GrammarDrafts
 from .metrics import SpecMetrics
 from .protocol import Proposer

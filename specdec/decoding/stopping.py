@@ -11,7 +11,7 @@ it is emitted.
 - stop token (a stop string that is a special token's text, which the text does not hold): as an
   EOS, but finishes as a stop string does.
 - max_new_tokens: exactly that many tokens at most; a prompt with it must fit the model's context
-  (`check_fits`, the one context rule).
+  (engine.check_fits, the one context rule).
 """
 from __future__ import annotations
 
@@ -106,28 +106,3 @@ def emit(row: Row, run: list[int], n: int) -> int:
             return i
         row.emit(run[i])
     return n
-
-
-def check_prompt(prompt: list[int], rule: StopRule, vocab: int, context: int, name: str) -> None:
-    if not prompt:
-        raise SpecdecError(f"{name} needs at least one token")
-    if max(prompt) >= vocab or min(prompt) < 0:
-        raise SpecdecError(f"{name} holds token ids outside the target's vocabulary (0..{vocab - 1})")
-    check_fits(len(prompt), rule.max_new_tokens, context, name)
-
-
-def check_fits(length: int, max_new_tokens: int, context: int, name: str, budget: str = "max_new_tokens") -> None:
-    """The one context rule: a row of `length` prompt tokens needs length + max_new_tokens - 1
-    positions in the cache (every generated token but the last is fed back), at most `context`.
-    budget: what the caller names max_new_tokens (a server request's max_tokens)."""
-    needed = length + max_new_tokens - 1
-    if needed > context:
-        raise SpecdecError(f"{name} has {length} tokens; with {budget}={max_new_tokens} it needs {needed} positions "
-                           f"but the model's context is {context}: shorten the prompt or lower {budget}")
-
-
-def check_inputs(target, prompts: list[list[int]], rule: StopRule, context: int) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise SpecdecError("every prompt needs at least one token (and at least one prompt is needed)")
-    for b, p in enumerate(prompts):
-        check_prompt(p, rule, target.config.vocab_size, context, f"prompt {b}")
