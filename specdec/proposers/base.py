@@ -30,17 +30,28 @@ def per_row(sampling: SamplingConfig | list[SamplingConfig], rows: int) -> list[
 
 def catch_up(model, context: int, state, limit: list[int], keep: int) -> None:
     """Feed each drafting row's (limit[b] > 0) pending tokens but its last `keep` into its draft KV
-    cache, at most FEED columns per forward of `model` (of `context` positions; rows with fewer are
-    padded, the padding rolled back); they become committed. `state` has `pending` (per row, tokens
-    not yet in the cache), `committed` (per row, the cache's length) and `cache`."""
+    cache, at most FEED columns per forward of `model` (of `context` positions); they become committed.
+    Rows with as many go in one forward; where they differ and padding would be most of the forward
+    (a joined row's prompt beside rows a few tokens behind), each row with tokens to feed goes alone on a
+    cache of blocks (its `row`), none padded: a row's numbers are the same either way. `state` has
+    `pending` (per row, tokens not yet in the cache), `committed` (per row, the cache's length) and `cache`."""
+    device = state.cache.lengths.device
     while True:
         chunks = [p[:max(len(p) - keep, 0)][:FEED] if n else [] for p, n in zip(state.pending, limit)]
         width = max(map(len, chunks), default=0)
         if width == 0:
             return
-        window = torch.tensor([c + [0] * (width - len(c)) for c in chunks], device=state.cache.lengths.device)
-        model(window, positions=next_positions(state.cache, width, context),
-              cache=state.cache, logits_index=torch.zeros(len(chunks), 1, dtype=torch.long, device=window.device))
+        if getattr(state.cache, "pool", None) is not None and 2 * sum(map(len, chunks)) < width * len(chunks):
+            for b, chunk in enumerate(chunks):
+                if chunk:
+                    alone = state.cache.row(b)
+                    model(torch.tensor([chunk], device=device), positions=next_positions(alone, len(chunk), context),
+                          cache=alone, logits_index=torch.zeros(1, 1, dtype=torch.long, device=device))
+                    state.cache.put_row(b, alone)
+        else:
+            window = torch.tensor([c + [0] * (width - len(c)) for c in chunks], device=device)
+            model(window, positions=next_positions(state.cache, width, context),
+                  cache=state.cache, logits_index=torch.zeros(len(chunks), 1, dtype=torch.long, device=device))
         fed(state, list(map(len, chunks)))
 
 

@@ -182,7 +182,10 @@ class DraftModelProposer:
         state.fed_drafts, state.chain = 0, None
         if max(limit) == 0:
             return None
-        catch_up(self.model, self.context, state, limit, FEED)
+        # every drafting row left with as many pending tokens as the one with fewest (at most FEED): the
+        # window that feeds them and drafts pads none
+        keep = max(1, min(FEED, min(len(p) for p, n in zip(state.pending, limit) if n)))
+        catch_up(self.model, self.context, state, limit, keep)
         return [len(p) if n else 0 for p, n in zip(state.pending, limit)]
 
     def propose(self, state: DraftState, limits, widths, draws) -> Proposal:
