@@ -123,6 +123,33 @@ def catch_up_proposer(name: str):
     return ParallelDraftProposer(model=tiny_llama(1, vocab=65, context=512), mask_token_id=64, block=3)
 
 
+def test_a_draft_models_catch_up_pads_no_row(monkeypatch):
+    """A request joining with a 150-token prompt beside three rows a token behind (a server's batch): the
+    draft reads the prompt on that row alone and its drafting window pads none, so no forward holds more
+    than one row's 64 columns (the catch-up padded for the others was 4 x 64 columns, three times over);
+    and it drafts what a draft model told each row's whole sequence drafts."""
+    from ..spec_helpers import tiny_llama
+    proposer = DraftModelProposer(model=tiny_llama(1, vocab=64, context=512))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 63, (5,), generator=g).tolist() for _ in range(3)]
+    joining = torch.randint(0, 63, (150,), generator=g).tolist()
+    state = proposer.start(240, 3, 4)
+    proposer.join(state, prompts, torch.zeros(3, 0, 1), [SamplingConfig()] * 3)
+    proposer.propose(state, torch.tensor([1, 1, 1]), (1,) * 3, Draws())
+    emitted = torch.randint(0, 63, (3,), generator=g).tolist()
+    proposer.observe(state, Outcome([0, 0, 0], [[t] for t in emitted], [1, 1, 1], torch.zeros(3, 2, 1)))
+    proposer.join(state, [joining], torch.zeros(1, 0, 1), [SamplingConfig()])
+    columns, forward = [], proposer.model.forward
+    monkeypatch.setattr(proposer.model, "forward", lambda tokens, *a, **kw: (columns.append(tokens.numel()),
+                                                                             forward(tokens, *a, **kw))[1])
+    after = proposer.propose(state, torch.tensor([3, 3, 3, 3]), (1,) * 3, Draws())
+    assert max(columns) <= 64 and sum(columns) < 150 + 4 * 4, columns
+    fresh = proposer.start(240, 3, 4)
+    proposer.join(fresh, [p + [t] for p, t in zip(prompts, emitted)] + [joining], torch.zeros(4, 0, 1),
+                  [SamplingConfig()] * 4)
+    assert after.tokens.tolist() == proposer.propose(fresh, torch.tensor([3, 3, 3, 3]), (1,) * 3, Draws()).tokens.tolist()
+
+
 @pytest.mark.parametrize("name", ["draft-model", "parallel"])
 def test_a_draft_model_catches_up_on_a_long_plain_stretch_completely(name):
     """A draft model told of 150 plain-decoded tokens at once (what k="auto" does after a stretch of
