@@ -3,8 +3,9 @@ and every tensor dequantized by the `gguf` package, float32 arithmetic), greedy,
 
 specdec runs the file twice: with the file's values in fp32 (each quantized matrix dequantized exactly,
 through specdec's own reader and model: the dequantized model transformers computes), and as stored
-(the default: the kernels multiply the blocks by activation rows rounded to int8 per block of 32, as
-llama.cpp rounds them to Q8, so its greedy tokens part from the fp32 model's at its smaller top-2 gaps).
+(the default: the kernels multiply the blocks by activation rows rounded to int8 per block of 32, or of
+256 for the K-quants, as llama.cpp rounds them to Q8_0 and Q8_K, so its greedy tokens part from the fp32
+model's at its smaller top-2 gaps).
 Per prompt: the prompt's ids (specdec's tokenizer from the metadata against transformers' GGUF
 tokenizer; also for TEXTS, which are only tokenized: special-token markup, spaces, non-ASCII text),
 then --tokens greedy tokens from each; the number of leading tokens equal to
