@@ -91,11 +91,12 @@ def cache_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-@functools.cache
 def build() -> str | None:
-    """The running kernels' build (`cache_key`: their sources, flags, compiler, torch, Python), or None
-    where they do not run: what a timing made with them depends on (calibration's stored curves)."""
-    return cache_key() if compiled() else None
+    """The running kernels' build: the `cache_key` (their sources, flags, compiler, torch, Python) of the folder
+    they were loaded from, or None where they do not run: what a timing made with them depends on
+    (calibration's stored curves)."""
+    module = compiled()
+    return Path(module.__file__).parent.name if module else None
 
 
 def cache_root() -> Path:

@@ -307,7 +307,10 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
   static VI add(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
   static V to_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
   static VI mul(VI a, VI b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }  // as AVX-512's
-  static VI lanes(const int32_t* p) { return {load(reinterpret_cast<const uint8_t*>(p)).lo, load(reinterpret_cast<const uint8_t*>(p)).hi}; }
+  static VI lanes(const int32_t* p) {
+    const Raw a = load(reinterpret_cast<const uint8_t*>(p));
+    return {a.lo, a.hi};
+  }
   static VI byte(Raw a, int at) {  // as AVX-512's
     const __m256i m = _mm256_set1_epi32(0xFF);
     return {_mm256_and_si256(_mm256_srli_epi32(a.lo, 8 * at), m), _mm256_and_si256(_mm256_srli_epi32(a.hi, 8 * at), m)};
