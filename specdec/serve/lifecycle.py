@@ -75,10 +75,10 @@ def serve(launch: Launch, limits: Limits) -> None:
     sock = listening_socket(launch.host, launch.port)  # a port in use fails now, before loading anything
     target = load(launch.model, dtype=launch.dtype, device=launch.device, quantize=launch.quantize)
     proposer, k = launch.draft.build(target)
+    kernels.set_threads(launch.threads)
     cfg = target.admitted.model.config
     blocks, budget = budget_blocks(launch.kv_budget, block_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                                  cfg.head_dim, launch.kv_dtype))
-    kernels.set_threads(launch.threads)
     method = proposer.name if proposer is not None and k != 0 else "plain"
     service = Service(target, proposer, k, method, launch.max_batch, launch.max_queue, name=launch.name,
                       widths=launch.draft.widths, kv_tokens=blocks * BLOCK, kv_dtype=launch.kv_dtype,
