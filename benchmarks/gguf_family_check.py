@@ -12,19 +12,25 @@ then --tokens greedy tokens from each; the number of leading tokens equal to
 transformers', and where they differ, transformers' top-2 logit gap at that position (below --tie: a
 near-tie, the rounding of two float orders of summation). Also the config keys where transformers'
 reading of the metadata differs from specdec's (specdec reads what llama.cpp reads). And speculative
-greedy decoding (n-gram drafts, k=3) of the default run equals its plain greedy decoding. Ends with one
-JSON line; exits 1 where the fp32 run's tokens differ other than at a near-tie, the ids differ, or
-speculation changes a token.
+greedy decoding (n-gram drafts, k=3) of the default run equals its plain greedy decoding. With
+--llama-server, llama.cpp runs the same file too (its server, greedy, from the same prompt ids): how far
+its tokens follow transformers', beside specdec's as-stored run (both round activations to 8 bits). Ends
+with one JSON line; exits 1 where the fp32 run's tokens differ other than at a near-tie, the ids differ,
+or speculation changes a token.
 
-    python benchmarks/gguf_family_check.py --model gemma-3-270m-q4_k_m.gguf
+    python benchmarks/gguf_family_check.py --model gemma-3-270m-q4_k_m.gguf [--llama-server LLAMA_BUILD/bin/llama-server]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import torch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -81,12 +87,47 @@ def greedy_transformers(model, ids: list[int], n: int) -> tuple[list[int], list[
     return tokens, gaps
 
 
+class LlamaServer:
+    """llama.cpp's server on the file (2 threads, one slot), for its greedy tokens from given prompt ids."""
+
+    def __init__(self, binary: str, model: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        argv = [binary, "-m", str(model), "--port", str(self.port), "-t", "2", "-np", "1", "-c", "2048"]
+        if "amx_tile" in Path("/proc/cpuinfo").read_text():  # its repacking path crashes on AMX hosts (SIGSEGV)
+            argv.append("--no-repack")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise SystemExit(f"llama-server did not start on {model.name} (status {self.proc.poll()})")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """Up to n greedy tokens after the prompt ids (fewer where it stops at an end-of-generation token)."""
+        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True}
+        return httpx.post(f"http://127.0.0.1:{self.port}/completion", json=body, timeout=300).json()["tokens"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, type=Path, help="a .gguf file")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     p.add_argument("--tie", type=float, default=1e-3, help="a top-2 logit gap below this is a near-tie")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default four built-in ones)")
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary: its greedy tokens too")
     args = p.parse_args(argv)
 
     from specdec.api import load
@@ -109,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, (mine, theirs) in differences.items():
         print(f"  config {key}: specdec {mine!r}, transformers {theirs!r}")
     rows, ok = [], True
+    llama = LlamaServer(args.llama_server, args.model) if args.llama_server else None
     for text in TEXTS:
         ids, hf_ids = target.tokenizer.prefix + target.tokenizer.encode(text), hf_tok(text)["input_ids"]
         ok &= ids == hf_ids
@@ -139,7 +181,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {run:12} greedy tokens equal {equal}/{args.tokens}" + (
                 "" if equal == args.tokens else f" (then top-2 gap {gaps[equal]:.2e}{', a near-tie' if tie else ''})")
                 + f": {target.tokenizer.decode(got)!r}")
+        if llama is not None:
+            got = llama.greedy(ids, args.tokens)
+            equal = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(got))
+            row["llama.cpp"] = {"equal_prefix": equal, "tokens": len(got),
+                                "gap_at_divergence": None if equal == len(got) else gaps[equal]}
+            print(f"    {'llama.cpp':12} greedy tokens equal {equal}/{len(got)}" + (
+                "" if equal == len(got) else f" (then top-2 gap {gaps[equal]:.2e})"))
         rows.append(row)
+    if llama is not None:
+        llama.stop()
     print(json.dumps({"model": args.model.name, "backend": target.model.abilities.backend,
                       "config_differences": {k: list(v) for k, v in differences.items()}, "prompts": rows,
                       "agree": ok}))

@@ -18,6 +18,10 @@ decodes --new-tokens greedy tokens after a fixed prompt on --threads threads (de
 prompt's prefill and first token excluded) and reports its peak resident memory (ru_maxrss) and its
 resident memory after decoding; then `llama-bench -p 0 -n NEW_TOKENS -t THREADS` on the same file
 (where --llama-cpp is given; else "llama-bench: not given"). Medians of the rounds, their ratio.
+Before each round the machine's read bandwidth (summing 1 GiB on --threads threads, in this process):
+with the weight bytes one token reads (bench/plain.weight_bytes_per_token of the model as stored, the
+same bytes for both), each side's decoding in GB/s and as a share of that bandwidth, the roofline that
+no plain decoding of the file passes.
 Whether any matrix did not run as stored (specdec's "not as stored" warning, verbatim). And, in one
 more process, top-1 agreement under teacher forcing over a fixed text (--text, default the running
 interpreter's textwrap.py; its first --text-tokens tokens): specdec's model as stored against the
@@ -48,6 +52,7 @@ import torch
 from specdec import kernels
 from specdec.bench import llamacpp_native
 from specdec.bench.conditions import hardware, software
+from specdec.bench.plain import measured_read_bandwidth
 from specdec.errors import SpecdecError
 from specdec.lm import gguf, packaged
 
@@ -101,6 +106,7 @@ def decode(file: Path, threads: int, new_tokens: int) -> dict:
     from specdec import api
     from specdec.decoding.engine import plain_generate
     from specdec.decoding.sampling import SamplingConfig
+    from specdec.bench.plain import weight_bytes_per_token
     from specdec.decoding.stopping import StopRule
     from specdec.lm.model import stored_formats
 
@@ -117,7 +123,8 @@ def decode(file: Path, threads: int, new_tokens: int) -> dict:
     return {"tokens_per_s": (len(rows[0].tokens) - 1) / seconds, "load_s": target.load_seconds,
             "peak_rss_bytes": peak_rss_bytes(), "rss_after_bytes": rss_bytes(), "runtime_rss_bytes": runtime,
             "not_as_stored": [str(w.message) for w in caught if NOT_AS_STORED in str(w.message)],
-            "stored_formats": stored_formats(target.model), "prompt_tokens": len(ids)}
+            "stored_formats": stored_formats(target.model), "prompt_tokens": len(ids),
+            "bytes_per_token": weight_bytes_per_token(target.model)}
 
 
 def dequantized_model(file: Path, reader):
@@ -202,8 +209,9 @@ def spread(values: list[float]) -> dict:
 def measure(name: str, file: Path, bin_dir: Path | None, args: argparse.Namespace, llama_cpp: dict) -> dict:
     """One file's row: `args.repeats` rounds of specdec's decoding process and llama-bench, interleaved,
     then the agreement."""
-    ours, theirs, runs = [], [], []
+    ours, theirs, runs, bandwidth = [], [], [], []
     for _ in range(args.repeats):
+        bandwidth.append(measured_read_bandwidth(1024))
         runs.append(child("decode", file, args))
         ours.append(runs[-1]["tokens_per_s"])
         if bin_dir is not None:
@@ -227,6 +235,11 @@ def measure(name: str, file: Path, bin_dir: Path | None, args: argparse.Namespac
            "not_as_stored": runs[0]["not_as_stored"], "stored_formats": runs[0]["stored_formats"],
            "prompt_tokens": runs[0]["prompt_tokens"]}
     row["rss_after_decoding_over_file"] = row["rss_after_decoding_bytes"] / size
+    row["read_bandwidth_GBps"], row["bytes_per_token"] = spread([b / 1e9 for b in bandwidth]), runs[0]["bytes_per_token"]
+    for side, rates in (("specdec", ours), ("llama_bench", theirs)):
+        if rates:
+            row[f"{side}_GBps"] = statistics.median(rates) * row["bytes_per_token"] / 1e9
+            row[f"{side}_share_of_bandwidth"] = row[f"{side}_GBps"] / row["read_bandwidth_GBps"]["median"]
     row["top1_agreement"] = child("agree", file, args)
     return row
 
@@ -247,19 +260,24 @@ def progress(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| format | file MiB | specdec tok/s | llama-bench tok/s | specdec / llama-bench | peak RSS MiB "
-             "(x file) | RSS after decoding (x file) | as stored | top-1 agreement |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| format | file MiB | specdec tok/s | llama-bench tok/s | specdec / llama-bench | GB/s read: "
+             "specdec / llama-bench / the machine (shares) | peak RSS MiB (x file) | RSS after decoding (x file) | "
+             "as stored | top-1 agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r or "failed" in r:
             lines.append(f"| {r['format']} | {'skipped' if 'skipped' in r else 'failed'}: "
-                         f"{(r.get('skipped') or r['failed'])[:200]} |||||||")
+                         f"{(r.get('skipped') or r['failed'])[:200]} ||||||||")
             continue
         theirs, a = r["llama_bench_tokens_per_s"], r["top1_agreement"]
+        machine = r["read_bandwidth_GBps"]["median"]
+        rates = (f"{r['specdec_GBps']:.1f} ({r['specdec_share_of_bandwidth']:.0%}) / "
+                 + (f"{r['llama_bench_GBps']:.1f} ({r['llama_bench_share_of_bandwidth']:.0%})" if "llama_bench_GBps" in r
+                    else "-") + f" / {machine:.1f}")
         lines.append(
             f"| {r['format']} | {r['file_bytes'] / MiB:.1f} | {r['specdec_tokens_per_s']['median']:.1f} | "
             + (f"{theirs['median']:.1f} | {r['specdec_over_llama_bench']:.2f}x" if isinstance(theirs, dict)
-               else "not given | -")
+               else "not given | -") + f" | {rates}"
             + f" | {r['peak_rss_bytes'] / MiB:.0f} ({r['peak_rss_over_file']:.2f}x) | "
             f"{r['rss_after_decoding_over_file']:.2f}x | "
             + ("yes" if not r["not_as_stored"] else "no: " + "; ".join(r["not_as_stored"])[:160])

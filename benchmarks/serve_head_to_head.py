@@ -17,7 +17,9 @@ prefilled again, and the figures say more about the caches than about decoding);
 wave prompts no server has answered (a drafter's memory of earlier answers cannot copy them).
 
     python benchmarks/serve_head_to_head.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
-        --llama-server LLAMA_BUILD/bin/llama-server --out docs/evidence/serve-head-to-head
+        --llama-server LLAMA_BUILD/bin/llama-server --out docs/evidence/serve-head-to-head [-- --draft-vocab auto]
+
+Arguments after `--` go to specdec's drafting server (its drafter's options).
 
 The smoke test (tests/test_benchmarks.py) runs it on the toy target with specdec's servers alone.
 """
@@ -253,7 +255,8 @@ def run(args) -> dict:
     top = max(args.concurrency)
     specdec = {"specdec plain": ["--quantize", "gguf"] if model.endswith(".gguf") else []}
     if draft:
-        specdec[f"specdec {args.draft}"] = specdec["specdec plain"] + ["--draft", args.draft, "--draft-model", draft]
+        specdec[f"specdec {args.draft}"] = (specdec["specdec plain"] + ["--draft", args.draft, "--draft-model", draft]
+                                            + args.draft_options)
     servers = [specdec_server(name, model, extra, top, args.kv_budget, args.prompt_cache)
                for name, extra in specdec.items()]
     if args.llama_server:
@@ -384,9 +387,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="keep the servers' prompt caches across requests (every wave repeats the same prompts, so "
                         "a cached prompt is not prefilled again); default off: each request's prompt is prefilled")
     p.add_argument("--out", help="a folder for head-to-head.json, .txt (the tables) and .png")
-    args = p.parse_args(argv)
-    result = run(args)
     given = argv if argv is not None else sys.argv[1:]
+    ours, draft_options = split_at_dashes(given)
+    args = p.parse_args(ours)
+    args.draft_options = draft_options
+    result = run(args)
     result["command"] = ["python", "benchmarks/serve_head_to_head.py",  # the peer's build folder by its role, not its path
                          *("LLAMA_BUILD/bin/llama-server" if a == args.llama_server else a for a in given)]
     text = table(result)

@@ -351,7 +351,10 @@ def test_the_gguf_formats_evidence_measures_each_file_as_stored_against_its_dequ
         assert r["specdec_tokens_per_s"]["median"] > 0 and r["peak_rss_bytes"] >= r["runtime_rss_bytes"] > 0
         assert r["peak_rss_over_file"] == r["peak_rss_bytes"] / (tmp_path / r["file"]).stat().st_size
         assert r["top1_agreement"]["positions"] == 120
+        assert r["read_bandwidth_GBps"]["median"] > 0 and "llama_bench_GBps" not in r
+        assert r["specdec_GBps"] == r["specdec_tokens_per_s"]["median"] * r["bytes_per_token"] / 1e9
     assert rows["tiny-F32.gguf"]["not_as_stored"] == [] and rows["tiny-F32.gguf"]["stored_formats"] == "f32"
+    assert 0 < rows["tiny-F32.gguf"]["bytes_per_token"] < (tmp_path / "tiny-F32.gguf").stat().st_size
     assert rows["tiny-F32.gguf"]["top1_agreement"]["agreement"] == 1.0
     warned = rows["tiny-mixed.gguf"]["not_as_stored"]
     assert len(warned) == 1 and "F16+Q8_0" in warned[0]

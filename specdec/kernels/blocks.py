@@ -287,14 +287,6 @@ def _q3_k_scales(raw: torch.Tensor) -> torch.Tensor:
     return ((low | (high << 4)).short() - 32).to(torch.int8)
 
 
-def _q3_k_packed(sc: torch.Tensor) -> torch.Tensor:
-    """Inverse of _q3_k_scales: (..., 16) int8 -> (..., 12) uint8."""
-    six = (sc.short() + 32).to(torch.uint8)
-    low = (six[..., :8] & 15) | ((six[..., 8:] & 15) << 4)
-    high = sum(((six[..., 4 * g:4 * g + 4] >> 4) & 3) << (2 * g) for g in range(4))
-    return torch.cat((low, high), dim=-1)
-
-
 def _iq4_xs(rows: np.ndarray, N: int, K: int) -> Blocks:
     """IQ4_XS super-blocks (N, K/256, 136): [d f16, the 8 ls' high bit pairs (u16: c's in bits 2c, 2c+1),
     their low nibbles (4 bytes: c's in bits 4c..4c+3 of the 32 bits), 8 x 16 bytes: sub-block c's k j and
@@ -398,8 +390,12 @@ def _unfifth_bits(packed: torch.Tensor) -> torch.Tensor:
     return ((b >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1).reshape(P * LANES, nb * BLOCK)
 
 
+LOW_BIT_ORDER = [0, 2, 1, 3]  # Q2_K's sub-blocks 4t.. in load t's 4 bytes: pairs of bytes 0, 2 and 1, 3 (kquant.h)
+
+
 def _six_bits(c: torch.Tensor) -> torch.Tensor:
-    """Q4_K's sub-block scales (..., 4 loads C_t, 4 bytes: [sc, m] of sub-blocks 2t, 2t+1; 6 bits each)
+    """6-bit sub-block scales (..., 4 loads C_t, 4 bytes: Q4_K's, Q5_K's [sc, m] of sub-blocks 2t, 2t+1;
+    Q3_K's sc + 32 of sub-blocks 4t..4t+3)
     -> (..., 3, 4) in their 6 bits (kquant.h): the low nibbles of C_{2u} and C_{2u+1} in load u, low and
     high, then the high bit pairs of C_t as bits 2t, 2t+1 of load 2. Computed on a load's 4 bytes as one
     int32 (every mask and shift stays within a byte)."""
@@ -422,8 +418,10 @@ def pack(blocks: Blocks) -> torch.Tensor:
     Q5_0, Q5_1 the file's 5 bits: their low 4 as nibbles, then their fifth, _fifth_bits). The K-quants per
     super-block of 256 k: 16 fp16 d, [Q4_K, Q5_K: 16 fp16 dmin,] sub-block scales, 4 bytes per output a
     load (Q4_K, Q5_K: [sc, m] of 2 sub-blocks a load, in their 6 bits as 3 loads, _six_bits; Q6_K: sc + 128
-    of 4, 4 loads), then 8 blocks of codes (Q4_K nibbles; Q5_K as Q5_0's; Q6_K the file's 6 bits: its
-    low 4 as nibbles, then its high 2, _bit_pairs)."""
+    of 4, 4 loads; Q3_K: sc + 32 of 4 a load, as Q4_K's; Q2_K: the file's [sc, m] bytes of 4, LOW_BIT_ORDER,
+    4 loads), then 8 blocks of codes (Q4_K nibbles; Q5_K as Q5_0's; Q6_K the file's 6 bits: its low 4 as
+    nibbles, then its high 2, _bit_pairs; Q3_K, Q2_K their low 2 bits as _bit_pairs, Q3_K's third as
+    _fifth_bits)."""
     N, K = blocks.shape
     P, nb, f = -(-N // LANES), K // BLOCK, blocks.format
     u = _rows_to(blocks.codes, P * LANES).reshape(P, LANES, nb, BLOCK)
@@ -433,10 +431,12 @@ def pack(blocks: Blocks) -> torch.Tensor:
     if f in LOW_BITS:
         S, three = K // SUPER, f == "q3_k"
         head = [_per_panel(blocks.scales, P)] + ([] if three else [_per_panel(blocks.mins, P)])
-        raw = (_q3_k_packed(blocks.sub.reshape(N, S, 16)) if three else
-               (blocks.sub[..., 0] | (blocks.sub[..., 1] << 4)).reshape(N, S, 16))
+        sub = (_six_bits((blocks.sub.short() + 32).to(torch.uint8).reshape(N, S, 4, 4)) if three else
+               (blocks.sub[..., 0] | (blocks.sub[..., 1] << 4)).reshape(N, S, 4, 4)[..., LOW_BIT_ORDER])
+        loads = 3 if three else 4
+        head.append(_per_panel(sub.reshape(N, S * loads, 4), P).reshape(P, S, loads * 64))
         codes = [_bit_pairs(u & 3)] + ([_fifth_bits(u >> 2)] if three else [])
-        return torch.cat(head + [_per_panel(raw, P), torch.cat(codes, dim=-1).reshape(P, S, -1)], dim=-1).contiguous()
+        return torch.cat(head + [torch.cat(codes, dim=-1).reshape(P, S, -1)], dim=-1).contiguous()
     if f == "iq4_xs":
         S = K // SUPER
         high, low = _iq4_xs_packed(blocks.sub.reshape(N, S, 8))
@@ -467,11 +467,12 @@ def unpack(data: torch.Tensor, format: str, shape: tuple[int, int]) -> Blocks:
         data = data.reshape(P, S, -1)
         scales = _from_panel(data[..., :32], N, torch.float16)
         mins = None if three else _from_panel(data[..., 32:64], N, torch.float16)
-        at, width = (32, 12) if three else (64, 16)  # bytes of each output's scales
-        raw = data[..., at:at + LANES * width].reshape(P, S, LANES, width).transpose(1, 2).reshape(P * LANES, S, width)
-        sub = (_q3_k_scales(raw[:N]).reshape(N, K // 16) if three else
-               torch.stack((raw[:N] & 15, raw[:N] >> 4), dim=-1).reshape(N, K // 16, 2))
-        codes = data[..., at + LANES * width:].reshape(P, nb, -1)
+        at, loads = (32, 3) if three else (64, 4)
+        sub = _from_panel(data[..., at:at + loads * 64].reshape(P, S * loads, 64), N, torch.int32).view(torch.uint8)
+        sub = sub.reshape(N, S, loads, 4)
+        sub = ((_unsix_bits(sub).short() - 32).to(torch.int8).reshape(N, K // 16) if three else
+               torch.stack((sub[..., LOW_BIT_ORDER] & 15, sub[..., LOW_BIT_ORDER] >> 4), dim=-1).reshape(N, K // 16, 2))
+        codes = data[..., at + loads * 64:].reshape(P, nb, -1)
         u = _unbit_pairs(codes[..., :128])
         if three:
             u = u | (_unfifth_bits(codes[..., 128:]) << 2)

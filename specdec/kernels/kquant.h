@@ -37,8 +37,10 @@
 // lane n = output n's 4 bytes of low nibbles, sub-block c's in bits 4c..4c+3, then 16 x 2 bytes, its high
 // bit pairs, c's in bits 2c, 2c+1; read once a super-block, `iq4_xs_scales`), then 8 blocks of codes as
 // quant.h's IQ4_NL.
-// Q3_K and Q2_K: 16 fp16 d, [Q2_K: 16 fp16 dmin,] each output's sub-block scales as the file holds them
-// (12 bytes of 6-bit scales, Q3_K; 16 bytes of [sc, mn] nibbles, Q2_K; read once a super-block), then per
+// Q3_K and Q2_K: 16 fp16 d, [Q2_K: 16 fp16 dmin,] the sub-block scales in the file's bits as loads C_t, lane n
+// holding output n's sub-blocks 4t..4t+3 (Q3_K: the 6-bit sc + 32 in byte order, held in 3 loads as Q4_K's;
+// Q2_K: the file's [sc, mn] nibble bytes in the order 4t, 4t+2, 4t+1, 4t+3, 4 loads, so that the mins of
+// sub-blocks 2u, 2u+1 are one load's int16 pair, VI::field), then per
 // block of 32 k the low 2 bits of the codes as 2 loads of bit pairs (as Q6_K's high bits), [Q3_K: then their
 // third bits as one load laid out as quant.h's Q5_0 fifth bits] -- the file's 3.44 or 2.63 bits a weight.
 // Expects, defined before inclusion: what quant.h expects, and quant.h.
@@ -70,14 +72,13 @@ struct KBlock {
   int c;
 };
 
-// Q4_K's sub-block scales of a super-block (`base`: its d, dmin, scales) as the 4 loads C_t.
-inline void q4_k_scales(const uint8_t* base, typename VI::Raw (&c)[4]) {
-  const uint8_t* packed = base + kScalesAt[0];
+// 6-bit sub-block scales held in 3 loads (`packed`: Q4_K's, Q5_K's, Q3_K's) as the 4 loads C_t.
+inline void six_bit_scales(const uint8_t* packed, typename VI::Raw (&c)[4]) {
   const auto high = VI::load(packed + 128);
   for (int u = 0; u < 2; ++u) {
     const auto low = VI::load(packed + u * 64);
-    c[2 * u] = VI::join(VI::low_nibbles(low), VI::bit_pair(high, 2 * u));
-    c[2 * u + 1] = VI::join(VI::high_nibbles(low), VI::bit_pair(high, 2 * u + 1));
+    c[2 * u] = VI::masked_or(low, 0x0F, VI::bit_pair(high, 2 * u));
+    c[2 * u + 1] = VI::masked_or(VI::shift_right(low, 4), 0x0F, VI::bit_pair(high, 2 * u + 1));
   }
 }
 
@@ -119,23 +120,6 @@ inline void iq4_xs_block(const KBlock<R, NB>& k, const QuantRows& x, const int32
   }
 }
 
-// Q3_K's (sc: the 6-bit scales - 32) or Q2_K's (sc, and mn as int16 pairs of sub-blocks 2u, 2u + 1) sub-block
-// scales of a super-block (`base`: its d, [dmin,] scales): sc[i][n] of output n's sub-block i of 16.
-template <int I>
-inline void low_bit_scales(const uint8_t* base, int32_t (&sc)[16][kLanes], int32_t (&mn)[8][kLanes]) {
-  for (int n = 0; n < kLanes; ++n) {
-    const uint8_t* s = base + kScalesAt[I] + (I == 4 ? 12 : 16) * n;
-    for (int i = 0; i < 16; ++i) {
-      if constexpr (I == 4)
-        sc[i][n] = (((i < 8 ? s[i] : s[i - 8] >> 4) & 15) | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
-      else
-        sc[i][n] = s[i] & 15;
-    }
-    if constexpr (I == 5)
-      for (int u = 0; u < 8; ++u) mn[u][n] = (s[2 * u] >> 4) | ((s[2 * u + 1] >> 4) << 16);
-  }
-}
-
 // The sums u q over the first 16 k (sa) and the last 16 (sc) of block k.b: u Q3_K's 3-bit codes (H: the
 // low 2 bits' loads, then the third bits') or Q2_K's 2-bit ones.
 template <bool H, int R, int NB>
@@ -153,11 +137,13 @@ inline void low_bit_sums(const KBlock<R, NB>& k, VI (&sa)[R][NB], VI (&sc)[R][NB
   for (int i = 0; i < 4; ++i) {
     typename VI::Raw first[NB], second[NB];
     for (int j = 0; j < NB; ++j) {
-      first[j] = VI::mask(VI::shift_right(pa[j], 2 * i), 3);
-      second[j] = VI::mask(VI::shift_right(pc[j], 2 * i), 3);
+      const auto a = VI::shift_right(pa[j], 2 * i), c = VI::shift_right(pc[j], 2 * i);
       if constexpr (H) {  // bit i (k 4i + t) and bit 4 + i (k 16 + 4i + t) of a third-bits byte to bit 2
-        first[j] = VI::join(first[j], VI::mask(VI::shift_right(VI::shift_left(third[j], 2), i), 4));
-        second[j] = VI::join(second[j], VI::mask(VI::shift_right(third[j], i + 2), 4));
+        first[j] = VI::masked_or(a, 3, VI::mask(VI::shift_right(VI::shift_left(third[j], 2), i), 4));
+        second[j] = VI::masked_or(c, 3, VI::mask(VI::shift_right(third[j], i + 2), 4));
+      } else {
+        first[j] = VI::mask(a, 3);
+        second[j] = VI::mask(c, 3);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -183,16 +169,19 @@ inline void add_sixteens(const KBlock<R, NB>& k, const QuantRows& x, int32_t o, 
   }
 }
 
-// Q3_K (H) or Q2_K: S[r][j] += sc_a s_a + sc_c s_c for block k.b, s over (u - 4) q or u q (sc: the super-block's,
-// low_bit_scales).
+// Q3_K (H) or Q2_K: S[r][j] += sc_a s_a + sc_c s_c for block k.b, s over (u - 4) q or u q (its sub-blocks 2c,
+// 2c + 1 in load C_{c/2} of the super-block's scales: Q3_K's 6-bit sc + 32 in bytes 2h, 2h + 1, Q2_K's sc in the
+// low nibbles of bytes h, 2 + h, h = c % 2).
 template <bool H, int R, int NB>
-inline void low_bit_block(const KBlock<R, NB>& k, const QuantRows& x, const int32_t (&sc)[NB][16][kLanes],
+inline void low_bit_block(const KBlock<R, NB>& k, const QuantRows& x, const typename VI::Raw (&scales)[NB][4],
                           VI (&S)[R][NB]) {
   VI sa[R][NB], sb[R][NB], fa[NB], fc[NB];
   low_bit_sums<H, R, NB>(k, sa, sb);
+  const int h = k.c % 2;
   for (int j = 0; j < NB; ++j) {
-    fa[j] = VI::lanes(sc[j][2 * k.c]);
-    fc[j] = VI::lanes(sc[j][2 * k.c + 1]);
+    const auto& c = scales[j][k.c / 2];
+    fa[j] = H ? VI::sub(VI::byte(c, 2 * h), 32) : VI::nibble(c, 2 * h);
+    fc[j] = H ? VI::sub(VI::byte(c, 2 * h + 1), 32) : VI::nibble(c, 4 + 2 * h);
   }
   add_sixteens<R, NB>(k, x, H ? 4 : 0, sa, sb, fa, fc, S);
 }
@@ -215,8 +204,8 @@ inline void q6_k_block(const KBlock<R, NB>& k, const QuantRows& x, VI (&S)[R][NB
       _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch * 64, _MM_HINT_T0);
       if (i < 2) _mm_prefetch(reinterpret_cast<const char*>(p) + 256 + kPrefetch * 64, _MM_HINT_T0);
       const auto v = VI::load(p);
-      first[j] = VI::join(VI::low_nibbles(v), VI::bit_pair(top_a[j], i));
-      second[j] = VI::join(VI::high_nibbles(v), VI::bit_pair(top_c[j], i));
+      first[j] = VI::masked_or(v, 0x0F, VI::bit_pair(top_a[j], i));
+      second[j] = VI::masked_or(VI::shift_right(v, 4), 0x0F, VI::bit_pair(top_c[j], i));
     }
     for (int r = 0; r < R; ++r) {
       const int32_t xa = VI::quad(k.xq[r] + 4 * i), xc = VI::quad(k.xq[r] + 16 + 4 * i);
@@ -243,7 +232,8 @@ inline void ktile(const QuantRows& x, const uint8_t* W, int64_t nsuper, int64_t 
                   int64_t N, const float* add, const float* bias) {
   const int64_t stride = nsuper * kSuperBytes[I];  // bytes of one panel
   constexpr int64_t codes_at = kScalesAt[I] + kScaleBytes[I];
-  constexpr bool six = I == 0 || I == 2, mins = six || I == 5;  // Q4_K's and Q5_K's 6-bit (sc, m); Q2_K's mins
+  constexpr bool six = I == 0 || I == 2 || I == 4;  // 6-bit scales in 3 loads: Q4_K's and Q5_K's (sc, m), Q3_K's sc
+  constexpr bool loads = six || I == 5, mins = I == 0 || I == 2 || I == 5;  // Q2_K's [sc, m] in 4 loads
   V acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = V::zero();
@@ -251,15 +241,16 @@ inline void ktile(const QuantRows& x, const uint8_t* W, int64_t nsuper, int64_t 
   k.r0 = r0;
   for (int64_t sb = 0; sb < nsuper; ++sb) {
     V d[NB], dmin[NB];
-    typename VI::Raw scales[six ? NB : 1][4];
-    alignas(64) int32_t sc[I >= 3 ? NB : 1][16][kLanes], mn[I == 5 ? NB : 1][8][kLanes];
+    typename VI::Raw scales[loads ? NB : 1][4];
+    alignas(64) int32_t ls[I == 3 ? NB : 1][16][kLanes];
     for (int j = 0; j < NB; ++j) {
       k.base[j] = W + (p0 + j) * stride + sb * kSuperBytes[I];
       d[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j]));
       if constexpr (mins) dmin[j] = V::load_f16(reinterpret_cast<const uint16_t*>(k.base[j] + 32));
-      if constexpr (six) q4_k_scales(k.base[j], scales[j]);
-      if constexpr (I == 3) iq4_xs_scales(k.base[j], sc[j]);
-      if constexpr (I >= 4) low_bit_scales<I>(k.base[j], sc[j], mn[I == 5 ? j : 0]);
+      if constexpr (six) six_bit_scales(k.base[j] + kScalesAt[I], scales[j]);
+      if constexpr (I == 5)
+        for (int t = 0; t < 4; ++t) scales[j][t] = VI::load(k.base[j] + kScalesAt[I] + 64 * t);
+      if constexpr (I == 3) iq4_xs_scales(k.base[j], ls[j]);
     }
     VI S[R][NB];
     for (int r = 0; r < R; ++r)
@@ -273,9 +264,9 @@ inline void ktile(const QuantRows& x, const uint8_t* W, int64_t nsuper, int64_t 
       else if constexpr (I == 2)
         q4_k_block<kQ5_1, R, NB>(k, scales, S);
       else if constexpr (I == 3)
-        iq4_xs_block<R, NB>(k, x, sc, S);
+        iq4_xs_block<R, NB>(k, x, ls, S);
       else if constexpr (I == 4 || I == 5)
-        low_bit_block<I == 4, R, NB>(k, x, sc, S);
+        low_bit_block<I == 4, R, NB>(k, x, scales, S);
       else
         q6_k_block<R, NB>(k, x, S);
     }
@@ -286,12 +277,12 @@ inline void ktile(const QuantRows& x, const uint8_t* W, int64_t nsuper, int64_t 
         V term = V::mul(V::mul(d[j], dx), VI::to_float(S[r][j]));
         if constexpr (mins) {  // sum mn qsum over the sub-blocks: of 32 (Q4_K, Q5_K) or of 16 (Q2_K)
           VI low = VI::zero();
-          if constexpr (six)
+          if constexpr (I != 5)
             for (int t = 0; t < 4; ++t)
               low = VI::madd(low, VI::pairs(scales[j][t], 1), sum_pair(x.k32 + row * x.blocks + 8 * sb + 2 * t));
-          else
+          else  // the high nibbles of bytes h and 2 + h of C_{u/2}: mn of sub-blocks 2u, 2u + 1 (h = u % 2)
             for (int u = 0; u < 8; ++u)
-              low = VI::madd(low, VI::load(reinterpret_cast<const uint8_t*>(mn[j][u])),
+              low = VI::madd(low, VI::field(scales[j][u / 2], 8 * (u % 2) + 4, 0x000F000F),
                              sum_pair(x.k16 + 2 * row * x.blocks + 16 * sb + 2 * u));
           term = V::sub(term, V::mul(V::mul(dmin[j], dx), VI::to_float(low)));
         }

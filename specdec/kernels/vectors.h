@@ -106,11 +106,15 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
   static Raw load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static Raw low_nibbles(Raw a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
   static Raw high_nibbles(Raw a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_set1_epi8(0x0F)); }
-  // bits 2i, 2i+1 of each byte of a as bits 4, 5 (Q6_K's high bits above their nibble, kquant.h)
+  // bits 2i, 2i+1 of each byte of a as bits 4, 5, the others 0 (Q6_K's high bits above their nibble, kquant.h): one
+  // shift of the 16-bit lanes (what crosses a byte lands outside bits 4, 5) and a mask
   static Raw bit_pair(Raw a, int i) {
-    return _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(a, 2 * i), 4), _mm512_set1_epi8(0x30));
+    return _mm512_and_si512(i < 3 ? _mm512_slli_epi16(a, 4 - 2 * i) : _mm512_srli_epi16(a, 2), _mm512_set1_epi8(0x30));
   }
-  static Raw join(Raw a, Raw b) { return _mm512_or_si512(a, b); }
+  // (a & m) | b for b without bits in the byte mask m: one ternary-logic op
+  static Raw masked_or(Raw a, uint8_t m, Raw b) {
+    return _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi8(static_cast<char>(m)), 0xEC);
+  }
   static Raw mask(Raw a, uint8_t m) { return _mm512_and_si512(a, _mm512_set1_epi8(static_cast<char>(m))); }  // a & m
   // each byte i (0-15) of a as table[i] (IQ4's levels, quant.h)
   static Raw lookup(Raw a, const uint8_t* table) {
@@ -138,9 +142,14 @@ struct VI {  // 16 int32 lanes; 64 bytes of codes hold 4 bytes (4 consecutive k)
   static V to_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
   static VI mul(VI a, VI b) { return {_mm512_mullo_epi32(a.v, b.v)}; }  // int32 products (kquant.h: exact)
   static VI lanes(const int32_t* p) { return {_mm512_loadu_si512(p)}; }
-  static VI byte(Raw a, int at) { return {_mm512_and_si512(_mm512_srli_epi32(a, 8 * at), _mm512_set1_epi32(0xFF))}; }
+  // each int32 lane of a shifted right by `shift`, and-ed with `mask`
+  static Raw field(Raw a, int shift, int32_t mask) {
+    return _mm512_and_si512(_mm512_srli_epi32(a, shift), _mm512_set1_epi32(mask));
+  }
+  static VI byte(Raw a, int at) { return {field(a, 8 * at, 0xFF)}; }    // byte `at` of each int32 lane
+  static VI nibble(Raw a, int at) { return {field(a, 4 * at, 0xF)}; }  // nibble `at` (0-7) of each int32 lane
   // int16 lanes: bytes `at` and `at` + 2 of each int32 lane
-  static Raw pairs(Raw a, int at) { return _mm512_and_si512(_mm512_srli_epi32(a, 8 * at), _mm512_set1_epi32(0x00FF00FF)); }
+  static Raw pairs(Raw a, int at) { return field(a, 8 * at, 0x00FF00FF); }
   // acc + the int16 pairs of a times those of `pair` (low by low, high by high), summed per int32 lane
   static VI madd(VI acc, Raw a, int32_t pair) { return {_mm512_dpwssd_epi32(acc.v, a, _mm512_set1_epi32(pair))}; }
   // The largest |x| of the 32 floats a, b as its bit pattern: integers order non-negative floats as
@@ -246,10 +255,13 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
   static Raw low_nibbles(Raw a) { return {nib(a.lo), nib(a.hi)}; }
   static Raw high_nibbles(Raw a) { return {nib(_mm256_srli_epi16(a.lo, 4)), nib(_mm256_srli_epi16(a.hi, 4))}; }
   static __m256i pair(__m256i a, int i) {
-    return _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(a, 2 * i), 4), _mm256_set1_epi8(0x30));
+    return _mm256_and_si256(i < 3 ? _mm256_slli_epi16(a, 4 - 2 * i) : _mm256_srli_epi16(a, 2), _mm256_set1_epi8(0x30));
   }
   static Raw bit_pair(Raw a, int i) { return {pair(a.lo, i), pair(a.hi, i)}; }  // as AVX-512's
-  static Raw join(Raw a, Raw b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+  static Raw masked_or(Raw a, uint8_t m, Raw b) {  // as AVX-512's
+    const Raw am = mask(a, m);
+    return {_mm256_or_si256(am.lo, b.lo), _mm256_or_si256(am.hi, b.hi)};
+  }
   static Raw mask(Raw a, uint8_t m) {  // as AVX-512's
     const __m256i v = _mm256_set1_epi8(static_cast<char>(m));
     return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
@@ -311,14 +323,19 @@ struct VI {  // 16 int32 lanes: 0-7 in lo, 8-15 in hi (as V)
     const Raw a = load(reinterpret_cast<const uint8_t*>(p));
     return {a.lo, a.hi};
   }
+  static Raw field(Raw a, int shift, int32_t mask) {  // as AVX-512's
+    const __m256i m = _mm256_set1_epi32(mask);
+    return {_mm256_and_si256(_mm256_srli_epi32(a.lo, shift), m), _mm256_and_si256(_mm256_srli_epi32(a.hi, shift), m)};
+  }
   static VI byte(Raw a, int at) {  // as AVX-512's
-    const __m256i m = _mm256_set1_epi32(0xFF);
-    return {_mm256_and_si256(_mm256_srli_epi32(a.lo, 8 * at), m), _mm256_and_si256(_mm256_srli_epi32(a.hi, 8 * at), m)};
+    const Raw f = field(a, 8 * at, 0xFF);
+    return {f.lo, f.hi};
   }
-  static Raw pairs(Raw a, int at) {  // as AVX-512's
-    const __m256i m = _mm256_set1_epi32(0x00FF00FF);
-    return {_mm256_and_si256(_mm256_srli_epi32(a.lo, 8 * at), m), _mm256_and_si256(_mm256_srli_epi32(a.hi, 8 * at), m)};
+  static VI nibble(Raw a, int at) {  // as AVX-512's
+    const Raw f = field(a, 4 * at, 0xF);
+    return {f.lo, f.hi};
   }
+  static Raw pairs(Raw a, int at) { return field(a, 8 * at, 0x00FF00FF); }  // as AVX-512's
   static VI madd(VI acc, Raw a, int32_t pair) {  // as AVX-512's
     const __m256i p = _mm256_set1_epi32(pair);
     return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, p)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, p))};
