@@ -18,7 +18,9 @@ decodes --new-tokens greedy tokens after a fixed prompt on --threads threads (de
 prompt's prefill and first token excluded) and reports its peak resident memory (ru_maxrss) and its
 resident memory after decoding; then `llama-bench -p 0 -n NEW_TOKENS -t THREADS` on the same file
 (where --llama-cpp is given; else "llama-bench: not given"). Medians of the rounds, their ratio.
-Before each round the machine's read bandwidth (summing 1 GiB on --threads threads, in this process):
+Before each round the machine's read bandwidth (summing 1 GiB on --threads threads, in a process of
+its own: Linux hands a parent's peak resident memory on to the children it starts, so a parent that had
+held the GiB would inflate every later peak):
 with the weight bytes one token reads (bench/plain.weight_bytes_per_token of the model as stored, the
 same bytes for both), each side's decoding in GB/s and as a share of that bandwidth, the roofline that
 no plain decoding of the file passes.
@@ -171,6 +173,9 @@ def in_child(args: argparse.Namespace) -> None:
     file = Path(args.child[1])
     if args.child[0] == "decode":
         out = decode(file, args.threads, args.new_tokens)
+    elif args.child[0] == "bandwidth":
+        torch.set_num_threads(args.threads)
+        out = {"bytes_per_s": measured_read_bandwidth(1024)}
     else:
         out = agreement(file, args.threads, text_of(args.text), args.text_tokens)
     print(json.dumps(out))
@@ -211,7 +216,7 @@ def measure(name: str, file: Path, bin_dir: Path | None, args: argparse.Namespac
     then the agreement."""
     ours, theirs, runs, bandwidth = [], [], [], []
     for _ in range(args.repeats):
-        bandwidth.append(measured_read_bandwidth(1024))
+        bandwidth.append(child("bandwidth", file, args)["bytes_per_s"])
         runs.append(child("decode", file, args))
         ours.append(runs[-1]["tokens_per_s"])
         if bin_dir is not None:
