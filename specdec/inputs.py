@@ -151,10 +151,11 @@ def draft_options(draft: str, given: dict[str, object]) -> None:
             raise SpecdecError(f"{flag} applies to --draft {' or '.join(takers)}, but --draft is {draft}: "
                                f"add --draft {takers[0]} or leave {flag} out")
     vocab = given.get("--draft-vocab")
-    if vocab == "auto" and DRAFTERS[draft].options is not DraftModelOptions:
-        raise SpecdecError(f"--draft-vocab auto (the cost model's size) is a draft model's; give --draft {draft} "
-                           "a number of token ids")
-    integer("--draft-vocab", None if vocab == "auto" else vocab, low=1, optional=True)
+    if vocab in ("auto", "full") and DRAFTERS[draft].options is not DraftModelOptions:
+        what = "the cost model's size" if vocab == "auto" else "every token id"
+        raise SpecdecError(f"--draft-vocab {vocab} ({what}) is a draft model's; give --draft {draft} a number of "
+                           "token ids")
+    integer("--draft-vocab", None if vocab in ("auto", "full") else vocab, low=1, optional=True)
     number("--stop-below (a probability)", given.get("--stop-below"), low=0, high=1, low_open=True, optional=True)
     lo = integer("--ngram-min", given.get("--ngram-min"), low=1, optional=True)
     hi = integer("--ngram-max", given.get("--ngram-max"), low=1, optional=True)

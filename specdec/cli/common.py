@@ -71,15 +71,16 @@ def device_name(text: str) -> str:
     return text
 
 
-def count_or_auto(flag: str, what: str):
-    """The argparse type of a flag taking a whole number of `what` or the word auto."""
+def count_or_auto(flag: str, what: str, words: tuple[str, ...] = ("auto",)):
+    """The argparse type of a flag taking a whole number of `what` or one of `words`."""
     def parse(text: str) -> int | str:
-        if text == "auto":
+        if text in words:
             return text
         try:
             return int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number of {what} or auto, not {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{flag} takes a number of {what} or {' or '.join(words)}, "
+                                             f"not {text!r}") from None
     return parse
 
 
@@ -105,12 +106,13 @@ DRAFT_OPTIONS = {  # each option a drafter takes (the registry's names: the fold
                              "models/parallel-draft)"),
     "heads": dict(help="MTP heads folder for --draft mtp, EAGLE head folder for --draft eagle or eagle-hybrid, "
                        "block head folder for --draft block (default: the shipped target's)"),
-    "draft_vocab": dict(type=count_or_auto("--draft-vocab", "token ids"), metavar="N",
+    "draft_vocab": dict(type=count_or_auto("--draft-vocab", "token ids", ("auto", "full")), metavar="N",
                         help="--draft mtp, eagle, block, draft-model or parallel: draft over the N token ids most "
                              "frequent in the drafter's training tokens (a cheaper unembedding; lossless; default: "
                              "the full vocabulary, an EAGLE head's own draft vocabulary); draft-model also auto: the "
                              "size the cost model picks (a GGUF draft counts the tokens of text on this machine "
-                             "once; a draft saved without counts keeps its full vocabulary)"),
+                             "once; a draft saved without counts keeps its full vocabulary), or full (a GGUF "
+                             "draft's default is auto, a checkpoint folder's full)"),
     "draft_quantize": dict(choices=("q4_0", "q4_1", "q8_0", "auto", "none"),
                            help="--draft draft-model or hybrid: store the draft model's matrices that read more "
                                 "bytes a weight than this format in it at load: fewer bytes read a draft token; "

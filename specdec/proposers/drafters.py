@@ -18,7 +18,7 @@ nothing about the command line, benchmarks or serving.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -65,12 +65,12 @@ class VocabOptions:
     counted_only: bool = False      # ... only where the drafter saved those counts (else its whole vocabulary)
 
     def __post_init__(self):
-        model = isinstance(self, DraftModelOptions)  # a draft model's may be "auto" (draft_model.chosen_vocab)
-        if not (self.draft_vocab is None or (model and self.draft_vocab == "auto")
+        model = isinstance(self, DraftModelOptions)  # a draft model's may be "auto" (draft_model.chosen_vocab) or "full"
+        if not (self.draft_vocab is None or (model and self.draft_vocab in ("auto", "full"))
                 or (type(self.draft_vocab) is int and self.draft_vocab > 0)):
-            raise SpecdecError(f"draft_vocab is a number of token ids >= 1{' or auto' if model else ''}, got "
-                               f"{self.draft_vocab!r}" + (" (auto, the cost model's size, is a draft model's)"
-                                                          if self.draft_vocab == "auto" else ""))
+            raise SpecdecError(f"draft_vocab is a number of token ids >= 1{', auto or full' if model else ''}, got "
+                               f"{self.draft_vocab!r}" + (f" ({self.draft_vocab} is a draft model's)"
+                                                          if self.draft_vocab in ("auto", "full") else ""))
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,9 @@ class TreeOptions(VocabOptions):
 @dataclass(frozen=True)
 class DraftModelOptions(TreeOptions):
     """A draft model of its own. Its draft_vocab may also be "auto": the size the cost model
-    favours (draft_model.chosen_vocab). draft_quantize: its matrices that read more bytes a weight
+    favours (draft_model.chosen_vocab), or "full"; None: auto for a GGUF draft (its counts made here
+    from local text, once), the full vocabulary for a checkpoint folder's (trained: its own counts are
+    there to ask for). draft_quantize: its matrices that read more bytes a weight
     than this quantized format would stored in it at load (lm/model.requantize): a draft's forward at
     batch 1 costs the bytes it reads, and what the draft proposes the target verifies. "auto": Q4_0
     for a GGUF draft run as stored (already quantized by its maker: its 5- to 8-bit matrices, a Q4_K_M
@@ -240,7 +242,9 @@ class DraftModel(Drafter):
         return DraftCheckpoint(model, folder, None, {}, gguf=True)
 
     def proposer(self, draft: DraftCheckpoint, target, options) -> Proposer:
-        if draft.gguf and options.draft_vocab is not None:  # a GGUF holds no counts: made here (once, cached)
+        if options.draft_vocab is None:  # a GGUF draft over the cost model's vocabulary by default
+            options = replace(options, draft_vocab="auto" if draft.gguf else "full")
+        if draft.gguf and options.draft_vocab != "full":  # a GGUF holds no counts: made here (once, cached)
             draft.token_counts = local_counts.counted_once(gguf.entry(draft.path), target.tokenizer.tok,
                                                            draft.model.config.vocab_size)
         quantize = options.draft_quantize
@@ -253,6 +257,8 @@ class DraftModel(Drafter):
         size = draft_vocab(options, draft.token_counts)
         if size == "auto":  # without counts the one size to choose is the whole vocabulary
             size = None if draft.token_counts is None else chosen_vocab(draft.model, target.model, draft.token_counts)
+        if size == "full":
+            size = None
         return DraftModelProposer(draft.model, size, draft.token_counts,
                                   tree="dynamic" if options.dynamic_tree else "static", stop_below=options.stop_below)
 

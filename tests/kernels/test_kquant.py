@@ -312,13 +312,14 @@ def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
     beside a target run as its bf16 conversion (asked for), the draft is that conversion too."""
     path, held = k_quant_file
     target = load(path)  # the default: as stored
-    proposer = load_drafter(target, "draft-model", path, DraftModelOptions(draft_quantize=None))
+    full = dict(draft_vocab="full")  # its formats are the subject here, not its draft vocabulary (test_gguf_blocks)
+    proposer = load_drafter(target, "draft-model", path, DraftModelOptions(draft_quantize=None, **full))
     assert {m.stored.format for m in proposer.model.modules() if isinstance(m, Linear)} == held
     prompts, rule, greedy = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=16), SamplingConfig()
     plain, _ = plain_generate(target.model, prompts, rule, greedy)
     rows, metrics = speculative_generate(target.model, proposer, prompts, rule, greedy, 3)
     assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.accepted == metrics.proposed > 0
-    fours = load_drafter(target, "draft-model", path).model
+    fours = load_drafter(target, "draft-model", path, DraftModelOptions(**full)).model
     q4_0 = blocks.BLOCK_FORMATS["q4_0"]
     stored = {name: m.stored for name, m in proposer.model.named_modules() if isinstance(m, Linear)}
     for name, m in fours.named_modules():
@@ -329,5 +330,5 @@ def test_a_gguf_draft_model_runs_as_stored_when_its_target_does(k_quant_file):
     rows, metrics = speculative_generate(target.model, DraftModelProposer(fours), prompts, rule, greedy, 3)
     assert [r.tokens for r in rows] == [r.tokens for r in plain] and metrics.proposed > 0
     unquantized = load(path, quantize="bf16")
-    draft = load_drafter(unquantized, "draft-model", path).model
+    draft = load_drafter(unquantized, "draft-model", path, DraftModelOptions(**full)).model
     assert {m.stored.format for m in draft.modules() if isinstance(m, Linear) and m.stored} <= {"bf16"}

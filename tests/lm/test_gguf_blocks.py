@@ -278,6 +278,13 @@ def test_a_gguf_draft_drafts_over_a_vocabulary_counted_here_exactly(written, dra
     unsure = build_drafter("draft-model", target, str(draft_file),
                            DraftModelOptions(draft_vocab=40, stop_below=0.9, **as_stored))
     assert torch.equal(unsure.draft_ids, ids)
+    from specdec.proposers.draft_model import chosen_vocab
+    by_default = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(**as_stored))
+    counts = local_counts.counted_once(gguf.entry(draft_file), target.tokenizer.tok, by_default.vocab_size)
+    size = chosen_vocab(by_default.model, target.model, counts)  # a GGUF draft's default: the cost model's size
+    assert size is not None and len(by_default.draft_ids) == size
+    full = build_drafter("draft-model", target, str(draft_file), DraftModelOptions(draft_vocab="full", **as_stored))
+    assert full.draft_ids is None
     prompts, rule = [[5, 9, 2, 5, 9], list(range(20, 37))], StopRule(max_new_tokens=24)
     for sampling in (SamplingConfig(), SamplingConfig(1.0, seed=3)):
         plain, _ = plain_generate(target.model, prompts, rule, sampling)
