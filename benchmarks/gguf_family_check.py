@@ -18,7 +18,8 @@ its tokens follow transformers', beside specdec's as-stored run (both round acti
 with one JSON line; exits 1 where the fp32 run's tokens differ other than at a near-tie, the ids differ,
 or speculation changes a token.
 
-    python benchmarks/gguf_family_check.py --model gemma-3-270m-q4_k_m.gguf [--llama-server LLAMA_BUILD/bin/llama-server]
+    python benchmarks/gguf_family_check.py --model gemma-3-270m-q4_k_m.gguf \
+        [--llama-server LLAMA_BUILD/bin/llama-server]
 """
 from __future__ import annotations
 

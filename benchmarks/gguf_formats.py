@@ -240,7 +240,8 @@ def measure(name: str, file: Path, bin_dir: Path | None, args: argparse.Namespac
            "not_as_stored": runs[0]["not_as_stored"], "stored_formats": runs[0]["stored_formats"],
            "prompt_tokens": runs[0]["prompt_tokens"]}
     row["rss_after_decoding_over_file"] = row["rss_after_decoding_bytes"] / size
-    row["read_bandwidth_GBps"], row["bytes_per_token"] = spread([b / 1e9 for b in bandwidth]), runs[0]["bytes_per_token"]
+    row["read_bandwidth_GBps"] = spread([b / 1e9 for b in bandwidth])
+    row["bytes_per_token"] = runs[0]["bytes_per_token"]
     for side, rates in (("specdec", ours), ("llama_bench", theirs)):
         if rates:
             row[f"{side}_GBps"] = statistics.median(rates) * row["bytes_per_token"] / 1e9
@@ -277,8 +278,8 @@ def table(rows: list[dict]) -> str:
         theirs, a = r["llama_bench_tokens_per_s"], r["top1_agreement"]
         machine = r["read_bandwidth_GBps"]["median"]
         rates = (f"{r['specdec_GBps']:.1f} ({r['specdec_share_of_bandwidth']:.0%}) / "
-                 + (f"{r['llama_bench_GBps']:.1f} ({r['llama_bench_share_of_bandwidth']:.0%})" if "llama_bench_GBps" in r
-                    else "-") + f" / {machine:.1f}")
+                 + (f"{r['llama_bench_GBps']:.1f} ({r['llama_bench_share_of_bandwidth']:.0%})"
+                    if "llama_bench_GBps" in r else "-") + f" / {machine:.1f}")
         lines.append(
             f"| {r['format']} | {r['file_bytes'] / MiB:.1f} | {r['specdec_tokens_per_s']['median']:.1f} | "
             + (f"{theirs['median']:.1f} | {r['specdec_over_llama_bench']:.2f}x" if isinstance(theirs, dict)

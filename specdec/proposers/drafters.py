@@ -65,7 +65,7 @@ class VocabOptions:
     counted_only: bool = False      # ... only where the drafter saved those counts (else its whole vocabulary)
 
     def __post_init__(self):
-        model = isinstance(self, DraftModelOptions)  # a draft model's may be "auto" (draft_model.chosen_vocab) or "full"
+        model = isinstance(self, DraftModelOptions)  # a draft model's may be "auto" (chosen_vocab) or "full"
         if not (self.draft_vocab is None or (model and self.draft_vocab in ("auto", "full"))
                 or (type(self.draft_vocab) is int and self.draft_vocab > 0)):
             raise SpecdecError(f"draft_vocab is a number of token ids >= 1{', auto or full' if model else ''}, got "
