@@ -29,6 +29,7 @@ from tqdm import tqdm
 from .. import kernels
 from ..errors import SpecdecError
 from ..lm.device import synchronize
+from ..lm.gguf_blocks import release_freed_memory
 from ..lm.interface import Admitted
 from .costmodel import VerifyCurve
 
@@ -93,6 +94,7 @@ def verify_curves(admitted: Admitted, batch_sizes: list[int], max_tokens: int, n
               file=sys.stderr) as bar:
         for batch in missing:
             curves[batch] = _measure_and_store(admitted, batch, points, repeats, bar.update)
+    release_freed_memory()  # the measuring forwards' activations: a server's idle memory is not their peak
     return curves, time.perf_counter() - t0
 
 
