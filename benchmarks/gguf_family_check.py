@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import torch
+from serve_head_to_head import llama_server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "Once upon a time, in a small village by the sea,", "Photosynthesis is the process by which"]
@@ -88,38 +86,12 @@ def greedy_transformers(model, ids: list[int], n: int) -> tuple[list[int], list[
     return tokens, gaps
 
 
-class LlamaServer:
-    """llama.cpp's server on the file (2 threads, one slot), for its greedy tokens from given prompt ids."""
-
-    def __init__(self, binary: str, model: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        argv = [binary, "-m", str(model), "--port", str(self.port), "-t", "2", "-np", "1", "-c", "2048"]
-        if "amx_tile" in Path("/proc/cpuinfo").read_text():  # its repacking path crashes on AMX hosts (SIGSEGV)
-            argv.append("--no-repack")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                raise SystemExit(f"llama-server did not start on {model.name} (status {self.proc.poll()})")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-
-    def greedy(self, ids: list[int], n: int) -> list[int]:
-        """Up to n greedy tokens after the prompt ids (fewer where it stops at an end-of-generation token)."""
-        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                "return_tokens": True}
-        return httpx.post(f"http://127.0.0.1:{self.port}/completion", json=body, timeout=300).json()["tokens"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+def llama_greedy(server, ids: list[int], n: int) -> list[int]:
+    """Up to n greedy tokens of llama-server (serve_head_to_head.Server) after the prompt ids (fewer where it
+    stops at an end-of-generation token)."""
+    body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+            "return_tokens": True}
+    return httpx.post(server.url + "/completion", json=body, timeout=300).json()["tokens"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, (mine, theirs) in differences.items():
         print(f"  config {key}: specdec {mine!r}, transformers {theirs!r}")
     rows, ok = [], True
-    llama = LlamaServer(args.llama_server, args.model) if args.llama_server else None
+    llama = None
+    if args.llama_server:  # one slot, 2 threads
+        llama = llama_server("llama-server", args.llama_server, str(args.model), [], 1, 2048, 2)
+        if not llama.wait():
+            raise SystemExit(f"llama-server did not start on {args.model.name}: {llama.error}")
     for text in TEXTS:
         ids, hf_ids = target.tokenizer.prefix + target.tokenizer.encode(text), hf_tok(text)["input_ids"]
         ok &= ids == hf_ids
@@ -183,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 "" if equal == args.tokens else f" (then top-2 gap {gaps[equal]:.2e}{', a near-tie' if tie else ''})")
                 + f": {target.tokenizer.decode(got)!r}")
         if llama is not None:
-            got = llama.greedy(ids, args.tokens)
+            got = llama_greedy(llama, ids, args.tokens)
             equal = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(got))
             row["llama.cpp"] = {"equal_prefix": equal, "tokens": len(got),
                                 "gap_at_divergence": None if equal == len(got) else gaps[equal]}
