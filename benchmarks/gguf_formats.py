@@ -149,7 +149,8 @@ def dequantized_model(file: Path, reader):
 def agreement(file: Path, threads: int, text: str, text_tokens: int) -> dict:
     """Top-1 agreement under teacher forcing over the text's first `text_tokens` tokens: specdec's model
     as stored against the file's dequantized model, one forward of the whole text each."""
-    from specdec.lm.gguf_blocks import load_as_stored, release_freed_memory
+    from specdec.lm.device import release_freed_memory
+    from specdec.lm.gguf_blocks import load_as_stored
 
     kernels.set_threads(threads)
     reader = gguf.open_file(file)

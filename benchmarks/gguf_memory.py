@@ -55,7 +55,8 @@ def main() -> None:
 
     from specdec import api, kernels  # first, as the command line imports it (before torch: specdec/openmp.py)
     from specdec.lm import gguf
-    from specdec.lm.gguf_blocks import load_as_stored, release_freed_memory
+    from specdec.lm.device import release_freed_memory
+    from specdec.lm.gguf_blocks import load_as_stored
     import torch
 
     kernels.compiled()

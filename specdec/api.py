@@ -45,9 +45,9 @@ from .decoding.sampling import SamplingConfig
 from .errors import SpecdecError
 from .lm import gguf, packaged
 from .lm.checkpoint import load_model, load_token_counts
-from .lm.device import default_dtype
+from .lm.device import default_dtype, release_freed_memory
 from .lm.device import resolve as resolve_device
-from .lm.gguf_blocks import AS_STORED, CONVERTED, gguf_model, release_freed_memory
+from .lm.gguf_blocks import AS_STORED, CONVERTED, gguf_model
 from .lm.interface import Admitted, admit
 from .lm.model import LlamaForCausalLM, stored_formats
 from .lm.tokenizer import Tokenizer

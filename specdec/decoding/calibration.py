@@ -28,8 +28,7 @@ from tqdm import tqdm
 
 from .. import kernels
 from ..errors import SpecdecError
-from ..lm.device import synchronize
-from ..lm.gguf_blocks import release_freed_memory
+from ..lm.device import release_freed_memory, synchronize
 from ..lm.interface import Admitted
 from .costmodel import VerifyCurve
 

@@ -4,6 +4,8 @@ matmuls in the compute dtype: bf16 on CUDA by default). Everything the engine, t
 sampler and the metrics create lives on the model's device (`placement`)."""
 from __future__ import annotations
 
+import ctypes
+import gc
 from pathlib import Path
 from typing import NamedTuple
 
@@ -103,3 +105,13 @@ def native_bf16() -> bool:
     run several times faster than fp32 ones (docs/evidence/behind-the-code.md)."""
     features = cpu_features()
     return isinstance(features, list) and bool({"amx_bf16", "avx512_bf16"} & set(features))
+
+
+def release_freed_memory() -> None:
+    """Give the system back the heap pages a phase freed (a load's slices of rows and the file's metadata,
+    a measurement's activations; collected first where they are held in reference cycles): glibc keeps
+    them otherwise, ~0.2 GB after Qwen2.5-Coder-1.5B's load. No trim where the C library is not glibc."""
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

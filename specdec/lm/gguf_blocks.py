@@ -29,8 +29,6 @@ about decoding.
 """
 from __future__ import annotations
 
-import ctypes
-import gc
 import re
 import warnings
 from pathlib import Path
@@ -43,6 +41,7 @@ from ..kernels import Matrix
 from ..kernels.blocks import BLOCK_FORMATS, from_gguf
 from .arch import resolve
 from .checkpoint import build_model
+from .device import release_freed_memory
 from .gguf import (RawTensor, check_types, check_weights, config_of, converted, dequantized, open_file,
                    raw_tensors)
 from .model import LlamaForCausalLM, place, store_matrices
@@ -155,16 +154,6 @@ def load_as_stored(path: str | Path, dtype: torch.dtype = torch.float32, device:
     reader.release()  # the model holds copies of everything it read (its blocks packed, the rest in fp32 or bf16)
     release_freed_memory()
     return model
-
-
-def release_freed_memory() -> None:
-    """Give the system back the heap pages the load freed (the packing's slices of rows, the file's
-    metadata, collected first where it is held in reference cycles): glibc keeps them otherwise, ~0.2 GB
-    after Qwen2.5-Coder-1.5B's load. No trim where the C library is not glibc."""
-    gc.collect()
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 def holder(name: str) -> str:

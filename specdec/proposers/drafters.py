@@ -35,7 +35,8 @@ from ..lm import gguf, local_counts, packaged
 from ..lm.arch import resolve
 from ..lm.checkpoint import (META, PARALLEL_KIND, build_model, load_model, load_token_counts, read_config,
                              read_meta)
-from ..lm.gguf_blocks import load_as_stored, release_freed_memory
+from ..lm.device import release_freed_memory
+from ..lm.gguf_blocks import load_as_stored
 from ..lm.model import Linear, LlamaForCausalLM, requantize, store_matrices, stored_formats
 from ..lm.tokenizer import Tokenizer
 from .block import BlockProposer
