@@ -4,7 +4,9 @@ Every configured server starts once (specdec plain and with a draft; llama-serve
 speculative types, where its build is given), each on its own port, and they stay up while only one
 at a time is driven. For each workload and concurrency c, every server in turn answers the same wave
 of requests from c streaming clients (each takes the next request when its last one ends); repeats
-interleave the servers, so a disturbance of the machine hits one repeat of each, not one server.
+interleave the servers (in turn, the order reversed every other wave), so a disturbance of the machine
+hits one repeat of each, not one server. The ratios the bars are about (drafting over plain, specdec over
+llama-server) are each the median of the waves' own ratios (`ratios`).
 
 Workloads: HumanEval completions (/v1/completions, greedy, trailing whitespace stripped so that no
 server heals a token) and chat (/v1/chat/completions, specdec's own everyday questions, temperature
@@ -282,9 +284,9 @@ def run(args) -> dict:
         for workload in args.workloads:
             for c in args.concurrency:
                 runs = {s.name: [] for s in up}
-                for _ in range(args.repeats):
-                    prompts = waves.next(workload)  # every server answers the same wave
-                    for s in up:
+                for repeat in range(args.repeats):
+                    prompts = waves.next(workload)  # every server answers the same wave, in turn
+                    for s in up if repeat % 2 == 0 else up[::-1]:  # first and last alternate (a drift evens out)
                         runs[s.name].append(asyncio.run(wave(s, workload, prompts, args.max_tokens, c,
                                                              args.prompt_cache)))
                 for s in up:
@@ -300,7 +302,7 @@ def run(args) -> dict:
         for s in up:
             s.stop()
     files = {"model": model, "draft_model": draft}
-    return {"cells": cells, "conditions": {
+    return {"cells": cells, "ratios": ratios(cells), "conditions": {
         "files": {k: v and {"path": Path(v).name, "bytes": Path(v).stat().st_size} for k, v in files.items()},
         "servers": {s.name: [Path(a).name if a in (model, draft, sys.executable, args.llama_server) else a for a in s.argv]
                     for s in servers},
@@ -314,6 +316,34 @@ def run(args) -> dict:
         "resident_bytes": {name: {"idle": idle[name], "peak": peak[name]} for name in idle},
         "client": "httpx streaming clients in this process, same machine; one server driven at a time",
         "hardware": hardware(), "software": software()}}
+
+
+def ratios(cells: list[dict]) -> list[dict]:
+    """Per workload and concurrency, the ratios the bars are about: specdec drafting over specdec plain,
+    and specdec's best over llama-server's best (best: the highest median). Each is the median over the
+    waves of one wave's ratio: both servers answered the same prompts, one right after the other, so
+    the host's drifts (its memory's speed moves within minutes) and the prompts' lengths cancel."""
+    def speed(cell: dict) -> float:
+        return cell["tokens_per_s"]
+
+    def paired(a: dict, b: dict) -> float:
+        return statistics.median(x / y for x, y in zip(a["repeats_tokens_per_s"], b["repeats_tokens_per_s"]))
+
+    rows = []
+    for workload, level in dict.fromkeys((c["workload"], c["concurrency"]) for c in cells):
+        here = [c for c in cells if (c["workload"], c["concurrency"]) == (workload, level)]
+        ours = [c for c in here if c["server"].startswith("specdec")]
+        peers = [c for c in here if c not in ours]
+        plain = [c for c in ours if c["server"] == "specdec plain"]
+        row = {"workload": workload, "concurrency": level}
+        for drafting in (c for c in ours if plain and c is not plain[0]):
+            row[f"{drafting['server']} / specdec plain"] = paired(drafting, plain[0])
+        if ours and peers:
+            best, peer = max(ours, key=speed), max(peers, key=speed)
+            row["specdec best / llama-server best"] = paired(best, peer)
+            row["best"] = [best["server"], peer["server"]]
+        rows.append(row)
+    return rows
 
 
 def table(result: dict) -> str:
@@ -333,6 +363,10 @@ def table(result: dict) -> str:
                            f"{c['tokens_per_s']:.1f} ({fmt(c['latency_p50_s'])}, {fmt(c['ttft_p50_s'])}, "
                            f"{c['failed_requests']})")
             lines.append(f"| {name} | " + " | ".join(row) + " |")
+        rows = sorted((r for r in result["ratios"] if r["workload"] == workload), key=lambda r: r["concurrency"])
+        for key in dict.fromkeys(k for r in rows for k in r if " / " in k):
+            lines.append(f"| {key}, median of the waves' ratios | "
+                         + " | ".join(f"{r[key]:.2f}x" if key in r else "–" for r in rows) + " |")
     return "\n".join(lines)
 
 

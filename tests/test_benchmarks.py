@@ -7,9 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -53,6 +56,24 @@ def test_the_serve_head_to_head_drives_specdecs_server_and_writes_its_figures(tm
     assert result["conditions"]["resident_bytes"]["specdec plain"]["peak"] > 0
     assert result["conditions"]["prompts"].startswith("fresh") and result["conditions"]["prompts"].endswith(": 0")
     assert (out / "head-to-head.png").stat().st_size > 0 and "| specdec plain |" in (out / "head-to-head.txt").read_text()
+
+
+def test_the_head_to_heads_ratios_pair_the_waves():
+    """Each ratio is the median of the waves' own ratios, not a ratio of medians: a wave the host slowed
+    for both servers moves neither. Wave speeds below: the host halved in wave 2 for everyone."""
+    h2h = module("serve_head_to_head.py")
+
+    def cell(server, speeds, level=4):
+        return {"server": server, "workload": "chat", "concurrency": level,
+                "tokens_per_s": statistics.median(speeds), "repeats_tokens_per_s": speeds}
+    cells = [cell("specdec plain", [80, 40, 90]), cell("specdec hybrid", [84, 44, 81]),
+             cell("llama-server plain", [30, 15, 31]), cell("llama-server ngram-mod", [33, 14, 32])]
+    [row] = h2h.ratios(cells)
+    assert row["specdec hybrid / specdec plain"] == pytest.approx(1.05)  # of 1.05, 1.1, 0.9 (medians: 81 / 80)
+    assert row["best"] == ["specdec hybrid", "llama-server ngram-mod"]
+    assert row["specdec best / llama-server best"] == pytest.approx(84 / 33)  # (medians: 81 / 32)
+    alone = h2h.ratios([cell("specdec plain", [80, 40, 90], 1)])
+    assert alone == [{"workload": "chat", "concurrency": 1}]
 
 
 def test_the_serve_soak_answers_everything_and_reports_memory(tmp_path):
