@@ -43,7 +43,7 @@ CHEAP = 0.03                          # a probe predicted to cost less than this
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
 LEARNED = ("draft_share", "draft_measured", "draft_clean", "overhead_seconds", "overhead_measured", "forward_scale",
-           "window", "probe_cost", "catch_up")
+           "window", "probe_cost", "catch_up", "catch_up_sums")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -108,7 +108,8 @@ class Adaptive:
         self.confirm: tuple[int, int] | None = None           # a probe's option, drafted again at once
         self.episode: float | None = None                     # seconds lost to plain decoding since the last probe
         self.probe_cost = np.zeros(2)                         # (running mean of a probe's loss in seconds, probes)
-        self.catch_up = np.zeros(2)                           # (running mean of seconds per unread token, switches)
+        self.catch_up = np.zeros(2)                           # (seconds per unread token, switches)
+        self.catch_up_sums = np.zeros(2)                      # (seconds, tokens) of the catch-ups, decayed
         self.catch_up_prior = reading * token_seconds(self.curves(1 << 30))  # before a switch measured it
         self.unread = np.zeros(rows)                          # per row: tokens the proposer has not read yet
         self.plain_run = 0                                    # plain steps since the last drafting step
@@ -364,7 +365,7 @@ class Adaptive:
             steps = horizon
         elif probing:
             s, d = self.probe(rates, probed, stretch)
-            if self.repays(probed[s, 1:].max(), plain, rows, min(horizon, budget)):
+            if self.repays(rates[s, 1:].max(), plain, rows, min(horizon, budget)):
                 self.probes += 1
             else:  # not even a plausible acceptance repays the probe's catch-up within the rows in hand's
                 s, d, steps = 0, 0, self.stretch  # budgets (a draft model reading every prompt of a large batch)
@@ -473,7 +474,7 @@ class Adaptive:
         unread = self.unread.sum()
         plain = self.plain_forward(rows)  # a plain step's forward at this batch: the draft's unit
         if not clean and self.draft_clean[d] and unread:  # catching up beyond the depth's price, per token
-            running_mean(self.catch_up, (draft_seconds - self.draft_share[d] * plain) / unread)
+            self.price_catch_up(draft_seconds - self.draft_share[d] * plain, unread)
         self.unread[:] = 0
         samples = self.draft_samples[d]
         if clean and not self.draft_clean[d]:
@@ -494,6 +495,16 @@ class Adaptive:
         self.scale_forwards(1, forward_seconds / float(self.curve_at(rows, width)))
         other = step_seconds - forward_seconds - draft_seconds
         self.running_overhead(d, other)
+
+    def price_catch_up(self, seconds: float, tokens: float) -> None:
+        """A catch-up on `tokens` took `seconds` beyond its depth's price: the price a token is the catch-ups'
+        seconds over their tokens, older ones fading by 1 - SMOOTHING each, so a large catch-up weighs by its
+        tokens. (A running mean of each one's seconds per token let the many small catch-ups of a client's
+        plain stretches, a few tokens in one forward, price the large ones: at 4 clients of the Qwen2.5-Coder
+        pair the 0.5B read 500 prompt tokens at 1.8 ms each, priced at 0.7, and its probes cost 5-13% of
+        plain serving; docs/methods/auto.md.)"""
+        self.catch_up_sums = (1 - SMOOTHING) * self.catch_up_sums + (seconds, tokens)
+        self.catch_up[:] = (self.catch_up_sums[0] / self.catch_up_sums[1], self.catch_up[1] + 1)
 
     def count(self, s: int, limits: np.ndarray, accepted: np.ndarray) -> None:
         """Shape s's decayed counts after a step that allowed each row limits[b] levels (B, 1), of

@@ -615,13 +615,16 @@ def test_drafting_on_thin_evidence_after_a_plain_stretch_backs_off_like_a_probe(
     assert controller.choose()[0] == 1 and controller.stretch == 2 * PROBE_EVERY
 
 
-def test_probes_wait_until_their_catch_up_is_a_small_share_of_the_stretch():
+def test_probes_wait_until_their_catch_up_is_a_small_share_of_the_stretch_and_the_estimate_repays_it():
     """A probe after a plain stretch pays the drafter's catch-up on what it has not read: the prompts
     (a run's first probe) and the stretch (EAGLE's layer over 8 rows of SmolLM2: 30 µs a token). At
     batch 8 on a curve where a token more costs half a forward, with drafts rejected, probes every
     16, 32, 64 ... steps cost 0.92-0.95x in 64-token runs, and one after 32 steps in every later run
-    (its prompts' catch-up, about two plain steps). Now a probe waits until its catch-up, priced per
-    token not read, is at most CHEAP of the stretch before it, in this run and the next."""
+    (its prompts' catch-up, about two plain steps). A probe waits until its catch-up, priced per
+    token not read, is at most CHEAP of the stretch before it, in this run and the next; and once the
+    catch-up is measured, a probe is made only where the estimated acceptance repays it (the plausible
+    upper bound had every probe at 4 clients of the Qwen2.5-Coder pair pay for its 0.5B reading 500
+    prompt tokens: hybrid serving 0.90x plain): with every draft rejected, none after the first."""
     curve = VerifyCurve({n: 1e-3 * (1 + 0.5 * (n - 1)) for n in range(1, 20)})
     per_token = 2.5e-6  # a catch-up of 20 µs a plain step: 1.9% of it
 
@@ -644,13 +647,26 @@ def test_probes_wait_until_their_catch_up_is_a_small_share_of_the_stretch():
         return controller, probes
 
     first, probes = run(1000, NgramProposer())
-    assert len(probes) >= 3 and first.catch_up[0] == pytest.approx(per_token)
-    for cost, stretch in probes[1:]:  # once a catch-up was measured
-        assert cost <= CHEAP * stretch * 1.05e-3
+    assert first.catch_up[0] == pytest.approx(per_token)
+    [(cost, stretch)] = probes  # the one probe, after its catch-up became CHEAP of the stretch
+    assert cost <= CHEAP * stretch * 1.05e-3
     proposer = NgramProposer()
     run(64, proposer)
     second, _ = run(64, proposer)  # the next 64-step run: its prompts' catch-up alone (2 ms) is CHEAP of 63 plain steps
     assert drafting_steps(second) == 0
+
+
+def test_a_catch_up_is_priced_by_its_tokens():
+    """The price of a token not read is the catch-ups' seconds over their tokens (older ones fading): a
+    large catch-up weighs by its tokens. Priced as a running mean of each one's seconds per token, a
+    client's small catch-ups (a few tokens in one forward, about a depth's own price: no excess) priced
+    the 0.5B reading 500 prompt tokens at 4 clients at 0.7 ms a token, not the 1.8 it took."""
+    controller = Adaptive(curve(0.5), 4, {"chain": (1,)})
+    for _ in range(5):
+        controller.price_catch_up(-1e-4, 3)  # a few tokens, a little under the depth's own price
+    controller.price_catch_up(0.9, 500)      # the prompts of four rows that joined: 1.8 ms a token
+    assert controller.catch_up_seconds() == pytest.approx(1.8e-3, rel=0.05)
+    assert controller.catch_up[1] == 6
 
 
 def test_drafting_resumes_only_where_it_repays_the_catch_up_on_what_the_drafter_has_not_read():
