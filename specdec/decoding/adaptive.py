@@ -367,8 +367,8 @@ class Adaptive:
             s, d = self.probe(rates, probed, stretch)
             if self.repays(rates[s, 1:].max(), plain, rows, min(horizon, budget)):
                 self.probes += 1
-            else:  # not even a plausible acceptance repays the probe's catch-up within the rows in hand's
-                s, d, steps = 0, 0, self.stretch  # budgets (a draft model reading every prompt of a large batch)
+            else:  # the estimated acceptance does not repay the probe's catch-up within the rows in hand's budgets
+                s, d, steps = 0, 0, self.stretch  # (a draft model reading the prompts of the rows that joined)
             if self.plain_run:
                 self.stretch = min(2 * self.stretch, cap)
         elif self.draft_measured[d] and lower[s, d] >= plain:
