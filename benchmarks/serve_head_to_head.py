@@ -9,14 +9,16 @@ hits one repeat of each, not one server. The ratios the bars are about (drafting
 llama-server) are each the median of the waves' own ratios (`ratios`).
 
 Workloads: HumanEval completions (/v1/completions, greedy, trailing whitespace stripped so that no
-server heals a token) and chat (/v1/chat/completions, specdec's own everyday questions, temperature
-0.8 with a seed per request). Per cell: aggregate completion tokens/s over the wave (tokens as each
-server counts them in `usage`), p50/p95 request latency and time to first token, failed requests,
-the servers' resident memory idle and at peak. Conditions: the files, each server's command line,
-any server that failed to start and why, the CPU. By default every wave repeats the same prompts and no
-server keeps a prompt's cache for a later request (--prompt-cache keeps them: a repeated prompt is then not
-prefilled again, and the figures say more about the caches than about decoding); --fresh-prompts gives each
-wave prompts no server has answered (a drafter's memory of earlier answers cannot copy them).
+server heals a token) and chat (/v1/chat/completions, specdec's own everyday questions, temperature 0.8
+with a seed per request). Per cell: aggregate completion tokens/s over the wave (tokens as each server
+counts them in `usage`), p50/p95 request latency and time to first token, failed requests, the servers'
+resident memory idle and at peak; for specdec's servers, each wave's engine counters (target forwards,
+drafts proposed and accepted: a drafting server that drafted nothing served plainly). Conditions: the
+files, each server's command line, any server that failed to start and why, the CPU. By default every
+wave repeats the same prompts and no server keeps a prompt's cache for a later request (--prompt-cache
+keeps them: a repeated prompt is then not prefilled again, and the figures say more about the caches
+than about decoding); --fresh-prompts gives each wave prompts no server has answered (a drafter's memory
+of earlier answers cannot copy them).
 
     python benchmarks/serve_head_to_head.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
         --llama-server LLAMA_BUILD/bin/llama-server --out docs/evidence/serve-head-to-head [-- --draft-vocab auto]
@@ -214,12 +216,28 @@ async def wave(server: Server, workload: str, prompts: list[str], max_tokens: in
     async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=30),
                                  limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
                                  ) as client:
+        before = await engine_counters(client, server)
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
         seconds = time.perf_counter() - start
+        after = await engine_counters(client, server)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failures": failures,
+            "engine": {name: after[name] - before[name] for name in after},
             "latency_p50_s": percentile(latency, 50), "latency_p95_s": percentile(latency, 95),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95)}
+
+
+ENGINE_COUNTERS = ("specdec_steps_total", "specdec_proposed_tokens_total", "specdec_accepted_tokens_total")
+
+
+async def engine_counters(client: httpx.AsyncClient, server: Server) -> dict[str, float]:
+    """specdec's engine counters from its /metrics (target forwards, drafts proposed and accepted), so a
+    wave says whether its server drafted at all; {} for a peer."""
+    if not server.name.startswith("specdec"):
+        return {}
+    text = (await client.get(server.url + "/metrics")).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+            if line.split(" ", 1)[0] in ENGINE_COUNTERS}
 
 
 def percentile(values: list[float], q: float) -> float | None:

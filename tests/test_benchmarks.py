@@ -53,6 +53,9 @@ def test_the_serve_head_to_head_drives_specdecs_server_and_writes_its_figures(tm
     cells = result["cells"]
     assert [(c["server"], c["concurrency"]) for c in cells] == [("specdec plain", 1), ("specdec plain", 3)]
     assert all(c["tokens"] == 3 * 8 and c["failed_requests"] == 0 and c["ttft_p50_s"] > 0 for c in cells)
+    # each wave's engine counters: plain decoding's forwards (at least one per token of the longest row), no drafts
+    assert all(c["engine"]["specdec_steps_total"] >= 8 and c["engine"]["specdec_proposed_tokens_total"] == 0
+               for c in cells)
     assert result["conditions"]["resident_bytes"]["specdec plain"]["peak"] > 0
     assert result["conditions"]["prompts"].startswith("fresh") and result["conditions"]["prompts"].endswith(": 0")
     assert (out / "head-to-head.png").stat().st_size > 0 and "| specdec plain |" in (out / "head-to-head.txt").read_text()
