@@ -109,9 +109,18 @@ def native_bf16() -> bool:
 
 def release_freed_memory() -> None:
     """Give the system back the heap pages a phase freed (a load's slices of rows and the file's metadata,
-    a measurement's activations; collected first where they are held in reference cycles): glibc keeps
-    them otherwise, ~0.2 GB after Qwen2.5-Coder-1.5B's load. No trim where the C library is not glibc."""
+    a measurement's activations), collected first where they are held in reference cycles (`trim_heap`):
+    glibc keeps them otherwise, ~0.2 GB after Qwen2.5-Coder-1.5B's load."""
     gc.collect()
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Give the C allocator's free memory back to the system (glibc's malloc_trim; elsewhere nothing):
+    what is freed goes into its arenas, which otherwise keep it resident."""
+    trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+_LIBC = ctypes.CDLL(None)

@@ -29,7 +29,6 @@ with a final event whose finish_reason is "shutdown" (the handler turns it into 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import threading
 import time
 from collections import deque
@@ -41,6 +40,7 @@ from ..api import Loaded
 from ..decoding.engine import Engine, Request
 from ..decoding import pipeline
 from ..errors import SpecdecError
+from ..lm.device import trim_heap
 from ..lm.kv_cache import BLOCK
 from .prometheus import Metrics
 from .requests import Params
@@ -206,7 +206,7 @@ class Service:
                 self.engine.step()
                 self._hand_over()
                 if not self.engine.busy:  # the last row has left: what the step loop freed goes back too
-                    trim_heap()
+                    trim_heap()  # the trim alone: a collection's pause would fall on the next request
         except Exception as e:  # the engine is broken: say so to every waiting handler and to /health
             self.failure = f"{type(e).__name__}: {e}"
             for request in [*self.engine.requests, *self.engine.waiting]:
@@ -264,17 +264,6 @@ class Service:
     @property
     def queue_length(self) -> int:
         return len(self.intake) + len(self.engine.waiting)
-
-
-def trim_heap() -> None:
-    """Give the C allocator's free memory back to the system (glibc's malloc_trim; elsewhere nothing):
-    a batch's activations are freed into its arenas, which otherwise keep them resident."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-_LIBC = ctypes.CDLL(None)
 
 
 def _deliver(batch: list[tuple[Job, Event]]) -> None:
