@@ -43,7 +43,7 @@ CHEAP = 0.03                          # a probe predicted to cost less than this
 PLAUSIBLE = 1.64                      # how many standard errors above its estimate a q may plausibly lie (5%)
 
 LEARNED = ("draft_share", "draft_measured", "draft_clean", "overhead_seconds", "overhead_measured", "forward_scale",
-           "window", "probe_cost", "catch_up", "catch_up_sums")
+           "window", "probe_cost", "catch_ups")
 
 # proposer -> {(target id, batch size, shapes): what its last run learned}
 _MEMORY: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -108,8 +108,7 @@ class Adaptive:
         self.confirm: tuple[int, int] | None = None           # a probe's option, drafted again at once
         self.episode: float | None = None                     # seconds lost to plain decoding since the last probe
         self.probe_cost = np.zeros(2)                         # (running mean of a probe's loss in seconds, probes)
-        self.catch_up = np.zeros(2)                           # (seconds per unread token, switches)
-        self.catch_up_sums = np.zeros(2)                      # (seconds, tokens) of the catch-ups, decayed
+        self.catch_ups = np.zeros(3)  # the measured catch-ups' (seconds, tokens), decayed, and how many (`catch_up`)
         self.catch_up_prior = reading * token_seconds(self.curves(1 << 30))  # before a switch measured it
         self.unread = np.zeros(rows)                          # per row: tokens the proposer has not read yet
         self.plain_run = 0                                    # plain steps since the last drafting step
@@ -395,7 +394,7 @@ class Adaptive:
         `reading` times the target's seconds a token where its forward is bound by compute (`token_seconds`):
         a few tokens read at one row cost about what one does (the weights are read once), hundreds over
         eight rows cost each its arithmetic, which a price measured on the few does not show."""
-        return float(max(self.catch_up[0] if self.catch_up[1] else 0.0, self.catch_up_prior))
+        return float(max(self.catch_up[0], self.catch_up_prior))
 
     def priced(self) -> bool:
         """Whether every measured depth that could pay (`could_pay`) has its price from at least two
@@ -503,8 +502,14 @@ class Adaptive:
         plain stretches, a few tokens in one forward, price the large ones: at 4 clients of the Qwen2.5-Coder
         pair the 0.5B read 500 prompt tokens at 1.8 ms each, priced at 0.7, and its probes cost 5-13% of
         plain serving; docs/methods/auto.md.)"""
-        self.catch_up_sums = (1 - SMOOTHING) * self.catch_up_sums + (seconds, tokens)
-        self.catch_up[:] = (self.catch_up_sums[0] / self.catch_up_sums[1], self.catch_up[1] + 1)
+        self.catch_ups = np.array([*(1 - SMOOTHING) * self.catch_ups[:2] + (seconds, tokens), self.catch_ups[2] + 1])
+
+    @property
+    def catch_up(self) -> tuple[float, int]:
+        """(seconds per token not read, catch-ups measured): the measured catch-ups' seconds over their
+        tokens (`price_catch_up`); (0, 0) before any."""
+        seconds, tokens, measured = self.catch_ups
+        return (seconds / tokens if measured else 0.0), int(measured)
 
     def count(self, s: int, limits: np.ndarray, accepted: np.ndarray) -> None:
         """Shape s's decayed counts after a step that allowed each row limits[b] levels (B, 1), of

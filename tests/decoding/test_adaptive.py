@@ -794,7 +794,7 @@ def test_an_open_batch_pays_a_catch_up_only_where_the_rows_in_hand_repay_it():
     def first_depth(budget: float) -> int:
         controller = Adaptive(FLAT, 0, {"chain": (1,) * 4})
         controller.join(joining(8, prompt=500))
-        controller.catch_up[:] = (1e-4, 1)  # 0.1 ms a token: 0.4 s for the prompts
+        controller.price_catch_up(1e-4, 1)  # 0.1 ms a token: 0.4 s for the prompts
         return controller.choose(math.inf, budget)[0]
 
     assert first_depth(math.inf) > 0  # unbounded rows would repay anything
