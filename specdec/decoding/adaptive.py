@@ -187,6 +187,7 @@ class Adaptive:
         rows = len(joining.prompts)
         self.held = 0  # a choice held for the batch before is weighed again for this one
         self.joined = True  # the next drafting step reads their prompts: a catch-up, not a draft's price
+        self.confirm = None  # so it would not price the draft alone either: whether it repays is weighed
         self.unread = np.concatenate([self.unread, np.asarray([len(p) for p in joining.prompts], dtype=float)])
         accepted, offered = self.prior()
         self.accepted = np.concatenate([self.accepted, np.repeat(accepted[:, None], rows, 1)], 1)

@@ -802,6 +802,24 @@ def test_an_open_batch_pays_a_catch_up_only_where_the_rows_in_hand_repay_it():
     assert first_depth(100_000) > 0
 
 
+def test_rows_that_join_drop_a_pending_confirmation():
+    """A draft priced only with a catch-up is drafted again at once to price it alone (`confirm`), but
+    not once rows have joined: their prompts make that step a catch-up again, so whether it repays is
+    weighed like any other choice. (Served, the Qwen2.5-Coder pair's hybrid probed at one chat client,
+    seven clients joined, and the confirming step read their 261 prompt tokens at 8 rows: 0.6 s, about
+    ten plain steps.)"""
+    one = VerifyCurve({n: 40e-3 * (1 + 0.05 * (n - 1)) for n in range(1, 20)}, 1)    # a token's forward at one row
+    eight = VerifyCurve({n: 60e-3 * (1 + 0.6 * (n - 1)) for n in range(1, 20)}, 8)  # nearly compute-bound at 8
+    controller = Adaptive({1: one, 8: eight}, 0, {"chain": (1,)})
+    controller.join(joining(1, prompt=36))
+    controller.price_catch_up(0.9, 500)  # 1.8 ms a token
+    assert controller.choose(math.inf, 96)[0] == 1  # the prior repays a 36-token catch-up at one row
+    controller.observe([1], [1], 2, 1e-3 + 36 * 1.8e-3, 42e-3 + 1e-3 + 36 * 1.8e-3, 42e-3)
+    assert controller.confirm == (0, 1)
+    controller.join(joining(7, prompt=100))
+    assert controller.choose(math.inf, 96)[0] == 0  # 700 tokens to read at 8 rows: 1.3 s, more than it saves
+
+
 def test_a_drafts_price_is_a_share_of_a_plain_step_at_the_batch_in_hand():
     """A draft model's forward grows with the batch as the target's does, so what a level cost is kept
     as a share of a plain step's forward at its batch. Drafting priced at one row (a level at half a
