@@ -247,9 +247,10 @@ class Engine:
         """This step's depth and shape, the schedule's choice (a depth of 0 starts a stretch of plain steps)."""
         if self.plain_left:
             return 0, ()
-        budget = max(r.row.budget for r in self.requests)  # the rows in hand end within it, and so does
-        self.schedule.read(self.drafting.unread())         # a closed batch with nobody waiting
-        depth, shape, stretch = self.schedule.choose(budget if self.closed and not self.waiting else math.inf, budget)
+        budgets = [r.row.budget for r in self.requests]  # the rows in hand end within the largest, and so
+        self.schedule.read(self.drafting.unread())        # does a closed batch with nobody waiting
+        depth, shape, stretch = self.schedule.choose(max(budgets) if self.closed and not self.waiting else math.inf,
+                                                     sum(budgets))
         if depth == 0:
             self.plain_left = stretch
         return depth, shape

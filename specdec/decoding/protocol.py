@@ -220,9 +220,9 @@ class Schedule(RowState, Protocol):
     def read(self, unread: list[int] | None) -> None:
         """Per row, what the proposer has not read yet (Drafting.unread), before `choose`."""
 
-    def choose(self, horizon: float, budget: float) -> tuple[int, tuple[int, ...], int | float]:
+    def choose(self, horizon: float, tokens: float) -> tuple[int, tuple[int, ...], int | float]:
         """(depth, widths per depth, steps); horizon: the most steps the batch may still run (math.inf
-        while rows may come); budget: the most steps the rows in hand may still run."""
+        while rows may come); tokens: the most tokens the rows in hand may still emit."""
 
     def observe(self, limits: list[int], accepted: list[int], width: int, draft_seconds: float,
                 step_seconds: float, forward_seconds: float, chain: list[int] | None = None) -> None:
@@ -244,7 +244,7 @@ class Fixed:
     def depth(self) -> int:
         return len(self.widths)
 
-    def choose(self, horizon: float, budget: float) -> tuple[int, tuple[int, ...], int | float]:
+    def choose(self, horizon: float, tokens: float) -> tuple[int, tuple[int, ...], int | float]:
         return self.depth, self.widths, 1 if self.depth else math.inf
 
     def join(self, joining: Joining) -> None: ...

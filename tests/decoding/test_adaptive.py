@@ -795,19 +795,37 @@ def test_an_open_batch_pays_a_catch_up_only_where_the_rows_in_hand_repay_it():
         controller = Adaptive(FLAT, 0, {"chain": (1,) * 4})
         controller.join(joining(8, prompt=500))
         controller.price_catch_up(1e-4, 1)  # 0.1 ms a token: 0.4 s for the prompts
-        return controller.choose(math.inf, budget)[0]
+        return controller.choose(math.inf, 8 * budget)[0]  # the tokens 8 rows may still emit
 
     assert first_depth(math.inf) > 0  # unbounded rows would repay anything
     assert first_depth(4) == 0        # four steps left cannot repay 0.4 s
     assert first_depth(100_000) > 0
 
 
+def test_a_catch_up_is_repaid_by_the_tokens_the_rows_may_still_emit():
+    """Two rows joined, one with 50 tokens of its budget left and one with 2: a catch-up on their
+    prompts worth what drafting saves over 75 tokens is repaid where they may still emit 100 tokens,
+    but not by the 52 they may (counted as the rows times the largest budget, they were 100: at 4
+    HumanEval clients of the Qwen2.5-Coder pair, catch-ups of 350 tokens, 0.4-0.7 s, were repaid on
+    paper by two rows where one was about to end)."""
+    def first_depth(tokens: float) -> int:
+        controller = Adaptive(FLAT, 0, {"chain": (1,) * 4})
+        controller.join(joining(2, prompt=100))
+        rates = controller.rates()
+        saved = 1 / rates[0, 0] - 1 / rates.max()  # seconds a token drafting saves
+        controller.price_catch_up(75 * saved, 200)  # reading the 200 prompt tokens costs 75 tokens' savings
+        return controller.choose(math.inf, tokens)[0]
+
+    assert first_depth(50 + 50) > 0
+    assert first_depth(50 + 2) == 0
+
+
 def test_rows_that_join_drop_a_pending_confirmation():
     """A draft priced only with a catch-up is drafted again at once to price it alone (`confirm`), but
     not once rows have joined: their prompts make that step a catch-up again, so whether it repays is
-    weighed like any other choice. (Served, the Qwen2.5-Coder pair's hybrid probed at one chat client,
-    seven clients joined, and the confirming step read their 261 prompt tokens at 8 rows: 0.6 s, about
-    ten plain steps.)"""
+    weighed like any other choice. (Served, the Qwen2.5-Coder pair's hybrid probed while a chat wave's
+    first client was alone for a step, the other seven joined, and the confirming step read their 261
+    prompt tokens at 8 rows: 0.6 s, about ten plain steps.)"""
     one = VerifyCurve({n: 40e-3 * (1 + 0.05 * (n - 1)) for n in range(1, 20)}, 1)    # a token's forward at one row
     eight = VerifyCurve({n: 60e-3 * (1 + 0.6 * (n - 1)) for n in range(1, 20)}, 8)  # nearly compute-bound at 8
     controller = Adaptive({1: one, 8: eight}, 0, {"chain": (1,)})
@@ -817,7 +835,7 @@ def test_rows_that_join_drop_a_pending_confirmation():
     controller.observe([1], [1], 2, 1e-3 + 36 * 1.8e-3, 42e-3 + 1e-3 + 36 * 1.8e-3, 42e-3)
     assert controller.confirm == (0, 1)
     controller.join(joining(7, prompt=100))
-    assert controller.choose(math.inf, 96)[0] == 0  # 700 tokens to read at 8 rows: 1.3 s, more than it saves
+    assert controller.choose(math.inf, 8 * 96)[0] == 0  # 700 tokens to read at 8 rows: 1.3 s, more than it saves
 
 
 def test_a_drafts_price_is_a_share_of_a_plain_step_at_the_batch_in_hand():
