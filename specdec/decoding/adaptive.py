@@ -384,9 +384,9 @@ class Adaptive:
         repays the proposer's catch-up on the tokens it has not read (`unread`: the prompts of rows that
         joined, the steps of a plain stretch) at `catch_up` seconds a token: drafting must save more than
         that over the `tokens` the rows may still emit (the sum of their budgets: the rows times the
-        largest overcounts a row near its end, and at 4 HumanEval clients of the pair catch-ups of 350
-        tokens, 0.4-0.7 s, were repaid by 2 rows x 50 tokens; not so for the last few steps of a batch
-        whose rows thin out near its end)."""
+        largest overcounts a row near its end: at 4 HumanEval clients of the pair, catch-ups of 225-351
+        tokens, 0.3-0.7 s, were judged repaid by 2 rows x 50 tokens; not so for the last few steps of a
+        batch whose rows thin out near its end)."""
         cost = self.catch_up_seconds() * self.unread.sum()
         if cost <= CHEAP * self.plain_seconds(rows):  # lookup's, or none pending while drafting goes on
             return True

@@ -806,8 +806,8 @@ def test_a_catch_up_is_repaid_by_the_tokens_the_rows_may_still_emit():
     """Two rows joined, one with 50 tokens of its budget left and one with 2: a catch-up on their
     prompts worth what drafting saves over 75 tokens is repaid where they may still emit 100 tokens,
     but not by the 52 they may (counted as the rows times the largest budget, they were 100: at 4
-    HumanEval clients of the Qwen2.5-Coder pair, catch-ups of 350 tokens, 0.4-0.7 s, were repaid on
-    paper by two rows where one was about to end)."""
+    HumanEval clients of the Qwen2.5-Coder pair, catch-ups of 225-351 tokens, 0.3-0.7 s, were judged
+    repaid by 2 rows x 50 tokens)."""
     def first_depth(tokens: float) -> int:
         controller = Adaptive(FLAT, 0, {"chain": (1,) * 4})
         controller.join(joining(2, prompt=100))
