@@ -383,10 +383,10 @@ class Adaptive:
         """Whether drafting at `rate` tokens per second (plain decoding's: `plain`) over `rows` rows now
         repays the proposer's catch-up on the tokens it has not read (`unread`: the prompts of rows that
         joined, the steps of a plain stretch) at `catch_up` seconds a token: drafting must save more than
-        that over the `tokens` the rows may still emit (the sum of their budgets: the rows times the
-        largest overcounts a row near its end: at 4 HumanEval clients of the pair, catch-ups of 225-351
-        tokens, 0.3-0.7 s, were judged repaid by 2 rows x 50 tokens; not so for the last few steps of a
-        batch whose rows thin out near its end)."""
+        that over the `tokens` the rows may still emit, so not in the last few steps of a batch whose rows
+        thin out near its end. Those tokens are the sum of the rows' budgets: the rows times the largest
+        overcounts a row near its end (at 4 HumanEval clients of the pair, catch-ups of 225-351 tokens,
+        0.3-0.7 s, were judged repaid by 2 rows x 50 tokens)."""
         cost = self.catch_up_seconds() * self.unread.sum()
         if cost <= CHEAP * self.plain_seconds(rows):  # lookup's, or none pending while drafting goes on
             return True
